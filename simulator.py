@@ -82,7 +82,8 @@ def resolve_model(name):
     return target
 
 
-def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=None, trust_remote_code=False):
+def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=None, max_memory=None,
+               trust_remote_code=False):
     """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -101,6 +102,8 @@ def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=No
         kwargs["device_map"] = device_map or {"": device}
     elif device_map is not None:
         kwargs["device_map"] = device_map
+        if max_memory:
+            kwargs["max_memory"] = max_memory
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if "device_map" not in kwargs:
         model.to(device)
@@ -652,7 +655,7 @@ def clean_user_text(text):
 
 
 def make_backend(simulator, policy=None, tokenizer=None, api_model="default", api_key_env="OPENAI_API_KEY",
-                 device="cpu", micro_batch_size=16, device_map=None, trust_remote_code=False):
+                 device="cpu", micro_batch_size=16, device_map=None, max_memory=None, trust_remote_code=False):
     """--simulator same | rules | http(s)://host:port/v1 | a model id or path for transformers."""
     if simulator == "rules":
         return RulesBackend()
@@ -662,7 +665,8 @@ def make_backend(simulator, policy=None, tokenizer=None, api_model="default", ap
         return LocalBackend(policy, tokenizer, use_base=True, micro_batch_size=micro_batch_size)
     if simulator.startswith(("http://", "https://")):
         return OpenAIBackend(simulator, model=api_model, api_key_env=api_key_env)
-    model, tok = load_model(simulator, device=device, device_map=device_map, trust_remote_code=trust_remote_code)
+    model, tok = load_model(simulator, device=device, device_map=device_map, max_memory=max_memory,
+                            trust_remote_code=trust_remote_code)
     model.requires_grad_(False)
     return LocalBackend(model, tok, micro_batch_size=micro_batch_size)
 

@@ -432,6 +432,7 @@ def main(argv=None):
         accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         print(f"done: {args.out} (adapter: {latest_checkpoint(args.out)}/default)")
+    return model, value_head  # for tests and notebooks
 
 
 def _save(args, iteration, model, value_head, optimizer, scheduler, accelerator):

@@ -1,0 +1,239 @@
+"""ppo.py: the math against plain loops and hand computation, then the script end to end."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ppo
+from conftest import ROOT
+
+
+# ----------------------------------------------------------------------------------------------
+# GAE
+# ----------------------------------------------------------------------------------------------
+def reference_gae(rewards, values, mask, gamma, lam):
+    """The textbook loop, run on each dialogue's agent tokens only (user tokens cut out)."""
+    adv = torch.zeros_like(rewards)
+    for b in range(rewards.shape[0]):
+        steps = [t for t in range(rewards.shape[1]) if mask[b, t] > 0]
+        last = 0.0
+        for i in reversed(range(len(steps))):
+            t = steps[i]
+            next_v = values[b, steps[i + 1]] if i + 1 < len(steps) else 0.0
+            delta = rewards[b, t] + gamma * next_v - values[b, t]
+            last = delta + gamma * lam * last
+            adv[b, t] = last
+    return adv
+
+
+def random_dialogue_batch(seed=0, B=4, T=30):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(B, T)
+    for b in range(B):  # agent turns separated by user/template stretches, ragged ends
+        t = int(torch.randint(1, 4, (1,), generator=g))
+        end = T - int(torch.randint(0, 5, (1,), generator=g))
+        while t < end:
+            n = int(torch.randint(2, 6, (1,), generator=g))
+            mask[b, t:min(t + n, end)] = 1
+            t += n + int(torch.randint(2, 5, (1,), generator=g))
+    rewards = torch.randn(B, T, generator=g) * mask
+    values = torch.randn(B, T, generator=g) * mask
+    return rewards, values, mask
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.5)])
+def test_gae_matches_reference_loop_and_skips_user_tokens(gamma, lam):
+    rewards, values, mask = random_dialogue_batch(seed=int(gamma * 100 + lam * 10))
+    adv, ret = ppo.compute_gae(rewards, values, mask, gamma, lam)
+    expected = reference_gae(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(adv, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret, (expected + values) * mask, atol=1e-5, rtol=1e-5)
+    assert (adv[mask == 0] == 0).all()
+
+
+def test_gae_with_gamma_lambda_one_is_return_minus_value():
+    rewards, values, mask = random_dialogue_batch(seed=7)
+    adv, _ = ppo.compute_gae(rewards, values, mask, 1.0, 1.0)
+    # A_t = R_t - V_t with R_t = sum of rewards at or after t (reward-to-go)
+    to_go = torch.flip(torch.cumsum(torch.flip(rewards, [1]), 1), [1])
+    torch.testing.assert_close(adv, (to_go - values) * mask, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards
+# ----------------------------------------------------------------------------------------------
+def fake_record(turn_ends, changes, final, violations=()):
+    turns = []
+    for i in range(len(turn_ends)):
+        turns += [{"role": "user", "text": "u"}, {"role": "agent", "text": "a",
+                                                  "violation": "no_think" if i in violations else None}]
+    return {"turn_ends": turn_ends, "changes": changes, "final_emotion": final, "turns": turns}
+
+
+def test_final_reward_lands_on_last_agent_token_only():
+    records = [fake_record([5, 12, 20], [4, -2, 8], 70), fake_record([7], [10], 40)]
+    r = ppo.place_rewards(records, (2, 25), "final")
+    assert r[0, 20] == pytest.approx(0.70) and r[1, 7] == pytest.approx(0.40)
+    assert r.sum() == pytest.approx(1.10)  # nothing anywhere else (not on user tokens after it)
+
+
+def test_turn_reward_puts_each_change_on_its_turn():
+    records = [fake_record([5, 12, 20], [4, -2, 8], 70)]
+    r = ppo.place_rewards(records, (1, 25), "turn")
+    assert [r[0, t].item() for t in (5, 12, 20)] == pytest.approx([0.04, -0.02, 0.08])
+    assert (r != 0).sum() == 3
+
+
+def test_format_penalty_lands_on_the_violating_turn():
+    records = [fake_record([5, 12], [4, 6], 40, violations=(0,))]
+    r = ppo.place_rewards(records, (1, 20), "final", format_penalty=0.1)
+    assert r[0, 5] == pytest.approx(-0.1) and r[0, 12] == pytest.approx(0.40)
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses
+# ----------------------------------------------------------------------------------------------
+LOSS = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0], [5.0, 6.0, 0.0, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("token-mean", (1 + 2 + 3 + 4 + 5 + 6) / 6),
+    ("seq-mean-token-mean", (2.0 + 4.0 + 5.5) / 3),
+    ("seq-mean-token-sum", (6 + 4 + 11) / 3),
+])
+def test_loss_aggregation_by_hand(mode, expected):
+    whole = ppo.aggregate(LOSS, MASK, mode, MASK.sum(), 3)
+    assert whole.item() == pytest.approx(expected)
+    # split into micro-batches, the shares add up to the same minibatch loss
+    parts = ppo.aggregate(LOSS[:1], MASK[:1], mode, MASK.sum(), 3) + ppo.aggregate(LOSS[1:], MASK[1:], mode, MASK.sum(), 3)
+    assert parts.item() == pytest.approx(expected)
+
+
+def test_clipped_policy_loss_by_hand():
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.7]))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, ratio, clipped = ppo.clipped_policy_loss(new, old, adv, 0.2, 0.3)
+    # A>0: min(r, 1.3) -> 1.3 and 0.5; A<0: max(r, 0.8) -> 1.1 and 0.8
+    torch.testing.assert_close(loss, torch.tensor([-1.3, -0.5, 1.1, 0.8]))
+    assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_value_loss_and_k3():
+    v, old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([0.5, 1.0])
+    loss, _ = ppo.clipped_value_loss(v, old, ret, 0.2)
+    # first: max((1-.5)^2, (.2-.5)^2)/2 = .125 ; second: max(1, .64)/2 = .5
+    torch.testing.assert_close(loss, torch.tensor([0.125, 0.5]))
+    lp, ref = torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([0.5, 0.4]))
+    k3 = ppo.kl_k3(lp, ref)
+    assert k3[0].item() == pytest.approx(0.0, abs=1e-7) and k3[1].item() == pytest.approx(2 - torch.log(torch.tensor(2.0)).item() - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The script, at tiny sizes
+# ----------------------------------------------------------------------------------------------
+def tiny_args(model_dir, personas, out, *extra):
+    return ["--preset", "cpu", "--model", model_dir, "--simulator", "rules", "--personas", personas,
+            "--split", "test", "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--micro-batch-size", "1",
+            "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "512", "--lora-r", "4", "--lora-alpha", "8",
+            "--out", str(out), *extra]
+
+
+@pytest.fixture
+def personas_file(write_personas, persona_entry):
+    return write_personas([persona_entry(id=f"p{i}", difficulty=d) for i, d in enumerate(["easy", "normal", "hard"])])
+
+
+def read_metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_updates_first_ratio_is_one_kl_zero_base_frozen_adapters_move(tiny_model_dir, personas_file, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model, value_head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2"))
+    m = read_metrics(tmp_path / "run")[0]
+    assert m["ratio_first"] == pytest.approx(1.0, abs=1e-6)   # same weights, same forward pass
+    assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)        # LoRA B starts at zero: policy == reference
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    live = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+            for k, v in model.state_dict().items() if "lora_" not in k}
+    shared = [k for k in base if k in live]
+    assert len(shared) >= len(base) - 1  # all of them (lm_head may be tied to the embeddings)
+    for name in shared:
+        torch.testing.assert_close(live[name], base[name], atol=0, rtol=0)
+    ckpts = [os.path.join(tmp_path, "run", "checkpoints", f"iter_00000{i}") for i in (1, 2)]
+    for adapter in ("default", "critic"):
+        first, second = (load_file(os.path.join(c, adapter, "adapter_model.safetensors")) for c in ckpts)
+        # B starts at zero; the critic's B only gets a gradient once the zero-initialised value head has moved
+        assert any(w.abs().sum() > 0 for k, w in second.items() if "lora_B" in k), adapter
+        assert any(not torch.equal(first[k], second[k]) for k in first), adapter
+    heads = [torch.load(os.path.join(c, "state.pt"), weights_only=False)["value_head"]["weight"] for c in ckpts]
+    assert heads[0].abs().sum() > 0 and not torch.equal(heads[0], heads[1])
+    torch.testing.assert_close(value_head.weight.detach(), heads[1])
+    state = torch.load(os.path.join(ckpts[1], "state.pt"), weights_only=False)
+    assert state["iteration"] == 2 and "optimizer" in state and "scheduler" in state and "rng" in state
+
+
+def test_non_finite_updates_are_skipped_then_stop_with_a_checkpoint(tiny_model_dir, personas_file, tmp_path, monkeypatch, capsys):
+    real = ppo.clipped_policy_loss
+
+    def poisoned(*args, **kwargs):
+        loss, ratio, clipped = real(*args, **kwargs)
+        return loss * float("nan"), ratio, clipped
+    monkeypatch.setattr(ppo, "clipped_policy_loss", poisoned)
+    with pytest.raises(SystemExit) as stop:
+        ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5",
+                           "--max-bad-updates", "2", "--save-every", "100"))
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("non-finite gradient, update skipped") == 2 and "stopped" in err
+    assert os.path.isdir(tmp_path / "run" / "checkpoints" / "iter_000001")  # saved where it stopped
+
+
+def test_resume_gives_the_same_metrics(tiny_model_dir, personas_file, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    ppo.main(tiny_args(tiny_model_dir, personas_file, straight, "--iterations", "2", "--seed", "3"))
+    ppo.main(tiny_args(tiny_model_dir, personas_file, split, "--iterations", "1", "--seed", "3"))
+    ppo.main(tiny_args(tiny_model_dir, personas_file, split, "--iterations", "2", "--seed", "3", "--resume", str(split)))
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [m["iteration"] for m in b] == [1, 2]
+    timing = ("time_", "_per_s", "_seconds", "peak_memory")
+    for ma, mb in zip(a, b):
+        for key in ma:
+            if not any(t in key for t in timing):
+                assert ma[key] == pytest.approx(mb[key], rel=1e-5, abs=1e-6, nan_ok=True), key
+    with open(split / "rollouts.jsonl") as f:
+        assert [json.loads(line)["iteration"] for line in f] == [1, 1, 2, 2]
+
+
+def test_ppo_script_end_to_end(tiny_model_dir, personas_file, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "ppo.py", *tiny_args(tiny_model_dir, personas_file, out, "--iterations", "2",
+                                                                   "--reward", "turn", "--loss-agg", "seq-mean-token-sum")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    metrics = read_metrics(out)
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    for key in ("reward_mean", "value_loss", "entropy", "approx_kl", "kl_ref", "clip_frac", "explained_variance",
+                "actor_grad_norm", "critic_grad_norm", "time_rollout", "time_update", "peak_memory_gb"):
+        assert key in metrics[0], key
+    config = json.load(open(out / "config.json"))
+    assert config["reward"] == "turn" and config["model"] == tiny_model_dir
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    adapter = os.path.join(out, "checkpoints", "iter_000002", "default")
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter)  # loadable as-is
+
+
+def test_paper_preset_without_cuda_points_to_cpu_preset():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = subprocess.run([sys.executable, "ppo.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--preset cpu" in proc.stderr and "Traceback" not in proc.stderr

@@ -299,7 +299,7 @@ class UserState:
 
 
 CHANGE_PATTERNS = (
-    re.compile(r"change\s*(?:[:=]|is|of)?\s*\**\s*([+-]?\s*\d+)", re.IGNORECASE),
+    re.compile(r"\bchange\b(?:\s*\([^)]*\))?\s*\**\s*(?:[:=]|is|of)?\s*\**\s*([+-]?\s*\d+)", re.IGNORECASE),
     re.compile(r"^\s*\**\s*([+-]?\d+)\s*\**\s*$", re.MULTILINE),  # a line holding only a number
 )
 

@@ -1,0 +1,794 @@
+"""Tests for simulator.py: persona files, emotion arithmetic and endings, the read-outs, the three
+backends (a local transformers model, an OpenAI-compatible server, the rules user) and the command.
+
+    python -m pytest tests/test_simulator.py -q      # prints the warm-vs-rude separation
+"""
+import copy
+import http.server
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import simulator
+from simulator import (GENERIC_LINES, LocalBackend, OpenAIBackend, PersonaError, RulesBackend, Simulator,
+                       SimulatorError, apply_change, band, load_personas, parse_change, rules_appraisal,
+                       says_goodbye)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARM = ("That sounds really painful, especially after you were promised it. It makes sense that you "
+        "feel hurt. What has been the hardest part of this for you?")
+RUDE = "Whatever. Stop whining, nobody cares about your problems."
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "simulator.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------------------------
+# Personas
+# ----------------------------------------------------------------------------------------------
+def _drop(entry, *keys):
+    target = entry
+    for k in keys[:-1]:
+        target = target[k]
+    del target[keys[-1]]
+
+
+def _set(entry, value, *keys):
+    target = entry
+    for k in keys[:-1]:
+        target = target[k]
+    target[keys[-1]] = value
+
+
+# (name, how to break the second entry, words the message must contain)
+BROKEN = [
+    ("missing field", lambda e: _drop(e, "goal"), ["entry p2", "'goal'", "missing"]),
+    ("missing profile field", lambda e: _drop(e, "profile", "job"), ["entry p2", "profile", "'job'", "missing"]),
+    ("missing reaction", lambda e: _drop(e, "reactions", "bad"), ["entry p2", "reactions", "'bad'", "missing"]),
+    ("age as a string", lambda e: _set(e, "29", "profile", "age"), ["entry p2", "profile", "'age'", "int", "str"]),
+    ("age as a bool", lambda e: _set(e, True, "profile", "age"), ["entry p2", "'age'", "int", "bool"]),
+    ("opening as a list", lambda e: _set(e, ["hi", "there"], "opening"), ["entry p2", "'opening'", "str", "list"]),
+    ("profile as a string", lambda e: _set(e, "Maya, 29", "profile"), ["entry p2", "'profile'", "dict", "str"]),
+    ("empty opening", lambda e: _set(e, "   ", "opening"), ["entry p2", "'opening'", "empty"]),
+    ("unknown split", lambda e: _set(e, "dev", "split"), ["entry p2", "'split'", "'dev'"]),
+    ("unknown difficulty", lambda e: _set(e, "extreme", "difficulty"), ["entry p2", "'difficulty'", "'extreme'"]),
+    ("unknown band", lambda e: _set(e, {"X": "hm"}, "band_lines"), ["entry p2", "'band_lines'"]),
+    ("missing id names the index", lambda e: _drop(e, "id"), ["entry 1", "'id'", "missing"]),
+]
+
+
+@pytest.mark.parametrize("name,breaker,words", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_persona_names_file_entry_and_field(name, breaker, words, persona_entry, write_personas):
+    bad = persona_entry(id="p2")
+    breaker(bad)
+    path = write_personas([persona_entry(id="p1"), bad])
+    with pytest.raises(PersonaError) as info:
+        load_personas(path)
+    message = str(info.value)
+    assert message.startswith(path + ":"), message
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+    assert "\n" not in message
+
+
+def test_duplicate_id(persona_entry, write_personas):
+    path = write_personas([persona_entry(id="p1"), persona_entry(id="p2", split="train"), persona_entry(id="p1")])
+    with pytest.raises(PersonaError, match=r"entry p1: field 'id' is a duplicate") as info:
+        load_personas(path)
+    assert path in str(info.value)
+
+
+def test_entry_that_is_not_an_object(persona_entry, write_personas):
+    path = write_personas([persona_entry(id="p1"), "just a string"])
+    with pytest.raises(PersonaError) as info:
+        load_personas(path)
+    assert str(info.value) == f"{path}: entry 1: must be a JSON object"
+
+
+def test_unreadable_and_invalid_files(tmp_path):
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(PersonaError, match="cannot read") as info:
+        load_personas(missing)
+    assert missing in str(info.value)
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"id": "p1",]')
+    with pytest.raises(PersonaError, match="not valid JSON") as info:
+        load_personas(str(broken))
+    assert str(broken) in str(info.value)
+
+
+def test_valid_file_and_split_filter(persona_entry, write_personas):
+    path = write_personas([persona_entry(id="a", split="train"), persona_entry(id="b"),
+                           persona_entry(id="c", difficulty="hard")])
+    everyone = load_personas(path)
+    assert [p.id for p in everyone] == ["a", "b", "c"]
+    assert [p.id for p in load_personas(path, split="test")] == ["b", "c"]
+    assert [p.id for p in load_personas(path, split="train")] == ["a"]
+    b = everyone[1]
+    assert b.profile["age"] == 29 and b.topic == "work" and b.band_lines["B"] == "maybe. i don't know."
+    assert b.opening == persona_entry()["opening"]
+    only_train = write_personas([persona_entry(id="a", split="train")], name="train_only.json")
+    with pytest.raises(PersonaError, match="no personas in split 'test'"):
+        load_personas(only_train, split="test")
+
+
+def test_cli_bad_personas_exits_2_with_one_line(persona_entry, write_personas):
+    path = write_personas([persona_entry(id="p1", profile={**persona_entry()["profile"], "age": "29"})])
+    done = run_cli("--personas", path, "--model", "rules", "--dialogues", "1")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("error:") and path in lines[0] and "'age'" in lines[0]
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_project_personas_file():
+    personas = load_personas(os.path.join(ROOT, "personas.json"))
+    assert len(personas) >= 60
+    assert {p.split for p in personas} == {"train", "test"}
+    assert {p.difficulty for p in personas} == {"easy", "normal", "hard"}
+
+
+# SAGE profile files: one JSON object per line, no split or difficulty
+def test_sage_import(tmp_path):
+    lines = [
+        {"id": "s1", "player": "Tom, 40, a plumber who jokes when nervous.", "scene": "His dog died.",
+         "main_cha": "Tom", "topic": "grief", "task": "wants to hear it is fine to miss a dog.",
+         "first_talk": "So my dog died on Tuesday. Stupid to be this upset, right?"},
+        {"id": 7, "player": "Ana, 19, a student.", "scene": {"place": "dorm", "event": "failed an exam"},
+         "main_cha": "Ana", "topic": "study", "task": "wants a plan.", "first_talk": "I failed calculus again."},
+    ]
+    path = tmp_path / "sage.jsonl"
+    path.write_text("\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\n\n", encoding="utf-8")
+    personas = load_personas(str(path))
+    assert [p.id for p in personas] == ["s1", "7"]
+    for p, raw in zip(personas, lines):
+        assert (p.split, p.difficulty) == ("test", "normal")
+        assert p.opening == raw["first_talk"]
+        assert p.profile["name"] == raw["main_cha"] and p.profile["description"] == raw["player"]
+        assert p.goal == raw["task"] and p.topic == raw["topic"]
+    assert personas[0].background == "His dog died."
+    assert "place: dorm" in personas[1].background and "event: failed an exam" in personas[1].background
+    assert load_personas(str(path), split="test") == personas
+    with pytest.raises(PersonaError, match="no personas in split 'train'"):
+        load_personas(str(path), split="train")
+    assert "Tom" in simulator.persona_card(personas[0], 40)  # the prompts can be built from it
+
+
+def test_sage_errors_name_line_id_and_field(tmp_path):
+    good = {"id": "s1", "player": "p", "scene": "s", "first_talk": "hello"}
+    path = tmp_path / "sage.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "id": "s2", "first_talk": 3}) + "\n")
+    with pytest.raises(PersonaError) as info:
+        load_personas(str(path))
+    message = str(info.value)
+    assert message.startswith(str(path)) and "line 2" in message and "s2" in message and "'first_talk'" in message
+    path.write_text(json.dumps(good) + "\n{not json\n")
+    with pytest.raises(PersonaError, match="line 2: not valid JSON"):
+        load_personas(str(path))
+    path.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n")
+    with pytest.raises(PersonaError, match="entry s1: field 'id' is a duplicate"):
+        load_personas(str(path))
+
+
+def test_sage_sample_file():
+    path = os.path.join(ROOT, "tests", "data", "sage_sample.jsonl")
+    if not os.path.exists(path):
+        pytest.skip("tests/data/sage_sample.jsonl is not there yet")
+    with open(path, encoding="utf-8") as f:
+        raw = [json.loads(line) for line in f if line.strip()]
+    personas = load_personas(path)
+    assert len(personas) == len(raw) > 0
+    for p, r in zip(personas, raw):
+        assert p.id == str(r["id"]) and p.opening == r["first_talk"]
+        assert (p.split, p.difficulty) == ("test", "normal")
+
+
+# ----------------------------------------------------------------------------------------------
+# Emotion arithmetic
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("emotion,change,max_change,expected", [
+    (50, 3, 10, (53, 3)),
+    (50, 25, 10, (60, 10)),      # change clamped to +max_change
+    (50, -25, 10, (40, -10)),    # and to -max_change
+    (50, 7, 5, (55, 5)),
+    (95, 8, 10, (100, 8)),       # emotion clamped to 100
+    (4, -8, 10, (0, -8)),        # and to 0
+    (100, 10, 10, (100, 10)),
+    (0, 0, 10, (0, 0)),
+])
+def test_apply_change(emotion, change, max_change, expected):
+    assert apply_change(emotion, change, max_change) == expected
+
+
+@pytest.mark.parametrize("emotion,expected", [
+    (100, "S"), (99, "A"), (70, "A"), (69, "B"), (40, "B"), (39, "C"), (10, "C"), (9, "F"), (0, "F")])
+def test_band_thresholds(emotion, expected):
+    assert band(emotion) == expected
+
+
+@pytest.mark.parametrize("text", ["Okay, goodbye.", "Good bye then", "good-bye!", "Bye!", "ok bye for now",
+                                  "Farewell.", "GOODBYE", "好的，再见", "拜拜啦", "thanks. bye"])
+def test_says_goodbye(text):
+    assert says_goodbye(text)
+
+
+@pytest.mark.parametrize("text", ["maybe", "Maybe later.", "the byelaw says no", "standby", "nearby",
+                                  "I'm not done yet", ""])
+def test_does_not_say_goodbye(text):
+    assert not says_goodbye(text)
+
+
+# ----------------------------------------------------------------------------------------------
+# parse_change
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,expected", [
+    ("It helped a little.\nChange: +4", 4),
+    ("change = -3", -3),
+    ("I feel heard.\n**Change:** 7", 7),
+    ("Change: + 4", 4),
+    ("change is -2", -2),
+    ("They listened to me.\n5", 5),
+    ("They listened to me.\n**-6**", -6),
+    ("On a scale from -10 to +10 this is mildly positive.\nChange: +6", 6),
+    ("Change: N, a whole number from -10 to +10.\nChange: 3", 3),
+    ("Change: 2\nActually, on reflection,\nChange: -1", -1),
+])
+def test_parse_change_tolerant(text, expected):
+    assert parse_change(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "I don't know how I feel.", "Nothing changed, really.",
+                                  "Mood: better", "I'd say it went well, maybe 5 out of 10 points"])
+def test_parse_change_garbage_is_none(text):
+    assert parse_change(text) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Simulator.step: appraise -> clamp -> end rules -> next user message
+# ----------------------------------------------------------------------------------------------
+class ScriptedBackend:
+    """A stand-in for a chat backend: appraisal requests get the next scripted appraisal, user-turn
+    requests the next scripted user line (the last one repeats). Records every call."""
+    generated_tokens = 0
+
+    def __init__(self, appraisals, user_lines=("Okay.",), name="url"):
+        self.name = name
+        self.appraisals, self.user_lines = list(appraisals), list(user_lines)
+        self.calls = []
+
+    def chat(self, conversations, max_new_tokens):
+        self.calls.append((conversations, max_new_tokens))
+        out = []
+        for messages in conversations:
+            script = self.appraisals if "Change: N" in messages[-1]["content"] else self.user_lines
+            out.append(script.pop(0) if len(script) > 1 else script[0])
+        return out
+
+
+@pytest.fixture
+def persona(persona_entry, write_personas):
+    return load_personas(write_personas([persona_entry(id="p1")]))[0]
+
+
+def test_success_at_100(persona):
+    sim = Simulator(ScriptedBackend(["Change: +10"]), start_emotion=90)
+    s = sim.start(persona)
+    sim.step([s], ["reply"])
+    assert (s.emotion, s.end_reason, s.done) == (100, "success", True)
+    assert s.history[-1] == {"role": "agent", "text": "reply"}  # no user message after the end
+    sim = Simulator(ScriptedBackend(["Change: +10"]), start_emotion=89)
+    just_below = sim.start(persona)
+    sim.step([just_below], ["reply"])
+    assert (just_below.emotion, just_below.end_reason) == (99, None)
+    assert just_below.history[-1]["role"] == "user"
+
+
+def test_success_clamps_overshoot(persona):
+    sim = Simulator(ScriptedBackend(["Change: +9"]), start_emotion=95)
+    s = sim.start(persona)
+    sim.step([s], ["reply"])
+    assert s.emotion == 100 and s.end_reason == "success"
+    assert s.appraisals[-1] == {"change": 9, "emotion": 100, "appraisal": "Change: +9", "parsed": True}
+
+
+def test_left_below_threshold(persona):
+    sim = Simulator(ScriptedBackend(["Change: -6"]), start_emotion=15, leave_below=10)
+    s = sim.start(persona)
+    sim.step([s], ["reply"])
+    assert (s.emotion, s.end_reason) == (9, "left")
+    sim = Simulator(ScriptedBackend(["Change: -6"]), start_emotion=16, leave_below=10)
+    at_threshold = sim.start(persona)
+    sim.step([at_threshold], ["reply"])
+    assert (at_threshold.emotion, at_threshold.end_reason) == (10, None)
+
+
+def test_goodbye_in_user_message(persona):
+    sim = Simulator(ScriptedBackend(["Change: +1"], ["Thanks, I have to go. Bye!"]))
+    s = sim.start(persona)
+    sim.step([s], ["reply"])
+    assert s.end_reason == "goodbye"
+    assert s.history[-1] == {"role": "user", "text": "Thanks, I have to go. Bye!"}
+    with pytest.raises(ValueError, match="finished"):
+        sim.step([s], ["another reply"])
+
+
+def test_max_turns_and_precedence(persona):
+    sim = Simulator(ScriptedBackend(["Change: 0"]), max_turns=3)
+    s = sim.start(persona)
+    for turn in range(1, 4):
+        assert not s.done
+        sim.step([s], [f"reply {turn}"])
+        assert s.turns == turn
+    assert s.end_reason == "max_turns" and s.emotion == 40
+    assert [m["role"] for m in s.history] == ["user", "agent", "user", "agent", "user", "agent"]
+    # reaching 100 on the last turn is a success, dropping below the floor on it is leaving
+    for start, change, reason in [(95, "Change: +5", "success"), (12, "Change: -5", "left")]:
+        sim = Simulator(ScriptedBackend([change]), start_emotion=start, max_turns=1)
+        s = sim.start(persona)
+        sim.step([s], ["reply"])
+        assert s.end_reason == reason
+
+
+def test_step_refuses_finished_and_mismatched(persona):
+    backend = ScriptedBackend(["Change: +10"])
+    sim = Simulator(backend, start_emotion=95)
+    done, active = sim.start(persona), sim.start(persona)
+    sim.step([done], ["reply"])
+    assert done.done
+    calls = len(backend.calls)
+    with pytest.raises(ValueError, match="finished"):
+        sim.step([active, done], ["a", "b"])
+    with pytest.raises(ValueError, match="2 simulated users but 1 replies"):
+        sim.step([active, sim.start(persona)], ["a"])
+    assert len(backend.calls) == calls and len(active.history) == 1 and active.turns == 0
+    sim.step([], [])  # nothing to do, nothing asked
+    assert len(backend.calls) == calls
+
+
+def test_mixed_batch_keeps_dialogues_apart(persona):
+    backend = ScriptedBackend(["Change: +10", "Change: -3", "Change: 0"], ["line one", "line two"])
+    sim = Simulator(backend, start_emotion=90)
+    a, b, c = (sim.start(persona) for _ in range(3))
+    sim.step([a, b, c], ["to a", "to b", "to c"])
+    assert [s.emotion for s in (a, b, c)] == [100, 87, 90]
+    assert a.end_reason == "success" and b.history[-1]["text"] == "line one" and c.history[-1]["text"] == "line two"
+    assert [s.history[1]["text"] for s in (a, b, c)] == ["to a", "to b", "to c"]
+    # only the two still talking were asked for a next message
+    assert len(backend.calls[-1][0]) == 2
+
+
+def test_reasoned_fallback_on_garbage(persona):
+    backend = ScriptedBackend(["I am not sure what to make of this.", "Change: +25"], ["Hm."])
+    sim = Simulator(backend, readout="reasoned")
+    s = sim.start(persona)
+    sim.step([s], ["first"])
+    assert s.emotion == 40 and s.fallbacks == 1
+    assert s.appraisals[-1] == {"change": 0, "emotion": 40, "appraisal": "I am not sure what to make of this.",
+                                "parsed": False}
+    sim.step([s], ["second"])
+    assert s.emotion == 50 and s.fallbacks == 1  # +25 clamped to +10, parsed
+    assert s.appraisals[-1]["parsed"] is True and s.appraisals[-1]["change"] == 10
+    transcript = simulator.transcript_turns(s)
+    assert [t["role"] for t in transcript] == ["user", "agent", "user", "agent", "user"]
+    assert transcript[1]["parsed"] is False and transcript[3]["emotion"] == 50
+
+
+def test_readout_choice_and_checks():
+    assert Simulator(ScriptedBackend([], name="url")).readout == "reasoned"
+    assert Simulator(RulesBackend()).readout == "rules"
+    with pytest.raises(ValueError, match="likelihood"):
+        Simulator(ScriptedBackend([], name="url"), readout="likelihood")
+    with pytest.raises(ValueError, match="rules"):
+        Simulator(RulesBackend(), readout="reasoned")
+    with pytest.raises(ValueError, match="rules"):
+        Simulator(ScriptedBackend([], name="url"), readout="rules")
+
+
+# ----------------------------------------------------------------------------------------------
+# The rules user
+# ----------------------------------------------------------------------------------------------
+def test_rules_appraisal_warm_beats_lecture(persona, capsys):
+    sim = Simulator(RulesBackend())
+    state = sim.start(persona)
+    warm, why_warm = rules_appraisal(state, "That sounds so painful, and no wonder you feel stupid for hoping "
+                                            "after that promotion was promised. What hurts the most?")
+    lecture, why_lecture = rules_appraisal(state, "Calm down, it's not a big deal. You should update your CV. "
+                                                  "You need to network more.\n1. Apply elsewhere\n2. Move on")
+    with capsys.disabled():
+        print(f"\nrules: warm {warm:+d} ({why_warm}); lecture {lecture:+d} ({why_lecture})")
+    assert warm > 0 > lecture
+    for part in ("acknowledges", "reflects", "asks"):
+        assert part in why_warm
+    for part in ("dismissive", "lectures"):
+        assert part in why_lecture
+
+
+def test_rules_too_long_and_empty(persona):
+    state = Simulator(RulesBackend()).start(persona)
+    reply = "That sounds painful. What happened with the promotion?"
+    short, _ = rules_appraisal(state, reply)
+    long, why = rules_appraisal(state, reply + " okay" * 130)
+    assert "too_long-3" in why and "too_long" not in rules_appraisal(state, reply)[1]
+    assert short - long == 3  # normal difficulty weighs the bad parts 1.0
+    empty, why_empty = rules_appraisal(state, "")
+    assert "empty-5" in why_empty and empty < 0
+
+
+def test_rules_difficulty_weights(persona_entry, write_personas):
+    path = write_personas([persona_entry(id=d, difficulty=d) for d in ("easy", "normal", "hard")])
+    sim = Simulator(RulesBackend())
+    reply = "That sounds painful. What happened with the promotion?"
+    changes = [rules_appraisal(sim.start(p), reply)[0] for p in load_personas(path)]
+    assert changes[0] > changes[1] > changes[2]
+
+
+def test_rules_simulator_band_lines_and_goodbye(persona_entry, write_personas):
+    lines = {"A": "yes, that's it.", "C": "no, not really."}  # B missing: the generic line stands in
+    path = write_personas([persona_entry(id="p1", band_lines=lines),
+                           persona_entry(id="p2", band_lines={"B": "fine, bye."})])
+    p1, p2 = load_personas(path)
+    sim = Simulator(RulesBackend(), start_emotion=65)
+    a, b = sim.start(p1), sim.start(p2)
+    warm = "That sounds so painful after that promotion was promised. What hurts the most?"
+    sim.step([a, b], [warm, "Whatever."])
+    assert a.emotion >= 70 and a.history[-1]["text"] == lines["A"]
+    assert b.emotion < 65
+    b_band = band(b.emotion)
+    expected = {"B": "fine, bye."}.get(b_band, GENERIC_LINES[b_band])
+    assert b.history[-1]["text"] == expected
+    assert (b.end_reason == "goodbye") == says_goodbye(expected)
+    sim = Simulator(RulesBackend(), start_emotion=50)
+    c = sim.start(p1)
+    sim.step([c], ["ok"])
+    assert band(c.emotion) == "B" and c.history[-1]["text"] == GENERIC_LINES["B"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Local backend on the embedded model
+# ----------------------------------------------------------------------------------------------
+def test_likelihood_warm_beats_rude(smollm2, persona, capsys):
+    sim = Simulator(LocalBackend(*smollm2))
+    assert sim.readout == "likelihood"
+    state = sim.start(persona)
+    (warm, warm_text, ok1), (rude, rude_text, ok2) = sim._appraise([state, state], [WARM, RUDE])
+    contrast = [float(re.search(r"contrast ([+-][\d.]+)", t).group(1)) for t in (warm_text, rude_text)]
+    with capsys.disabled():  # shown in the run log even without -s
+        print(f"\nlikelihood read-out ({persona.difficulty}): warm change {warm:+d} ({warm_text}); "
+              f"rude change {rude:+d} ({rude_text}); contrast gap {contrast[0] - contrast[1]:+.3f}")
+    assert ok1 and ok2
+    assert -10 <= rude < warm <= 10
+    assert warm - rude >= 3 and contrast[0] > contrast[1]
+
+
+def test_likelihood_readout_is_deterministic(smollm2, persona):
+    sim = Simulator(LocalBackend(*smollm2), reply_tokens=8)
+    runs = []
+    for _ in range(2):
+        s = sim.start(persona)
+        sim.step([s], [WARM])
+        runs.append((s.emotion, s.appraisals[-1]["appraisal"], s.history[-1]["text"]))
+    assert runs[0] == runs[1]
+    assert runs[0][1].startswith("likelihood: positive") and runs[0][2]
+
+
+def test_reasoned_readout_local_is_deterministic(smollm2, persona):
+    sim = Simulator(LocalBackend(*smollm2), readout="reasoned", appraisal_tokens=16, reply_tokens=8)
+    runs = []
+    for _ in range(2):
+        s = sim.start(persona)
+        sim.step([s], [WARM])
+        a = s.appraisals[-1]
+        runs.append((s.emotion, a["appraisal"], a["parsed"], s.fallbacks, s.history[-1]["text"]))
+    assert runs[0] == runs[1]
+    assert runs[0][1]  # the appraisal text itself is stored
+    assert runs[0][3] == (0 if runs[0][2] else 1)
+
+
+def test_batched_step_matches_one_by_one(smollm2, persona_entry, write_personas):
+    entries = [persona_entry(id="short", opening="i lost my job."),
+               persona_entry(id="mid", difficulty="easy"),
+               persona_entry(id="long", difficulty="hard",
+                             background=BASE_BACKGROUND_LONG, opening="my sister didn't invite me to her "
+                             "wedding and i found out from instagram. i keep refreshing the photos.")]
+    personas = load_personas(write_personas(entries))
+    replies = [WARM, RUDE, "I see. Tell me more about that?"]
+    sim = Simulator(LocalBackend(*smollm2), reply_tokens=10)
+    together = [sim.start(p) for p in personas]
+    sim.step(together, replies)
+    alone = []
+    for p, r in zip(personas, replies):
+        s = sim.start(p)
+        sim.step([s], [r])
+        alone.append(s)
+    for t, a in zip(together, alone):
+        assert t.emotion == a.emotion
+        assert t.appraisals == a.appraisals
+        assert t.history == a.history
+        assert t.end_reason == a.end_reason
+
+
+BASE_BACKGROUND_LONG = ("Her younger sister got married last Saturday in Lisbon. The two had not spoken since "
+                        "an argument about their mother's care two years ago, but she assumed the wedding "
+                        "would be the moment they made up. She found out about it from photos online.")
+
+
+# A tiny random model: checks of the plumbing that do not need a sensible model
+def _naive_scores(model, tokenizer, conversation, continuations):
+    """Mean log-likelihood of each continuation after the prompt, one full forward per pair."""
+    prompt = tokenizer(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False),
+                       add_special_tokens=False)["input_ids"]
+    out = []
+    for text in continuations:
+        cont = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt + cont])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)  # (T, V)
+        picked = [logp[len(prompt) - 1 + j, tok].item() for j, tok in enumerate(cont)]
+        out.append(sum(picked) / len(picked))
+    return torch.tensor(out)
+
+
+def test_score_matches_full_forward_reference(tiny_model, persona):
+    model, tokenizer = tiny_model
+    backend = LocalBackend(model, tokenizer)
+    state = Simulator(backend).start(persona)
+    conversations = [simulator.user_turn_messages(state),
+                     simulator.user_turn_messages(simulator.UserState(
+                         persona=persona, emotion=80, history=state.history + [{"role": "agent", "text": WARM}]))]
+    continuations = simulator.POSITIVE_REACTIONS + simulator.NEGATIVE_REACTIONS
+    scores = backend.score(conversations, continuations)
+    assert scores.shape == (2, len(continuations))
+    for row, conversation in zip(scores, conversations):
+        torch.testing.assert_close(row, _naive_scores(model, tokenizer, conversation, continuations),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_chat_batched_equals_alone_and_restores_mode(tiny_model):
+    model, tokenizer = tiny_model
+    backend = LocalBackend(model, tokenizer, micro_batch_size=2)
+    conversations = [[{"role": "user", "content": "hi"}],
+                     [{"role": "system", "content": "You are a person."},
+                      {"role": "user", "content": "How was your week? Tell me everything about it."}],
+                     [{"role": "user", "content": "ok"}]]
+    model.train()
+    together = backend.chat(conversations, 8)
+    assert model.training  # chat() switches to eval for generation and back
+    model.eval()
+    alone = [backend.chat([c], 8)[0] for c in conversations]
+    assert together == alone and len(together) == 3
+    assert backend.generated_tokens > 0
+
+
+def test_use_base_disables_adapters(tiny_model):
+    from peft import LoraConfig, get_peft_model
+
+    model, tokenizer = tiny_model
+    base_scores = LocalBackend(model, tokenizer).score([[{"role": "user", "content": "hello"}]], ["Hi there."])
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                            init_lora_weights=False))
+    with_adapters = LocalBackend(peft, tokenizer).score([[{"role": "user", "content": "hello"}]], ["Hi there."])
+    frozen_base = LocalBackend(peft, tokenizer, use_base=True).score([[{"role": "user", "content": "hello"}]],
+                                                                       ["Hi there."])
+    torch.testing.assert_close(frozen_base, base_scores, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(with_adapters, base_scores, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# URL backend against a local OpenAI-compatible server
+# ----------------------------------------------------------------------------------------------
+class FakeServer:
+    """A /v1/chat/completions server on 127.0.0.1 whose answer to request n is respond(n, body),
+    returning (status, body bytes) or the string "hang". Records headers and bodies."""
+
+    def __init__(self, respond):
+        self.respond, self.requests, self.stop = respond, [], threading.Event()
+        lock, outer = threading.Lock(), self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    n = len(outer.requests)
+                    outer.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                answer = outer.respond(n, body)
+                if answer == "hang":
+                    outer.stop.wait(10)  # until the test is over
+                    return
+                status, data = answer
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def completion(text, tokens=3):
+    return 200, json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}],
+                            "usage": {"completion_tokens": tokens}}).encode()
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(respond):
+        servers.append(FakeServer(respond))
+        return servers[-1]
+    yield start
+    for s in servers:
+        s.close()
+    assert not any(s.thread.is_alive() for s in servers)
+
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def test_url_backend_normal_answer(serve):
+    server = serve(lambda n, body: completion("  echo: " + body["messages"][-1]["content"] + " "))
+    backend = OpenAIBackend(server.url + "/", model="sim-model", backoff=0.01)
+    conversations = [[{"role": "user", "content": f"message {k}"}] for k in range(6)]
+    assert backend.chat(conversations, 17) == [f"echo: message {k}" for k in range(6)]  # in order, stripped
+    assert backend.generated_tokens == 18
+    request = server.requests[0]
+    assert request["path"] == "/v1/chat/completions"
+    assert request["body"]["model"] == "sim-model" and request["body"]["max_tokens"] == 17
+    assert request["body"]["temperature"] == 0.0 and request["body"]["messages"][0]["role"] == "user"
+
+
+def test_url_backend_retries_then_succeeds(serve):
+    server = serve(lambda n, body: (500, b"{}") if n < 2 else completion("fine"))
+    backend = OpenAIBackend(server.url, max_retries=3, backoff=0.01)
+    assert backend.chat([MESSAGES], 8) == ["fine"]
+    assert len(server.requests) == 3
+
+
+def test_url_backend_gives_up_after_bounded_tries(serve, monkeypatch):
+    monkeypatch.setenv("RLVER_TEST_KEY", "sk-very-secret-123")
+    server = serve(lambda n, body: (500, b'{"error": "boom"}'))
+    backend = OpenAIBackend(server.url, api_key_env="RLVER_TEST_KEY", max_retries=2, backoff=0.01)
+    with pytest.raises(SimulatorError) as info:
+        backend.chat([MESSAGES], 8)
+    message = str(info.value)
+    assert len(server.requests) == 3
+    assert server.url + "/chat/completions" in message and "HTTP 500" in message and "3 tries" in message
+    assert "sk-very-secret-123" not in message
+
+
+def test_url_backend_client_error_is_not_retried(serve):
+    server = serve(lambda n, body: (400, b'{"error": "bad request"}'))
+    with pytest.raises(SimulatorError, match="HTTP 400 after 1 tries"):
+        OpenAIBackend(server.url, max_retries=3, backoff=0.01).chat([MESSAGES], 8)
+    assert len(server.requests) == 1
+
+
+def test_url_backend_timeout_is_bounded(serve):
+    server = serve(lambda n, body: "hang")
+    backend = OpenAIBackend(server.url, timeout=0.2, max_retries=1, backoff=0.01)
+    t0 = time.time()
+    with pytest.raises(SimulatorError) as info:
+        backend.chat([MESSAGES], 8)
+    elapsed = time.time() - t0
+    assert elapsed < 3.0, elapsed
+    assert server.url in str(info.value) and "2 tries" in str(info.value)
+    assert len(server.requests) == 2
+
+
+@pytest.mark.parametrize("data", [b"this is not json", b'{"id": "x", "object": "chat.completion"}',
+                                  b'{"choices": []}'])
+def test_url_backend_malformed_response(serve, data):
+    server = serve(lambda n, body: (200, data))
+    with pytest.raises(SimulatorError, match="malformed response") as info:
+        OpenAIBackend(server.url, max_retries=1, backoff=0.01).chat([MESSAGES], 8)
+    assert server.url in str(info.value)
+    assert len(server.requests) == 2
+
+
+def test_url_backend_sends_key_from_env(serve, monkeypatch):
+    server = serve(lambda n, body: completion("ok"))
+    monkeypatch.setenv("RLVER_TEST_KEY", "sk-very-secret-123")
+    OpenAIBackend(server.url, api_key_env="RLVER_TEST_KEY").chat([MESSAGES], 8)
+    assert server.requests[-1]["headers"]["Authorization"] == "Bearer sk-very-secret-123"
+    monkeypatch.delenv("RLVER_TEST_KEY")
+    OpenAIBackend(server.url, api_key_env="RLVER_TEST_KEY").chat([MESSAGES], 8)
+    assert "Authorization" not in server.requests[-1]["headers"]
+
+
+def test_url_backend_connection_refused():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on once this socket is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SimulatorError, match="connection failed"):
+        OpenAIBackend(f"http://127.0.0.1:{port}/v1", max_retries=1, backoff=0.01).chat([MESSAGES], 8)
+
+
+def test_simulator_over_url_backend(serve, persona):
+    def respond(n, body):
+        asked = body["messages"][-1]["content"]
+        return completion("It helps a bit.\nChange: +4" if "Change: N" in asked else "you: okay. i guess.")
+    server = serve(respond)
+    sim = Simulator(simulator.make_backend(server.url))
+    assert sim.readout == "reasoned"
+    s = sim.start(persona)
+    sim.step([s], [WARM])
+    assert s.emotion == 44 and s.history[-1] == {"role": "user", "text": "okay. i guess."}
+    assert len(server.requests) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line
+# ----------------------------------------------------------------------------------------------
+def test_cli_rules_run(persona_entry, write_personas, tmp_path):
+    entries = [persona_entry(id="t1"), persona_entry(id="tr", split="train"),
+               persona_entry(id="t2", difficulty="easy"), persona_entry(id="t3", difficulty="hard")]
+    path = write_personas(entries)
+    out = tmp_path / "transcripts.jsonl"
+    done = run_cli("--model", "rules", "--personas", path, "--split", "test", "--dialogues", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(results) == 2 * len(simulator.SCRIPTED_AGENT)
+    assert {r["persona_id"] for r in results} == {"t1", "t2"}
+    for r in results:
+        assert r["end_reason"] in ("success", "left", "goodbye", "max_turns")
+        assert r["turns"][0] == {"role": "user", "text": next(e["opening"] for e in entries if e["id"] == r["persona_id"])}
+        agent_turns = [t for t in r["turns"] if t["role"] == "agent"]
+        assert agent_turns and all({"role", "text", "emotion", "appraisal"} <= set(t) for t in agent_turns)
+        assert all(t["appraisal"].startswith("rules:") for t in agent_turns)
+        assert r["final_emotion"] == agent_turns[-1]["emotion"]
+        assert len(agent_turns) <= 8
+    mean = {style: sum(r["final_emotion"] for r in results if r["style"] == style) / 2
+            for style in simulator.SCRIPTED_AGENT}
+    assert mean["warm"] > mean["dismissive"]
+
+
+def test_cli_agent_replies(persona_entry, write_personas, tmp_path):
+    path = write_personas([persona_entry(id="t1"), persona_entry(id="t2", difficulty="easy")])
+    replies = tmp_path / "replies.json"
+    replies.write_text(json.dumps({
+        "kind": ["That sounds so painful after that promotion was promised. What hurts the most?"],
+        "cold": ["Calm down. You should move on."]}))
+    out = tmp_path / "out.jsonl"
+    done = run_cli("--model", "rules", "--personas", path, "--dialogues", "0", "--max-turns", "3",
+                   "--agent-replies", str(replies), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    printed = dict(re.findall(r"(\w+): mean final emotion ([\d.]+)", done.stdout))
+    assert set(printed) == {"kind", "cold"}
+    for style in ("kind", "cold"):
+        finals = [r["final_emotion"] for r in results if r["style"] == style]
+        assert len(finals) == 2
+        assert float(printed[style]) == pytest.approx(sum(finals) / 2, abs=0.05)
+    assert float(printed["kind"]) > float(printed["cold"])
+    replies.write_text(json.dumps({"kind": []}))
+    bad = run_cli("--model", "rules", "--personas", path, "--agent-replies", str(replies))
+    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "'kind'" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -58,6 +58,7 @@ class Args:
     thinking: bool = field(default=True, metadata={"help": "think-then-say scaffold (the paper's best run)"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature; the trainer's log-probs use the same"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (RLVER: 1.0)"})
+    greedy: bool = field(default=False, metadata={"help": "decode greedily: reproducible dialogues for tests and debugging, not for training"})
     max_new_tokens: int = field(default=512, metadata={"help": "tokens per agent turn"})
     max_context: int = field(default=6144, metadata={"help": "tokens per dialogue; past it the dialogue ends with 'context'"})
     # rewards
@@ -236,7 +237,7 @@ def main(argv=None):
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
     if args.dialogues_per_iteration % args.minibatch_size:
         sys.exit("error: --dialogues-per-iteration must be a multiple of --minibatch-size")
-    set_seed(args.seed + rank)
+    set_seed(args.seed)  # the same adapter initialisation on every process
     personas = load_personas_or_exit(args.personas, args.split)
 
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
@@ -287,8 +288,14 @@ def main(argv=None):
         value_head.load_state_dict(state["value_head"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"][rank] if isinstance(state["rng"], list) else state["rng"])
         start_iteration = state["iteration"]
+        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+        if len(rngs) == world:  # the same number of processes: continue exactly where it stopped
+            set_rng_state(rngs[rank])
+        else:                   # another number of processes: a fresh, still reproducible, stream
+            set_seed(args.seed + rank + 7919 * start_iteration)
+    else:
+        set_seed(args.seed + rank)  # each process samples its own dialogues
     run = RunFolder(args.out, args, resume=bool(args.resume), enabled=accelerator.is_main_process)
     if args.resume:
         run.truncate("metrics.jsonl", start_iteration)
@@ -308,7 +315,7 @@ def main(argv=None):
         records, rstats = play_dialogues(model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
                                          thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
                                          max_new_tokens=args.max_new_tokens, max_context=args.max_context,
-                                         progress=False)
+                                         greedy=args.greedy, progress=False)
         t_rollout = time.time() - t_start
 
         # --- 2. score: old log-probs, reference log-probs, values, rewards -----------------------
@@ -405,6 +412,9 @@ def main(argv=None):
 
         # --- 4. log: global means over every process's dialogues ---------------------------------
         all_records = gather_object(records) if world > 1 else records
+        # data parallel: every process must hold bit-identical adapters after the update
+        fingerprint = _fingerprint(actor_params + critic_params)
+        replicas_identical = len(set(gather_object([fingerprint]) if world > 1 else [fingerprint])) == 1
         with torch.no_grad():
             v, ret = old_values[mask > 0], returns[mask > 0]
             explained_var = (1 - torch.var(ret - v) / torch.var(ret)).item() if ret.numel() > 1 else float("nan")
@@ -416,13 +426,13 @@ def main(argv=None):
             "iteration": iteration + 1,
             "reward_mean": float(rewards_per_dialogue.mean()), "reward_std": float(rewards_per_dialogue.std()),
             **summary,
-            **{k: float(np.mean(v)) if v else float("nan") for k, v in logs.items()},
+            **{k: _global_mean(v, accelerator) for k, v in logs.items()},
             "kl_ref": kl_ref_rollout, "explained_variance": explained_var,
             "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
             "time_iteration": time.time() - t_start,
             "update_tokens_per_s": float(mask.sum().item() * args.ppo_epochs / max(t_update, 1e-9)),
-            "peak_memory_gb": _peak_memory_gb(),
+            "peak_memory_gb": _peak_memory_gb(), "processes": world, "replicas_identical": replicas_identical,
         }
         run.append("metrics.jsonl", [metrics])
         run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
@@ -445,6 +455,21 @@ def _save(args, iteration, model, value_head, optimizer, scheduler, accelerator)
     return save_checkpoint(args.out, iteration, model, ["default", "critic"], {
         "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(), "args": vars(args), "rng": rngs if len(rngs) > 1 else rngs[0]})
+
+
+def _global_mean(values, accelerator):
+    """The mean of a logged quantity over every process (each process's own mean, averaged)."""
+    local = torch.tensor(float(np.mean(values)) if values else float("nan"), device=accelerator.device)
+    return (accelerator.reduce(local, "mean") if accelerator.num_processes > 1 else local).item()
+
+
+def _fingerprint(params):
+    import hashlib
+
+    h = hashlib.sha1()
+    for p in params:
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _other_gpus():

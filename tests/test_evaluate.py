@@ -1,0 +1,394 @@
+"""Tests for evaluate.py: the statistics against hand computation, answer extraction, adapter
+switching, the output folder on a tiny model, training curves, and the command end to end on the
+embedded model (base vs a perturbed LoRA adapter).
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_evaluate.py -q
+"""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import evaluate
+from evaluate import (CURVE_METRICS, EvalArgs, answers_match, bootstrap_interval, extract_answer, mean_trajectory,
+                      model_summary, paired_difference, persona_means, results_table, run_evaluation,
+                      unique_labels, use_model)
+from simulator import RulesBackend, Simulator, load_personas
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data")
+PNG_HEADER = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path):
+    assert os.path.getsize(path) > 1000, path
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_HEADER, path
+
+
+def fake_record(persona_id, final, end_reason="max_turns", turns=2, tokens=20, violations=0, fallbacks=0, sample=0):
+    return {"persona_id": persona_id, "sample": sample, "final_emotion": final, "end_reason": end_reason,
+            "turn_ends": list(range(turns)), "emotions": [final] * turns, "policy_tokens": tokens,
+            "violations": violations, "fallbacks": fallbacks}
+
+
+# ----------------------------------------------------------------------------------------------
+# Score, bootstrap interval, paired difference
+# ----------------------------------------------------------------------------------------------
+def test_constant_scores_give_a_zero_width_interval():
+    assert bootstrap_interval([55.0] * 7, n_boot=500, seed=3) == (55.0, 55.0)
+
+
+def test_bootstrap_interval_against_hand_computation():
+    # [0, 100]: resampled means are 0, 50, 100 with probabilities 1/4, 1/2, 1/4, so the 2.5% and
+    # 97.5% quantiles are the extremes.
+    assert bootstrap_interval([0, 100], n_boot=2000, seed=0) == (0.0, 100.0)
+    # [0, 0, 0, 100]: P(mean = 0) = (3/4)^4 = 0.32 > 0.025; P(mean >= 75) = 0.051 > 0.025 but
+    # P(mean = 100) = 0.004 < 0.025, so the upper end is 75.
+    assert bootstrap_interval([0, 0, 0, 100], n_boot=2000, seed=0) == (0.0, 75.0)
+
+
+def test_bootstrap_interval_is_about_the_normal_one_and_seeded():
+    values = np.arange(1, 41, dtype=float)  # mean 20.5
+    low, high = bootstrap_interval(values, n_boot=4000, seed=1)
+    half = 1.96 * values.std() / np.sqrt(len(values))  # 3.58
+    assert low < 20.5 < high
+    assert abs((high - low) / 2 - half) < 0.15 * half
+    assert bootstrap_interval(values, n_boot=500, seed=7) == bootstrap_interval(values, n_boot=500, seed=7)
+    assert bootstrap_interval(values, n_boot=500, seed=7) != bootstrap_interval(values, n_boot=500, seed=8)
+
+
+def test_paired_difference_cancels_persona_difficulty():
+    base = [10, 50, 90, 30]
+    treated = [b + 5 for b in base]
+    p = paired_difference(treated, base, n_boot=1000)
+    # every persona moved by exactly +5: a paired interval has no width, while two separate
+    # intervals of the spread-out scores would overlap widely
+    assert p == {"mean": 5.0, "low": 5.0, "high": 5.0, "n": 4}
+    worse = paired_difference([b - d for b, d in zip(base, [1, 2, 3, 4])], base, n_boot=1000)
+    assert worse["mean"] == -2.5 and worse["low"] < -2.5 < worse["high"] <= -1.0
+    with pytest.raises(ValueError, match="same personas"):
+        paired_difference([1, 2], [1, 2, 3])
+
+
+def test_score_averages_samples_per_persona_first():
+    records = [fake_record("p1", 40, sample=0), fake_record("p1", 60, sample=1),
+               fake_record("p2", 10, end_reason="left", turns=1, tokens=5)]
+    assert persona_means(records, ["p1", "p2"]).tolist() == [50.0, 10.0]
+    s = model_summary(records, ["p1", "p2"], n_boot=200)
+    assert s["score"] == 30.0  # (50 + 10) / 2, not the dialogue mean 36.7
+    assert s["ci_low"] == 10.0 and s["ci_high"] == 50.0
+    assert (s["successes"], s["failures"], s["dialogues"], s["personas"]) == (0, 1, 3, 2)
+    assert s["turns_mean"] == 5 / 3
+    assert s["reply_tokens_mean"] == 45 / 5
+    with pytest.raises(ValueError, match="p3"):
+        persona_means(records, ["p1", "p3"])
+
+
+def test_summary_counts_successes_violations_and_fallbacks():
+    records = [fake_record("a", 100, end_reason="success", violations=1, fallbacks=2),
+               fake_record("b", 5, end_reason="left", violations=2),
+               fake_record("c", 60, fallbacks=1)]
+    s = model_summary(records, ["a", "b", "c"], n_boot=100)
+    assert s["score"] == 55.0
+    assert (s["successes"], s["failures"], s["think_violations"], s["simulator_fallbacks"]) == (1, 1, 3, 3)
+    assert s["think_violation_rate"] == 3 / 6
+    assert s["end_reasons"] == {"success": 1, "left": 1, "max_turns": 1}
+
+
+def test_mean_trajectory_carries_final_emotion_forward():
+    assert mean_trajectory([[40, 45], [40, 50, 60]]) == [40.0, 47.5, 52.5]
+    records = [{"emotions": [45]}, {"emotions": [50, 60]}]
+    assert mean_trajectory([evaluate.trajectory(r, 40) for r in records]) == [40.0, 47.5, 52.5]
+
+
+def test_results_table(tmp_path):
+    ids = ["p1", "p2"]
+    base = model_summary([fake_record("p1", 40), fake_record("p2", 60)], ids, n_boot=100)
+    ppo = model_summary([fake_record("p1", 45, tokens=40), fake_record("p2", 100, "success")], ids, n_boot=100)
+    base["label"], ppo["label"] = "base", "ppo"
+    args = EvalArgs(personas="/x/personas.json", out=str(tmp_path), bootstrap=100)
+    results = {"settings": vars(args), "readout": "likelihood", "personas_played": 2, "models": [base, ppo],
+               "paired": [{"model": "ppo", "vs": "base", **paired_difference([45, 100], [40, 60], 100)}],
+               "math": None}
+    table = results_table(results)
+    lines = table.splitlines()
+    assert "2 personas from `personas.json` (split test)" in lines[0] and "start emotion 40" in lines[0]
+    assert lines[2].startswith("| model | score | vs base | successes | failures |")
+    assert lines[4] == "| base | 50.0 [40.0, 60.0] | - | 0/2 | 0/2 | 2.0 | 10 | 0 (0%) | 0 |"
+    assert lines[5].startswith("| ppo | 72.5 [45.0, 100.0] | +22.5 [+5.0, +40.0] | 1/2 | 0/2 | 2.0 | 15 |")
+    results["math"] = {"models": {"base": {"accuracy": 0.5}, "ppo": {"accuracy": 0.25}},
+                       "paired": [{"model": "ppo", "mean": -0.25, "low": -0.5, "high": 0.0}]}
+    table = results_table(results).splitlines()
+    assert table[2].endswith("| math acc. | math vs base |")
+    assert table[4].endswith("| 50.0% | - |") and table[5].endswith("| 25.0% | -25.0 pts [-50.0, +0.0] |")
+
+
+# ----------------------------------------------------------------------------------------------
+# Answer extraction
+# ----------------------------------------------------------------------------------------------
+EXTRACT = [
+    ("The workshop builds 1,200 chairs.", "1200"),
+    ("Answer: 1,234,567", "1234567"),
+    ("She sells 3/4 of them, so 12 are left.", "12"),
+    ("So the share is 3/4", "3/4"),
+    (r"The result is $\boxed{\frac{3}{4}}$.", "3/4"),
+    (r"\boxed{-\dfrac{1}{2}}", "-1/2"),
+    (r"First \boxed{5}, corrected: \boxed{6}", "6"),
+    (r"\boxed{12 \text{ apples}}", "12"),
+    (r"\boxed{2\sqrt{3}}", r"2\sqrt{3}"),
+    ("48 - 36 = 12\nAnswer: 12 apples", "12"),
+    ("It costs $3.50 in total", "3.50"),
+    ("Answer: $3.50", "3.50"),
+    ("The temperature drops to -7 degrees.", "-7"),
+    ("Answer: \u22127", "-7"),
+    ("The answer is 7.", "7"),
+    ("The answer is: 0.50.", "0.50"),
+    ("**Answer:** 72 km/h", "72"),
+    ("Answer: x = 8", "8"),
+    ("Answer:\n42", "42"),
+    ("Answer: 15%", "15"),
+    ("I will answer carefully: 5 + 7 = 12", "12"),  # 'answer carefully' is not a marker
+    ("Answer: 2, but 3 also works: the answer is 4", "4"),
+    ("no numbers at all", ""),
+]
+
+
+@pytest.mark.parametrize("text,expected", EXTRACT, ids=[t for t, _ in EXTRACT])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+MATCH = [("0.50", "0.5", True), ("0.5", "1/2", True), ("3/4", r"\frac{3}{4}", True), ("1200", "1,200", True),
+         ("7", "7.0", True), ("-7", "7", False), ("11/12", "11/12", True), ("22/3", "7.33", False),
+         (r"2\sqrt{3}", r"2 \sqrt{3}", True), ("", "0", False), ("12", "13", False)]
+
+
+@pytest.mark.parametrize("predicted,reference,same", MATCH)
+def test_answers_match(predicted, reference, same):
+    assert answers_match(predicted, reference) is same
+
+
+def test_shipped_math_answers_are_read_back():
+    problems = evaluate.load_math_or_exit(os.path.join(DATA, "math_problems.jsonl"))
+    assert len(problems) == 30
+    for p in problems:
+        assert answers_match(extract_answer(f"Some steps.\nAnswer: {p['answer']}"), p["answer"]), p
+        assert answers_match(extract_answer(f"so it is \\boxed{{{p['answer']}}}."), p["answer"]), p
+        assert not answers_match(extract_answer(f"Answer: {p['answer']}1"), p["answer"]), p
+
+
+# ----------------------------------------------------------------------------------------------
+# Models under test: labels and adapter switching
+# ----------------------------------------------------------------------------------------------
+def test_unique_labels():
+    assert unique_labels(["runs/ppo/adapter", "runs/grpo/adapter", "runs/x/sft/"]) == \
+        ["ppo/adapter", "grpo/adapter", "sft"]
+    assert unique_labels(["ckpt/base"]) == ["ckpt/base"]  # 'base' is the base model's label
+    assert unique_labels(["a/b", "a/b"]) == ["a/b", "a/b#2"]
+
+
+@pytest.fixture(scope="module")
+def tiny_peft(tiny_model):
+    """The tiny Llama with two different random LoRA adapters, 'default' and 'adapter_1'."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tokenizer = tiny_model
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    peft = get_peft_model(copy.deepcopy(model), config)
+    peft.add_adapter("adapter_1", config)
+    peft.requires_grad_(False)
+    peft.eval()
+    return peft, tokenizer, model
+
+
+def test_base_context_nests_with_the_same_simulator(tiny_peft):
+    peft, tokenizer, plain = tiny_peft
+    ids = torch.tensor([tokenizer("hello there, how are you")["input_ids"]])
+    reference = plain(ids).logits
+    with use_model(peft, "default"):
+        first = peft(ids).logits
+    with use_model(peft, "adapter_1"):
+        second = peft(ids).logits
+    assert not torch.allclose(first, reference, atol=1e-4) and not torch.allclose(first, second, atol=1e-4)
+    with use_model(peft, None):
+        torch.testing.assert_close(peft(ids).logits, reference)
+        with peft.disable_adapter():  # what LocalBackend(use_base=True) does inside a base run
+            torch.testing.assert_close(peft(ids).logits, reference)
+        torch.testing.assert_close(peft(ids).logits, reference)  # still the base after the inner exit
+    with use_model(peft, "adapter_1"):  # and the adapter is back after the outer one
+        torch.testing.assert_close(peft(ids).logits, second)
+
+
+# ----------------------------------------------------------------------------------------------
+# The evaluation loop on the tiny model with the rules user (seconds)
+# ----------------------------------------------------------------------------------------------
+MODELS = [{"label": "base", "adapter_name": None, "adapter_path": None},
+          {"label": "one", "adapter_name": "default", "adapter_path": "x/one"},
+          {"label": "two", "adapter_name": "adapter_1", "adapter_path": "x/two"}]
+
+
+def tiny_run(tiny_peft, tmp_path, personas_file, split="test", n=2, problems=None, models=MODELS):
+    peft, tokenizer, _ = tiny_peft
+    args = EvalArgs(personas=personas_file, split=split, out=str(tmp_path / "eval"), simulator="rules",
+                    max_turns=2, max_new_tokens=6, bootstrap=200, math_max_new_tokens=5, math_batch_size=2)
+    personas = load_personas(personas_file, split)[:n]
+    sim = Simulator(RulesBackend(), start_emotion=args.start_emotion, max_turns=args.max_turns)
+    return args, run_evaluation(args, peft, tokenizer, sim, personas, models, problems)
+
+
+def check_output_folder(out, labels, personas_played):
+    results = json.load(open(os.path.join(out, "results.json")))
+    assert results["complete"] and [m["label"] for m in results["models"]] == labels
+    assert [p["model"] for p in results["paired"]] == labels[1:]
+    for m in results["models"]:
+        assert len(m["per_persona"]) == personas_played and len(m["dialogue_results"]) == personas_played
+        assert 0 <= m["ci_low"] <= m["score"] <= m["ci_high"] <= 100
+    lines = [json.loads(x) for x in open(os.path.join(out, "transcripts.jsonl"))]
+    assert [x["model"] for x in lines] == [lab for lab in labels for _ in range(personas_played)]
+    assert all("token_ids" not in x and x["turns"][0]["role"] == "user" for x in lines)
+    table = open(os.path.join(out, "results.md")).read()
+    assert all(f"| {lab} |" in table for lab in labels)
+    for name in ("scores.png", "trajectories.png"):
+        assert_png(os.path.join(out, name))
+    return results
+
+
+def test_sage_file_evaluates(tiny_peft, tmp_path):
+    args, results = tiny_run(tiny_peft, tmp_path, os.path.join(DATA, "sage_sample.jsonl"), n=3)
+    check_output_folder(args.out, ["base", "one", "two"], 3)
+    assert results["persona_ids"] == ["sage-001", "sage-002", "sage-003"]
+
+
+def test_project_file_evaluates_with_math(tiny_peft, tmp_path):
+    problems = evaluate.load_math_or_exit(os.path.join(DATA, "math_problems.jsonl"))[:3]
+    args, results = tiny_run(tiny_peft, tmp_path, os.path.join(ROOT, "personas.json"), problems=problems)
+    check_output_folder(args.out, ["base", "one", "two"], 2)
+    math = results["math"]
+    assert set(math["models"]) == {"base", "one", "two"} and [p["model"] for p in math["paired"]] == ["one", "two"]
+    assert all(len(m["answers"]) == 3 and 0 <= m["accuracy"] <= 1 for m in math["models"].values())
+    assert "math acc." in open(os.path.join(args.out, "results.md")).read()
+
+
+def test_failure_half_way_leaves_finished_transcripts(tiny_peft, tmp_path, monkeypatch):
+    real = evaluate.play_dialogues
+    calls = []
+
+    def fail_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(*a, **k)
+
+    monkeypatch.setattr(evaluate, "play_dialogues", fail_second)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        tiny_run(tiny_peft, tmp_path, os.path.join(DATA, "sage_sample.jsonl"))
+    out = tmp_path / "eval"
+    assert [json.loads(x)["model"] for x in open(out / "transcripts.jsonl")] == ["base", "base"]
+    partial = json.load(open(out / "results.json"))
+    assert not partial["complete"] and [m["label"] for m in partial["models"]] == ["base"]
+
+
+def test_settings_are_checked(tmp_path):
+    with pytest.raises(SystemExit, match="--sample"):
+        evaluate.parse_args(["--samples", "3"])
+    (tmp_path / "ckpt" / "policy").mkdir(parents=True)
+    (tmp_path / "ckpt" / "policy" / "adapter_config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="did you mean .*ckpt/policy"):
+        evaluate.parse_args(["--adapter", str(tmp_path / "ckpt")])
+    args = evaluate.parse_args(["--adapter", str(tmp_path / "ckpt" / "policy"), "--no-thinking", "--max-turns", "3"])
+    assert (args.thinking, args.max_turns, args.start_emotion, args.sample) == (False, 3, 40, False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training curves
+# ----------------------------------------------------------------------------------------------
+def write_run(folder, rows):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder)
+
+
+def test_curves_from_two_runs(tmp_path):
+    ppo = write_run(tmp_path / "ppo", [{"iteration": i, "reward_mean": 0.3 + 0.05 * i, "kl_ref": 0.01 * i,
+                                        "value_loss": 1.0 / (i + 1), "entropy": 2.0, "clip_frac": 0.1,
+                                        "seconds": 3.0} for i in range(1, 6)])
+    grpo = write_run(tmp_path / "grpo", [{"iteration": i, "reward_mean": 0.3 + 0.04 * i, "kl_ref": 0.02 * i,
+                                          "entropy": 2.1} for i in range(1, 4)])
+    out = tmp_path / "curves"
+    evaluate.main(["--curves", ppo, grpo, "--out", str(out)])
+    written = sorted(os.listdir(out))
+    assert written == sorted(f"curves_{k}.png" for k in ("reward_mean", "kl_ref", "value_loss", "entropy", "clip_frac"))
+    assert "seconds" not in CURVE_METRICS
+    for name in written:
+        assert_png(out / name)
+
+
+def test_curves_errors(tmp_path, capsys):
+    odd = write_run(tmp_path / "odd", [{"iteration": 1, "something_else": 1.0}])
+    with pytest.raises(SystemExit) as info:
+        evaluate.main(["--curves", odd, "--out", str(tmp_path / "c")])
+    assert info.value.code == 2 and "something_else" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        evaluate.main(["--curves", str(tmp_path / "missing"), "--out", str(tmp_path / "c")])
+    assert info.value.code == 2 and "metrics.jsonl: cannot read" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# The command end to end on the embedded model
+# ----------------------------------------------------------------------------------------------
+def run_cli(*args, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "evaluate.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_cli_bad_personas_exits_2_with_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"id": "x"}]')
+    result = run_cli("--personas", str(bad), "--out", str(tmp_path / "o"))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "error:" in result.stderr and "missing" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def trained_adapter(tmp_path_factory):
+    """A LoRA adapter on smollm2 whose B matrices were perturbed, so it is not the base."""
+    from rollout import load_policy
+
+    policy, _ = load_policy("smollm2", device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # strong enough to change greedy replies
+    folder = tmp_path_factory.mktemp("adapters") / "trained"
+    policy.save_pretrained(str(folder))
+    del policy
+    return str(folder)
+
+
+def test_cli_base_vs_adapter_end_to_end(trained_adapter, tmp_path):
+    math_file = tmp_path / "math.jsonl"
+    math_file.write_text("".join(open(os.path.join(DATA, "math_problems.jsonl")).readlines()[:2]))
+    out = tmp_path / "eval"
+    result = run_cli("--model", "smollm2", "--adapter", trained_adapter, "--personas", "personas.json",
+                     "--split", "test", "--dialogues", "2", "--max-turns", "2", "--max-new-tokens", "12",
+                     "--user-reply-tokens", "16", "--simulator", "same", "--math", str(math_file),
+                     "--math-max-new-tokens", "8", "--bootstrap", "200", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = check_output_folder(str(out), ["base", "trained"], 2)
+    assert results["readout"] == "likelihood" and results["paired"][0]["vs"] == "base"
+    assert set(results["paired"][0]) >= {"mean", "low", "high"}
+    assert results["math"]["paired"][0]["model"] == "trained"
+    lines = [json.loads(x) for x in open(out / "transcripts.jsonl")]
+    base_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "base"]
+    trained_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "trained"]
+    assert base_first != trained_first  # the adapter really was switched on
+    assert "| base |" in result.stdout and "| trained |" in result.stdout

@@ -1,1 +1,486 @@
-"""(not written yet)"""
+"""GRPO for RLVER: group-relative advantages over the same multi-turn rollouts, no critic.
+
+Each iteration takes --personas-per-iteration personas and plays --group-size dialogues with each,
+all from the persona's fixed opening (rollout.py). A dialogue's reward is its final emotion / 100;
+its advantage is the reward minus the mean of its group, divided by the group's std (Shao et al.
+2024, DeepSeekMath, arXiv 2402.03300), broadcast over every token the agent sampled in it. Then
+clipped policy-gradient steps on the LoRA adapter. No value model: the group mean is the baseline.
+
+One copy of the weights serves three roles: the policy (adapter 'default'), the reference policy
+(adapter disabled) and, with --simulator same, the simulated user (adapter disabled too).
+
+This file is ppo.py with the critic taken out and the group advantage put in; the two are kept
+parallel line by line so that `diff ppo.py grpo.py` shows exactly what GRPO changes.
+
+    python grpo.py                      # the paper's GRPO setup on a CUDA machine (Qwen2.5-7B-Instruct)
+    python grpo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
+    accelerate launch --num_processes 8 grpo.py   # data parallel on one node
+"""
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rollout import (DEFAULT_TARGETS, RunFolder, batched_logprobs, latest_checkpoint, load_adapter_weights,
+                     load_policy, masked_mean, pad_records, parse_settings, play_dialogues, rng_state,
+                     save_checkpoint, set_rng_state, set_seed, summarize, token_logprobs, transcript_record)
+from simulator import Simulator, load_personas_or_exit, make_backend
+
+
+@dataclass
+class Args:
+    preset: str = field(default="paper", metadata={"help": "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win"})
+    # the policy
+    model: str = field(default="Qwen/Qwen2.5-7B-Instruct", metadata={"help": "policy base: hub id, path, or smollm2 (embedded)"})
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank of the policy adapter"})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (scale = alpha / r)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout; 0 keeps the first ratio exactly 1"})
+    target_modules: str = field(default=DEFAULT_TARGETS, metadata={"help": "comma-separated module names that get LoRA"})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: NF4 base weights via bitsandbytes (CUDA only)"})
+    gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in the backward pass"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "allow model code from the hub (off unless you trust it)"})
+    # the simulated user
+    simulator: str = field(default="same", metadata={"help": "same | rules | model id/path | http://host:port/v1"})
+    simulator_device_map: str = field(default="auto", metadata={"help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
+    readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules (see README: read-outs)"})
+    api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
+    api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable with the URL simulator's key"})
+    personas: str = field(default="personas.json", metadata={"help": "persona file"})
+    split: str = field(default="train", metadata={"help": "persona split to train on"})
+    start_emotion: int = field(default=30, metadata={"help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
+    max_change: int = field(default=10, metadata={"help": "largest emotion change per turn"})
+    max_turns: int = field(default=8, metadata={"help": "agent turns per dialogue (RLVER: 8)"})
+    sim_reply_tokens: int = field(default=96, metadata={"help": "tokens per simulated user message"})
+    # rollouts
+    personas_per_iteration: int = field(default=8, metadata={"help": "personas (groups) per iteration, over all processes (RLVER: 32 dialogues = 8 x 4)"})
+    group_size: int = field(default=4, metadata={"help": "dialogues per persona, all from its opening (RLVER: 4); at least 2"})
+    thinking: bool = field(default=True, metadata={"help": "think-then-say scaffold (the paper's best run)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; the trainer's log-probs use the same"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (RLVER: 1.0)"})
+    greedy: bool = field(default=False, metadata={"help": "decode greedily: reproducible dialogues for tests and debugging, not for training (a group's dialogues would be identical)"})
+    max_new_tokens: int = field(default=512, metadata={"help": "tokens per agent turn"})
+    max_context: int = field(default=6144, metadata={"help": "tokens per dialogue; past it the dialogue ends with 'context'"})
+    # rewards
+    reward: str = field(default="final", metadata={"help": "final: final emotion / 100 | turn: sum of the turns' changes / 100"})
+    format_penalty: float = field(default=0.0, metadata={"help": "subtracted per think-format violation (thinking on)"})
+    beta: float = field(default=0.0, metadata={"help": "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)"})
+    # advantages
+    scale_rewards: str = field(default="group", metadata={"help": "group: (r - group mean) / group std | batch: / batch std | none: r - group mean (Dr. GRPO)"})
+    drop_zero_spread: bool = field(default=False, metadata={"help": "leave groups whose rewards are all equal out of the loss (default: keep, they weigh zero)"})
+    # the update
+    num_iterations: int = field(default=1, metadata={"help": "passes over each iteration's dialogues (GRPO's mu); 1 = plain policy gradient"})
+    minibatch_size: int = field(default=32, metadata={"help": "dialogues per optimizer step, over all processes; the whole batch = one step per batch"})
+    micro_batch_size: int = field(default=2, metadata={"help": "dialogues per forward pass (gradient accumulation)"})
+    clip_low: float = field(default=0.2, metadata={"help": "clip: ratio kept within [1 - clip_low, 1 + clip_high]"})
+    clip_high: float = field(default=0.2, metadata={"help": "upper clip; larger than clip_low = clip-higher (DAPO uses 0.28)"})
+    ent_coef: float = field(default=0.0, metadata={"help": "entropy bonus coefficient"})
+    loss_agg: str = field(default="seq-mean-token-mean", metadata={"help": "seq-mean-token-mean (GRPO paper) | token-mean | dr-grpo (token sum / fixed budget)"})
+    lr: float = field(default=1e-5, metadata={"help": "LoRA learning rate (paper, full fine-tuning: 1e-6)"})
+    warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping"})
+    max_bad_updates: int = field(default=3, metadata={"help": "stop after this many non-finite updates in a row"})
+    # the run
+    iterations: int = field(default=200, metadata={"help": "training iterations"})
+    save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
+    out: str = field(default="runs/grpo", metadata={"help": "run folder"})
+    resume: str = field(default="", metadata={"help": "run folder to continue from its newest complete checkpoint"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+
+
+PRESETS = {
+    "paper": {},
+    # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
+    # model never writes the tags, and the instructions about them only make its replies worse.
+    "cpu": dict(model="smollm2", personas_per_iteration=2, group_size=2, max_turns=2, max_new_tokens=32,
+                sim_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
+                gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
+                lr=5e-5, iterations=3, save_every=1, out="runs/grpo-cpu"),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The method: small pure functions (tests/test_grpo.py holds each against a hand computation)
+# ----------------------------------------------------------------------------------------------
+def dialogue_rewards(records, mode="final", format_penalty=0.0):
+    """One reward per dialogue (B,), the scalar GRPO compares within a group.
+    final: final emotion / 100 (the paper).
+    turn:  sum of the turns' emotion changes / 100; GRPO has no per-token credit, so this differs
+           from final only by the constant start emotion / 100 (and where a clamp at 0 or 100 ate
+           part of a change), which the group mean removes anyway. Kept for parity with ppo.py.
+    The format penalty is subtracted once per violating agent turn."""
+    out = []
+    for r in records:
+        if mode == "final":
+            reward = r["final_emotion"] / 100.0
+        elif mode == "turn":
+            reward = sum(r["changes"]) / 100.0
+        else:
+            raise ValueError(f"--reward must be final or turn, got '{mode}'")
+        if format_penalty:
+            reward -= format_penalty * sum(t.get("violation") is not None for t in r["turns"] if t["role"] == "agent")
+        out.append(reward)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def group_stats(rewards, group_ids):
+    """Per dialogue (B,): its group's mean reward, std (with Bessel's correction, as torch.std,
+    TRL and verl use) and whether every reward in the group is the same (zero spread)."""
+    mean, std = torch.zeros_like(rewards), torch.zeros_like(rewards)
+    flat = torch.zeros(len(rewards), dtype=torch.bool)
+    for g in group_ids.unique():
+        members = group_ids == g
+        if members.sum() < 2:
+            raise ValueError(f"group {int(g)} has {int(members.sum())} dialogue(s); GRPO needs at least 2 "
+                             f"per group (--group-size >= 2)")
+        r = rewards[members]
+        mean[members], std[members] = r.mean(), r.std()
+        flat[members] = bool(r.max() == r.min())
+    return mean, std, flat
+
+
+def group_advantages(rewards, group_ids, scale="group", eps=1e-4):
+    """Advantage of each dialogue (B,) from its reward and its group.
+    group: (r - group mean) / (group std + eps)   GRPO (DeepSeekMath); eps 1e-4 as TRL
+    batch: (r - group mean) / (batch std + eps)   the std of all rewards of the iteration (TRL's
+                                                  scale_rewards="batch"); a group with a small
+                                                  spread is not blown up to unit scale
+    none:  r - group mean                         Dr. GRPO (Liu et al. 2025, arXiv 2503.20783):
+                                                  dividing by the std favours too-easy/too-hard groups
+    A group whose rewards are all equal gets exactly 0 (not round-off / eps) in every mode."""
+    rewards = rewards.double()
+    mean, std, flat = group_stats(rewards, group_ids)
+    if scale == "group":
+        advantages = (rewards - mean) / (std + eps)
+    elif scale == "batch":
+        advantages = (rewards - mean) / (rewards.std() + eps)
+    elif scale == "none":
+        advantages = rewards - mean
+    else:
+        raise ValueError(f"--scale-rewards must be group, batch or none, got '{scale}'")
+    return torch.where(flat, torch.zeros_like(advantages), advantages)
+
+
+def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
+    """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so
+    that summing the micro-batches gives the minibatch loss whatever the split.
+    seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice); a token of a
+                         short dialogue weighs more than one of a long dialogue.
+    token-mean: every agent token weighs the same (DAPO); long dialogues weigh more.
+    dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget (Dr. GRPO):
+             no length-dependent normalisation at all. We take the budget as the most tokens a
+             dialogue can hold, max_turns x max_new_tokens."""
+    if mode == "seq-mean-token-mean":
+        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
+    if mode == "token-mean":
+        return (loss * mask).sum() / total_tokens
+    if mode == "dr-grpo":
+        if not token_budget:
+            raise ValueError("loss aggregation 'dr-grpo' needs a token budget")
+        return (loss * mask).sum() / (total_seqs * token_budget)
+    raise ValueError(f"--loss-agg must be seq-mean-token-mean, token-mean or dr-grpo, got '{mode}'")
+
+
+def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
+    """Per-token PPO surrogate (Schulman et al. 2017) with an asymmetric clip (clip-higher, DAPO).
+    Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high)).
+    With one pass over the batch and one optimizer step per batch, old_logprobs are the current
+    weights' own log-probs, so r = 1 exactly, nothing is clipped, and the gradient is the plain
+    policy gradient -A grad log p (GRPO with mu = 1, as TRL's default)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
+
+
+def kl_k3(logprobs, ref_logprobs):
+    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
+    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020); GRPO's KL term."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1
+
+
+def trainable(model, name):
+    """The LoRA parameters of one adapter."""
+    return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]
+
+
+def global_sum(x, accelerator):
+    return accelerator.reduce(x, "sum") if accelerator.num_processes > 1 else x
+
+
+def main(argv=None):
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object
+    from tqdm import tqdm
+
+    args = parse_settings(Args, PRESETS, argv)
+    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
+        sys.exit("error: the paper's setup needs CUDA; on this machine run `python grpo.py --preset cpu`")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    # A group is played and scored inside one process, never split: each gets whole personas.
+    for name in ("personas_per_iteration", "minibatch_size"):
+        if getattr(args, name) % world:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
+    if args.group_size < 2:
+        sys.exit(f"error: --group-size {args.group_size}: GRPO compares dialogues within a group; use 2 or more")
+    batch_size = args.personas_per_iteration * args.group_size
+    if batch_size % args.minibatch_size:
+        sys.exit(f"error: --minibatch-size {args.minibatch_size} must divide the batch of {batch_size} dialogues "
+                 f"(--personas-per-iteration x --group-size)")
+    for name, allowed in (("scale_rewards", ("group", "batch", "none")), ("reward", ("final", "turn")),
+                          ("loss_agg", ("seq-mean-token-mean", "token-mean", "dr-grpo"))):
+        if getattr(args, name) not in allowed:
+            sys.exit(f"error: --{name.replace('_', '-')} must be one of {' | '.join(allowed)}, got '{getattr(args, name)}'")
+    set_seed(args.seed)  # the same adapter initialisation on every process
+    personas = load_personas_or_exit(args.personas, args.split)
+
+    # --- the model: policy adapter on a frozen base; no critic --------------------------------
+    model, tokenizer = load_policy(args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                                   lora_dropout=args.lora_dropout, target_modules=args.target_modules,
+                                   load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing,
+                                   trust_remote_code=args.trust_remote_code)
+    params = trainable(model, "default")
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    local_simulator = args.simulator not in ("same", "rules") and not args.simulator.startswith("http")
+    sim_device_map = None
+    if local_simulator and world == 1 and torch.cuda.device_count() > 1 and args.simulator_device_map == "auto":
+        # one process, several GPUs: the policy keeps GPU 0, the simulator spreads over the others
+        sim_device_map = "auto"
+    backend = make_backend(args.simulator, policy=model, tokenizer=tokenizer, api_model=args.api_model,
+                           api_key_env=args.api_key_env, device=device, device_map=sim_device_map,
+                           max_memory=_other_gpus() if sim_device_map else None,
+                           trust_remote_code=args.trust_remote_code)
+    simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion, max_change=args.max_change,
+                          max_turns=args.max_turns, reply_tokens=args.sim_reply_tokens)
+    if accelerator.is_main_process:
+        where = "shares the policy's base" if args.simulator == "same" else (
+            "spread over GPUs 1.." if sim_device_map else f"on {device}" if args.simulator != "rules" else "rules")
+        print(f"policy {args.model} on {device} x {world} process(es); simulator {args.simulator} ({where}), "
+              f"read-out {simulator.readout}; {args.personas_per_iteration} personas x {args.group_size} dialogues")
+
+    # --- run folder and resume ---------------------------------------------------------------
+    start_iteration = 0
+    if args.resume:
+        args.out = args.resume
+        ckpt = latest_checkpoint(args.resume)
+        if ckpt is None:
+            sys.exit(f"error: --resume {args.resume}: no complete checkpoint in {args.resume}/checkpoints")
+        state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
+        load_adapter_weights(model, ckpt, "default")
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_iteration = state["iteration"]
+        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+        if len(rngs) == world:  # the same number of processes: continue exactly where it stopped
+            set_rng_state(rngs[rank])
+        else:                   # another number of processes: a fresh, still reproducible, stream
+            set_seed(args.seed + rank + 7919 * start_iteration)
+    else:
+        set_seed(args.seed + rank)  # each process samples its own dialogues
+    run = RunFolder(args.out, args, resume=bool(args.resume), enabled=accelerator.is_main_process)
+    if args.resume:
+        run.truncate("metrics.jsonl", start_iteration)
+        run.truncate("rollouts.jsonl", start_iteration)
+
+    bad_updates = 0
+    # Dr. GRPO's constant: the most agent tokens one dialogue can hold.
+    token_budget = args.max_turns * args.max_new_tokens
+    bar = tqdm(range(start_iteration, args.iterations), desc="grpo", disable=not accelerator.is_main_process)
+    for iteration in bar:
+        t_start = time.time()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        # --- 1. collect dialogues: this process's whole groups (its share of the personas) --------
+        pick = random.Random(args.seed * 1_000_003 + iteration)
+        chosen = pick.sample(personas, args.personas_per_iteration) if len(personas) >= args.personas_per_iteration \
+            else [pick.choice(personas) for _ in range(args.personas_per_iteration)]
+        share = args.personas_per_iteration // world
+        records, rstats = play_dialogues(model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
+                                         samples_per_persona=args.group_size,
+                                         thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
+                                         max_new_tokens=args.max_new_tokens, max_context=args.max_context,
+                                         greedy=args.greedy, progress=False)
+        t_rollout = time.time() - t_start
+
+        # --- 2. score: old log-probs, reference log-probs, rewards, group advantages --------------
+        t0 = time.time()
+        batch = pad_records(records, tokenizer.pad_token_id, device)
+        mask = batch["action_mask"]                                                         # (B, T)
+        # Recomputed with the training forward pass rather than taken from generate, so that the
+        # ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
+        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)          # (B, T)
+        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)  # (B, T)
+        rewards = dialogue_rewards(records, args.reward, args.format_penalty)                           # (B,)
+        group_ids = torch.tensor([rank * share + r["group"] for r in records])                          # (B,)
+        # The advantages of the whole iteration, on every process: batch scaling needs the std of all
+        # rewards. gather_object concatenates in rank order, so this process's rows are one slice.
+        all_rewards = torch.tensor(gather_object(rewards.tolist()), dtype=torch.float64) if world > 1 else rewards
+        all_groups = torch.tensor(gather_object(group_ids.tolist())) if world > 1 else group_ids
+        all_advantages = group_advantages(all_rewards, all_groups, args.scale_rewards)                  # (N,)
+        _, all_std, all_flat = group_stats(all_rewards, all_groups)                                      # (N,)
+        mine = slice(rank * len(records), (rank + 1) * len(records))
+        zero_spread = all_flat[mine].to(device)                                                         # (B,)
+        if args.drop_zero_spread:
+            # Their advantage is 0 anyway; dropping them also takes them out of the loss's
+            # denominators (the other dialogues weigh more) and out of the entropy and KL terms.
+            mask = mask * (~zero_spread).float()[:, None]                                                # (B, T)
+        keep = (mask.sum(1) > 0).float()                                                                # (B,)
+        advantages = all_advantages[mine].float().to(device)[:, None] * mask                            # (B, T)
+        t_score = time.time() - t0
+
+        # --- 3. update: passes x minibatches x micro-batches ------------------------------------
+        t0 = time.time()
+        model.train()
+        logs = {k: [] for k in ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ratio_first",
+                                "grad_norm")}
+        skipped_steps = 0
+        local_mb = args.minibatch_size // world
+        for epoch in range(args.num_iterations):
+            order = torch.randperm(len(records)).tolist()
+            for start in range(0, len(records), local_mb):
+                mb_inds = order[start:start + local_mb]
+                total_tokens = global_sum(mask[mb_inds].sum(), accelerator).clamp(min=1)
+                total_seqs = global_sum(keep[mb_inds].sum(), accelerator)  # = minibatch_size unless dropped
+                if total_seqs.item() == 0:
+                    # every dialogue of this minibatch was dropped (or has no agent token): no step,
+                    # which also keeps Adam's momentum from moving the weights on a zero gradient
+                    skipped_steps += 1
+                    continue
+                optimizer.zero_grad(set_to_none=True)
+                for m0 in range(0, len(mb_inds), args.micro_batch_size):
+                    idx = mb_inds[m0:m0 + args.micro_batch_size]
+                    ids, att, m = batch["input_ids"][idx], batch["attention_mask"][idx], mask[idx]   # (b, T)
+                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True)
+                    # With --num-iterations 1 and one minibatch per batch, newlogprob == old_logprobs:
+                    # the ratio is exactly 1 and this is the plain policy gradient.
+                    pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx], advantages[idx],
+                                                             args.clip_low, args.clip_high)
+                    kl_ref = kl_k3(newlogprob, ref_logprobs[idx])
+                    loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs, token_budget)
+                            - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs, token_budget)
+                            + args.beta * aggregate(kl_ref, m, args.loss_agg, total_tokens, total_seqs, token_budget))
+                    loss.backward()
+                    with torch.no_grad():
+                        logratio = newlogprob - old_logprobs[idx]
+                        logs["policy_loss"].append(masked_mean(pg, m).item())
+                        logs["entropy"].append(masked_mean(entropy, m).item())
+                        logs["approx_kl"].append(masked_mean(torch.exp(logratio) - 1 - logratio, m).item())  # k3
+                        logs["clip_frac"].append(masked_mean(clipped, m).item())
+                        logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
+                        if epoch == 0 and start == 0 and m0 == 0:
+                            logs["ratio_first"].append(masked_mean(ratio, m).item())
+                # gradients: sum over processes (each loss was already divided by the global count)
+                for p in params:
+                    if world > 1:
+                        p.grad = accelerator.reduce(p.grad if p.grad is not None else torch.zeros_like(p), "sum")
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                if not torch.isfinite(grad_norm):
+                    # a non-finite loss gives non-finite gradients: skip this step, stop if it persists
+                    optimizer.zero_grad(set_to_none=True)
+                    bad_updates += 1
+                    print(f"warning: iteration {iteration}: non-finite gradient, update skipped "
+                          f"({bad_updates} in a row)", file=sys.stderr)
+                    if bad_updates >= args.max_bad_updates:
+                        path = _save(args, iteration, model, optimizer, scheduler, accelerator)
+                        if accelerator.is_main_process:
+                            print(f"error: {bad_updates} non-finite updates in a row; stopped. Last state saved in "
+                                  f"{path}. Lower --lr or raise --micro-batch-size precision "
+                                  f"(bf16 -> fp32) and resume.", file=sys.stderr)
+                        sys.exit(1)
+                    continue
+                bad_updates = 0
+                optimizer.step()
+                scheduler.step()
+                logs["grad_norm"].append(grad_norm.item())
+        t_update = time.time() - t0
+
+        # --- 4. log: global means over every process's dialogues ---------------------------------
+        all_records = gather_object(records) if world > 1 else records
+        # data parallel: every process must hold bit-identical adapters after the update
+        fingerprint = _fingerprint(params)
+        replicas_identical = len(set(gather_object([fingerprint]) if world > 1 else [fingerprint])) == 1
+        with torch.no_grad():  # over every process's agent tokens
+            rollout_mask = batch["action_mask"]
+            kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(), accelerator)
+                              / global_sum(rollout_mask.sum(), accelerator).clamp(min=1)).item()
+        # reward_mean as in ppo.py (no format penalty), so the two scripts' curves compare
+        rewards_per_dialogue = dialogue_rewards(all_records, args.reward).numpy()
+        first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])  # one row per group
+        summary = summarize(all_records, rstats)
+        metrics = {
+            "iteration": iteration + 1,
+            "reward_mean": float(rewards_per_dialogue.mean()), "reward_std": float(rewards_per_dialogue.std()),
+            "group_reward_std": float(all_std[first_of_group].mean()),
+            "zero_spread_groups": int(all_flat[first_of_group].sum()),
+            **summary,
+            **{k: _global_mean(v, accelerator) for k, v in logs.items()},
+            "kl_ref": kl_ref_rollout, "skipped_steps": skipped_steps,
+            "lr": optimizer.param_groups[0]["lr"],
+            "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
+            "time_iteration": time.time() - t_start,
+            "update_tokens_per_s": float(mask.sum().item() * args.num_iterations / max(t_update, 1e-9)),
+            "peak_memory_gb": _peak_memory_gb(), "processes": world, "replicas_identical": replicas_identical,
+        }
+        run.append("metrics.jsonl", [metrics])
+        run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}",
+                        flat=metrics["zero_spread_groups"])
+        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
+            _save(args, iteration + 1, model, optimizer, scheduler, accelerator)
+        accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        print(f"done: {args.out} (adapter: {latest_checkpoint(args.out)}/default)")
+    return model  # the trained PeftModel, for tests and notebooks
+
+
+def _save(args, iteration, model, optimizer, scheduler, accelerator):
+    """Every process hands in its RNG state; the main process writes the checkpoint."""
+    from accelerate.utils import gather_object
+
+    rngs = gather_object([rng_state()]) if accelerator.num_processes > 1 else [rng_state()]
+    if not accelerator.is_main_process:
+        return None
+    return save_checkpoint(args.out, iteration, model, ["default"], {
+        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "args": vars(args),
+        "rng": rngs if len(rngs) > 1 else rngs[0]})
+
+
+def _global_mean(values, accelerator):
+    """The mean of a logged quantity over every process (each process's own mean, averaged)."""
+    local = torch.tensor(float(np.mean(values)) if values else float("nan"), device=accelerator.device)
+    return (accelerator.reduce(local, "mean") if accelerator.num_processes > 1 else local).item()
+
+
+def _fingerprint(params):
+    import hashlib
+
+    h = hashlib.sha1()
+    for p in params:
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _other_gpus():
+    """A max_memory map for device_map='auto' that leaves GPU 0 to the policy."""
+    n = torch.cuda.device_count()
+    return {0: 0, **{i: int(torch.cuda.get_device_properties(i).total_memory * 0.9) for i in range(1, n)}}
+
+
+def _peak_memory_gb():
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB
+
+
+if __name__ == "__main__":
+    main()

@@ -77,3 +77,14 @@ def test_ppo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, monk
                        "--iterations", "16", "--dialogues-per-iteration", "8", "--minibatch-size", "8",
                        "--micro-batch-size", "8", "--actor-lr", "3e-2", "--critic-lr", "3e-2", "--ppo-epochs", "2"])
     assert_learned(rewards_of(out), "ppo")
+
+
+def test_grpo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, monkeypatch):
+    import grpo
+
+    install_stand_in(monkeypatch, grpo)
+    out = tmp_path / "grpo"
+    grpo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
+                        "--iterations", "16", "--personas-per-iteration", "2", "--group-size", "4",
+                        "--minibatch-size", "8", "--micro-batch-size", "8", "--lr", "3e-2", "--num-iterations", "2"])
+    assert_learned(rewards_of(out), "grpo")

@@ -24,7 +24,9 @@ def personas_file(write_personas, persona_entry):
 
 
 def args_for(script, model, personas, out):
-    size = ["--dialogues-per-iteration", "4"] if script == "ppo.py" else ["--personas-per-iteration", "2", "--group-size", "2"]
+    # grpo: greedy groups are identical (zero advantages), so an entropy bonus makes the step move the adapter
+    size = ["--dialogues-per-iteration", "4"] if script == "ppo.py" else \
+        ["--personas-per-iteration", "2", "--group-size", "2", "--ent-coef", "0.01"]
     # one minibatch of the whole batch and greedy dialogues: both runs see the same dialogues and
     # take the same optimizer step, so their adapters must agree to float tolerance
     return [script, "--preset", "cpu", "--model", model, "--simulator", "rules", "--personas", personas,

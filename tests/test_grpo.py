@@ -1,0 +1,338 @@
+"""grpo.py: the method's pure functions against hand computation, group rollouts, then the script
+end to end at tiny sizes (a 2-layer random Llama on the smollm2 tokenizer, the rules user).
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_grpo.py -q
+"""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import grpo
+from conftest import BASE_PERSONA, ROOT
+from rollout import play_dialogues
+from simulator import RulesBackend, Simulator, load_personas
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards and group advantages
+# ----------------------------------------------------------------------------------------------
+def fake_record(changes, final, violations=()):
+    turns = []
+    for i in range(len(changes)):
+        turns += [{"role": "user", "text": "u"}, {"role": "agent", "text": "a",
+                                                  "violation": "no_think" if i in violations else None}]
+    return {"changes": changes, "final_emotion": final, "turns": turns}
+
+
+def test_dialogue_rewards_final_turn_and_format_penalty():
+    records = [fake_record([4, -2, 8], 70, violations=(0, 2)), fake_record([10], 40)]
+    final = grpo.dialogue_rewards(records, "final")
+    turn = grpo.dialogue_rewards(records, "turn")
+    penalised = grpo.dialogue_rewards(records, "final", format_penalty=0.1)
+    assert final.tolist() == pytest.approx([0.70, 0.40])
+    assert turn.tolist() == pytest.approx([0.10, 0.10])
+    assert penalised.tolist() == pytest.approx([0.70 - 2 * 0.1, 0.40])  # two violating turns
+    with pytest.raises(ValueError, match="--reward"):
+        grpo.dialogue_rewards(records, "last")
+
+
+# Group 0 has a spread, group 1 is flat (every dialogue ended the same). Interleaved on purpose:
+# groups are found by id, not by position.
+REWARDS = torch.tensor([0.3, 0.4, 0.5, 0.4, 0.7, 0.4], dtype=torch.float64)
+GROUPS = torch.tensor([0, 1, 0, 1, 0, 1])
+EPS = 1e-4
+STD0 = math.sqrt(((0.3 - 0.5) ** 2 + 0 + (0.7 - 0.5) ** 2) / 2)  # Bessel: n - 1 = 2 -> 0.2
+BATCH_MEAN = (0.3 + 0.4 + 0.5 + 0.4 + 0.7 + 0.4) / 6
+BATCH_STD = math.sqrt(sum((r - BATCH_MEAN) ** 2 for r in (0.3, 0.4, 0.5, 0.4, 0.7, 0.4)) / 5)
+
+
+@pytest.mark.parametrize("scale,expected", [
+    ("group", [-0.2 / (STD0 + EPS), 0, 0, 0, 0.2 / (STD0 + EPS), 0]),
+    ("batch", [-0.2 / (BATCH_STD + EPS), 0, 0, 0, 0.2 / (BATCH_STD + EPS), 0]),
+    ("none", [-0.2, 0, 0, 0, 0.2, 0]),
+])
+def test_group_advantages_by_hand(scale, expected):
+    adv = grpo.group_advantages(REWARDS, GROUPS, scale, EPS)
+    assert torch.isfinite(adv).all()
+    assert adv.tolist() == pytest.approx(expected, abs=1e-12)
+    # the flat group gets exactly zero, not round-off divided by eps
+    assert (adv[GROUPS == 1] == 0).all()
+
+
+def test_group_advantages_flat_group_alone_and_eps_zero():
+    flat = grpo.group_advantages(torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64), torch.tensor([5, 5, 5]),
+                                 "group", eps=0.0)  # 0 / 0 without the zero-spread rule
+    assert flat.tolist() == [0.0, 0.0, 0.0]
+    unit = grpo.group_advantages(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0]), "group", eps=0.0)
+    assert unit.tolist() == pytest.approx([-1.0, 0.0, 1.0])  # std (Bessel) of 1, 2, 3 is 1
+
+
+def test_group_stats_and_errors():
+    mean, std, flat = grpo.group_stats(REWARDS, GROUPS)
+    assert mean.tolist() == pytest.approx([0.5, 0.4, 0.5, 0.4, 0.5, 0.4])
+    assert std.tolist() == pytest.approx([STD0, 0, STD0, 0, STD0, 0], abs=1e-12)
+    assert flat.tolist() == [False, True, False, True, False, True]
+    with pytest.raises(ValueError, match="group-size"):
+        grpo.group_advantages(torch.tensor([0.3, 0.4, 0.5]), torch.tensor([0, 0, 1]))  # group 1 alone
+    with pytest.raises(ValueError, match="--scale-rewards"):
+        grpo.group_advantages(REWARDS, GROUPS, "rank")
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses
+# ----------------------------------------------------------------------------------------------
+# Three dialogues, right-padded; the mask also leaves out user tokens inside a dialogue.
+LOSS = torch.tensor([[1.0, 2.0, 9.0, 3.0], [4.0, 9.0, 9.0, 9.0], [5.0, 6.0, 9.0, 9.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+BUDGET = 8
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + 4 / 1 + (5 + 6) / 2) / 3),
+    ("token-mean", (1 + 2 + 3 + 4 + 5 + 6) / 6),
+    ("dr-grpo", (1 + 2 + 3 + 4 + 5 + 6) / (3 * BUDGET)),
+])
+def test_loss_aggregation_by_hand(mode, expected):
+    whole = grpo.aggregate(LOSS, MASK, mode, MASK.sum(), 3, BUDGET)
+    assert whole.item() == pytest.approx(expected)
+    # split into micro-batches, the shares add up to the same minibatch loss
+    parts = (grpo.aggregate(LOSS[:1], MASK[:1], mode, MASK.sum(), 3, BUDGET)
+             + grpo.aggregate(LOSS[1:], MASK[1:], mode, MASK.sum(), 3, BUDGET))
+    assert parts.item() == pytest.approx(expected)
+
+
+def test_loss_aggregation_errors():
+    with pytest.raises(ValueError, match="budget"):
+        grpo.aggregate(LOSS, MASK, "dr-grpo", MASK.sum(), 3)
+    with pytest.raises(ValueError, match="--loss-agg"):
+        grpo.aggregate(LOSS, MASK, "seq-mean-token-sum", MASK.sum(), 3)
+
+
+def test_clipped_policy_loss_and_k3_by_hand():
+    old = torch.zeros(5)
+    new = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.7, 1.0]))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 2.0])
+    loss, ratio, clipped = grpo.clipped_policy_loss(new, old, adv, 0.2, 0.28)
+    # A>0: -A min(r, 1.28) -> -1.28, -0.5 ; A<0: -A max(r, 0.8) -> 1.1, 0.8 ; r = 1: -A
+    torch.testing.assert_close(loss, torch.tensor([-1.28, -0.5, 1.1, 0.8, -2.0]))
+    assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
+    lp, ref = torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([0.5, 0.4]))
+    k3 = grpo.kl_k3(lp, ref)   # ratio ref/p = 1 and 2: 1 - 0 - 1 = 0 ; 2 - ln 2 - 1
+    assert k3[0].item() == pytest.approx(0.0, abs=1e-7) and k3[1].item() == pytest.approx(1 - math.log(2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Groups in the rollout
+# ----------------------------------------------------------------------------------------------
+def test_group_members_share_persona_and_opening_and_differ_in_samples(tiny_model, persona_entry, write_personas):
+    model, tokenizer = tiny_model
+    personas = load_personas(write_personas([persona_entry(id="a"),
+                                             persona_entry(id="b", opening="my sister stopped talking to me.")]))
+    torch.manual_seed(0)
+    records, _ = play_dialogues(model, tokenizer, Simulator(RulesBackend(), max_turns=2), personas, samples_per_persona=3,
+                                thinking=False, temperature=1.0, max_new_tokens=6, max_context=512, progress=False)
+    assert len(records) == 6
+    for g, persona in enumerate(personas):
+        group = [r for r in records if r["group"] == g]
+        assert [r["sample"] for r in group] == [0, 1, 2]
+        assert {r["persona_id"] for r in group} == {persona.id}
+        assert {r["turns"][0]["text"] for r in group} == {persona.opening}
+        prompts = {tuple(r["token_ids"][:r["action_mask"].index(1)]) for r in group}
+        assert len(prompts) == 1                                   # the same opening tokens
+        samples = {tuple(r["token_ids"]) for r in group}
+        assert len(samples) == 3                                   # three different dialogues
+    assert records[0]["persona_id"] != records[3]["persona_id"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The script, at tiny sizes
+# ----------------------------------------------------------------------------------------------
+def tiny_args(model_dir, personas, out, *extra):
+    return ["--preset", "cpu", "--model", str(model_dir), "--simulator", "rules", "--personas", personas,
+            "--split", "test", "--personas-per-iteration", "2", "--group-size", "2", "--minibatch-size", "4",
+            "--micro-batch-size", "2", "--max-turns", "2", "--max-new-tokens", "4", "--max-context", "512",
+            "--lora-r", "4", "--lora-alpha", "8", "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def personas_file(tmp_path_factory):
+    entries = []
+    for i, difficulty in enumerate(["easy", "normal", "hard"]):
+        entry = json.loads(json.dumps(BASE_PERSONA))
+        entry.update(id=f"p{i}", difficulty=difficulty)
+        entries.append(entry)
+    path = tmp_path_factory.mktemp("grpo_personas") / "personas.json"
+    path.write_text(json.dumps(entries), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def warm_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny random Llama rewired so that every position says ' sorry' with p ~ 0.26 and ends
+    the turn with p ~ 0.16. The rules user scores a reply with 'sorry' +3 and one without -3, so
+    dialogues of one group get different rewards, which a random model's replies never do.
+    How: a constant 100 in dimension 0 of every embedding dominates the residual stream, so the
+    final norm's output is ~8 there at every position; lm_head's column 0 then acts as a bias."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    sorry = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" sorry"))
+    assert len(sorry) == 1
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        model.lm_head.weight[:, 0] = 0.0
+        h0 = model.model(torch.arange(100, 140)[None]).last_hidden_state[..., 0].mean()
+        model.lm_head.weight[sorry[0], 0] = 10.0 / h0
+        model.lm_head.weight[tokenizer.convert_tokens_to_ids("<|im_end|>"), 0] = 9.5 / h0
+    folder = tmp_path_factory.mktemp("warm_llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def read_metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def warm_run(warm_model_dir, personas_file, tmp_path_factory):
+    """One iteration of 2 personas x 4 dialogues on the warm model, in this process."""
+    out = tmp_path_factory.mktemp("grpo_warm") / "run"
+    model = grpo.main(tiny_args(warm_model_dir, personas_file, out, "--group-size", "4", "--minibatch-size", "8",
+                                "--micro-batch-size", "4", "--iterations", "1", "--seed", "1"))
+    return model, out
+
+
+def test_first_ratio_is_one_and_kl_zero_before_the_first_update(warm_run):
+    _, out = warm_run
+    (m,) = read_metrics(out)
+    assert m["zero_spread_groups"] < 2, "no group had a reward spread: the update had nothing to learn"
+    assert m["group_reward_std"] > 0 and m["grad_norm"] > 0
+    assert m["ratio_first"] == pytest.approx(1.0, abs=1e-6)   # one pass: the same weights, the same forward pass
+    assert m["clip_frac"] == 0.0 and m["approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)        # LoRA B starts at zero: policy == reference
+    assert m["kl_ref_loss"] == pytest.approx(0.0, abs=1e-7)
+    for key in ("value_loss", "explained_variance", "critic_grad_norm", "critic_lr"):
+        assert key not in m
+
+
+def test_base_frozen_adapter_moves_and_loads(warm_run, warm_model_dir):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model, out = warm_run
+    base = AutoModelForCausalLM.from_pretrained(warm_model_dir).state_dict()
+    live = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+            for k, v in model.state_dict().items() if "lora_" not in k}
+    assert set(base) <= set(live)
+    for name in base:
+        torch.testing.assert_close(live[name], base[name], atol=0, rtol=0)
+    folder = os.path.join(out, "checkpoints", "iter_000001", "default")
+    saved = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)          # only the adapter is saved
+    lora_b = [w for k, w in saved.items() if "lora_B" in k]
+    assert lora_b and all(w.abs().sum() > 0 for w in lora_b)    # B starts at zero; every one moved
+    # loadable as a plain peft adapter, with the weights the run ended with
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(warm_model_dir), folder)
+    trained = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    for k, v in loaded.state_dict().items():
+        if "lora_" in k:
+            torch.testing.assert_close(v, trained[k], atol=0, rtol=0)
+    state = torch.load(os.path.join(out, "checkpoints", "iter_000001", "state.pt"), weights_only=False)
+    assert state["iteration"] == 1 and {"optimizer", "scheduler", "rng", "args"} <= set(state)
+
+
+def test_drop_zero_spread_takes_flat_groups_out_of_the_loss(tiny_model_dir, personas_file, tmp_path):
+    # The random model's replies all score the same, so every group is flat; with the flag nothing
+    # is left to train on, not even the entropy bonus, and the step is skipped and counted.
+    model = grpo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "1",
+                                "--drop-zero-spread", "--ent-coef", "0.1"))
+    (m,) = read_metrics(tmp_path / "run")
+    assert m["zero_spread_groups"] == 2 and m["group_reward_std"] == 0.0
+    assert m["skipped_steps"] == 1 and math.isnan(m["grad_norm"])
+    assert all((p == 0).all() for n, p in model.named_parameters() if "lora_B" in n)
+
+
+def test_settings_errors_say_what_to_change(tiny_model_dir, personas_file, tmp_path):
+    cases = [(["--group-size", "1"], "--group-size"),
+             (["--minibatch-size", "3"], "--minibatch-size"),
+             (["--scale-rewards", "rank"], "--scale-rewards"),
+             (["--loss-agg", "seq-mean-token-sum"], "--loss-agg")]
+    for extra, flag in cases:
+        with pytest.raises(SystemExit) as stop:
+            grpo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", *extra))
+        assert str(stop.value.code).startswith("error:") and flag in str(stop.value.code), extra
+    if not torch.cuda.is_available():  # the paper's setup points to the cpu preset instead of a traceback
+        with pytest.raises(SystemExit) as stop:
+            grpo.main([])
+        assert "--preset cpu" in str(stop.value.code)
+
+
+E2E = ("--iterations", "2", "--save-every", "1", "--seed", "3", "--ent-coef", "0.01", "--beta", "0.1", "--lr", "5e-3",
+       "--num-iterations", "2", "--scale-rewards", "batch", "--loss-agg", "dr-grpo", "--reward", "turn")
+
+
+@pytest.fixture(scope="module")
+def script_run(tiny_model_dir, personas_file, tmp_path_factory):
+    """grpo.py as a subprocess, 2 iterations. The entropy bonus and the KL term move the adapter
+    even though every reply of the random model scores the same."""
+    out = tmp_path_factory.mktemp("grpo_script") / "run"
+    proc = subprocess.run([sys.executable, "grpo.py", *tiny_args(tiny_model_dir, personas_file, out, *E2E)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def test_grpo_script_end_to_end(script_run, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = script_run
+    metrics = read_metrics(out)
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    for key in ("reward_mean", "group_reward_std", "zero_spread_groups", "policy_loss", "entropy", "approx_kl",
+                "kl_ref", "kl_ref_loss", "clip_frac", "ratio_first", "grad_norm", "lr", "time_rollout",
+                "time_update", "peak_memory_gb", "final_emotion_mean"):
+        assert key in metrics[0], key
+    assert metrics[1]["kl_ref"] > 0                             # the adapter moved in iteration 1
+    with open(out / "rollouts.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["iteration"], r["group"], r["sample"]) for r in rows] == \
+        [(i, g, s) for i in (1, 2) for g in (0, 1) for s in (0, 1)]
+    config = json.load(open(out / "config.json"))
+    assert config["loss_agg"] == "dr-grpo" and config["group_size"] == 2 and config["model"] == tiny_model_dir
+    adapter = os.path.join(out, "checkpoints", "iter_000002", "default")
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter)  # loadable as-is
+
+
+def test_resume_gives_the_same_second_iteration(script_run, tiny_model_dir, personas_file, tmp_path):
+    # 1 iteration + --resume 1 more: the script run's folder as it was after iteration 1 (its
+    # iteration-2 checkpoint removed; its metrics and rollouts of iteration 2 are stale lines that
+    # resume must drop), resumed in this process.
+    split = tmp_path / "split"
+    shutil.copytree(script_run, split)
+    shutil.rmtree(split / "checkpoints" / "iter_000002")
+    grpo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "ignored", *E2E, "--resume", str(split)))
+    a, b = read_metrics(script_run), read_metrics(split)
+    assert [m["iteration"] for m in b] == [1, 2]
+    timing = ("time_", "_per_s", "_seconds", "peak_memory")
+    assert set(a[1]) == set(b[1])
+    for key in a[1]:
+        if not any(t in key for t in timing):
+            assert a[1][key] == pytest.approx(b[1][key], rel=1e-6, abs=1e-9, nan_ok=True), key
+    with open(script_run / "rollouts.jsonl") as fa, open(split / "rollouts.jsonl") as fb:
+        assert fa.read() == fb.read()
+    from safetensors.torch import load_file
+    first, second = (load_file(os.path.join(d, "checkpoints", "iter_000002", "default", "adapter_model.safetensors"))
+                     for d in (script_run, split))
+    for k in first:
+        torch.testing.assert_close(first[k], second[k], atol=0, rtol=0)

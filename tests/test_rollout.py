@@ -1,0 +1,491 @@
+"""Tests for rollout.py: token-in-token-out dialogues, the action mask, stored log-probs, pairing of
+dialogues with their simulated users, the think-then-say split, the context limit, the LoRA
+reference, settings presets, checkpoints and the command.
+
+Almost everything runs on a tiny random Llama with the smollm2 tokenizer, which carries the real
+ChatML template; its replies are noise, which is all the plumbing needs.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_rollout.py -q
+"""
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rollout
+import simulator
+from rollout import SILENCE, ChatTokens, batched_logprobs, pad_records, play_dialogues, split_thought
+from simulator import RulesBackend, Simulator, load_personas
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers and fixtures
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def personas(persona_entry, write_personas):
+    """personas(n) -> n personas with band lines and openings of different lengths (so a batch
+    needs padding), ids q0, q1, ..."""
+    def make(n, **overrides):
+        entries = [persona_entry(id=f"q{i}", opening="i didn't get the promotion. " * (i + 1), **overrides)
+                   for i in range(n)]
+        return load_personas(write_personas(entries, name=f"personas_{n}.json"))
+    return make
+
+
+def new_policy(model_dir, perturb=0.0, seed=0):
+    """A fresh LoRA policy on the tiny model. perturb > 0 fills lora_B with noise, as if trained:
+    a fresh adapter (B = 0) equals the base and would hide adapter bugs."""
+    policy, tokenizer = rollout.load_policy(model_dir, device="cpu", lora_r=4)
+    if perturb:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=generator) * perturb)
+    return policy, tokenizer
+
+
+def rules_simulator(max_turns=3, **kwargs):
+    return Simulator(RulesBackend(), max_turns=max_turns, **kwargs)
+
+
+def agent_turns(record):
+    return [t for t in record["turns"] if t["role"] == "agent"]
+
+
+def render(tokenizer, system_prompt, record):
+    """The chat template's text of the dialogue up to its last agent turn, agent turns as sampled."""
+    turns = record["turns"]
+    last_agent = max(i for i, t in enumerate(turns) if t["role"] == "agent")
+    messages = [{"role": "system", "content": system_prompt}]
+    for t in turns[:last_agent + 1]:
+        messages.append({"role": "assistant", "content": t["raw"]} if t["role"] == "agent"
+                        else {"role": "user", "content": t["text"]})
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+@pytest.fixture(scope="module")
+def eos_biased_model(tiny_model):
+    """The tiny model with +10 on the end-of-turn logit: about a 30% chance to end at each token,
+    so replies end with a sampled EOS after a few tokens, as a chat model's do."""
+    model, tokenizer = tiny_model
+    model = copy.deepcopy(model)
+    old = model.lm_head
+    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(old.weight)
+        head.bias.zero_()
+        head.bias[tokenizer.convert_tokens_to_ids("<|im_end|>")] = 10.0
+    model.lm_head = head
+    return model, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# split_thought and how play_dialogues counts its cases
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, thinking, expected", [
+    ("<think>she is hurt</think>That sounds hard.", True, ("she is hurt", "That sounds hard.", None)),
+    ("  <think>\n she is hurt \n</think>\n\n That sounds hard.  ", True, ("she is hurt", "That sounds hard.", None)),
+    ("That sounds hard.", True, ("", "That sounds hard.", "no_think")),
+    ("<think>she is hurt and", True, ("she is hurt and", "", "unclosed")),
+    ("<think></think>That sounds hard.", True, ("", "That sounds hard.", "empty_thought")),
+    ("</think>That sounds hard.", True, ("", "That sounds hard.", "empty_thought")),
+    ("<think>she is hurt</think>", True, ("she is hurt", "", "empty_reply")),
+    ("<think></think>  ", True, ("", "", "empty_reply")),
+    ("", True, ("", "", "empty_reply")),
+    ("<think>a</think>b</think>c", True, ("a", "b</think>c", None)),  # only the first closing tag splits
+    ("<think>x</think>Hi there.", False, ("", "<think>x</think>Hi there.", None)),
+    ("Hi there.", False, ("", "Hi there.", None)),
+    ("   ", False, ("", "", "empty_reply")),
+])
+def test_split_thought(text, thinking, expected):
+    assert split_thought(text, thinking) == expected
+
+
+class ScriptedPolicy(torch.nn.Module):
+    """Stands in for the policy in play_dialogues: in every generate call, row k 'samples' the
+    tokens of texts[k] followed by the end-of-turn token, with uniform logits."""
+
+    def __init__(self, tokenizer, texts):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # play_dialogues reads the device from it
+        self.rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+        self.vocab, self.pad = len(tokenizer), tokenizer.pad_token_id
+
+    def generate(self, input_ids, attention_mask, generation_config):
+        rows = self.rows[:input_ids.shape[0]]
+        width = max(len(r) for r in rows)
+        new = torch.tensor([r + [self.pad] * (width - len(r)) for r in rows])
+        return SimpleNamespace(sequences=torch.cat([input_ids, new], 1),
+                               logits=tuple(torch.zeros(len(rows), self.vocab) for _ in range(width)))
+
+
+FORMAT_CASES = [  # (agent text, violation, what the simulated user is shown)
+    ("<think>she is hurt</think>That sounds hard.", None, "That sounds hard."),
+    ("That sounds hard.", "no_think", "That sounds hard."),
+    ("<think>she is hurt and", "unclosed", SILENCE),
+    ("<think></think>That sounds hard.", "empty_thought", "That sounds hard."),
+    ("<think>she is hurt</think>", "empty_reply", SILENCE),
+    ("", "empty_reply", SILENCE),
+]
+
+
+def test_play_counts_format_cases_and_sends_silence(tiny_model, personas):
+    _, tokenizer = tiny_model
+    texts = [text for text, _, _ in FORMAT_CASES]
+    records, stats = play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=1),
+                                    personas(len(texts)), max_new_tokens=32, progress=False)
+    assert stats["format_ok"] == 1 and stats["no_think"] == 1 and stats["unclosed"] == 1
+    assert stats["empty_thought"] == 1 and stats["empty_reply"] == 2
+    for record, (text, violation, shown) in zip(records, FORMAT_CASES):
+        (turn,) = agent_turns(record)
+        assert turn["raw"] == text and turn["violation"] == violation
+        assert turn["text"] == shown  # what the simulator appraised
+        assert record["violations"] == (violation is not None)
+    summary = rollout.summarize(records, stats)
+    assert summary["think_violation_rate"] == pytest.approx(5 / 6)
+    # thinking off: tags are just text, nothing is a violation unless the reply is empty
+    records, stats = play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=1),
+                                    personas(len(texts)), thinking=False, max_new_tokens=32, progress=False)
+    assert stats["format_ok"] == 5 and stats["empty_reply"] == 1
+    assert [agent_turns(r)[0]["text"] for r in records] == [t.strip() or SILENCE for t in texts]
+
+
+# ----------------------------------------------------------------------------------------------
+# Token in, token out: the action mask, turn ends, the chat template
+# ----------------------------------------------------------------------------------------------
+def test_action_mask_covers_exactly_the_sampled_tokens(tiny_model_dir, personas):
+    policy, tokenizer = new_policy(tiny_model_dir)
+    torch.manual_seed(0)
+    records, stats = play_dialogues(policy, tokenizer, rules_simulator(max_turns=3), personas(3),
+                                    max_new_tokens=8, progress=False)
+    chat = ChatTokens(tokenizer, rollout.THINK_PROMPT)
+    assert stats["policy_tokens"] == sum(r["policy_tokens"] for r in records)
+    for r in records:
+        ids, mask, logps = r["token_ids"], r["action_mask"], r["logprobs"]
+        assert len(ids) == len(mask) == len(logps)
+        turns = agent_turns(r)
+        assert len(turns) == len(r["turn_ends"]) == len(r["emotions"]) >= 1
+        # Rebuild the sequence from its parts: the prompt, then per agent turn its sampled tokens
+        # (mask 1) and the template's delta for the user's next message (mask 0).
+        users = [t["text"] for t in r["turns"] if t["role"] == "user"]
+        expected_ids, expected_mask = chat.prompt(users[0]), [0] * len(chat.prompt(users[0]))
+        for k, turn in enumerate(turns):
+            sampled = ids[len(expected_ids):len(expected_ids) + turn["tokens"]]
+            assert tokenizer.decode(sampled, skip_special_tokens=True) == turn["raw"]
+            assert (split_thought(turn["raw"], True)[1] or SILENCE) == turn["text"]  # what the user saw
+            expected_ids, expected_mask = expected_ids + sampled, expected_mask + [1] * len(sampled)
+            assert r["turn_ends"][k] == len(expected_ids) - 1
+            if k + 1 < len(turns):
+                delta = chat.user_turn(users[k + 1], sampled[-1])
+                expected_ids, expected_mask = expected_ids + delta, expected_mask + [0] * len(delta)
+        assert ids == expected_ids and mask == expected_mask
+        assert all(lp == 0.0 for lp, m in zip(logps, mask) if not m)
+        assert all(lp < 0.0 for lp, m in zip(logps, mask) if m)
+        assert r["turn_ends"][-1] == len(ids) - 1  # the dialogue ends on the agent's last token
+
+
+def test_tokens_render_as_the_chat_template_when_turns_end_with_eos(eos_biased_model, personas):
+    model, tokenizer = eos_biased_model
+    torch.manual_seed(0)
+    records, _ = play_dialogues(model, tokenizer, rules_simulator(max_turns=3), personas(3),
+                                max_new_tokens=24, progress=False)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert sum(len(r["turn_ends"]) for r in records) >= 6
+    for r in records:
+        assert all(r["token_ids"][end] == eos for end in r["turn_ends"])  # every turn sampled its EOS
+        text = tokenizer.decode(r["token_ids"], skip_special_tokens=False)
+        # The template ends an assistant turn with "<|im_end|>\n"; the policy sampled "<|im_end|>"
+        # and the dialogue stops there, so only the final newline is missing.
+        assert text + "\n" == render(tokenizer, rollout.THINK_PROMPT, r)
+
+
+def test_truncated_turns_get_the_template_end_that_was_never_sampled(tiny_model, personas):
+    """A reply cut at max_new_tokens has no sampled end-of-turn token. Mid-dialogue the template's
+    "<|im_end|>\\n" is appended as non-action tokens, so the text still renders as the template; a
+    truncated final turn stays open: the template's rendering adds an "<|im_end|>" that the policy
+    never sampled and that no token of the record holds."""
+    model, tokenizer = tiny_model  # near-uniform over 49k tokens: never ends by itself in 4 tokens
+    torch.manual_seed(0)
+    records, _ = play_dialogues(model, tokenizer, rules_simulator(max_turns=2), personas(2),
+                                max_new_tokens=4, progress=False)
+    chat = ChatTokens(tokenizer, rollout.THINK_PROMPT)
+    end_of_turn = chat.encode(chat.after_agent)  # "<|im_end|>\n"
+    for r in records:
+        assert [t["tokens"] for t in agent_turns(r)] == [4, 4]
+        first_end = r["turn_ends"][0]
+        after = r["token_ids"][first_end + 1:first_end + 1 + len(end_of_turn)]
+        assert after == end_of_turn and not any(r["action_mask"][first_end + 1:first_end + 1 + len(end_of_turn)])
+        text = tokenizer.decode(r["token_ids"], skip_special_tokens=False)
+        rendered = render(tokenizer, rollout.THINK_PROMPT, r)
+        assert text + "\n" != rendered
+        assert text + chat.after_agent == rendered
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probabilities: stored at sampling time, recomputed by the trainers; the LoRA reference
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_stored_logprobs_equal_a_fresh_forward_pass(tiny_model_dir, personas, temperature):
+    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.05)
+    torch.manual_seed(1)
+    records, _ = play_dialogues(policy, tokenizer, rules_simulator(max_turns=2), personas(3),
+                                temperature=temperature, max_new_tokens=8, progress=False)
+    batch = pad_records(records, tokenizer.pad_token_id, "cpu")
+    fresh = batched_logprobs(policy, batch, temperature=temperature, micro_batch_size=2)   # (B, T)
+    mask = batch["action_mask"].bool()
+    assert mask.sum() == sum(r["policy_tokens"] for r in records) > 0
+    torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=1e-4, rtol=1e-4)
+    # the adapter matters here: the reference (adapter off) gives other numbers
+    reference = batched_logprobs(policy, batch, temperature=temperature, reference=True)
+    assert (reference[mask] - fresh[mask]).abs().max() > 1e-3
+
+
+def _hand_batch(tokenizer):
+    texts = ["I hear you. That sounds exhausting.", "Maybe. I don't know what to do about work anymore, honestly."]
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    records = [{"token_ids": r, "action_mask": [1] * len(r), "logprobs": [0.0] * len(r)} for r in rows]
+    return pad_records(records, tokenizer.pad_token_id, "cpu")
+
+
+def test_reference_is_the_base_model_before_and_after_training(tiny_model_dir, tmp_path):
+    base, tokenizer = simulator.load_model(tiny_model_dir)
+    batch = _hand_batch(tokenizer)
+    with torch.no_grad():
+        base_lp, _ = rollout.token_logprobs(base, batch["input_ids"], batch["attention_mask"])
+    real = batch["attention_mask"].bool()
+    policy, _ = new_policy(tiny_model_dir)
+    # a fresh adapter (B = 0): policy, reference and base all agree
+    torch.testing.assert_close(batched_logprobs(policy, batch)[real], base_lp[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched_logprobs(policy, batch, reference=True)[real], base_lp[real],
+                               atol=1e-5, rtol=1e-5)
+    # "training": move the adapter; the policy moves, the reference stays on the base
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.05)
+    trained = batched_logprobs(policy, batch)
+    assert (trained[real] - base_lp[real]).abs().max() > 1e-3
+    torch.testing.assert_close(batched_logprobs(policy, batch, reference=True)[real], base_lp[real],
+                               atol=1e-5, rtol=1e-5)
+    # a saved adapter loaded again: the adapter comes back, and its reference is still the base
+    policy.save_pretrained(str(tmp_path / "adapter"))
+    loaded, _ = rollout.load_policy(tiny_model_dir, device="cpu", adapter=str(tmp_path / "adapter"))
+    torch.testing.assert_close(batched_logprobs(loaded, batch)[real], trained[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched_logprobs(loaded, batch, reference=True)[real], base_lp[real],
+                               atol=1e-5, rtol=1e-5)
+    assert any(p.requires_grad for n, p in loaded.named_parameters() if "lora_" in n)
+    assert not any(p.requires_grad for n, p in loaded.named_parameters() if "lora_" not in n)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pairing: dialogue k keeps simulated user k while others end at different turns
+# ----------------------------------------------------------------------------------------------
+class ScriptedUsers:
+    """A simulator backend for the 'reasoned' read-out whose users follow a script, looked up by
+    the persona's name in the system prompt: at turn t the appraisal says "Change: script[t]" and
+    the user then says "<name> says line <t>". Nothing depends on call order, so a reply routed
+    to the wrong user shows up as the wrong name or the wrong emotion."""
+    name = "local"
+    generated_tokens = 0
+
+    def __init__(self, scripts):
+        self.scripts = scripts
+
+    def chat(self, conversations, max_new_tokens):
+        out = []
+        for messages in conversations:
+            name = re.search(r"- name: (.+)", messages[0]["content"]).group(1)
+            if "Change: N" in messages[-1]["content"]:  # an appraisal; count earlier agent turns
+                turn = len(re.findall(r"(?m)^Chatbot: ", messages[-1]["content"]))
+                out.append(f"Change: {self.scripts[name][turn]:+d}")
+            else:  # the user's next message; the agent's turns arrive as 'user' messages
+                turn = sum(m["role"] == "user" for m in messages) - 1
+                out.append(f"{name} says line {turn}.")
+        return out
+
+
+PAIRING = {  # name -> (changes per turn from 50, end reason); max_change 100, max_turns 3
+    "Ana": ([+50], "success"),
+    "Ben": ([-45], "left"),
+    "Cleo": ([+10, +40], "success"),
+    "Dev": ([+5, -5, +5], "max_turns"),
+}
+
+
+def test_each_dialogue_keeps_its_own_user_when_others_end(tiny_model_dir, persona_entry, write_personas):
+    entries = [persona_entry(id=name.lower(), opening=f"hi, i'm {name}. " * (i + 1),
+                             profile={**persona_entry()["profile"], "name": name})
+               for i, name in enumerate(PAIRING)]
+    personas = load_personas(write_personas(entries))
+    sim = Simulator(ScriptedUsers({name: changes for name, (changes, _) in PAIRING.items()}),
+                    readout="reasoned", start_emotion=50, max_change=100, max_turns=3)
+    policy, tokenizer = new_policy(tiny_model_dir)
+    torch.manual_seed(0)
+    records, _ = play_dialogues(policy, tokenizer, sim, personas, samples_per_persona=2,
+                                max_new_tokens=6, progress=False)
+    assert [(r["group"], r["sample"]) for r in records] == [(g, s) for g in range(4) for s in range(2)]
+    for r in records:
+        name = next(n for n in PAIRING if n.lower() == r["persona_id"])
+        changes, reason = PAIRING[name]
+        emotions = [50 + sum(changes[:k + 1]) for k in range(len(changes))]
+        assert r["end_reason"] == reason and r["emotions"] == emotions and r["final_emotion"] == emotions[-1]
+        assert len(r["turn_ends"]) == len(changes)
+        users = [t["text"] for t in r["turns"] if t["role"] == "user"]
+        assert users == [personas[list(PAIRING).index(name)].opening] + \
+            [f"{name} says line {k}." for k in range(len(changes) - 1)]
+        # the tokens hold this user's lines and nobody else's
+        text = tokenizer.decode(r["token_ids"])
+        assert re.findall(r"(\w+) says line (\d)", text) == [(name, str(k)) for k in range(len(changes) - 1)]
+        # and the simulator appraised this dialogue's own replies
+        assert [t["text"] for t in agent_turns(r)] == [split_thought(t["raw"], True)[1] or SILENCE
+                                                      for t in agent_turns(r)]
+
+
+def test_batched_and_one_at_a_time_rollouts_agree(tiny_model_dir, personas):
+    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.05)
+    group = personas(3)
+    together, _ = play_dialogues(policy, tokenizer, rules_simulator(max_turns=2), group, greedy=True,
+                                 max_new_tokens=6, progress=False)
+    for persona, record in zip(group, together):
+        (alone,), _ = play_dialogues(policy, tokenizer, rules_simulator(max_turns=2), [persona], greedy=True,
+                                     max_new_tokens=6, progress=False)
+        assert alone["token_ids"] == record["token_ids"]
+        assert alone["action_mask"] == record["action_mask"]
+        assert alone["turns"] == record["turns"]
+        torch.testing.assert_close(torch.tensor(alone["logprobs"]), torch.tensor(record["logprobs"]),
+                                   atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# The context limit
+# ----------------------------------------------------------------------------------------------
+def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_entry, write_personas):
+    policy, tokenizer = new_policy(tiny_model_dir)
+    group = load_personas(write_personas([persona_entry(id=f"c{i}", difficulty=d)
+                                          for i, d in enumerate(("easy", "normal", "hard"))]))
+    chat = ChatTokens(tokenizer, rollout.THINK_PROMPT)
+    prompt_length = len(chat.prompt(group[0].opening))
+    max_new_tokens = 8
+    # room for the prompt and one reply, not for a user turn (over 10 tokens) and a second reply
+    max_context = prompt_length + max_new_tokens + 10
+    torch.manual_seed(0)
+    records, stats = play_dialogues(policy, tokenizer, rules_simulator(max_turns=5), group,
+                                    max_new_tokens=max_new_tokens, max_context=max_context, progress=False)
+    assert [r["end_reason"] for r in records] == ["context"] * 3
+    assert all(len(r["turn_ends"]) == 1 for r in records)
+    assert all(len(r["token_ids"]) <= max_context for r in records)
+    assert all(r["turn_ends"][-1] == len(r["token_ids"]) - 1 for r in records)  # ends on an agent token
+    # the transcript keeps the user's last message, which the agent never got to see
+    assert all(r["turns"][-1]["role"] == "user" for r in records)
+    assert rollout.summarize(records, stats)["end_context"] == 3
+    # a prompt that does not fit at all: the dialogue ends before the agent speaks, without a crash
+    records, stats = play_dialogues(policy, tokenizer, rules_simulator(), group, max_new_tokens=max_new_tokens,
+                                    max_context=prompt_length, progress=False)
+    assert [r["end_reason"] for r in records] == ["context"] * 3
+    assert all(r["policy_tokens"] == 0 and r["turn_ends"] == [] for r in records)
+    assert rollout.summarize(records, stats)["end_context"] == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# The command, settings presets and checkpoints
+# ----------------------------------------------------------------------------------------------
+def test_cli_writes_rollouts(tiny_model_dir, persona_entry, write_personas, tmp_path):
+    entries = [persona_entry(id="tr1", split="train"), persona_entry(id="te1"),
+               persona_entry(id="tr2", split="train", difficulty="easy"), persona_entry(id="tr3", split="train")]
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "rollout.py", "--model", tiny_model_dir, "--simulator", "rules",
+         "--personas", write_personas(entries), "--split", "train", "--dialogues", "2", "--max-turns", "2",
+         "--max-new-tokens", "8", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["persona_id"] for r in rows] == ["tr1", "tr2"]
+    for r in rows:
+        assert not {"token_ids", "action_mask", "logprobs", "turn_ends"} & set(r)
+        assert r["end_reason"] in ("success", "left", "goodbye", "max_turns")
+        assert 1 <= len(agent_turns(r)) <= 2 and r["policy_tokens"] > 0
+        assert all({"role", "text"} <= set(t) for t in r["turns"])
+        assert all({"thought", "emotion", "appraisal", "raw"} <= set(t) for t in agent_turns(r))
+        assert r["final_emotion"] == agent_turns(r)[-1]["emotion"]
+    assert "2 dialogues in" in done.stdout and "mean final emotion" in done.stdout
+    assert "tok/s" in done.stdout
+
+
+@dataclass
+class PresetArgs:
+    preset: str = field(default="paper", metadata={"help": "settings preset"})
+    lr: float = field(default=1e-6, metadata={"help": "learning rate"})
+    max_turns: int = field(default=8, metadata={"help": "turns"})
+    thinking: bool = field(default=True, metadata={"help": "think-then-say"})
+
+
+PRESETS = {"paper": {}, "tiny": {"lr": 1e-4, "max_turns": 2, "thinking": True}}
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], (1e-6, 8, True)),
+    (["--preset", "tiny"], (1e-4, 2, True)),
+    (["--preset", "tiny", "--lr", "3e-5"], (3e-5, 2, True)),
+    (["--preset=tiny", "--max-turns", "5"], (1e-4, 5, True)),
+    (["--preset", "tiny", "--max_turns=8"], (1e-4, 8, True)),  # explicit, even when equal to the default
+    (["--preset", "tiny", "--no_thinking"], (1e-4, 2, False)),
+    (["--preset", "tiny", "--no-thinking"], (1e-4, 2, False)),
+    (["--preset", "tiny", "--thinking", "false"], (1e-4, 2, False)),
+])
+def test_parse_settings_explicit_flags_win_over_presets(argv, expected):
+    args = rollout.parse_settings(PresetArgs, PRESETS, argv)
+    assert (args.lr, args.max_turns, args.thinking) == expected
+
+
+def test_parse_settings_rejects_unknown_preset_and_abbreviations():
+    with pytest.raises(SystemExit, match="--preset must be one of"):
+        rollout.parse_settings(PresetArgs, PRESETS, ["--preset", "huge"])
+    with pytest.raises((SystemExit, ValueError)):  # "--max_t" would otherwise set max_turns unseen
+        rollout.parse_settings(PresetArgs, PRESETS, ["--preset", "tiny", "--max_t", "5"])
+
+
+def test_checkpoints_newest_complete_wins_and_adapters_load(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, PeftModel
+
+    policy, _ = new_policy(tiny_model_dir, perturb=0.05)
+    policy.add_adapter("critic", LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    run = str(tmp_path / "run")
+    assert rollout.latest_checkpoint(run) is None
+    rollout.save_checkpoint(run, 1, policy, ["default", "critic"], {"note": "first"})
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.01)
+    second = rollout.save_checkpoint(run, 2, policy, ["default", "critic"], {"note": "second"})
+    os.makedirs(os.path.join(run, "checkpoints", "iter_000003.tmp", "default"))  # a save killed halfway
+    assert rollout.latest_checkpoint(run) == second
+    state = torch.load(os.path.join(second, "state.pt"), weights_only=False)
+    assert state["iteration"] == 2 and state["note"] == "second" and "rng" in state
+    for adapter in ("default", "critic"):
+        assert os.path.exists(os.path.join(second, adapter, "adapter_config.json"))
+        assert not os.path.isdir(os.path.join(second, adapter, adapter))  # not nested
+    policy.set_adapter("default")
+    saved = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" in n}
+    base, _ = simulator.load_model(tiny_model_dir)
+    loaded = PeftModel.from_pretrained(base, os.path.join(second, "default"))
+    for n, p in loaded.named_parameters():
+        if "lora_" in n:
+            torch.testing.assert_close(p, saved[n])
+    # and into a live model's adapter of the same name
+    fresh, _ = new_policy(tiny_model_dir)
+    fresh.add_adapter("critic", LoraConfig(r=2, target_modules=["q_proj"]))
+    rollout.load_adapter_weights(fresh, second, "critic")
+    critic = {n: p for n, p in fresh.named_parameters() if ".critic." in n}
+    assert critic and all(torch.equal(p, saved[n]) for n, p in critic.items())

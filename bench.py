@@ -1,8 +1,9 @@
 """Benchmarks of this codebase itself, one subcommand each.
 
     python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--threads 2]
-    python bench.py learning        (not written yet)
-    python bench.py gpu             (not written yet)
+    python bench.py learning [--seeds 0,1,2] [--iterations 30] [--out runs/bench-learning] [-- TRAINER FLAGS]
+    python bench.py gpu [--dialogues 32] [--max-turns 3] [--max-new-tokens 128]    (one CUDA GPU)
+    python bench.py gpu --tiny                                                      (CPU smoke test)
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
 (rollout.play_dialogues: the LoRA policy on the embedded SmolLM2-135M-Instruct against the
@@ -11,6 +12,34 @@ and its generated tokens (policy + simulator) counted; the baseline is one plain
 `generate` call on the same policy, the same batch size and the same first-turn prompts, sampling
 exactly --max-new-tokens tokens per row. The ratio of the two rates is the figure of merit
 (target >= 0.8); the time split says where the rest went.
+
+learning: evidence that the trainers learn, on an environment whose answer is known. `ppo.py
+--preset cpu --simulator rules` and `grpo.py --preset cpu --simulator rules` (the embedded
+SmolLM2-135M against the deterministic lexicon user of simulator.py, 3 agent turns) run for each
+seed as subprocesses into OUT/{algo}-seed{S}; then OUT/learning.png (mean reward per iteration,
+mean over seeds with a min-max band) and OUT/learning.md (mean reward over the first and last
+--window iterations, mean and std over seeds, and whether the rise reaches 0.15) are written and
+the table printed. Budget: the default 30 iterations are sized for about 20 minutes per run on 2
+free CPU cores (about 35-40 s per iteration at 3 turns; one iteration took 50 s for PPO and 36 s
+for GRPO on one thread of a busy 2-core machine), so the 6 runs take about 2 hours. A run whose
+metrics.jsonl already holds every iteration is skipped and a partial one resumes from its newest
+checkpoint, so an interrupted benchmark continues where it stopped. Flags after `--` go to both
+trainers, e.g. `python bench.py learning -- --actor-lr 1e-4` (a flag only one trainer knows
+makes the other one fail).
+
+gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
+(QWEN25_7B_CONFIG below; nothing is downloaded) and the embedded SmolLM2 tokenizer (ChatML, as
+Qwen's; its ids all lie below Qwen's vocabulary size). The model is built in memory and handed to
+ppo.main() by replacing rollout.load_model for the one name RANDOM_MODEL, so no 15 GB folder is
+written; the run goes through ppo.main() unchanged otherwise (--simulator rules, --iterations 1,
+its checkpoint lands in a temporary folder). It prints rollout tokens/s (policy tokens / rollout
+time), update tokens/s, peak GPU memory, and the ratio of the rollout's speed to one plain
+batched generate of the same batch size and new tokens. Random weights sample every id of the
+152064-row vocabulary nearly uniformly: about two thirds lie past the tokenizer's 49152 and decode
+to nothing, and end-of-turn is almost never drawn, so every turn runs to --max-new-tokens. That is
+what a throughput benchmark wants; the text itself is noise. Sized to finish well inside 8 minutes
+on one H200 (not yet run on a GPU). --tiny swaps in a 2-layer, 64-wide model of the same family
+and runs on CPU, so the tests can run the same code path.
 """
 import argparse
 import json

@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rollout import (DEFAULT_TARGETS, RunFolder, batched_logprobs, latest_checkpoint, load_adapter_weights,
-                     load_policy, masked_mean, pad_records, parse_settings, play_dialogues, rng_state,
-                     save_checkpoint, set_rng_state, set_seed, summarize, token_logprobs, transcript_record)
+from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs, fingerprint,
+                     global_mean, global_sum, gpus_after_the_first, latest_checkpoint, load_adapter_weights,
+                     load_policy, masked_mean, pad_records, parse_settings, peak_memory_gb, play_dialogues,
+                     RunFolder, save_checkpoint, set_rng_state, set_seed, summarize, token_logprobs,
+                     transcript_record)
 from simulator import Simulator, load_personas_or_exit, make_backend
 
 
@@ -203,13 +205,6 @@ def kl_k3(logprobs, ref_logprobs):
     return torch.exp(d) - d - 1
 
 
-def trainable(model, name):
-    """The LoRA parameters of one adapter."""
-    return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]
-
-
-def global_sum(x, accelerator):
-    return accelerator.reduce(x, "sum") if accelerator.num_processes > 1 else x
 
 
 def main(argv=None):
@@ -244,7 +239,7 @@ def main(argv=None):
                                    lora_dropout=args.lora_dropout, target_modules=args.target_modules,
                                    load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing,
                                    trust_remote_code=args.trust_remote_code)
-    params = trainable(model, "default")
+    params = adapter_params(model, "default")
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -256,7 +251,7 @@ def main(argv=None):
         sim_device_map = "auto"
     backend = make_backend(args.simulator, policy=model, tokenizer=tokenizer, api_model=args.api_model,
                            api_key_env=args.api_key_env, device=device, device_map=sim_device_map,
-                           max_memory=_other_gpus() if sim_device_map else None,
+                           max_memory=gpus_after_the_first() if sim_device_map else None,
                            trust_remote_code=args.trust_remote_code)
     simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion, max_change=args.max_change,
                           max_turns=args.max_turns, reply_tokens=args.sim_reply_tokens)
@@ -405,8 +400,8 @@ def main(argv=None):
         # --- 4. log: global means over every process's dialogues ---------------------------------
         all_records = gather_object(records) if world > 1 else records
         # data parallel: every process must hold bit-identical adapters after the update
-        fingerprint = _fingerprint(params)
-        replicas_identical = len(set(gather_object([fingerprint]) if world > 1 else [fingerprint])) == 1
+        digest = fingerprint(params)
+        replicas_identical = len(set(gather_object([digest]) if world > 1 else [digest])) == 1
         with torch.no_grad():  # over every process's agent tokens
             rollout_mask = batch["action_mask"]
             kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(), accelerator)
@@ -421,13 +416,13 @@ def main(argv=None):
             "group_reward_std": float(all_std[first_of_group].mean()),
             "zero_spread_groups": int(all_flat[first_of_group].sum()),
             **summary,
-            **{k: _global_mean(v, accelerator) for k, v in logs.items()},
+            **{k: global_mean(v, accelerator) for k, v in logs.items()},
             "kl_ref": kl_ref_rollout, "skipped_steps": skipped_steps,
             "lr": optimizer.param_groups[0]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
             "time_iteration": time.time() - t_start,
             "update_tokens_per_s": float(mask.sum().item() * args.num_iterations / max(t_update, 1e-9)),
-            "peak_memory_gb": _peak_memory_gb(), "processes": world, "replicas_identical": replicas_identical,
+            "peak_memory_gb": peak_memory_gb(), "processes": world, "replicas_identical": replicas_identical,
         }
         run.append("metrics.jsonl", [metrics])
         run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
@@ -443,43 +438,12 @@ def main(argv=None):
 
 def _save(args, iteration, model, optimizer, scheduler, accelerator):
     """Every process hands in its RNG state; the main process writes the checkpoint."""
-    from accelerate.utils import gather_object
-
-    rngs = gather_object([rng_state()]) if accelerator.num_processes > 1 else [rng_state()]
+    rngs = all_rng_states(accelerator)
     if not accelerator.is_main_process:
         return None
     return save_checkpoint(args.out, iteration, model, ["default"], {
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "args": vars(args),
         "rng": rngs if len(rngs) > 1 else rngs[0]})
-
-
-def _global_mean(values, accelerator):
-    """The mean of a logged quantity over every process (each process's own mean, averaged)."""
-    local = torch.tensor(float(np.mean(values)) if values else float("nan"), device=accelerator.device)
-    return (accelerator.reduce(local, "mean") if accelerator.num_processes > 1 else local).item()
-
-
-def _fingerprint(params):
-    import hashlib
-
-    h = hashlib.sha1()
-    for p in params:
-        h.update(p.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
-def _other_gpus():
-    """A max_memory map for device_map='auto' that leaves GPU 0 to the policy."""
-    n = torch.cuda.device_count()
-    return {0: 0, **{i: int(torch.cuda.get_device_properties(i).total_memory * 0.9) for i in range(1, n)}}
-
-
-def _peak_memory_gb():
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB
 
 
 if __name__ == "__main__":

@@ -513,6 +513,57 @@ def load_adapter_weights(model, folder, name):
 
 
 # ----------------------------------------------------------------------------------------------
+# Data parallel and bookkeeping helpers, shared by the trainers
+# ----------------------------------------------------------------------------------------------
+def adapter_params(model, name):
+    """The LoRA parameters of one adapter."""
+    return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]
+
+
+def global_sum(x, accelerator):
+    """Sum of a tensor over every process (itself with one process)."""
+    return accelerator.reduce(x, "sum") if accelerator.num_processes > 1 else x
+
+
+def global_mean(values, accelerator):
+    """The mean of a logged quantity over every process (each process's own mean, averaged)."""
+    local = torch.tensor(float(np.mean(values)) if values else float("nan"), device=accelerator.device)
+    return (accelerator.reduce(local, "mean") if accelerator.num_processes > 1 else local).item()
+
+
+def all_rng_states(accelerator):
+    """Every process's RNG state, gathered (a collective call: every process must make it)."""
+    from accelerate.utils import gather_object
+
+    return gather_object([rng_state()]) if accelerator.num_processes > 1 else [rng_state()]
+
+
+def fingerprint(params):
+    """A hash of parameter values: equal on every process iff the replicas are bit-identical."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for p in params:
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def gpus_after_the_first():
+    """A max_memory map for device_map='auto' that leaves GPU 0 to the policy."""
+    n = torch.cuda.device_count()
+    return {0: 0, **{i: int(torch.cuda.get_device_properties(i).total_memory * 0.9) for i in range(1, n)}}
+
+
+def peak_memory_gb():
+    """Peak GPU memory on CUDA, else the process's peak resident memory (Linux reports KiB)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+# ----------------------------------------------------------------------------------------------
 # Command line: play and save a few dialogues
 # ----------------------------------------------------------------------------------------------
 @dataclass

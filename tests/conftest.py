@@ -34,21 +34,26 @@ def smollm2():
 def tiny_model():
     """(model, tokenizer): a randomly initialised 2-layer Llama (seed 0) on the smollm2 tokenizer,
     for tests that need a real transformers model but not a sensible one."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(simulator.resolve_model("smollm2"))
+    model, tokenizer = _tiny_llama()
     tokenizer.padding_side = "left"  # as load_model() sets it up
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    return model, tokenizer
+
+
+def _tiny_llama():
+    """A 2-layer random Llama (seed 0) sized to the smollm2 tokenizer, and that tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(simulator.resolve_model("smollm2"))
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=4096,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.eval()
-    return model, tokenizer
+    return LlamaForCausalLM(config), tokenizer
 
 
 BASE_PERSONA = {
@@ -100,16 +105,7 @@ def tiny_model_dir(tmp_path_factory):
     tokenizer, written with save_pretrained. Pass it as a model name to load_model(),
     rollout.load_policy() or a script's --model: any name but 'smollm2' goes to from_pretrained.
     Built on its own rather than from tiny_model, which a test may have wrapped in LoRA in place."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(simulator.resolve_model("smollm2"))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=4096,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model, tokenizer = _tiny_llama()
     folder = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -447,7 +447,7 @@ class LocalBackend:
                     cache = out.past_key_values
                     cache.batch_repeat_interleave(len(conts))
                     mask = torch.cat([torch.ones(len(conts), len(prompt), dtype=cont_mask.dtype, device=device), cont_mask], 1)
-                    logits = self.model(input_ids=cont_ids, attention_mask=mask, cache=cache).logits.float()
+                    logits = self.model(input_ids=cont_ids, attention_mask=mask, past_key_values=cache).logits.float()
                     rest = torch.log_softmax(logits[:, :-1], -1).gather(-1, cont_ids[:, 1:, None])[..., 0]  # (C, W-1)
                     total = first + (rest * cont_mask[:, 1:]).sum(1)
                     scores.append((total / lengths).cpu())

@@ -1,0 +1,157 @@
+"""bench.py: the learning report on hand-written run folders, the learning driver's skip / resume /
+pass-through logic with the trainer subprocess replaced, and `bench.py gpu --tiny` end to end as a
+subprocess. No real learning run happens here."""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_run(out, name, rewards):
+    folder = os.path.join(out, name)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for i, r in enumerate(rewards):
+            f.write(json.dumps({"iteration": i + 1, "reward_mean": r, "reward_std": 0.1}) + "\n")
+    return folder
+
+
+# PPO rises by 0.2 in every seed (target met); GRPO by about 0.05 (not met). Six iterations, window 2.
+PPO = {0: [0.30, 0.32, 0.40, 0.45, 0.50, 0.52], 1: [0.28, 0.30, 0.38, 0.44, 0.48, 0.50], 2: [0.32, 0.34, 0.42, 0.47, 0.52, 0.54]}
+GRPO = {0: [0.30, 0.30, 0.31, 0.33, 0.35, 0.35], 1: [0.31, 0.29, 0.30, 0.32, 0.34, 0.36], 2: [0.29, 0.31, 0.33, 0.33, 0.34, 0.35]}
+
+
+@pytest.fixture
+def fake_runs(tmp_path):
+    out = str(tmp_path / "bench")
+    for seed in range(3):
+        write_run(out, f"ppo-seed{seed}", PPO[seed])
+        write_run(out, f"grpo-seed{seed}", GRPO[seed])
+    return out
+
+
+def test_summary_means_and_target(fake_runs):
+    rows, curves, incomplete = bench.learning_summary(fake_runs, ["ppo", "grpo"], [0, 1, 2], iterations=6, window=2)
+    assert incomplete == []
+    ppo, grpo = rows
+    first = [np.mean(PPO[s][:2]) for s in range(3)]    # 0.31, 0.29, 0.33
+    last = [np.mean(PPO[s][-2:]) for s in range(3)]    # 0.51, 0.49, 0.53
+    assert ppo["seeds"] == 3
+    assert ppo["first_mean"] == pytest.approx(0.31) and ppo["last_mean"] == pytest.approx(0.51)
+    assert ppo["first_std"] == pytest.approx(np.std(first, ddof=1)) == pytest.approx(0.02)
+    assert ppo["last_std"] == pytest.approx(np.std(last, ddof=1))
+    assert ppo["rise_mean"] == pytest.approx(0.20) and ppo["rise_std"] == pytest.approx(0.0, abs=1e-12)
+    assert ppo["target_met"] is True
+    assert grpo["first_mean"] == pytest.approx(0.30) and grpo["last_mean"] == pytest.approx(0.3483333, abs=1e-6)
+    assert grpo["target_met"] is False
+    assert set(curves["ppo"]) == {0, 1, 2} and len(curves["ppo"][0]) == 6
+
+
+def test_report_files_and_table(fake_runs):
+    table, incomplete = bench.write_learning_report(fake_runs, ["ppo", "grpo"], [0, 1, 2], 6, 2, "python bench.py learning")
+    assert incomplete == []
+    lines = table.splitlines()
+    assert lines[0].startswith("| algorithm | seeds | first 2 iterations | last 2 iterations | rise | target met")
+    assert lines[2] == "| ppo | 3 | 0.310 ± 0.020 | 0.510 ± 0.020 | +0.200 ± 0.000 | yes |"
+    assert lines[3].startswith("| grpo | 3 | 0.300 ± ") and lines[3].endswith("| no |")
+    png = os.path.join(fake_runs, "learning.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(png) > 5000
+    with open(os.path.join(fake_runs, "learning.md")) as f:
+        assert table in f.read()
+
+
+def test_incomplete_runs_are_named_not_averaged(fake_runs):
+    write_run(fake_runs, "grpo-seed2", GRPO[2][:4])                  # killed after 4 of 6 iterations
+    write_run(fake_runs, "ppo-seed0", PPO[0] + [0.9, 0.9])           # logged past the asked number: cut
+    rows, curves, incomplete = bench.learning_summary(fake_runs, ["ppo", "grpo"], [0, 1, 2], 6, 2)
+    assert incomplete == ["grpo-seed2 (4 of 6 iterations)"]
+    assert rows[1]["seeds"] == 2 and set(curves["grpo"]) == {0, 1}
+    assert rows[0]["last_mean"] == pytest.approx(0.51)
+    rows, _, _ = bench.learning_summary(fake_runs, ["ppo"], [7], 6, 2)  # no run at all
+    assert rows == [{"algorithm": "ppo", "seeds": 0}]
+    assert "no complete run" in bench.learning_table(rows, 2)
+
+
+def test_window_must_not_overlap(fake_runs):
+    with pytest.raises(SystemExit, match="--window 4"):
+        bench.learning_summary(fake_runs, ["ppo"], [0], iterations=6, window=4)
+
+
+def test_learning_driver_skips_resumes_and_passes_flags(fake_runs, monkeypatch, capsys):
+    """ppo seeds are complete (skipped); grpo seed 1 stopped after a checkpoint (resumed); grpo seed 2
+    never started (fresh). The stand-in subprocess logs the missing iterations as a trainer would."""
+    write_run(fake_runs, "grpo-seed1", GRPO[1][:3])
+    os.makedirs(os.path.join(fake_runs, "grpo-seed1", "checkpoints", "iter_000002"))
+    os.remove(os.path.join(fake_runs, "grpo-seed2", "metrics.jsonl"))
+    calls = []
+
+    def run(command, cwd):
+        calls.append(command)
+        out = command[command.index("--out") + 1]
+        write_run(os.path.dirname(out), os.path.basename(out), GRPO[int(command[command.index("--seed") + 1])])
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    bench.main(["learning", "--out", fake_runs, "--iterations", "6", "--window", "2",
+                "--", "--max-new-tokens", "24"])
+    assert [c[1] for c in calls] == ["grpo.py", "grpo.py"]
+    resumed, fresh = calls
+    assert resumed[resumed.index("--seed") + 1] == "1" and resumed[-2:] == ["--resume", resumed[resumed.index("--out") + 1]]
+    assert fresh[fresh.index("--seed") + 1] == "2" and "--resume" not in fresh
+    for c in calls:
+        assert c[0] == sys.executable and c[2:6] == ["--preset", "cpu", "--simulator", "rules"]
+        assert c[c.index("--iterations") + 1] == "6" and c[c.index("--max-turns") + 1] == "3"
+        assert c.index("--max-new-tokens") > c.index("--max-turns")  # extra flags come last, so they win
+    printed = capsys.readouterr().out
+    assert "| ppo | 3 | 0.310 ± 0.020 | 0.510 ± 0.020 | +0.200 ± 0.000 | yes |" in printed
+    assert os.path.getsize(os.path.join(fake_runs, "learning.png")) > 0
+
+
+def test_learning_driver_reports_a_failed_run(fake_runs, monkeypatch):
+    os.remove(os.path.join(fake_runs, "ppo-seed1", "metrics.jsonl"))
+    monkeypatch.setattr(bench.subprocess, "run", lambda command, cwd: types.SimpleNamespace(returncode=3))
+    with pytest.raises(SystemExit, match="ppo-seed1 failed"):
+        bench.main(["learning", "--out", fake_runs, "--iterations", "6", "--window", "2"])
+    with open(os.path.join(fake_runs, "learning.md")) as f:
+        assert "ppo-seed1 (0 of 6 iterations)" in f.read()
+
+
+def test_trainer_flags_only_for_learning():
+    with pytest.raises(SystemExit):
+        bench.main(["gpu", "--tiny", "--", "--lr", "1"])
+
+
+def test_gpu_tiny_end_to_end():
+    """The gpu benchmark's whole code path (random Qwen2 model handed to ppo.main, one PPO
+    iteration with the rules user, the plain-generate baseline) on CPU with a 2-layer model."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "bench.py", "gpu", "--tiny"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for label in ("rollout        :", "plain generate :", "ratio          :", "update         :", "peak memory    :"):
+        assert label in out, out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["policy_tokens"] == 4 * 2 * 8  # random weights never end a turn early: 4 dialogues x 2 turns x 8
+    assert result["rollout_tokens_per_s"] > 0 and result["update_all_tokens_per_s"] > 0 and result["ratio"] > 0
+    assert result["batch_tokens"] > result["policy_tokens"] and result["peak_memory_gb"] > 0
+
+
+def test_gpu_without_cuda_says_so_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = subprocess.run([sys.executable, "bench.py", "gpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and "needs a CUDA GPU" in proc.stderr

@@ -31,10 +31,15 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
+
+# LocalBackend.score passes its KV cache as `past_key_values`, the name every transformers 5.x
+# accepts (5.24 prefers `cache` and warns on every call; 5.17, as on our GPU machine, has no `cache`).
+warnings.filterwarnings("ignore", message=r".*past_key_values.* deprecated", category=FutureWarning)
 
 # ----------------------------------------------------------------------------------------------
 # Models: the embedded SmolLM2-135M-Instruct and anything transformers can load

@@ -1,6 +1,6 @@
 """Benchmarks of this codebase itself, one subcommand each.
 
-    python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--threads 2]
+    python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--threads 2] [--simulator same|rules]
     python bench.py learning [--seeds 0,1,2] [--iterations 30] [--out runs/bench-learning] [-- TRAINER FLAGS]
     python bench.py gpu [--dialogues 32] [--max-turns 3] [--max-new-tokens 128]    (one CUDA GPU)
     python bench.py gpu --tiny                                                      (CPU smoke test)
@@ -95,16 +95,17 @@ def bench_rollout(args):
     device = rollout.default_device()
     policy, tokenizer = rollout.load_policy(args.model, device=device, trainable=False)
     personas = load_personas_or_exit(args.personas, "train")[:args.dialogues]
-    backend = make_backend("same", policy=policy, tokenizer=tokenizer, device=device)
+    backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, device=device)
     simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns)
     sim_clock = {"score": 0.0, "chat": 0.0}  # the likelihood read-out; written replies (and reasoned appraisals)
     for method in sim_clock:
-        time_calls(backend, method, sim_clock)
+        if hasattr(backend, method):  # the rules user has neither
+            time_calls(backend, method, sim_clock)
     chat = rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT)
     prompts = [chat.prompt(p.opening) for p in personas]
     print(f"bench rollout: {args.model} on {device} ({torch.get_num_threads()} threads), {len(personas)} dialogues, "
           f"{args.max_turns} turns, {args.max_new_tokens} new tokens per agent turn, "
-          f"simulator 'same' with the {simulator.readout} read-out")
+          f"simulator '{args.simulator}' with the {simulator.readout} read-out")
 
     plain_generate_rate(policy, tokenizer, prompts, 4)  # warm-up: first-call allocations and kernels
     # The baseline runs before and after the rollout and the two are averaged, so that a machine
@@ -460,6 +461,8 @@ def main(argv=None):
     r.add_argument("--model", default="smollm2", help="policy: smollm2 (embedded), a hub id or a path")
     r.add_argument("--personas", default="personas.json")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--simulator", default="same", choices=["same", "rules"],
+                   help="same: the full rollout, user included; rules: a free user, so the ratio is the policy side's")
     r.set_defaults(run=bench_rollout)
 
     lr = commands.add_parser("learning", help="PPO and GRPO learning curves against the rules user, several seeds")

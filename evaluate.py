@@ -271,23 +271,31 @@ def answers_match(predicted, reference):
     return squash(predicted) == squash(reference)
 
 
-def load_math_or_exit(path):
-    """A JSON-lines file of {id, question, answer}; a bad line prints one error line, exit 2."""
-    problems = []
+def read_jsonl_or_exit(path):
+    """(line index, object) for each non-empty line of a JSON-lines file; an unreadable file or a
+    bad line prints one error line naming the file and the line, and exits with code 2."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except OSError as e:
         print(f"error: {path}: cannot read: {e.strerror}", file=sys.stderr)
         sys.exit(2)
+    out = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            entry = json.loads(line)
+            out.append((i, json.loads(line)))
         except json.JSONDecodeError as e:
             print(f"error: {path}: line {i + 1}: not valid JSON: {e.msg}", file=sys.stderr)
             sys.exit(2)
+    return out
+
+
+def load_math_or_exit(path):
+    """A JSON-lines file of {id, question, answer}; a bad line prints one error line, exit 2."""
+    problems = []
+    for i, entry in read_jsonl_or_exit(path):
         missing = [k for k in ("id", "question", "answer") if not isinstance(entry, dict) or k not in entry]
         if missing:
             print(f"error: {path}: line {i + 1}: field '{missing[0]}' is missing", file=sys.stderr)
@@ -490,20 +498,7 @@ def load_metrics(run_dir):
     """The rows of run_dir/metrics.jsonl; a missing file or a bad line exits with one error line."""
     path = os.path.join(run_dir, "metrics.jsonl")
     rows = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        print(f"error: {path}: cannot read: {e.strerror}", file=sys.stderr)
-        sys.exit(2)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            print(f"error: {path}: line {i + 1}: not valid JSON: {e.msg}", file=sys.stderr)
-            sys.exit(2)
+    for i, row in read_jsonl_or_exit(path):
         if not isinstance(row, dict) or not isinstance(row.get("iteration"), int):
             print(f"error: {path}: line {i + 1}: needs an integer 'iteration'", file=sys.stderr)
             sys.exit(2)

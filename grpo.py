@@ -53,6 +53,7 @@ class Args:
     api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable with the URL simulator's key"})
     personas: str = field(default="personas.json", metadata={"help": "persona file"})
     split: str = field(default="train", metadata={"help": "persona split to train on"})
+    difficulty: str = field(default="all", metadata={"help": "all (each persona's own) | easy | normal | hard: every user plays at this level"})
     start_emotion: int = field(default=30, metadata={"help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
     max_change: int = field(default=10, metadata={"help": "largest emotion change per turn"})
     max_turns: int = field(default=8, metadata={"help": "agent turns per dialogue (RLVER: 8)"})
@@ -232,7 +233,7 @@ def main(argv=None):
         if getattr(args, name) not in allowed:
             sys.exit(f"error: --{name.replace('_', '-')} must be one of {' | '.join(allowed)}, got '{getattr(args, name)}'")
     set_seed(args.seed)  # the same adapter initialisation on every process
-    personas = load_personas_or_exit(args.personas, args.split)
+    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
 
     # --- the model: policy adapter on a frozen base; no critic --------------------------------
     model, tokenizer = load_policy(args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,

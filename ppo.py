@@ -50,6 +50,7 @@ class Args:
     api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable with the URL simulator's key"})
     personas: str = field(default="personas.json", metadata={"help": "persona file"})
     split: str = field(default="train", metadata={"help": "persona split to train on"})
+    difficulty: str = field(default="all", metadata={"help": "all (each persona's own) | easy | normal | hard: every user plays at this level"})
     start_emotion: int = field(default=30, metadata={"help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
     max_change: int = field(default=10, metadata={"help": "largest emotion change per turn"})
     max_turns: int = field(default=8, metadata={"help": "agent turns per dialogue (RLVER: 8)"})
@@ -232,7 +233,7 @@ def main(argv=None):
     if args.dialogues_per_iteration % args.minibatch_size:
         sys.exit("error: --dialogues-per-iteration must be a multiple of --minibatch-size")
     set_seed(args.seed)  # the same adapter initialisation on every process
-    personas = load_personas_or_exit(args.personas, args.split)
+    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
 
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
     model, tokenizer = load_policy(args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,

@@ -20,6 +20,7 @@ Check that a simulator tells a warm agent from a dismissive one before training 
 """
 import argparse
 import concurrent.futures
+import dataclasses
 import importlib.util
 import json
 import math
@@ -236,10 +237,21 @@ def load_personas(path, split=None):
     return personas
 
 
-def load_personas_or_exit(path, split=None):
-    """The command-line form: a bad file prints one line and exits with code 2, no traceback."""
+def with_difficulty(personas, level):
+    """The simulator-difficulty ablation: every persona plays at `level` ('all' keeps each one's own).
+    RLVER found that moderate users train better agents than hard ones."""
+    if level == "all":
+        return personas
+    if level not in DIFFICULTIES:
+        raise PersonaError(f"--difficulty must be all or one of {DIFFICULTIES}, got '{level}'")
+    return [dataclasses.replace(p, difficulty=level) for p in personas]
+
+
+def load_personas_or_exit(path, split=None, difficulty="all"):
+    """The command-line form: a bad file prints one line and exits with code 2, no traceback.
+    difficulty other than 'all' makes every persona play at that level (see with_difficulty)."""
     try:
-        return load_personas(path, split)
+        return with_difficulty(load_personas(path, split), difficulty)
     except PersonaError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

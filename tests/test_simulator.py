@@ -792,3 +792,12 @@ def test_cli_agent_replies(persona_entry, write_personas, tmp_path):
     bad = run_cli("--model", "rules", "--personas", path, "--agent-replies", str(replies))
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "'kind'" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_difficulty_override_and_its_error(write_personas, persona_entry, capsys):
+    path = write_personas([persona_entry(id="a", difficulty="easy"), persona_entry(id="b", difficulty="hard")])
+    assert [p.difficulty for p in simulator.load_personas_or_exit(path)] == ["easy", "hard"]
+    assert [p.difficulty for p in simulator.load_personas_or_exit(path, None, "normal")] == ["normal", "normal"]
+    with pytest.raises(SystemExit) as stop:
+        simulator.load_personas_or_exit(path, None, "brutal")
+    assert stop.value.code == 2 and "--difficulty" in capsys.readouterr().err

@@ -22,7 +22,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs, fingerprint,

@@ -12,7 +12,6 @@ One copy of the weights serves four roles: the actor (adapter 'default'), the cr
     python ppo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
     accelerate launch --num_processes 8 ppo.py   # data parallel on one node
 """
-import math
 import os
 import random
 import sys
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs, default_device,
+from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs,
                      fingerprint, global_mean, global_sum, gpus_after_the_first, latest_checkpoint,
                      load_adapter_weights, load_policy, masked_mean, pad_records, parse_settings,
                      peak_memory_gb, play_dialogues, RunFolder, save_checkpoint, set_rng_state, set_seed,

@@ -18,7 +18,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -100,10 +100,6 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
     return model, tokenizer
 
 
-def lora_config_of(model, name="default"):
-    return model.peft_config[name]
-
-
 # ----------------------------------------------------------------------------------------------
 # Chat-template token deltas
 # ----------------------------------------------------------------------------------------------
@@ -148,11 +144,12 @@ class ChatTokens:
         return self.encode(tail + self.user_prefix + text + self.user_suffix)
 
 
-def eos_ids(tokenizer, model=None):
+def eos_ids(tokenizer):
+    """Token ids that end an agent turn: the tokenizer's EOS and the usual chat end-of-turn tokens."""
     ids = {tokenizer.eos_token_id}
     for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
         tid = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
             ids.add(tid)
     return sorted(i for i in ids if i is not None)
 

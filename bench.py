@@ -59,12 +59,14 @@ def plain_generate_rate(policy, tokenizer, prompts, max_new_tokens):
     """Tokens per second of one batched, sampled generate call of exactly max_new_tokens per row."""
     from transformers import GenerationConfig
 
-    from rollout import _pad_left, eos_ids
+    from rollout import eos_ids
+    from simulator import cached_batch
 
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=None, repetition_penalty=1.0,
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                               eos_token_id=eos_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    ids, mask = _pad_left(prompts, tokenizer.pad_token_id, next(policy.parameters()).device)
+    ids, mask, _ = cached_batch(prompts, [{} for _ in prompts], tokenizer.pad_token_id,
+                                next(policy.parameters()).device)  # no cache: plain left padding
     t0 = time.time()
     with torch.no_grad():
         out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)
@@ -95,7 +97,8 @@ def bench_rollout(args):
     device = rollout.default_device()
     policy, tokenizer = rollout.load_policy(args.model, device=device, trainable=False)
     personas = load_personas_or_exit(args.personas, "train")[:args.dialogues]
-    backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, device=device)
+    backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, device=device,
+                           reuse_cache=args.reuse_cache)
     simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns)
     sim_clock = {"score": 0.0, "chat": 0.0}  # the likelihood read-out; written replies (and reasoned appraisals)
     for method in sim_clock:
@@ -105,7 +108,8 @@ def bench_rollout(args):
     prompts = [chat.prompt(p.opening) for p in personas]
     print(f"bench rollout: {args.model} on {device} ({torch.get_num_threads()} threads), {len(personas)} dialogues, "
           f"{args.max_turns} turns, {args.max_new_tokens} new tokens per agent turn, "
-          f"simulator '{args.simulator}' with the {simulator.readout} read-out")
+          f"simulator '{args.simulator}' with the {simulator.readout} read-out, "
+          f"turn caches {'on' if args.reuse_cache else 'off'}")
 
     plain_generate_rate(policy, tokenizer, prompts, 4)  # warm-up: first-call allocations and kernels
     # The baseline runs before and after the rollout and the two are averaged, so that a machine
@@ -113,8 +117,9 @@ def bench_rollout(args):
     before = plain_generate_rate(policy, tokenizer, prompts, args.max_new_tokens)
     t0 = time.time()
     records, stats = rollout.play_dialogues(policy, tokenizer, simulator, personas, max_new_tokens=args.max_new_tokens,
-                                            progress=False)
+                                            reuse_cache=args.reuse_cache, progress=False)
     wall = time.time() - t0
+    summary = rollout.summarize(records, stats)
     after = plain_generate_rate(policy, tokenizer, prompts, args.max_new_tokens)
     base_rate = (before[0] + after[0]) / 2
     policy_s, sim_s = stats["policy_seconds"], stats["simulator_seconds"]
@@ -129,6 +134,7 @@ def bench_rollout(args):
         "simulator_score_seconds": sim_clock["score"], "simulator_chat_seconds": sim_clock["chat"],
         "policy_tokens_per_s": stats["policy_tokens"] / max(policy_s, 1e-9),
         "simulator_tokens_per_s": stats["simulator_tokens"] / max(sim_s, 1e-9),
+        "policy_cache_hit": summary["policy_cache_hit"], "simulator_cache_hit": summary["simulator_cache_hit"],
     }
     print(f"  plain generate : {before[1]} tokens in {before[2]:.1f} s before, {after[2]:.1f} s after "
           f"the rollout = {base_rate:.1f} tok/s ({before[0]:.1f} and {after[0]:.1f})")
@@ -141,6 +147,8 @@ def bench_rollout(args):
         if name == "simulator":
             print(f"      score (likelihood read-out, no tokens generated) {sim_clock['score']:6.1f} s, "
                   f"chat (generated user replies) {sim_clock['chat']:6.1f} s")
+    print(f"  prompt tokens read from the turn caches: policy {result['policy_cache_hit']:.0%}, "
+          f"simulator {result['simulator_cache_hit']:.0%}")
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
 
@@ -467,6 +475,8 @@ def main(argv=None):
     r.add_argument("--model", default="smollm2", help="policy: smollm2 (embedded), a hub id or a path")
     r.add_argument("--personas", default="personas.json")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--reuse-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep each dialogue's KV cache between turns (--no-reuse-cache: run every prompt whole)")
     r.add_argument("--simulator", default="same", choices=["same", "rules"],
                    help="same: the full rollout, user included; rules: a free user, so the ratio is the policy side's")
     r.set_defaults(run=bench_rollout)

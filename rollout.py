@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from simulator import Simulator, load_model, load_personas_or_exit, make_backend, transcript_turns
+from simulator import (Simulator, cached_batch, keep_cache, load_model, load_personas_or_exit, make_backend,
+                       transcript_turns)
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project; --system-prompt-file replaces them)
@@ -169,33 +170,30 @@ class Dialogue:
     logprobs: list = field(default_factory=list)     # sampling log-prob of each action token, else 0
     turn_ends: list = field(default_factory=list)    # index of the last token of each agent turn
     agent_turns: list = field(default_factory=list)  # {"raw", "thought", "reply", "violation", "tokens"}
-
-
-def _pad_left(rows, pad_id, device):
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-    return ids, mask
+    cache: dict = field(default_factory=dict, repr=False)  # the policy's KV cache between turns
 
 
 @torch.no_grad()
 def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1, *, thinking=True,
                    system_prompt=None, temperature=1.0, top_p=1.0, max_new_tokens=256,
-                   max_context=4096, greedy=False, progress=True, desc="dialogues"):
+                   max_context=4096, greedy=False, reuse_cache=True, progress=True, desc="dialogues"):
     """Play len(personas) x samples_per_persona dialogues in lockstep: one batched generate for all
     active agents, then one batched simulator step; finished dialogues leave the batch.
+    With reuse_cache each dialogue keeps its KV cache between turns, so a turn runs only the tokens
+    added since the last one (simulator.cached_batch); without it every turn runs the whole prompt.
     Returns (records, stats): one flat dict per dialogue, and counts and timings."""
     from transformers import GenerationConfig
 
     chat = ChatTokens(tokenizer, system_prompt or (THINK_PROMPT if thinking else PLAIN_PROMPT))
     device = next(policy.parameters()).device
     # An explicit config, so that a model's own defaults (top_k=20, repetition_penalty=1.05 in
-    # Qwen2.5's generation_config) cannot change the sampling distribution. The stored log-probs
-    # are log softmax(logits / temperature), the distribution we sample from when top_p = 1;
-    # the trainers must compute theirs with the same temperature.
+    # Qwen2.5's generation_config) cannot change the sampling distribution. top_k must be 0, not
+    # None: transformers reads None as "unset" and fills in the model's top_k, or 50. The stored
+    # log-probs are log softmax(logits / temperature), the distribution we sample from when
+    # top_p = 1; the trainers must compute theirs with the same temperature.
     gen_config = GenerationConfig(
         do_sample=not greedy, temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
-        top_k=None, repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
+        top_k=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
         pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True, output_logits=True)
     dialogues = []
     for g, persona in enumerate(personas):
@@ -208,6 +206,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     stats = Counter()
     t_policy = 0.0
     sim_seconds_before, sim_tokens_before = simulator.seconds, simulator.backend.generated_tokens
+    sim_prompt_before = (getattr(simulator.backend, "prompt_tokens", 0), getattr(simulator.backend, "reused_tokens", 0))
     bar = tqdm(total=len(dialogues), desc=desc, disable=not progress, leave=False)
     while True:
         active = [d for d in dialogues if not d.state.done]
@@ -215,21 +214,31 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
             if len(d.ids) + max_new_tokens > max_context:
                 d.state.end_reason = "context"
                 bar.update(1)
+        for d in dialogues:
+            if d.state.done:
+                d.cache.clear()  # free a finished dialogue's KV cache
         active = [d for d in active if not d.state.done]
         if not active:
             break
         t0 = time.time()
-        ids, mask = _pad_left([d.ids for d in active], tokenizer.pad_token_id, device)
-        out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
+        slots = [d.cache if reuse_cache else {} for d in active]
+        ids, mask, cache = cached_batch([d.ids for d in active], slots, tokenizer.pad_token_id, device)
+        stats["policy_prompt_tokens"] += int(mask.sum())
+        stats["policy_reused_tokens"] += int(mask[:, :cache.get_seq_length()].sum())
+        out = policy.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=gen_config)
         new = out.sequences[:, ids.shape[1]:]                                    # (B, N)
         logits = torch.stack(out.logits, 1).float() / temperature                 # (B, N, V)
         new_logp = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0].cpu()  # (B, N)
+        lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
+                   for row in new.tolist()]
+        if reuse_cache:
+            sampled = (torch.arange(new.shape[1], device=device)[None] < torch.tensor(lengths, device=device)[:, None])
+            keep_cache(slots, cache, out.sequences, torch.cat([mask, sampled.long()], 1))
         new = new.cpu()
         t_policy += time.time() - t0
         replies = []
         for k, d in enumerate(active):
-            row = new[k].tolist()
-            n = next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
+            row, n = new[k].tolist(), lengths[k]
             tokens, lps = row[:n], new_logp[k, :n].tolist()
             d.ids += tokens
             d.action_mask += [1] * n
@@ -261,6 +270,8 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     stats["policy_seconds"] = t_policy
     stats["simulator_seconds"] = simulator.seconds - sim_seconds_before
     stats["simulator_tokens"] = simulator.backend.generated_tokens - sim_tokens_before
+    stats["simulator_prompt_tokens"] = getattr(simulator.backend, "prompt_tokens", 0) - sim_prompt_before[0]
+    stats["simulator_reused_tokens"] = getattr(simulator.backend, "reused_tokens", 0) - sim_prompt_before[1]
     return [to_record(d) for d in dialogues], dict(stats)
 
 
@@ -310,6 +321,9 @@ def summarize(records, stats):
         "simulator_tokens_per_s": stats.get("simulator_tokens", 0) / max(1e-9, stats.get("simulator_seconds", 0)),
         "policy_seconds": stats.get("policy_seconds", 0.0),
         "simulator_seconds": stats.get("simulator_seconds", 0.0),
+        # the share of prompt tokens read from a dialogue's KV cache instead of being run again
+        "policy_cache_hit": stats.get("policy_reused_tokens", 0) / max(1, stats.get("policy_prompt_tokens", 0)),
+        "simulator_cache_hit": stats.get("simulator_reused_tokens", 0) / max(1, stats.get("simulator_prompt_tokens", 0)),
     }
     for reason in ("success", "left", "goodbye", "max_turns", "context"):
         out[f"end_{reason}"] = reasons.get(reason, 0)

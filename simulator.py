@@ -309,6 +309,7 @@ class UserState:
     appraisals: list = field(default_factory=list)  # {"change", "emotion", "appraisal", "parsed"}
     fallbacks: int = 0                               # appraisals that could not be read
     end_reason: str | None = None                    # success | left | goodbye | max_turns | context
+    cache: dict = field(default_factory=dict, repr=False, compare=False)  # the backend's KV slot
 
     @property
     def done(self):
@@ -334,7 +335,8 @@ def parse_change(text):
 # ----------------------------------------------------------------------------------------------
 # Prompts (written for this project)
 # ----------------------------------------------------------------------------------------------
-def persona_card(persona, emotion):
+def persona_card(persona):
+    """Who the user is. It never changes within a dialogue; the current mood goes in mood_note()."""
     profile = "\n".join(f"- {k.replace('_', ' ')}: {v}" for k, v in persona.profile.items())
     return (
         "You are playing a real person who is talking to a support chatbot. Stay in character.\n"
@@ -344,33 +346,45 @@ def persona_card(persona, emotion):
         f"What would really help you (never say this outright): {persona.hidden_intention}\n"
         f"When the talk goes well: {persona.reactions.get('good', '')} "
         f"When it goes badly: {persona.reactions.get('bad', '')}\n"
-        f"{DIFFICULTY_TEXT[persona.difficulty]}\n"
-        f"Your mood right now: {emotion} out of 100.")
+        f"{DIFFICULTY_TEXT[persona.difficulty]}")
+
+
+def mood_note(emotion):
+    return (f"[A note only you can see. Your mood right now: {emotion} out of 100. "
+            f"{BAND_STYLE[band(emotion)]} Write only your next message: one to three short sentences "
+            "in your speaking style. Never mention being an AI or playing a role.]")
 
 
 def transcript_text(history):
     return "\n".join(("You" if m["role"] == "user" else "Chatbot") + ": " + m["text"] for m in history)
 
 
+# Every prompt puts what changes from turn to turn (the mood, the newest reply) after what does
+# not (the persona, the dialogue so far), so that each turn's prompt extends the previous one's
+# and the simulator's KV cache carries over between turns (see cached_batch).
 def appraisal_messages(state, reply):
     ask = (f"The conversation so far:\n{transcript_text(state.history)}\n\n"
            f"The chatbot now replies:\n\"{reply}\"\n\n"
+           f"Your mood before this reply: {state.emotion} out of 100. "
            "As the person you play, appraise this reply in two or three sentences: what the chatbot "
            "meant, how well it meets your goal and your unspoken need, and how it makes you feel. "
            "Then write a last line of the form 'Change: N', where N is a whole number from -10 to "
            "+10 telling how much your mood moves.")
-    return [{"role": "system", "content": persona_card(state.persona, state.emotion)},
+    return [{"role": "system", "content": persona_card(state.persona)},
             {"role": "user", "content": ask}]
 
 
 def user_turn_messages(state):
-    """The persona speaks as the 'assistant' of this chat; the agent's words arrive as 'user'."""
-    system = (persona_card(state.persona, state.emotion) + "\n" + BAND_STYLE[band(state.emotion)] +
-              "\nWrite only your next message: one to three short sentences in your speaking "
-              "style. Never mention being an AI or playing a role.")
-    messages = [{"role": "system", "content": system}]
+    """The persona speaks as the 'assistant' of this chat; the agent's words arrive as 'user'. The
+    mood note rides on the agent's latest message (or comes alone if the user spoke last)."""
+    messages = [{"role": "system", "content": persona_card(state.persona)}]
     for m in state.history:
         messages.append({"role": "assistant" if m["role"] == "user" else "user", "content": m["text"]})
+    note = mood_note(state.emotion)
+    if messages[-1]["role"] == "user":
+        messages[-1] = {"role": "user", "content": messages[-1]["content"] + "\n\n" + note}
+    else:
+        messages.append({"role": "user", "content": note})
     return messages
 
 
@@ -386,6 +400,69 @@ LIKELIHOOD_OFFSET = {"easy": 0.35, "normal": 0.5, "hard": 0.65}
 
 
 # ----------------------------------------------------------------------------------------------
+# Turn caches: keep each dialogue's KV cache between turns, so a turn runs only its new tokens
+# ----------------------------------------------------------------------------------------------
+# A dialogue's prompt grows by a few dozen tokens a turn, yet a plain generate() runs the whole
+# prompt again every turn: by turn 10 that prefill costs more than the reply. Each dialogue (and
+# each model role in it: the policy, the simulated user) owns a `slot`, a dict holding the token
+# ids whose keys/values it has and those keys/values. The next call reuses the longest common
+# prefix of the stored ids and the new prompt, so it does not matter where prompts stop sharing:
+# reuse is exact up to the first differing token and nothing after it is kept.
+def common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def cached_batch(rows, slots, pad_id, device):
+    """Lay out a batch of prompts so that every row's reusable prefix lies in the first P columns
+    (left-padded) and its new tokens in the last S (left-padded too): [pad, prefix, pad, new].
+    Returns (input_ids, attention_mask, cache): a DynamicCache holding P positions for every row
+    (zeros where a row has padding), ready for generate() or a forward pass on input_ids[:, P:].
+    Position ids follow from the attention mask, so the holes do not shift any token."""
+    from transformers import DynamicCache
+
+    reuse = [min(common_prefix(slot.get("ids", ()), row), len(row) - 1) for row, slot in zip(rows, slots)]
+    P, S = max(reuse), max(len(row) - n for row, n in zip(rows, reuse))
+    ids, mask = [], []
+    for row, n in zip(rows, reuse):
+        new = row[n:]
+        ids.append([pad_id] * (P - n) + row[:n] + [pad_id] * (S - len(new)) + new)
+        mask.append([0] * (P - n) + [1] * n + [0] * (S - len(new)) + [1] * len(new))
+    ids, mask = torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+    if P == 0:
+        return ids, mask, DynamicCache()
+    ref = slots[next(i for i, n in enumerate(reuse) if n)]["kv"]
+    layers = []
+    for layer, (k0, v0) in enumerate(ref):
+        ks, vs = [], []
+        for slot, n in zip(slots, reuse):
+            k = k0.new_zeros(1, k0.shape[1], P, k0.shape[3])
+            v = v0.new_zeros(1, v0.shape[1], P, v0.shape[3])
+            if n:
+                k[:, :, P - n:], v[:, :, P - n:] = slot["kv"][layer][0][:, :, :n], slot["kv"][layer][1][:, :, :n]
+            ks.append(k)
+            vs.append(v)
+        layers.append((torch.cat(ks), torch.cat(vs)))
+    return ids, mask, DynamicCache(layers)
+
+
+def keep_cache(slots, cache, ids, mask):
+    """After running ids (B, W) with attention mask (B, W) into `cache`, store in each row's slot
+    the row's real tokens that have keys/values in the cache (the last sampled token of a
+    generate() call has none yet) and those keys/values, without the padding."""
+    length = cache.get_seq_length()
+    layers = [(k, v) for k, v, *_ in cache]
+    for b, slot in enumerate(slots):
+        pos = mask[b, :length].nonzero()[:, 0]
+        slot["ids"] = ids[b, pos].tolist()
+        slot["kv"] = [(k[b:b + 1, :, pos], v[b:b + 1, :, pos]) for k, v in layers]
+
+
+# ----------------------------------------------------------------------------------------------
 # Backends: one interface, chat(list of message lists) -> list of texts
 # ----------------------------------------------------------------------------------------------
 class SimulatorError(RuntimeError):
@@ -397,10 +474,12 @@ class LocalBackend:
     policy's own PeftModel is handed in and run with its adapters disabled: the frozen base."""
     name = "local"
 
-    def __init__(self, model, tokenizer, use_base=False, micro_batch_size=16):
+    def __init__(self, model, tokenizer, use_base=False, micro_batch_size=16, reuse_cache=True):
         self.model, self.tokenizer = model, tokenizer
         self.use_base, self.micro_batch_size = use_base, micro_batch_size
+        self.reuse_cache = reuse_cache  # keep each dialogue's KV cache between turns (see cached_batch)
         self.generated_tokens = 0
+        self.prompt_tokens = self.reused_tokens = 0  # prompt tokens in all, and those read from a cache
 
     def _context(self):
         import contextlib
@@ -414,34 +493,42 @@ class LocalBackend:
                  for c in conversations]
         return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
-    def _pad(self, rows):
-        width = max(len(r) for r in rows)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        return ids.to(self.model.device), mask.to(self.model.device)
+    def _slots(self, slots, n):
+        """The callers' per-dialogue cache slots, or throwaway ones when reuse is off."""
+        return slots if self.reuse_cache and slots is not None else [{} for _ in range(n)]
+
+    def _count(self, mask, cache):
+        self.prompt_tokens += int(mask.sum())
+        self.reused_tokens += int(mask[:, :cache.get_seq_length()].sum())
 
     @torch.no_grad()
-    def chat(self, conversations, max_new_tokens):
+    def chat(self, conversations, max_new_tokens, slots=None):
         was_training = self.model.training
         self.model.eval()
         rows, out = self._encode(conversations), []
+        keep = self.reuse_cache and slots is not None
+        slots = self._slots(slots, len(rows))
+        pad = self.tokenizer.pad_token_id
         try:
             with self._context():
                 for i in range(0, len(rows), self.micro_batch_size):
-                    ids, mask = self._pad(rows[i:i + self.micro_batch_size])
-                    gen = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                              max_new_tokens=max_new_tokens, repetition_penalty=1.2,
-                                              pad_token_id=self.tokenizer.pad_token_id)
+                    part = slice(i, i + self.micro_batch_size)
+                    ids, mask, cache = cached_batch(rows[part], slots[part], pad, self.model.device)
+                    self._count(mask, cache)
+                    gen = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                                              do_sample=False, max_new_tokens=max_new_tokens,
+                                              repetition_penalty=1.2, pad_token_id=pad)
                     new = gen[:, ids.shape[1]:]
-                    self.generated_tokens += int((new != self.tokenizer.pad_token_id).sum())
+                    self.generated_tokens += int((new != pad).sum())
                     out += self.tokenizer.batch_decode(new, skip_special_tokens=True)
+                    if keep:
+                        keep_cache(slots[part], cache, gen, torch.cat([mask, (new != pad).long()], 1))
         finally:
             self.model.train(was_training)
         return [t.strip() for t in out]
 
     @torch.no_grad()
-    def score(self, conversations, continuations):
+    def score(self, conversations, continuations, slots=None):
         """Mean per-token log-likelihood of each continuation as the start of the assistant's
         next message, for every conversation: a (len(conversations), len(continuations)) tensor.
         The conversation is run once and its KV cache shared by all continuations, which makes
@@ -454,14 +541,20 @@ class LocalBackend:
         cont_ids = torch.tensor([c + [self.tokenizer.pad_token_id] * (width - len(c)) for c in conts], device=device)
         cont_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in conts], device=device)
         lengths = cont_mask.sum(1)
+        rows = self._encode(conversations)
+        keep = self.reuse_cache and slots is not None
+        slots = self._slots(slots, len(rows))
         scores = []
         try:
             with self._context():
-                for prompt in self._encode(conversations):  # one at a time: no padding inside the prompt
-                    ids = torch.tensor([prompt], device=device)
-                    out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                for prompt, slot in zip(rows, slots):  # one at a time: no padding inside the prompt
+                    ids, mask, cache = cached_batch([prompt], [slot], self.tokenizer.pad_token_id, device)
+                    self._count(mask, cache)
+                    done = cache.get_seq_length()
+                    out = self.model(input_ids=ids[:, done:], past_key_values=cache, use_cache=True, logits_to_keep=1)
                     first = torch.log_softmax(out.logits[0, -1].float(), -1)[cont_ids[:, 0]]  # (C,)
-                    cache = out.past_key_values
+                    if keep:  # before the cache is repeated below
+                        keep_cache([slot], cache, ids, mask)
                     cache.batch_repeat_interleave(len(conts))
                     mask = torch.cat([torch.ones(len(conts), len(prompt), dtype=cont_mask.dtype, device=device), cont_mask], 1)
                     logits = self.model(input_ids=cont_ids, attention_mask=mask, past_key_values=cache).logits.float()
@@ -513,7 +606,9 @@ class OpenAIBackend:
                 problem = "malformed response (not an OpenAI chat completion)"
         raise SimulatorError(f"simulator server {self.url}: {problem} after {attempt + 1} tries")
 
-    def chat(self, conversations, max_new_tokens):
+    def chat(self, conversations, max_new_tokens, slots=None):
+        """slots is unused: a server keeps its own prefix cache (vLLM and SGLang do), and the
+        prompts are built so that each turn's prompt extends the last one's."""
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
             return list(pool.map(lambda m: self._post(m, max_new_tokens).strip(), conversations))
 
@@ -603,7 +698,7 @@ class Simulator:
             return [(*rules_appraisal(s, r), True) for s, r in zip(states, replies)]
         if self.readout == "reasoned":
             texts = self.backend.chat([appraisal_messages(s, r) for s, r in zip(states, replies)],
-                                      self.appraisal_tokens)
+                                      self.appraisal_tokens, slots=[s.cache for s in states])
             out = []
             for text in texts:
                 change = parse_change(text)  # None -> deterministic fallback: no change, counted
@@ -615,7 +710,8 @@ class Simulator:
             probe = UserState(persona=s.persona, emotion=s.emotion,
                               history=s.history + [{"role": "agent", "text": r}])
             conversations.append(user_turn_messages(probe))
-        scores = self.backend.score(conversations, POSITIVE_REACTIONS + NEGATIVE_REACTIONS)  # (N, 6)
+        scores = self.backend.score(conversations, POSITIVE_REACTIONS + NEGATIVE_REACTIONS,
+                                    slots=[s.cache for s in states])  # (N, 6)
         k = len(POSITIVE_REACTIONS)
         out = []
         for s, row in zip(states, scores):
@@ -629,7 +725,8 @@ class Simulator:
     def _user_messages(self, states):
         if self.readout == "rules":
             return [s.persona.band_lines.get(band(s.emotion), GENERIC_LINES[band(s.emotion)]) for s in states]
-        texts = self.backend.chat([user_turn_messages(s) for s in states], self.reply_tokens)
+        texts = self.backend.chat([user_turn_messages(s) for s in states], self.reply_tokens,
+                                  slots=[s.cache for s in states])
         return [clean_user_text(t) for t in texts]
 
     def step(self, states, replies):
@@ -659,6 +756,9 @@ class Simulator:
             s.history.append({"role": "user", "text": text})
             if says_goodbye(text):
                 s.end_reason = "goodbye"
+        for s in states:
+            if s.done:
+                s.cache.clear()  # free the finished dialogue's KV cache
         self.seconds += time.time() - t0
 
 
@@ -672,20 +772,22 @@ def clean_user_text(text):
 
 
 def make_backend(simulator, policy=None, tokenizer=None, api_model="default", api_key_env="OPENAI_API_KEY",
-                 device="cpu", micro_batch_size=16, device_map=None, max_memory=None, trust_remote_code=False):
+                 device="cpu", micro_batch_size=16, device_map=None, max_memory=None, trust_remote_code=False,
+                 reuse_cache=True):
     """--simulator same | rules | http(s)://host:port/v1 | a model id or path for transformers."""
     if simulator == "rules":
         return RulesBackend()
     if simulator == "same":
         if policy is None:
             raise ValueError("--simulator same needs the policy model")
-        return LocalBackend(policy, tokenizer, use_base=True, micro_batch_size=micro_batch_size)
+        return LocalBackend(policy, tokenizer, use_base=True, micro_batch_size=micro_batch_size,
+                            reuse_cache=reuse_cache)
     if simulator.startswith(("http://", "https://")):
         return OpenAIBackend(simulator, model=api_model, api_key_env=api_key_env)
     model, tok = load_model(simulator, device=device, device_map=device_map, max_memory=max_memory,
                             trust_remote_code=trust_remote_code)
     model.requires_grad_(False)
-    return LocalBackend(model, tok, micro_batch_size=micro_batch_size)
+    return LocalBackend(model, tok, micro_batch_size=micro_batch_size, reuse_cache=reuse_cache)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ class ScriptedPolicy(torch.nn.Module):
         self.rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
         self.vocab, self.pad = len(tokenizer), tokenizer.pad_token_id
 
-    def generate(self, input_ids, attention_mask, generation_config):
+    def generate(self, input_ids, attention_mask, generation_config, past_key_values=None):
         rows = self.rows[:input_ids.shape[0]]
         width = max(len(r) for r in rows)
         new = torch.tensor([r + [self.pad] * (width - len(r)) for r in rows])
@@ -301,7 +301,7 @@ class ScriptedUsers:
     def __init__(self, scripts):
         self.scripts = scripts
 
-    def chat(self, conversations, max_new_tokens):
+    def chat(self, conversations, max_new_tokens, slots=None):
         out = []
         for messages in conversations:
             name = re.search(r"- name: (.+)", messages[0]["content"]).group(1)
@@ -489,3 +489,29 @@ def test_checkpoints_newest_complete_wins_and_adapters_load(tiny_model_dir, tmp_
     rollout.load_adapter_weights(fresh, second, "critic")
     critic = {n: p for n, p in fresh.named_parameters() if ".critic." in n}
     assert critic and all(torch.equal(p, saved[n]) for n, p in critic.items())
+
+
+# ----------------------------------------------------------------------------------------------
+# Reusing each dialogue's KV cache between turns
+# ----------------------------------------------------------------------------------------------
+def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_biased_model, personas):
+    """Replies end at different tokens and user messages differ in length, so the cached batch
+    has holes after each end-of-turn token and before each user message; positions must not move."""
+    model, tokenizer = eos_biased_model
+    runs = []
+    for reuse in (True, False):
+        torch.manual_seed(0)
+        records, stats = play_dialogues(model, tokenizer, rules_simulator(max_turns=4), personas(3),
+                                        max_new_tokens=24, reuse_cache=reuse, progress=False)
+        runs.append((records, rollout.summarize(records, stats)))
+    (cached, cached_summary), (plain, plain_summary) = runs
+    assert len({t["tokens"] for r in cached for t in agent_turns(r)}) > 1  # ragged replies
+    assert sum(len(r["turn_ends"]) for r in cached) >= 9
+    for a, b in zip(cached, plain):
+        assert a["token_ids"] == b["token_ids"]
+        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-4, rtol=1e-4)
+    assert cached_summary["policy_cache_hit"] > 0.5 and plain_summary["policy_cache_hit"] == 0
+    batch = pad_records(cached, tokenizer.pad_token_id, "cpu")
+    fresh = batched_logprobs(model, batch, micro_batch_size=2)
+    mask = batch["action_mask"].bool()
+    torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=1e-4, rtol=1e-4)

@@ -161,7 +161,7 @@ def test_sage_import(tmp_path):
     assert load_personas(str(path), split="test") == personas
     with pytest.raises(PersonaError, match="no personas in split 'train'"):
         load_personas(str(path), split="train")
-    assert "Tom" in simulator.persona_card(personas[0], 40)  # the prompts can be built from it
+    assert "Tom" in simulator.persona_card(personas[0])  # the prompts can be built from it
 
 
 def test_sage_errors_name_line_id_and_field(tmp_path):
@@ -266,7 +266,7 @@ class ScriptedBackend:
         self.appraisals, self.user_lines = list(appraisals), list(user_lines)
         self.calls = []
 
-    def chat(self, conversations, max_new_tokens):
+    def chat(self, conversations, max_new_tokens, slots=None):
         self.calls.append((conversations, max_new_tokens))
         out = []
         for messages in conversations:
@@ -801,3 +801,43 @@ def test_difficulty_override_and_its_error(write_personas, persona_entry, capsys
     with pytest.raises(SystemExit) as stop:
         simulator.load_personas_or_exit(path, None, "brutal")
     assert stop.value.code == 2 and "--difficulty" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# Turn caches
+# ----------------------------------------------------------------------------------------------
+def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_model, persona):
+    """The simulated user keeps its KV cache between turns and between the read-out and its reply;
+    greedy dialogues (emotions, read-outs, user messages) must not change, only get cheaper."""
+    runs = []
+    for reuse in (True, False):
+        backend = LocalBackend(*tiny_model, micro_batch_size=3, reuse_cache=reuse)
+        sim = Simulator(backend, max_turns=4, reply_tokens=6, leave_below=0)
+        results = simulator.play_scripted(sim, [persona] * 3, simulator.SCRIPTED_AGENT, progress=False)
+        runs.append((results, backend.reused_tokens / backend.prompt_tokens))
+    (cached, hit), (plain, no_hit) = runs
+    assert sum(len(r["turns"]) for r in cached) >= 6 * 8  # 6 dialogues, 4 turns each, two lines a turn
+    assert cached == plain
+    assert hit > 0.5 and no_hit == 0
+
+
+def test_cached_batch_lays_out_prefix_then_new_tokens(tiny_model):
+    """Rows with cached prefixes of different lengths and new parts of different lengths give the
+    same next-token logits as each row run alone from scratch."""
+    model, tokenizer = tiny_model
+    rows = [[5, 6, 7, 8, 9, 10], [5, 6, 11], [12, 13, 14, 15]]
+    slots = [{}, {}, {}]
+    for row, slot, n in zip(rows, slots, (4, 2, 0)):  # cache the first n tokens of each row
+        if n:
+            ids, mask, cache = simulator.cached_batch([row[:n]], [slot], tokenizer.pad_token_id, "cpu")
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            simulator.keep_cache([slot], cache, ids, mask)
+    assert [s.get("ids") for s in slots] == [rows[0][:4], rows[1][:2], None]
+    ids, mask, cache = simulator.cached_batch(rows, slots, tokenizer.pad_token_id, "cpu")
+    assert cache.get_seq_length() == 4 and ids.shape == (3, 4 + 4)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids[:, 4:], attention_mask=mask, position_ids=position_ids[:, 4:],
+                   past_key_values=cache).logits[:, -1]
+    for k, row in enumerate(rows):
+        alone = model(input_ids=torch.tensor([row])).logits[0, -1]
+        torch.testing.assert_close(logits[k], alone, atol=1e-4, rtol=1e-4)

@@ -350,9 +350,7 @@ def persona_card(persona):
 
 
 def mood_note(emotion):
-    return (f"[A note only you can see. Your mood right now: {emotion} out of 100. "
-            f"{BAND_STYLE[band(emotion)]} Write only your next message: one to three short sentences "
-            "in your speaking style. Never mention being an AI or playing a role.]")
+    return f"[A note only you can see. Your mood: {emotion} out of 100. {BAND_STYLE[band(emotion)]}]"
 
 
 def transcript_text(history):
@@ -375,16 +373,25 @@ def appraisal_messages(state, reply):
 
 
 def user_turn_messages(state):
-    """The persona speaks as the 'assistant' of this chat; the agent's words arrive as 'user'. The
-    mood note rides on the agent's latest message (or comes alone if the user spoke last)."""
-    messages = [{"role": "system", "content": persona_card(state.persona)}]
+    """The persona speaks as the 'assistant' of this chat; the agent's words arrive as 'user'. Each
+    agent message is preceded by a note of the user's mood when it arrived, and stays so in later
+    turns. Once the latest message has been appraised, a last note gives the mood it left behind,
+    for the user's next message; before that (the likelihood read-out) the reply comes last."""
+    system = (persona_card(state.persona) + "\nWrite only your next message: one to three short "
+              "sentences in your speaking style. Never mention being an AI or playing a role.")
+    messages = [{"role": "system", "content": system}]
+    moods = [a["emotion"] - a["change"] for a in state.appraisals] + [state.emotion]  # before each agent turn
+    k = 0
     for m in state.history:
-        messages.append({"role": "assistant" if m["role"] == "user" else "user", "content": m["text"]})
-    note = mood_note(state.emotion)
-    if messages[-1]["role"] == "user":
-        messages[-1] = {"role": "user", "content": messages[-1]["content"] + "\n\n" + note}
-    else:
-        messages.append({"role": "user", "content": note})
+        if m["role"] == "user":
+            messages.append({"role": "assistant", "content": m["text"]})
+        else:
+            messages.append({"role": "user", "content": mood_note(moods[k]) + "\n" + m["text"]})
+            k += 1
+    if messages[-1]["role"] == "assistant":
+        messages.append({"role": "user", "content": mood_note(state.emotion)})
+    elif k == len(state.appraisals):
+        messages[-1] = {"role": "user", "content": messages[-1]["content"] + "\n\n" + mood_note(state.emotion)}
     return messages
 
 
@@ -707,7 +714,7 @@ class Simulator:
         # likelihood: the user's next message, scored as positive vs negative reactions
         conversations = []
         for s, r in zip(states, replies):
-            probe = UserState(persona=s.persona, emotion=s.emotion,
+            probe = UserState(persona=s.persona, emotion=s.emotion, appraisals=s.appraisals,
                               history=s.history + [{"role": "agent", "text": r}])
             conversations.append(user_turn_messages(probe))
         scores = self.backend.score(conversations, POSITIVE_REACTIONS + NEGATIVE_REACTIONS,

@@ -193,7 +193,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     # top_p = 1; the trainers must compute theirs with the same temperature.
     gen_config = GenerationConfig(
         do_sample=not greedy, temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
-        top_k=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
+        top_k=0 if not greedy else None, repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
         pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True, output_logits=True)
     dialogues = []
     for g, persona in enumerate(personas):

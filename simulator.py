@@ -401,8 +401,8 @@ POSITIVE_REACTIONS = ("Thank you, that really helps.", "Yes, that is exactly how
                       "You get it. I feel a bit better now.")
 NEGATIVE_REACTIONS = ("That does not help at all.", "You are not listening to me.",
                       "Whatever. Forget I said anything.")
-# Calibrated on the embedded model: every reply, even a rude one, scores a contrast of about +0.35
-# to +0.45 (a warm one about +0.8), so the neutral point sits near +0.5; harder users need more.
+# Calibrated on the embedded model: dismissive replies score contrasts of about +0.15 to +0.65,
+# warm ones +0.4 to +1.4, so the neutral point sits near +0.5; harder users need more.
 LIKELIHOOD_OFFSET = {"easy": 0.35, "normal": 0.5, "hard": 0.65}
 
 

@@ -505,7 +505,9 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_b
                                         max_new_tokens=24, reuse_cache=reuse, progress=False)
         runs.append((records, rollout.summarize(records, stats)))
     (cached, cached_summary), (plain, plain_summary) = runs
-    assert len({t["tokens"] for r in cached for t in agent_turns(r)}) > 1  # ragged replies
+    # ragged replies; also a check that sampling uses the whole softmax: cut to the top 50 tokens,
+    # this model's +10 end-of-turn logit wins almost every time and every reply is one token long
+    assert len({t["tokens"] for r in cached for t in agent_turns(r)}) > 1
     assert sum(len(r["turn_ends"]) for r in cached) >= 9
     for a, b in zip(cached, plain):
         assert a["token_ids"] == b["token_ids"]

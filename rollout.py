@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from simulator import (Simulator, cached_batch, keep_cache, load_model, load_personas_or_exit, make_backend,
-                       transcript_turns)
+                       prompt_counts, transcript_turns)
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project; --system-prompt-file replaces them)
@@ -223,8 +223,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         t0 = time.time()
         slots = [d.cache if reuse_cache else {} for d in active]
         ids, mask, cache = cached_batch([d.ids for d in active], slots, tokenizer.pad_token_id, device)
-        stats["policy_prompt_tokens"] += int(mask.sum())
-        stats["policy_reused_tokens"] += int(mask[:, :cache.get_seq_length()].sum())
+        prompt, reused = prompt_counts(mask, cache)
+        stats["policy_prompt_tokens"] += prompt
+        stats["policy_reused_tokens"] += reused
         out = policy.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=gen_config)
         new = out.sequences[:, ids.shape[1]:]                                    # (B, N)
         logits = torch.stack(out.logits, 1).float() / temperature                 # (B, N, V)

@@ -445,16 +445,18 @@ def cached_batch(rows, slots, pad_id, device):
     ref = slots[next(i for i, n in enumerate(reuse) if n)]["kv"]
     layers = []
     for layer, (k0, v0) in enumerate(ref):
-        ks, vs = [], []
-        for slot, n in zip(slots, reuse):
-            k = k0.new_zeros(1, k0.shape[1], P, k0.shape[3])
-            v = v0.new_zeros(1, v0.shape[1], P, v0.shape[3])
+        k = k0.new_zeros(len(rows), k0.shape[1], P, k0.shape[3])
+        v = v0.new_zeros(len(rows), v0.shape[1], P, v0.shape[3])
+        for b, (slot, n) in enumerate(zip(slots, reuse)):
             if n:
-                k[:, :, P - n:], v[:, :, P - n:] = slot["kv"][layer][0][:, :, :n], slot["kv"][layer][1][:, :, :n]
-            ks.append(k)
-            vs.append(v)
-        layers.append((torch.cat(ks), torch.cat(vs)))
+                k[b, :, P - n:], v[b, :, P - n:] = slot["kv"][layer][0][0, :, :n], slot["kv"][layer][1][0, :, :n]
+        layers.append((k, v))
     return ids, mask, DynamicCache(layers)
+
+
+def prompt_counts(mask, cache):
+    """(prompt tokens in a cached_batch, those of them read from the cache)."""
+    return int(mask.sum()), int(mask[:, :cache.get_seq_length()].sum())
 
 
 def keep_cache(slots, cache, ids, mask):
@@ -501,20 +503,23 @@ class LocalBackend:
         return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
     def _slots(self, slots, n):
-        """The callers' per-dialogue cache slots, or throwaway ones when reuse is off."""
-        return slots if self.reuse_cache and slots is not None else [{} for _ in range(n)]
+        """(slots, keep): the callers' per-dialogue cache slots and True, or, when reuse is off or
+        the caller has none, empty throwaway slots and False (nothing is stored in them)."""
+        if self.reuse_cache and slots is not None:
+            return slots, True
+        return [{} for _ in range(n)], False
 
     def _count(self, mask, cache):
-        self.prompt_tokens += int(mask.sum())
-        self.reused_tokens += int(mask[:, :cache.get_seq_length()].sum())
+        prompt, reused = prompt_counts(mask, cache)
+        self.prompt_tokens += prompt
+        self.reused_tokens += reused
 
     @torch.no_grad()
     def chat(self, conversations, max_new_tokens, slots=None):
         was_training = self.model.training
         self.model.eval()
         rows, out = self._encode(conversations), []
-        keep = self.reuse_cache and slots is not None
-        slots = self._slots(slots, len(rows))
+        slots, keep = self._slots(slots, len(rows))
         pad = self.tokenizer.pad_token_id
         try:
             with self._context():
@@ -549,8 +554,7 @@ class LocalBackend:
         cont_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in conts], device=device)
         lengths = cont_mask.sum(1)
         rows = self._encode(conversations)
-        keep = self.reuse_cache and slots is not None
-        slots = self._slots(slots, len(rows))
+        slots, keep = self._slots(slots, len(rows))
         scores = []
         try:
             with self._context():

@@ -66,7 +66,7 @@ class EvalArgs:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling with --sample"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens per agent turn, thought included"})
     max_context: int = field(default=4096, metadata={"help": "tokens per dialogue before it ends with 'context'"})
-    bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples for the 95% intervals"})
+    bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples for the 95%% intervals"})
     seed: int = field(default=0, metadata={"help": "random seed (sampling, bootstrap)"})
     math: str = field(default=None, metadata={"help": "JSON lines {id, question, answer}: capability check"})
     math_max_new_tokens: int = field(default=256, metadata={"help": "tokens per math answer"})

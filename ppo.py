@@ -89,6 +89,7 @@ class Args:
     # the run
     iterations: int = field(default=200, metadata={"help": "training iterations"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
+    time_budget: float = field(default=0.0, metadata={"help": "minutes: stop (with a checkpoint) after the iteration that uses them up; 0 = off"})
     out: str = field(default="runs/ppo", metadata={"help": "run folder"})
     resume: str = field(default="", metadata={"help": "run folder to continue from its newest complete checkpoint"})
     seed: int = field(default=0, metadata={"help": "random seed"})
@@ -297,6 +298,7 @@ def main(argv=None):
 
     bad_updates = 0
     bar = tqdm(range(start_iteration, args.iterations), desc="ppo", disable=not accelerator.is_main_process)
+    t_run = time.time()  # --time-budget counts from here (on --resume: from the resume)
     for iteration in bar:
         t_start = time.time()
         if torch.cuda.is_available():
@@ -431,9 +433,16 @@ def main(argv=None):
         run.append("metrics.jsonl", [metrics])
         run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}")
-        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
+        # A CPU budget rather than an iteration count: every process stops after the same iteration.
+        out_of_time = args.time_budget > 0 and global_sum(
+            torch.tensor(float(time.time() - t_run >= 60 * args.time_budget), device=device), accelerator).item() > 0
+        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time:
             _save(args, iteration + 1, model, value_head, optimizer, scheduler, accelerator)
         accelerator.wait_for_everyone()
+        if out_of_time:
+            if accelerator.is_main_process:
+                print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}")
+            break
     if accelerator.is_main_process:
         print(f"done: {args.out} (adapter: {latest_checkpoint(args.out)}/default)")
     return model, value_head  # for tests and notebooks

@@ -289,9 +289,12 @@ def band(emotion):
 
 
 def apply_change(emotion, change, max_change):
-    """Clamp the change to [-max_change, +max_change] and the emotion to [0, 100]."""
+    """Clamp the change to [-max_change, +max_change] and the emotion to [0, 100]. Returns the new
+    emotion and the move it made, so that the moves of a dialogue add up to final - start (the
+    per-turn reward) and emotion - move is always the mood before the turn (the mood notes)."""
     change = max(-max_change, min(max_change, int(change)))
-    return max(0, min(100, emotion + change)), change
+    new = max(0, min(100, emotion + change))
+    return new, new - emotion
 
 
 def says_goodbye(text):

@@ -201,9 +201,9 @@ def test_sage_sample_file():
     (50, 25, 10, (60, 10)),      # change clamped to +max_change
     (50, -25, 10, (40, -10)),    # and to -max_change
     (50, 7, 5, (55, 5)),
-    (95, 8, 10, (100, 8)),       # emotion clamped to 100
-    (4, -8, 10, (0, -8)),        # and to 0
-    (100, 10, 10, (100, 10)),
+    (95, 8, 10, (100, 5)),       # emotion clamped to 100: the move is what it made
+    (4, -8, 10, (0, -4)),        # and to 0
+    (100, 10, 10, (100, 0)),
     (0, 0, 10, (0, 0)),
 ])
 def test_apply_change(emotion, change, max_change, expected):
@@ -841,3 +841,18 @@ def test_cached_batch_lays_out_prefix_then_new_tokens(tiny_model):
     for k, row in enumerate(rows):
         alone = model(input_ids=torch.tensor([row])).logits[0, -1]
         torch.testing.assert_close(logits[k], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_mood_notes_follow_the_emotion_through_the_floor(persona):
+    # Down to 0 and held there (nobody leaves with leave_below=0): each note before an agent
+    # message must show the mood the user was really in, and the moves must add up.
+    sim = Simulator(RulesBackend(), start_emotion=12, leave_below=0, max_turns=4)
+    s = sim.start(persona)
+    seen = [s.emotion]
+    for _ in range(3):
+        sim.step([s], ["Whatever. Just get over it, it's not a big deal."])
+        seen.append(s.emotion)
+    assert seen[-1] == 0 and not s.done
+    assert sum(a["change"] for a in s.appraisals) == seen[-1] - seen[0]
+    notes = [m["content"].split("\n")[0] for m in simulator.user_turn_messages(s) if m["role"] == "user"]
+    assert notes == [simulator.mood_note(e) for e in seen]

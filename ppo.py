@@ -83,6 +83,7 @@ class Args:
     loss_agg: str = field(default="token-mean", metadata={"help": "token-mean | seq-mean-token-mean | seq-mean-token-sum"})
     actor_lr: float = field(default=1e-5, metadata={"help": "actor LoRA learning rate (paper, full fine-tuning: 1e-6)"})
     critic_lr: float = field(default=5e-5, metadata={"help": "critic LoRA and value head learning rate (paper: 5x the actor's)"})
+    critic_warmup: int = field(default=0, metadata={"help": "first iterations in which only the critic learns (verl's critic_warmup)"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping, per model part"})
     max_bad_updates: int = field(default=3, metadata={"help": "stop after this many non-finite updates in a row"})
@@ -346,6 +347,7 @@ def main(argv=None):
         logs = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "value_clip_frac",
                                 "kl_ref_loss", "ratio_first", "actor_grad_norm", "critic_grad_norm")}
         local_mb = args.minibatch_size // world
+        train_actor = iteration >= args.critic_warmup  # during warm-up the actor's loss is only logged
         for epoch in range(args.ppo_epochs):
             order = torch.randperm(len(records)).tolist()
             for start in range(0, len(records), local_mb):
@@ -356,14 +358,16 @@ def main(argv=None):
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
                     ids, att, m = batch["input_ids"][idx], batch["attention_mask"][idx], mask[idx]   # (b, T)
-                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True)
-                    pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx], advantages[idx],
-                                                             args.clip_range, args.clip_range_high)
-                    kl_ref = kl_k3(newlogprob, ref_logprobs[idx])
-                    actor_loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs)
-                                  - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs)
-                                  + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg, total_tokens, total_seqs))
-                    actor_loss.backward()
+                    with torch.set_grad_enabled(train_actor):
+                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True)
+                        pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx], advantages[idx],
+                                                                 args.clip_range, args.clip_range_high)
+                        kl_ref = kl_k3(newlogprob, ref_logprobs[idx])
+                        actor_loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs)
+                                      - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs)
+                                      + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg, total_tokens, total_seqs))
+                    if train_actor:
+                        actor_loss.backward()
                     values = critic_values(model, value_head, ids, att).float()
                     vl, vclipped = clipped_value_loss(values, old_values[idx], returns[idx], args.value_clip)
                     critic_loss = args.vf_coef * aggregate(vl, m, args.loss_agg, total_tokens, total_seqs)

@@ -245,3 +245,19 @@ def test_time_budget_stops_with_a_checkpoint(tiny_model_dir, personas_file, tmp_
                        "--time-budget", "1e-6"))
     assert [m["iteration"] for m in read_metrics(tmp_path / "run")] == [1]
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["iter_000001"]
+
+
+def test_critic_warmup_holds_the_actor_still(tiny_model_dir, personas_file, tmp_path):
+    # One warm-up iteration: the critic learns and the actor does not; in the next both do.
+    from safetensors.torch import load_file
+
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2", "--save-every", "1",
+                       "--critic-warmup", "1"))
+    ckpts = [os.path.join(tmp_path, "run", "checkpoints", f"iter_00000{i}") for i in (1, 2)]
+    actor = [load_file(os.path.join(c, "default", "adapter_model.safetensors")) for c in ckpts]
+    assert all((w == 0).all() for k, w in actor[0].items() if "lora_B" in k)
+    assert any(w.abs().sum() > 0 for k, w in actor[1].items() if "lora_B" in k)
+    head = torch.load(os.path.join(ckpts[0], "state.pt"), weights_only=False)["value_head"]["weight"]
+    assert head.abs().sum() > 0
+    m = read_metrics(tmp_path / "run")
+    assert m[0]["kl_ref"] == 0 and m[1]["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # still the reference policy

@@ -205,12 +205,17 @@ def use_adapter(model, name):
 
 
 def critic_values(model, value_head, input_ids, attention_mask):
-    """V(s_t) for every position (B, T) from the last hidden state under the 'critic' adapter."""
+    """V(s_t) for every position (B, T) under the 'critic' adapter, aligned with token_logprobs:
+    the value at position t is the value of the state the token at t was sampled in, so it is
+    read from the hidden state at t - 1, which has not seen that token (position 0 gets 0).
+    Read at t itself, the value would depend on the action it is a baseline for: a critic that
+    learned it would predict each token's own return and cancel the advantage it should leave."""
     use_adapter(model, "critic")
     try:
         decoder = model.get_base_model().get_decoder()
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
-        return value_head(hidden.to(value_head.weight.dtype)).squeeze(-1)                       # (B, T)
+        values = value_head(hidden[:, :-1].to(value_head.weight.dtype)).squeeze(-1)           # (B, T-1)
+        return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
     finally:
         use_adapter(model, "default")
 

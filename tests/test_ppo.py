@@ -261,3 +261,24 @@ def test_critic_warmup_holds_the_actor_still(tiny_model_dir, personas_file, tmp_
     assert head.abs().sum() > 0
     m = read_metrics(tmp_path / "run")
     assert m[0]["kl_ref"] == 0 and m[1]["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # still the reference policy
+
+
+def test_value_of_a_token_does_not_see_that_token(tiny_model_dir):
+    # V at position t is the baseline for the token sampled there, so it must come from the state
+    # before it: changing the token at t may change V at t + 1 onwards, never at t or before.
+    from peft import LoraConfig
+    from rollout import load_policy
+
+    model, _ = load_policy(tiny_model_dir, lora_r=4, lora_alpha=8)
+    model.add_adapter("critic", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    head = torch.nn.Linear(model.config.hidden_size, 1)
+    ids = torch.randint(5, 500, (1, 12))
+    changed = ids.clone()
+    changed[0, 6] = ids[0, 6] + 1
+    att = torch.ones_like(ids)
+    with torch.no_grad():
+        a, b = (ppo.critic_values(model, head, x, att) for x in (ids, changed))
+    assert a.shape == (1, 12) and a[0, 0] == 0
+    torch.testing.assert_close(a[:, :7], b[:, :7], atol=0, rtol=0)
+    assert not torch.allclose(a[:, 7:], b[:, 7:])

@@ -27,7 +27,7 @@ import torch
 from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs, fingerprint,
                      global_mean, global_sum, gpus_after_the_first, latest_checkpoint, load_adapter_weights,
                      load_policy, masked_mean, pad_records, parse_settings, peak_memory_gb, play_dialogues,
-                     RunFolder, save_checkpoint, set_rng_state, set_seed, summarize, token_logprobs,
+                     RunFolder, save_checkpoint, set_rng_state, set_seed, summarize, time_budget_used, token_logprobs,
                      transcript_record)
 from simulator import Simulator, load_personas_or_exit, make_backend
 
@@ -430,9 +430,7 @@ def main(argv=None):
         run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}",
                         flat=metrics["zero_spread_groups"])
-        # A CPU budget rather than an iteration count: every process stops after the same iteration.
-        out_of_time = args.time_budget > 0 and global_sum(
-            torch.tensor(float(time.time() - t_run >= 60 * args.time_budget), device=device), accelerator).item() > 0
+        out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time:
             _save(args, iteration + 1, model, optimizer, scheduler, accelerator)
         accelerator.wait_for_everyone()

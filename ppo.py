@@ -25,7 +25,7 @@ from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_lo
                      fingerprint, global_mean, global_sum, gpus_after_the_first, latest_checkpoint,
                      load_adapter_weights, load_policy, masked_mean, pad_records, parse_settings,
                      peak_memory_gb, play_dialogues, RunFolder, save_checkpoint, set_rng_state, set_seed,
-                     summarize, token_logprobs, transcript_record)
+                     summarize, time_budget_used, token_logprobs, transcript_record)
 from simulator import Simulator, load_personas_or_exit, make_backend
 
 
@@ -442,9 +442,7 @@ def main(argv=None):
         run.append("metrics.jsonl", [metrics])
         run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}")
-        # A CPU budget rather than an iteration count: every process stops after the same iteration.
-        out_of_time = args.time_budget > 0 and global_sum(
-            torch.tensor(float(time.time() - t_run >= 60 * args.time_budget), device=device), accelerator).item() > 0
+        out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time:
             _save(args, iteration + 1, model, value_head, optimizer, scheduler, accelerator)
         accelerator.wait_for_everyone()

@@ -537,6 +537,15 @@ def global_sum(x, accelerator):
     return accelerator.reduce(x, "sum") if accelerator.num_processes > 1 else x
 
 
+def time_budget_used(t_run, minutes, accelerator):
+    """--time-budget: True on every process once any of them has run `minutes` since t_run (0 = no
+    budget), so all stop after the same iteration."""
+    if minutes <= 0:
+        return False
+    late = torch.tensor(float(time.time() - t_run >= 60 * minutes), device=accelerator.device)
+    return global_sum(late, accelerator).item() > 0
+
+
 def global_mean(values, accelerator):
     """The mean of a logged quantity over every process (each process's own mean, averaged)."""
     local = torch.tensor(float(np.mean(values)) if values else float("nan"), device=accelerator.device)

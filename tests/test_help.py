@@ -2,11 +2,10 @@
 '95%' in one of them crashes --help while every other use of the parser works)."""
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
 
 
 @pytest.mark.parametrize("script", ["simulator.py", "rollout.py", "ppo.py", "grpo.py", "evaluate.py", "bench.py"])

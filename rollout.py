@@ -434,7 +434,7 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-SECRET_WORDS = ("key", "token", "secret", "password")
+SECRET_WORDS = {"key", "token", "secret", "password"}  # whole words of a setting's name
 
 
 def public_config(args):
@@ -443,7 +443,8 @@ def public_config(args):
     out = {}
     for f in fields(args):
         value = getattr(args, f.name)
-        if any(w in f.name.lower() for w in SECRET_WORDS) and not f.name.endswith("_env"):
+        # "api_key" is hidden, "api_key_env" (the variable's name) and "max_new_tokens" are not
+        if SECRET_WORDS & set(f.name.lower().split("_")) and not f.name.endswith("_env"):
             value = "<redacted>"
         out[f.name] = value
     return out

@@ -204,6 +204,15 @@ def use_adapter(model, name):
             p.requires_grad_(True)
 
 
+def value_prior(reward, start_emotion):
+    """What the critic predicts before it has learned anything: the return of a dialogue in which
+    the emotion never moves. With --reward final every agent token's return is final emotion / 100,
+    so start_emotion / 100; with --reward turn it is the sum of the changes still to come, so 0.
+    Starting at 0 instead, a critic with a small learning rate spends its first iterations
+    climbing to the mean return, and its large early errors are a baseline worse than none."""
+    return start_emotion / 100.0 if reward == "final" else 0.0
+
+
 def critic_values(model, value_head, input_ids, attention_mask):
     """V(s_t) for every position (B, T) under the 'critic' adapter, aligned with token_logprobs:
     the value at position t is the value of the state the token at t was sampled in, so it is
@@ -252,7 +261,7 @@ def main(argv=None):
     hidden_size = model.get_base_model().config.get_text_config().hidden_size
     value_head = torch.nn.Linear(hidden_size, 1).to(device)
     torch.nn.init.zeros_(value_head.weight)
-    torch.nn.init.zeros_(value_head.bias)
+    torch.nn.init.constant_(value_head.bias, value_prior(args.reward, args.start_emotion))
     actor_params, critic_params = adapter_params(model, "default"), adapter_params(model, "critic") + list(value_head.parameters())
     for p in actor_params + critic_params:
         p.requires_grad_(True)

@@ -282,3 +282,15 @@ def test_value_of_a_token_does_not_see_that_token(tiny_model_dir):
     assert a.shape == (1, 12) and a[0, 0] == 0
     torch.testing.assert_close(a[:, :7], b[:, :7], atol=0, rtol=0)
     assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+@pytest.mark.parametrize("reward,start,expected", [("final", 30, 0.30), ("final", 40, 0.40), ("turn", 30, 0.0)])
+def test_untrained_critic_predicts_the_return_of_an_unmoved_emotion(tiny_model_dir, personas_file, tmp_path,
+                                                                    reward, start, expected):
+    # No iterations: the critic as built. Every position after the first reads the prior.
+    model, head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "0",
+                                     "--reward", reward, "--start-emotion", str(start)))
+    ids = torch.randint(5, 500, (2, 9))
+    with torch.no_grad():
+        values = ppo.critic_values(model, head, ids, torch.ones_like(ids))
+    torch.testing.assert_close(values[:, 1:], torch.full((2, 8), expected))

@@ -267,7 +267,12 @@ def main(argv=None):
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW([{"params": actor_params, "lr": args.actor_lr},
                                    {"params": critic_params, "lr": args.critic_lr}], weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    # Linear warm-up over --warmup-steps optimizer steps. The actor's count starts when it starts to
+    # learn, after --critic-warmup iterations of steps that only moved the critic.
+    held = args.critic_warmup * args.ppo_epochs * (args.dialogues_per_iteration // args.minibatch_size)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [
+        lambda s: min(1.0, max(0, s + 1 - held) / max(1, args.warmup_steps)),   # actor
+        lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps))])                # critic
     local_simulator = args.simulator not in ("same", "rules") and not args.simulator.startswith("http")
     sim_device_map = None
     if local_simulator and world == 1 and torch.cuda.device_count() > 1 and args.simulator_device_map == "auto":

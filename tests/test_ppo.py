@@ -294,3 +294,13 @@ def test_untrained_critic_predicts_the_return_of_an_unmoved_emotion(tiny_model_d
     with torch.no_grad():
         values = ppo.critic_values(model, head, ids, torch.ones_like(ids))
     torch.testing.assert_close(values[:, 1:], torch.full((2, 8), expected))
+
+
+def test_actor_warmup_of_the_learning_rate_starts_after_the_critic_warmup(tiny_model_dir, personas_file, tmp_path):
+    # One step an iteration. Iteration 1 only trains the critic, so the actor's first step (in
+    # iteration 2) is the first of its two warm-up steps: half its rate. The critic's count runs on.
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2", "--critic-warmup", "1",
+                       "--warmup-steps", "2", "--actor-lr", "1e-3", "--critic-lr", "4e-3"))
+    m = read_metrics(tmp_path / "run")
+    assert m[0]["actor_lr"] == pytest.approx(0.5e-3) and m[0]["critic_lr"] == pytest.approx(4e-3)
+    assert m[1]["actor_lr"] == pytest.approx(1e-3)

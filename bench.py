@@ -266,6 +266,51 @@ def learning_table(rows, window):
     return "\n".join(lines)
 
 
+RULES_TAGS = ("acknowledges", "reflects", "asks", "dismissive", "lectures", "off_topic", "too_long", "empty")
+
+
+def rules_tag_shares(run_dirs, iterations):
+    """Share of agent turns whose rules appraisal names each tag ("rules: acknowledges+3, asks+3"),
+    over the dialogues of the given iterations of every run in run_dirs: what the agent learned
+    to say. Returns ({tag: share}, agent turns counted)."""
+    counts, turns = dict.fromkeys(RULES_TAGS, 0), 0
+    for run_dir in run_dirs:
+        path = os.path.join(run_dir, "rollouts.jsonl")
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                dialogue = json.loads(line)
+                if dialogue["iteration"] not in iterations:
+                    continue
+                for turn in dialogue["turns"]:
+                    if turn["role"] != "agent" or not str(turn.get("appraisal", "")).startswith("rules:"):
+                        continue
+                    turns += 1
+                    named = {part.strip().rstrip("+-0123456789") for part in turn["appraisal"][6:].split(",")}
+                    for tag in RULES_TAGS:
+                        counts[tag] += tag in named
+    return {tag: counts[tag] / max(1, turns) for tag in RULES_TAGS}, turns
+
+
+def tags_table(out, curves, window):
+    """Markdown: per algorithm, the share of agent turns with each rules tag in the first and the
+    last `window` iterations, pooled over the complete runs."""
+    header = ["| rules tag |"] + [f" {algo}: first {window} -> last {window} |" for algo in curves]
+    lines = ["".join(header), "|---|" + "---|" * len(curves)]
+    shares = {}
+    for algo, runs in curves.items():
+        dirs = [os.path.join(out, f"{algo}-seed{seed}") for seed in runs]
+        n = len(next(iter(runs.values()))) if runs else 0
+        shares[algo] = (rules_tag_shares(dirs, set(range(1, window + 1))),
+                        rules_tag_shares(dirs, set(range(n - window + 1, n + 1))))
+    for tag in RULES_TAGS:
+        cells = [f" {a[0][tag]:.0%} -> {b[0][tag]:.0%} |" for a, b in shares.values()]
+        lines.append(f"| {tag} |" + "".join(cells))
+    turns = [f"{algo} {a[1]} and {b[1]}" for algo, (a, b) in shares.items()]
+    return "\n".join(lines) + "\n\nAgent turns counted (first, last): " + "; ".join(turns) + "."
+
+
 def plot_learning(curves, path, title):
     """Mean reward per iteration: the mean over seeds as a thick line, min to max over seeds shaded."""
     import matplotlib
@@ -300,7 +345,9 @@ def write_learning_report(out, algos, seeds, iterations, window, command):
     with open(os.path.join(out, "learning.md"), "w", encoding="utf-8") as f:
         f.write(f"Made by `{command}`.\n\n{table}\n\n"
                 f"Mean reward per dialogue (final emotion / 100) over each run's first and last {window} "
-                f"iterations; mean ± std (ddof=1) over seeds. ![learning curves](learning.png)\n")
+                f"iterations; mean ± std (ddof=1) over seeds. ![learning curves](learning.png)\n\n"
+                f"What the agent learned to say: the share of its turns whose appraisal names each tag of "
+                f"the rules user (simulator.rules_appraisal).\n\n{tags_table(out, curves, window)}\n")
         if incomplete:
             f.write("\nNot counted (incomplete): " + ", ".join(incomplete) + "\n")
     return table, incomplete

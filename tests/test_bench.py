@@ -155,3 +155,25 @@ def test_gpu_without_cuda_says_so_in_one_line():
     proc = subprocess.run([sys.executable, "bench.py", "gpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0 and "needs a CUDA GPU" in proc.stderr
+
+
+def write_rollouts(folder, appraisals_by_iteration):
+    with open(os.path.join(folder, "rollouts.jsonl"), "w") as f:
+        for it, appraisals in appraisals_by_iteration.items():
+            turns = [{"role": "user", "text": "hi"}] + [{"role": "agent", "text": "x", "appraisal": a} for a in appraisals]
+            f.write(json.dumps({"iteration": it, "turns": turns}) + "\n")
+
+
+def test_tag_shares_compare_first_and_last_iterations(fake_runs):
+    # grpo: iteration 1 is off topic, iteration 6 acknowledges and asks; a second seed counts too.
+    write_rollouts(os.path.join(fake_runs, "grpo-seed0"), {1: ["rules: off_topic-3", "rules: nothing notable"],
+                                                           3: ["rules: dismissive-4"],
+                                                           6: ["rules: acknowledges+3, asks+3", "rules: acknowledges+6"]})
+    write_rollouts(os.path.join(fake_runs, "grpo-seed1"), {6: ["rules: reflects+4, lectures-3", "the model's words"]})
+    shares, turns = bench.rules_tag_shares([os.path.join(fake_runs, "grpo-seed0"), os.path.join(fake_runs, "grpo-seed1")], {6})
+    assert turns == 3                       # the agent turn without a rules appraisal is not counted
+    assert shares["acknowledges"] == pytest.approx(2 / 3) and shares["asks"] == pytest.approx(1 / 3)
+    assert shares["lectures"] == pytest.approx(1 / 3) and shares["off_topic"] == 0 and shares["dismissive"] == 0
+    table = bench.tags_table(fake_runs, {"grpo": {0: GRPO[0], 1: GRPO[1]}}, 2)
+    assert "| off_topic | 50% -> 0% |" in table and "| acknowledges | 0% -> 67% |" in table
+    assert "grpo 2 and 3." in table

@@ -21,7 +21,7 @@ mean over seeds with a min-max band) and OUT/learning.md (mean reward over the f
 --window iterations, mean and std over seeds, and whether the rise reaches 0.15) are written and
 the table printed. Budget: the default 15 iterations took about 33 minutes for GRPO (131 s an
 iteration) and 50 minutes for PPO (200 s) with each run pinned to one core of a 2-core machine and
-two runs side by side, so the 6 runs take about 2.5 hours there. A run whose
+two runs side by side, so the 6 runs took about 2 h 10 min there. A run whose
 metrics.jsonl already holds every iteration is skipped and a partial one resumes from its newest
 checkpoint, so an interrupted benchmark continues where it stopped. Flags after `--` go to both
 trainers, e.g. `python bench.py learning -- --actor-lr 1e-4` (a flag only one trainer knows

@@ -266,13 +266,12 @@ def learning_table(rows, window):
     return "\n".join(lines)
 
 
-RULES_TAGS = ("acknowledges", "reflects", "asks", "dismissive", "lectures", "off_topic", "too_long", "empty")
-
-
 def rules_tag_shares(run_dirs, iterations):
     """Share of agent turns whose rules appraisal names each tag ("rules: acknowledges+3, asks+3"),
     over the dialogues of the given iterations of every run in run_dirs: what the agent learned
     to say. Returns ({tag: share}, agent turns counted)."""
+    from simulator import RULES_TAGS
+
     counts, turns = dict.fromkeys(RULES_TAGS, 0), 0
     for run_dir in run_dirs:
         path = os.path.join(run_dir, "rollouts.jsonl")
@@ -293,17 +292,18 @@ def rules_tag_shares(run_dirs, iterations):
     return {tag: counts[tag] / max(1, turns) for tag in RULES_TAGS}, turns
 
 
-def tags_table(out, curves, window):
+def tags_table(out, curves, iterations, window):
     """Markdown: per algorithm, the share of agent turns with each rules tag in the first and the
-    last `window` iterations, pooled over the complete runs."""
+    last `window` of `iterations`, pooled over the complete runs."""
+    from simulator import RULES_TAGS
+
     header = ["| rules tag |"] + [f" {algo}: first {window} -> last {window} |" for algo in curves]
     lines = ["".join(header), "|---|" + "---|" * len(curves)]
     shares = {}
     for algo, runs in curves.items():
         dirs = [os.path.join(out, f"{algo}-seed{seed}") for seed in runs]
-        n = len(next(iter(runs.values()))) if runs else 0
         shares[algo] = (rules_tag_shares(dirs, set(range(1, window + 1))),
-                        rules_tag_shares(dirs, set(range(n - window + 1, n + 1))))
+                        rules_tag_shares(dirs, set(range(iterations - window + 1, iterations + 1))))
     for tag in RULES_TAGS:
         cells = [f" {a[0][tag]:.0%} -> {b[0][tag]:.0%} |" for a, b in shares.values()]
         lines.append(f"| {tag} |" + "".join(cells))
@@ -347,7 +347,7 @@ def write_learning_report(out, algos, seeds, iterations, window, command):
                 f"Mean reward per dialogue (final emotion / 100) over each run's first and last {window} "
                 f"iterations; mean ± std (ddof=1) over seeds. ![learning curves](learning.png)\n\n"
                 f"What the agent learned to say: the share of its turns whose appraisal names each tag of "
-                f"the rules user (simulator.rules_appraisal).\n\n{tags_table(out, curves, window)}\n")
+                f"the rules user (simulator.rules_appraisal).\n\n{tags_table(out, curves, iterations, window)}\n")
         if incomplete:
             f.write("\nNot counted (incomplete): " + ", ".join(incomplete) + "\n")
     return table, incomplete

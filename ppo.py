@@ -270,9 +270,9 @@ def main(argv=None):
     # Linear warm-up over --warmup-steps optimizer steps. The actor's count starts when it starts to
     # learn, after --critic-warmup iterations of steps that only moved the critic.
     held = args.critic_warmup * args.ppo_epochs * (args.dialogues_per_iteration // args.minibatch_size)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [
-        lambda s: min(1.0, max(0, s + 1 - held) / max(1, args.warmup_steps)),   # actor
-        lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps))])                # critic
+    def warm(step):
+        return min(1.0, max(0, step + 1) / max(1, args.warmup_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: warm(s - held), warm])  # actor, critic
     local_simulator = args.simulator not in ("same", "rules") and not args.simulator.startswith("http")
     sim_device_map = None
     if local_simulator and world == 1 and torch.cuda.device_count() > 1 and args.simulator_device_map == "auto":

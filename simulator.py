@@ -641,6 +641,10 @@ STOPWORDS = set("about after again also been being could didn't doesn't don't ev
                 "while with would your yours".split())
 
 
+# The names rules_appraisal gives the parts of its verdict ("rules: acknowledges+3, off_topic-3").
+RULES_TAGS = ("acknowledges", "reflects", "asks", "dismissive", "lectures", "off_topic", "too_long", "empty")
+
+
 def content_words(text):
     return {w for w in re.findall(r"[a-z']+", text.lower()) if len(w) >= 5 and w not in STOPWORDS}
 

@@ -174,6 +174,6 @@ def test_tag_shares_compare_first_and_last_iterations(fake_runs):
     assert turns == 3                       # the agent turn without a rules appraisal is not counted
     assert shares["acknowledges"] == pytest.approx(2 / 3) and shares["asks"] == pytest.approx(1 / 3)
     assert shares["lectures"] == pytest.approx(1 / 3) and shares["off_topic"] == 0 and shares["dismissive"] == 0
-    table = bench.tags_table(fake_runs, {"grpo": {0: GRPO[0], 1: GRPO[1]}}, 2)
+    table = bench.tags_table(fake_runs, {"grpo": {0: GRPO[0], 1: GRPO[1]}}, 6, 2)
     assert "| off_topic | 50% -> 0% |" in table and "| acknowledges | 0% -> 67% |" in table
     assert "grpo 2 and 3." in table

@@ -176,22 +176,54 @@ LEARNING_ALGO_FLAGS = {
 }
 
 
-def read_rewards(run_dir):
-    """reward_mean of each logged iteration of one run, in order ([] if nothing is logged yet)."""
+def read_metrics(run_dir):
+    """The logged iterations of one run (metrics.jsonl rows), in order ([] if nothing is logged yet)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [r["reward_mean"] for r in sorted(rows, key=lambda r: r["iteration"])]
+    return sorted(rows, key=lambda r: r["iteration"])
+
+
+def read_rewards(run_dir):
+    """reward_mean of each logged iteration of one run, in order."""
+    return [r["reward_mean"] for r in read_metrics(run_dir)]
+
+
+def run_minutes(run_dir, iterations):
+    """Minutes the run's first `iterations` iterations took (their time_iteration summed; loading
+    the model and writing checkpoints are not in it), or None where the log lacks the timings."""
+    rows = read_metrics(run_dir)[:iterations]
+    if not rows or any("time_iteration" not in r for r in rows):
+        return None
+    return sum(r["time_iteration"] for r in rows) / 60
+
+
+def run_trainer(command, cwd, cores=None, log=None):
+    """Run one trainer to its end; return its exit code. With `cores`, the process is pinned to
+    those CPU cores (Linux) and its output goes to the file `log` rather than to the terminal."""
+    if cores is None:
+        return subprocess.run(command, cwd=cwd).returncode
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cores)), "MKL_NUM_THREADS": str(len(cores)),
+           "TOKENIZERS_PARALLELISM": "false"}
+    with open(log, "a", encoding="utf-8") as f:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        if hasattr(os, "sched_setaffinity"):  # before torch starts its threads, which inherit it
+            os.sched_setaffinity(process.pid, cores)
+        return process.wait()
 
 
 def train_runs(args):
-    """Run each (algorithm, seed) that is not finished yet; return the names of those that failed."""
+    """Run each (algorithm, seed) that is not finished yet, --jobs at a time; return the names of
+    those that failed. With --jobs N > 1 the usable cores are split into N equal sets, each run
+    is pinned to one set (and as many torch threads), and its output goes to OUT/{algo}-seed{S}.log."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from rollout import latest_checkpoint
 
     here = os.path.dirname(os.path.abspath(__file__))
-    failed = []
+    pending = []
     for algo in args.algos:
         for seed in args.seeds:
             run_dir = os.path.abspath(os.path.join(args.out, f"{algo}-seed{seed}"))
@@ -207,20 +239,34 @@ def train_runs(args):
                 print(f"{algo} seed {seed}: resuming from {checkpoint} ({done} iterations were logged)")
             elif done:       # killed before its first checkpoint: nothing to resume from
                 print(f"{algo} seed {seed}: {done} iterations logged but no checkpoint yet; starting again")
-            print(f"{algo} seed {seed}: {' '.join(command[1:])}", flush=True)
+            pending.append((f"{algo}-seed{seed}", command))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    per_job = max(1, len(cores) // args.jobs)
+    free = [cores[k * per_job:(k + 1) * per_job] for k in range(args.jobs)] if args.jobs > 1 else [None]
+
+    def run(name, command):
+        slot = free.pop()  # a job takes a free set of cores and gives it back when it ends
+        try:
+            where = f" on cores {slot}, output in {args.out}/{name}.log" if slot else ""
+            print(f"{name}: {' '.join(command[1:])}{where}", flush=True)
             t0 = time.time()
-            code = subprocess.run(command, cwd=here).returncode
-            print(f"{algo} seed {seed}: exit code {code} after {(time.time() - t0) / 60:.1f} min", flush=True)
-            if code:
-                failed.append(f"{algo}-seed{seed}")
-    return failed
+            code = run_trainer(command, here, slot, slot and os.path.join(args.out, f"{name}.log"))
+            print(f"{name}: exit code {code} after {(time.time() - t0) / 60:.1f} min", flush=True)
+            return code
+        finally:
+            free.append(slot)
+
+    with ThreadPoolExecutor(max_workers=len(free)) as pool:
+        codes = list(pool.map(lambda job: run(*job), pending))
+    return [name for (name, _), code in zip(pending, codes) if code]
 
 
 def learning_summary(out, algos, seeds, iterations, window):
     """Per algorithm: each complete run's rewards (cut to `iterations`), and the table row.
     'first' and 'last' are a run's mean reward over its first and last `window` iterations; the
-    row gives their mean and std over seeds (sample std, ddof=1; 0 for one seed) and the rise
-    last - first. Runs with fewer than `iterations` logged are listed, never averaged in."""
+    row gives their mean and std over seeds (sample std, ddof=1; 0 for one seed), the rise
+    last - first, and the mean minutes a run's iterations took. Runs with fewer than `iterations`
+    logged are listed, never averaged in."""
     if not 1 <= window <= iterations // 2:
         sys.exit(f"error: --window {window} must be between 1 and half of --iterations ({iterations}), so that "
                  "the first and last iterations do not overlap")
@@ -244,7 +290,9 @@ def learning_summary(out, algos, seeds, iterations, window):
         def std(x):
             return float(x.std(ddof=1)) if len(x) > 1 else 0.0
 
+        minutes = [run_minutes(os.path.join(out, f"{algo}-seed{seed}"), iterations) for seed in runs]
         rows.append({"algorithm": algo, "seeds": len(runs),
+                     "minutes": None if None in minutes else float(np.mean(minutes)),
                      "first_mean": float(first.mean()), "first_std": std(first),
                      "last_mean": float(last.mean()), "last_std": std(last),
                      "rise_mean": float(rise.mean()), "rise_std": std(rise),
@@ -255,14 +303,15 @@ def learning_summary(out, algos, seeds, iterations, window):
 def learning_table(rows, window):
     """The markdown table of learning.md."""
     lines = [f"| algorithm | seeds | first {window} iterations | last {window} iterations | rise | "
-             f"target met (rise >= {TARGET_RISE}) |", "|---|---|---|---|---|---|"]
+             f"target met (rise >= {TARGET_RISE}) | minutes per run |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["seeds"]:
-            lines.append(f"| {r['algorithm']} | 0 | no complete run | | | |")
+            lines.append(f"| {r['algorithm']} | 0 | no complete run | | | | |")
             continue
+        minutes = "-" if r["minutes"] is None else f"{r['minutes']:.0f}"
         lines.append(f"| {r['algorithm']} | {r['seeds']} | {r['first_mean']:.3f} ± {r['first_std']:.3f} | "
                      f"{r['last_mean']:.3f} ± {r['last_std']:.3f} | {r['rise_mean']:+.3f} ± {r['rise_std']:.3f} | "
-                     f"{'yes' if r['target_met'] else 'no'} |")
+                     f"{'yes' if r['target_met'] else 'no'} | {minutes} |")
     return "\n".join(lines)
 
 
@@ -359,6 +408,9 @@ def bench_learning(args):
     unknown = set(args.algos) - set(LEARNING_ALGOS)
     if unknown:
         sys.exit(f"error: --algos: unknown {sorted(unknown)}; choose from {','.join(LEARNING_ALGOS)}")
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not 1 <= args.jobs <= usable:
+        sys.exit(f"error: --jobs {args.jobs}: must be between 1 and the {usable} usable CPU cores")
     os.makedirs(args.out, exist_ok=True)
     failed = train_runs(args)
     command = " ".join(["python bench.py learning", f"--seeds {','.join(map(str, args.seeds))}",
@@ -542,6 +594,8 @@ def main(argv=None):
     lr.add_argument("--window", type=int, default=3, help="iterations averaged at the start and at the end")
     lr.add_argument("--algos", default=",".join(LEARNING_ALGOS), help="comma-separated: ppo,grpo")
     lr.add_argument("--out", default="runs/bench-learning", help="runs go to OUT/{algo}-seed{S}")
+    lr.add_argument("--jobs", type=int, default=1,
+                    help="runs at a time, each pinned to its share of the cores (2 on a 2-core machine: one core each)")
     lr.set_defaults(run=bench_learning)
 
     g = commands.add_parser("gpu", help="one PPO iteration of the Qwen2.5-7B architecture on one GPU")

@@ -355,7 +355,8 @@ def main(argv=None):
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
                     ids, att, m = batch["input_ids"][idx], batch["attention_mask"][idx], mask[idx]   # (b, T)
-                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True)
+                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True,
+                                                         action_mask=m)
                     # With --num-iterations 1 and one minibatch per batch, newlogprob == old_logprobs:
                     # the ratio is exactly 1 and this is the plain policy gradient.
                     pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx], advantages[idx],

@@ -378,7 +378,8 @@ def main(argv=None):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
                     ids, att, m = batch["input_ids"][idx], batch["attention_mask"][idx], mask[idx]   # (b, T)
                     with torch.set_grad_enabled(train_actor):
-                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True)
+                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True,
+                                                             action_mask=m)
                         pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx], advantages[idx],
                                                                  args.clip_range, args.clip_range_high)
                         kl_ref = kl_k3(newlogprob, ref_logprobs[idx])

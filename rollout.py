@@ -350,19 +350,28 @@ def pad_records(records, pad_id, device):
     }
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=False):
+def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=False, action_mask=None):
     """log p(token t | tokens < t) under `model`, aligned with input_ids (position 0 gets 0),
     computed as log softmax(logits / temperature), the distribution the rollout sampled from.
-    Returns (logprobs (B, T), entropy (B, T) or None). Gradients flow if enabled by the caller."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T-1, V)
-    logits = logits / temperature
-    logp_all = torch.log_softmax(logits, -1)                                                  # (B, T-1, V)
-    logp = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]                                # (B, T-1)
-    logp = torch.nn.functional.pad(logp, (1, 0))                                              # (B, T)
+    With action_mask (B, T), the vocabulary projection and softmax run only at the positions that
+    predict an agent token in some row (the rest get 0): the losses read nothing else, and the
+    (B, T, vocab) logits are the largest tensor of the update (vocab is 49k for SmolLM2, 152k for
+    Qwen2.5). Returns (logprobs (B, T), entropy (B, T) or None). Gradients flow if enabled."""
+    B, T = input_ids.shape
+    if action_mask is None:
+        keep = torch.arange(T - 1, device=input_ids.device)                                   # every position
+    else:
+        keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                                # (K,) predictors
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   logits_to_keep=keep).logits.float() / temperature                          # (B, K, V)
+    logp_all = torch.log_softmax(logits, -1)                                                  # (B, K, V)
+    picked = logp_all.gather(-1, input_ids[:, keep + 1, None])[..., 0]                        # (B, K)
+    logp = torch.zeros(B, T, dtype=picked.dtype, device=picked.device)
+    logp = logp.index_copy(1, keep + 1, picked)                                               # (B, T)
     entropy = None
     if with_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1)                                        # (B, T-1)
-        entropy = torch.nn.functional.pad(entropy, (1, 0))
+        ent = -(logp_all.exp() * logp_all).sum(-1)                                            # (B, K)
+        entropy = torch.zeros_like(logp).index_copy(1, keep + 1, ent)                         # (B, T)
     return logp, entropy
 
 
@@ -379,7 +388,8 @@ def batched_logprobs(model, batch, temperature=1.0, micro_batch_size=4, referenc
     with ctx:
         for i in range(0, batch["input_ids"].shape[0], micro_batch_size):
             lp, _ = token_logprobs(model, batch["input_ids"][i:i + micro_batch_size],
-                                   batch["attention_mask"][i:i + micro_batch_size], temperature)
+                                   batch["attention_mask"][i:i + micro_batch_size], temperature,
+                                   action_mask=batch["action_mask"][i:i + micro_batch_size])
             out.append(lp)
     model.train(was_training)
     return torch.cat(out)

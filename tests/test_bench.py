@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -60,8 +59,8 @@ def test_report_files_and_table(fake_runs):
     assert incomplete == []
     lines = table.splitlines()
     assert lines[0].startswith("| algorithm | seeds | first 2 iterations | last 2 iterations | rise | target met")
-    assert lines[2] == "| ppo | 3 | 0.310 ± 0.020 | 0.510 ± 0.020 | +0.200 ± 0.000 | yes |"
-    assert lines[3].startswith("| grpo | 3 | 0.300 ± ") and lines[3].endswith("| no |")
+    assert lines[2] == "| ppo | 3 | 0.310 ± 0.020 | 0.510 ± 0.020 | +0.200 ± 0.000 | yes | - |"  # no timings logged
+    assert lines[3].startswith("| grpo | 3 | 0.300 ± ") and lines[3].endswith("| no | - |")
     png = os.path.join(fake_runs, "learning.png")
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -95,13 +94,14 @@ def test_learning_driver_skips_resumes_and_passes_flags(fake_runs, monkeypatch, 
     os.remove(os.path.join(fake_runs, "grpo-seed2", "metrics.jsonl"))
     calls = []
 
-    def run(command, cwd):
+    def run(command, cwd, cores=None, log=None):
+        assert cores is None and log is None          # --jobs 1: no pinning, output to the terminal
         calls.append(command)
         out = command[command.index("--out") + 1]
         write_run(os.path.dirname(out), os.path.basename(out), GRPO[int(command[command.index("--seed") + 1])])
-        return types.SimpleNamespace(returncode=0)
+        return 0
 
-    monkeypatch.setattr(bench.subprocess, "run", run)
+    monkeypatch.setattr(bench, "run_trainer", run)
     bench.main(["learning", "--out", fake_runs, "--iterations", "6", "--window", "2",
                 "--", "--max-new-tokens", "24"])
     assert [c[1] for c in calls] == ["grpo.py", "grpo.py"]
@@ -113,13 +113,69 @@ def test_learning_driver_skips_resumes_and_passes_flags(fake_runs, monkeypatch, 
         assert c[c.index("--iterations") + 1] == "6" and c[c.index("--max-turns") + 1] == "3"
         assert c.index("--max-new-tokens") > c.index("--max-turns")  # extra flags come last, so they win
     printed = capsys.readouterr().out
-    assert "| ppo | 3 | 0.310 ± 0.020 | 0.510 ± 0.020 | +0.200 ± 0.000 | yes |" in printed
+    assert "| ppo | 3 | 0.310 ± 0.020 | 0.510 ± 0.020 | +0.200 ± 0.000 | yes | - |" in printed
     assert os.path.getsize(os.path.join(fake_runs, "learning.png")) > 0
+
+
+def test_minutes_per_run_from_the_logged_iteration_times(fake_runs):
+    for seed, seconds in ((0, 60.0), (1, 120.0), (2, 90.0)):
+        folder = os.path.join(fake_runs, f"ppo-seed{seed}")
+        rows = [dict(json.loads(line), time_iteration=seconds) for line in open(os.path.join(folder, "metrics.jsonl"))]
+        rows.append({"iteration": 7, "reward_mean": 0.6, "time_iteration": 1e6})   # past --iterations: not counted
+        with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    assert bench.run_minutes(os.path.join(fake_runs, "ppo-seed1"), 6) == pytest.approx(12.0)
+    rows, _, _ = bench.learning_summary(fake_runs, ["ppo", "grpo"], [0, 1, 2], 6, 2)
+    assert rows[0]["minutes"] == pytest.approx(9.0) and rows[1]["minutes"] is None
+    assert bench.learning_table(rows, 2).splitlines()[2].endswith("| yes | 9 |")
+
+
+def test_jobs_run_side_by_side_on_separate_cores(fake_runs, monkeypatch):
+    """--jobs 2 on 4 usable cores: two runs at a time, each on its own 2 cores, output to a log."""
+    import threading
+
+    for seed in range(3):
+        os.remove(os.path.join(fake_runs, f"grpo-seed{seed}", "metrics.jsonl"))
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    lock, running, calls = threading.Lock(), [], []
+    both = threading.Barrier(2, timeout=10)   # the first two runs must be running at the same time
+
+    def run(command, cwd, cores=None, log=None):
+        seed = int(command[command.index("--seed") + 1])
+        with lock:
+            assert all(not set(cores) & set(c) for c in running)   # no core shared with a running job
+            running.append(cores)
+            calls.append((seed, cores, log))
+        if seed < 2:
+            both.wait()
+        out = command[command.index("--out") + 1]
+        write_run(os.path.dirname(out), os.path.basename(out), GRPO[seed])
+        with lock:
+            running.remove(cores)
+        return 0
+
+    monkeypatch.setattr(bench, "run_trainer", run)
+    bench.main(["learning", "--out", fake_runs, "--iterations", "6", "--window", "2", "--algos", "grpo", "--jobs", "2"])
+    assert sorted(seed for seed, _, _ in calls) == [0, 1, 2]
+    assert all(len(cores) == 2 and set(cores) <= {0, 1, 2, 3} for _, cores, _ in calls)
+    assert {log for _, _, log in calls} == {os.path.join(fake_runs, f"grpo-seed{s}.log") for s in range(3)}
+    with pytest.raises(SystemExit, match="--jobs 5"):
+        bench.main(["learning", "--out", fake_runs, "--jobs", "5"])
+
+
+def test_a_pinned_trainer_sees_only_its_cores(tmp_path):
+    core = sorted(os.sched_getaffinity(0))[-1]
+    log = str(tmp_path / "run.log")
+    code = bench.run_trainer([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)), "
+                              "os.environ['OMP_NUM_THREADS']); raise SystemExit(4)"], str(tmp_path), [core], log)
+    assert code == 4
+    with open(log) as f:
+        assert f.read().strip() == f"[{core}] 1"
 
 
 def test_learning_driver_reports_a_failed_run(fake_runs, monkeypatch):
     os.remove(os.path.join(fake_runs, "ppo-seed1", "metrics.jsonl"))
-    monkeypatch.setattr(bench.subprocess, "run", lambda command, cwd: types.SimpleNamespace(returncode=3))
+    monkeypatch.setattr(bench, "run_trainer", lambda command, cwd, cores=None, log=None: 3)
     with pytest.raises(SystemExit, match="ppo-seed1 failed"):
         bench.main(["learning", "--out", fake_runs, "--iterations", "6", "--window", "2"])
     with open(os.path.join(fake_runs, "learning.md")) as f:

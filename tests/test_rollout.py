@@ -250,6 +250,33 @@ def test_stored_logprobs_equal_a_fresh_forward_pass(tiny_model_dir, personas, te
     assert (reference[mask] - fresh[mask]).abs().max() > 1e-3
 
 
+def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_model_dir):
+    """With action_mask, the vocabulary projection runs only where an agent token is predicted:
+    same log-probs, entropies and gradients there, zeros where no row of the batch has one."""
+    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.05)
+    ids = torch.randint(3, tokenizer.vocab_size, (2, 12))
+    att = torch.ones_like(ids)
+    mask = torch.zeros(2, 12)
+    mask[0, 3:6], mask[1, 8:11] = 1, 1                  # two agent turns at different places
+    lora = [p for n, p in policy.named_parameters() if "lora_" in n]
+    results = []
+    for action_mask in (None, mask):
+        policy.zero_grad()
+        lp, ent = rollout.token_logprobs(policy, ids, att, with_entropy=True, action_mask=action_mask)
+        ((lp + 0.1 * ent) * mask).sum().backward()
+        results.append((lp, ent, [p.grad.clone() for p in lora]))
+    (lp_full, ent_full, g_full), (lp_kept, ent_kept, g_kept) = results
+    on = mask.bool()
+    torch.testing.assert_close(lp_kept[on], lp_full[on], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_kept[on], ent_full[on], atol=1e-5, rtol=1e-5)
+    assert (lp_full[:, 1:][~on[:, 1:]] != 0).all()     # the full pass fills every position
+    off = ~on.any(0)                                   # no row has an agent token here
+    assert off.sum() == 6 and (lp_kept[:, off] == 0).all() and (ent_kept[:, off] == 0).all()
+    assert any(g.abs().max() > 0 for g in g_full)
+    for a, b in zip(g_full, g_kept):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
 def _hand_batch(tokenizer):
     texts = ["I hear you. That sounds exhausting.", "Maybe. I don't know what to do about work anymore, honestly."]
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]

@@ -200,6 +200,11 @@ def run_minutes(run_dir, iterations):
     return sum(r["time_iteration"] for r in rows) / 60
 
 
+def usable_cores():
+    """The CPU cores this process may run on (all of them where the OS cannot say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def run_trainer(command, cwd, cores=None, log=None):
     """Run one trainer to its end; return its exit code. With `cores`, the process is pinned to
     those CPU cores (Linux) and its output goes to the file `log` rather than to the terminal."""
@@ -240,7 +245,7 @@ def train_runs(args):
             elif done:       # killed before its first checkpoint: nothing to resume from
                 print(f"{algo} seed {seed}: {done} iterations logged but no checkpoint yet; starting again")
             pending.append((f"{algo}-seed{seed}", command))
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = usable_cores()
     per_job = max(1, len(cores) // args.jobs)
     free = [cores[k * per_job:(k + 1) * per_job] for k in range(args.jobs)] if args.jobs > 1 else [None]
 
@@ -408,7 +413,7 @@ def bench_learning(args):
     unknown = set(args.algos) - set(LEARNING_ALGOS)
     if unknown:
         sys.exit(f"error: --algos: unknown {sorted(unknown)}; choose from {','.join(LEARNING_ALGOS)}")
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    usable = len(usable_cores())
     if not 1 <= args.jobs <= usable:
         sys.exit(f"error: --jobs {args.jobs}: must be between 1 and the {usable} usable CPU cores")
     os.makedirs(args.out, exist_ok=True)

@@ -1,7 +1,7 @@
 """Benchmarks of this codebase itself, one subcommand each.
 
     python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--threads 2] [--simulator same|rules]
-    python bench.py learning [--seeds 0,1,2] [--iterations 15] [--out runs/bench-learning] [-- TRAINER FLAGS]
+    python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1] [--out runs/bench-learning] [-- TRAINER FLAGS]
     python bench.py gpu [--dialogues 32] [--max-turns 3] [--max-new-tokens 128]    (one CUDA GPU)
     python bench.py gpu --tiny                                                      (CPU smoke test)
 
@@ -19,9 +19,10 @@ SmolLM2-135M against the deterministic lexicon user of simulator.py, 3 agent tur
 seed as subprocesses into OUT/{algo}-seed{S}; then OUT/learning.png (mean reward per iteration,
 mean over seeds with a min-max band) and OUT/learning.md (mean reward over the first and last
 --window iterations, mean and std over seeds, and whether the rise reaches 0.15) are written and
-the table printed. Budget: the default 15 iterations took about 33 minutes for GRPO (131 s an
-iteration) and 50 minutes for PPO (200 s) with each run pinned to one core of a 2-core machine and
-two runs side by side, so the 6 runs took about 2 h 10 min there. A run whose
+the table printed, with the minutes each run's iterations took. Budget: the default 15 iterations
+take about 30 minutes for GRPO (120 s an iteration) and 46 minutes for PPO (184 s) on one core of
+a 2-core machine with a second run on the other core, so the 6 runs, two at a time (`--jobs 2`),
+add up to about 1 h 55 min there (README, "The learning benchmark, 3 seeds", has runs given both cores). A run whose
 metrics.jsonl already holds every iteration is skipped and a partial one resumes from its newest
 checkpoint, so an interrupted benchmark continues where it stopped. Flags after `--` go to both
 trainers, e.g. `python bench.py learning -- --actor-lr 1e-4` (a flag only one trainer knows
@@ -595,7 +596,7 @@ def main(argv=None):
 
     lr = commands.add_parser("learning", help="PPO and GRPO learning curves against the rules user, several seeds")
     lr.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run per algorithm and seed")
-    lr.add_argument("--iterations", type=int, default=15, help="iterations per run (15: 33 min GRPO, 50 min PPO on one core)")
+    lr.add_argument("--iterations", type=int, default=15, help="iterations per run (15: 30 min GRPO, 46 min PPO on one core)")
     lr.add_argument("--window", type=int, default=3, help="iterations averaged at the start and at the end")
     lr.add_argument("--algos", default=",".join(LEARNING_ALGOS), help="comma-separated: ppo,grpo")
     lr.add_argument("--out", default="runs/bench-learning", help="runs go to OUT/{algo}-seed{S}")

@@ -192,10 +192,9 @@ def read_rewards(run_dir):
     return [r["reward_mean"] for r in read_metrics(run_dir)]
 
 
-def run_minutes(run_dir, iterations):
-    """Minutes the run's first `iterations` iterations took (their time_iteration summed; loading
-    the model and writing checkpoints are not in it), or None where the log lacks the timings."""
-    rows = read_metrics(run_dir)[:iterations]
+def run_minutes(rows):
+    """Minutes the logged iterations `rows` took (their time_iteration summed; loading the model
+    and writing checkpoints are not in it), or None where the log lacks the timings."""
     if not rows or any("time_iteration" not in r for r in rows):
         return None
     return sum(r["time_iteration"] for r in rows) / 60
@@ -278,13 +277,14 @@ def learning_summary(out, algos, seeds, iterations, window):
                  "the first and last iterations do not overlap")
     rows, curves, incomplete = [], {}, []
     for algo in algos:
-        runs = {}
+        runs, minutes = {}, []
         for seed in seeds:
-            rewards = read_rewards(os.path.join(out, f"{algo}-seed{seed}"))
-            if len(rewards) < iterations:
-                incomplete.append(f"{algo}-seed{seed} ({len(rewards)} of {iterations} iterations)")
+            logged = read_metrics(os.path.join(out, f"{algo}-seed{seed}"))
+            if len(logged) < iterations:
+                incomplete.append(f"{algo}-seed{seed} ({len(logged)} of {iterations} iterations)")
             else:
-                runs[seed] = np.array(rewards[:iterations])
+                runs[seed] = np.array([r["reward_mean"] for r in logged[:iterations]])
+                minutes.append(run_minutes(logged[:iterations]))
         curves[algo] = runs
         if not runs:
             rows.append({"algorithm": algo, "seeds": 0})
@@ -296,7 +296,6 @@ def learning_summary(out, algos, seeds, iterations, window):
         def std(x):
             return float(x.std(ddof=1)) if len(x) > 1 else 0.0
 
-        minutes = [run_minutes(os.path.join(out, f"{algo}-seed{seed}"), iterations) for seed in runs]
         rows.append({"algorithm": algo, "seeds": len(runs),
                      "minutes": None if None in minutes else float(np.mean(minutes)),
                      "first_mean": float(first.mean()), "first_std": std(first),

@@ -124,7 +124,7 @@ def test_minutes_per_run_from_the_logged_iteration_times(fake_runs):
         rows.append({"iteration": 7, "reward_mean": 0.6, "time_iteration": 1e6})   # past --iterations: not counted
         with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    assert bench.run_minutes(os.path.join(fake_runs, "ppo-seed1"), 6) == pytest.approx(12.0)
+    assert bench.run_minutes(bench.read_metrics(os.path.join(fake_runs, "ppo-seed1"))[:6]) == pytest.approx(12.0)
     rows, _, _ = bench.learning_summary(fake_runs, ["ppo", "grpo"], [0, 1, 2], 6, 2)
     assert rows[0]["minutes"] == pytest.approx(9.0) and rows[1]["minutes"] is None
     assert bench.learning_table(rows, 2).splitlines()[2].endswith("| yes | 9 |")

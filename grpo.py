@@ -43,6 +43,7 @@ class Args:
     target_modules: str = field(default=DEFAULT_TARGETS, metadata={"help": "comma-separated module names that get LoRA"})
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: NF4 base weights via bitsandbytes (CUDA only)"})
     gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in the backward pass"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow model code from the hub (off unless you trust it)"})
     # the simulated user
     simulator: str = field(default="same", metadata={"help": "same | rules | model id/path | http://host:port/v1"})
@@ -238,7 +239,7 @@ def main(argv=None):
     # --- the model: policy adapter on a frozen base; no critic --------------------------------
     model, tokenizer = load_policy(args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                                    lora_dropout=args.lora_dropout, target_modules=args.target_modules,
-                                   load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing,
+                                   load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype,
                                    trust_remote_code=args.trust_remote_code)
     params = adapter_params(model, "default")
     for p in params:

@@ -12,6 +12,7 @@ One copy of the weights serves four roles: the actor (adapter 'default'), the cr
     python ppo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
     accelerate launch --num_processes 8 ppo.py   # data parallel on one node
 """
+import contextlib
 import os
 import random
 import sys
@@ -40,6 +41,7 @@ class Args:
     target_modules: str = field(default=DEFAULT_TARGETS, metadata={"help": "comma-separated module names that get LoRA"})
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: NF4 base weights via bitsandbytes (CUDA only)"})
     gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in the backward pass"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow model code from the hub (off unless you trust it)"})
     # the simulated user
     simulator: str = field(default="same", metadata={"help": "same | rules | model id/path | http://host:port/v1"})
@@ -204,6 +206,21 @@ def use_adapter(model, name):
             p.requires_grad_(True)
 
 
+@contextlib.contextmanager
+def adapter_active(model, name):
+    """Run a forward pass AND its backward pass under one adapter, then return to the actor's.
+    With gradient checkpointing the backward pass reruns each layer's forward, and peft's LoRA
+    layers then use whatever adapter is active at that moment: a critic loss whose backward ran
+    after switching back to 'default' would get gradients of the actor's activations (same shapes,
+    no error, a critic that learns from the wrong function). So the critic's loss.backward() goes
+    inside this block."""
+    use_adapter(model, name)
+    try:
+        yield
+    finally:
+        use_adapter(model, "default")
+
+
 def value_prior(reward, start_emotion):
     """What the critic predicts before it has learned anything: the return of a dialogue in which
     the emotion never moves. With --reward final every agent token's return is final emotion / 100,
@@ -218,17 +235,16 @@ def critic_values(model, value_head, input_ids, attention_mask):
     the value at position t is the value of the state the token at t was sampled in, so it is
     read from the hidden state at t - 1, which has not seen that token (position 0 gets 0).
     Read at t itself, the value would depend on the action it is a baseline for: a critic that
-    learned it would predict each token's own return and cancel the advantage it should leave."""
-    use_adapter(model, "critic")
-    try:
-        decoder = model.get_base_model().get_decoder()
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
-        values = value_head(hidden[:, :-1].to(value_head.weight.dtype)).squeeze(-1)           # (B, T-1)
-        return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
-    finally:
-        use_adapter(model, "default")
-
-
+    learned it would predict each token's own return and cancel the advantage it should leave.
+    Call it inside `with adapter_active(model, "critic"):`, together with the backward pass of any
+    loss built on it (see adapter_active)."""
+    if model.active_adapter != "critic":
+        raise RuntimeError("critic_values runs under the 'critic' adapter: call it, and the backward pass "
+                           "of its loss, inside `with adapter_active(model, 'critic'):`")
+    decoder = model.get_base_model().get_decoder()
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+    values = value_head(hidden[:, :-1].to(value_head.weight.dtype)).squeeze(-1)           # (B, T-1)
+    return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
 
 
 def main(argv=None):
@@ -253,7 +269,7 @@ def main(argv=None):
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
     model, tokenizer = load_policy(args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                                    lora_dropout=args.lora_dropout, target_modules=args.target_modules,
-                                   load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing,
+                                   load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype,
                                    trust_remote_code=args.trust_remote_code)
     model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                            target_modules=args.target_modules.split(","), task_type="CAUSAL_LM"))
@@ -342,7 +358,7 @@ def main(argv=None):
         # ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
         old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)          # (B, T)
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)  # (B, T)
-        with torch.no_grad():
+        with torch.no_grad(), adapter_active(model, "critic"):
             model.eval()
             old_values = torch.cat([critic_values(model, value_head, batch["input_ids"][i:i + args.micro_batch_size],
                                                   batch["attention_mask"][i:i + args.micro_batch_size])
@@ -388,10 +404,11 @@ def main(argv=None):
                                       + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg, total_tokens, total_seqs))
                     if train_actor:
                         actor_loss.backward()
-                    values = critic_values(model, value_head, ids, att).float()
-                    vl, vclipped = clipped_value_loss(values, old_values[idx], returns[idx], args.value_clip)
-                    critic_loss = args.vf_coef * aggregate(vl, m, args.loss_agg, total_tokens, total_seqs)
-                    critic_loss.backward()
+                    with adapter_active(model, "critic"):  # forward and backward under the critic
+                        values = critic_values(model, value_head, ids, att).float()
+                        vl, vclipped = clipped_value_loss(values, old_values[idx], returns[idx], args.value_clip)
+                        critic_loss = args.vf_coef * aggregate(vl, m, args.loss_agg, total_tokens, total_seqs)
+                        critic_loss.backward()
                     with torch.no_grad():
                         logratio = newlogprob - old_logprobs[idx]
                         logs["policy_loss"].append(masked_mean(pg, m).item())

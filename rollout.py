@@ -78,13 +78,17 @@ def default_device():
 
 def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=0.0,
                 target_modules=DEFAULT_TARGETS, adapter=None, load_in_4bit=False,
-                gradient_checkpointing=False, trust_remote_code=False, trainable=True):
+                gradient_checkpointing=False, trust_remote_code=False, trainable=True, dtype="auto"):
     """A PeftModel with one adapter named 'default' (fresh, or loaded from `adapter`).
-    LoRA dropout defaults to 0 so that the importance ratio is exactly 1 before the first update."""
+    LoRA dropout defaults to 0 so that the importance ratio is exactly 1 before the first update.
+    dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 (the base weights)."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 
     device = device or default_device()
-    base, tokenizer = load_model(model_name, device=device, load_in_4bit=load_in_4bit,
+    dtypes = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {' | '.join(dtypes)}, got '{dtype}'")
+    base, tokenizer = load_model(model_name, device=device, load_in_4bit=load_in_4bit, dtype=dtypes[dtype],
                                  trust_remote_code=trust_remote_code)
     if load_in_4bit:
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=gradient_checkpointing)

@@ -277,8 +277,8 @@ def test_value_of_a_token_does_not_see_that_token(tiny_model_dir):
     changed = ids.clone()
     changed[0, 6] = ids[0, 6] + 1
     att = torch.ones_like(ids)
-    with torch.no_grad():
-        a, b = (ppo.critic_values(model, head, x, att) for x in (ids, changed))
+    with torch.no_grad(), ppo.adapter_active(model, "critic"):
+        a, b = [ppo.critic_values(model, head, x, att) for x in (ids, changed)]
     assert a.shape == (1, 12) and a[0, 0] == 0
     torch.testing.assert_close(a[:, :7], b[:, :7], atol=0, rtol=0)
     assert not torch.allclose(a[:, 7:], b[:, 7:])
@@ -291,7 +291,7 @@ def test_untrained_critic_predicts_the_return_of_an_unmoved_emotion(tiny_model_d
     model, head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "0",
                                      "--reward", reward, "--start-emotion", str(start)))
     ids = torch.randint(5, 500, (2, 9))
-    with torch.no_grad():
+    with torch.no_grad(), ppo.adapter_active(model, "critic"):
         values = ppo.critic_values(model, head, ids, torch.ones_like(ids))
     torch.testing.assert_close(values[:, 1:], torch.full((2, 8), expected))
 

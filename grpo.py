@@ -316,6 +316,10 @@ def main(argv=None):
         # ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
         old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)          # (B, T)
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)  # (B, T)
+        # How far the sampler's log-probs (generate) are from the training forward pass's: 0 up to
+        # round-off in float32; in bf16 the two kernels round differently (see README: ratio_first).
+        logprob_gap = (global_sum(((old_logprobs - batch["sample_logprobs"]).abs() * mask).sum(), accelerator)
+                       / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
         rewards = dialogue_rewards(records, args.reward, args.format_penalty)                           # (B,)
         group_ids = torch.tensor([rank * share + r["group"] for r in records])                          # (B,)
         # The advantages of the whole iteration, on every process: batch scaling needs the std of all
@@ -388,11 +392,15 @@ def main(argv=None):
                     print(f"warning: iteration {iteration}: non-finite gradient, update skipped "
                           f"({bad_updates} in a row)", file=sys.stderr)
                     if bad_updates >= args.max_bad_updates:
-                        path = _save(args, iteration, model, optimizer, scheduler, accelerator)
+                        # Part of this iteration's steps are in the weights: never write that over a
+                        # complete checkpoint. It goes where --resume does not look, for inspection.
+                        path = _save(args, iteration, model, optimizer, scheduler, accelerator,
+                                     name=f"partial_iter_{iteration + 1:06d}")
                         if accelerator.is_main_process:
-                            print(f"error: {bad_updates} non-finite updates in a row; stopped. Last state saved in "
-                                  f"{path}. Lower --lr or raise --micro-batch-size precision "
-                                  f"(bf16 -> fp32) and resume.", file=sys.stderr)
+                            print(f"error: {bad_updates} non-finite updates in a row; stopped in iteration "
+                                  f"{iteration + 1}. --resume continues from the last complete checkpoint "
+                                  f"({latest_checkpoint(args.out)}); the state at the stop is in {path}. Lower "
+                                  f"--lr or use --dtype float32, and resume.", file=sys.stderr)
                         sys.exit(1)
                     continue
                 bad_updates = 0
@@ -421,7 +429,7 @@ def main(argv=None):
             "zero_spread_groups": int(all_flat[first_of_group].sum()),
             **summary,
             **{k: global_mean(v, accelerator) for k, v in logs.items()},
-            "kl_ref": kl_ref_rollout, "skipped_steps": skipped_steps,
+            "kl_ref": kl_ref_rollout, "sample_logprob_gap": logprob_gap, "skipped_steps": skipped_steps,
             "lr": optimizer.param_groups[0]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
             "time_iteration": time.time() - t_start,
@@ -445,14 +453,14 @@ def main(argv=None):
     return model  # the trained PeftModel, for tests and notebooks
 
 
-def _save(args, iteration, model, optimizer, scheduler, accelerator):
+def _save(args, iteration, model, optimizer, scheduler, accelerator, name=None):
     """Every process hands in its RNG state; the main process writes the checkpoint."""
     rngs = all_rng_states(accelerator)
     if not accelerator.is_main_process:
         return None
     return save_checkpoint(args.out, iteration, model, ["default"], {
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "args": vars(args),
-        "rng": rngs if len(rngs) > 1 else rngs[0]})
+        "rng": rngs if len(rngs) > 1 else rngs[0]}, name=name)
 
 
 if __name__ == "__main__":

@@ -358,6 +358,10 @@ def main(argv=None):
         # ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
         old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)          # (B, T)
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)  # (B, T)
+        # How far the sampler's log-probs (generate) are from the training forward pass's: 0 up to
+        # round-off in float32; in bf16 the two kernels round differently (see README: ratio_first).
+        logprob_gap = (global_sum(((old_logprobs - batch["sample_logprobs"]).abs() * mask).sum(), accelerator)
+                       / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
         with torch.no_grad(), adapter_active(model, "critic"):
             model.eval()
             old_values = torch.cat([critic_values(model, value_head, batch["input_ids"][i:i + args.micro_batch_size],
@@ -433,11 +437,15 @@ def main(argv=None):
                     print(f"warning: iteration {iteration}: non-finite gradient, update skipped "
                           f"({bad_updates} in a row)", file=sys.stderr)
                     if bad_updates >= args.max_bad_updates:
-                        path = _save(args, iteration, model, value_head, optimizer, scheduler, accelerator)
+                        # Part of this iteration's steps are in the weights: never write that over a
+                        # complete checkpoint. It goes where --resume does not look, for inspection.
+                        path = _save(args, iteration, model, value_head, optimizer, scheduler, accelerator,
+                                     name=f"partial_iter_{iteration + 1:06d}")
                         if accelerator.is_main_process:
-                            print(f"error: {bad_updates} non-finite updates in a row; stopped. Last state saved in "
-                                  f"{path}. Lower --actor-lr / --critic-lr or raise --micro-batch-size precision "
-                                  f"(bf16 -> fp32) and resume.", file=sys.stderr)
+                            print(f"error: {bad_updates} non-finite updates in a row; stopped in iteration "
+                                  f"{iteration + 1}. --resume continues from the last complete checkpoint "
+                                  f"({latest_checkpoint(args.out)}); the state at the stop is in {path}. Lower "
+                                  f"--actor-lr / --critic-lr or use --dtype float32, and resume.", file=sys.stderr)
                         sys.exit(1)
                     continue
                 bad_updates = 0
@@ -464,7 +472,7 @@ def main(argv=None):
             "reward_mean": float(rewards_per_dialogue.mean()), "reward_std": float(rewards_per_dialogue.std()),
             **summary,
             **{k: global_mean(v, accelerator) for k, v in logs.items()},
-            "kl_ref": kl_ref_rollout, "explained_variance": explained_var,
+            "kl_ref": kl_ref_rollout, "sample_logprob_gap": logprob_gap, "explained_variance": explained_var,
             "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
             "time_iteration": time.time() - t_start,
@@ -487,14 +495,15 @@ def main(argv=None):
     return model, value_head  # for tests and notebooks
 
 
-def _save(args, iteration, model, value_head, optimizer, scheduler, accelerator):
+def _save(args, iteration, model, value_head, optimizer, scheduler, accelerator, name=None):
     """Every process hands in its RNG state; the main process writes the checkpoint."""
     rngs = all_rng_states(accelerator)
     if not accelerator.is_main_process:
         return None
     return save_checkpoint(args.out, iteration, model, ["default", "critic"], {
         "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "args": vars(args), "rng": rngs if len(rngs) > 1 else rngs[0]})
+        "scheduler": scheduler.state_dict(), "args": vars(args), "rng": rngs if len(rngs) > 1 else rngs[0]},
+        name=name)
 
 
 if __name__ == "__main__":

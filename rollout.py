@@ -499,11 +499,12 @@ class RunFolder:
             f.writelines(keep)
 
 
-def save_checkpoint(run_dir, iteration, model, adapters, state):
-    """checkpoints/iter_XXXXXX/: each adapter in peft's format (loadable with
+def save_checkpoint(run_dir, iteration, model, adapters, state, name=None):
+    """checkpoints/iter_XXXXXX/ (or checkpoints/NAME/): each adapter in peft's format (loadable with
     PeftModel.from_pretrained), and state.pt (optimizer, scheduler, value head, RNG, settings).
-    Written to a temporary folder and renamed, so a kill leaves the last complete one intact."""
-    final = os.path.join(run_dir, "checkpoints", f"iter_{iteration:06d}")
+    Written to a temporary folder and renamed, so a kill leaves the last complete one intact.
+    --resume only picks folders named iter_*; `iteration` is the number of completed iterations."""
+    final = os.path.join(run_dir, "checkpoints", name or f"iter_{iteration:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

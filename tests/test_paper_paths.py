@@ -154,3 +154,139 @@ def test_grpo_is_the_same_with_and_without_checkpointing(tiny_model_dir, persona
         runs[on] = (read_metrics(out), lora_state(model))
     assert_same_metrics(runs["true"][0], runs["false"][0])
     assert_same_weights(runs["true"][1], runs["false"][1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Every switch the CPU preset turns off runs here once, at the paper's value
+# ----------------------------------------------------------------------------------------------
+# CPU-preset values that only size the run (a smaller model, fewer and shorter dialogues, rates
+# scaled to them): the same code runs either way.
+SIZES = {"model", "dialogues_per_iteration", "personas_per_iteration", "group_size", "max_turns",
+         "max_new_tokens", "sim_reply_tokens", "max_context", "lora_r", "lora_alpha", "actor_lr", "critic_lr",
+         "lr", "iterations", "save_every", "out", "minibatch_size", "micro_batch_size"}
+# Switches that change which code runs, with the flags that turn each on in the runs below. The
+# split into micro-batches and minibatches is sized by the CPU preset but is a path of its own.
+SWITCHES = {
+    "gradient_checkpointing": ["--gradient-checkpointing", "true"],
+    "thinking": ["--thinking", "true"],
+    "simulator": ["--simulator", "same"],            # the default of both presets; the LLM user
+    "dtype": ["--dtype", "bfloat16"],                # what "auto" picks on CUDA
+}
+
+
+@pytest.mark.parametrize("trainer", [ppo, grpo])
+def test_every_switch_of_the_cpu_preset_is_covered_here(trainer):
+    defaults = {f.name: f.default for f in fields(trainer.Args)}
+    assert trainer.PRESETS["paper"] == {}  # the paper preset is the dataclass defaults
+    turned = {k for k, v in trainer.PRESETS["cpu"].items() if v != defaults[k]}
+    uncovered = turned - SIZES - set(SWITCHES)
+    assert not uncovered, f"the cpu preset changes {sorted(uncovered)}: run the paper's value in this file"
+    for name in SWITCHES:
+        assert name in defaults, name
+    assert defaults["gradient_checkpointing"] and defaults["thinking"] and defaults["simulator"] == "same"
+
+
+def paper_path_args(trainer, model_dir, personas, out):
+    common = [*sum(SWITCHES.values(), []), "--iterations", "2", "--micro-batch-size", "1", "--minibatch-size", "2",
+              "--max-new-tokens", "8", "--sim-reply-tokens", "6", "--seed", "2"]  # 2 minibatches x 2 micro-batches
+    if trainer is ppo:
+        return ppo_args(model_dir, personas, out, *common, "--dialogues-per-iteration", "4", "--critic-warmup", "1")
+    # the tiny model's users all end alike (zero-spread groups, zero advantages): an entropy bonus
+    # gives the update a gradient to check that it flows
+    return grpo_args(model_dir, personas, out, *common, "--ent-coef", "0.01")
+
+
+@pytest.mark.parametrize("trainer", [ppo, grpo])
+def test_the_paper_preset_paths_run_on_a_tiny_model(trainer, tiny_model_dir, personas_file, tmp_path):
+    # checkpointing, thinking, the `same` user (likelihood read-out), bf16 weights, 2 minibatches of
+    # 2 micro-batches, the default loss aggregation (and PPO's whitening and critic warm-up)
+    out = tmp_path / "run"
+    trainer.main(paper_path_args(trainer, tiny_model_dir, personas_file, out))
+    metrics = read_metrics(out)
+    config = json.load(open(out / "config.json"))
+    defaults = {f.name: f.default for f in fields(trainer.Args)}
+    assert config["loss_agg"] == defaults["loss_agg"] and config["dtype"] == "bfloat16"
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["ratio_first"] == pytest.approx(1.0, abs=1e-2)       # bf16 round-off, every iteration
+        assert m["sample_logprob_gap"] < 0.1                           # generate vs training pass, bf16
+        assert m["think_violation_rate"] > 0                           # a random model writes no tags
+        assert m["end_max_turns"] + m["end_goodbye"] + m["end_left"] + m["end_success"] + m["end_context"] == 4
+    if trainer is ppo:
+        assert defaults["whiten_advantages"] and config["critic_warmup"] == 1
+        assert metrics[0]["kl_ref"] == 0 and metrics[1]["kl_ref"] == pytest.approx(0, abs=1e-3)  # actor held
+        assert metrics[1]["critic_grad_norm"] > 0
+    else:
+        assert metrics[0]["grad_norm"] > 0 and metrics[1]["kl_ref"] > 0   # the policy moved in iteration 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-batches and minibatches
+# ----------------------------------------------------------------------------------------------
+def test_the_micro_batch_split_does_not_change_the_update(tiny_model_dir, personas_file, tmp_path):
+    # Greedy dialogues, one minibatch of 4: micro-batches of 1, 2 or 4 accumulate to the same step.
+    # Unwhitened advantages: whitened ones sum to zero over the batch, the gradient is then a small
+    # difference of large terms, and Adam's first step (about lr x sign) magnifies its round-off.
+    results = []
+    for micro in ("1", "2", "4"):
+        out = tmp_path / micro
+        model, head = ppo.main(ppo_args(tiny_model_dir, personas_file, out, "--iterations", "1", "--greedy", "true",
+                                        "--dialogues-per-iteration", "4", "--minibatch-size", "4",
+                                        "--whiten-advantages", "false", "--micro-batch-size", micro))
+        results.append((read_metrics(out), lora_state(model), head.state_dict()))
+    for metrics, actor_critic, head in results[1:]:
+        assert metrics[0]["reward_mean"] == results[0][0][0]["reward_mean"]
+        assert_same_weights(actor_critic, results[0][1], atol=1e-5)
+        for key in ("actor_grad_norm", "critic_grad_norm"):
+            assert metrics[0][key] == pytest.approx(results[0][0][0][key], rel=1e-4), key
+        assert_same_weights(head, results[0][2], atol=1e-5)
+    assert any(w.abs().sum() > 0 for k, w in results[0][1].items() if "lora_B" in k)  # it did move
+
+
+@pytest.mark.parametrize("trainer", [ppo, grpo])
+def test_two_minibatches_step_the_learning_rate_warmup_twice_an_iteration(trainer, tiny_model_dir, personas_file,
+                                                                          tmp_path):
+    # --warmup-steps counts optimizer steps, one per minibatch: with 2 minibatches an iteration the
+    # logged rate (the one the next step will use) is base x min(1, (steps taken + 1) / warmup).
+    lr_key = "actor_lr" if trainer is ppo else "lr"
+    make = ppo_args if trainer is ppo else grpo_args
+    sizes = ["--dialogues-per-iteration", "4"] if trainer is ppo else []
+    out = tmp_path / "run"
+    trainer.main(make(tiny_model_dir, personas_file, out, "--iterations", "2", "--minibatch-size", "2",
+                      "--micro-batch-size", "2", "--warmup-steps", "8", *sizes))
+    metrics = read_metrics(out)
+    assert [m[lr_key] for m in metrics] == pytest.approx([1e-3 * 3 / 8, 1e-3 * 5 / 8])
+
+
+# ----------------------------------------------------------------------------------------------
+# The stop after non-finite updates never overwrites a complete checkpoint
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("trainer", [ppo, grpo])
+def test_the_stop_after_non_finite_updates_keeps_the_last_complete_checkpoint(trainer, tiny_model_dir, personas_file,
+                                                                              tmp_path, monkeypatch, capsys):
+    from rollout import latest_checkpoint
+
+    # 3 optimizer steps an iteration. Iteration 1 is clean and saved; in iteration 2 the first step
+    # is clean (the weights move on) and every later one is non-finite, so the run stops part-way.
+    real, calls = trainer.clipped_policy_loss, []
+
+    def poisoned(*args, **kwargs):
+        calls.append(1)
+        loss, ratio, clipped = real(*args, **kwargs)
+        return (loss * float("nan") if len(calls) > 4 else loss), ratio, clipped
+    monkeypatch.setattr(trainer, "clipped_policy_loss", poisoned)
+    make = ppo_args if trainer is ppo else grpo_args
+    out = tmp_path / "run"
+    sizes = ["--dialogues-per-iteration", "6"] if trainer is ppo else ["--personas-per-iteration", "3"]
+    with pytest.raises(SystemExit) as stop:
+        trainer.main(make(tiny_model_dir, personas_file, out, "--iterations", "4", "--save-every", "1",
+                          "--minibatch-size", "2", "--micro-batch-size", "2", "--max-bad-updates", "2", *sizes))
+    assert stop.value.code == 1
+    assert "stopped in iteration 2" in capsys.readouterr().err
+    folder = out / "checkpoints"
+    assert sorted(os.listdir(folder)) == ["iter_000001", "partial_iter_000002"]
+    assert latest_checkpoint(str(out)) == str(folder / "iter_000001")
+    clean, partial = (torch.load(folder / d / "state.pt", weights_only=False) for d in sorted(os.listdir(folder)))
+    steps = [int(s["step"]) for s in clean["optimizer"]["state"].values()]
+    assert clean["iteration"] == 1 and set(steps) == {3}             # the steps of iteration 1, no more
+    assert {int(s["step"]) for s in partial["optimizer"]["state"].values()} == {4}

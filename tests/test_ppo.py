@@ -195,7 +195,7 @@ def test_non_finite_updates_are_skipped_then_stop_with_a_checkpoint(tiny_model_d
     err = capsys.readouterr().err
     assert err.count("non-finite gradient, update skipped") == 2 and "stopped" in err
     # no complete checkpoint yet: the state at the stop is kept where --resume does not look
-    assert os.listdir(tmp_path / "run" / "checkpoints") == ["partial_iter_000001"]
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["partial_iter_000002"]  # one step an iteration
 
 
 def test_resume_gives_the_same_metrics(tiny_model_dir, personas_file, tmp_path):

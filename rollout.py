@@ -162,6 +162,31 @@ def eos_ids(tokenizer):
 # ----------------------------------------------------------------------------------------------
 # Dialogues
 # ----------------------------------------------------------------------------------------------
+class SampledLogprobs:
+    """A logits processor that records log softmax(logits / temperature) of each token generate()
+    samples, without keeping every step's logits: output_logits=True holds (B, N, vocabulary) fp32
+    logits (about 9.3 GiB at 32 dialogues x 512 tokens x Qwen2.5's 152k vocabulary), this holds one
+    step's (B, vocabulary). It runs one step behind: at step t the last column of input_ids is the
+    token sampled at t - 1, so that is when its log-prob is read; finish() reads the last one.
+    transformers runs processors passed to generate() before its own temperature and top-p warpers,
+    so `scores` are the raw logits; the test against a fresh forward pass (temperature 0.7) holds it."""
+
+    def __init__(self, temperature):
+        self.temperature, self.last, self.picked = temperature, None, []
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.picked.append(self.last.gather(-1, input_ids[:, -1:])[:, 0])           # (B,)
+        self.last = torch.log_softmax(scores.float() / self.temperature, -1)            # (B, V)
+        return scores
+
+    def finish(self, sequences):
+        """(B, N): the log-probs of the N tokens generate() appended to the prompt."""
+        self.picked.append(self.last.gather(-1, sequences[:, -1:])[:, 0])
+        out, self.last, self.picked = torch.stack(self.picked, 1), None, []
+        return out
+
+
 @dataclass
 class Dialogue:
     """One agent-user dialogue as it grows. ids/action_mask/logprobs stay aligned token by token."""
@@ -186,7 +211,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     With reuse_cache each dialogue keeps its KV cache between turns, so a turn runs only the tokens
     added since the last one (simulator.cached_batch); without it every turn runs the whole prompt.
     Returns (records, stats): one flat dict per dialogue, and counts and timings."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, LogitsProcessorList
 
     chat = ChatTokens(tokenizer, system_prompt or (THINK_PROMPT if thinking else PLAIN_PROMPT))
     device = next(policy.parameters()).device
@@ -198,7 +223,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     gen_config = GenerationConfig(
         do_sample=not greedy, temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
         top_k=0 if not greedy else None, repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
-        pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True, output_logits=True)
+        pad_token_id=tokenizer.pad_token_id)
     dialogues = []
     for g, persona in enumerate(personas):
         for s in range(samples_per_persona):
@@ -230,15 +255,16 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         prompt, reused = prompt_counts(mask, cache)
         stats["policy_prompt_tokens"] += prompt
         stats["policy_reused_tokens"] += reused
-        out = policy.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=gen_config)
-        new = out.sequences[:, ids.shape[1]:]                                    # (B, N)
-        logits = torch.stack(out.logits, 1).float() / temperature                 # (B, N, V)
-        new_logp = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0].cpu()  # (B, N)
+        recorder = SampledLogprobs(1.0 if greedy else temperature)
+        sequences = policy.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                                    generation_config=gen_config, logits_processor=LogitsProcessorList([recorder]))
+        new = sequences[:, ids.shape[1]:]                                        # (B, N)
+        new_logp = recorder.finish(sequences).cpu()                               # (B, N)
         lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
                    for row in new.tolist()]
         if reuse_cache:
             sampled = (torch.arange(new.shape[1], device=device)[None] < torch.tensor(lengths, device=device)[:, None])
-            keep_cache(slots, cache, out.sequences, torch.cat([mask, sampled.long()], 1))
+            keep_cache(slots, cache, sequences, torch.cat([mask, sampled.long()], 1))
         new = new.cpu()
         t_policy += time.time() - t0
         replies = []

@@ -13,29 +13,36 @@ import simulator as sim_module
 
 
 class TargetTokenSimulator(sim_module.Simulator):
-    """One turn; the user's emotion becomes 100 x the fraction of reply tokens in the target set."""
+    """The user's emotion is 100 x the fraction of the agent's reply tokens (over all its turns so
+    far) in the target set. It starts at 0 and says "go on" between turns, so with two turns the
+    dialogue holds user tokens that must stay out of the loss, and each turn's change is a reward
+    of its own (--reward turn)."""
 
-    def __init__(self, tokenizer, **kwargs):
-        super().__init__(sim_module.RulesBackend(), readout="rules", max_turns=1)
+    def __init__(self, tokenizer, turns=1):
+        super().__init__(sim_module.RulesBackend(), readout="rules", max_turns=turns, start_emotion=0)
         self.tokenizer = tokenizer
         self.target = set(range(len(tokenizer) // 4))
 
     def step(self, states, replies):
         for s, reply in zip(states, replies):
             ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"]
-            fraction = sum(t in self.target for t in ids) / max(1, len(ids))
+            s.hits = getattr(s, "hits", 0) + sum(t in self.target for t in ids)
+            s.tokens = getattr(s, "tokens", 0) + max(1, len(ids))
             s.history.append({"role": "agent", "text": reply})
             s.turns += 1
-            s.emotion = round(100 * fraction)
-            s.appraisals.append({"change": 0, "emotion": s.emotion, "appraisal": f"target fraction {fraction:.2f}",
-                                 "parsed": True})
-            s.end_reason = "max_turns"
+            before, s.emotion = s.emotion, round(100 * s.hits / s.tokens)
+            s.appraisals.append({"change": s.emotion - before, "emotion": s.emotion, "parsed": True,
+                                 "appraisal": f"target fraction {s.hits / s.tokens:.2f}"})
+            if s.turns >= self.max_turns:
+                s.end_reason = "max_turns"
+            else:
+                s.history.append({"role": "user", "text": "go on"})
 
 
-def install_stand_in(monkeypatch, trainer):
+def install_stand_in(monkeypatch, trainer, turns=1):
     """Replace the trainer's Simulator with the stand-in (it needs the policy's tokenizer)."""
     def make(backend, **kwargs):
-        return TargetTokenSimulator(make.tokenizer)
+        return TargetTokenSimulator(make.tokenizer, turns)
 
     real_make_backend = trainer.make_backend
 
@@ -88,3 +95,34 @@ def test_grpo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, mon
                         "--iterations", "16", "--personas-per-iteration", "2", "--group-size", "4",
                         "--minibatch-size", "8", "--micro-batch-size", "8", "--lr", "3e-2", "--num-iterations", "2"])
     assert_learned(rewards_of(out), "grpo")
+
+
+def test_ppo_learns_over_two_turns_with_per_turn_rewards(tiny_model_dir, personas_file, tmp_path, monkeypatch):
+    # Two agent turns with a user message between them: the user's tokens are masked out, GAE runs
+    # across them, and each turn's change is its own reward. The critic must learn something too.
+    import ppo
+
+    install_stand_in(monkeypatch, ppo, turns=2)
+    out = tmp_path / "ppo2"
+    ppo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out), "--max-turns", "2",
+                       "--reward", "turn", "--iterations", "16", "--dialogues-per-iteration", "8",
+                       "--minibatch-size", "8", "--micro-batch-size", "4", "--actor-lr", "1e-2", "--critic-lr", "3e-2",
+                       "--ppo-epochs", "2"])
+    assert_learned(rewards_of(out), "ppo, 2 turns")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    assert all(m["turns_mean"] == 2 for m in metrics)
+    late = [m["explained_variance"] for m in metrics[-4:]]
+    print(f"explained variance, last 4 iterations: {late}")
+    assert np.mean(late) > 0, late
+
+
+def test_grpo_learns_over_two_turns(tiny_model_dir, personas_file, tmp_path, monkeypatch):
+    import grpo
+
+    install_stand_in(monkeypatch, grpo, turns=2)
+    out = tmp_path / "grpo2"
+    grpo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out), "--max-turns", "2",
+                        "--reward", "turn", "--iterations", "16", "--personas-per-iteration", "2", "--group-size", "4",
+                        "--minibatch-size", "8", "--micro-batch-size", "4", "--lr", "3e-2", "--num-iterations", "2"])
+    assert_learned(rewards_of(out), "grpo, 2 turns")

@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -121,12 +120,15 @@ class ScriptedPolicy(torch.nn.Module):
         self.rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
         self.vocab, self.pad = len(tokenizer), tokenizer.pad_token_id
 
-    def generate(self, input_ids, attention_mask, generation_config, past_key_values=None):
+    def generate(self, input_ids, attention_mask, generation_config, past_key_values=None, logits_processor=()):
         rows = self.rows[:input_ids.shape[0]]
         width = max(len(r) for r in rows)
         new = torch.tensor([r + [self.pad] * (width - len(r)) for r in rows])
-        return SimpleNamespace(sequences=torch.cat([input_ids, new], 1),
-                               logits=tuple(torch.zeros(len(rows), self.vocab) for _ in range(width)))
+        sequences = torch.cat([input_ids, new], 1)
+        for step in range(width):  # as generate() calls its processors: before each token is sampled
+            for process in logits_processor:
+                process(sequences[:, :input_ids.shape[1] + step], torch.zeros(len(rows), self.vocab))
+        return sequences
 
 
 FORMAT_CASES = [  # (agent text, violation, what the simulated user is shown)

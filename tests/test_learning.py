@@ -13,10 +13,10 @@ import simulator as sim_module
 
 
 class TargetTokenSimulator(sim_module.Simulator):
-    """The user's emotion is 100 x the fraction of the agent's reply tokens (over all its turns so
-    far) in the target set. It starts at 0 and says "go on" between turns, so with two turns the
-    dialogue holds user tokens that must stay out of the loss, and each turn's change is a reward
-    of its own (--reward turn)."""
+    """The user's emotion starts at 0 and each agent turn adds 100 / turns x the fraction of that
+    reply's tokens in the target set, so the best policy ends at 100 and each turn's change is
+    that turn's own doing (--reward turn gives it to that turn). Between turns the user says
+    "go on": with two turns the dialogue holds user tokens that must stay out of the loss."""
 
     def __init__(self, tokenizer, turns=1):
         super().__init__(sim_module.RulesBackend(), readout="rules", max_turns=turns, start_emotion=0)
@@ -26,13 +26,13 @@ class TargetTokenSimulator(sim_module.Simulator):
     def step(self, states, replies):
         for s, reply in zip(states, replies):
             ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"]
-            s.hits = getattr(s, "hits", 0) + sum(t in self.target for t in ids)
-            s.tokens = getattr(s, "tokens", 0) + max(1, len(ids))
+            fraction = sum(t in self.target for t in ids) / max(1, len(ids))
+            change = round(100 * fraction / self.max_turns)
             s.history.append({"role": "agent", "text": reply})
             s.turns += 1
-            before, s.emotion = s.emotion, round(100 * s.hits / s.tokens)
-            s.appraisals.append({"change": s.emotion - before, "emotion": s.emotion, "parsed": True,
-                                 "appraisal": f"target fraction {s.hits / s.tokens:.2f}"})
+            s.emotion += change
+            s.appraisals.append({"change": change, "emotion": s.emotion, "parsed": True,
+                                 "appraisal": f"target fraction {fraction:.2f}"})
             if s.turns >= self.max_turns:
                 s.end_reason = "max_turns"
             else:
@@ -106,7 +106,7 @@ def test_ppo_learns_over_two_turns_with_per_turn_rewards(tiny_model_dir, persona
     out = tmp_path / "ppo2"
     ppo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out), "--max-turns", "2",
                        "--reward", "turn", "--iterations", "16", "--dialogues-per-iteration", "8",
-                       "--minibatch-size", "8", "--micro-batch-size", "4", "--actor-lr", "1e-2", "--critic-lr", "3e-2",
+                       "--minibatch-size", "8", "--micro-batch-size", "4", "--actor-lr", "3e-2", "--critic-lr", "3e-2",
                        "--ppo-epochs", "2"])
     assert_learned(rewards_of(out), "ppo, 2 turns")
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -123,6 +123,6 @@ def test_grpo_learns_over_two_turns(tiny_model_dir, personas_file, tmp_path, mon
     install_stand_in(monkeypatch, grpo, turns=2)
     out = tmp_path / "grpo2"
     grpo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out), "--max-turns", "2",
-                        "--reward", "turn", "--iterations", "16", "--personas-per-iteration", "2", "--group-size", "4",
-                        "--minibatch-size", "8", "--micro-batch-size", "4", "--lr", "3e-2", "--num-iterations", "2"])
+                        "--reward", "turn", "--iterations", "16", "--personas-per-iteration", "4", "--group-size", "4",
+                        "--minibatch-size", "16", "--micro-batch-size", "4", "--lr", "3e-2", "--num-iterations", "2"])
     assert_learned(rewards_of(out), "grpo, 2 turns")

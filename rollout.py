@@ -216,7 +216,8 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                 bar.update(1)
         for d in dialogues:
             if d.state.done:
-                d.cache.clear()  # free a finished dialogue's KV cache
+                d.cache.clear()        # free a finished dialogue's KV cache, and its simulator's: the
+                d.state.cache.clear()  # simulator frees it only for dialogues that end in its own step
         active = [d for d in active if not d.state.done]
         if not active:
             break

@@ -423,6 +423,31 @@ def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_e
     assert rollout.summarize(records, stats)["end_context"] == 3
 
 
+def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, persona_entry, write_personas):
+    # The 'same' user keeps a KV cache per dialogue; its step frees it only for dialogues that end
+    # there. One that ends because the next user turn and reply would not fit must be freed too.
+    policy, tokenizer = new_policy(tiny_model_dir)
+    group = load_personas(write_personas([persona_entry(id=f"c{i}") for i in range(2)]))
+    chat = ChatTokens(tokenizer, rollout.PLAIN_PROMPT)
+    max_context = len(chat.prompt(group[0].opening)) + 8 + 10  # one reply, no room for a user turn and another
+    sim = Simulator(simulator.make_backend("same", policy=policy, tokenizer=tokenizer), max_turns=5,
+                    reply_tokens=6, leave_below=0)
+    states, start = [], sim.start
+    sim.start = lambda persona: states.append(start(persona)) or states[-1]
+    filled, step = [], sim.step
+
+    def step_and_look(active, replies):
+        step(active, replies)
+        filled.append(sum(bool(s.cache) for s in active))
+    sim.step = step_and_look
+    torch.manual_seed(0)
+    records, _ = play_dialogues(policy, tokenizer, sim, group, thinking=False, max_new_tokens=8,
+                                max_context=max_context, progress=False)
+    assert [r["end_reason"] for r in records] == ["context"] * 2
+    assert filled == [2]                      # after its step the user still held both caches
+    assert all(s.cache == {} for s in states)  # and nothing is left once the dialogues end
+
+
 # ----------------------------------------------------------------------------------------------
 # The command, settings presets and checkpoints
 # ----------------------------------------------------------------------------------------------

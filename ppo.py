@@ -421,7 +421,8 @@ def main(argv=None):
                             print(f"error: {bad_updates} non-finite updates in a row; stopped. Last state saved in "
                                   f"{path}. Lower --actor-lr / --critic-lr or raise --micro-batch-size precision "
                                   f"(bf16 -> fp32) and resume.", file=sys.stderr)
-                        sys.exit(1)
+                        accelerator.wait_for_everyone()  # no process may exit (the launcher would stop the
+                        sys.exit(1)                      # main one) before the main process has written it
                     continue
                 bad_updates = 0
                 optimizer.step()

@@ -80,14 +80,18 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
                 target_modules=DEFAULT_TARGETS, adapter=None, load_in_4bit=False,
                 gradient_checkpointing=False, trust_remote_code=False, trainable=True):
     """A PeftModel with one adapter named 'default' (fresh, or loaded from `adapter`).
-    LoRA dropout defaults to 0 so that the importance ratio is exactly 1 before the first update."""
-    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+    LoRA dropout defaults to 0 so that the importance ratio is exactly 1 before the first update.
+    With load_in_4bit the linear layers are NF4 and everything else stays in the compute dtype
+    (bf16). peft's prepare_model_for_kbit_training is not called on purpose: it casts the
+    embeddings, the output layer and the norms to float32, and since the 4-bit layers return their
+    input's dtype, the whole residual stream and the KV cache would become float32 (twice the
+    memory per token); TRL removed the same upcast (huggingface/trl#4457). What else it does is done here or by peft:
+    the base is frozen by get_peft_model, and checkpointing needs the inputs to require grad."""
+    from peft import LoraConfig, PeftModel, get_peft_model
 
     device = device or default_device()
     base, tokenizer = load_model(model_name, device=device, load_in_4bit=load_in_4bit,
                                  trust_remote_code=trust_remote_code)
-    if load_in_4bit:
-        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=gradient_checkpointing)
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.enable_input_require_grads()

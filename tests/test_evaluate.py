@@ -306,6 +306,36 @@ def test_settings_are_checked(tmp_path):
     assert (args.thinking, args.max_turns, args.start_emotion, args.sample) == (False, 3, 40, False)
 
 
+def test_load_in_4bit_is_checked_then_passed_to_the_policy(tiny_model_dir, monkeypatch, capsys):
+    if not torch.cuda.is_available():  # one line, exit 2, before any model loads
+        with pytest.raises(SystemExit) as stop:
+            evaluate.parse_args(["--load-in-4bit"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and "--load-in-4bit needs CUDA" in err and err.strip().count("\n") == 0
+    seen, real = [], evaluate.load_policy
+
+    def record(*a, **k):
+        seen.append(k["load_in_4bit"])
+        return real(*a, **{**k, "load_in_4bit": False})  # bitsandbytes needs CUDA; the flag's route is what counts
+    monkeypatch.setattr(evaluate, "load_policy", record)
+    for flag in (True, False):
+        evaluate.load_models(EvalArgs(model=tiny_model_dir, load_in_4bit=flag))
+    assert seen == [True, False]
+
+
+def test_a_local_simulator_goes_to_the_gpus_after_the_first(monkeypatch):
+    from evaluate import simulator_placement
+
+    if torch.cuda.device_count() < 2:
+        assert simulator_placement("Qwen/Qwen2.5-7B-Instruct", "auto") == (None, None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(evaluate, "gpus_after_the_first", lambda: {0: 0, 1: 9, 2: 9})
+    assert simulator_placement("Qwen/Qwen2.5-7B-Instruct", "auto") == ("auto", {0: 0, 1: 9, 2: 9})
+    for simulator, device_map in (("same", "auto"), ("rules", "auto"), ("http://127.0.0.1:8000/v1", "auto"),
+                                  ("Qwen/Qwen2.5-7B-Instruct", "none")):
+        assert simulator_placement(simulator, device_map) == (None, None), simulator
+
+
 # ----------------------------------------------------------------------------------------------
 # Training curves
 # ----------------------------------------------------------------------------------------------

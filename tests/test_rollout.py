@@ -448,6 +448,29 @@ def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, p
     assert all(s.cache == {} for s in states)  # and nothing is left once the dialogues end
 
 
+def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir, monkeypatch):
+    # bitsandbytes needs CUDA, so a bf16 model stands in for the NF4 one: everything load_policy does
+    # after loading (no float32 upcast of embeddings, output layer and norms; checkpointing with inputs
+    # that require grad) runs as on the GPU.
+    real = rollout.load_model
+
+    def bf16_stand_in(name, device="cpu", load_in_4bit=False, **kwargs):
+        assert load_in_4bit
+        return real(name, device=device, dtype=torch.bfloat16, **kwargs)
+    monkeypatch.setattr(rollout, "load_model", bf16_stand_in)
+    policy, tokenizer = rollout.load_policy(tiny_model_dir, device="cpu", lora_r=4, load_in_4bit=True,
+                                            gradient_checkpointing=True)
+    frozen = {n: p.dtype for n, p in policy.named_parameters() if "lora_" not in n}
+    assert set(frozen.values()) == {torch.bfloat16}, {n: d for n, d in frozen.items() if d != torch.bfloat16}
+    assert not any(p.requires_grad for n, p in policy.named_parameters() if "lora_" not in n)
+    policy.train()
+    ids = torch.tensor([tokenizer("i didn't get the promotion")["input_ids"]])
+    out = policy(input_ids=ids, output_hidden_states=True)
+    assert out.hidden_states[-1].dtype == torch.bfloat16  # the residual stream (and so the KV cache)
+    out.logits.float().logsumexp(-1).sum().backward()     # under checkpointing, gradients still reach LoRA
+    assert all(p.grad is not None for n, p in policy.named_parameters() if "lora_A" in n)
+
+
 # ----------------------------------------------------------------------------------------------
 # The command, settings presets and checkpoints
 # ----------------------------------------------------------------------------------------------

@@ -73,13 +73,15 @@ class Args:
     whiten_advantages: bool = field(default=True, metadata={"help": "normalise advantages over the batch's agent tokens"})
     # the update
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each iteration's dialogues"})
-    minibatch_size: int = field(default=16, metadata={"help": "dialogues per optimizer step, over all processes"})
+    minibatch_size: int = field(default=32, metadata={
+        "help": "dialogues per optimizer step, over all processes (RLVER: 32)"})
     micro_batch_size: int = field(default=2, metadata={"help": "dialogues per forward pass (gradient accumulation)"})
     clip_range: float = field(default=0.2, metadata={"help": "PPO clip: ratio kept within [1 - clip_range, 1 + clip_range_high]"})
     clip_range_high: float = field(default=0.2, metadata={"help": "upper clip; larger than clip_range = clip-higher (DAPO uses 0.28)"})
-    value_clip: float = field(default=0.2, metadata={"help": "value predictions move at most this far from the rollout's"})
+    value_clip: float = field(default=0.5, metadata={
+        "help": "value predictions move at most this far from the rollout's (RLVER: 0.5)"})
     vf_coef: float = field(default=0.5, metadata={"help": "value loss coefficient"})
-    ent_coef: float = field(default=0.0, metadata={"help": "entropy bonus coefficient"})
+    ent_coef: float = field(default=0.001, metadata={"help": "entropy bonus coefficient (RLVER: 0.001)"})
     loss_agg: str = field(default="token-mean", metadata={"help": "token-mean | seq-mean-token-mean | seq-mean-token-sum"})
     actor_lr: float = field(default=1e-5, metadata={"help": "actor LoRA learning rate (paper, full fine-tuning: 1e-6)"})
     critic_lr: float = field(default=5e-5, metadata={"help": "critic LoRA and value head learning rate (paper: 5x the actor's)"})
@@ -103,7 +105,9 @@ PRESETS = {
     "cpu": dict(model="smollm2", dialogues_per_iteration=4, max_turns=2, max_new_tokens=32,
                 sim_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
                 gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
-                actor_lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1, out="runs/ppo-cpu"),
+                actor_lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1, out="runs/ppo-cpu",
+                # the values before the paper preset took RLVER's (0.5, 0.001): the CPU results stand
+                value_clip=0.2, ent_coef=0.0),
 }
 
 

@@ -29,6 +29,7 @@ from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_lo
                      load_policy, masked_mean, pad_records, parse_settings, peak_memory_gb, play_dialogues,
                      RunFolder, save_checkpoint, set_rng_state, set_seed, summarize, time_budget_used, token_logprobs,
                      transcript_record)
+from rollout import global_max, global_stats
 from simulator import Simulator, load_personas_or_exit, make_backend
 
 
@@ -412,10 +413,11 @@ def main(argv=None):
             rollout_mask = batch["action_mask"]
             kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(), accelerator)
                               / global_sum(rollout_mask.sum(), accelerator).clamp(min=1)).item()
+            update_tokens = global_sum(mask.sum(), accelerator).item() * args.num_iterations
         # reward_mean as in ppo.py (no format penalty), so the two scripts' curves compare
         rewards_per_dialogue = dialogue_rewards(all_records, args.reward).numpy()
         first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])  # one row per group
-        summary = summarize(all_records, rstats)
+        summary = summarize(all_records, global_stats(rstats, accelerator))
         metrics = {
             "iteration": iteration + 1,
             "reward_mean": float(rewards_per_dialogue.mean()), "reward_std": float(rewards_per_dialogue.std()),
@@ -427,7 +429,8 @@ def main(argv=None):
             "lr": optimizer.param_groups[0]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
             "time_iteration": time.time() - t_start,
-            "update_tokens_per_s": float(mask.sum().item() * args.num_iterations / max(t_update, 1e-9)),
+            "update_tokens": int(update_tokens),  # agent tokens the update passed over, all processes
+            "update_tokens_per_s": update_tokens / max(global_max(t_update, accelerator), 1e-9),
             "peak_memory_gb": peak_memory_gb(), "processes": world, "replicas_identical": replicas_identical,
         }
         run.append("metrics.jsonl", [metrics])

@@ -26,6 +26,7 @@ from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_lo
                      load_adapter_weights, load_policy, masked_mean, pad_records, parse_settings,
                      peak_memory_gb, play_dialogues, RunFolder, save_checkpoint, set_rng_state, set_seed,
                      summarize, time_budget_used, token_logprobs, transcript_record)
+from rollout import global_max, global_stats
 from simulator import Simulator, load_personas_or_exit, make_backend
 
 
@@ -194,6 +195,24 @@ def kl_k3(logprobs, ref_logprobs):
     always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
     d = ref_logprobs - logprobs
     return torch.exp(d) - d - 1
+
+
+def variance_sums(values, returns):
+    """(n, sum d, sum d^2, sum R, sum R^2) over the agent tokens (N,), d = R - V, in float64: the
+    sums that processes add up, so that explained_variance covers every process's tokens."""
+    d, r = (returns - values).double(), returns.double()
+    n = torch.tensor(float(r.numel()), dtype=torch.float64, device=r.device)
+    return torch.stack([n, d.sum(), (d * d).sum(), r.sum(), (r * r).sum()])
+
+
+def explained_variance(sums):
+    """1 - Var(R - V) / Var(R) from (summed) variance_sums, with unbiased variances as torch.var:
+    1 is a perfect critic, 0 one no better than the mean return, below 0 worse. NaN when undefined."""
+    n, sd, sdd, sr, srr = sums.tolist()
+    if n < 2:
+        return float("nan")
+    var_d, var_r = (sdd - sd * sd / n) / (n - 1), (srr - sr * sr / n) / (n - 1)
+    return 1 - var_d / var_r if var_r > 0 else float("nan")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -440,13 +459,15 @@ def main(argv=None):
         # data parallel: every process must hold bit-identical adapters after the update
         digest = fingerprint(actor_params + critic_params)
         replicas_identical = len(set(gather_object([digest]) if world > 1 else [digest])) == 1
-        with torch.no_grad():
-            v, ret = old_values[mask > 0], returns[mask > 0]
-            explained_var = (1 - torch.var(ret - v) / torch.var(ret)).item() if ret.numel() > 1 else float("nan")
-            kl_ref_rollout = (masked_mean(kl_k3(old_logprobs, ref_logprobs), mask)).item()
+        with torch.no_grad():  # over every process's agent tokens
+            explained_var = explained_variance(global_sum(variance_sums(old_values[mask > 0], returns[mask > 0]),
+                                                          accelerator))
+            kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * mask).sum(), accelerator)
+                              / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
+            update_tokens = global_sum(mask.sum(), accelerator).item() * args.ppo_epochs
         rewards_per_dialogue = np.array([r["final_emotion"] / 100.0 if args.reward == "final" else sum(r["changes"]) / 100.0
                                          for r in all_records])
-        summary = summarize(all_records, rstats)
+        summary = summarize(all_records, global_stats(rstats, accelerator))
         metrics = {
             "iteration": iteration + 1,
             "reward_mean": float(rewards_per_dialogue.mean()), "reward_std": float(rewards_per_dialogue.std()),
@@ -456,7 +477,8 @@ def main(argv=None):
             "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
             "time_iteration": time.time() - t_start,
-            "update_tokens_per_s": float(mask.sum().item() * args.ppo_epochs / max(t_update, 1e-9)),
+            "update_tokens": int(update_tokens),  # agent tokens the update passed over, all processes
+            "update_tokens_per_s": update_tokens / max(global_max(t_update, accelerator), 1e-9),
             "peak_memory_gb": peak_memory_gb(), "processes": world, "replicas_identical": replicas_identical,
         }
         run.append("metrics.jsonl", [metrics])

@@ -311,7 +311,8 @@ def transcript_record(r, **extra):
 
 
 def summarize(records, stats):
-    """Batch-level numbers shared by every script's log."""
+    """Batch-level numbers shared by every script's log. With several processes, give it every
+    process's records and global_stats(stats): then every figure is the whole job's."""
     finals = np.array([r["final_emotion"] for r in records], dtype=float)
     reasons = Counter(r["end_reason"] for r in records)
     agent_turns = sum(len(r["turn_ends"]) for r in records)
@@ -551,6 +552,31 @@ def adapter_params(model, name):
 def global_sum(x, accelerator):
     """Sum of a tensor over every process (itself with one process)."""
     return accelerator.reduce(x, "sum") if accelerator.num_processes > 1 else x
+
+
+def global_max(x, accelerator):
+    """The largest value of a number over every process (itself with one process)."""
+    if accelerator.num_processes == 1:
+        return float(x)
+    return accelerator.gather(torch.tensor([float(x)], device=accelerator.device)).max().item()
+
+
+def merge_stats(per_process):
+    """Rollout stats of every process as one process's: counts add up, and the *_seconds, which the
+    processes spend at the same time, are the longest one's, so count / seconds is the whole
+    job's rate (what summarize reports) rather than one process's."""
+    out = Counter()
+    for stats in per_process:
+        for key, value in stats.items():
+            out[key] = max(out[key], value) if key.endswith("_seconds") else out[key] + value
+    return dict(out)
+
+
+def global_stats(stats, accelerator):
+    """merge_stats over every process (a collective call: every process must make it)."""
+    from accelerate.utils import gather_object
+
+    return merge_stats(gather_object([stats]) if accelerator.num_processes > 1 else [stats])
 
 
 def time_budget_used(t_run, minutes, accelerator):

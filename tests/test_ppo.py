@@ -1,5 +1,6 @@
 """ppo.py: the math against plain loops and hand computation, then the script end to end."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -318,3 +319,16 @@ def test_paper_preset_takes_rlvers_update_settings():
     import grpo
     assert parse_settings(grpo.Args, grpo.PRESETS, ["--preset", "paper"]).ent_coef == 0.001
     assert parse_settings(grpo.Args, grpo.PRESETS, ["--preset", "cpu"]).ent_coef == 0.0
+
+
+def test_explained_variance_from_the_sums_of_two_processes():
+    # Each process sums its own agent tokens; added up, the sums give exactly what torch.var gives
+    # over every token at once, whatever the split.
+    g = torch.Generator().manual_seed(0)
+    values, returns = torch.rand(50, generator=g), torch.rand(50, generator=g) + 0.3
+    whole = (1 - torch.var(returns - values.double()) / torch.var(returns.double())).item()
+    parts = ppo.variance_sums(values[:17], returns[:17]) + ppo.variance_sums(values[17:], returns[17:])
+    assert ppo.explained_variance(parts) == pytest.approx(whole, rel=1e-6)
+    assert ppo.explained_variance(ppo.variance_sums(values, returns)) == pytest.approx(whole, rel=1e-6)
+    assert ppo.explained_variance(ppo.variance_sums(returns, returns)) == pytest.approx(1.0)
+    assert math.isnan(ppo.explained_variance(ppo.variance_sums(values[:1], returns[:1])))

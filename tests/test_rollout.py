@@ -608,3 +608,21 @@ def test_saved_config_hides_secrets_but_keeps_token_counts():
     assert saved["api_key"] == saved["hf_token"] == "<redacted>"
     assert saved["api_key_env"] == "OPENAI_API_KEY"
     assert "not-for-logs" not in json.dumps(saved)
+
+
+def test_rollout_rates_and_cache_hits_come_from_every_process():
+    # Two processes' counts add up; their seconds overlap, so a rate is the whole job's tokens over
+    # the longest process's seconds, and a cache hit share is reused over prompt tokens of both.
+    first = {"policy_tokens": 30, "policy_seconds": 2.0, "simulator_tokens": 10, "simulator_seconds": 1.0,
+             "policy_prompt_tokens": 100, "policy_reused_tokens": 60, "format_ok": 3}
+    second = {"policy_tokens": 50, "policy_seconds": 4.0, "simulator_tokens": 14, "simulator_seconds": 0.5,
+              "policy_prompt_tokens": 300, "policy_reused_tokens": 60, "format_ok": 4, "no_think": 1}
+    merged = rollout.merge_stats([first, second])
+    assert merged["policy_tokens"] == 80 and merged["format_ok"] == 7 and merged["no_think"] == 1
+    assert merged["policy_seconds"] == 4.0 and merged["simulator_seconds"] == 1.0
+    records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0, "fallbacks": 0}]
+    s = rollout.summarize(records, merged)
+    assert s["policy_tokens"] == 80 and s["policy_tokens_per_s"] == 80 / 4.0 and s["simulator_tokens_per_s"] == 24 / 1.0
+    assert s["policy_cache_hit"] == 120 / 400
+    one = SimpleNamespace(num_processes=1, device="cpu")  # one process: its own stats, unchanged
+    assert rollout.global_stats(first, one) == first and rollout.global_max(2.5, one) == 2.5

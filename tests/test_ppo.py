@@ -158,10 +158,16 @@ def test_updates_first_ratio_is_one_kl_zero_base_frozen_adapters_move(tiny_model
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model, value_head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2"))
-    m = read_metrics(tmp_path / "run")[0]
+    # an actor learning rate at which one step moves the policy measurably off the reference
+    model, value_head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2",
+                                           "--actor-lr", "2e-3"))
+    m, m2 = read_metrics(tmp_path / "run")
     assert m["ratio_first"] == pytest.approx(1.0, abs=1e-6)   # same weights, same forward pass
     assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)        # LoRA B starts at zero: policy == reference
+    # iteration 2, after an update: the first minibatch of the first epoch still sees the weights that
+    # scored the rollout (ratio 1, in float32), and the policy is now off the reference
+    assert m2["ratio_first"] == pytest.approx(1.0, abs=1e-6)
+    assert m2["kl_ref"] > 1e-7
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     live = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
             for k, v in model.state_dict().items() if "lora_" not in k}
@@ -189,20 +195,41 @@ def test_non_finite_updates_are_skipped_then_stop_with_a_checkpoint(tiny_model_d
         loss, ratio, clipped = real(*args, **kwargs)
         return loss * float("nan"), ratio, clipped
     monkeypatch.setattr(ppo, "clipped_policy_loss", poisoned)
+    optimizers, real_adamw = [], torch.optim.AdamW
+
+    def adamw(params, *a, **k):  # the trainer's optimizer and its parameters' values as built
+        optimizer = real_adamw(params, *a, **k)
+        optimizers.append((optimizer, [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]))
+        return optimizer
+    monkeypatch.setattr(torch.optim, "AdamW", adamw)
     with pytest.raises(SystemExit) as stop:
         ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5",
                            "--max-bad-updates", "2", "--save-every", "100"))
     assert stop.value.code == 1
     err = capsys.readouterr().err
     assert err.count("non-finite gradient, update skipped") == 2 and "stopped" in err
+    # no skipped step touched a weight: every trained parameter is finite and where it started, and
+    # the optimizer never stepped (Adam keeps no state before its first step)
+    (optimizer, start), = optimizers
+    assert not optimizer.state
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    assert len(params) == len(start) > 0
+    for p, p0 in zip(params, start):
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p.detach(), p0, atol=0, rtol=0)
     assert os.path.isdir(tmp_path / "run" / "checkpoints" / "iter_000001")  # saved where it stopped
 
 
 def test_resume_gives_the_same_metrics(tiny_model_dir, personas_file, tmp_path):
+    from safetensors.torch import load_file
+
+    # Learning-rate warm-up, so that a scheduler restarted from scratch would show in iteration 2;
+    # an optimizer restarted from scratch (Adam's moments and step count) shows in the weights.
     straight, split = tmp_path / "straight", tmp_path / "split"
-    ppo.main(tiny_args(tiny_model_dir, personas_file, straight, "--iterations", "2", "--seed", "3"))
-    ppo.main(tiny_args(tiny_model_dir, personas_file, split, "--iterations", "1", "--seed", "3"))
-    ppo.main(tiny_args(tiny_model_dir, personas_file, split, "--iterations", "2", "--seed", "3", "--resume", str(split)))
+    ppo.main(tiny_args(tiny_model_dir, personas_file, straight, "--iterations", "2", "--seed", "3", "--warmup-steps", "3"))
+    ppo.main(tiny_args(tiny_model_dir, personas_file, split, "--iterations", "1", "--seed", "3", "--warmup-steps", "3"))
+    ppo.main(tiny_args(tiny_model_dir, personas_file, split, "--iterations", "2", "--seed", "3", "--warmup-steps", "3",
+                       "--resume", str(split)))
     a, b = read_metrics(straight), read_metrics(split)
     assert [m["iteration"] for m in b] == [1, 2]
     timing = ("time_", "_per_s", "_seconds", "peak_memory")
@@ -212,6 +239,19 @@ def test_resume_gives_the_same_metrics(tiny_model_dir, personas_file, tmp_path):
                 assert ma[key] == pytest.approx(mb[key], rel=1e-5, abs=1e-6, nan_ok=True), key
     with open(split / "rollouts.jsonl") as f:
         assert [json.loads(line)["iteration"] for line in f] == [1, 1, 2, 2]
+    # logged after each iteration's one step: 2/3 of the rate, then all of it (a scheduler restarted
+    # on resume would log 2/3 again)
+    assert [m["actor_lr"] for m in b] == pytest.approx([2 / 3 * 5e-5, 5e-5])
+    # iteration 2's weights, exactly: both adapters and the value head
+    ckpt = os.path.join("checkpoints", "iter_000002")
+    for adapter in ("default", "critic"):
+        first, second = (load_file(os.path.join(d, ckpt, adapter, "adapter_model.safetensors")) for d in (straight, split))
+        assert set(first) == set(second)
+        for k in first:
+            torch.testing.assert_close(first[k], second[k], atol=0, rtol=0)
+    heads = [torch.load(os.path.join(d, ckpt, "state.pt"), weights_only=False)["value_head"] for d in (straight, split)]
+    for k in heads[0]:
+        torch.testing.assert_close(heads[0][k], heads[1][k], atol=0, rtol=0)
 
 
 def test_ppo_script_end_to_end(tiny_model_dir, personas_file, tmp_path):

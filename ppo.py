@@ -425,6 +425,10 @@ def main(argv=None):
                         logs["value_clip_frac"].append(masked_mean(vclipped, m).item())
                         logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
                         if epoch == 0 and start == 0 and m0 == 0:
+                            # The weights that scored the rollout, so 1, but exactly 1 only in float32:
+                            # in bf16 (on a GPU) the logits are rounded before .float(), and the scoring
+                            # pass and this one group the dialogues into other micro-batches (other
+                            # shapes, other kernels): near 1 there, not exactly 1.
                             logs["ratio_first"].append(masked_mean(ratio, m).item())
                 # gradients: sum over processes (each loss was already divided by the global count)
                 for p in actor_params + critic_params:

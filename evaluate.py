@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rollout import (default_device, eos_ids, gpus_after_the_first, load_policy, play_dialogues, public_config,
-                     set_seed, summarize, transcript_record)
+from rollout import (default_device, eos_ids, gpus_after_the_first, load_policy, play_dialogues,
+                     public_config, set_seed, summarize, transcript_record)
 from simulator import Simulator, load_personas_or_exit, make_backend
 
 
@@ -46,7 +46,7 @@ from simulator import Simulator, load_personas_or_exit, make_backend
 class EvalArgs:
     model: str = field(default="smollm2", metadata={"help": "base model: smollm2 (embedded), a hub id or a path"})
     load_in_4bit: bool = field(default=False, metadata={
-        "help": "NF4 base weights via bitsandbytes (CUDA only): score QLoRA adapters on the base they trained on"})
+        "help": "NF4 base weights via bitsandbytes (CUDA only): QLoRA adapters on the base they trained on"})
     adapter: list[str] = field(default_factory=list, metadata={
         "help": "LoRA adapter folders to compare with the base (each holds adapter_config.json)"})
     personas: str = field(default="personas.json", metadata={"help": "personas.json or a SAGE profile file"})

@@ -464,8 +464,8 @@ def main(argv=None):
         digest = fingerprint(actor_params + critic_params)
         replicas_identical = len(set(gather_object([digest]) if world > 1 else [digest])) == 1
         with torch.no_grad():  # over every process's agent tokens
-            explained_var = explained_variance(global_sum(variance_sums(old_values[mask > 0], returns[mask > 0]),
-                                                          accelerator))
+            sums = variance_sums(old_values[mask > 0], returns[mask > 0])                       # (5,)
+            explained_var = explained_variance(global_sum(sums, accelerator))
             kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * mask).sum(), accelerator)
                               / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
             update_tokens = global_sum(mask.sum(), accelerator).item() * args.ppo_epochs

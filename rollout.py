@@ -85,8 +85,9 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
     (bf16). peft's prepare_model_for_kbit_training is not called on purpose: it casts the
     embeddings, the output layer and the norms to float32, and since the 4-bit layers return their
     input's dtype, the whole residual stream and the KV cache would become float32 (twice the
-    memory per token); TRL removed the same upcast (huggingface/trl#4457). What else it does is done here or by peft:
-    the base is frozen by get_peft_model, and checkpointing needs the inputs to require grad."""
+    memory per token); TRL removed the same upcast (huggingface/trl#4457). The rest of what it
+    does is done anyway: get_peft_model freezes the base, and with gradient checkpointing the
+    inputs are made to require grad below."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     device = device or default_device()

@@ -283,7 +283,7 @@ def test_project_file_evaluates_with_math(tiny_peft, tmp_path):
     assert set(math["models"]) == {"base", "one", "two"} and [p["model"] for p in math["paired"]] == ["one", "two"]
     for m in math["models"].values():  # accuracy = correct / questions, each answer graded again here
         assert len(m["answers"]) == 3
-        assert [a["correct"] for a in m["answers"]] == [answers_match(a["extracted"], a["answer"]) for a in m["answers"]]
+        assert all(a["correct"] == answers_match(a["extracted"], a["answer"]) for a in m["answers"])
         assert m["correct"] == sum(a["correct"] for a in m["answers"]) and m["accuracy"] == m["correct"] / 3
     for p in math["paired"]:
         diffs = [a["correct"] - b["correct"] for a, b in zip(math["models"][p["model"]]["answers"],
@@ -332,7 +332,7 @@ def test_load_in_4bit_is_checked_then_passed_to_the_policy(tiny_model_dir, monke
 
     def record(*a, **k):
         seen.append(k["load_in_4bit"])
-        return real(*a, **{**k, "load_in_4bit": False})  # bitsandbytes needs CUDA; the flag's route is what counts
+        return real(*a, **{**k, "load_in_4bit": False})  # bitsandbytes needs CUDA; the route is what counts
     monkeypatch.setattr(evaluate, "load_policy", record)
     for flag in (True, False):
         evaluate.load_models(EvalArgs(model=tiny_model_dir, load_in_4bit=flag))

@@ -48,8 +48,9 @@ def args_for(script, model, personas, out):
 
 # Every logged figure is global: the same with one process as with two, to float tolerance
 # (timings aside; the token counts behind the rates must agree exactly).
-SAME = {"both": ("reward_mean", "reward_std", "final_emotion_mean", "policy_loss", "entropy", "kl_ref", "kl_ref_loss",
-                 "approx_kl", "ratio_first", "policy_cache_hit", "simulator_cache_hit", "turns_mean"),
+SAME = {"both": ("reward_mean", "reward_std", "final_emotion_mean", "policy_loss", "entropy", "kl_ref",
+                 "kl_ref_loss", "approx_kl", "ratio_first", "policy_cache_hit", "simulator_cache_hit",
+                 "turns_mean"),
         "ppo.py": ("value_loss", "explained_variance", "actor_grad_norm", "critic_grad_norm"),
         "grpo.py": ("group_reward_std", "zero_spread_groups", "grad_norm")}
 COUNTS = ("policy_tokens", "update_tokens", "end_max_turns", "end_left", "end_context")
@@ -78,7 +79,7 @@ def test_two_processes_match_one(script, tiny_model_dir, personas_file, tmp_path
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
         for key in COUNTS:
             assert a[key] == b[key], key
-        assert a["policy_tokens"] > 0 and a["update_tokens"] == a["policy_tokens"]  # one pass over the agent tokens
+        assert a["policy_tokens"] > 0 and a["update_tokens"] == a["policy_tokens"]  # one pass over them
     for iteration in (1, 2):
         ckpt = os.path.join("checkpoints", f"iter_{iteration:06d}")
         for adapter in ("default", "critic") if script == "ppo.py" else ("default",):
@@ -93,7 +94,8 @@ def test_two_processes_match_one(script, tiny_model_dir, personas_file, tmp_path
             for key in w1:
                 torch.testing.assert_close(w1[key], w2[key], atol=1e-4, rtol=1e-3)
         if script == "ppo.py":
-            h1, h2 = (torch.load(str(d / ckpt / "state.pt"), weights_only=False)["value_head"] for d in (one, two))
+            h1, h2 = (torch.load(str(d / ckpt / "state.pt"), weights_only=False)["value_head"]
+                      for d in (one, two))
             assert h1["weight"].abs().sum() > 0
             for key in h1:
                 torch.testing.assert_close(h1[key], h2[key], atol=1e-5, rtol=1e-4)

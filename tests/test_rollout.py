@@ -429,7 +429,7 @@ def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, p
     policy, tokenizer = new_policy(tiny_model_dir)
     group = load_personas(write_personas([persona_entry(id=f"c{i}") for i in range(2)]))
     chat = ChatTokens(tokenizer, rollout.PLAIN_PROMPT)
-    max_context = len(chat.prompt(group[0].opening)) + 8 + 10  # one reply, no room for a user turn and another
+    max_context = len(chat.prompt(group[0].opening)) + 8 + 10  # one reply; no room for a user turn and more
     sim = Simulator(simulator.make_backend("same", policy=policy, tokenizer=tokenizer), max_turns=5,
                     reply_tokens=6, leave_below=0)
     states, start = [], sim.start
@@ -620,9 +620,11 @@ def test_rollout_rates_and_cache_hits_come_from_every_process():
     merged = rollout.merge_stats([first, second])
     assert merged["policy_tokens"] == 80 and merged["format_ok"] == 7 and merged["no_think"] == 1
     assert merged["policy_seconds"] == 4.0 and merged["simulator_seconds"] == 1.0
-    records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0, "fallbacks": 0}]
+    records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0,
+                "fallbacks": 0}]
     s = rollout.summarize(records, merged)
-    assert s["policy_tokens"] == 80 and s["policy_tokens_per_s"] == 80 / 4.0 and s["simulator_tokens_per_s"] == 24 / 1.0
+    assert s["policy_tokens"] == 80 and s["policy_tokens_per_s"] == 80 / 4.0
+    assert s["simulator_tokens_per_s"] == 24 / 1.0
     assert s["policy_cache_hit"] == 120 / 400
     one = SimpleNamespace(num_processes=1, device="cpu")  # one process: its own stats, unchanged
     assert rollout.global_stats(first, one) == first and rollout.global_max(2.5, one) == 2.5

@@ -844,7 +844,7 @@ def test_cached_batch_lays_out_prefix_then_new_tokens(tiny_model):
         torch.testing.assert_close(logits[k], alone, atol=1e-4, rtol=1e-4)
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device: CUDA besides the CPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA as a second device")
 
 
 @needs_cuda
@@ -884,7 +884,8 @@ def test_turn_cache_with_layers_on_two_devices(tiny_model, persona):
                                               skip_keys=["cache", "past_key_values", "past_key_value"]))
     backend = LocalBackend(split, tokenizer, micro_batch_size=3)
     slot = {}
-    conversation = [{"role": "system", "content": "You are Maya."}, {"role": "user", "content": "hello there"}]
+    conversation = [{"role": "system", "content": "You are Maya."},
+                    {"role": "user", "content": "hello there"}]
     first = backend.chat([conversation], 6, slots=[slot])
     assert [k.device.type for k, _ in slot["kv"]] == ["cuda", "cpu"]  # the layers' caches on two devices
     conversation += [{"role": "assistant", "content": first[0]}, {"role": "user", "content": "tell me more"}]

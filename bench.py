@@ -466,8 +466,8 @@ def random_model(config, tokenizer, device):
 
 def bench_gpu(args):
     if not args.tiny and not torch.cuda.is_available():
-        sys.exit("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` runs the "
-                 "same code path on CPU with a 2-layer model")
+        sys.exit("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` runs its "
+                 "code path with the paper preset's settings on CPU, with a 2-layer model in float32")
     import tempfile
 
     from transformers import AutoTokenizer
@@ -516,14 +516,20 @@ def bench_gpu(args):
         return batch
 
     # With random weights the think scaffold means nothing (no tags are ever written); it would only
-    # lengthen the prompt. The paper preset (LoRA r 32 on every linear layer, gradient checkpointing)
-    # on the GPU; the cpu preset's small settings for --tiny.
+    # lengthen the prompt. The paper preset (LoRA r 32 on every linear layer, gradient checkpointing,
+    # RLVER's clips and entropy bonus) at the sizes above; for --tiny too, through the cpu preset
+    # (the paper preset needs CUDA) with every setting it changes put back, sizes and model aside.
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as out:
         argv = ["--preset", "cpu" if args.tiny else "paper", "--model", RANDOM_MODEL, "--simulator", "rules",
                 "--iterations", "1", "--thinking", "false", "--seed", str(args.seed), "--out", out,
                 "--dialogues-per-iteration", str(args.dialogues), "--max-turns", str(args.max_turns),
                 "--max-new-tokens", str(args.max_new_tokens), "--minibatch-size", str(args.minibatch_size),
                 "--micro-batch-size", str(args.micro_batch_size)]
+        if args.tiny:
+            given = {a[2:].replace("-", "_") for a in argv if a.startswith("--")} | {"save_every"}
+            paper = ppo.Args()
+            argv += [x for key in ppo.PRESETS["cpu"] if key not in given
+                     for x in (f"--{key.replace('_', '-')}", str(getattr(paper, key)))]
         device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
         print(f"bench gpu: {'tiny Qwen2 (2 layers, hidden 64)' if args.tiny else 'Qwen2.5-7B architecture'}, random "
               f"weights, on {device_name}: ppo.py {' '.join(argv)}", flush=True)

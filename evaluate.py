@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rollout import (default_device, eos_ids, load_policy, play_dialogues, public_config, set_seed, summarize,
-                     transcript_record)
+from rollout import (default_device, eos_ids, gpus_after_the_first, load_policy, play_dialogues,
+                     public_config, set_seed, summarize, transcript_record)
 from simulator import Simulator, load_personas_or_exit, make_backend
 
 
@@ -45,12 +45,16 @@ from simulator import Simulator, load_personas_or_exit, make_backend
 @dataclass
 class EvalArgs:
     model: str = field(default="smollm2", metadata={"help": "base model: smollm2 (embedded), a hub id or a path"})
+    load_in_4bit: bool = field(default=False, metadata={
+        "help": "NF4 base weights via bitsandbytes (CUDA only): QLoRA adapters on the base they trained on"})
     adapter: list[str] = field(default_factory=list, metadata={
         "help": "LoRA adapter folders to compare with the base (each holds adapter_config.json)"})
     personas: str = field(default="personas.json", metadata={"help": "personas.json or a SAGE profile file"})
     split: str = field(default="test", metadata={"help": "train | test | all"})
     dialogues: int = field(default=0, metadata={"help": "personas to play, the first N of the split (0 = all)"})
     simulator: str = field(default="same", metadata={"help": "same | rules | model id/path | http://host:port/v1"})
+    simulator_device_map: str = field(default="auto", metadata={
+        "help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
     readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules"})
     api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
     api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable holding its key"})
@@ -88,6 +92,9 @@ def parse_args(argv=None):
         sys.exit("error: greedy decoding plays the same dialogue every time; add --sample for --samples > 1")
     if args.bootstrap < 1:
         sys.exit("error: --bootstrap must be at least 1")
+    if args.load_in_4bit and not torch.cuda.is_available():  # before any model loads
+        print("error: --load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU", file=sys.stderr)
+        sys.exit(2)
     for path in args.adapter:
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
             inside = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "adapter_config.json"))) \
@@ -335,7 +342,7 @@ def load_models(args):
     """One PeftModel: the first adapter as 'default' (or a fresh LoRA, the identity since B = 0),
     further adapters by name. Returns (policy, tokenizer, models); models[0] is the base."""
     policy, tokenizer = load_policy(args.model, adapter=args.adapter[0] if args.adapter else None,
-                                    trainable=False, device=default_device())
+                                    trainable=False, device=default_device(), load_in_4bit=args.load_in_4bit)
     policy.requires_grad_(False)
     models = [{"label": "base", "adapter_name": None, "adapter_path": None}]
     for i, (path, label) in enumerate(zip(args.adapter, unique_labels(args.adapter))):
@@ -344,6 +351,16 @@ def load_models(args):
             policy.load_adapter(path, adapter_name=name, is_trainable=False)
         models.append({"label": label, "adapter_name": name, "adapter_path": path})
     return policy, tokenizer, models
+
+
+def simulator_placement(simulator, device_map):
+    """(device_map, max_memory) for a local simulator model, as the trainers place it: with several
+    GPUs and --simulator-device-map auto, spread over every GPU but the first, which the policy
+    keeps; otherwise (None, None), and it goes to the policy's device."""
+    local = simulator not in ("same", "rules") and not simulator.startswith(("http://", "https://"))
+    if local and device_map == "auto" and torch.cuda.device_count() > 1:
+        return "auto", gpus_after_the_first()
+    return None, None
 
 
 @contextlib.contextmanager
@@ -646,8 +663,10 @@ def main(argv=None):
     problems = load_math_or_exit(args.math) if args.math else None
     set_seed(args.seed)
     policy, tokenizer, models = load_models(args)
+    device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map)
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, api_model=args.api_model,
-                           api_key_env=args.api_key_env, device=default_device())
+                           api_key_env=args.api_key_env, device=default_device(), device_map=device_map,
+                           max_memory=max_memory)
     try:
         simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
                               max_change=args.max_change, max_turns=args.max_turns,
@@ -656,7 +675,8 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     print(f"{len(models)} models x {len(personas)} personas x {args.samples} "
           f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {args.simulator} "
-          f"(read-out {simulator.readout})" + (f"; {len(problems)} math questions" if problems else ""),
+          f"(read-out {simulator.readout}{', spread over GPUs 1..' if device_map else ''})"
+          + (f"; {len(problems)} math questions" if problems else ""),
           file=sys.stderr)
     results = run_evaluation(args, policy, tokenizer, simulator, personas, models, problems)
     print(results_table(results))

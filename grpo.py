@@ -29,6 +29,7 @@ from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_lo
                      load_policy, masked_mean, pad_records, parse_settings, peak_memory_gb, play_dialogues,
                      RunFolder, save_checkpoint, set_rng_state, set_seed, summarize, time_budget_used, token_logprobs,
                      transcript_record)
+from rollout import global_max, global_stats
 from simulator import Simulator, load_personas_or_exit, make_backend
 
 
@@ -80,7 +81,7 @@ class Args:
     micro_batch_size: int = field(default=2, metadata={"help": "dialogues per forward pass (gradient accumulation)"})
     clip_low: float = field(default=0.2, metadata={"help": "clip: ratio kept within [1 - clip_low, 1 + clip_high]"})
     clip_high: float = field(default=0.2, metadata={"help": "upper clip; larger than clip_low = clip-higher (DAPO uses 0.28)"})
-    ent_coef: float = field(default=0.0, metadata={"help": "entropy bonus coefficient"})
+    ent_coef: float = field(default=0.001, metadata={"help": "entropy bonus coefficient (RLVER: 0.001)"})
     loss_agg: str = field(default="seq-mean-token-mean", metadata={"help": "seq-mean-token-mean (GRPO paper) | token-mean | dr-grpo (token sum / fixed budget)"})
     lr: float = field(default=1e-5, metadata={"help": "LoRA learning rate (paper, full fine-tuning: 1e-6)"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
@@ -102,7 +103,9 @@ PRESETS = {
     "cpu": dict(model="smollm2", personas_per_iteration=2, group_size=2, max_turns=2, max_new_tokens=32,
                 sim_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
                 gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
-                lr=5e-5, iterations=3, save_every=1, out="runs/grpo-cpu"),
+                lr=5e-5, iterations=3, save_every=1, out="runs/grpo-cpu",
+                # the value before the paper preset took RLVER's (0.001): the CPU results stand
+                ent_coef=0.0),
 }
 
 
@@ -379,6 +382,10 @@ def main(argv=None):
                         logs["clip_frac"].append(masked_mean(clipped, m).item())
                         logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
                         if epoch == 0 and start == 0 and m0 == 0:
+                            # The weights that scored the rollout, so 1, but exactly 1 only in float32:
+                            # in bf16 (on a GPU) the logits are rounded before .float(), and the scoring
+                            # pass and this one group the dialogues into other micro-batches (other
+                            # shapes, other kernels): near 1 there, not exactly 1.
                             logs["ratio_first"].append(masked_mean(ratio, m).item())
                 # gradients: sum over processes (each loss was already divided by the global count)
                 for p in params:
@@ -401,7 +408,8 @@ def main(argv=None):
                                   f"{iteration + 1}. --resume continues from the last complete checkpoint "
                                   f"({latest_checkpoint(args.out)}); the state at the stop is in {path}. Lower "
                                   f"--lr or use --dtype float32, and resume.", file=sys.stderr)
-                        sys.exit(1)
+                        accelerator.wait_for_everyone()  # no process may exit (the launcher would stop the
+                        sys.exit(1)                      # main one) before the main process has written it
                     continue
                 bad_updates = 0
                 optimizer.step()
@@ -418,10 +426,11 @@ def main(argv=None):
             rollout_mask = batch["action_mask"]
             kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(), accelerator)
                               / global_sum(rollout_mask.sum(), accelerator).clamp(min=1)).item()
+            update_tokens = global_sum(mask.sum(), accelerator).item() * args.num_iterations
         # reward_mean as in ppo.py (no format penalty), so the two scripts' curves compare
         rewards_per_dialogue = dialogue_rewards(all_records, args.reward).numpy()
         first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])  # one row per group
-        summary = summarize(all_records, rstats)
+        summary = summarize(all_records, global_stats(rstats, accelerator))
         metrics = {
             "iteration": iteration + 1,
             "reward_mean": float(rewards_per_dialogue.mean()), "reward_std": float(rewards_per_dialogue.std()),
@@ -433,7 +442,8 @@ def main(argv=None):
             "lr": optimizer.param_groups[0]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
             "time_iteration": time.time() - t_start,
-            "update_tokens_per_s": float(mask.sum().item() * args.num_iterations / max(t_update, 1e-9)),
+            "update_tokens": int(update_tokens),  # agent tokens the update passed over, all processes
+            "update_tokens_per_s": update_tokens / max(global_max(t_update, accelerator), 1e-9),
             "peak_memory_gb": peak_memory_gb(), "processes": world, "replicas_identical": replicas_identical,
         }
         run.append("metrics.jsonl", [metrics])

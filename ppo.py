@@ -27,6 +27,7 @@ from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_lo
                      load_adapter_weights, load_policy, masked_mean, pad_records, parse_settings,
                      peak_memory_gb, play_dialogues, RunFolder, save_checkpoint, set_rng_state, set_seed,
                      summarize, time_budget_used, token_logprobs, transcript_record)
+from rollout import global_max, global_stats
 from simulator import Simulator, load_personas_or_exit, make_backend
 
 
@@ -75,13 +76,15 @@ class Args:
     whiten_advantages: bool = field(default=True, metadata={"help": "normalise advantages over the batch's agent tokens"})
     # the update
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each iteration's dialogues"})
-    minibatch_size: int = field(default=16, metadata={"help": "dialogues per optimizer step, over all processes"})
+    minibatch_size: int = field(default=32, metadata={
+        "help": "dialogues per optimizer step, over all processes (RLVER: 32)"})
     micro_batch_size: int = field(default=2, metadata={"help": "dialogues per forward pass (gradient accumulation)"})
     clip_range: float = field(default=0.2, metadata={"help": "PPO clip: ratio kept within [1 - clip_range, 1 + clip_range_high]"})
     clip_range_high: float = field(default=0.2, metadata={"help": "upper clip; larger than clip_range = clip-higher (DAPO uses 0.28)"})
-    value_clip: float = field(default=0.2, metadata={"help": "value predictions move at most this far from the rollout's"})
+    value_clip: float = field(default=0.5, metadata={
+        "help": "value predictions move at most this far from the rollout's (RLVER: 0.5)"})
     vf_coef: float = field(default=0.5, metadata={"help": "value loss coefficient"})
-    ent_coef: float = field(default=0.0, metadata={"help": "entropy bonus coefficient"})
+    ent_coef: float = field(default=0.001, metadata={"help": "entropy bonus coefficient (RLVER: 0.001)"})
     loss_agg: str = field(default="token-mean", metadata={"help": "token-mean | seq-mean-token-mean | seq-mean-token-sum"})
     actor_lr: float = field(default=1e-5, metadata={"help": "actor LoRA learning rate (paper, full fine-tuning: 1e-6)"})
     critic_lr: float = field(default=5e-5, metadata={"help": "critic LoRA and value head learning rate (paper: 5x the actor's)"})
@@ -105,7 +108,9 @@ PRESETS = {
     "cpu": dict(model="smollm2", dialogues_per_iteration=4, max_turns=2, max_new_tokens=32,
                 sim_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
                 gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
-                actor_lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1, out="runs/ppo-cpu"),
+                actor_lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1, out="runs/ppo-cpu",
+                # the values before the paper preset took RLVER's (0.5, 0.001): the CPU results stand
+                value_clip=0.2, ent_coef=0.0),
 }
 
 
@@ -192,6 +197,24 @@ def kl_k3(logprobs, ref_logprobs):
     always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
     d = ref_logprobs - logprobs
     return torch.exp(d) - d - 1
+
+
+def variance_sums(values, returns):
+    """(n, sum d, sum d^2, sum R, sum R^2) over the agent tokens (N,), d = R - V, in float64: the
+    sums that processes add up, so that explained_variance covers every process's tokens."""
+    d, r = (returns - values).double(), returns.double()
+    n = torch.tensor(float(r.numel()), dtype=torch.float64, device=r.device)
+    return torch.stack([n, d.sum(), (d * d).sum(), r.sum(), (r * r).sum()])
+
+
+def explained_variance(sums):
+    """1 - Var(R - V) / Var(R) from (summed) variance_sums, with unbiased variances as torch.var:
+    1 is a perfect critic, 0 one no better than the mean return, below 0 worse. NaN when undefined."""
+    n, sd, sdd, sr, srr = sums.tolist()
+    if n < 2:
+        return float("nan")
+    var_d, var_r = (sdd - sd * sd / n) / (n - 1), (srr - sr * sr / n) / (n - 1)
+    return 1 - var_d / var_r if var_r > 0 else float("nan")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,6 +446,10 @@ def main(argv=None):
                         logs["value_clip_frac"].append(masked_mean(vclipped, m).item())
                         logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
                         if epoch == 0 and start == 0 and m0 == 0:
+                            # The weights that scored the rollout, so 1, but exactly 1 only in float32:
+                            # in bf16 (on a GPU) the logits are rounded before .float(), and the scoring
+                            # pass and this one group the dialogues into other micro-batches (other
+                            # shapes, other kernels): near 1 there, not exactly 1.
                             logs["ratio_first"].append(masked_mean(ratio, m).item())
                 # gradients: sum over processes (each loss was already divided by the global count)
                 for p in actor_params + critic_params:
@@ -446,7 +473,8 @@ def main(argv=None):
                                   f"{iteration + 1}. --resume continues from the last complete checkpoint "
                                   f"({latest_checkpoint(args.out)}); the state at the stop is in {path}. Lower "
                                   f"--actor-lr / --critic-lr or use --dtype float32, and resume.", file=sys.stderr)
-                        sys.exit(1)
+                        accelerator.wait_for_everyone()  # no process may exit (the launcher would stop the
+                        sys.exit(1)                      # main one) before the main process has written it
                     continue
                 bad_updates = 0
                 optimizer.step()
@@ -460,13 +488,15 @@ def main(argv=None):
         # data parallel: every process must hold bit-identical adapters after the update
         digest = fingerprint(actor_params + critic_params)
         replicas_identical = len(set(gather_object([digest]) if world > 1 else [digest])) == 1
-        with torch.no_grad():
-            v, ret = old_values[mask > 0], returns[mask > 0]
-            explained_var = (1 - torch.var(ret - v) / torch.var(ret)).item() if ret.numel() > 1 else float("nan")
-            kl_ref_rollout = (masked_mean(kl_k3(old_logprobs, ref_logprobs), mask)).item()
+        with torch.no_grad():  # over every process's agent tokens
+            sums = variance_sums(old_values[mask > 0], returns[mask > 0])                       # (5,)
+            explained_var = explained_variance(global_sum(sums, accelerator))
+            kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * mask).sum(), accelerator)
+                              / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
+            update_tokens = global_sum(mask.sum(), accelerator).item() * args.ppo_epochs
         rewards_per_dialogue = np.array([r["final_emotion"] / 100.0 if args.reward == "final" else sum(r["changes"]) / 100.0
                                          for r in all_records])
-        summary = summarize(all_records, rstats)
+        summary = summarize(all_records, global_stats(rstats, accelerator))
         metrics = {
             "iteration": iteration + 1,
             "reward_mean": float(rewards_per_dialogue.mean()), "reward_std": float(rewards_per_dialogue.std()),
@@ -476,7 +506,8 @@ def main(argv=None):
             "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
             "time_iteration": time.time() - t_start,
-            "update_tokens_per_s": float(mask.sum().item() * args.ppo_epochs / max(t_update, 1e-9)),
+            "update_tokens": int(update_tokens),  # agent tokens the update passed over, all processes
+            "update_tokens_per_s": update_tokens / max(global_max(t_update, accelerator), 1e-9),
             "peak_memory_gb": peak_memory_gb(), "processes": world, "replicas_identical": replicas_identical,
         }
         run.append("metrics.jsonl", [metrics])

@@ -81,8 +81,15 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
                 gradient_checkpointing=False, trust_remote_code=False, trainable=True, dtype="auto"):
     """A PeftModel with one adapter named 'default' (fresh, or loaded from `adapter`).
     LoRA dropout defaults to 0 so that the importance ratio is exactly 1 before the first update.
+    With load_in_4bit the linear layers are NF4 and everything else stays in the compute dtype
+    (bf16). peft's prepare_model_for_kbit_training is not called on purpose: it casts the
+    embeddings, the output layer and the norms to float32, and since the 4-bit layers return their
+    input's dtype, the whole residual stream and the KV cache would become float32 (twice the
+    memory per token); TRL removed the same upcast (huggingface/trl#4457). The rest of what it
+    does is done anyway: get_peft_model freezes the base, and with gradient checkpointing the
+    inputs are made to require grad below.
     dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 (the base weights)."""
-    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, PeftModel, get_peft_model
 
     device = device or default_device()
     dtypes = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -90,8 +97,6 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
         raise ValueError(f"dtype must be one of {' | '.join(dtypes)}, got '{dtype}'")
     base, tokenizer = load_model(model_name, device=device, load_in_4bit=load_in_4bit, dtype=dtypes[dtype],
                                  trust_remote_code=trust_remote_code)
-    if load_in_4bit:
-        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=gradient_checkpointing)
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.enable_input_require_grads()
@@ -245,7 +250,8 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                 bar.update(1)
         for d in dialogues:
             if d.state.done:
-                d.cache.clear()  # free a finished dialogue's KV cache
+                d.cache.clear()        # free a finished dialogue's KV cache, and its simulator's: the
+                d.state.cache.clear()  # simulator frees it only for dialogues that end in its own step
         active = [d for d in active if not d.state.done]
         if not active:
             break
@@ -336,7 +342,8 @@ def transcript_record(r, **extra):
 
 
 def summarize(records, stats):
-    """Batch-level numbers shared by every script's log."""
+    """Batch-level numbers shared by every script's log. With several processes, give it every
+    process's records and global_stats(stats): then every figure is the whole job's."""
     finals = np.array([r["final_emotion"] for r in records], dtype=float)
     reasons = Counter(r["end_reason"] for r in records)
     agent_turns = sum(len(r["turn_ends"]) for r in records)
@@ -577,6 +584,31 @@ def adapter_params(model, name):
 def global_sum(x, accelerator):
     """Sum of a tensor over every process (itself with one process)."""
     return accelerator.reduce(x, "sum") if accelerator.num_processes > 1 else x
+
+
+def global_max(x, accelerator):
+    """The largest value of a number over every process (itself with one process)."""
+    if accelerator.num_processes == 1:
+        return float(x)
+    return accelerator.gather(torch.tensor([float(x)], device=accelerator.device)).max().item()
+
+
+def merge_stats(per_process):
+    """Rollout stats of every process as one process's: counts add up, and the *_seconds, which the
+    processes spend at the same time, are the longest one's, so count / seconds is the whole
+    job's rate (what summarize reports) rather than one process's."""
+    out = Counter()
+    for stats in per_process:
+        for key, value in stats.items():
+            out[key] = max(out[key], value) if key.endswith("_seconds") else out[key] + value
+    return dict(out)
+
+
+def global_stats(stats, accelerator):
+    """merge_stats over every process (a collective call: every process must make it)."""
+    from accelerate.utils import gather_object
+
+    return merge_stats(gather_object([stats]) if accelerator.num_processes > 1 else [stats])
 
 
 def time_budget_used(t_run, minutes, accelerator):

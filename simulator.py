@@ -465,13 +465,16 @@ def prompt_counts(mask, cache):
 def keep_cache(slots, cache, ids, mask):
     """After running ids (B, W) with attention mask (B, W) into `cache`, store in each row's slot
     the row's real tokens that have keys/values in the cache (the last sampled token of a
-    generate() call has none yet) and those keys/values, without the padding."""
+    generate() call has none yet) and those keys/values, without the padding.
+    With a model spread over devices (device_map="auto") each layer's cache lies on that layer's
+    device, and indices must be on the CPU or on the indexed tensor's device: the positions go to
+    each layer's device."""
     length = cache.get_seq_length()
     layers = [(k, v) for k, v, *_ in cache]
     for b, slot in enumerate(slots):
         pos = mask[b, :length].nonzero()[:, 0]
         slot["ids"] = ids[b, pos].tolist()
-        slot["kv"] = [(k[b:b + 1, :, pos], v[b:b + 1, :, pos]) for k, v in layers]
+        slot["kv"] = [(k[b:b + 1, :, pos.to(k.device)], v[b:b + 1, :, pos.to(v.device)]) for k, v in layers]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -247,11 +247,20 @@ def check_output_folder(out, labels, personas_played):
     results = json.load(open(os.path.join(out, "results.json")))
     assert results["complete"] and [m["label"] for m in results["models"]] == labels
     assert [p["model"] for p in results["paired"]] == labels[1:]
-    for m in results["models"]:
-        assert len(m["per_persona"]) == personas_played and len(m["dialogue_results"]) == personas_played
-        assert 0 <= m["ci_low"] <= m["score"] <= m["ci_high"] <= 100
     lines = [json.loads(x) for x in open(os.path.join(out, "transcripts.jsonl"))]
     assert [x["model"] for x in lines] == [lab for lab in labels for _ in range(personas_played)]
+    for m in results["models"]:
+        assert len(m["per_persona"]) == personas_played and len(m["dialogue_results"]) == personas_played
+        # the numbers follow from the dialogues written out: each persona's final emotion (one
+        # dialogue each), the score their mean, inside its interval
+        finals = {x["persona_id"]: x["final_emotion"] for x in lines if x["model"] == m["label"]}
+        assert m["per_persona"] == pytest.approx(finals)
+        assert m["score"] == pytest.approx(np.mean(list(finals.values())))
+        assert 0 <= m["ci_low"] <= m["score"] <= m["ci_high"] <= 100
+    base = results["models"][0]["per_persona"]
+    for p, m in zip(results["paired"], results["models"][1:]):  # the mean of the per-persona differences
+        assert p["mean"] == pytest.approx(np.mean([m["per_persona"][k] - base[k] for k in base]))
+        assert p["low"] <= p["mean"] <= p["high"] and p["n"] == personas_played
     assert all("token_ids" not in x and x["turns"][0]["role"] == "user" for x in lines)
     table = open(os.path.join(out, "results.md")).read()
     assert all(f"| {lab} |" in table for lab in labels)
@@ -272,7 +281,14 @@ def test_project_file_evaluates_with_math(tiny_peft, tmp_path):
     check_output_folder(args.out, ["base", "one", "two"], 2)
     math = results["math"]
     assert set(math["models"]) == {"base", "one", "two"} and [p["model"] for p in math["paired"]] == ["one", "two"]
-    assert all(len(m["answers"]) == 3 and 0 <= m["accuracy"] <= 1 for m in math["models"].values())
+    for m in math["models"].values():  # accuracy = correct / questions, each answer graded again here
+        assert len(m["answers"]) == 3
+        assert all(a["correct"] == answers_match(a["extracted"], a["answer"]) for a in m["answers"])
+        assert m["correct"] == sum(a["correct"] for a in m["answers"]) and m["accuracy"] == m["correct"] / 3
+    for p in math["paired"]:
+        diffs = [a["correct"] - b["correct"] for a, b in zip(math["models"][p["model"]]["answers"],
+                                                               math["models"]["base"]["answers"])]
+        assert p["mean"] == pytest.approx(np.mean(diffs))
     assert "math acc." in open(os.path.join(args.out, "results.md")).read()
 
 
@@ -304,6 +320,36 @@ def test_settings_are_checked(tmp_path):
         evaluate.parse_args(["--adapter", str(tmp_path / "ckpt")])
     args = evaluate.parse_args(["--adapter", str(tmp_path / "ckpt" / "policy"), "--no-thinking", "--max-turns", "3"])
     assert (args.thinking, args.max_turns, args.start_emotion, args.sample) == (False, 3, 40, False)
+
+
+def test_load_in_4bit_is_checked_then_passed_to_the_policy(tiny_model_dir, monkeypatch, capsys):
+    if not torch.cuda.is_available():  # one line, exit 2, before any model loads
+        with pytest.raises(SystemExit) as stop:
+            evaluate.parse_args(["--load-in-4bit"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and "--load-in-4bit needs CUDA" in err and err.strip().count("\n") == 0
+    seen, real = [], evaluate.load_policy
+
+    def record(*a, **k):
+        seen.append(k["load_in_4bit"])
+        return real(*a, **{**k, "load_in_4bit": False})  # bitsandbytes needs CUDA; the route is what counts
+    monkeypatch.setattr(evaluate, "load_policy", record)
+    for flag in (True, False):
+        evaluate.load_models(EvalArgs(model=tiny_model_dir, load_in_4bit=flag))
+    assert seen == [True, False]
+
+
+def test_a_local_simulator_goes_to_the_gpus_after_the_first(monkeypatch):
+    from evaluate import simulator_placement
+
+    if torch.cuda.device_count() < 2:
+        assert simulator_placement("Qwen/Qwen2.5-7B-Instruct", "auto") == (None, None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(evaluate, "gpus_after_the_first", lambda: {0: 0, 1: 9, 2: 9})
+    assert simulator_placement("Qwen/Qwen2.5-7B-Instruct", "auto") == ("auto", {0: 0, 1: 9, 2: 9})
+    for simulator, device_map in (("same", "auto"), ("rules", "auto"), ("http://127.0.0.1:8000/v1", "auto"),
+                                  ("Qwen/Qwen2.5-7B-Instruct", "none")):
+        assert simulator_placement(simulator, device_map) == (None, None), simulator
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,8 +431,9 @@ def test_cli_base_vs_adapter_end_to_end(trained_adapter, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     results = check_output_folder(str(out), ["base", "trained"], 2)
     assert results["readout"] == "likelihood" and results["paired"][0]["vs"] == "base"
-    assert set(results["paired"][0]) >= {"mean", "low", "high"}
     assert results["math"]["paired"][0]["model"] == "trained"
+    math = results["math"]["models"]
+    assert all(m["accuracy"] == sum(a["correct"] for a in m["answers"]) / 2 for m in math.values())
     lines = [json.loads(x) for x in open(out / "transcripts.jsonl")]
     base_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "base"]
     trained_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "trained"]

@@ -304,6 +304,9 @@ def test_grpo_script_end_to_end(script_run, tiny_model_dir):
                 "time_update", "peak_memory_gb", "final_emotion_mean"):
         assert key in metrics[0], key
     assert metrics[1]["kl_ref"] > 0                             # the adapter moved in iteration 1
+    # each iteration's first minibatch of its first pass runs the weights that scored its rollout,
+    # so the ratio is 1 there (in float32) in iteration 2 too, after an update
+    assert [m["ratio_first"] for m in metrics] == pytest.approx([1.0, 1.0], abs=1e-6)
     with open(out / "rollouts.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [(r["iteration"], r["group"], r["sample"]) for r in rows] == \

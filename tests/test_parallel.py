@@ -20,19 +20,40 @@ def run(cmd, out):
 
 @pytest.fixture
 def personas_file(write_personas, persona_entry):
-    return write_personas([persona_entry(id=f"p{i}", difficulty=d) for i, d in enumerate(["easy", "normal", "hard", "easy"])])
+    # Three difficulties: the rules user weighs the same reply differently at each, so any two
+    # personas (GRPO's two groups, one per process) get different rewards. Were the gathered groups
+    # mixed up, a group would see a spread and the adapters would differ from one process's.
+    # Different openings: with one opening every dialogue's first turn is the same greedy reply, the
+    # whitened advantages cancel on it, and what is left of the gradient is round-off (about 1e-8),
+    # which Adam's first step (about lr x sign) turns into different weights in any two runs.
+    openings = ["i didn't get the promotion. they gave it to the new guy.",
+                "my sister hasn't spoken to me since the wedding and i don't know what i did.",
+                "i failed the driving test again today. third time."]
+    return write_personas([persona_entry(id=f"p{i}", difficulty=d, opening=o)
+                           for i, (d, o) in enumerate(zip(["easy", "normal", "hard"], openings))])
 
 
 def args_for(script, model, personas, out):
     # grpo: greedy groups are identical (zero advantages), so an entropy bonus makes the step move the adapter
-    size = ["--dialogues-per-iteration", "4"] if script == "ppo.py" else \
-        ["--personas-per-iteration", "2", "--group-size", "2", "--ent-coef", "0.01"]
+    # a learning rate large enough that iteration 2's policy is measurably off the reference
+    size = ["--dialogues-per-iteration", "4", "--actor-lr", "2e-3"] if script == "ppo.py" else \
+        ["--personas-per-iteration", "2", "--group-size", "2", "--ent-coef", "0.01", "--lr", "2e-3"]
     # one minibatch of the whole batch and greedy dialogues: both runs see the same dialogues and
     # take the same optimizer step, so their adapters must agree to float tolerance
     return [script, "--preset", "cpu", "--model", model, "--simulator", "rules", "--personas", personas,
             "--split", "test", *size, "--minibatch-size", "4", "--micro-batch-size", "1", "--max-turns", "2",
             "--max-new-tokens", "6", "--lora-r", "4", "--lora-alpha", "8", "--greedy", "true",
             "--iterations", "2", "--save-every", "1", "--out", str(out)]
+
+
+# Every logged figure is global: the same with one process as with two, to float tolerance
+# (timings aside; the token counts behind the rates must agree exactly).
+SAME = {"both": ("reward_mean", "reward_std", "final_emotion_mean", "policy_loss", "entropy", "kl_ref",
+                 "kl_ref_loss", "approx_kl", "ratio_first", "policy_cache_hit", "simulator_cache_hit",
+                 "turns_mean"),
+        "ppo.py": ("value_loss", "explained_variance", "actor_grad_norm", "critic_grad_norm"),
+        "grpo.py": ("group_reward_std", "zero_spread_groups", "grad_norm")}
+COUNTS = ("policy_tokens", "update_tokens", "end_max_turns", "end_left", "end_context")
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py"])
@@ -51,11 +72,30 @@ def test_two_processes_match_one(script, tiny_model_dir, personas_file, tmp_path
     assert all(m["replicas_identical"] for m in double)  # bit-identical adapters on both processes
     with open(two / "rollouts.jsonl") as f:
         assert len([json.loads(line) for line in f]) == 2 * 4  # every process's dialogues, both iterations
+    assert all(m["reward_std"] > 0 for m in single)  # the dialogues (GRPO: the groups) differ in reward
+    assert single[1]["kl_ref"] > 0  # the adapter moved in iteration 1
     for a, b in zip(single, double):  # the same dialogues, so the same global metrics
-        for key in ("reward_mean", "final_emotion_mean", "policy_loss", "entropy"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
-    adapter = os.path.join("checkpoints", "iter_000001", "default", "adapter_model.safetensors")
-    w1, w2 = load_file(str(one / adapter)), load_file(str(two / adapter))
-    assert any(w.abs().sum() > 0 for k, w in w1.items() if "lora_B" in k)
-    for key in w1:
-        torch.testing.assert_close(w1[key], w2[key], atol=1e-5, rtol=1e-4)
+        for key in SAME["both"] + SAME[script]:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        for key in COUNTS:
+            assert a[key] == b[key], key
+        assert a["policy_tokens"] > 0 and a["update_tokens"] == a["policy_tokens"]  # one pass over them
+    for iteration in (1, 2):
+        ckpt = os.path.join("checkpoints", f"iter_{iteration:06d}")
+        for adapter in ("default", "critic") if script == "ppo.py" else ("default",):
+            path = os.path.join(ckpt, adapter, "adapter_model.safetensors")
+            w1, w2 = load_file(str(one / path)), load_file(str(two / path))
+            # (the critic's B moves from iteration 2: before, the value head it feeds is still zero)
+            if adapter == "default" or iteration == 2:
+                assert any(w.abs().sum() > 0 for k, w in w1.items() if "lora_B" in k), (iteration, adapter)
+            # Adam's first step moves every element by about lr (2e-3) whatever its gradient's size,
+            # so round-off on an element whose gradient is near 0 can show; a real difference in the
+            # gradients (a missing or doubled reduction, mixed-up groups) moves most elements by ~lr.
+            for key in w1:
+                torch.testing.assert_close(w1[key], w2[key], atol=1e-4, rtol=1e-3)
+        if script == "ppo.py":
+            h1, h2 = (torch.load(str(d / ckpt / "state.pt"), weights_only=False)["value_head"]
+                      for d in (one, two))
+            assert h1["weight"].abs().sum() > 0
+            for key in h1:
+                torch.testing.assert_close(h1[key], h2[key], atol=1e-5, rtol=1e-4)

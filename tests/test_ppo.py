@@ -1,5 +1,6 @@
 """ppo.py: the math against plain loops and hand computation, then the script end to end."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -157,10 +158,16 @@ def test_updates_first_ratio_is_one_kl_zero_base_frozen_adapters_move(tiny_model
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model, value_head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2"))
-    m = read_metrics(tmp_path / "run")[0]
+    # an actor learning rate at which one step moves the policy measurably off the reference
+    model, value_head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run",
+                                           "--iterations", "2", "--actor-lr", "2e-3"))
+    m, m2 = read_metrics(tmp_path / "run")
     assert m["ratio_first"] == pytest.approx(1.0, abs=1e-6)   # same weights, same forward pass
     assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)        # LoRA B starts at zero: policy == reference
+    # iteration 2, after an update: the first minibatch of the first epoch still sees the weights that
+    # scored the rollout (ratio 1, in float32), and the policy is now off the reference
+    assert m2["ratio_first"] == pytest.approx(1.0, abs=1e-6)
+    assert m2["kl_ref"] > 1e-7
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     live = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
             for k, v in model.state_dict().items() if "lora_" not in k}
@@ -188,21 +195,44 @@ def test_non_finite_updates_are_skipped_then_stop_with_a_checkpoint(tiny_model_d
         loss, ratio, clipped = real(*args, **kwargs)
         return loss * float("nan"), ratio, clipped
     monkeypatch.setattr(ppo, "clipped_policy_loss", poisoned)
+    optimizers, real_adamw = [], torch.optim.AdamW
+
+    def adamw(params, *a, **k):  # the trainer's optimizer and its parameters' values as built
+        optimizer = real_adamw(params, *a, **k)
+        start = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+        optimizers.append((optimizer, start))
+        return optimizer
+    monkeypatch.setattr(torch.optim, "AdamW", adamw)
     with pytest.raises(SystemExit) as stop:
         ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5",
                            "--max-bad-updates", "2", "--save-every", "100"))
     assert stop.value.code == 1
     err = capsys.readouterr().err
     assert err.count("non-finite gradient, update skipped") == 2 and "stopped" in err
+    # no skipped step touched a weight: every trained parameter is finite and where it started, and
+    # the optimizer never stepped (Adam keeps no state before its first step)
+    (optimizer, start), = optimizers
+    assert not optimizer.state
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    assert len(params) == len(start) > 0
+    for p, p0 in zip(params, start):
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p.detach(), p0, atol=0, rtol=0)
     # no complete checkpoint yet: the state at the stop is kept where --resume does not look
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["partial_iter_000002"]  # one step an iteration
 
 
 def test_resume_gives_the_same_metrics(tiny_model_dir, personas_file, tmp_path):
+    from safetensors.torch import load_file
+
+    # Learning-rate warm-up, so that a scheduler restarted from scratch would show in iteration 2;
+    # an optimizer restarted from scratch (Adam's moments and step count) shows in the weights.
     straight, split = tmp_path / "straight", tmp_path / "split"
-    ppo.main(tiny_args(tiny_model_dir, personas_file, straight, "--iterations", "2", "--seed", "3"))
-    ppo.main(tiny_args(tiny_model_dir, personas_file, split, "--iterations", "1", "--seed", "3"))
-    ppo.main(tiny_args(tiny_model_dir, personas_file, split, "--iterations", "2", "--seed", "3", "--resume", str(split)))
+    common = ("--seed", "3", "--warmup-steps", "3")
+    ppo.main(tiny_args(tiny_model_dir, personas_file, straight, "--iterations", "2", *common))
+    ppo.main(tiny_args(tiny_model_dir, personas_file, split, "--iterations", "1", *common))
+    ppo.main(tiny_args(tiny_model_dir, personas_file, split, "--iterations", "2", *common,
+                       "--resume", str(split)))
     a, b = read_metrics(straight), read_metrics(split)
     assert [m["iteration"] for m in b] == [1, 2]
     timing = ("time_", "_per_s", "_seconds", "peak_memory")
@@ -212,6 +242,21 @@ def test_resume_gives_the_same_metrics(tiny_model_dir, personas_file, tmp_path):
                 assert ma[key] == pytest.approx(mb[key], rel=1e-5, abs=1e-6, nan_ok=True), key
     with open(split / "rollouts.jsonl") as f:
         assert [json.loads(line)["iteration"] for line in f] == [1, 1, 2, 2]
+    # logged after each iteration's one step: 2/3 of the rate, then all of it (a scheduler restarted
+    # on resume would log 2/3 again)
+    assert [m["actor_lr"] for m in b] == pytest.approx([2 / 3 * 5e-5, 5e-5])
+    # iteration 2's weights, exactly: both adapters and the value head
+    ckpt = os.path.join("checkpoints", "iter_000002")
+    for adapter in ("default", "critic"):
+        first, second = (load_file(os.path.join(d, ckpt, adapter, "adapter_model.safetensors"))
+                         for d in (straight, split))
+        assert set(first) == set(second)
+        for k in first:
+            torch.testing.assert_close(first[k], second[k], atol=0, rtol=0)
+    heads = [torch.load(os.path.join(d, ckpt, "state.pt"), weights_only=False)["value_head"]
+             for d in (straight, split)]
+    for k in heads[0]:
+        torch.testing.assert_close(heads[0][k], heads[1][k], atol=0, rtol=0)
 
 
 def test_ppo_script_end_to_end(tiny_model_dir, personas_file, tmp_path):
@@ -305,3 +350,31 @@ def test_actor_warmup_of_the_learning_rate_starts_after_the_critic_warmup(tiny_m
     m = read_metrics(tmp_path / "run")
     assert m[0]["actor_lr"] == pytest.approx(0.5e-3) and m[0]["critic_lr"] == pytest.approx(4e-3)
     assert m[1]["actor_lr"] == pytest.approx(1e-3)
+
+
+def test_paper_preset_takes_rlvers_update_settings():
+    # RLVER's verl config: value clip 0.5, entropy coefficient 0.001, PPO minibatches of 32 of its
+    # 32 dialogues. The cpu preset keeps its earlier values, so its measured results still hold.
+    from rollout import parse_settings
+
+    paper = parse_settings(ppo.Args, ppo.PRESETS, ["--preset", "paper"])
+    assert (paper.value_clip, paper.ent_coef) == (0.5, 0.001)
+    assert (paper.minibatch_size, paper.dialogues_per_iteration) == (32, 32)
+    cpu = parse_settings(ppo.Args, ppo.PRESETS, ["--preset", "cpu"])
+    assert (cpu.value_clip, cpu.ent_coef) == (0.2, 0.0)
+    import grpo
+    assert parse_settings(grpo.Args, grpo.PRESETS, ["--preset", "paper"]).ent_coef == 0.001
+    assert parse_settings(grpo.Args, grpo.PRESETS, ["--preset", "cpu"]).ent_coef == 0.0
+
+
+def test_explained_variance_from_the_sums_of_two_processes():
+    # Each process sums its own agent tokens; added up, the sums give exactly what torch.var gives
+    # over every token at once, whatever the split.
+    g = torch.Generator().manual_seed(0)
+    values, returns = torch.rand(50, generator=g), torch.rand(50, generator=g) + 0.3
+    whole = (1 - torch.var(returns - values.double()) / torch.var(returns.double())).item()
+    parts = ppo.variance_sums(values[:17], returns[:17]) + ppo.variance_sums(values[17:], returns[17:])
+    assert ppo.explained_variance(parts) == pytest.approx(whole, rel=1e-6)
+    assert ppo.explained_variance(ppo.variance_sums(values, returns)) == pytest.approx(whole, rel=1e-6)
+    assert ppo.explained_variance(ppo.variance_sums(returns, returns)) == pytest.approx(1.0)
+    assert math.isnan(ppo.explained_variance(ppo.variance_sums(values[:1], returns[:1])))

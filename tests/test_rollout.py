@@ -425,6 +425,54 @@ def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_e
     assert rollout.summarize(records, stats)["end_context"] == 3
 
 
+def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, persona_entry, write_personas):
+    # The 'same' user keeps a KV cache per dialogue; its step frees it only for dialogues that end
+    # there. One that ends because the next user turn and reply would not fit must be freed too.
+    policy, tokenizer = new_policy(tiny_model_dir)
+    group = load_personas(write_personas([persona_entry(id=f"c{i}") for i in range(2)]))
+    chat = ChatTokens(tokenizer, rollout.PLAIN_PROMPT)
+    max_context = len(chat.prompt(group[0].opening)) + 8 + 10  # one reply; no room for a user turn and more
+    sim = Simulator(simulator.make_backend("same", policy=policy, tokenizer=tokenizer), max_turns=5,
+                    reply_tokens=6, leave_below=0)
+    states, start = [], sim.start
+    sim.start = lambda persona: states.append(start(persona)) or states[-1]
+    filled, step = [], sim.step
+
+    def step_and_look(active, replies):
+        step(active, replies)
+        filled.append(sum(bool(s.cache) for s in active))
+    sim.step = step_and_look
+    torch.manual_seed(0)
+    records, _ = play_dialogues(policy, tokenizer, sim, group, thinking=False, max_new_tokens=8,
+                                max_context=max_context, progress=False)
+    assert [r["end_reason"] for r in records] == ["context"] * 2
+    assert filled == [2]                      # after its step the user still held both caches
+    assert all(s.cache == {} for s in states)  # and nothing is left once the dialogues end
+
+
+def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir, monkeypatch):
+    # bitsandbytes needs CUDA, so a bf16 model stands in for the NF4 one: everything load_policy does
+    # after loading (no float32 upcast of embeddings, output layer and norms; checkpointing with inputs
+    # that require grad) runs as on the GPU.
+    real = rollout.load_model
+
+    def bf16_stand_in(name, device="cpu", load_in_4bit=False, **kwargs):
+        assert load_in_4bit
+        return real(name, device=device, dtype=torch.bfloat16, **kwargs)
+    monkeypatch.setattr(rollout, "load_model", bf16_stand_in)
+    policy, tokenizer = rollout.load_policy(tiny_model_dir, device="cpu", lora_r=4, load_in_4bit=True,
+                                            gradient_checkpointing=True)
+    frozen = {n: p.dtype for n, p in policy.named_parameters() if "lora_" not in n}
+    assert set(frozen.values()) == {torch.bfloat16}, {n: d for n, d in frozen.items() if d != torch.bfloat16}
+    assert not any(p.requires_grad for n, p in policy.named_parameters() if "lora_" not in n)
+    policy.train()
+    ids = torch.tensor([tokenizer("i didn't get the promotion")["input_ids"]])
+    out = policy(input_ids=ids, output_hidden_states=True)
+    assert out.hidden_states[-1].dtype == torch.bfloat16  # the residual stream (and so the KV cache)
+    out.logits.float().logsumexp(-1).sum().backward()     # under checkpointing, gradients still reach LoRA
+    assert all(p.grad is not None for n, p in policy.named_parameters() if "lora_A" in n)
+
+
 # ----------------------------------------------------------------------------------------------
 # The command, settings presets and checkpoints
 # ----------------------------------------------------------------------------------------------
@@ -562,3 +610,23 @@ def test_saved_config_hides_secrets_but_keeps_token_counts():
     assert saved["api_key"] == saved["hf_token"] == "<redacted>"
     assert saved["api_key_env"] == "OPENAI_API_KEY"
     assert "not-for-logs" not in json.dumps(saved)
+
+
+def test_rollout_rates_and_cache_hits_come_from_every_process():
+    # Two processes' counts add up; their seconds overlap, so a rate is the whole job's tokens over
+    # the longest process's seconds, and a cache hit share is reused over prompt tokens of both.
+    first = {"policy_tokens": 30, "policy_seconds": 2.0, "simulator_tokens": 10, "simulator_seconds": 1.0,
+             "policy_prompt_tokens": 100, "policy_reused_tokens": 60, "format_ok": 3}
+    second = {"policy_tokens": 50, "policy_seconds": 4.0, "simulator_tokens": 14, "simulator_seconds": 0.5,
+              "policy_prompt_tokens": 300, "policy_reused_tokens": 60, "format_ok": 4, "no_think": 1}
+    merged = rollout.merge_stats([first, second])
+    assert merged["policy_tokens"] == 80 and merged["format_ok"] == 7 and merged["no_think"] == 1
+    assert merged["policy_seconds"] == 4.0 and merged["simulator_seconds"] == 1.0
+    records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0,
+                "fallbacks": 0}]
+    s = rollout.summarize(records, merged)
+    assert s["policy_tokens"] == 80 and s["policy_tokens_per_s"] == 80 / 4.0
+    assert s["simulator_tokens_per_s"] == 24 / 1.0
+    assert s["policy_cache_hit"] == 120 / 400
+    one = SimpleNamespace(num_processes=1, device="cpu")  # one process: its own stats, unchanged
+    assert rollout.global_stats(first, one) == first and rollout.global_max(2.5, one) == 2.5

@@ -844,6 +844,59 @@ def test_cached_batch_lays_out_prefix_then_new_tokens(tiny_model):
         torch.testing.assert_close(logits[k], alone, atol=1e-4, rtol=1e-4)
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA as a second device")
+
+
+@needs_cuda
+def test_keep_cache_indexes_each_layer_on_its_own_device():
+    """A model spread over devices keeps each layer's cache on that layer's device, while the
+    positions come from the attention mask on the input device; PyTorch refuses indices on a
+    third device, so keep_cache must move them to each layer's."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(0)
+    layers = [(torch.randn(2, 2, 5, 4, device="cuda"), torch.randn(2, 2, 5, 4, device="cuda")),
+              (torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4))]  # the second layer on the CPU
+    cache = DynamicCache([(k.clone(), v.clone()) for k, v in layers])
+    ids = torch.arange(12, device="cuda").view(2, 6)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 0, 1, 1]], device="cuda")  # the last column has no kv
+    slots = [{}, {}]
+    simulator.keep_cache(slots, cache, ids, mask)
+    assert slots[0]["ids"] == [1, 2, 3, 4] and slots[1]["ids"] == [8, 10]
+    for slot, b, pos in ((slots[0], 0, [1, 2, 3, 4]), (slots[1], 1, [2, 4])):
+        for (k, v), (ks, vs) in zip(layers, slot["kv"]):
+            assert ks.device == k.device and vs.device == v.device
+            torch.testing.assert_close(ks, k[b:b + 1, :, pos], atol=0, rtol=0)
+            torch.testing.assert_close(vs, v[b:b + 1, :, pos], atol=0, rtol=0)
+
+
+@needs_cuda
+def test_turn_cache_with_layers_on_two_devices(tiny_model, persona):
+    """The set-up of a big local simulator spread over GPUs (device_map="auto"), on one GPU: the
+    tiny model's first layer on cuda:0 and its last on the CPU. (A device map that names the CPU
+    would only offload weights to it and still run the layer on the GPU; the hook runs it there.)"""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    model, tokenizer = tiny_model
+    split = copy.deepcopy(model).to("cuda")
+    last = split.model.layers[-1].to("cpu")
+    add_hook_to_module(last, AlignDevicesHook(execution_device="cpu", io_same_device=True,
+                                              skip_keys=["cache", "past_key_values", "past_key_value"]))
+    backend = LocalBackend(split, tokenizer, micro_batch_size=3)
+    slot = {}
+    conversation = [{"role": "system", "content": "You are Maya."},
+                    {"role": "user", "content": "hello there"}]
+    first = backend.chat([conversation], 6, slots=[slot])
+    assert [k.device.type for k, _ in slot["kv"]] == ["cuda", "cpu"]  # the layers' caches on two devices
+    conversation += [{"role": "assistant", "content": first[0]}, {"role": "user", "content": "tell me more"}]
+    backend.chat([conversation], 6, slots=[slot])  # the second turn reads the kept cache
+    assert backend.reused_tokens > 0
+    sim = Simulator(backend, max_turns=3, reply_tokens=6, leave_below=0)  # likelihood read-out: score() too
+    results = simulator.play_scripted(sim, [persona] * 2, simulator.SCRIPTED_AGENT, progress=False)
+    assert sum(len(r["turns"]) for r in results) >= 4 * 6
+    assert backend.reused_tokens / backend.prompt_tokens > 0.3
+
+
 def test_mood_notes_follow_the_emotion_through_the_floor(persona):
     # Down to 0 and held there (nobody leaves with leave_below=0): each note before an agent
     # message must show the mood the user was really in, and the moves must add up.

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from simulator import (Simulator, cached_batch, keep_cache, load_model, load_personas_or_exit, make_backend,
-                       prompt_counts, transcript_turns)
+from simulator import (Simulator, cache_keyword, cached_batch, keep_cache, load_model, load_personas_or_exit,
+                       make_backend, prompt_counts, transcript_turns)
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project; --system-prompt-file replaces them)
@@ -226,7 +226,8 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         prompt, reused = prompt_counts(mask, cache)
         stats["policy_prompt_tokens"] += prompt
         stats["policy_reused_tokens"] += reused
-        out = policy.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=gen_config)
+        out = policy.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(policy): cache},
+                              generation_config=gen_config)
         new = out.sequences[:, ids.shape[1]:]                                    # (B, N)
         logits = torch.stack(out.logits, 1).float() / temperature                 # (B, N, V)
         new_logp = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0].cpu()  # (B, N)

@@ -257,7 +257,6 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
             replies.append(reply or SILENCE)
         simulator.step([d.state for d in active], replies)
         turns_played += len(active)
-        bar.set_postfix(turns=turns_played, refresh=False)
         for d in active:
             if not d.state.done:
                 delta = chat.user_turn(d.state.history[-1]["text"], d.ids[-1])
@@ -271,6 +270,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                     d.logprobs += [0.0] * len(delta)
             if d.state.done:
                 bar.update(1)
+        bar.set_postfix(turns=turns_played)  # and redraw, once per turn
     bar.close()
     policy.train(was_training)
     stats["policy_seconds"] = t_policy

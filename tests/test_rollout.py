@@ -160,6 +160,21 @@ def test_play_counts_format_cases_and_sends_silence(tiny_model, personas):
     assert [agent_turns(r)[0]["text"] for r in records] == [t.strip() or SILENCE for t in texts]
 
 
+def test_progress_bar_counts_dialogues_and_turns_on_stderr(tiny_model, personas, capsys):
+    """progress=True: a bar on stderr with dialogues finished and agent turns played (3 dialogues x
+    2 turns); stdout stays clean. The trainers turn it on only on the main process at a terminal."""
+    _, tokenizer = tiny_model
+    texts = ["That sounds hard."] * 3
+    play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=2), personas(3),
+                   max_new_tokens=16, progress=True, desc="rollout")
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "rollout" in err and "3/3" in err and "turns=6" in err
+    play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=2), personas(3),
+                   max_new_tokens=16, progress=False)
+    assert capsys.readouterr().err == ""
+
+
 # ----------------------------------------------------------------------------------------------
 # Token in, token out: the action mask, turn ends, the chat template
 # ----------------------------------------------------------------------------------------------

@@ -65,6 +65,22 @@ def test_tensorboard_gets_every_iteration_and_old_checkpoints_go(script, tiny_mo
     assert "**agent**" in first and "**user**" in first and "final emotion" in first
 
 
+def test_evaluate_reports_each_model_at_its_place_in_the_table(tiny_model_dir, personas_file, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "eval"
+    evaluate.main(["--model", tiny_model_dir, "--simulator", "rules", "--personas", personas_file, "--split", "test",
+                   "--dialogues", "2", "--max-turns", "2", "--max-new-tokens", "6", "--bootstrap", "50",
+                   "--report-to", "tensorboard", "--out", str(out)])
+    results = json.load(open(out / "results.json"))
+    events = EventAccumulator(str(out / "rlver"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("score")] == [
+        (0, pytest.approx(results["models"][0]["score"], rel=1e-6))]
+    assert [t.step for t in events.Tensors("dialogues/text_summary")] == [0]
+
+
 @pytest.mark.parametrize("script", [ppo, grpo, evaluate], ids=["ppo", "grpo", "evaluate"])
 def test_report_to_a_missing_tracker_is_one_line_before_any_model_loads(script, tiny_model_dir, personas_file,
                                                                          tmp_path, monkeypatch, capsys):

@@ -237,7 +237,6 @@ def critic_values(model, value_head, input_ids, attention_mask):
 def main(argv=None):
     from accelerate import Accelerator
     from accelerate.utils import gather_object
-    from peft import LoraConfig
     from tqdm import tqdm
 
     args = parse_settings(Args, PRESETS, argv)
@@ -259,6 +258,8 @@ def main(argv=None):
                                    lora_dropout=args.lora_dropout, target_modules=args.target_modules,
                                    load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing,
                                    trust_remote_code=args.trust_remote_code)
+    from peft import LoraConfig  # here, not above: importing peft can print a bitsandbytes notice on CPU
+
     model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                            target_modules=args.target_modules.split(","), task_type="CAUSAL_LM"))
     use_adapter(model, "default")

@@ -102,6 +102,17 @@ def test_report_to_a_missing_tracker_is_one_line_before_any_model_loads(script, 
         assert capsys.readouterr().err.strip().splitlines() == [message]
 
 
+def test_report_to_wandb_without_wandb_from_the_command_line(tmp_path):
+    """The Done-when line of issue 18, as a user runs it: exit 2, one line on stderr, nothing else."""
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    proc = subprocess.run([sys.executable, "ppo.py", "--preset", "cpu", "--simulator", "rules", "--report-to", "wandb",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["error: --report-to wandb needs the wandb package: pip install wandb"]
+    assert proc.stdout == ""
+
+
 def test_tracker_config_is_public_and_plain():
     """What start_trackers hands the trackers: public_config (no secret values), scalars and strings only."""
     from dataclasses import field, make_dataclass

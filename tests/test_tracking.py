@@ -65,6 +65,29 @@ def test_tensorboard_gets_every_iteration_and_old_checkpoints_go(script, tiny_mo
     assert "**agent**" in first and "**user**" in first and "final emotion" in first
 
 
+def test_resume_replaces_what_a_killed_run_logged_after_its_checkpoint(tiny_model_dir, personas_file, tmp_path):
+    """A run logged iteration 2 and was killed before its checkpoint: --resume plays iteration 2
+    again, and TensorBoard holds it once (purge_step; without it, step 2 would be there twice), as
+    metrics.jsonl does."""
+    pytest.importorskip("tensorboard")
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    args = tiny_args(tiny_model_dir, personas_file, out, *SIZE[ppo], "--iterations", "2", "--save-every", "1",
+                     "--report-to", "tensorboard")
+    ppo.main(args)
+    shutil.rmtree(out / "checkpoints" / "iter_000002")  # the kill
+    ppo.main([*args, "--resume", str(out)])
+    events = EventAccumulator(str(out / "rlver"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("reward_mean")]
+    expected = [(m["iteration"], m["reward_mean"]) for m in read_metrics(out)]
+    assert [s for s, _ in logged] == [1, 2]
+    assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)
+
+
 def test_evaluate_reports_each_model_at_its_place_in_the_table(tiny_model_dir, personas_file, tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

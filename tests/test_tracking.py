@@ -225,6 +225,7 @@ REDUCE_SCRIPT = textwrap.dedent("""
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
+    seen = []  # each process writes its own file: printed lines of two processes interleave
     params = [torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(5)),
               torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2, 2))]
     for i, p in enumerate(params):
@@ -235,37 +236,39 @@ REDUCE_SCRIPT = textwrap.dedent("""
     accelerator.reduce = lambda t, op: calls.append(t.numel()) or real(t, op)
     # buckets of at most 48 bytes (12 floats): [6 + 4 floats], [4 floats]
     reduce_gradients(params, accelerator, bucket_bytes=48)
-    if rank == 0:
-        print("NONE", params[1].grad is None)
-        print("CALLS", calls)
-        for i in (0, 2, 3):
-            expected = 2 * (torch.arange(params[i].numel(), dtype=torch.float32) + 100 * i) + 10
-            print("EQUAL", i, torch.equal(params[i].grad.reshape(-1), expected))
+    seen.append(f"NONE {{params[1].grad is None}}")
+    seen.append(f"CALLS {{calls}}")
+    for i in (0, 2, 3):
+        expected = 2 * (torch.arange(params[i].numel(), dtype=torch.float32) + 100 * i) + 10
+        seen.append(f"EQUAL {{i}} {{torch.equal(params[i].grad.reshape(-1), expected)}}")
     # a process that has a gradient the other lacks is an error, not a silent mismatch
     if rank == 1:
         params[0].grad = None
     try:
         reduce_gradients(params, accelerator)
     except RuntimeError as e:
-        print("MISMATCH", rank, "different parameters" in str(e))
+        seen.append(f"MISMATCH {{'different parameters' in str(e)}}")
+    with open(f"{out}/rank{{rank}}.txt", "w") as f:
+        f.write("\\n".join(seen))
     accelerator.end_training()  # leaves the process group cleanly
 """)
 
 
 def test_reduce_gradients_sums_in_buckets_and_leaves_none_alone(tmp_path):
     script = tmp_path / "reduce.py"
-    script.write_text(REDUCE_SCRIPT.format(root=ROOT))
+    script.write_text(REDUCE_SCRIPT.format(root=ROOT, out=str(tmp_path)))
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                            "--main_process_port", str(29600 + os.getpid() % 1000), str(script)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert "NONE True" in lines
-    assert "CALLS [10, 4]" in lines  # two buckets, one all-reduce each, not one per tensor
-    assert all(f"EQUAL {i} True" in lines for i in (0, 2, 3))
-    assert "MISMATCH 0 True" in lines and "MISMATCH 1 True" in lines
+    for rank in (0, 1):
+        lines = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
+        assert lines == ["NONE True",
+                         "CALLS [10, 4]",  # two buckets, one all-reduce each, not one per tensor
+                         "EQUAL 0 True", "EQUAL 2 True", "EQUAL 3 True",
+                         "MISMATCH True"], rank
 
 
 def test_reduce_gradients_with_one_process_changes_nothing():

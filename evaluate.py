@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rollout import (default_device, eos_ids, gpus_after_the_first, load_policy, play_dialogues,
-                     public_config, set_seed, summarize, transcript_record)
+from rollout import (default_device, eos_ids, gpus_after_the_first, load_policy, log_to_trackers, play_dialogues,
+                     public_config, set_seed, start_trackers, summarize, tracker_settings, transcript_record)
 from simulator import Simulator, load_personas_or_exit, make_backend
 
 
@@ -78,6 +78,7 @@ class EvalArgs:
     curves: list[str] = field(default_factory=list, metadata={
         "help": "run folders with metrics.jsonl: plot their training curves instead of evaluating"})
     out: str = field(default="runs/eval", metadata={"help": "output folder"})
+    report_to: str = field(default="none", metadata={"help": "none | tensorboard | wandb | trackio | all"})
 
 
 def parse_args(argv=None):
@@ -580,10 +581,12 @@ def _write_results(out, results):
         f.write(results_table(results))
 
 
-def run_evaluation(args, policy, tokenizer, simulator, personas, models, problems=None):
+def run_evaluation(args, policy, tokenizer, simulator, personas, models, problems=None, accelerator=None):
     """Every model plays every persona (and answers the math questions); writes args.out and
     returns the results dict. results.json and results.md are rewritten after each model, so a
-    failure half way leaves the finished models' numbers and transcripts on disk."""
+    failure half way leaves the finished models' numbers and transcripts on disk. With an
+    accelerator holding trackers (--report-to), each model's numbers and a few of its dialogues
+    go to them too, at step = the model's place in the table (0 = base)."""
     os.makedirs(args.out, exist_ok=True)
     transcripts = os.path.join(args.out, "transcripts.jsonl")
     open(transcripts, "w").close()
@@ -640,6 +643,10 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
                     correct, base_correct, args.bootstrap, args.seed)})
         played.append((m["label"], records))
         _write_results(args.out, results)
+        numbers = dict(summary)
+        if answers is not None:
+            numbers["math_accuracy"] = results["math"]["models"][m["label"]]["accuracy"]
+        log_to_trackers(accelerator, numbers, records, step=len(results["models"]) - 1)
         line = (f"{m['label']}: score {summary['score']:.1f} [{summary['ci_low']:.1f}, {summary['ci_high']:.1f}], "
                 f"{summary['successes']} successes, {summary['failures']} failures, {summary['seconds']:.0f} s")
         if answers is not None:
@@ -662,6 +669,13 @@ def main(argv=None):
     personas = personas[:args.dialogues] if args.dialogues else personas
     problems = load_math_or_exit(args.math) if args.math else None
     set_seed(args.seed)
+    accelerator = None
+    if args.report_to != "none":  # trackers only; evaluate.py places its models itself
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                                  **tracker_settings(args.report_to, args.out))
+        start_trackers(args, accelerator)
     policy, tokenizer, models = load_models(args)
     device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map)
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, api_model=args.api_model,
@@ -678,7 +692,9 @@ def main(argv=None):
           f"(read-out {simulator.readout}{', spread over GPUs 1..' if device_map else ''})"
           + (f"; {len(problems)} math questions" if problems else ""),
           file=sys.stderr)
-    results = run_evaluation(args, policy, tokenizer, simulator, personas, models, problems)
+    results = run_evaluation(args, policy, tokenizer, simulator, personas, models, problems, accelerator)
+    if accelerator is not None:
+        accelerator.end_training()
     print(results_table(results))
     print(f"-> {args.out}/results.json, results.md, transcripts.jsonl, scores.png, trajectories.png")
 

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs, fingerprint,
-                     global_mean, global_sum, gpus_after_the_first, latest_checkpoint, load_adapter_weights,
-                     load_policy, masked_mean, pad_records, parse_settings, peak_memory_gb, play_dialogues,
-                     RunFolder, save_checkpoint, set_rng_state, set_seed, summarize, time_budget_used, token_logprobs,
-                     transcript_record)
-from rollout import global_max, global_stats
+                     global_max, global_mean, global_stats, global_sum, gpus_after_the_first, latest_checkpoint, load_adapter_weights,
+                     load_policy, log_to_trackers, masked_mean, pad_records, parse_settings, peak_memory_gb,
+                     play_dialogues, prune_checkpoints, reduce_gradients, RunFolder, save_checkpoint,
+                     set_rng_state, set_seed, start_trackers, summarize, time_budget_used, token_logprobs,
+                     tracker_settings, transcript_record)
 from simulator import Simulator, load_personas_or_exit, make_backend
 
 
@@ -90,10 +90,12 @@ class Args:
     # the run
     iterations: int = field(default=200, metadata={"help": "training iterations"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
+    keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N checkpoints (0 = all)"})
     time_budget: float = field(default=0.0, metadata={"help": "minutes: stop (with a checkpoint) after the iteration that uses them up; 0 = off"})
     out: str = field(default="runs/grpo", metadata={"help": "run folder"})
     resume: str = field(default="", metadata={"help": "run folder to continue from its newest complete checkpoint"})
     seed: int = field(default=0, metadata={"help": "random seed"})
+    report_to: str = field(default="none", metadata={"help": "none | tensorboard | wandb | trackio | all"})
 
 
 PRESETS = {
@@ -220,7 +222,8 @@ def main(argv=None):
     args = parse_settings(Args, PRESETS, argv)
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
         sys.exit("error: the paper's setup needs CUDA; on this machine run `python grpo.py --preset cpu`")
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              **tracker_settings(args.report_to, args.resume or args.out))
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     # A group is played and scored inside one process, never split: each gets whole personas.
     for name in ("personas_per_iteration", "minibatch_size"):
@@ -289,6 +292,7 @@ def main(argv=None):
     if args.resume:
         run.truncate("metrics.jsonl", start_iteration)
         run.truncate("rollouts.jsonl", start_iteration)
+    start_trackers(args, accelerator, start_iteration)
 
     bad_updates = 0
     # Dr. GRPO's constant: the most agent tokens one dialogue can hold.
@@ -308,7 +312,8 @@ def main(argv=None):
                                          samples_per_persona=args.group_size,
                                          thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
                                          max_new_tokens=args.max_new_tokens, max_context=args.max_context,
-                                         greedy=args.greedy, progress=False)
+                                         greedy=args.greedy,
+                                         progress=accelerator.is_main_process and sys.stderr.isatty())
         t_rollout = time.time() - t_start
 
         # --- 2. score: old log-probs, reference log-probs, rewards, group advantages --------------
@@ -388,9 +393,7 @@ def main(argv=None):
                             # shapes, other kernels): near 1 there, not exactly 1.
                             logs["ratio_first"].append(masked_mean(ratio, m).item())
                 # gradients: sum over processes (each loss was already divided by the global count)
-                for p in params:
-                    if world > 1:
-                        p.grad = accelerator.reduce(p.grad if p.grad is not None else torch.zeros_like(p), "sum")
+                reduce_gradients(params, accelerator)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                 if not torch.isfinite(grad_norm):
                     # a non-finite loss gives non-finite gradients: skip this step, stop if it persists
@@ -448,6 +451,7 @@ def main(argv=None):
         }
         run.append("metrics.jsonl", [metrics])
         run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
+        log_to_trackers(accelerator, metrics, all_records, step=iteration + 1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}",
                         flat=metrics["zero_spread_groups"])
         out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
@@ -458,6 +462,7 @@ def main(argv=None):
             if accelerator.is_main_process:
                 print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}")
             break
+    accelerator.end_training()  # closes the trackers
     if accelerator.is_main_process:
         print(f"done: {args.out} (adapter: {latest_checkpoint(args.out)}/default)")
     return model  # the trained PeftModel, for tests and notebooks
@@ -468,9 +473,12 @@ def _save(args, iteration, model, optimizer, scheduler, accelerator, name=None):
     rngs = all_rng_states(accelerator)
     if not accelerator.is_main_process:
         return None
-    return save_checkpoint(args.out, iteration, model, ["default"], {
+    path = save_checkpoint(args.out, iteration, model, ["default"], {
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "args": vars(args),
         "rng": rngs if len(rngs) > 1 else rngs[0]}, name=name)
+    if name is None:  # a complete checkpoint: older ones beyond --keep-checkpoints go
+        prune_checkpoints(args.out, args.keep_checkpoints)
+    return path
 
 
 if __name__ == "__main__":

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs,
-                     fingerprint, global_mean, global_sum, gpus_after_the_first, latest_checkpoint,
-                     load_adapter_weights, load_policy, masked_mean, pad_records, parse_settings,
-                     peak_memory_gb, play_dialogues, RunFolder, save_checkpoint, set_rng_state, set_seed,
-                     summarize, time_budget_used, token_logprobs, transcript_record)
-from rollout import global_max, global_stats
+                     fingerprint, global_max, global_mean, global_stats, global_sum, gpus_after_the_first, latest_checkpoint,
+                     load_adapter_weights, load_policy, log_to_trackers, masked_mean, pad_records,
+                     parse_settings, peak_memory_gb, play_dialogues, prune_checkpoints, reduce_gradients,
+                     RunFolder, save_checkpoint, set_rng_state, set_seed, start_trackers, summarize,
+                     time_budget_used, token_logprobs, tracker_settings, transcript_record)
 from simulator import Simulator, load_personas_or_exit, make_backend
 
 
@@ -95,10 +95,12 @@ class Args:
     # the run
     iterations: int = field(default=200, metadata={"help": "training iterations"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
+    keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N checkpoints (0 = all)"})
     time_budget: float = field(default=0.0, metadata={"help": "minutes: stop (with a checkpoint) after the iteration that uses them up; 0 = off"})
     out: str = field(default="runs/ppo", metadata={"help": "run folder"})
     resume: str = field(default="", metadata={"help": "run folder to continue from its newest complete checkpoint"})
     seed: int = field(default=0, metadata={"help": "random seed"})
+    report_to: str = field(default="none", metadata={"help": "none | tensorboard | wandb | trackio | all"})
 
 
 PRESETS = {
@@ -273,13 +275,13 @@ def critic_values(model, value_head, input_ids, attention_mask):
 def main(argv=None):
     from accelerate import Accelerator
     from accelerate.utils import gather_object
-    from peft import LoraConfig
     from tqdm import tqdm
 
     args = parse_settings(Args, PRESETS, argv)
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
         sys.exit("error: the paper's setup needs CUDA; on this machine run `python ppo.py --preset cpu`")
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              **tracker_settings(args.report_to, args.resume or args.out))
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     for name in ("dialogues_per_iteration", "minibatch_size"):
         if getattr(args, name) % world:
@@ -294,6 +296,8 @@ def main(argv=None):
                                    lora_dropout=args.lora_dropout, target_modules=args.target_modules,
                                    load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype,
                                    trust_remote_code=args.trust_remote_code)
+    from peft import LoraConfig  # here, not above: importing peft can print a bitsandbytes notice on CPU
+
     model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                            target_modules=args.target_modules.split(","), task_type="CAUSAL_LM"))
     use_adapter(model, "default")
@@ -354,6 +358,7 @@ def main(argv=None):
     if args.resume:
         run.truncate("metrics.jsonl", start_iteration)
         run.truncate("rollouts.jsonl", start_iteration)
+    start_trackers(args, accelerator, start_iteration)
 
     bad_updates = 0
     bar = tqdm(range(start_iteration, args.iterations), desc="ppo", disable=not accelerator.is_main_process)
@@ -370,7 +375,8 @@ def main(argv=None):
         records, rstats = play_dialogues(model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
                                          thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
                                          max_new_tokens=args.max_new_tokens, max_context=args.max_context,
-                                         greedy=args.greedy, progress=False)
+                                         greedy=args.greedy,
+                                         progress=accelerator.is_main_process and sys.stderr.isatty())
         t_rollout = time.time() - t_start
 
         # --- 2. score: old log-probs, reference log-probs, values, rewards -----------------------
@@ -452,9 +458,7 @@ def main(argv=None):
                             # shapes, other kernels): near 1 there, not exactly 1.
                             logs["ratio_first"].append(masked_mean(ratio, m).item())
                 # gradients: sum over processes (each loss was already divided by the global count)
-                for p in actor_params + critic_params:
-                    if world > 1:
-                        p.grad = accelerator.reduce(p.grad if p.grad is not None else torch.zeros_like(p), "sum")
+                reduce_gradients(actor_params + critic_params, accelerator)
                 actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)
                 critic_norm = torch.nn.utils.clip_grad_norm_(critic_params, args.max_grad_norm)
                 if not (torch.isfinite(actor_norm) and torch.isfinite(critic_norm)):
@@ -512,6 +516,7 @@ def main(argv=None):
         }
         run.append("metrics.jsonl", [metrics])
         run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
+        log_to_trackers(accelerator, metrics, all_records, step=iteration + 1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}")
         out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time:
@@ -521,6 +526,7 @@ def main(argv=None):
             if accelerator.is_main_process:
                 print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}")
             break
+    accelerator.end_training()  # closes the trackers
     if accelerator.is_main_process:
         print(f"done: {args.out} (adapter: {latest_checkpoint(args.out)}/default)")
     return model, value_head  # for tests and notebooks
@@ -531,10 +537,13 @@ def _save(args, iteration, model, value_head, optimizer, scheduler, accelerator,
     rngs = all_rng_states(accelerator)
     if not accelerator.is_main_process:
         return None
-    return save_checkpoint(args.out, iteration, model, ["default", "critic"], {
+    path = save_checkpoint(args.out, iteration, model, ["default", "critic"], {
         "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(), "args": vars(args), "rng": rngs if len(rngs) > 1 else rngs[0]},
         name=name)
+    if name is None:  # a complete checkpoint: older ones beyond --keep-checkpoints go
+        prune_checkpoints(args.out, args.keep_checkpoints)
+    return path
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from simulator import (Simulator, cached_batch, keep_cache, load_model, load_personas_or_exit, make_backend,
-                       prompt_counts, transcript_turns)
+from simulator import (Simulator, cache_keyword, cached_batch, keep_cache, load_model, load_personas_or_exit,
+                       make_backend, prompt_counts, transcript_turns)
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project; --system-prompt-file replaces them)
@@ -241,7 +241,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     t_policy = 0.0
     sim_seconds_before, sim_tokens_before = simulator.seconds, simulator.backend.generated_tokens
     sim_prompt_before = (getattr(simulator.backend, "prompt_tokens", 0), getattr(simulator.backend, "reused_tokens", 0))
-    bar = tqdm(total=len(dialogues), desc=desc, disable=not progress, leave=False)
+    # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
+    bar = tqdm(total=len(dialogues), desc=desc, disable=not progress, leave=False, file=sys.stderr)
+    turns_played = 0
     while True:
         active = [d for d in dialogues if not d.state.done]
         for d in active:  # the next prompt must leave room for a full reply
@@ -262,7 +264,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         stats["policy_prompt_tokens"] += prompt
         stats["policy_reused_tokens"] += reused
         recorder = SampledLogprobs(1.0 if greedy else temperature)
-        sequences = policy.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
+        sequences = policy.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(policy): cache},
                                     generation_config=gen_config, logits_processor=LogitsProcessorList([recorder]))
         new = sequences[:, ids.shape[1]:]                                        # (B, N)
         new_logp = recorder.finish(sequences).cpu()                               # (B, N)
@@ -289,6 +291,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                                   "violation": violation, "tokens": n})
             replies.append(reply or SILENCE)
         simulator.step([d.state for d in active], replies)
+        turns_played += len(active)
         for d in active:
             if not d.state.done:
                 delta = chat.user_turn(d.state.history[-1]["text"], d.ids[-1])
@@ -302,6 +305,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                     d.logprobs += [0.0] * len(delta)
             if d.state.done:
                 bar.update(1)
+        bar.set_postfix(turns=turns_played)  # and redraw, once per turn
     bar.close()
     policy.train(was_training)
     stats["policy_seconds"] = t_policy
@@ -554,6 +558,20 @@ def save_checkpoint(run_dir, iteration, model, adapters, state, name=None):
     return final
 
 
+def prune_checkpoints(run_dir, keep):
+    """--keep-checkpoints: delete every complete checkpoint but the newest `keep` (0 keeps all).
+    Called right after a checkpoint is complete. Each folder is renamed first, to a name ending in
+    .tmp, which latest_checkpoint skips, and only then removed: a kill half way through a removal
+    leaves a folder that --resume never picks. Leftovers of such a kill go in the next call."""
+    folder = os.path.join(run_dir, "checkpoints")
+    complete = sorted(d for d in os.listdir(folder) if d.startswith("iter_") and not d.endswith(".tmp"))
+    for name in complete[:-keep] if keep > 0 else []:
+        os.rename(os.path.join(folder, name), os.path.join(folder, name + ".deleting.tmp"))
+    for name in os.listdir(folder):
+        if name.endswith(".deleting.tmp"):
+            shutil.rmtree(os.path.join(folder, name))
+
+
 def latest_checkpoint(run_dir):
     """The newest complete checkpoint folder, or None (a folder still named *.tmp is ignored)."""
     folder = os.path.join(run_dir, "checkpoints")
@@ -571,6 +589,81 @@ def load_adapter_weights(model, folder, name):
     result = set_peft_model_state_dict(model, weights, adapter_name=name)
     if getattr(result, "unexpected_keys", None):
         raise RuntimeError(f"{folder}/{name}: adapter weights do not fit this model")
+
+
+# ----------------------------------------------------------------------------------------------
+# Experiment trackers (--report-to), through accelerate's tracker API; metrics.jsonl stays the record
+# ----------------------------------------------------------------------------------------------
+TRACKERS = ("tensorboard", "wandb", "trackio")  # each one's pip package has the same name
+TRACKER_DIALOGUES = 3  # dialogues per iteration shown as text in the trackers that take text
+
+
+def tracker_settings(report_to, run_dir):
+    """Accelerator(...) keyword arguments for --report-to none | tensorboard | wandb | trackio | all
+    (all: those of the three that are installed). Called before any model loads, so that a tracker
+    whose package is missing is a one-line error (exit 2), not a crash after an hour of loading."""
+    import importlib.util
+
+    if report_to == "none":
+        return {}
+    if report_to not in (*TRACKERS, "all"):
+        print(f"error: --report-to must be one of none | {' | '.join(TRACKERS)} | all, got '{report_to}'",
+              file=sys.stderr)
+        sys.exit(2)
+    wanted = TRACKERS if report_to == "all" else (report_to,)
+    found = [name for name in wanted if importlib.util.find_spec(name) is not None]
+    if not found:
+        package = "tensorboard" if report_to == "all" else report_to
+        print(f"error: --report-to {report_to} needs the {package} package: pip install {package}",
+              file=sys.stderr)
+        sys.exit(2)
+    return {"log_with": found, "project_dir": run_dir}  # TensorBoard writes under project_dir
+
+
+def start_trackers(args, accelerator, start_iteration=0):
+    """Open one tracker run (main process only), with the settings as its config: public_config,
+    so no secret, and lists or None written as text, since trackers take scalars and strings.
+    TensorBoard writes to <run folder>/rlver/; on --resume it drops the steps a killed run logged
+    after the checkpoint (purge_step), as metrics.jsonl does."""
+    if not accelerator.log_with:
+        return
+    config = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
+              for k, v in public_config(args).items()}
+    name = os.path.basename(os.path.normpath(accelerator.project_dir))
+    accelerator.init_trackers("rlver", config=config, init_kwargs={
+        "tensorboard": {"purge_step": start_iteration + 1} if start_iteration else {},
+        "wandb": {"name": name}, "trackio": {"name": name}})
+
+
+def dialogue_markdown(record):
+    """One dialogue as markdown for a tracker's text panel."""
+    lines = [f"**{record['persona_id']}**: final emotion {record['final_emotion']}, "
+             f"ended by {record['end_reason']}", ""]
+    for t in record["turns"]:
+        thought = f" _(thought: {t['thought']})_" if t.get("thought") else ""
+        emotion = f" (emotion {t['emotion']})" if "emotion" in t else ""
+        lines.append(f"- **{t['role']}**: {t['text']}{thought}{emotion}")
+    return "\n".join(lines)
+
+
+def log_to_trackers(accelerator, metrics, records, step):
+    """One iteration to the trackers (main process only): every number of the metrics.jsonl line at
+    step = iteration, and the first TRACKER_DIALOGUES dialogues as text where the tracker takes text
+    (TensorBoard: markdown; wandb: a table; trackio: none)."""
+    if accelerator is None or not accelerator.trackers:  # --report-to none, or not the main process
+        return
+    numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and k != "iteration"}
+    accelerator.log(numbers, step=step)
+    shown = records[:TRACKER_DIALOGUES]
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            text = "\n\n---\n\n".join(dialogue_markdown(r) for r in shown)
+            tracker.writer.add_text("dialogues", text, global_step=step)
+            tracker.writer.flush()
+        elif tracker.name == "wandb":
+            tracker.log_table("dialogues", columns=["persona", "final_emotion", "end_reason", "dialogue"],
+                              data=[[r["persona_id"], r["final_emotion"], r["end_reason"],
+                                     dialogue_markdown(r)] for r in shown], step=step)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -609,6 +702,36 @@ def global_stats(stats, accelerator):
     from accelerate.utils import gather_object
 
     return merge_stats(gather_object([stats]) if accelerator.num_processes > 1 else [stats])
+
+
+def reduce_gradients(params, accelerator, bucket_bytes=256 * 2**20):
+    """Sum the gradients of `params` over every process, in one all-reduce per bucket of at most
+    bucket_bytes: PPO's two r-32 adapters on Qwen2.5-7B hold 161 M fp32 gradients (646 MB), so
+    3 all-reduces a step instead of 786, one per tensor. A gradient that is None stays None:
+    during --critic-warmup the actor has none, and zeros in its place would advance AdamW's step
+    count (and with it the bias correction of the actor's first real steps), which one process
+    does not do. Every process is at the same step, so all have gradients for the same
+    parameters; a cheap check (one small gather) says so."""
+    if accelerator.num_processes == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    counts = accelerator.gather(torch.tensor([len(grads)], device=accelerator.device))
+    if len(set(counts.tolist())) != 1:
+        raise RuntimeError(f"processes hold gradients for different parameters: counts {counts.tolist()}")
+    buckets, size = [[]], 0  # consecutive gradients of one dtype, up to bucket_bytes each
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if buckets[-1] and (size + nbytes > bucket_bytes or g.dtype != buckets[-1][0].dtype):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    for bucket in buckets:
+        if not bucket:
+            continue
+        flat = accelerator.reduce(torch.cat([g.reshape(-1) for g in bucket]), "sum")  # (sum of numel,)
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))
 
 
 def time_budget_used(t_run, minutes, accelerator):

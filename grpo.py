@@ -31,7 +31,7 @@ from rollout import (adapter_params, all_rng_states, batched_logprobs, fingerpri
                      load_policy, masked_mean, pad_records, parse_settings, peak_memory_gb, play_dialogues,
                      RunFolder, save_checkpoint, set_rng_state, set_seed, summarize, time_budget_used, token_logprobs,
                      transcript_record)
-from simulator import Simulator, SimulatorError, load_personas_or_exit, make_backend, one_of, redact
+from simulator import Simulator, SimulatorError, fail, load_personas_or_exit, make_backend, one_of, redact
 
 
 @dataclass
@@ -224,7 +224,7 @@ def main(argv=None):
     args = parse_settings(Args, PRESETS, argv,
                           {"loss_agg": one_of("seq-mean-token-mean", "token-mean", "dr-grpo")})
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
-        sys.exit("error: the paper's setup needs CUDA; on this machine run `python grpo.py --preset cpu`")
+        fail("the paper's setup needs CUDA; on this machine run `python grpo.py --preset cpu`")
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     # the run folder before any model: a run there is never clobbered; --resume takes its settings
@@ -232,17 +232,13 @@ def main(argv=None):
     # A group is played and scored inside one process, never split: each gets whole personas.
     for name in ("personas_per_iteration", "minibatch_size"):
         if getattr(args, name) % world:
-            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
     if args.group_size < 2:
-        sys.exit(f"error: --group-size {args.group_size}: GRPO compares dialogues within a group; use 2 or more")
+        fail(f"--group-size {args.group_size}: GRPO compares dialogues within a group; use 2 or more")
     batch_size = args.personas_per_iteration * args.group_size
     if batch_size % args.minibatch_size:
-        sys.exit(f"error: --minibatch-size {args.minibatch_size} must divide the batch of {batch_size} dialogues "
+        fail(f"--minibatch-size {args.minibatch_size} must divide the batch of {batch_size} dialogues "
                  f"(--personas-per-iteration x --group-size)")
-    for name, allowed in (("scale_rewards", ("group", "batch", "none")), ("reward", ("final", "turn")),
-                          ("loss_agg", ("seq-mean-token-mean", "token-mean", "dr-grpo"))):
-        if getattr(args, name) not in allowed:
-            sys.exit(f"error: --{name.replace('_', '-')} must be one of {' | '.join(allowed)}, got '{getattr(args, name)}'")
     set_seed(args.seed)  # the same adapter initialisation on every process
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,

@@ -28,7 +28,7 @@ from rollout import (adapter_params, all_rng_states, batched_logprobs,
                      load_adapter_weights, load_policy, masked_mean, pad_records, parse_settings,
                      peak_memory_gb, play_dialogues, RunFolder, save_checkpoint, set_rng_state, set_seed,
                      summarize, time_budget_used, token_logprobs, transcript_record)
-from simulator import Simulator, SimulatorError, load_personas_or_exit, make_backend, one_of, redact
+from simulator import Simulator, SimulatorError, fail, load_personas_or_exit, make_backend, one_of, redact
 
 
 @dataclass
@@ -248,16 +248,16 @@ def main(argv=None):
     args = parse_settings(Args, PRESETS, argv, {"loss_agg": one_of("token-mean", "seq-mean-token-mean",
                                                                   "seq-mean-token-sum")})
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
-        sys.exit("error: the paper's setup needs CUDA; on this machine run `python ppo.py --preset cpu`")
+        fail("the paper's setup needs CUDA; on this machine run `python ppo.py --preset cpu`")
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     # the run folder before any model: a run there is never clobbered; --resume takes its settings
     ckpt, state, resumed = prepare_run(args, ["default", "critic"], accelerator.is_main_process)
     for name in ("dialogues_per_iteration", "minibatch_size"):
         if getattr(args, name) % world:
-            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
     if args.dialogues_per_iteration % args.minibatch_size:
-        sys.exit("error: --dialogues-per-iteration must be a multiple of --minibatch-size")
+        fail("--dialogues-per-iteration must be a multiple of --minibatch-size")
     set_seed(args.seed)  # the same adapter initialisation on every process
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,

@@ -673,13 +673,14 @@ def main(argv=None):
                 system_prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
             fail(f"--system-prompt-file {args.system_prompt_file}: cannot read it ({e})")
-    check_openings_fit(args.model, personas, system_prompt or (THINK_PROMPT if args.thinking else PLAIN_PROMPT),
-                       args.max_context, args.max_new_tokens)
+    system_prompt = system_prompt or (THINK_PROMPT if args.thinking else PLAIN_PROMPT)
+    check_openings_fit(args.model, personas, system_prompt, args.max_context, args.max_new_tokens)
     set_seed(args.seed)
     policy, tokenizer, models = load_models(args)
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, api_model=args.api_model,
-                           api_key_env=args.api_key_env, device=default_device(), api_timeout=args.api_timeout,
-                           api_retries=args.api_retries, api_concurrency=args.api_concurrency)
+                           api_key_env=args.api_key_env, device=default_device(),
+                           api_timeout=args.api_timeout, api_retries=args.api_retries,
+                           api_concurrency=args.api_concurrency)
     try:
         simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
                               max_change=args.max_change, max_turns=args.max_turns,

@@ -16,7 +16,6 @@ parallel line by line so that `diff ppo.py grpo.py` shows exactly what GRPO chan
     python grpo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
     accelerate launch --num_processes 8 grpo.py   # data parallel on one node
 """
-import os
 import random
 import sys
 import time
@@ -312,9 +311,9 @@ def main(argv=None):
         try:
             records, rstats = play_dialogues(model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
                                              samples_per_persona=args.group_size,
-                                             thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
-                                             max_new_tokens=args.max_new_tokens, max_context=args.max_context,
-                                             greedy=args.greedy, progress=False)
+                                             thinking=args.thinking, temperature=args.temperature,
+                                             top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                             max_context=args.max_context, greedy=args.greedy, progress=False)
         except SimulatorError as e:  # one line; a finished iteration not yet saved is saved first
             due = iteration > saved_at and world == 1  # (a save is collective: one process only)
             save = (lambda: _save(args, iteration, model, optimizer, scheduler, accelerator)) if due else None

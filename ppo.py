@@ -12,7 +12,6 @@ One copy of the weights serves four roles: the actor (adapter 'default'), the cr
     python ppo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
     accelerate launch --num_processes 8 ppo.py   # data parallel on one node
 """
-import os
 import random
 import sys
 import time
@@ -343,12 +342,13 @@ def main(argv=None):
         share = args.dialogues_per_iteration // world
         try:
             records, rstats = play_dialogues(model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
-                                             thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
-                                             max_new_tokens=args.max_new_tokens, max_context=args.max_context,
-                                             greedy=args.greedy, progress=False)
+                                             thinking=args.thinking, temperature=args.temperature,
+                                             top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                             max_context=args.max_context, greedy=args.greedy, progress=False)
         except SimulatorError as e:  # one line; a finished iteration not yet saved is saved first
             due = iteration > saved_at and world == 1  # (a save is collective: one process only)
-            save = (lambda: _save(args, iteration, model, value_head, optimizer, scheduler, accelerator)) if due else None
+            save = (lambda: _save(args, iteration, model, value_head, optimizer, scheduler, accelerator)) \
+                if due else None
             stop_on_simulator_error(e, save)
         t_rollout = time.time() - t_start
 

@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from simulator import (DIFFICULTIES, REDACTED, PersonaError, Simulator, SimulatorError, above, at_least,
+from simulator import (DIFFICULTIES, READOUTS, REDACTED, Simulator, SimulatorError, above, at_least,
                        cached_batch, check_rules, env_name, fail, keep_cache, load_model, load_personas_or_exit,
-                       make_backend, model_problem, one_line_errors, one_of, prompt_counts, readout_problem, READOUTS,
-                       redact, resolve_model, simulator_kind, simulator_problem, transcript_turns, unknown_arguments,
-                       within)
+                       make_backend, model_problem, one_line_errors, one_of, prompt_counts, readout_problem,
+                       redact, resolve_model, simulator_kind, simulator_problem, transcript_turns,
+                       unknown_arguments, within)
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project; --system-prompt-file replaces them)
@@ -418,7 +418,8 @@ SETTING_RULES = {
     "split": one_of("train", "test"), "difficulty": one_of("all", *DIFFICULTIES),
     "start_emotion": within(0, 100), "max_change": at_least(1), "max_turns": at_least(1),
     "sim_reply_tokens": at_least(1), "user_reply_tokens": at_least(1),
-    "api_key_env": env_name, "api_timeout": above(0), "api_retries": at_least(0), "api_concurrency": at_least(1),
+    "api_key_env": env_name, "api_timeout": above(0), "api_retries": at_least(0),
+    "api_concurrency": at_least(1),
     # rollouts
     "dialogues_per_iteration": at_least(1), "personas_per_iteration": at_least(1), "group_size": at_least(2),
     "dialogues": at_least(0), "samples": at_least(1), "temperature": above(0),
@@ -430,7 +431,8 @@ SETTING_RULES = {
     # the update
     "ppo_epochs": at_least(1), "num_iterations": at_least(1), "minibatch_size": at_least(1),
     "micro_batch_size": at_least(1), "clip_range": within(0, 1, low_open=True, high_open=True),
-    "clip_range_high": above(0), "clip_low": within(0, 1, low_open=True, high_open=True), "clip_high": above(0),
+    "clip_range_high": above(0), "clip_low": within(0, 1, low_open=True, high_open=True),
+    "clip_high": above(0),
     "value_clip": above(0), "vf_coef": at_least(0), "ent_coef": at_least(0),
     "actor_lr": at_least(0), "critic_lr": at_least(0), "lr": at_least(0), "critic_warmup": at_least(0),
     "warmup_steps": at_least(0), "max_grad_norm": above(0), "max_bad_updates": at_least(1),
@@ -450,7 +452,8 @@ def check_settings(args, rules=None):
         problem = readout_problem(values["readout"], simulator_kind(values["simulator"]))
         if problem:
             fail(f"--readout {values['readout']} with --simulator {redact(values['simulator'])}: {problem}")
-    if "max_context" in values and "max_new_tokens" in values and values["max_context"] <= values["max_new_tokens"]:
+    context, reply = values.get("max_context"), values.get("max_new_tokens")
+    if context is not None and reply is not None and context <= reply:
         fail(f"--max-context {values['max_context']}: must be more than --max-new-tokens "
              f"{values['max_new_tokens']} (a prompt and a whole reply must fit)")
 
@@ -771,15 +774,15 @@ def load_adapter_weights(model, folder, name):
     live = get_peft_model_state_dict(model, adapter_name=name)
     wrong = [k for k, w in weights.items() if k in live and live[k].shape != w.shape]
     if wrong or set(weights) != set(live):
-        raise RuntimeError(f"{folder}/{name}: adapter weights do not fit this model ("
-                           + (f"{wrong[0]} is {tuple(weights[wrong[0]].shape)}, the model's "
-                              f"{tuple(live[wrong[0]].shape)}" if wrong else
-                              f"{len(set(live) - set(weights))} missing, {len(set(weights) - set(live))} unexpected")
-                           + ")")
+        missing, unexpected = len(set(live) - set(weights)), len(set(weights) - set(live))
+        why = (f"{wrong[0]} is {tuple(weights[wrong[0]].shape)}, the model's {tuple(live[wrong[0]].shape)}"
+               if wrong else f"{missing} missing, {unexpected} unexpected")
+        raise RuntimeError(f"{folder}/{name}: adapter weights do not fit this model ({why})")
     set_peft_model_state_dict(model, weights, adapter_name=name)
 
 
-def check_openings_fit(model_name, personas, system_prompt, max_context, max_new_tokens, trust_remote_code=False):
+def check_openings_fit(model_name, personas, system_prompt, max_context, max_new_tokens,
+                       trust_remote_code=False):
     """Every persona's first prompt (system prompt and opening) with room for a whole reply must fit
     max_context, or its dialogue would end before the agent speaks (and its metrics would be NaN).
     Needs only the tokenizer, so it runs before the weights load. Bad input: one line, exit 2."""
@@ -894,15 +897,16 @@ def main(argv=None):
     set_seed(args.seed)
     personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split)
     personas = personas[:args.dialogues] if args.dialogues else personas
-    check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT, args.max_context,
-                       args.max_new_tokens)
+    check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
+                       args.max_context, args.max_new_tokens)
     policy, tokenizer = load_policy(args.model, adapter=args.adapter, trainable=False)
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, device=default_device())
     simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion, max_turns=args.max_turns)
     t0 = time.time()
     try:
-        records, stats = play_dialogues(policy, tokenizer, simulator, personas, args.samples, thinking=args.thinking,
-                                        temperature=args.temperature, top_p=args.top_p,
+        records, stats = play_dialogues(policy, tokenizer, simulator, personas, args.samples,
+                                        thinking=args.thinking, temperature=args.temperature,
+                                        top_p=args.top_p,
                                         max_new_tokens=args.max_new_tokens, max_context=args.max_context)
     except SimulatorError as e:
         fail(e)

@@ -184,8 +184,8 @@ def _project_persona(path, i, entry):
         raise PersonaError(f"{path}: {where}: field 'band_lines' must map bands {BANDS} to lines")
     for key, line in band_lines.items():
         if not isinstance(line, str) or not line.strip():
-            raise PersonaError(f"{path}: {where}: field 'band_lines' entry '{key}' must be a non-empty string, "
-                               f"got {type(line).__name__}")
+            raise PersonaError(f"{path}: {where}: field 'band_lines' entry '{key}' must be a non-empty "
+                               f"string, got {type(line).__name__}")
     return Persona(topic=str(entry.get("topic", "")), band_lines=band_lines,
                    **{k: entry[k] for k in PERSONA_FIELDS})
 
@@ -217,7 +217,8 @@ def load_personas(path, split=None):
         raise PersonaError(f"{path}: cannot read: {e.strerror}")
     except UnicodeDecodeError as e:
         line = e.object[:e.start].count(b"\n") + 1
-        raise PersonaError(f"{path}: line {line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})")
+        raise PersonaError(f"{path}: line {line}: not UTF-8 text "
+                           f"(byte 0x{e.object[e.start]:02x} at offset {e.start})")
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
@@ -645,7 +646,7 @@ class OpenAIBackend:
             response = connection.getresponse()
             length = response.getheader("Content-Length", "")
             if length.isdigit() and int(length) > self.max_reply_bytes:
-                raise ReplyError(f"reply of {int(length)} bytes, more than the {self.max_reply_bytes} allowed")
+                raise ReplyError(f"reply of {length} bytes, more than the {self.max_reply_bytes} allowed")
             data = response.read(self.max_reply_bytes + 1)
             if len(data) > self.max_reply_bytes:
                 raise ReplyError(f"reply longer than the {self.max_reply_bytes} bytes allowed")
@@ -947,7 +948,8 @@ def above(low):
 def within(low, high, low_open=False, high_open=False):
     def rule(value):
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-        return None if ok else f"must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        return None if ok else f"must be in {left}{low}, {high}{right}"
     return rule
 
 
@@ -1019,7 +1021,8 @@ def redact(value):
 
 def closest_flag(parser, flag):
     """The known --flag nearest to a mistyped one (difflib), or None."""
-    known = sorted({o.replace("_", "-") for a in parser._actions for o in a.option_strings if o.startswith("--")})
+    known = sorted({o.replace("_", "-") for a in parser._actions for o in a.option_strings
+                    if o.startswith("--")})
     guess = difflib.get_close_matches(flag.split("=", 1)[0].replace("_", "-"), known, 1, 0.7)
     return guess[0] if guess else None
 
@@ -1123,16 +1126,17 @@ def main(argv=None):
     ap.add_argument("--max-turns", type=int, default=8)
     ap.add_argument("--api-model", default="default", help="model name sent to a URL simulator")
     ap.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key")
-    ap.add_argument("--api-timeout", type=float, default=60.0, help="seconds per request to a URL simulator, all told")
+    ap.add_argument("--api-timeout", type=float, default=60.0, help="seconds a request may take in all")
     ap.add_argument("--api-retries", type=int, default=4, help="tries after the first one that failed")
     ap.add_argument("--api-concurrency", type=int, default=8, help="requests in flight at once")
     ap.add_argument("--out", help="write transcripts as JSON lines here")
     args = ap.parse_args(argv)
-    check_rules(vars(args), {"model": lambda v: "there is no policy here to share: use rules, a model or a URL"
-                             if v == "same" else simulator_problem(v),
-                             "dialogues": at_least(0), "start_emotion": within(0, 100), "max_change": at_least(1),
-                             "max_turns": at_least(1), "api_key_env": env_name, "api_timeout": above(0),
-                             "api_retries": at_least(0), "api_concurrency": at_least(1)})
+    check_rules(vars(args), {
+        "model": lambda v: "no policy here to share: use rules, a model or a URL" if v == "same"
+        else simulator_problem(v),
+        "dialogues": at_least(0), "start_emotion": within(0, 100), "max_change": at_least(1),
+        "max_turns": at_least(1), "api_key_env": env_name, "api_timeout": above(0),
+        "api_retries": at_least(0), "api_concurrency": at_least(1)})
     problem = readout_problem(args.readout, simulator_kind(args.model))
     if problem:
         fail(f"--readout {args.readout} with --model {redact(args.model)}: {problem}")
@@ -1159,7 +1163,8 @@ def main(argv=None):
                            api_concurrency=args.api_concurrency)
     sim = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
                     max_change=args.max_change, max_turns=args.max_turns)
-    print(f"simulator: {redact(args.model)}, read-out: {sim.readout}, {len(personas)} personas x {len(agent)} styles")
+    print(f"simulator: {redact(args.model)}, read-out: {sim.readout}, {len(personas)} personas x "
+          f"{len(agent)} styles")
     t0 = time.time()
     try:
         results = play_scripted(sim, personas, agent)

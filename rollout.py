@@ -781,15 +781,19 @@ def load_adapter_weights(model, folder, name):
     set_peft_model_state_dict(model, weights, adapter_name=name)
 
 
+def load_tokenizer(model_name, trust_remote_code=False):
+    """The tokenizer of a model, without its weights (bench.py answers its in-memory model here)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+
+
 def check_openings_fit(model_name, personas, system_prompt, max_context, max_new_tokens,
                        trust_remote_code=False):
     """Every persona's first prompt (system prompt and opening) with room for a whole reply must fit
     max_context, or its dialogue would end before the agent speaks (and its metrics would be NaN).
     Needs only the tokenizer, so it runs before the weights load. Bad input: one line, exit 2."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
-    chat = ChatTokens(tokenizer, system_prompt)
+    chat = ChatTokens(load_tokenizer(model_name, trust_remote_code=trust_remote_code), system_prompt)
     for p in personas:
         if len(p.opening) > 64 * max_context:  # surely too long; spares tokenising megabytes
             n = f"over {max_context}"

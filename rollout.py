@@ -708,6 +708,8 @@ MAY_CHANGE_ON_RESUME = {
     "gradient_checkpointing", "micro_batch_size", "max_bad_updates", "simulator_device_map",
     "api_key_env", "api_timeout", "api_retries", "api_concurrency",
 }
+# Consent is never inherited: a resumed run runs hub code only if this command line allows it.
+NOT_FROM_CHECKPOINT = {"trust_remote_code"}
 
 
 def resume_settings(args, saved, given):
@@ -716,7 +718,7 @@ def resume_settings(args, saved, given):
     program on a flag that would change the model, the adapter, the optimizer or the method."""
     changed = {}
     for f in fields(args):
-        if f.name not in saved or f.name in ("resume", "out", "overwrite"):
+        if f.name not in saved or f.name in ("resume", "out", "overwrite") or f.name in NOT_FROM_CHECKPOINT:
             continue  # a setting added since the checkpoint keeps its value now
         now, then = getattr(args, f.name), saved[f.name]
         if redact(now) == then:

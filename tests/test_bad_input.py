@@ -456,6 +456,16 @@ def test_a_simulator_error_mid_run_saves_the_last_iteration_then_one_line(server
     assert done >= 1 and ckpts == [f"iter_{done:06d}"]  # the last complete iteration is not lost
 
 
+def test_evaluate_ends_on_a_simulator_error_with_one_line(server, tiny_model_dir, persona_entry, write_personas,
+                                                          tmp_path):
+    s = server(lambda h, n, body: reply(h, 200, b'[{"not": "a completion"}]'))
+    path = write_personas([persona_entry(id="t1")])
+    code, _, err, _ = cli("evaluate.py", "--model", tiny_model_dir, "--personas", path, "--simulator", s.url,
+                          "--max-turns", "1", "--max-new-tokens", "4", "--api-retries", "1", "--out",
+                          str(tmp_path / "eval"))
+    assert_one_line(code, err, s.url, "malformed response", "2 tries")
+
+
 # ----------------------------------------------------------------------------------------------
 # Case 6: secrets are redacted whatever the setting is called
 # ----------------------------------------------------------------------------------------------

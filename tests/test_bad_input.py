@@ -59,15 +59,16 @@ def exits_with_one_line(main, argv, capsys, *words):
 
 @pytest.fixture
 def personas_file(write_personas, persona_entry):
-    return write_personas([persona_entry(id=f"p{i}", difficulty=d) for i, d in enumerate(["easy", "normal", "hard"])])
+    levels = ["easy", "normal", "hard"]
+    return write_personas([persona_entry(id=f"p{i}", difficulty=d) for i, d in enumerate(levels)])
 
 
 def tiny(model_dir, personas, out, *extra, script="ppo"):
     """The smallest run of a trainer: tiny random Llama, rules user, one or two turns."""
     size = (["--dialogues-per-iteration", "2", "--minibatch-size", "2"] if script == "ppo" else
             ["--personas-per-iteration", "1", "--group-size", "2", "--minibatch-size", "2"])
-    return ["--preset", "cpu", "--model", model_dir, "--simulator", "rules", "--personas", personas, "--split",
-            "test", *size, "--micro-batch-size", "1", "--max-turns", "2", "--max-new-tokens", "6",
+    return ["--preset", "cpu", "--model", model_dir, "--simulator", "rules", "--personas", personas,
+            "--split", "test", *size, "--micro-batch-size", "1", "--max-turns", "2", "--max-new-tokens", "6",
             "--max-context", "512", "--lora-r", "4", "--out", str(out), *extra]
 
 
@@ -86,7 +87,7 @@ BAD_SETTINGS = [  # (flags, words the error line must hold)
     (["--max-turns", "0"], ["--max-turns", "0", "at least 1"]),                              # 7
     (["--iterations", "0"], ["--iterations", "0", "at least 1"]),                            # 7
     (["--reward", "bogus"], ["--reward", "bogus", "final"]),                                 # 12
-    (["--loss-agg", "dr-grpo"], ["--loss-agg", "dr-grpo", "token-mean"]),                    # 12: a GRPO-only choice
+    (["--loss-agg", "dr-grpo"], ["--loss-agg", "dr-grpo", "token-mean"]),                    # 12: GRPO's only
     (["--lerning-rate", "1"], ["unknown flag --lerning-rate"]),                               # 12
     (["--max-turnz", "3"], ["unknown flag --max-turnz", "did you mean --max-turns"]),         # 12
     (["--save-every", "0"], ["--save-every", "0"]),                                           # 14
@@ -99,7 +100,7 @@ BAD_SETTINGS = [  # (flags, words the error line must hold)
     (["--simulator", "rules", "--readout", "likelihood"], ["--readout likelihood", "--readout rules"]),  # 16
     (["--simulator", "http://127.0.0.1:9/v1", "--readout", "likelihood"], ["--readout reasoned"]),
     (["--api-timeout", "0"], ["--api-timeout", "0"]),
-    (["--api-key-env", "sk-live-0123456789abcdef"], ["--api-key-env", "<redacted>", "name of an environment"]),
+    (["--api-key-env", "sk-live-0123456789abcdef"], ["--api-key-env", "<redacted>", "name of an env"]),
 ]
 
 
@@ -123,7 +124,8 @@ def test_ppo_refuses_bad_settings_before_any_model_loads(flags, words, capsys, m
     (["--max-context", "16"], ["--max-context 16", "--max-new-tokens"]),
 ])
 def test_grpo_refuses_bad_settings(flags, words, capsys, tmp_path):
-    exits_with_one_line(grpo.main, ["--preset", "cpu", "--out", str(tmp_path / "run"), *flags], capsys, *words)
+    argv = ["--preset", "cpu", "--out", str(tmp_path / "run"), *flags]
+    exits_with_one_line(grpo.main, argv, capsys, *words)
 
 
 @pytest.mark.parametrize("main, flags, words", [
@@ -178,8 +180,8 @@ def test_out_on_an_existing_run_stops_unless_overwrite(tiny_model_dir, personas_
     grpo.main(tiny(tiny_model_dir, personas_file, out, "--iterations", "2", script="grpo"))
     before = {name: (out / name).read_bytes() for name in ("config.json", "metrics.jsonl", "rollouts.jsonl")}
     capsys.readouterr()
-    exits_with_one_line(grpo.main, tiny(tiny_model_dir, personas_file, out, "--iterations", "1", script="grpo"),
-                        capsys, "--out", "holds a run", "--resume", "--overwrite")
+    again = tiny(tiny_model_dir, personas_file, out, "--iterations", "1", script="grpo")
+    exits_with_one_line(grpo.main, again, capsys, "--out", "holds a run", "--resume", "--overwrite")
     assert {name: (out / name).read_bytes() for name in before} == before
     assert sorted(os.listdir(out / "checkpoints")) == ["iter_000001", "iter_000002"]
     (out / "notes.txt").write_text("mine")
@@ -189,9 +191,11 @@ def test_out_on_an_existing_run_stops_unless_overwrite(tiny_model_dir, personas_
     assert (out / "notes.txt").read_text() == "mine"  # only the run's own files are cleared
 
 
-def test_resume_keeps_the_runs_settings_and_records_what_changed(tiny_model_dir, personas_file, tmp_path, capsys):
+def test_resume_keeps_the_runs_settings_and_records_what_changed(tiny_model_dir, personas_file, tmp_path,
+                                                                  capsys):
     out = tmp_path / "run"
-    first = tiny(tiny_model_dir, personas_file, out, "--iterations", "1", "--lora-alpha", "32", "--actor-lr", "5e-4")
+    first = tiny(tiny_model_dir, personas_file, out, "--iterations", "1", "--lora-alpha", "32",
+                 "--actor-lr", "5e-4")
     ppo.main(first)
     # resumed without repeating them: the run's alpha and learning rate, not the defaults
     ppo.main(["--preset", "cpu", "--resume", str(out), "--iterations", "2"])
@@ -200,13 +204,13 @@ def test_resume_keeps_the_runs_settings_and_records_what_changed(tiny_model_dir,
     assert config["resumed_with"][-1]["changed"] == {"iterations": [1, 2]}
     state = torch.load(out / "checkpoints" / "iter_000002" / "state.pt", weights_only=False)
     assert state["args"]["lora_alpha"] == 32 and state["optimizer"]["param_groups"][0]["lr"] == 5e-4
-    adapter = json.loads((out / "checkpoints" / "iter_000002" / "default" / "adapter_config.json").read_text())
+    adapter = json.loads((out / "checkpoints/iter_000002/default/adapter_config.json").read_text())
     assert adapter["lora_alpha"] == 32
     capsys.readouterr()
     # a flag that would change the adapter or the optimizer is an error naming it
     for flag, value in (("--lora-alpha", "16"), ("--actor-lr", "0.001"), ("--lora-r", "8")):
-        exits_with_one_line(ppo.main, ["--preset", "cpu", "--resume", str(out), "--iterations", "3", flag, value],
-                            capsys, flag, value)
+        argv = ["--preset", "cpu", "--resume", str(out), "--iterations", "3", flag, value]
+        exits_with_one_line(ppo.main, argv, capsys, flag, value)
     assert len(read_jsonl(out / "metrics.jsonl")) == 2
 
 
@@ -244,7 +248,8 @@ def test_a_trim_killed_by_a_signal_leaves_the_whole_file(tmp_path):
               "os.fsync = stall\n"
               f"run = rollout.RunFolder({str(tmp_path)!r}, None, enabled=False)\nrun.enabled = True\n"
               "run.truncate('metrics.jsonl', 10)\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env=ENV)
     assert proc.stdout.readline().strip() == "writing"
     proc.kill()
     proc.wait(30)
@@ -279,8 +284,8 @@ def other_rank(path):
 CORRUPTIONS = {
     "truncated state.pt": (lambda c: truncate_file(c / "state.pt"), "state.pt does not load"),
     "missing adapter": (lambda c: os.remove(c / "critic" / "adapter_model.safetensors"), "is missing"),
-    "truncated adapter": (lambda c: truncate_file(c / "default" / "adapter_model.safetensors"), "does not load"),
-    "adapter of another --lora-r": (lambda c: other_rank(c / "default" / "adapter_model.safetensors"), "rank [8]"),
+    "truncated adapter": (lambda c: truncate_file(c / "default/adapter_model.safetensors"), "does not load"),
+    "another --lora-r": (lambda c: other_rank(c / "default/adapter_model.safetensors"), "rank [8]"),
 }
 
 
@@ -332,7 +337,8 @@ class Server:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                       daemon=True)
         self.thread.start()
 
     def close(self):
@@ -405,11 +411,14 @@ def test_a_huge_reply_is_capped(server):
 
 
 def test_retry_after_is_honoured_and_bounded(server):
-    s = server(lambda h, n, body: reply(h, 429, b"{}", [("Retry-After", "1")]) if n == 1 else reply(h, 200, chat("ok")))
+    def busy(seconds, status):
+        return lambda h, n, body: (reply(h, status, b"{}", [("Retry-After", seconds)]) if n == 1
+                                   else reply(h, 200, chat("ok")))
+    s = server(busy("1", 429))
     t0 = time.time()
     assert OpenAIBackend(s.url, backoff=0.01).chat([MESSAGES], 8) == ["ok"]
     assert 1.0 <= time.time() - t0 < 3
-    s = server(lambda h, n, body: reply(h, 503, b"{}", [("Retry-After", "3600")]) if n == 1 else reply(h, 200, chat("ok")))
+    s = server(busy("3600", 503))
     t0 = time.time()
     assert OpenAIBackend(s.url, backoff=0.01, max_wait=0.5).chat([MESSAGES], 8) == ["ok"]
     assert 0.5 <= time.time() - t0 < 2.5
@@ -431,14 +440,14 @@ def test_a_401_ends_the_command_with_one_line_without_the_key(server, persona_en
     s = server(lambda h, n, body: reply(h, 401, b'{"error": "bad key"}'))
     path = write_personas([persona_entry(id="t1")])
     code, _, err, elapsed = cli("simulator.py", "--model", s.url, "--personas", path, "--dialogues", "1",
-                                "--api-key-env", "RLVER_TEST_KEY", env={**ENV, "RLVER_TEST_KEY": "sk-live-secret-999"},
-                                timeout=120)
+                                "--api-key-env", "RLVER_TEST_KEY",
+                                env={**ENV, "RLVER_TEST_KEY": "sk-live-secret-999"}, timeout=120)
     assert_one_line(code, err, "HTTP 401", s.url, "1 tries", "$RLVER_TEST_KEY")
     assert "sk-live-secret-999" not in err and s.count == 2  # one per dialogue, none retried
 
 
-def test_a_simulator_error_mid_run_saves_the_last_iteration_then_one_line(server, tiny_model_dir, personas_file,
-                                                                         tmp_path):
+def test_a_simulator_error_mid_run_saves_the_last_iteration_then_one_line(server, tiny_model_dir,
+                                                                         personas_file, tmp_path):
     def respond(handler, n, body):
         # iteration 1 asks 6 times (2 dialogues: 2 appraisals, 2 user messages, 2 appraisals); then
         # the server starts refusing the key in the middle of iteration 2
@@ -448,16 +457,17 @@ def test_a_simulator_error_mid_run_saves_the_last_iteration_then_one_line(server
         return reply(handler, 200, chat("It helps.\nChange: +2" if appraisal else "okay. go on."))
     s = server(respond)
     out = tmp_path / "run"
-    code, _, err, _ = cli("grpo.py", *tiny(tiny_model_dir, personas_file, out, "--iterations", "3", "--save-every",
-                                           "100", "--simulator", s.url, "--api-retries", "0", script="grpo"))
+    argv = tiny(tiny_model_dir, personas_file, out, "--iterations", "3", "--save-every", "100",
+                "--simulator", s.url, "--api-retries", "0", script="grpo")
+    code, _, err, _ = cli("grpo.py", *argv)
     assert_one_line(code, err, "HTTP 401", s.url, "saved in")
     ckpts = os.listdir(out / "checkpoints")
     done = len(read_jsonl(out / "metrics.jsonl"))
     assert done >= 1 and ckpts == [f"iter_{done:06d}"]  # the last complete iteration is not lost
 
 
-def test_evaluate_ends_on_a_simulator_error_with_one_line(server, tiny_model_dir, persona_entry, write_personas,
-                                                          tmp_path):
+def test_evaluate_ends_on_a_simulator_error_with_one_line(server, tiny_model_dir, persona_entry,
+                                                          write_personas, tmp_path):
     s = server(lambda h, n, body: reply(h, 200, b'[{"not": "a completion"}]'))
     path = write_personas([persona_entry(id="t1")])
     code, _, err, _ = cli("evaluate.py", "--model", tiny_model_dir, "--personas", path, "--simulator", s.url,
@@ -514,12 +524,12 @@ def test_a_non_utf8_persona_file_names_the_line(tmp_path, persona_entry):
 
 def test_band_lines_must_be_strings(persona_entry, write_personas):
     path = write_personas([persona_entry(id="x7", band_lines={"A": 3})])
-    with pytest.raises(PersonaError, match="entry x7: field 'band_lines' entry 'A' must be a non-empty string"):
+    with pytest.raises(PersonaError, match="entry x7: field 'band_lines' entry 'A' must be a non-empty"):
         simulator.load_personas(path)
 
 
-def test_an_opening_that_cannot_fit_the_context_is_refused_before_the_weights(persona_entry, write_personas, tmp_path,
-                                                                              tiny_model_dir, monkeypatch, capsys):
+def test_an_opening_that_cannot_fit_the_context_is_refused_before_the_weights(
+        persona_entry, write_personas, tmp_path, tiny_model_dir, monkeypatch, capsys):
     path = write_personas([persona_entry(id="long1", opening="word " * 600), persona_entry(id="ok")])
 
     def no_model(*args, **kwargs):
@@ -534,7 +544,8 @@ def test_an_opening_that_cannot_fit_the_context_is_refused_before_the_weights(pe
 # ----------------------------------------------------------------------------------------------
 # Case 5: evaluate.py refuses an adapter made for another base
 # ----------------------------------------------------------------------------------------------
-def test_evaluate_refuses_an_adapter_for_another_base(tiny_model_dir, tmp_path, persona_entry, write_personas):
+def test_evaluate_refuses_an_adapter_for_another_base(tiny_model_dir, tmp_path, persona_entry,
+                                                      write_personas):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -549,8 +560,9 @@ def test_evaluate_refuses_an_adapter_for_another_base(tiny_model_dir, tmp_path, 
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(os.path.join(tiny_model_dir, name), bigger)
     path = write_personas([persona_entry(id="t1")])
-    code, _, err, _ = cli("evaluate.py", "--model", str(bigger), "--adapter", str(adapter), "--personas", path,
-                          "--simulator", "rules", "--max-turns", "1", "--out", str(tmp_path / "eval"))
+    code, _, err, _ = cli("evaluate.py", "--model", str(bigger), "--adapter", str(adapter),
+                          "--personas", path, "--simulator", "rules", "--max-turns", "1",
+                          "--out", str(tmp_path / "eval"))
     assert_one_line(code, err, str(adapter), str(bigger), "missing")
     assert not os.path.exists(tmp_path / "eval" / "results.json")
 

@@ -482,7 +482,8 @@ def test_parse_settings_rejects_unknown_preset_and_abbreviations(capsys):
     assert stop.value.code == 2 and "--preset" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:  # "--max_t" would otherwise set max_turns unseen
         rollout.parse_settings(PresetArgs, PRESETS, ["--preset", "tiny", "--max_t", "5"])
-    assert stop.value.code == 2 and "unknown flag --max_t; did you mean --max-turns?" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "unknown flag --max_t; did you mean --max-turns?" in err
 
 
 def test_checkpoints_newest_complete_wins_and_adapters_load(tiny_model_dir, tmp_path):

@@ -242,8 +242,10 @@ def train_runs(args):
             if checkpoint:   # the trainer drops the lines logged after this checkpoint and goes on
                 command += ["--resume", run_dir]
                 print(f"{algo} seed {seed}: resuming from {checkpoint} ({done} iterations were logged)")
-            elif done:       # killed before its first checkpoint: nothing to resume from
-                print(f"{algo} seed {seed}: {done} iterations logged but no checkpoint yet; starting again")
+            else:            # a fresh run, or one killed before its first checkpoint: (re)start it
+                command += ["--overwrite"]
+                if done:
+                    print(f"{algo} seed {seed}: {done} iterations logged but no checkpoint yet; starting again")
             pending.append((f"{algo}-seed{seed}", command))
     cores = usable_cores()
     per_job = max(1, len(cores) // args.jobs)

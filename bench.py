@@ -242,8 +242,10 @@ def train_runs(args):
             if checkpoint:   # the trainer drops the lines logged after this checkpoint and goes on
                 command += ["--resume", run_dir]
                 print(f"{algo} seed {seed}: resuming from {checkpoint} ({done} iterations were logged)")
-            elif done:       # killed before its first checkpoint: nothing to resume from
-                print(f"{algo} seed {seed}: {done} iterations logged but no checkpoint yet; starting again")
+            else:            # a fresh run, or one killed before its first checkpoint: (re)start it
+                command += ["--overwrite"]
+                if done:
+                    print(f"{algo} seed {seed}: {done} iterations logged but no checkpoint yet; starting again")
             pending.append((f"{algo}-seed{seed}", command))
     cores = usable_cores()
     per_job = max(1, len(cores) // args.jobs)
@@ -445,7 +447,7 @@ QWEN25_7B_CONFIG = dict(
 # out-of-tokenizer ids of a random model are exercised too.
 TINY_CONFIG = {**QWEN25_7B_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2}
-RANDOM_MODEL = "random-qwen2.5-7b"  # the --model name ppo.main() gets; the patched loader answers to it
+RANDOM_MODEL = "bench/random-qwen2.5-7b"  # the --model name ppo.main() gets; the patched loaders answer to it
 GPU_DEFAULTS = {  # (one H200, --tiny on CPU): dialogues, agent turns, new tokens, minibatch, micro-batch
     "dialogues": (32, 4), "max_turns": (3, 2), "max_new_tokens": (128, 8), "minibatch_size": (32, 4),
     "micro_batch_size": (4, 2)}
@@ -489,8 +491,11 @@ def bench_gpu(args):
 
     # ppo.main() loads its policy by name through rollout.load_model; answer RANDOM_MODEL with the
     # in-memory random model instead of reading 15 GB of weights from disk.
-    real_load_model, real_pad_records = rollout.load_model, ppo.pad_records
+    real_load_model, real_load_tokenizer, real_pad_records = rollout.load_model, rollout.load_tokenizer, ppo.pad_records
     built = {}
+
+    def load_tokenizer(name, **kwargs):  # ppo.main() checks the personas' openings with it first
+        return tokenizer if name == RANDOM_MODEL else real_load_tokenizer(name, **kwargs)
 
     def load_model(name, device="cpu", load_in_4bit=False, **kwargs):
         if name != RANDOM_MODEL:
@@ -534,11 +539,12 @@ def bench_gpu(args):
         print(f"bench gpu: {'tiny Qwen2 (2 layers, hidden 64)' if args.tiny else 'Qwen2.5-7B architecture'}, random "
               f"weights, on {device_name}: ppo.py {' '.join(argv)}", flush=True)
         t0 = time.time()
-        rollout.load_model, ppo.pad_records = load_model, pad_records
+        rollout.load_model, rollout.load_tokenizer, ppo.pad_records = load_model, load_tokenizer, pad_records
         try:
             model, _ = ppo.main(argv)
         finally:
-            rollout.load_model, ppo.pad_records = real_load_model, real_pad_records
+            rollout.load_model, rollout.load_tokenizer, ppo.pad_records = real_load_model, real_load_tokenizer, \
+                real_pad_records
         ppo_seconds = time.time() - t0
         with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
             m = json.loads(f.readline())

@@ -34,9 +34,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rollout import (default_device, eos_ids, gpus_after_the_first, load_policy, log_to_trackers, play_dialogues,
-                     public_config, set_seed, start_trackers, summarize, tracker_settings, transcript_record)
-from simulator import Simulator, load_personas_or_exit, make_backend
+from rollout import (PLAIN_PROMPT, THINK_PROMPT, check_openings_fit, default_device, eos_ids, gpus_after_the_first,
+                     load_policy, log_to_trackers, parse_settings, play_dialogues, public_config, set_seed,
+                     start_trackers, summarize, tracker_settings, transcript_record)
+from simulator import Simulator, SimulatorError, fail, load_personas_or_exit, make_backend, one_of, redact
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,6 +59,10 @@ class EvalArgs:
     readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules"})
     api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
     api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable holding its key"})
+    api_timeout: float = field(default=60.0, metadata={
+        "help": "seconds a request to a URL simulator may take in all; a call, x (retries + 1)"})
+    api_retries: int = field(default=4, metadata={"help": "tries after a failed request to a URL simulator"})
+    api_concurrency: int = field(default=8, metadata={"help": "requests in flight at once to a URL server"})
     start_emotion: int = field(default=40, metadata={"help": "the user's starting emotion (SAGE: 40)"})
     max_change: int = field(default=10, metadata={"help": "largest emotion change per turn (SAGE: 10)"})
     max_turns: int = field(default=10, metadata={"help": "agent turns per dialogue (SAGE: 10)"})
@@ -82,26 +87,18 @@ class EvalArgs:
 
 
 def parse_args(argv=None):
-    from transformers import HfArgumentParser
-
-    (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(argv)
-    if args.split not in ("train", "test", "all"):
-        sys.exit(f"error: --split must be train, test or all, got '{args.split}'")
-    if args.samples < 1:
-        sys.exit("error: --samples must be at least 1")
+    """The settings, each checked (rollout.check_settings) before any model loads."""
+    args = parse_settings(EvalArgs, None, argv, {"split": one_of("train", "test", "all")})
     if args.samples > 1 and not args.sample:
-        sys.exit("error: greedy decoding plays the same dialogue every time; add --sample for --samples > 1")
-    if args.bootstrap < 1:
-        sys.exit("error: --bootstrap must be at least 1")
-    if args.load_in_4bit and not torch.cuda.is_available():  # before any model loads
-        print("error: --load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU", file=sys.stderr)
-        sys.exit(2)
+        fail("--samples: greedy decoding plays the same dialogue every time; add --sample for --samples > 1")
+    if args.load_in_4bit and not torch.cuda.is_available():
+        fail("--load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU")
     for path in args.adapter:
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
             inside = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "adapter_config.json"))) \
                 if os.path.isdir(path) else []
             hint = f"; did you mean {os.path.join(path, inside[0])}?" if inside else ""
-            sys.exit(f"error: --adapter {path}: no adapter_config.json there{hint}")
+            fail(f"--adapter {path}: no adapter_config.json there{hint}")
     return args
 
 
@@ -341,15 +338,22 @@ def unique_labels(paths, reserved=("base",)):
 
 def load_models(args):
     """One PeftModel: the first adapter as 'default' (or a fresh LoRA, the identity since B = 0),
-    further adapters by name. Returns (policy, tokenizer, models); models[0] is the base."""
-    policy, tokenizer = load_policy(args.model, adapter=args.adapter[0] if args.adapter else None,
-                                    trainable=False, device=default_device(), load_in_4bit=args.load_in_4bit)
+    further adapters by name. Returns (policy, tokenizer, models); models[0] is the base.
+    An adapter whose weights do not all load into the base (made for another model) ends the
+    program with one line naming both, instead of being scored half-loaded."""
+    first = args.adapter[0] if args.adapter else None
+    try:
+        policy, tokenizer = load_policy(args.model, adapter=first, trainable=False, device=default_device(),
+                                        load_in_4bit=args.load_in_4bit)
+    except RuntimeError as e:  # torch's size mismatch: another hidden size
+        fail(f"--adapter {first} does not fit --model {args.model}: {str(e).splitlines()[0][:200]}")
     policy.requires_grad_(False)
     models = [{"label": "base", "adapter_name": None, "adapter_path": None}]
     for i, (path, label) in enumerate(zip(args.adapter, unique_labels(args.adapter))):
         name = "default" if i == 0 else f"adapter_{i}"
-        if i > 0:
-            policy.load_adapter(path, adapter_name=name, is_trainable=False)
+        problem = adapter_fit_problem(policy, path, name, load=i > 0)
+        if problem:
+            fail(f"--adapter {path} does not fit --model {args.model}: {problem}")
         models.append({"label": label, "adapter_name": name, "adapter_path": path})
     return policy, tokenizer, models
 
@@ -362,6 +366,25 @@ def simulator_placement(simulator, device_map):
     if local and device_map == "auto" and torch.cuda.device_count() > 1:
         return "auto", gpus_after_the_first()
     return None, None
+
+
+def adapter_fit_problem(policy, path, name, load=True):
+    """None when every weight of the adapter at `path` loads into the adapter `name` of policy and
+    every LoRA weight of that adapter comes from the file; else peft's missing or unexpected keys.
+    load=False: the adapter is already in (from_pretrained); its weights are loaded again to see."""
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    try:
+        if load:
+            policy.load_adapter(path, adapter_name=name, is_trainable=False)
+        result = set_peft_model_state_dict(policy, load_peft_weights(path, device="cpu"), adapter_name=name)
+    except RuntimeError as e:  # size mismatches
+        return str(e).splitlines()[0][:200]
+    missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
+    if missing or result.unexpected_keys:
+        return (f"{len(missing)} of its weights missing (e.g. {(missing or ['-'])[0]}), "
+                f"{len(result.unexpected_keys)} unexpected (e.g. {(result.unexpected_keys or ['-'])[0]})")
+    return None
 
 
 @contextlib.contextmanager
@@ -668,6 +691,15 @@ def main(argv=None):
     personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split)
     personas = personas[:args.dialogues] if args.dialogues else personas
     problems = load_math_or_exit(args.math) if args.math else None
+    system_prompt = None
+    if args.system_prompt_file:
+        try:
+            with open(args.system_prompt_file, encoding="utf-8") as f:
+                system_prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"--system-prompt-file {args.system_prompt_file}: cannot read it ({e})")
+    system_prompt = system_prompt or (THINK_PROMPT if args.thinking else PLAIN_PROMPT)
+    check_openings_fit(args.model, personas, system_prompt, args.max_context, args.max_new_tokens)
     set_seed(args.seed)
     accelerator = None
     if args.report_to != "none":  # trackers only; evaluate.py places its models itself
@@ -680,19 +712,23 @@ def main(argv=None):
     device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map)
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, api_model=args.api_model,
                            api_key_env=args.api_key_env, device=default_device(), device_map=device_map,
-                           max_memory=max_memory)
+                           max_memory=max_memory, api_timeout=args.api_timeout, api_retries=args.api_retries,
+                           api_concurrency=args.api_concurrency)
     try:
         simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
                               max_change=args.max_change, max_turns=args.max_turns,
                               reply_tokens=args.user_reply_tokens)
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        fail(e)
     print(f"{len(models)} models x {len(personas)} personas x {args.samples} "
-          f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {args.simulator} "
+          f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
           f"(read-out {simulator.readout}{', spread over GPUs 1..' if device_map else ''})"
           + (f"; {len(problems)} math questions" if problems else ""),
           file=sys.stderr)
-    results = run_evaluation(args, policy, tokenizer, simulator, personas, models, problems, accelerator)
+    try:
+        results = run_evaluation(args, policy, tokenizer, simulator, personas, models, problems, accelerator)
+    except SimulatorError as e:  # the models finished before it are in transcripts.jsonl
+        fail(e)
     if accelerator is not None:
         accelerator.end_training()
     print(results_table(results))

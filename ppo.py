@@ -13,7 +13,6 @@ One copy of the weights serves four roles: the actor (adapter 'default'), the cr
     accelerate launch --num_processes 8 ppo.py   # data parallel on one node
 """
 import contextlib
-import os
 import random
 import sys
 import time
@@ -22,13 +21,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs,
-                     fingerprint, global_max, global_mean, global_stats, global_sum, gpus_after_the_first, latest_checkpoint,
-                     load_adapter_weights, load_policy, log_to_trackers, masked_mean, pad_records,
-                     parse_settings, peak_memory_gb, play_dialogues, prune_checkpoints, reduce_gradients,
-                     RunFolder, save_checkpoint, set_rng_state, set_seed, start_trackers, summarize,
-                     time_budget_used, token_logprobs, tracker_settings, transcript_record)
-from simulator import Simulator, load_personas_or_exit, make_backend
+from rollout import (DEFAULT_TARGETS, PLAIN_PROMPT, THINK_PROMPT, adapter_params, all_rng_states, batched_logprobs,
+                     check_openings_fit, fingerprint, global_max, global_mean, global_stats, global_sum,
+                     gpus_after_the_first, latest_checkpoint, load_adapter_weights, load_policy, log_to_trackers,
+                     masked_mean, pad_records, parse_settings, peak_memory_gb, play_dialogues, prepare_run,
+                     prune_checkpoints, public_config, reduce_gradients, RunFolder, save_checkpoint, set_rng_state,
+                     set_seed, start_trackers, stop_on_simulator_error, summarize, time_budget_used, token_logprobs,
+                     tracker_settings, transcript_record)
+from simulator import Simulator, SimulatorError, fail, load_personas_or_exit, make_backend, one_of, redact
 
 
 @dataclass
@@ -50,6 +50,10 @@ class Args:
     readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules (see README: read-outs)"})
     api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
     api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable with the URL simulator's key"})
+    api_timeout: float = field(default=60.0, metadata={
+        "help": "seconds a request to a URL simulator may take in all; a call, x (retries + 1)"})
+    api_retries: int = field(default=4, metadata={"help": "tries after a failed request to a URL simulator"})
+    api_concurrency: int = field(default=8, metadata={"help": "requests in flight at once to a URL server"})
     personas: str = field(default="personas.json", metadata={"help": "persona file"})
     split: str = field(default="train", metadata={"help": "persona split to train on"})
     difficulty: str = field(default="all", metadata={"help": "all (each persona's own) | easy | normal | hard: every user plays at this level"})
@@ -98,7 +102,9 @@ class Args:
     keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N checkpoints (0 = all)"})
     time_budget: float = field(default=0.0, metadata={"help": "minutes: stop (with a checkpoint) after the iteration that uses them up; 0 = off"})
     out: str = field(default="runs/ppo", metadata={"help": "run folder"})
-    resume: str = field(default="", metadata={"help": "run folder to continue from its newest complete checkpoint"})
+    resume: str = field(default="", metadata={
+        "help": "run folder to continue from its newest checkpoint that loads, with its saved settings"})
+    overwrite: bool = field(default=False, metadata={"help": "let --out replace a run (deletes its files)"})
     seed: int = field(default=0, metadata={"help": "random seed"})
     report_to: str = field(default="none", metadata={"help": "none | tensorboard | wandb | trackio | all"})
 
@@ -277,19 +283,24 @@ def main(argv=None):
     from accelerate.utils import gather_object
     from tqdm import tqdm
 
-    args = parse_settings(Args, PRESETS, argv)
+    args = parse_settings(Args, PRESETS, argv, {"loss_agg": one_of("token-mean", "seq-mean-token-mean",
+                                                                  "seq-mean-token-sum")})
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
-        sys.exit("error: the paper's setup needs CUDA; on this machine run `python ppo.py --preset cpu`")
+        fail("the paper's setup needs CUDA; on this machine run `python ppo.py --preset cpu`")
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               **tracker_settings(args.report_to, args.resume or args.out))
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    # the run folder before any model: a run there is never clobbered; --resume takes its settings
+    ckpt, state, resumed = prepare_run(args, ["default", "critic"], accelerator.is_main_process)
     for name in ("dialogues_per_iteration", "minibatch_size"):
         if getattr(args, name) % world:
-            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
     if args.dialogues_per_iteration % args.minibatch_size:
-        sys.exit("error: --dialogues-per-iteration must be a multiple of --minibatch-size")
+        fail("--dialogues-per-iteration must be a multiple of --minibatch-size")
     set_seed(args.seed)  # the same adapter initialisation on every process
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
+    check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
+                       args.max_context, args.max_new_tokens, args.trust_remote_code)
 
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
     model, tokenizer = load_policy(args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
@@ -324,23 +335,21 @@ def main(argv=None):
     backend = make_backend(args.simulator, policy=model, tokenizer=tokenizer, api_model=args.api_model,
                            api_key_env=args.api_key_env, device=device, device_map=sim_device_map,
                            max_memory=gpus_after_the_first() if sim_device_map else None,
-                           trust_remote_code=args.trust_remote_code)
+                           trust_remote_code=args.trust_remote_code, api_timeout=args.api_timeout,
+                           api_retries=args.api_retries, api_concurrency=args.api_concurrency)
     simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion, max_change=args.max_change,
                           max_turns=args.max_turns, reply_tokens=args.sim_reply_tokens)
     if accelerator.is_main_process:
         where = "shares the policy's base" if args.simulator == "same" else (
             "spread over GPUs 1.." if sim_device_map else f"on {device}" if args.simulator != "rules" else "rules")
-        print(f"policy {args.model} on {device} x {world} process(es); simulator {args.simulator} ({where}), "
+        print(f"policy {args.model} on {device} x {world} process(es); simulator "
+              f"{redact(args.simulator)} ({where}), "
               f"read-out {simulator.readout}")
 
     # --- run folder and resume ---------------------------------------------------------------
     start_iteration = 0
     if args.resume:
-        args.out = args.resume
-        ckpt = latest_checkpoint(args.resume)
-        if ckpt is None:
-            sys.exit(f"error: --resume {args.resume}: no complete checkpoint in {args.resume}/checkpoints")
-        state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
+        # ckpt and state: the newest checkpoint that loads, picked by prepare_run
         for name in ("default", "critic"):
             load_adapter_weights(model, ckpt, name)
         value_head.load_state_dict(state["value_head"])
@@ -354,7 +363,9 @@ def main(argv=None):
             set_seed(args.seed + rank + 7919 * start_iteration)
     else:
         set_seed(args.seed + rank)  # each process samples its own dialogues
-    run = RunFolder(args.out, args, resume=bool(args.resume), enabled=accelerator.is_main_process)
+    run = RunFolder(args.out, args, resume=bool(args.resume), enabled=accelerator.is_main_process,
+                    resumed=resumed)
+    saved_at = start_iteration  # the iteration of the newest checkpoint
     if args.resume:
         run.truncate("metrics.jsonl", start_iteration)
         run.truncate("rollouts.jsonl", start_iteration)
@@ -372,11 +383,17 @@ def main(argv=None):
         chosen = pick.sample(personas, args.dialogues_per_iteration) if len(personas) >= args.dialogues_per_iteration \
             else [pick.choice(personas) for _ in range(args.dialogues_per_iteration)]
         share = args.dialogues_per_iteration // world
-        records, rstats = play_dialogues(model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
-                                         thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
-                                         max_new_tokens=args.max_new_tokens, max_context=args.max_context,
-                                         greedy=args.greedy,
-                                         progress=accelerator.is_main_process and sys.stderr.isatty())
+        try:
+            records, rstats = play_dialogues(model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
+                                             thinking=args.thinking, temperature=args.temperature,
+                                             top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                             max_context=args.max_context, greedy=args.greedy,
+                                             progress=accelerator.is_main_process and sys.stderr.isatty())
+        except SimulatorError as e:  # one line; a finished iteration not yet saved is saved first
+            due = iteration > saved_at and world == 1  # (a save is collective: one process only)
+            save = (lambda: _save(args, iteration, model, value_head, optimizer, scheduler, accelerator)) \
+                if due else None
+            stop_on_simulator_error(e, save)
         t_rollout = time.time() - t_start
 
         # --- 2. score: old log-probs, reference log-probs, values, rewards -----------------------
@@ -520,6 +537,7 @@ def main(argv=None):
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}")
         out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time:
+            saved_at = iteration + 1
             _save(args, iteration + 1, model, value_head, optimizer, scheduler, accelerator)
         accelerator.wait_for_everyone()
         if out_of_time:
@@ -539,8 +557,8 @@ def _save(args, iteration, model, value_head, optimizer, scheduler, accelerator,
         return None
     path = save_checkpoint(args.out, iteration, model, ["default", "critic"], {
         "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "args": vars(args), "rng": rngs if len(rngs) > 1 else rngs[0]},
-        name=name)
+        "scheduler": scheduler.state_dict(), "args": public_config(args),
+        "rng": rngs if len(rngs) > 1 else rngs[0]}, name=name)
     if name is None:  # a complete checkpoint: older ones beyond --keep-checkpoints go
         prune_checkpoints(args.out, args.keep_checkpoints)
     return path

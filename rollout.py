@@ -24,8 +24,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from simulator import (Simulator, cache_keyword, cached_batch, keep_cache, load_model, load_personas_or_exit,
-                       make_backend, prompt_counts, transcript_turns)
+from simulator import (DIFFICULTIES, READOUTS, REDACTED, Simulator, SimulatorError, above, at_least,
+                       cache_keyword, cached_batch, check_rules, env_name, fail, keep_cache, load_model,
+                       load_personas_or_exit, make_backend, model_problem, one_line_errors, one_of, prompt_counts,
+                       readout_problem, redact, resolve_model, simulator_kind, simulator_problem, transcript_turns,
+                       unknown_arguments, within)
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project; --system-prompt-file replaces them)
@@ -446,21 +449,86 @@ def masked_mean(x, mask, dim=None):
 # ----------------------------------------------------------------------------------------------
 # Settings, run folders and checkpoints, shared by the trainers
 # ----------------------------------------------------------------------------------------------
-def parse_settings(args_class, presets, argv=None):
-    """Parse a settings dataclass with transformers.HfArgumentParser. A preset only changes
-    defaults: any flag given explicitly on the command line wins over it."""
+# What each setting may be, by field name; check_settings applies the rules of the fields a
+# settings class has. A script adds or replaces rules for its own fields (the choices of
+# --loss-agg differ between ppo.py and grpo.py). Renaming a flag means renaming its key here.
+TRACKERS = ("tensorboard", "wandb", "trackio")  # each one's pip package has the same name
+
+
+SETTING_RULES = {
+    # the policy and the simulated user
+    "model": model_problem, "simulator": simulator_problem, "readout": one_of(*READOUTS),
+    "lora_r": at_least(1), "lora_alpha": above(0), "lora_dropout": within(0, 1, high_open=True),
+    "split": one_of("train", "test"), "difficulty": one_of("all", *DIFFICULTIES),
+    "start_emotion": within(0, 100), "max_change": at_least(1), "max_turns": at_least(1),
+    "sim_reply_tokens": at_least(1), "user_reply_tokens": at_least(1),
+    "api_key_env": env_name, "api_timeout": above(0), "api_retries": at_least(0),
+    "api_concurrency": at_least(1),
+    # rollouts
+    "dialogues_per_iteration": at_least(1), "personas_per_iteration": at_least(1), "group_size": at_least(2),
+    "dialogues": at_least(0), "samples": at_least(1), "temperature": above(0),
+    "top_p": within(0, 1, low_open=True), "max_new_tokens": at_least(1), "max_context": at_least(2),
+    # rewards and advantages
+    "reward": one_of("final", "turn"), "format_penalty": at_least(0), "kl_coef": at_least(0),
+    "kl_loss_coef": at_least(0), "beta": at_least(0), "gamma": within(0, 1), "lam": within(0, 1),
+    "scale_rewards": one_of("group", "batch", "none"),
+    # the update
+    "ppo_epochs": at_least(1), "num_iterations": at_least(1), "minibatch_size": at_least(1),
+    "micro_batch_size": at_least(1), "clip_range": within(0, 1, low_open=True, high_open=True),
+    "clip_range_high": above(0), "clip_low": within(0, 1, low_open=True, high_open=True),
+    "clip_high": above(0),
+    "value_clip": above(0), "vf_coef": at_least(0), "ent_coef": at_least(0),
+    "actor_lr": at_least(0), "critic_lr": at_least(0), "lr": at_least(0), "critic_warmup": at_least(0),
+    "warmup_steps": at_least(0), "max_grad_norm": above(0), "max_bad_updates": at_least(1),
+    # the run
+    "iterations": at_least(1), "save_every": at_least(1), "time_budget": at_least(0),
+    "bootstrap": at_least(1), "math_max_new_tokens": at_least(1), "math_batch_size": at_least(1),
+    "keep_checkpoints": at_least(0), "report_to": one_of(*TRACKERS, "all", "none"),
+    "dtype": one_of("auto", "float32", "bfloat16"),
+}
+
+
+def check_settings(args, rules=None):
+    """Every setting against its rule (SETTING_RULES, then `rules`), and the pairs that only work
+    together, before anything loads. Bad input ends the program: one line naming the flag, the
+    value and what is allowed, exit code 2."""
+    values = {f.name: getattr(args, f.name) for f in fields(args)}
+    check_rules(values, {**SETTING_RULES, **(rules or {})})
+    if "simulator" in values and "readout" in values:
+        problem = readout_problem(values["readout"], simulator_kind(values["simulator"]))
+        if problem:
+            fail(f"--readout {values['readout']} with --simulator {redact(values['simulator'])}: {problem}")
+    context, reply = values.get("max_context"), values.get("max_new_tokens")
+    if context is not None and reply is not None and context <= reply:
+        fail(f"--max-context {values['max_context']}: must be more than --max-new-tokens "
+             f"{values['max_new_tokens']} (a prompt and a whole reply must fit)")
+
+
+def parse_settings(args_class, presets=None, argv=None, rules=None):
+    """Parse a settings dataclass with transformers.HfArgumentParser, then check it (check_settings).
+    A preset only changes defaults: any flag given explicitly on the command line wins over it.
+    The flags given explicitly are kept in args.given_flags (--resume compares them with the run's)."""
     from transformers import HfArgumentParser
 
     argv = sys.argv[1:] if argv is None else list(argv)
     # No abbreviated flags: "--max-t 5" would set max_turns without being seen as given below.
-    (args,) = HfArgumentParser(args_class, allow_abbrev=False).parse_args_into_dataclasses(argv)
-    if args.preset not in presets:
-        sys.exit(f"error: --preset must be one of {sorted(presets)}, got '{args.preset}'")
+    parser = one_line_errors(HfArgumentParser(args_class, allow_abbrev=False))
+    rules = {**SETTING_RULES, **(rules or {})}
+    if presets is not None:
+        rules["preset"] = one_of(*presets)
+    for action in parser._actions:  # choices go to argparse too, so that --help lists them
+        if hasattr(rules.get(action.dest), "choices") and action.choices is None:
+            action.choices = rules[action.dest].choices
+    args, extra = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if extra:
+        fail(unknown_arguments(parser, extra))
     given = {a.split("=", 1)[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
     given |= {g[3:] for g in given if g.startswith("no_")}  # --no_thinking / --no-thinking set `thinking`
-    for key, value in presets[args.preset].items():
+    for key, value in (presets or {}).get(getattr(args, "preset", None), {}).items():
         if key not in given:
             setattr(args, key, value)
+    check_settings(args, rules)
+    args.given_flags = frozenset(given)
     return args
 
 
@@ -489,51 +557,116 @@ SECRET_WORDS = {"key", "token", "secret", "password"}  # whole words of a settin
 
 
 def public_config(args):
-    """Settings as a dict for config.json: names of environment variables are kept, values that
-    look like secrets are not (keys only ever come from the environment anyway)."""
+    """Settings as a dict for config.json and state.pt: names of environment variables are kept;
+    a setting named like a secret is hidden, and so is any value that looks like one (an sk- key,
+    a bearer token, the password in a URL), whatever the setting is called."""
     out = {}
     for f in fields(args):
         value = getattr(args, f.name)
         # "api_key" is hidden, "api_key_env" (the variable's name) and "max_new_tokens" are not
         if SECRET_WORDS & set(f.name.lower().split("_")) and not f.name.endswith("_env"):
-            value = "<redacted>"
-        out[f.name] = value
+            value = REDACTED
+        out[f.name] = redact(value)
     return out
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "rollouts.jsonl", "checkpoints")
+
+
+def finite_row(row):
+    """(row, count): a copy of a JSON row with every NaN or infinite float replaced by None (JSON
+    has neither, and strict readers reject the NaN that json.dumps writes), and how many there were."""
+    count = 0
+
+    def clean(x):
+        nonlocal count
+        if isinstance(x, float) and not np.isfinite(x):
+            count += 1
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+    return clean(row), count
+
+
+def write_atomically(path, text):
+    """Replace a file's content so that a kill at any moment leaves the old or the new one whole:
+    write a temporary file beside it, fsync, rename over (rename is atomic on POSIX)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself survives a power cut
+    finally:
+        os.close(folder)
 
 
 class RunFolder:
     """config.json, metrics.jsonl, rollouts.jsonl and checkpoints/ of one run. Each JSON line is
-    written whole and flushed, so a killed run leaves no torn line."""
+    written whole and flushed, so a killed run leaves no torn line. resumed: what --resume
+    recorded (prepare_run), added to config.json's "resumed_with" list."""
 
-    def __init__(self, path, args, resume=False, enabled=True):
+    def __init__(self, path, args, resume=False, enabled=True, resumed=None):
         self.path, self.enabled = path, enabled
         if not enabled:
             return
         os.makedirs(os.path.join(path, "checkpoints"), exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(public_config(args), f, indent=2)
+        config = public_config(args)
+        config_path = os.path.join(path, "config.json")
+        if resume:
+            try:
+                with open(config_path, encoding="utf-8") as f:
+                    config["resumed_with"] = json.load(f).get("resumed_with", [])
+            except (OSError, ValueError, AttributeError):
+                config["resumed_with"] = []
+            config["resumed_with"].append(resumed or {})
+        write_atomically(config_path, json.dumps(config, indent=2))
         if not resume:
             for name in ("metrics.jsonl", "rollouts.jsonl"):
                 open(os.path.join(path, name), "w").close()
 
     def append(self, name, rows):
+        """Append JSON lines. NaN and infinity are written as null; in metrics.jsonl each row
+        says how many of its values were (nonfinite_metrics)."""
         if not self.enabled:
             return
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        lines = []
+        for row in rows:
+            row, count = finite_row(row)
+            if name == "metrics.jsonl":
+                row["nonfinite_metrics"] = count
+            lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
         with open(os.path.join(self.path, name), "a", encoding="utf-8") as f:
-            f.write(text)
+            f.write("".join(lines))
             f.flush()
             os.fsync(f.fileno())
 
     def truncate(self, name, iterations):
-        """On resume: drop lines of iterations after the checkpoint (written after it was saved)."""
+        """On resume: drop lines of iterations after the checkpoint (written after it was saved),
+        and a torn last line. The kept lines replace the file atomically (write_atomically): a kill
+        during the trim leaves the whole old file, never a cut one."""
         path = os.path.join(self.path, name)
         if not self.enabled or not os.path.exists(path):
             return
+        keep = []
         with open(path, encoding="utf-8") as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["iteration"] <= iterations]
-        with open(path, "w", encoding="utf-8") as f:
-            f.writelines(keep)
+            for line in f:
+                try:
+                    if line.strip() and json.loads(line)["iteration"] <= iterations:
+                        keep.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a kill, or not a row of this run
+        write_atomically(path, "".join(keep))
 
 
 def save_checkpoint(run_dir, iteration, model, adapters, state, name=None):
@@ -561,40 +694,190 @@ def save_checkpoint(run_dir, iteration, model, adapters, state, name=None):
 def prune_checkpoints(run_dir, keep):
     """--keep-checkpoints: delete every complete checkpoint but the newest `keep` (0 keeps all).
     Called right after a checkpoint is complete. Each folder is renamed first, to a name ending in
-    .tmp, which latest_checkpoint skips, and only then removed: a kill half way through a removal
+    .tmp, which complete_checkpoints skips, and only then removed: a kill half way through a removal
     leaves a folder that --resume never picks. Leftovers of such a kill go in the next call."""
     folder = os.path.join(run_dir, "checkpoints")
-    complete = sorted(d for d in os.listdir(folder) if d.startswith("iter_") and not d.endswith(".tmp"))
-    for name in complete[:-keep] if keep > 0 else []:
-        os.rename(os.path.join(folder, name), os.path.join(folder, name + ".deleting.tmp"))
+    for path in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        os.rename(path, path + ".deleting.tmp")
     for name in os.listdir(folder):
         if name.endswith(".deleting.tmp"):
             shutil.rmtree(os.path.join(folder, name))
 
 
-def latest_checkpoint(run_dir):
-    """The newest complete checkpoint folder, or None (a folder still named *.tmp is ignored)."""
+def complete_checkpoints(run_dir):
+    """Checkpoint folders, oldest first (a folder still named *.tmp is a save that was cut short)."""
     folder = os.path.join(run_dir, "checkpoints")
     done = sorted(d for d in os.listdir(folder) if d.startswith("iter_") and not d.endswith(".tmp")) \
         if os.path.isdir(folder) else []
-    return os.path.join(folder, done[-1]) if done else None
+    return [os.path.join(folder, d) for d in done]
+
+
+def latest_checkpoint(run_dir):
+    """The newest complete checkpoint folder, or None."""
+    done = complete_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def checkpoint_problem(folder, adapters):
+    """(state, None) when a checkpoint loads: state.pt reads and has what a resume needs, and every
+    adapter's weights read and have the rank its settings say; else (None, why not)."""
+    from safetensors.torch import load_file
+
+    try:
+        state = torch.load(os.path.join(folder, "state.pt"), map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated or foreign file fails in many ways
+        return None, f"state.pt does not load ({type(e).__name__})"
+    missing = [k for k in ("iteration", "optimizer", "scheduler", "args", "rng") if k not in state]
+    if missing:
+        return None, f"state.pt lacks {', '.join(missing)}"
+    rank = state["args"].get("lora_r")
+    for name in adapters:
+        path = os.path.join(folder, name, "adapter_model.safetensors")
+        if not os.path.exists(path):
+            return None, f"{name}/adapter_model.safetensors is missing"
+        try:
+            weights = load_file(path)
+        except Exception as e:
+            return None, f"{name}/adapter_model.safetensors does not load ({type(e).__name__})"
+        ranks = {w.shape[0] for k, w in weights.items() if "lora_A" in k}
+        if not ranks or (rank is not None and ranks != {rank}):
+            return None, f"{name} adapter has rank {sorted(ranks)}, its settings say --lora-r {rank}"
+    return state, None
+
+
+def pick_checkpoint(run_dir, adapters):
+    """(folder, state) of the newest checkpoint that loads, saying on stderr which newer ones it
+    skipped and why. None loads: one line, exit code 2."""
+    skipped = []
+    for folder in reversed(complete_checkpoints(run_dir)):
+        state, problem = checkpoint_problem(folder, adapters)
+        if state is not None:
+            return folder, state, skipped
+        print(f"warning: --resume: skipping {folder}: {problem}", file=sys.stderr)
+        skipped.append(f"{os.path.basename(folder)}: {problem}")
+    fail(f"--resume {run_dir}: no checkpoint in {run_dir}/checkpoints that loads"
+         + (f" ({len(skipped)} skipped; newest: {skipped[0]})" if skipped else ""))
+
+
+# Settings that may differ on --resume: how long and how often, where to log, how the same
+# computation is laid out in memory, and how to reach the simulator server. Every other setting
+# (the model, the adapter's shape, the optimizer, the method, the data, the seed) is the run's:
+# it is taken from the checkpoint, and giving another value on the command line is an error.
+MAY_CHANGE_ON_RESUME = {
+    "preset", "iterations", "save_every", "time_budget", "out", "resume", "overwrite",
+    "gradient_checkpointing", "micro_batch_size", "max_bad_updates", "simulator_device_map",
+    "keep_checkpoints", "report_to",
+    "api_key_env", "api_timeout", "api_retries", "api_concurrency",
+}
+# Consent is never inherited: a resumed run runs hub code only if this command line allows it.
+NOT_FROM_CHECKPOINT = {"trust_remote_code"}
+
+
+def resume_settings(args, saved, given):
+    """args with the run's saved settings put back, checked against the flags given now. Returns
+    {field: [saved, now]} of the settings that changed (all in MAY_CHANGE_ON_RESUME); ends the
+    program on a flag that would change the model, the adapter, the optimizer or the method."""
+    changed = {}
+    for f in fields(args):
+        if f.name not in saved or f.name in ("resume", "out", "overwrite") or f.name in NOT_FROM_CHECKPOINT:
+            continue  # a setting added since the checkpoint keeps its value now
+        now, then = getattr(args, f.name), saved[f.name]
+        if redact(now) == then:
+            continue
+        url_moved = f.name == "simulator" and simulator_kind(now) == simulator_kind(then) == "url"
+        if f.name in given and (f.name in MAY_CHANGE_ON_RESUME or url_moved):
+            changed[f.name] = [then, redact(now)]
+        elif f.name in given:
+            fail(f"--{f.name.replace('_', '-')} {redact(now)!r}: the run in {args.resume} has {then!r}, and "
+                 f"--resume keeps the model, adapter, optimizer and method settings (drop the flag, or start "
+                 f"a new run with another --out)")
+        elif REDACTED in str(then):
+            fail(f"--{f.name.replace('_', '-')}: the run saved it redacted (it held a secret); give it again")
+        else:
+            setattr(args, f.name, then)
+    return changed
+
+
+def prepare_run(args, adapters, is_main=True):
+    """Before any model loads: the run folder and, with --resume, its checkpoint and settings.
+    --out on a folder that holds a run stops unless --overwrite (which clears that run's files);
+    --resume takes the newest checkpoint that loads (pick_checkpoint) and the settings saved in it
+    (resume_settings). Returns (checkpoint folder, state, record for config.json) or Nones."""
+    if args.resume:
+        if getattr(args, "overwrite", False):
+            fail("--overwrite with --resume: continue the run or replace it, not both")
+        args.out = args.resume
+        folder, state, skipped = pick_checkpoint(args.resume, adapters)
+        changed = resume_settings(args, state["args"], getattr(args, "given_flags", set()))
+        if is_main:
+            print(f"resuming {args.resume} from {os.path.basename(folder)} with its saved settings"
+                  + "".join(f"; --{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in changed.items()),
+                  file=sys.stderr)
+        return folder, state, {"from": os.path.basename(folder), "changed": changed, "skipped": skipped}
+    present = [n for n in RUN_FILES if os.path.exists(os.path.join(args.out, n))
+               and (n != "checkpoints" or os.listdir(os.path.join(args.out, n)))]
+    if present and not getattr(args, "overwrite", False):
+        fail(f"--out {args.out} holds a run ({', '.join(present)}): continue it with --resume {args.out}, "
+             f"replace it with --overwrite, or pick another --out")
+    if present and is_main:
+        for name in present:
+            path = os.path.join(args.out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        print(f"--overwrite: cleared the run in {args.out} ({', '.join(present)})", file=sys.stderr)
+    return None, None, None
 
 
 def load_adapter_weights(model, folder, name):
-    """Copy a saved adapter's weights into the adapter `name` of a live PeftModel."""
-    from peft import set_peft_model_state_dict
+    """Copy a saved adapter's weights into the adapter `name` of a live PeftModel. Weights that do
+    not fit (another rank, another model) raise one line, not torch's list of mismatches."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(folder, name, "adapter_model.safetensors"), device=str(next(model.parameters()).device))
-    result = set_peft_model_state_dict(model, weights, adapter_name=name)
-    if getattr(result, "unexpected_keys", None):
-        raise RuntimeError(f"{folder}/{name}: adapter weights do not fit this model")
+    live = get_peft_model_state_dict(model, adapter_name=name)
+    wrong = [k for k, w in weights.items() if k in live and live[k].shape != w.shape]
+    if wrong or set(weights) != set(live):
+        missing, unexpected = len(set(live) - set(weights)), len(set(weights) - set(live))
+        why = (f"{wrong[0]} is {tuple(weights[wrong[0]].shape)}, the model's {tuple(live[wrong[0]].shape)}"
+               if wrong else f"{missing} missing, {unexpected} unexpected")
+        raise RuntimeError(f"{folder}/{name}: adapter weights do not fit this model ({why})")
+    set_peft_model_state_dict(model, weights, adapter_name=name)
+
+
+def load_tokenizer(model_name, trust_remote_code=False):
+    """The tokenizer of a model, without its weights (bench.py answers its in-memory model here)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+
+
+def check_openings_fit(model_name, personas, system_prompt, max_context, max_new_tokens,
+                       trust_remote_code=False):
+    """Every persona's first prompt (system prompt and opening) with room for a whole reply must fit
+    max_context, or its dialogue would end before the agent speaks (and its metrics would be NaN).
+    Needs only the tokenizer, so it runs before the weights load. Bad input: one line, exit 2."""
+    chat = ChatTokens(load_tokenizer(model_name, trust_remote_code=trust_remote_code), system_prompt)
+    for p in personas:
+        if len(p.opening) > 64 * max_context:  # surely too long; spares tokenising megabytes
+            n = f"over {max_context}"
+        else:
+            n = len(chat.prompt(p.opening))
+            if n + max_new_tokens <= max_context:
+                continue
+        fail(f"persona {p.id}: its opening makes a first prompt of {n} tokens, which with --max-new-tokens "
+             f"{max_new_tokens} does not fit --max-context {max_context}")
+
+
+def stop_on_simulator_error(error, save=None):
+    """A simulator that cannot answer ends the run with one line and exit code 2; save() first
+    writes a checkpoint of the last complete iteration when one has not been saved."""
+    path = save() if save is not None else None
+    fail(f"{error}" + (f"; the last complete iteration is saved in {path}" if path else ""))
 
 
 # ----------------------------------------------------------------------------------------------
 # Experiment trackers (--report-to), through accelerate's tracker API; metrics.jsonl stays the record
 # ----------------------------------------------------------------------------------------------
-TRACKERS = ("tensorboard", "wandb", "trackio")  # each one's pip package has the same name
 TRACKER_DIALOGUES = 3  # dialogues per iteration shown as text in the trackers that take text
 
 
@@ -806,19 +1089,23 @@ class RolloutArgs:
 
 
 def main(argv=None):
-    from transformers import HfArgumentParser
-
-    (args,) = HfArgumentParser(RolloutArgs).parse_args_into_dataclasses(argv)
+    args = parse_settings(RolloutArgs, None, argv, {"split": one_of("train", "test", "all")})
     set_seed(args.seed)
     personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split)
     personas = personas[:args.dialogues] if args.dialogues else personas
+    check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
+                       args.max_context, args.max_new_tokens)
     policy, tokenizer = load_policy(args.model, adapter=args.adapter, trainable=False)
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, device=default_device())
     simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion, max_turns=args.max_turns)
     t0 = time.time()
-    records, stats = play_dialogues(policy, tokenizer, simulator, personas, args.samples, thinking=args.thinking,
-                                    temperature=args.temperature, top_p=args.top_p,
-                                    max_new_tokens=args.max_new_tokens, max_context=args.max_context)
+    try:
+        records, stats = play_dialogues(policy, tokenizer, simulator, personas, args.samples,
+                                        thinking=args.thinking, temperature=args.temperature,
+                                        top_p=args.top_p,
+                                        max_new_tokens=args.max_new_tokens, max_context=args.max_context)
+    except SimulatorError as e:
+        fail(e)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "rollouts.jsonl"), "w", encoding="utf-8") as f:
         for r in records:

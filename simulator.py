@@ -22,6 +22,8 @@ import argparse
 import concurrent.futures
 import dataclasses
 import functools
+import difflib
+import http.client
 import importlib.util
 import inspect
 import json
@@ -29,11 +31,12 @@ import math
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass, field
 
 import torch
@@ -190,6 +193,10 @@ def _project_persona(path, i, entry):
     band_lines = entry.get("band_lines", {})
     if not isinstance(band_lines, dict) or set(band_lines) - set(BANDS):
         raise PersonaError(f"{path}: {where}: field 'band_lines' must map bands {BANDS} to lines")
+    for key, line in band_lines.items():
+        if not isinstance(line, str) or not line.strip():
+            raise PersonaError(f"{path}: {where}: field 'band_lines' entry '{key}' must be a non-empty "
+                               f"string, got {type(line).__name__}")
     return Persona(topic=str(entry.get("topic", "")), band_lines=band_lines,
                    **{k: entry[k] for k in PERSONA_FIELDS})
 
@@ -219,6 +226,10 @@ def load_personas(path, split=None):
             text = f.read()
     except OSError as e:
         raise PersonaError(f"{path}: cannot read: {e.strerror}")
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise PersonaError(f"{path}: line {line}: not UTF-8 text "
+                           f"(byte 0x{e.object[e.start]:02x} at offset {e.start})")
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
@@ -611,17 +622,100 @@ class LocalBackend:
         return torch.stack(scores)
 
 
+class ReplyError(ValueError):
+    """A server reply that is not a usable chat completion."""
+
+
 class OpenAIBackend:
     """Any OpenAI-compatible /v1/chat/completions server (vLLM, SGLang, llama.cpp, a hosted API).
-    The key comes from an environment variable and is never logged or saved."""
+    The key comes from an environment variable and is never logged or saved.
+
+    Limits, so that no server can hang or flood a run: each request has a total deadline of
+    `timeout` seconds from connecting to its last byte, however slowly the server trickles; each
+    call (all its tries and waits) at most timeout x (max_retries + 1); a reply is read up to
+    max_reply_bytes; on 429 or 503 it waits what Retry-After asks, at most max_wait seconds. A reply
+    whose choices[0].message.content is not a string is a malformed response and is retried.
+    Errors name the server (any password in its URL redacted), never the key."""
     name = "url"
 
     def __init__(self, base_url, model="default", api_key_env="OPENAI_API_KEY", timeout=60.0,
-                 max_retries=4, backoff=1.0, concurrency=8):
+                 max_retries=4, backoff=1.0, concurrency=8, max_reply_bytes=1_000_000, max_wait=30.0):
         self.url = base_url.rstrip("/") + "/chat/completions"
+        self.server = redact(self.url)  # the server as error messages name it
         self.model, self.api_key_env, self.timeout = model, api_key_env, timeout
         self.max_retries, self.backoff, self.concurrency = max_retries, backoff, concurrency
+        self.max_reply_bytes, self.max_wait = max_reply_bytes, max_wait
         self.generated_tokens = 0
+        self._lock = threading.Lock()  # the worker threads add to generated_tokens
+
+    def _request(self, body, headers, seconds):
+        """One POST that takes at most `seconds` in all: (status, headers, body bytes). The socket
+        timeout bounds each read; a timer that shuts the socket down bounds their sum, which a
+        server sending one byte at a time would otherwise stretch forever."""
+        parts = urllib.parse.urlsplit(self.url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = kind(parts.hostname, parts.port, timeout=seconds)
+        expired, sockets = threading.Event(), []
+
+        def expire():
+            expired.set()
+            for sock in sockets:  # the connection hands its socket to the response: keep our own
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked read
+                except OSError:
+                    pass
+        timer = threading.Timer(seconds, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            connection.connect()
+            sockets.append(connection.sock)
+            if expired.is_set():
+                raise TimeoutError
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            connection.request("POST", path, body=body, headers=headers)
+            response = connection.getresponse()
+            length = response.getheader("Content-Length", "")
+            if length.isdigit() and int(length) > self.max_reply_bytes:
+                raise ReplyError(f"reply of {length} bytes, more than the {self.max_reply_bytes} allowed")
+            data = response.read(self.max_reply_bytes + 1)
+            if len(data) > self.max_reply_bytes:
+                raise ReplyError(f"reply longer than the {self.max_reply_bytes} bytes allowed")
+            if expired.is_set():
+                raise TimeoutError
+            return response.status, response.headers, data
+        except (OSError, http.client.HTTPException):
+            if expired.is_set():
+                raise TimeoutError from None
+            raise
+        finally:
+            timer.cancel()
+            connection.close()
+
+    def _content(self, data):
+        """The reply text of a chat completion, with every type on the way checked."""
+        try:
+            payload = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise ReplyError("not JSON") from None
+        try:
+            content = payload["choices"][0]["message"]["content"]
+        except (TypeError, KeyError, IndexError):
+            raise ReplyError("no choices[0].message.content") from None
+        if not isinstance(content, str):
+            raise ReplyError(f"choices[0].message.content is {type(content).__name__}, not a string")
+        usage = payload.get("usage")
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(tokens, int) and not isinstance(tokens, bool):
+            with self._lock:
+                self.generated_tokens += tokens
+        return content
+
+    def _wait(self, status, reply_headers, attempt):
+        """Seconds before the next try: what a 429/503's Retry-After asks (bounded), else backoff."""
+        asked = (reply_headers.get("Retry-After") or "").strip() if status in (429, 503) else ""
+        seconds = float(asked) if re.fullmatch(r"\d+(\.\d+)?", asked) else self.backoff * 2 ** attempt
+        return min(seconds, self.max_wait)
 
     def _post(self, messages, max_new_tokens):
         body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_new_tokens,
@@ -630,26 +724,36 @@ class OpenAIBackend:
         key = os.environ.get(self.api_key_env)
         if key:
             headers["Authorization"] = "Bearer " + key
-        problem = ""
+        deadline = time.monotonic() + self.timeout * (self.max_retries + 1)
+        problem, tries = "no time left", 0
         for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+            seconds = min(self.timeout, deadline - time.monotonic())
+            if seconds <= 0:
+                break
+            tries += 1
+            status, reply_headers = None, {}
             try:
-                request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    payload = json.loads(response.read().decode("utf-8"))
-                usage = payload.get("usage") or {}
-                self.generated_tokens += int(usage.get("completion_tokens", 0))
-                return payload["choices"][0]["message"]["content"] or ""
-            except urllib.error.HTTPError as e:
-                problem = f"HTTP {e.code}"
-                if e.code != 429 and e.code < 500:  # a client error will not go away by retrying
+                status, reply_headers, data = self._request(body, headers, seconds)
+                if status == 200:
+                    return self._content(data)
+                problem = f"HTTP {status}"
+                if status in (401, 403):  # retrying will not make a wrong key right
+                    problem += f" (is the key in ${self.api_key_env} right?)"
                     break
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                problem = f"connection failed ({getattr(e, 'reason', e)})"
-            except (ValueError, KeyError, IndexError, TypeError):
-                problem = "malformed response (not an OpenAI chat completion)"
-        raise SimulatorError(f"simulator server {self.url}: {problem} after {attempt + 1} tries")
+                if status != 429 and status < 500:  # a client error will not go away by retrying
+                    break
+            except ReplyError as e:
+                problem = f"malformed response ({e})"
+            except TimeoutError:
+                problem = f"no complete reply within {seconds:.3g} s"
+            except (OSError, http.client.HTTPException) as e:
+                problem = f"connection failed ({getattr(e, 'reason', None) or e or type(e).__name__})"
+            if attempt < self.max_retries:
+                pause = self._wait(status, reply_headers, attempt)
+                if time.monotonic() + pause >= deadline:
+                    break
+                time.sleep(pause)
+        raise SimulatorError(f"simulator server {self.server}: {problem} after {tries} tries")
 
     def chat(self, conversations, max_new_tokens, slots=None):
         """slots is unused: a server keeps its own prefix cache (vLLM and SGLang do), and the
@@ -724,13 +828,14 @@ class RulesBackend:
 class Simulator:
     def __init__(self, backend, readout="auto", start_emotion=40, max_change=10, max_turns=8,
                  leave_below=10, reply_tokens=64, appraisal_tokens=160, likelihood_scale=2.5):
+        problem = readout_problem(readout, backend.name)
+        if problem:
+            raise ValueError(f"--readout {readout}: {problem}")
         if readout == "auto":  # logits exist only for local models; see README "Read-outs"
             readout = {"url": "reasoned", "rules": "rules"}.get(backend.name, "likelihood")
         if readout == "likelihood" and not hasattr(backend, "score"):
-            raise ValueError(f"readout 'likelihood' needs log-probabilities; the {backend.name} backend "
+            raise ValueError(f"--readout likelihood needs log-probabilities; the {backend.name} backend "
                              "has none: use --readout reasoned")
-        if (readout == "rules") != (backend.name == "rules"):
-            raise ValueError("readout 'rules' goes with --simulator rules and only with it")
         self.backend, self.readout = backend, readout
         self.start_emotion, self.max_change, self.max_turns = start_emotion, max_change, max_turns
         self.leave_below, self.reply_tokens, self.appraisal_tokens = leave_below, reply_tokens, appraisal_tokens
@@ -822,8 +927,9 @@ def clean_user_text(text):
 
 def make_backend(simulator, policy=None, tokenizer=None, api_model="default", api_key_env="OPENAI_API_KEY",
                  device="cpu", micro_batch_size=16, device_map=None, max_memory=None, trust_remote_code=False,
-                 reuse_cache=True):
-    """--simulator same | rules | http(s)://host:port/v1 | a model id or path for transformers."""
+                 reuse_cache=True, api_timeout=60.0, api_retries=4, api_concurrency=8):
+    """--simulator same | rules | http(s)://host:port/v1 | a model id or path for transformers.
+    api_*: the URL client's limits (OpenAIBackend: timeout, max_retries, concurrency)."""
     if simulator == "rules":
         return RulesBackend()
     if simulator == "same":
@@ -832,11 +938,154 @@ def make_backend(simulator, policy=None, tokenizer=None, api_model="default", ap
         return LocalBackend(policy, tokenizer, use_base=True, micro_batch_size=micro_batch_size,
                             reuse_cache=reuse_cache)
     if simulator.startswith(("http://", "https://")):
-        return OpenAIBackend(simulator, model=api_model, api_key_env=api_key_env)
+        return OpenAIBackend(simulator, model=api_model, api_key_env=api_key_env, timeout=api_timeout,
+                             max_retries=api_retries, concurrency=api_concurrency)
     model, tok = load_model(simulator, device=device, device_map=device_map, max_memory=max_memory,
                             trust_remote_code=trust_remote_code)
     model.requires_grad_(False)
     return LocalBackend(model, tok, micro_batch_size=micro_batch_size, reuse_cache=reuse_cache)
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings checks shared by every command line (rollout.py holds the table of rules per flag)
+# ----------------------------------------------------------------------------------------------
+READOUTS = ("auto", "reasoned", "likelihood", "rules")
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name; anything else that is not a folder is a typo
+
+
+def fail(message):
+    """Bad input on a command line: one line on stderr and exit code 2, never a traceback.
+    tqdm.write puts it on a line of its own even while a progress bar is drawn."""
+    tqdm.write(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# A rule takes a value and returns None when it is allowed, else what is allowed.
+def one_of(*choices):
+    def rule(value):
+        return None if value in choices else "must be one of " + " | ".join(map(str, choices))
+    rule.choices = choices  # parse_settings hands them to argparse, so --help lists them
+    return rule
+
+
+def at_least(low):
+    return lambda value: None if value >= low else f"must be at least {low}"
+
+
+def above(low):
+    return lambda value: None if value > low else f"must be greater than {low}"
+
+
+def within(low, high, low_open=False, high_open=False):
+    def rule(value):
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        return None if ok else f"must be in {left}{low}, {high}{right}"
+    return rule
+
+
+def env_name(value):
+    """--api-key-env takes the name of a variable; a key typed there instead is refused (and redacted)."""
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        return None
+    return "must be the name of an environment variable that holds the key, such as OPENAI_API_KEY"
+
+
+def model_problem(value):
+    """--model: the embedded model, an existing folder or a hub id org/name. Checked before
+    anything loads, so a typo fails at once instead of after a minute of hub retries."""
+    if value in EMBEDDED or os.path.isdir(value) or HUB_ID.fullmatch(value):
+        return None
+    return f"must be {' | '.join(EMBEDDED)} | an existing folder | a hub id org/name"
+
+
+def simulator_kind(value):
+    """same | rules | url | local (a model id or folder for transformers)."""
+    if value in ("same", "rules"):
+        return value
+    return "url" if value.startswith(("http://", "https://")) else "local"
+
+
+def simulator_problem(value):
+    kind = simulator_kind(value)
+    if kind == "url":
+        return None if urllib.parse.urlsplit(value).hostname else "a URL needs a host: http://host:port/v1"
+    if kind != "local" or model_problem(value) is None:
+        return None
+    guess = difflib.get_close_matches(value, ["same", "rules", *EMBEDDED], 1)
+    return (f"must be same | rules | http(s)://host:port/v1 | {' | '.join(EMBEDDED)} | an existing folder | "
+            f"a hub id org/name" + (f"; did you mean {guess[0]}?" if guess else ""))
+
+
+def readout_problem(readout, kind):
+    """Which read-out a simulator kind (simulator_kind, or a backend's name) can give."""
+    if readout not in READOUTS:
+        return one_of(*READOUTS)(readout)
+    if kind == "rules" and readout not in ("auto", "rules"):
+        return "--simulator rules appraises by its own rules: use --readout rules (or auto)"
+    if readout == "rules" and kind != "rules":
+        return "--readout rules goes with --simulator rules and only with it"
+    if readout == "likelihood" and kind == "url":
+        return ("needs log-probabilities, which a URL simulator does not give: use --readout reasoned "
+                "(or auto)")
+    return None
+
+
+# Values that look like secrets, whatever the setting is called: an OpenAI-style or Hugging Face
+# key, a bearer token, the password of a URL (user:password@host), a key in a URL's query.
+SECRETS = (re.compile(r"\bsk-[A-Za-z0-9_-]{6,}"), re.compile(r"\bhf_[A-Za-z0-9]{10,}"),
+           re.compile(r"\bBearer\s+\S+", re.IGNORECASE), re.compile(r"(?<=://)[^/@\s]+(?=@)"),
+           re.compile(r"(?<=[?&])((?:api[_-]?)?key|token|access_token|password)=[^&\s]*", re.IGNORECASE))
+REDACTED = "<redacted>"
+
+
+def redact(value):
+    """value with anything that looks like a secret replaced by <redacted> (lists element-wise)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    if not isinstance(value, str):
+        return value
+    for pattern in SECRETS:
+        value = pattern.sub(REDACTED, value)
+    return value
+
+
+def closest_flag(parser, flag):
+    """The known --flag nearest to a mistyped one (difflib), or None."""
+    known = sorted({o.replace("_", "-") for a in parser._actions for o in a.option_strings
+                    if o.startswith("--")})
+    guess = difflib.get_close_matches(flag.split("=", 1)[0].replace("_", "-"), known, 1, 0.7)
+    return guess[0] if guess else None
+
+
+def unknown_arguments(parser, extra):
+    """One line for arguments no flag takes: the first unknown --flag and its nearest known one."""
+    flag = next((a for a in extra if a.startswith("-")), None)
+    if flag is None:
+        return f"unexpected argument '{redact(extra[0])}'"
+    guess = closest_flag(parser, flag)
+    return f"unknown flag {flag.split('=', 1)[0]}" + (f"; did you mean {guess}?" if guess else "; see --help")
+
+
+def one_line_errors(parser):
+    """Make an argparse parser (HfArgumentParser too) end on a bad flag with one line and exit 2,
+    instead of its usage block; an unknown flag names the closest known one."""
+    def error(message):
+        if message.startswith("unrecognized arguments: "):
+            fail(unknown_arguments(parser, message.split(": ", 1)[1].split()))
+        fail(redact(message))
+    parser.error = error
+    return parser
+
+
+def check_rules(values, rules):
+    """values: {field: value}; rules: {field: rule}. Ends the program on the first value a rule
+    refuses, with a line naming the flag, the value (secrets redacted) and what is allowed."""
+    for name, rule in rules.items():
+        if name in values and values[name] is not None:
+            problem = rule(values[name])
+            if problem:
+                fail(f"--{name.replace('_', '-')} {redact(values[name])!r}: {problem}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -896,20 +1145,32 @@ def transcript_turns(state):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False))
     ap.add_argument("--model", default="smollm2", help="simulator model: smollm2, a hub id/path, a /v1 URL, or rules")
     ap.add_argument("--personas", default="personas.json")
     ap.add_argument("--split", default="test", choices=["train", "test", "all"])
     ap.add_argument("--dialogues", type=int, default=3, help="number of personas to play (0 = all)")
     ap.add_argument("--agent-replies", help="JSON object: style name -> list of agent replies")
-    ap.add_argument("--readout", default="auto", choices=["auto", "reasoned", "likelihood", "rules"])
+    ap.add_argument("--readout", default="auto", choices=list(READOUTS))
     ap.add_argument("--start-emotion", type=int, default=40)
     ap.add_argument("--max-change", type=int, default=10)
     ap.add_argument("--max-turns", type=int, default=8)
     ap.add_argument("--api-model", default="default", help="model name sent to a URL simulator")
     ap.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key")
+    ap.add_argument("--api-timeout", type=float, default=60.0, help="seconds a request may take in all")
+    ap.add_argument("--api-retries", type=int, default=4, help="tries after the first one that failed")
+    ap.add_argument("--api-concurrency", type=int, default=8, help="requests in flight at once")
     ap.add_argument("--out", help="write transcripts as JSON lines here")
     args = ap.parse_args(argv)
+    check_rules(vars(args), {
+        "model": lambda v: "no policy here to share: use rules, a model or a URL" if v == "same"
+        else simulator_problem(v),
+        "dialogues": at_least(0), "start_emotion": within(0, 100), "max_change": at_least(1),
+        "max_turns": at_least(1), "api_key_env": env_name, "api_timeout": above(0),
+        "api_retries": at_least(0), "api_concurrency": at_least(1)})
+    problem = readout_problem(args.readout, simulator_kind(args.model))
+    if problem:
+        fail(f"--readout {args.readout} with --model {redact(args.model)}: {problem}")
 
     personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split)
     if args.dialogues:
@@ -928,12 +1189,18 @@ def main(argv=None):
             print(f"error: {args.agent_replies}: entry '{(bad or ['(top level)'])[0]}': must be a non-empty list of strings",
                   file=sys.stderr)
             sys.exit(2)
-    backend = make_backend(args.model, api_model=args.api_model, api_key_env=args.api_key_env)
+    backend = make_backend(args.model, api_model=args.api_model, api_key_env=args.api_key_env,
+                           api_timeout=args.api_timeout, api_retries=args.api_retries,
+                           api_concurrency=args.api_concurrency)
     sim = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
                     max_change=args.max_change, max_turns=args.max_turns)
-    print(f"simulator: {args.model}, read-out: {sim.readout}, {len(personas)} personas x {len(agent)} styles")
+    print(f"simulator: {redact(args.model)}, read-out: {sim.readout}, {len(personas)} personas x "
+          f"{len(agent)} styles")
     t0 = time.time()
-    results = play_scripted(sim, personas, agent)
+    try:
+        results = play_scripted(sim, personas, agent)
+    except SimulatorError as e:
+        fail(e)
     for r in results:
         print(f"\n=== {r['persona_id']} / {r['style']}: {r['end_reason']}, final emotion {r['final_emotion']}")
         for t in r["turns"]:

@@ -108,6 +108,7 @@ def test_learning_driver_skips_resumes_and_passes_flags(fake_runs, monkeypatch, 
     resumed, fresh = calls
     assert resumed[resumed.index("--seed") + 1] == "1" and resumed[-2:] == ["--resume", resumed[resumed.index("--out") + 1]]
     assert fresh[fresh.index("--seed") + 1] == "2" and "--resume" not in fresh
+    assert fresh[-1] == "--overwrite" and "--overwrite" not in resumed  # its folder may hold a run cut short
     for c in calls:
         assert c[0] == sys.executable and c[2:6] == ["--preset", "cpu", "--simulator", "rules"]
         assert c[c.index("--iterations") + 1] == "6" and c[c.index("--max-turns") + 1] == "3"

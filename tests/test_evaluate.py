@@ -7,6 +7,7 @@ embedded model (base vs a perturbed LoRA adapter).
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -311,13 +312,15 @@ def test_failure_half_way_leaves_finished_transcripts(tiny_peft, tmp_path, monke
     assert not partial["complete"] and [m["label"] for m in partial["models"]] == ["base"]
 
 
-def test_settings_are_checked(tmp_path):
-    with pytest.raises(SystemExit, match="--sample"):
+def test_settings_are_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
         evaluate.parse_args(["--samples", "3"])
+    assert stop.value.code == 2 and "--sample" in capsys.readouterr().err
     (tmp_path / "ckpt" / "policy").mkdir(parents=True)
     (tmp_path / "ckpt" / "policy" / "adapter_config.json").write_text("{}")
-    with pytest.raises(SystemExit, match="did you mean .*ckpt/policy"):
+    with pytest.raises(SystemExit) as stop:
         evaluate.parse_args(["--adapter", str(tmp_path / "ckpt")])
+    assert stop.value.code == 2 and re.search("did you mean .*ckpt/policy", capsys.readouterr().err)
     args = evaluate.parse_args(["--adapter", str(tmp_path / "ckpt" / "policy"), "--no-thinking", "--max-turns", "3"])
     assert (args.thinking, args.max_turns, args.start_emotion, args.sample) == (False, 3, 40, False)
 

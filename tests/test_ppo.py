@@ -333,8 +333,10 @@ def test_value_of_a_token_does_not_see_that_token(tiny_model_dir):
 @pytest.mark.parametrize("reward,start,expected", [("final", 30, 0.30), ("final", 40, 0.40), ("turn", 30, 0.0)])
 def test_untrained_critic_predicts_the_return_of_an_unmoved_emotion(tiny_model_dir, personas_file, tmp_path,
                                                                     reward, start, expected):
-    # No iterations: the critic as built. Every position after the first reads the prior.
-    model, head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "0",
+    # The critic as built: one iteration whose learning rates are 0 (--iterations 0 is refused).
+    # Every position after the first reads the prior.
+    model, head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "1",
+                                     "--actor-lr", "0", "--critic-lr", "0",
                                      "--reward", reward, "--start-emotion", str(start)))
     ids = torch.randint(5, 500, (2, 9))
     with torch.no_grad(), ppo.adapter_active(model, "critic"):

@@ -542,11 +542,14 @@ def test_parse_settings_explicit_flags_win_over_presets(argv, expected):
     assert (args.lr, args.max_turns, args.thinking) == expected
 
 
-def test_parse_settings_rejects_unknown_preset_and_abbreviations():
-    with pytest.raises(SystemExit, match="--preset must be one of"):
+def test_parse_settings_rejects_unknown_preset_and_abbreviations(capsys):
+    with pytest.raises(SystemExit) as stop:
         rollout.parse_settings(PresetArgs, PRESETS, ["--preset", "huge"])
-    with pytest.raises((SystemExit, ValueError)):  # "--max_t" would otherwise set max_turns unseen
+    assert stop.value.code == 2 and "--preset" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # "--max_t" would otherwise set max_turns unseen
         rollout.parse_settings(PresetArgs, PRESETS, ["--preset", "tiny", "--max_t", "5"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "unknown flag --max_t; did you mean --max-turns?" in err
 
 
 def test_checkpoints_newest_complete_wins_and_adapters_load(tiny_model_dir, tmp_path):

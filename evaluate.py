@@ -52,6 +52,9 @@ class EvalArgs:
     dialogues: int = field(default=0, metadata={"help": "personas to play, the first N of the split (0 = all)"})
     simulator: str = field(default="same", metadata={"help": "same | rules | model id/path | http://host:port/v1"})
     readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules"})
+    judge: str = field(default="training", metadata={
+        "help": "training | heldout: the appraisal prompt that scores (heldout: an outside observer the "
+                "agent never trained against; needs the reasoned read-out)"})
     api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
     api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable holding its key"})
     start_emotion: int = field(default=40, metadata={"help": "the user's starting emotion (SAGE: 40)"})
@@ -88,6 +91,16 @@ def parse_args(argv=None):
         sys.exit("error: greedy decoding plays the same dialogue every time; add --sample for --samples > 1")
     if args.bootstrap < 1:
         sys.exit("error: --bootstrap must be at least 1")
+    if args.judge not in ("training", "heldout"):
+        print(f"error: --judge must be training or heldout, got '{args.judge}'", file=sys.stderr)
+        sys.exit(2)
+    readout = args.readout if args.readout != "auto" else (
+        "reasoned" if args.simulator.startswith(("http://", "https://")) else
+        "rules" if args.simulator == "rules" else "likelihood")
+    if args.judge == "heldout" and readout != "reasoned":
+        print(f"error: --judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
+              f"{args.simulator} reads out '{readout}'", file=sys.stderr)
+        sys.exit(2)
     for path in args.adapter:
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
             inside = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "adapter_config.json"))) \
@@ -401,7 +414,8 @@ def results_table(results):
     has_math = results.get("math") is not None
     lines = [
         f"{results['personas_played']} personas from `{os.path.basename(s['personas'])}` (split {s['split']}), "
-        f"{decoding} dialogue(s) each; simulator `{s['simulator']}` (read-out {results['readout']}), "
+        f"{decoding} dialogue(s) each; simulator `{s['simulator']}` (read-out {results['readout']}, "
+        f"judge {results.get('judge', 'training')}), "
         f"start emotion {s['start_emotion']}, up to {s['max_turns']} turns, thinking {'on' if s['thinking'] else 'off'}. "
         f"Score = mean final emotion (0-100); [95% bootstrap interval over personas, {s['bootstrap']} resamples]; "
         "vs base = mean paired difference over the same personas; reply tokens = policy tokens per agent turn, "
@@ -576,6 +590,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
             system_prompt = f.read().strip()
     persona_ids = [p.id for p in personas]
     results = {"complete": False, "settings": public_config(args), "readout": simulator.readout,
+               "judge": simulator.judge,
                "personas_played": len(personas), "persona_ids": persona_ids, "models": [], "paired": [],
                "math": None if problems is None else {"questions": len(problems), "models": {}, "paired": []}}
     played = []
@@ -651,12 +666,13 @@ def main(argv=None):
     try:
         simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
                               max_change=args.max_change, max_turns=args.max_turns,
-                              reply_tokens=args.user_reply_tokens)
+                              reply_tokens=args.user_reply_tokens, judge=args.judge)
     except ValueError as e:
         sys.exit(f"error: {e}")
     print(f"{len(models)} models x {len(personas)} personas x {args.samples} "
           f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {args.simulator} "
-          f"(read-out {simulator.readout})" + (f"; {len(problems)} math questions" if problems else ""),
+          f"(read-out {simulator.readout}, judge {simulator.judge})"
+          + (f"; {len(problems)} math questions" if problems else ""),
           file=sys.stderr)
     results = run_evaluation(args, policy, tokenizer, simulator, personas, models, problems)
     print(results_table(results))

@@ -14,6 +14,7 @@ message. The action mask is 1 exactly on the policy's sampled tokens.
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -43,27 +44,42 @@ PLAIN_PROMPT = (
 SILENCE = "..."  # what the user sees when the agent's visible reply is empty
 
 
+THINK_TAG = re.compile(r"</?think\s*>", re.IGNORECASE)
+
+
 def split_thought(text, thinking):
-    """(thought, reply, violation). With thinking on, the reply is the text after </think>.
-    violation is None or one of:
+    """(thought, reply, violation). With thinking on, the reply is the text after the last
+    </think>, so that no thought can reach the simulated user. violation is None or one of:
       no_think       no tags at all: the whole text is the reply
       unclosed       <think> without </think>: all of it is thought, the reply is empty
+      stray_tags     any other tag than one <think> at the start and one </think>; all text before
+                     the last </think> is thought, and a <think> after it starts thought again
       empty_thought  the tags hold nothing
       empty_reply    nothing visible is left; the user sees SILENCE
     Every case is counted in the rollout statistics; --format-penalty in the trainers can punish it."""
     text = text.strip()
     if not thinking:
         return "", text, None if text else "empty_reply"
-    if "</think>" in text:
-        thought, reply = text.split("</think>", 1)
-        thought = thought.replace("<think>", "", 1).strip()
-        reply = reply.strip()
-        if not reply:
-            return thought, "", "empty_reply"
-        return thought, reply, None if thought else "empty_thought"
-    if "<think>" in text:
-        return text.split("<think>", 1)[1].strip(), "", "unclosed"
-    return "", text, "no_think" if text else "empty_reply"
+    tags = list(THINK_TAG.finditer(text))
+    closes = [t for t in tags if t.group().startswith("</")]
+    if not closes:
+        if tags:
+            return THINK_TAG.sub(" ", text[tags[0].end():]).strip(), "", "unclosed"
+        return "", text, "no_think" if text else "empty_reply"
+    last = closes[-1]
+    before, reply = text[:last.start()], text[last.end():]
+    opening = THINK_TAG.search(reply)  # a thought opened after the last close is never shown
+    if opening:
+        before, reply = before + " " + reply[opening.end():], reply[:opening.start()]
+    inner = [t for t in tags if t is not last]
+    stray = opening is not None or len(inner) > 1 or (inner and (inner[0].start() != 0 or inner[0].group()[1] == "/"))
+    thought = " ".join(part.strip() for part in THINK_TAG.split(before) if part.strip())
+    reply = reply.strip()
+    if not reply:
+        return thought, "", "empty_reply"
+    if stray:
+        return thought, reply, "stray_tags"
+    return thought, reply, None if thought else "empty_thought"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -573,10 +573,9 @@ def appraisal_messages(state, reply, judge="training", max_change=10):
             profile=_profile_lines(persona), background=persona.background, goal=persona.goal,
             hidden=persona.hidden_intention, good=persona.reactions.get("good", ""),
             bad=persona.reactions.get("bad", ""), temper=OBSERVER_FORGIVENESS[lang][persona.difficulty])
-    system += "\n\n" + APPRAISE[judge, lang] + "\n\n" + SCALE[lang].format(m=max_change)
     ask = (f"{TRANSCRIPT_INTRO[lang]}\n\n{transcript_text(state.history, lang, judge)}\n\n"
            f"{FEELING[lang, judge].format(feeling=FEELINGS[lang][band(state.emotion)])}\n"
-           f"{NEWEST[lang]}\n{quoted(reply)}")
+           f"{NEWEST[lang]}\n{quoted(reply)}\n\n{APPRAISE[judge, lang]}\n\n{SCALE[lang].format(m=max_change)}")
     return [{"role": "system", "content": system}, {"role": "user", "content": ask}]
 
 

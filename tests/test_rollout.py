@@ -102,7 +102,16 @@ def eos_biased_model(tiny_model):
     ("<think>she is hurt</think>", True, ("she is hurt", "", "empty_reply")),
     ("<think></think>  ", True, ("", "", "empty_reply")),
     ("", True, ("", "", "empty_reply")),
-    ("<think>a</think>b</think>c", True, ("a", "b</think>c", None)),  # only the first closing tag splits
+    # The reply is the text after the LAST closing tag; any other tag is a violation, and every
+    # word before that tag, or after a <think> that follows it, stays thought (it used to be that
+    # only the first closing tag split, so a second thought block reached the user verbatim).
+    ("<think>a</think>b</think>c", True, ("a b", "c", "stray_tags")),
+    ("<think>a</think> Hello. <think>secret plan</think> How are you?", True,
+     ("a Hello. secret plan", "How are you?", "stray_tags")),
+    ("<think>a</think>Hi. <think>secret plan", True, ("a secret plan", "Hi.", "stray_tags")),
+    ("Hello. <think>secret plan</think> How are you?", True, ("Hello. secret plan", "How are you?", "stray_tags")),
+    ("<think>a</think><think>secret plan</think>", True, ("a secret plan", "", "empty_reply")),
+    ("<THINK>she is hurt</Think>That sounds hard.", True, ("she is hurt", "That sounds hard.", None)),
     ("<think>x</think>Hi there.", False, ("", "<think>x</think>Hi there.", None)),
     ("Hi there.", False, ("", "Hi there.", None)),
     ("   ", False, ("", "", "empty_reply")),
@@ -328,7 +337,7 @@ class ScriptedUsers:
     def __init__(self, scripts):
         self.scripts = scripts
 
-    def chat(self, conversations, max_new_tokens, slots=None):
+    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
         out = []
         for messages in conversations:
             name = re.search(r"- name: (.+)", messages[0]["content"]).group(1)

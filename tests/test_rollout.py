@@ -169,6 +169,41 @@ def test_play_counts_format_cases_and_sends_silence(tiny_model, personas):
     assert [agent_turns(r)[0]["text"] for r in records] == [t.strip() or SILENCE for t in texts]
 
 
+class PromptSpy:
+    """A reasoned-read-out backend that answers "Change: +1" or "Okay." and keeps every prompt."""
+    name = "url"
+    generated_tokens = 0
+
+    def __init__(self):
+        self.prompts = []
+
+    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
+        self.prompts += conversations
+        return ["Change: +1" if "Change: N" in c[-1]["content"] else "Okay." for c in conversations]
+
+
+THOUGHTFUL = [  # every thought holds SECRET; where it sits, and how the tags are broken, varies
+    "<think>SECRET one</think>That sounds hard.",
+    "<think>SECRET one</think> Hello. <think>SECRET two</think> How are you?",
+    "<think>SECRET one</think>Hello.</think>How are you?",
+    "<think>SECRET one</think>Hello. <think>SECRET two",
+    "Hello. <think>SECRET one</think>How are you?",
+    "<think>SECRET one",
+]
+
+
+def test_think_text_never_reaches_the_simulator(tiny_model, personas):
+    _, tokenizer = tiny_model
+    spy = PromptSpy()
+    records, stats = play_dialogues(ScriptedPolicy(tokenizer, THOUGHTFUL), tokenizer,
+                                    Simulator(spy, readout="reasoned", max_turns=1), personas(len(THOUGHTFUL)),
+                                    max_new_tokens=48, progress=False)
+    assert len(spy.prompts) == len(THOUGHTFUL)
+    assert not any("SECRET" in m["content"] for prompt in spy.prompts for m in prompt)
+    assert stats["stray_tags"] == 4 and stats["format_ok"] == 1 and stats["unclosed"] == 1
+    assert [agent_turns(r)[0]["violation"] for r in records] == [None] + ["stray_tags"] * 4 + ["unclosed"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Token in, token out: the action mask, turn ends, the chat template
 # ----------------------------------------------------------------------------------------------

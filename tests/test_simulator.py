@@ -974,6 +974,62 @@ def test_cli_rules_run(persona_entry, write_personas, tmp_path):
     assert mean["warm"] > mean["dismissive"]
 
 
+# (appraisal the server writes, its answer to the one retry or None, the change expected)
+SERVER_CASES = [
+    ("Got right: it named the promotion.\nMissed: my hurt.\nInner reaction: R0.\nChange: \u22123", None, -3),
+    ("Inner reaction: R1.\nChange\uff1a-3", None, -3),
+    ("Inner reaction: R2.\n\u53d8\u5316\uff1a-3", None, -3),
+    ("Inner reaction: R3.\nChange: \u20132", None, -2),
+    ("Inner reaction: R4.\n**Change:** +4", None, 4),
+    ("Inner reaction: R5.\nChange: 41 \u2192 38", "Change: -3", -3),       # unread, then read on retry
+    ("Inner reaction: R6.\nChange: 45", "I'd rather not say.", 0),          # unread twice: the fallback
+    ("On a scale from -10 to +10 it is fine.\nInner reaction: R7.\nChange: +2", None, 2),
+]
+
+
+def test_cli_reasoned_against_a_fake_server(serve, persona_entry, write_personas, tmp_path):
+    """simulator.py --model URL --readout reasoned, end to end: the server reads which scripted reply
+    is being appraised from the prompt and answers in one of the formats above."""
+    replies = tmp_path / "replies.json"
+    replies.write_text(json.dumps({"probe": [f"Reply number {k}. How are you holding up?"
+                                             for k in range(len(SERVER_CASES))]}))
+    seen = []
+
+    def respond(n, body):
+        messages = body["messages"]
+        seen.append(messages)
+        if "could not be read" in messages[-1]["content"]:
+            k = int(re.search(r"Reply number (\d)", messages[-3]["content"].split(simulator.NEWEST["en"])[-1]).group(1))
+            return completion(SERVER_CASES[k][1])
+        if "Change: N" in messages[-1]["content"]:
+            k = int(re.search(r"Reply number (\d)", messages[-1]["content"].split(simulator.NEWEST["en"])[-1]).group(1))
+            return completion(SERVER_CASES[k][0])
+        # the user's reply echoes its private note and a score; none of it may reach the transcript
+        return completion("[A note only you can see. Your mood: 47 out of 100.]\nInner reaction: LEAK.\n"
+                          "Mood: 47/100\nI hear you. Go on.")
+    server = serve(respond)
+    path = write_personas([persona_entry(id="t1")])
+    out = tmp_path / "out.jsonl"
+    done = run_cli("--model", server.url, "--readout", "reasoned", "--personas", path, "--dialogues", "1",
+                   "--max-turns", str(len(SERVER_CASES)), "--start-emotion", "50", "--agent-replies", str(replies),
+                   "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    (record,) = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    agent = [t for t in record["turns"] if t["role"] == "agent"]
+    assert [t["change"] for t in agent] == [c for _, _, c in SERVER_CASES]
+    assert [t["parsed"] for t in agent] == [k != 6 for k in range(len(SERVER_CASES))]
+    assert record["fallbacks"] == 1 and record["retries"] == 2
+    assert record["final_emotion"] == 50 + sum(c for _, _, c in SERVER_CASES) and 10 not in [t["change"] for t in agent]
+    users = [t["text"] for t in record["turns"] if t["role"] == "user"][1:]
+    assert users == ["I hear you. Go on."] * (len(SERVER_CASES) - 1)
+    # each user reply was written from the reaction of the appraisal just before it, in a note
+    replies_asked = [m for m in seen if "Change: N" not in m[-1]["content"]
+                     and "could not be read" not in m[-1]["content"]]
+    assert [re.findall(r"reaction to that reply: (R\d)", m[-1]["content"]) for m in replies_asked] == \
+        [[f"R{k}"] for k in range(len(SERVER_CASES) - 1)]
+    assert "fallbacks 1, retries 2" in done.stdout
+
+
 def test_cli_agent_replies(persona_entry, write_personas, tmp_path):
     path = write_personas([persona_entry(id="t1"), persona_entry(id="t2", difficulty="easy")])
     replies = tmp_path / "replies.json"

@@ -773,6 +773,23 @@ def test_chat_batched_equals_alone_and_restores_mode(tiny_model):
     assert backend.generated_tokens > 0
 
 
+def test_chat_repetition_penalty_is_a_parameter(smollm2):
+    """Appraisals are decoded with repetition_penalty=1.0: plain greedy decoding, checked against
+    generate() itself; the default (1.2, for the user's replies) is what generate gives with it."""
+    model, tokenizer = smollm2
+    conversation = [{"role": "user", "content": "Repeat exactly, nothing else: 4 4 4 4 4 4 4 4"}]
+    ids = torch.tensor([LocalBackend(model, tokenizer)._encode([conversation])[0]])
+    expected = {}
+    for penalty in (1.0, 1.2):
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=12, repetition_penalty=penalty, pad_token_id=tokenizer.pad_token_id)
+        expected[penalty] = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    assert expected[1.0] != expected[1.2]  # the penalty does change what this model writes
+    backend = LocalBackend(model, tokenizer, reuse_cache=False)
+    assert backend.chat([conversation], 12, repetition_penalty=1.0) == [expected[1.0]]
+    assert backend.chat([conversation], 12) == [expected[1.2]]
+
+
 def test_use_base_disables_adapters(tiny_model):
     from peft import LoraConfig, get_peft_model
 

@@ -72,7 +72,8 @@ def split_thought(text, thinking):
     if opening:
         before, reply = before + " " + reply[opening.end():], reply[:opening.start()]
     inner = [t for t in tags if t is not last]
-    stray = opening is not None or len(inner) > 1 or (inner and (inner[0].start() != 0 or inner[0].group()[1] == "/"))
+    well_placed = not inner or (len(inner) == 1 and inner[0].start() == 0 and inner[0].group()[1] != "/")
+    stray = opening is not None or not well_placed
     thought = " ".join(part.strip() for part in THINK_TAG.split(before) if part.strip())
     reply = reply.strip()
     if not reply:

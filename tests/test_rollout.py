@@ -109,7 +109,8 @@ def eos_biased_model(tiny_model):
     ("<think>a</think> Hello. <think>secret plan</think> How are you?", True,
      ("a Hello. secret plan", "How are you?", "stray_tags")),
     ("<think>a</think>Hi. <think>secret plan", True, ("a secret plan", "Hi.", "stray_tags")),
-    ("Hello. <think>secret plan</think> How are you?", True, ("Hello. secret plan", "How are you?", "stray_tags")),
+    ("Hello. <think>secret plan</think> How are you?", True,
+     ("Hello. secret plan", "How are you?", "stray_tags")),
     ("<think>a</think><think>secret plan</think>", True, ("a secret plan", "", "empty_reply")),
     ("<THINK>she is hurt</Think>That sounds hard.", True, ("she is hurt", "That sounds hard.", None)),
     ("<think>x</think>Hi there.", False, ("", "<think>x</think>Hi there.", None)),
@@ -195,9 +196,9 @@ THOUGHTFUL = [  # every thought holds SECRET; where it sits, and how the tags ar
 def test_think_text_never_reaches_the_simulator(tiny_model, personas):
     _, tokenizer = tiny_model
     spy = PromptSpy()
-    records, stats = play_dialogues(ScriptedPolicy(tokenizer, THOUGHTFUL), tokenizer,
-                                    Simulator(spy, readout="reasoned", max_turns=1), personas(len(THOUGHTFUL)),
-                                    max_new_tokens=48, progress=False)
+    sim = Simulator(spy, readout="reasoned", max_turns=1)
+    records, stats = play_dialogues(ScriptedPolicy(tokenizer, THOUGHTFUL), tokenizer, sim,
+                                    personas(len(THOUGHTFUL)), max_new_tokens=48, progress=False)
     assert len(spy.prompts) == len(THOUGHTFUL)
     assert not any("SECRET" in m["content"] for prompt in spy.prompts for m in prompt)
     assert stats["stray_tags"] == 4 and stats["format_ok"] == 1 and stats["unclosed"] == 1

@@ -286,7 +286,8 @@ def test_parse_change_unread_is_none(text):
 
 
 def test_parse_change_limit_follows_max_change():
-    assert parse_change("Change: +25", max_change=30) == 25 and parse_change("Change: +25", max_change=20) is None
+    assert parse_change("Change: +25", max_change=30) == 25
+    assert parse_change("Change: +25", max_change=20) is None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,23 +417,26 @@ def test_reasoned_retries_once_then_falls_back(persona):
     sim.step([s], ["first"])
     assert (s.emotion, s.fallbacks, s.retries) == (37, 0, 1)
     assert s.appraisals[-1]["parsed"] is True
-    assert s.appraisals[-1]["appraisal"].startswith("I am not sure") and s.appraisals[-1]["appraisal"].endswith("Change: -3")
+    text = s.appraisals[-1]["appraisal"]
+    assert text.startswith("I am not sure") and text.endswith("(re-asked for the change) Change: -3")
     retry = backend.calls[1][0][0]  # the retry extends the appraisal with the model's own answer
-    assert retry[:2] == backend.calls[0][0][0] and retry[2] == {"role": "assistant",
-                                                               "content": "I am not sure what to make of this."}
+    assert retry[:2] == backend.calls[0][0][0]
+    assert retry[2] == {"role": "assistant", "content": "I am not sure what to make of this."}
     assert "could not be read" in retry[3]["content"] and backend.calls[1][1] == sim.retry_tokens
     sim.step([s], ["second"])
     assert (s.emotion, s.fallbacks, s.retries) == (37, 1, 2)
     assert s.appraisals[-1]["parsed"] is False and s.appraisals[-1]["change"] == 0
     calls = len(backend.calls)
     sim.step([s], ["third"])
-    assert (s.emotion, s.fallbacks, s.retries) == (41, 1, 2) and len(backend.calls) == calls + 2  # appraisal + reply
+    assert (s.emotion, s.fallbacks, s.retries) == (41, 1, 2)
+    assert len(backend.calls) == calls + 2  # the appraisal and the user's reply, no retry
     transcript = simulator.transcript_turns(s)
     assert [t["role"] for t in transcript] == ["user", "agent", "user", "agent", "user", "agent", "user"]
     assert transcript[3]["parsed"] is False and transcript[5]["emotion"] == 41
     # appraisals are decoded without a repetition penalty; the user's replies keep the backend's own
-    assert {p for (c, _), p in zip(backend.calls, backend.penalties) if "Change: N" in c[0][-1]["content"]} == {1.0}
-    assert {p for (c, _), p in zip(backend.calls, backend.penalties) if "Change: N" not in c[0][-1]["content"]} == {None}
+    appraising = ["Change: N" in c[0][-1]["content"] for c, _ in backend.calls]
+    assert {p for a, p in zip(appraising, backend.penalties) if a} == {1.0}
+    assert {p for a, p in zip(appraising, backend.penalties) if not a} == {None}
 
 
 def test_readout_choice_and_checks():
@@ -539,7 +543,8 @@ def test_spy_reaction_is_private_and_user_messages_are_clean(persona):
 def test_thought_never_reaches_the_simulator():
     from rollout import split_thought
 
-    raw = "<think>she needs permission to rest</think> Hello. <think>SECRET plan: tell her to rest</think> How are you?"
+    raw = ("<think>she needs permission to rest</think> Hello. <think>SECRET plan: tell her to rest</think> "
+           "How are you?")
     thought, reply, violation = split_thought(raw, True)
     assert "SECRET" not in reply and violation == "stray_tags" and reply == "How are you?"
 
@@ -547,8 +552,9 @@ def test_thought_never_reaches_the_simulator():
 def test_heldout_judge_is_an_outside_observer(persona):
     backend, state = spy_dialogue(persona, judge="heldout")
     appraisals = [p for p in backend.prompts if "Change: N" in p[-1]["content"]]
-    assert all("outside observer" in p[-1]["content"] and "Their reaction:" in p[-1]["content"] for p in appraisals)
-    assert all("You are playing" not in p[0]["content"] and "Person: " in p[-1]["content"] for p in appraisals)
+    for p in appraisals:
+        assert "outside observer" in p[-1]["content"] and "Their reaction:" in p[-1]["content"]
+        assert "You are playing" not in p[0]["content"] and "Person: " in p[-1]["content"]
     assert state.emotion == 57 - 2 + 1 - 1 + 2
     training, _ = spy_dialogue(persona)
     assert training.prompts[0][-1]["content"] != appraisals[0][-1]["content"]
@@ -568,7 +574,8 @@ CHINESE = {"profile": {"name": "李雷", "age": 30, "job": "工程师", "persona
 
 
 def test_prompts_follow_the_persona_language(persona_entry, write_personas):
-    chinese, english = load_personas(write_personas([persona_entry(id="zh", **CHINESE), persona_entry(id="en")]))
+    entries = [persona_entry(id="zh", **CHINESE), persona_entry(id="en")]
+    chinese, english = load_personas(write_personas(entries))
     assert simulator.persona_language(chinese) == "zh" and simulator.persona_language(english) == "en"
     backend = SpyBackend(["说对了：有一点。\n内心反应：还好。\n变化：-3"], ["嗯。"])
     sim = Simulator(backend, readout="reasoned")
@@ -782,7 +789,8 @@ def test_chat_repetition_penalty_is_a_parameter(smollm2):
     expected = {}
     for penalty in (1.0, 1.2):
         gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=12, repetition_penalty=penalty, pad_token_id=tokenizer.pad_token_id)
+                             max_new_tokens=12, repetition_penalty=penalty,
+                             pad_token_id=tokenizer.pad_token_id)
         expected[penalty] = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip()
     assert expected[1.0] != expected[1.2]  # the penalty does change what this model writes
     backend = LocalBackend(model, tokenizer, reuse_cache=False)
@@ -1012,15 +1020,17 @@ def test_cli_reasoned_against_a_fake_server(serve, persona_entry, write_personas
                                              for k in range(len(SERVER_CASES))]}))
     seen = []
 
+    def appraised(message):  # which scripted reply is the newest one in this appraisal
+        newest = message["content"].split(simulator.NEWEST["en"])[-1]
+        return int(re.search(r"Reply number (\d)", newest).group(1))
+
     def respond(n, body):
         messages = body["messages"]
         seen.append(messages)
-        if "could not be read" in messages[-1]["content"]:
-            k = int(re.search(r"Reply number (\d)", messages[-3]["content"].split(simulator.NEWEST["en"])[-1]).group(1))
-            return completion(SERVER_CASES[k][1])
+        if "could not be read" in messages[-1]["content"]:  # the retry follows the appraisal and its answer
+            return completion(SERVER_CASES[appraised(messages[-3])][1])
         if "Change: N" in messages[-1]["content"]:
-            k = int(re.search(r"Reply number (\d)", messages[-1]["content"].split(simulator.NEWEST["en"])[-1]).group(1))
-            return completion(SERVER_CASES[k][0])
+            return completion(SERVER_CASES[appraised(messages[-1])][0])
         # the user's reply echoes its private note and a score; none of it may reach the transcript
         return completion("[A note only you can see. Your mood: 47 out of 100.]\nInner reaction: LEAK.\n"
                           "Mood: 47/100\nI hear you. Go on.")
@@ -1028,7 +1038,8 @@ def test_cli_reasoned_against_a_fake_server(serve, persona_entry, write_personas
     path = write_personas([persona_entry(id="t1")])
     out = tmp_path / "out.jsonl"
     done = run_cli("--model", server.url, "--readout", "reasoned", "--personas", path, "--dialogues", "1",
-                   "--max-turns", str(len(SERVER_CASES)), "--start-emotion", "50", "--agent-replies", str(replies),
+                   "--max-turns", str(len(SERVER_CASES)), "--start-emotion", "50",
+                   "--agent-replies", str(replies),
                    "--out", str(out))
     assert done.returncode == 0, done.stderr
     (record,) = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
@@ -1036,7 +1047,8 @@ def test_cli_reasoned_against_a_fake_server(serve, persona_entry, write_personas
     assert [t["change"] for t in agent] == [c for _, _, c in SERVER_CASES]
     assert [t["parsed"] for t in agent] == [k != 6 for k in range(len(SERVER_CASES))]
     assert record["fallbacks"] == 1 and record["retries"] == 2
-    assert record["final_emotion"] == 50 + sum(c for _, _, c in SERVER_CASES) and 10 not in [t["change"] for t in agent]
+    assert record["final_emotion"] == 50 + sum(c for _, _, c in SERVER_CASES)
+    assert 10 not in [t["change"] for t in agent]  # never the largest rise read off a mood
     users = [t["text"] for t in record["turns"] if t["role"] == "user"][1:]
     assert users == ["I hear you. Go on."] * (len(SERVER_CASES) - 1)
     # each user reply was written from the reaction of the appraisal just before it, in a note

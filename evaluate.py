@@ -37,7 +37,8 @@ from tqdm import tqdm
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, check_openings_fit, default_device, eos_ids, gpus_after_the_first,
                      load_policy, log_to_trackers, parse_settings, play_dialogues, public_config, set_seed,
                      start_trackers, summarize, tracker_settings, transcript_record)
-from simulator import Simulator, SimulatorError, fail, load_personas_or_exit, make_backend, one_of, redact
+from simulator import (Simulator, SimulatorError, auto_readout, fail, load_personas_or_exit, make_backend, one_of,
+                       redact, simulator_kind)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,6 +58,9 @@ class EvalArgs:
     simulator_device_map: str = field(default="auto", metadata={
         "help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
     readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules"})
+    judge: str = field(default="training", metadata={
+        "help": "training | heldout: the appraisal prompt that scores (heldout: an outside observer the "
+                "agent never trained against; needs the reasoned read-out)"})
     api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
     api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable holding its key"})
     api_timeout: float = field(default=60.0, metadata={
@@ -93,6 +97,10 @@ def parse_args(argv=None):
         fail("--samples: greedy decoding plays the same dialogue every time; add --sample for --samples > 1")
     if args.load_in_4bit and not torch.cuda.is_available():
         fail("--load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU")
+    readout = args.readout if args.readout != "auto" else auto_readout(simulator_kind(args.simulator))
+    if args.judge == "heldout" and readout != "reasoned":
+        fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
+             f"{redact(args.simulator)} reads out '{readout}'")
     for path in args.adapter:
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
             inside = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "adapter_config.json"))) \
@@ -442,7 +450,8 @@ def results_table(results):
     has_math = results.get("math") is not None
     lines = [
         f"{results['personas_played']} personas from `{os.path.basename(s['personas'])}` (split {s['split']}), "
-        f"{decoding} dialogue(s) each; simulator `{s['simulator']}` (read-out {results['readout']}), "
+        f"{decoding} dialogue(s) each; simulator `{s['simulator']}` (read-out {results['readout']}, "
+        f"judge {results.get('judge', 'training')}), "
         f"start emotion {s['start_emotion']}, up to {s['max_turns']} turns, thinking {'on' if s['thinking'] else 'off'}. "
         f"Score = mean final emotion (0-100); [95% bootstrap interval over personas, {s['bootstrap']} resamples]; "
         "vs base = mean paired difference over the same personas; reply tokens = policy tokens per agent turn, "
@@ -619,6 +628,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
             system_prompt = f.read().strip()
     persona_ids = [p.id for p in personas]
     results = {"complete": False, "settings": public_config(args), "readout": simulator.readout,
+               "judge": simulator.judge,
                "personas_played": len(personas), "persona_ids": persona_ids, "models": [], "paired": [],
                "math": None if problems is None else {"questions": len(problems), "models": {}, "paired": []}}
     played = []
@@ -717,12 +727,12 @@ def main(argv=None):
     try:
         simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
                               max_change=args.max_change, max_turns=args.max_turns,
-                              reply_tokens=args.user_reply_tokens)
+                              reply_tokens=args.user_reply_tokens, judge=args.judge)
     except ValueError as e:
         fail(e)
     print(f"{len(models)} models x {len(personas)} personas x {args.samples} "
           f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
-          f"(read-out {simulator.readout}{', spread over GPUs 1..' if device_map else ''})"
+          f"(read-out {simulator.readout}, judge {simulator.judge}{', spread over GPUs 1..' if device_map else ''})"
           + (f"; {len(problems)} math questions" if problems else ""),
           file=sys.stderr)
     try:

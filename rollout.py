@@ -14,6 +14,7 @@ message. The action mask is 1 exactly on the policy's sampled tokens.
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -46,27 +47,43 @@ PLAIN_PROMPT = (
 SILENCE = "..."  # what the user sees when the agent's visible reply is empty
 
 
+THINK_TAG = re.compile(r"</?think\s*>", re.IGNORECASE)
+
+
 def split_thought(text, thinking):
-    """(thought, reply, violation). With thinking on, the reply is the text after </think>.
-    violation is None or one of:
+    """(thought, reply, violation). With thinking on, the reply is the text after the last
+    </think>, so that no thought can reach the simulated user. violation is None or one of:
       no_think       no tags at all: the whole text is the reply
       unclosed       <think> without </think>: all of it is thought, the reply is empty
+      stray_tags     any other tag than one <think> at the start and one </think>; all text before
+                     the last </think> is thought, and a <think> after it starts thought again
       empty_thought  the tags hold nothing
       empty_reply    nothing visible is left; the user sees SILENCE
     Every case is counted in the rollout statistics; --format-penalty in the trainers can punish it."""
     text = text.strip()
     if not thinking:
         return "", text, None if text else "empty_reply"
-    if "</think>" in text:
-        thought, reply = text.split("</think>", 1)
-        thought = thought.replace("<think>", "", 1).strip()
-        reply = reply.strip()
-        if not reply:
-            return thought, "", "empty_reply"
-        return thought, reply, None if thought else "empty_thought"
-    if "<think>" in text:
-        return text.split("<think>", 1)[1].strip(), "", "unclosed"
-    return "", text, "no_think" if text else "empty_reply"
+    tags = list(THINK_TAG.finditer(text))
+    closes = [t for t in tags if t.group().startswith("</")]
+    if not closes:
+        if tags:
+            return THINK_TAG.sub(" ", text[tags[0].end():]).strip(), "", "unclosed"
+        return "", text, "no_think" if text else "empty_reply"
+    last = closes[-1]
+    before, reply = text[:last.start()], text[last.end():]
+    opening = THINK_TAG.search(reply)  # a thought opened after the last close is never shown
+    if opening:
+        before, reply = before + " " + reply[opening.end():], reply[:opening.start()]
+    inner = [t for t in tags if t is not last]
+    well_placed = not inner or (len(inner) == 1 and inner[0].start() == 0 and inner[0].group()[1] != "/")
+    stray = opening is not None or not well_placed
+    thought = " ".join(part.strip() for part in THINK_TAG.split(before) if part.strip())
+    reply = reply.strip()
+    if not reply:
+        return thought, "", "empty_reply"
+    if stray:
+        return thought, reply, "stray_tags"
+    return thought, reply, None if thought else "empty_thought"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,7 +501,7 @@ SETTING_RULES = {
     "iterations": at_least(1), "save_every": at_least(1), "time_budget": at_least(0),
     "bootstrap": at_least(1), "math_max_new_tokens": at_least(1), "math_batch_size": at_least(1),
     "keep_checkpoints": at_least(0), "report_to": one_of(*TRACKERS, "all", "none"),
-    "dtype": one_of("auto", "float32", "bfloat16"),
+    "dtype": one_of("auto", "float32", "bfloat16"), "judge": one_of("training", "heldout"),
 }
 
 

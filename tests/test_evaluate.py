@@ -355,6 +355,65 @@ def test_a_local_simulator_goes_to_the_gpus_after_the_first(monkeypatch):
         assert simulator_placement(simulator, device_map) == (None, None), simulator
 
 
+def test_judge_flag_is_checked(capsys):
+    assert evaluate.parse_args([]).judge == "training"
+    for argv, words in [(["--judge", "outside"], ["--judge", "'outside'"]),
+                        (["--judge", "heldout"], ["--judge heldout", "reasoned", "'likelihood'"]),
+                        (["--judge", "heldout", "--simulator", "rules"], ["'rules'"])]:
+        with pytest.raises(SystemExit) as info:
+            evaluate.parse_args(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.startswith("error:") and all(w in err for w in words), err
+    args = evaluate.parse_args(["--judge", "heldout", "--simulator", "http://127.0.0.1:9/v1"])
+    assert args.judge == "heldout"
+
+
+def test_heldout_judge_runs_and_is_recorded(tiny_model_dir, tmp_path):
+    """evaluate.py --judge heldout against an OpenAI-compatible server on 127.0.0.1: the server sees
+    the outside observer's prompt, never the persona's own, and results.json says which judged."""
+    import http.server
+    import threading
+
+    asked = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            asked.append(body["messages"])
+            last = body["messages"][-1]["content"]
+            text = "Their reaction: wary.\nChange: \u22122" if "Change: N" in last else "Okay."
+            data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        out = tmp_path / "eval"
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        evaluate.main(["--model", tiny_model_dir, "--simulator", url,
+                       "--judge", "heldout", "--dialogues", "2", "--max-turns", "2", "--max-new-tokens", "6",
+                       "--bootstrap", "50", "--out", str(out)])
+    finally:
+        server.shutdown()
+        server.server_close()
+    results = json.load(open(out / "results.json"))
+    assert results["judge"] == "heldout" and results["settings"]["judge"] == "heldout"
+    assert results["readout"] == "reasoned"
+    assert "judge heldout" in open(out / "results.md").read()
+    appraisals = [m for m in asked if "Change: N" in m[-1]["content"]]
+    assert len(appraisals) == 4 and all("outside observer" in m[-1]["content"] for m in appraisals)
+    assert not any("You are playing" in m[0]["content"] for m in appraisals)
+    assert results["models"][0]["score"] == 40 - 4  # two turns of -2 from the start at 40
+
+
 # ----------------------------------------------------------------------------------------------
 # Training curves
 # ----------------------------------------------------------------------------------------------

@@ -102,7 +102,17 @@ def eos_biased_model(tiny_model):
     ("<think>she is hurt</think>", True, ("she is hurt", "", "empty_reply")),
     ("<think></think>  ", True, ("", "", "empty_reply")),
     ("", True, ("", "", "empty_reply")),
-    ("<think>a</think>b</think>c", True, ("a", "b</think>c", None)),  # only the first closing tag splits
+    # The reply is the text after the LAST closing tag; any other tag is a violation, and every
+    # word before that tag, or after a <think> that follows it, stays thought (it used to be that
+    # only the first closing tag split, so a second thought block reached the user verbatim).
+    ("<think>a</think>b</think>c", True, ("a b", "c", "stray_tags")),
+    ("<think>a</think> Hello. <think>secret plan</think> How are you?", True,
+     ("a Hello. secret plan", "How are you?", "stray_tags")),
+    ("<think>a</think>Hi. <think>secret plan", True, ("a secret plan", "Hi.", "stray_tags")),
+    ("Hello. <think>secret plan</think> How are you?", True,
+     ("Hello. secret plan", "How are you?", "stray_tags")),
+    ("<think>a</think><think>secret plan</think>", True, ("a secret plan", "", "empty_reply")),
+    ("<THINK>she is hurt</Think>That sounds hard.", True, ("she is hurt", "That sounds hard.", None)),
     ("<think>x</think>Hi there.", False, ("", "<think>x</think>Hi there.", None)),
     ("Hi there.", False, ("", "Hi there.", None)),
     ("   ", False, ("", "", "empty_reply")),
@@ -176,6 +186,41 @@ def test_progress_bar_counts_dialogues_and_turns_on_stderr(tiny_model, personas,
     play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=2), personas(3),
                    max_new_tokens=16, progress=False)
     assert capsys.readouterr().err == ""
+
+
+class PromptSpy:
+    """A reasoned-read-out backend that answers "Change: +1" or "Okay." and keeps every prompt."""
+    name = "url"
+    generated_tokens = 0
+
+    def __init__(self):
+        self.prompts = []
+
+    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
+        self.prompts += conversations
+        return ["Change: +1" if "Change: N" in c[-1]["content"] else "Okay." for c in conversations]
+
+
+THOUGHTFUL = [  # every thought holds SECRET; where it sits, and how the tags are broken, varies
+    "<think>SECRET one</think>That sounds hard.",
+    "<think>SECRET one</think> Hello. <think>SECRET two</think> How are you?",
+    "<think>SECRET one</think>Hello.</think>How are you?",
+    "<think>SECRET one</think>Hello. <think>SECRET two",
+    "Hello. <think>SECRET one</think>How are you?",
+    "<think>SECRET one",
+]
+
+
+def test_think_text_never_reaches_the_simulator(tiny_model, personas):
+    _, tokenizer = tiny_model
+    spy = PromptSpy()
+    sim = Simulator(spy, readout="reasoned", max_turns=1)
+    records, stats = play_dialogues(ScriptedPolicy(tokenizer, THOUGHTFUL), tokenizer, sim,
+                                    personas(len(THOUGHTFUL)), max_new_tokens=48, progress=False)
+    assert len(spy.prompts) == len(THOUGHTFUL)
+    assert not any("SECRET" in m["content"] for prompt in spy.prompts for m in prompt)
+    assert stats["stray_tags"] == 4 and stats["format_ok"] == 1 and stats["unclosed"] == 1
+    assert [agent_turns(r)[0]["violation"] for r in records] == [None] + ["stray_tags"] * 4 + ["unclosed"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,7 +391,7 @@ class ScriptedUsers:
     def __init__(self, scripts):
         self.scripts = scripts
 
-    def chat(self, conversations, max_new_tokens, slots=None):
+    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
         out = []
         for messages in conversations:
             name = re.search(r"- name: (.+)", messages[0]["content"]).group(1)

@@ -25,7 +25,7 @@ a 2-core machine with a second run on the other core, so the 6 runs, two at a ti
 add up to about 1 h 55 min there (README, "The learning benchmark, 3 seeds", has runs given both cores). A run whose
 metrics.jsonl already holds every iteration is skipped and a partial one resumes from its newest
 checkpoint, so an interrupted benchmark continues where it stopped. Flags after `--` go to both
-trainers, e.g. `python bench.py learning -- --actor-lr 1e-4` (a flag only one trainer knows
+trainers, e.g. `python bench.py learning -- --lr 1e-4` (a flag only one trainer knows
 makes the other one fail).
 
 gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
@@ -172,8 +172,8 @@ TARGET_RISE = 0.15  # issue 7: the last iterations must beat the first by this m
 # 5 iterations is all an interrupted run can lose.
 LEARNING_FLAGS = ["--max-turns", "3", "--save-every", "5", "--minibatch-size", "8"]
 LEARNING_ALGO_FLAGS = {
-    "ppo": ["--dialogues-per-iteration", "16", "--ppo-epochs", "2", "--actor-lr", "5e-4", "--critic-lr", "1e-4"],
-    "grpo": ["--personas-per-iteration", "4", "--group-size", "4", "--num-iterations", "2", "--lr", "5e-4"],
+    "ppo": ["--dialogues-per-iteration", "16", "--update-epochs", "2", "--lr", "5e-4", "--critic-lr", "1e-4"],
+    "grpo": ["--personas-per-iteration", "4", "--group-size", "4", "--update-epochs", "2", "--lr", "5e-4"],
 }
 
 

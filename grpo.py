@@ -62,7 +62,7 @@ class Args:
     start_emotion: int = field(default=30, metadata={"help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
     max_change: int = field(default=10, metadata={"help": "largest emotion change per turn"})
     max_turns: int = field(default=8, metadata={"help": "agent turns per dialogue (RLVER: 8)"})
-    sim_reply_tokens: int = field(default=96, metadata={"help": "tokens per simulated user message"})
+    user_reply_tokens: int = field(default=96, metadata={"help": "tokens per simulated user message"})
     # rollouts
     personas_per_iteration: int = field(default=8, metadata={"help": "personas (groups) per iteration, over all processes (RLVER: 32 dialogues = 8 x 4)"})
     group_size: int = field(default=4, metadata={"help": "dialogues per persona, all from its opening (RLVER: 4); at least 2"})
@@ -75,12 +75,12 @@ class Args:
     # rewards
     reward: str = field(default="final", metadata={"help": "final: final emotion / 100 | turn: sum of the turns' changes / 100"})
     format_penalty: float = field(default=0.0, metadata={"help": "subtracted per think-format violation (thinking on)"})
-    beta: float = field(default=0.0, metadata={"help": "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)"})
+    kl_loss_coef: float = field(default=0.0, metadata={"help": "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)"})
     # advantages
     scale_rewards: str = field(default="group", metadata={"help": "group: (r - group mean) / group std | batch: / batch std | none: r - group mean (Dr. GRPO)"})
     drop_zero_spread: bool = field(default=False, metadata={"help": "leave groups whose rewards are all equal out of the loss (default: keep, they weigh zero)"})
     # the update
-    num_iterations: int = field(default=1, metadata={"help": "passes over each iteration's dialogues (GRPO's mu); 1 = plain policy gradient"})
+    update_epochs: int = field(default=1, metadata={"help": "passes over each iteration's dialogues (GRPO's mu); 1 = plain policy gradient"})
     minibatch_size: int = field(default=32, metadata={"help": "dialogues per optimizer step, over all processes; the whole batch = one step per batch"})
     micro_batch_size: int = field(default=2, metadata={"help": "dialogues per forward pass (gradient accumulation)"})
     clip_low: float = field(default=0.2, metadata={"help": "clip: ratio kept within [1 - clip_low, 1 + clip_high]"})
@@ -109,7 +109,7 @@ PRESETS = {
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
     # model never writes the tags, and the instructions about them only make its replies worse.
     "cpu": dict(model="smollm2", personas_per_iteration=2, group_size=2, max_turns=2, max_new_tokens=32,
-                sim_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
+                user_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
                 gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
                 lr=5e-5, iterations=3, save_every=1, out="runs/grpo-cpu",
                 # the value before the paper preset took RLVER's (0.001): the CPU results stand
@@ -270,7 +270,7 @@ def main(argv=None):
                            trust_remote_code=args.trust_remote_code, api_timeout=args.api_timeout,
                            api_retries=args.api_retries, api_concurrency=args.api_concurrency)
     simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion, max_change=args.max_change,
-                          max_turns=args.max_turns, reply_tokens=args.sim_reply_tokens)
+                          max_turns=args.max_turns, reply_tokens=args.user_reply_tokens)
     if accelerator.is_main_process:
         where = "shares the policy's base" if args.simulator == "same" else (
             "spread over GPUs 1.." if sim_device_map else f"on {device}" if args.simulator != "rules" else "rules")
@@ -365,7 +365,7 @@ def main(argv=None):
                                 "grad_norm")}
         skipped_steps = 0
         local_mb = args.minibatch_size // world
-        for epoch in range(args.num_iterations):
+        for epoch in range(args.update_epochs):
             order = torch.randperm(len(records)).tolist()
             for start in range(0, len(records), local_mb):
                 mb_inds = order[start:start + local_mb]
@@ -382,14 +382,14 @@ def main(argv=None):
                     ids, att, m = batch["input_ids"][idx], batch["attention_mask"][idx], mask[idx]   # (b, T)
                     newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True,
                                                          action_mask=m)
-                    # With --num-iterations 1 and one minibatch per batch, newlogprob == old_logprobs:
+                    # With --update-epochs 1 and one minibatch per batch, newlogprob == old_logprobs:
                     # the ratio is exactly 1 and this is the plain policy gradient.
                     pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx], advantages[idx],
                                                              args.clip_low, args.clip_high)
                     kl_ref = kl_k3(newlogprob, ref_logprobs[idx])
                     loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs, token_budget)
                             - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs, token_budget)
-                            + args.beta * aggregate(kl_ref, m, args.loss_agg, total_tokens, total_seqs, token_budget))
+                            + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg, total_tokens, total_seqs, token_budget))
                     loss.backward()
                     with torch.no_grad():
                         logratio = newlogprob - old_logprobs[idx]
@@ -441,7 +441,7 @@ def main(argv=None):
             rollout_mask = batch["action_mask"]
             kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(), accelerator)
                               / global_sum(rollout_mask.sum(), accelerator).clamp(min=1)).item()
-            update_tokens = global_sum(mask.sum(), accelerator).item() * args.num_iterations
+            update_tokens = global_sum(mask.sum(), accelerator).item() * args.update_epochs
         # reward_mean as in ppo.py (no format penalty), so the two scripts' curves compare
         rewards_per_dialogue = dialogue_rewards(all_records, args.reward).numpy()
         first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])  # one row per group

@@ -60,7 +60,7 @@ class Args:
     start_emotion: int = field(default=30, metadata={"help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
     max_change: int = field(default=10, metadata={"help": "largest emotion change per turn"})
     max_turns: int = field(default=8, metadata={"help": "agent turns per dialogue (RLVER: 8)"})
-    sim_reply_tokens: int = field(default=96, metadata={"help": "tokens per simulated user message"})
+    user_reply_tokens: int = field(default=96, metadata={"help": "tokens per simulated user message"})
     # rollouts
     dialogues_per_iteration: int = field(default=32, metadata={"help": "dialogues per iteration, over all processes (RLVER: 32)"})
     thinking: bool = field(default=True, metadata={"help": "think-then-say scaffold (the paper's best run)"})
@@ -79,18 +79,18 @@ class Args:
     lam: float = field(default=1.0, metadata={"help": "GAE lambda (RLVER's trainer: 1.0)"})
     whiten_advantages: bool = field(default=True, metadata={"help": "normalise advantages over the batch's agent tokens"})
     # the update
-    ppo_epochs: int = field(default=1, metadata={"help": "passes over each iteration's dialogues"})
+    update_epochs: int = field(default=1, metadata={"help": "passes over each iteration's dialogues"})
     minibatch_size: int = field(default=32, metadata={
         "help": "dialogues per optimizer step, over all processes (RLVER: 32)"})
     micro_batch_size: int = field(default=2, metadata={"help": "dialogues per forward pass (gradient accumulation)"})
-    clip_range: float = field(default=0.2, metadata={"help": "PPO clip: ratio kept within [1 - clip_range, 1 + clip_range_high]"})
-    clip_range_high: float = field(default=0.2, metadata={"help": "upper clip; larger than clip_range = clip-higher (DAPO uses 0.28)"})
+    clip_low: float = field(default=0.2, metadata={"help": "PPO clip: ratio kept within [1 - clip_low, 1 + clip_high]"})
+    clip_high: float = field(default=0.2, metadata={"help": "upper clip; larger than clip_low = clip-higher (DAPO uses 0.28)"})
     value_clip: float = field(default=0.5, metadata={
         "help": "value predictions move at most this far from the rollout's (RLVER: 0.5)"})
     vf_coef: float = field(default=0.5, metadata={"help": "value loss coefficient"})
     ent_coef: float = field(default=0.001, metadata={"help": "entropy bonus coefficient (RLVER: 0.001)"})
     loss_agg: str = field(default="token-mean", metadata={"help": "token-mean | seq-mean-token-mean | seq-mean-token-sum"})
-    actor_lr: float = field(default=1e-5, metadata={"help": "actor LoRA learning rate (paper, full fine-tuning: 1e-6)"})
+    lr: float = field(default=1e-5, metadata={"help": "actor LoRA learning rate (paper, full fine-tuning: 1e-6)"})
     critic_lr: float = field(default=5e-5, metadata={"help": "critic LoRA and value head learning rate (paper: 5x the actor's)"})
     critic_warmup: int = field(default=0, metadata={"help": "first iterations in which only the critic learns (verl's critic_warmup)"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
@@ -114,9 +114,9 @@ PRESETS = {
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
     # model never writes the tags, and the instructions about them only make its replies worse.
     "cpu": dict(model="smollm2", dialogues_per_iteration=4, max_turns=2, max_new_tokens=32,
-                sim_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
+                user_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
                 gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
-                actor_lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1, out="runs/ppo-cpu",
+                lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1, out="runs/ppo-cpu",
                 # the values before the paper preset took RLVER's (0.5, 0.001): the CPU results stand
                 value_clip=0.2, ent_coef=0.0),
 }
@@ -319,11 +319,11 @@ def main(argv=None):
     actor_params, critic_params = adapter_params(model, "default"), adapter_params(model, "critic") + list(value_head.parameters())
     for p in actor_params + critic_params:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW([{"params": actor_params, "lr": args.actor_lr},
+    optimizer = torch.optim.AdamW([{"params": actor_params, "lr": args.lr},
                                    {"params": critic_params, "lr": args.critic_lr}], weight_decay=0.0)
     # Linear warm-up over --warmup-steps optimizer steps. The actor's count starts when it starts to
     # learn, after --critic-warmup iterations of steps that only moved the critic.
-    held = args.critic_warmup * args.ppo_epochs * (args.dialogues_per_iteration // args.minibatch_size)
+    held = args.critic_warmup * args.update_epochs * (args.dialogues_per_iteration // args.minibatch_size)
     def warm(step):
         return min(1.0, max(0, step + 1) / max(1, args.warmup_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: warm(s - held), warm])  # actor, critic
@@ -338,7 +338,7 @@ def main(argv=None):
                            trust_remote_code=args.trust_remote_code, api_timeout=args.api_timeout,
                            api_retries=args.api_retries, api_concurrency=args.api_concurrency)
     simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion, max_change=args.max_change,
-                          max_turns=args.max_turns, reply_tokens=args.sim_reply_tokens)
+                          max_turns=args.max_turns, reply_tokens=args.user_reply_tokens)
     if accelerator.is_main_process:
         where = "shares the policy's base" if args.simulator == "same" else (
             "spread over GPUs 1.." if sim_device_map else f"on {device}" if args.simulator != "rules" else "rules")
@@ -433,7 +433,7 @@ def main(argv=None):
                                 "kl_ref_loss", "ratio_first", "actor_grad_norm", "critic_grad_norm")}
         local_mb = args.minibatch_size // world
         train_actor = iteration >= args.critic_warmup  # during warm-up the actor's loss is only logged
-        for epoch in range(args.ppo_epochs):
+        for epoch in range(args.update_epochs):
             order = torch.randperm(len(records)).tolist()
             for start in range(0, len(records), local_mb):
                 mb_inds = order[start:start + local_mb]
@@ -447,7 +447,7 @@ def main(argv=None):
                         newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True,
                                                              action_mask=m)
                         pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx], advantages[idx],
-                                                                 args.clip_range, args.clip_range_high)
+                                                                 args.clip_low, args.clip_high)
                         kl_ref = kl_k3(newlogprob, ref_logprobs[idx])
                         actor_loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs)
                                       - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs)
@@ -493,7 +493,7 @@ def main(argv=None):
                             print(f"error: {bad_updates} non-finite updates in a row; stopped in iteration "
                                   f"{iteration + 1}. --resume continues from the last complete checkpoint "
                                   f"({latest_checkpoint(args.out)}); the state at the stop is in {path}. Lower "
-                                  f"--actor-lr / --critic-lr or use --dtype float32, and resume.", file=sys.stderr)
+                                  f"--lr / --critic-lr or use --dtype float32, and resume.", file=sys.stderr)
                         accelerator.wait_for_everyone()  # no process may exit (the launcher would stop the
                         sys.exit(1)                      # main one) before the main process has written it
                     continue
@@ -514,7 +514,7 @@ def main(argv=None):
             explained_var = explained_variance(global_sum(sums, accelerator))
             kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * mask).sum(), accelerator)
                               / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
-            update_tokens = global_sum(mask.sum(), accelerator).item() * args.ppo_epochs
+            update_tokens = global_sum(mask.sum(), accelerator).item() * args.update_epochs
         rewards_per_dialogue = np.array([r["final_emotion"] / 100.0 if args.reward == "final" else sum(r["changes"]) / 100.0
                                          for r in all_records])
         summary = summarize(all_records, global_stats(rstats, accelerator))

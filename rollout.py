@@ -478,7 +478,7 @@ SETTING_RULES = {
     "lora_r": at_least(1), "lora_alpha": above(0), "lora_dropout": within(0, 1, high_open=True),
     "split": one_of("train", "test"), "difficulty": one_of("all", *DIFFICULTIES),
     "start_emotion": within(0, 100), "max_change": at_least(1), "max_turns": at_least(1),
-    "sim_reply_tokens": at_least(1), "user_reply_tokens": at_least(1),
+    "user_reply_tokens": at_least(1),
     "api_key_env": env_name, "api_timeout": above(0), "api_retries": at_least(0),
     "api_concurrency": at_least(1),
     # rollouts
@@ -487,15 +487,13 @@ SETTING_RULES = {
     "top_p": within(0, 1, low_open=True), "max_new_tokens": at_least(1), "max_context": at_least(2),
     # rewards and advantages
     "reward": one_of("final", "turn"), "format_penalty": at_least(0), "kl_coef": at_least(0),
-    "kl_loss_coef": at_least(0), "beta": at_least(0), "gamma": within(0, 1), "lam": within(0, 1),
+    "kl_loss_coef": at_least(0), "gamma": within(0, 1), "lam": within(0, 1),
     "scale_rewards": one_of("group", "batch", "none"),
     # the update
-    "ppo_epochs": at_least(1), "num_iterations": at_least(1), "minibatch_size": at_least(1),
-    "micro_batch_size": at_least(1), "clip_range": within(0, 1, low_open=True, high_open=True),
-    "clip_range_high": above(0), "clip_low": within(0, 1, low_open=True, high_open=True),
-    "clip_high": above(0),
+    "update_epochs": at_least(1), "minibatch_size": at_least(1), "micro_batch_size": at_least(1),
+    "clip_low": within(0, 1, low_open=True, high_open=True), "clip_high": above(0),
     "value_clip": above(0), "vf_coef": at_least(0), "ent_coef": at_least(0),
-    "actor_lr": at_least(0), "critic_lr": at_least(0), "lr": at_least(0), "critic_warmup": at_least(0),
+    "critic_lr": at_least(0), "lr": at_least(0), "critic_warmup": at_least(0),
     "warmup_steps": at_least(0), "max_grad_norm": above(0), "max_bad_updates": at_least(1),
     # the run
     "iterations": at_least(1), "save_every": at_least(1), "time_budget": at_least(0),

@@ -1331,11 +1331,20 @@ def closest_flag(parser, flag):
     return guess[0] if guess else None
 
 
+# Flags that were renamed so that one idea has one name in every script.
+RENAMED_FLAGS = {"--actor-lr": "--lr", "--clip-range": "--clip-low", "--clip-range-high": "--clip-high",
+                 "--ppo-epochs": "--update-epochs", "--num-iterations": "--update-epochs",
+                 "--beta": "--kl-loss-coef", "--sim-reply-tokens": "--user-reply-tokens"}
+
+
 def unknown_arguments(parser, extra):
     """One line for arguments no flag takes: the first unknown --flag and its nearest known one."""
     flag = next((a for a in extra if a.startswith("-")), None)
     if flag is None:
         return f"unexpected argument '{redact(extra[0])}'"
+    name = flag.split("=", 1)[0].replace("_", "-")
+    if name in RENAMED_FLAGS:
+        return f"{name} is now {RENAMED_FLAGS[name]}"
     guess = closest_flag(parser, flag)
     return f"unknown flag {flag.split('=', 1)[0]}" + (f"; did you mean {guess}?" if guess else "; see --help")
 

@@ -83,7 +83,7 @@ def read_jsonl(path):
 BAD_SETTINGS = [  # (flags, words the error line must hold)
     (["--readout", "reasond"], ["--readout", "reasond", "reasoned"]),                        # 3
     (["--max-change", "-5"], ["--max-change", "-5", "at least 1"]),                          # 4
-    (["--clip-range", "-1"], ["--clip-range", "-1", "(0, 1)"]),                              # 4
+    (["--clip-low", "-1"], ["--clip-low", "-1", "(0, 1)"]),                              # 4
     (["--max-turns", "0"], ["--max-turns", "0", "at least 1"]),                              # 7
     (["--iterations", "0"], ["--iterations", "0", "at least 1"]),                            # 7
     (["--reward", "bogus"], ["--reward", "bogus", "final"]),                                 # 12
@@ -195,7 +195,7 @@ def test_resume_keeps_the_runs_settings_and_records_what_changed(tiny_model_dir,
                                                                   capsys):
     out = tmp_path / "run"
     first = tiny(tiny_model_dir, personas_file, out, "--iterations", "1", "--lora-alpha", "32",
-                 "--actor-lr", "5e-4")
+                 "--lr", "5e-4")
     ppo.main(first)
     # resumed without repeating them: the run's alpha and learning rate, not the defaults
     ppo.main(["--preset", "cpu", "--resume", str(out), "--iterations", "2"])
@@ -208,7 +208,7 @@ def test_resume_keeps_the_runs_settings_and_records_what_changed(tiny_model_dir,
     assert adapter["lora_alpha"] == 32
     capsys.readouterr()
     # a flag that would change the adapter or the optimizer is an error naming it
-    for flag, value in (("--lora-alpha", "16"), ("--actor-lr", "0.001"), ("--lora-r", "8")):
+    for flag, value in (("--lora-alpha", "16"), ("--lr", "0.001"), ("--lora-r", "8")):
         argv = ["--preset", "cpu", "--resume", str(out), "--iterations", "3", flag, value]
         exits_with_one_line(ppo.main, argv, capsys, flag, value)
     assert len(read_jsonl(out / "metrics.jsonl")) == 2

@@ -199,7 +199,7 @@ def test_gpu_tiny_end_to_end():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for flag in ("--gradient-checkpointing True", "--lora-r 32", "--lora-alpha 64", "--value-clip 0.5",
-                 "--ent-coef 0.001", "--actor-lr 1e-05"):
+                 "--ent-coef 0.001", "--lr 1e-05"):
         assert flag in out.splitlines()[0], flag  # the ppo.py command it ran
     for label in ("rollout        :", "plain generate :", "ratio          :", "update         :", "peak memory    :"):
         assert label in out, out

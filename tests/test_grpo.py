@@ -279,8 +279,8 @@ def test_settings_errors_say_what_to_change(tiny_model_dir, personas_file, tmp_p
         assert stop.value.code == 2 and "--preset cpu" in capsys.readouterr().err
 
 
-E2E = ("--iterations", "2", "--save-every", "1", "--seed", "3", "--ent-coef", "0.01", "--beta", "0.1", "--lr", "5e-3",
-       "--num-iterations", "2", "--scale-rewards", "batch", "--loss-agg", "dr-grpo", "--reward", "turn")
+E2E = ("--iterations", "2", "--save-every", "1", "--seed", "3", "--ent-coef", "0.01", "--kl-loss-coef", "0.1", "--lr", "5e-3",
+       "--update-epochs", "2", "--scale-rewards", "batch", "--loss-agg", "dr-grpo", "--reward", "turn")
 
 
 @pytest.fixture(scope="module")

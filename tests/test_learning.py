@@ -82,7 +82,7 @@ def test_ppo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, monk
     out = tmp_path / "ppo"
     ppo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
                        "--iterations", "16", "--dialogues-per-iteration", "8", "--minibatch-size", "8",
-                       "--micro-batch-size", "8", "--actor-lr", "3e-2", "--critic-lr", "3e-2", "--ppo-epochs", "2"])
+                       "--micro-batch-size", "8", "--lr", "3e-2", "--critic-lr", "3e-2", "--update-epochs", "2"])
     assert_learned(rewards_of(out), "ppo")
 
 
@@ -93,7 +93,7 @@ def test_grpo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, mon
     out = tmp_path / "grpo"
     grpo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
                         "--iterations", "16", "--personas-per-iteration", "2", "--group-size", "4",
-                        "--minibatch-size", "8", "--micro-batch-size", "8", "--lr", "3e-2", "--num-iterations", "2"])
+                        "--minibatch-size", "8", "--micro-batch-size", "8", "--lr", "3e-2", "--update-epochs", "2"])
     assert_learned(rewards_of(out), "grpo")
 
 
@@ -106,8 +106,8 @@ def test_ppo_learns_over_two_turns_with_per_turn_rewards(tiny_model_dir, persona
     out = tmp_path / "ppo2"
     ppo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out), "--max-turns", "2",
                        "--reward", "turn", "--iterations", "16", "--dialogues-per-iteration", "8",
-                       "--minibatch-size", "8", "--micro-batch-size", "4", "--actor-lr", "3e-2", "--critic-lr", "3e-2",
-                       "--ppo-epochs", "2"])
+                       "--minibatch-size", "8", "--micro-batch-size", "4", "--lr", "3e-2", "--critic-lr", "3e-2",
+                       "--update-epochs", "2"])
     assert_learned(rewards_of(out), "ppo, 2 turns")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
@@ -124,5 +124,5 @@ def test_grpo_learns_over_two_turns(tiny_model_dir, personas_file, tmp_path, mon
     out = tmp_path / "grpo2"
     grpo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out), "--max-turns", "2",
                         "--reward", "turn", "--iterations", "16", "--personas-per-iteration", "4", "--group-size", "4",
-                        "--minibatch-size", "16", "--micro-batch-size", "4", "--lr", "3e-2", "--num-iterations", "2"])
+                        "--minibatch-size", "16", "--micro-batch-size", "4", "--lr", "3e-2", "--update-epochs", "2"])
     assert_learned(rewards_of(out), "grpo, 2 turns")

@@ -60,7 +60,7 @@ def ppo_args(model_dir, personas, out, *extra):
     return ["--preset", "cpu", "--model", str(model_dir), "--simulator", "rules", "--personas", personas,
             "--split", "test", "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--micro-batch-size", "1",
             "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "512", "--lora-r", "4",
-            "--lora-alpha", "8", "--actor-lr", "1e-3", "--critic-lr", "1e-3", "--out", str(out), *extra]
+            "--lora-alpha", "8", "--lr", "1e-3", "--critic-lr", "1e-3", "--out", str(out), *extra]
 
 
 def grpo_args(model_dir, personas, out, *extra):
@@ -162,7 +162,7 @@ def test_grpo_is_the_same_with_and_without_checkpointing(tiny_model_dir, persona
 # CPU-preset values that only size the run (a smaller model, fewer and shorter dialogues, rates
 # scaled to them): the same code runs either way.
 SIZES = {"model", "dialogues_per_iteration", "personas_per_iteration", "group_size", "max_turns",
-         "max_new_tokens", "sim_reply_tokens", "max_context", "lora_r", "lora_alpha", "actor_lr", "critic_lr",
+         "max_new_tokens", "user_reply_tokens", "max_context", "lora_r", "lora_alpha", "actor_lr", "critic_lr",
          "lr", "iterations", "save_every", "out", "minibatch_size", "micro_batch_size"}
 # Switches that change which code runs, with the flags that turn each on in the runs below. The
 # split into micro-batches and minibatches is sized by the CPU preset but is a path of its own.
@@ -192,7 +192,7 @@ def paper_path_args(trainer, model_dir, personas, out):
     names = {f.name for f in fields(trainer.Args)}
     switches = sum((flags for name, flags in SWITCHES.items() if name in names), [])
     common = [*switches, "--iterations", "2", "--micro-batch-size", "1", "--minibatch-size", "2",
-              "--max-new-tokens", "8", "--sim-reply-tokens", "6", "--seed", "2"]  # 2 minibatches x 2 micro-batches
+              "--max-new-tokens", "8", "--user-reply-tokens", "6", "--seed", "2"]  # 2 minibatches x 2 micro-batches
     if trainer is ppo:
         return ppo_args(model_dir, personas, out, *common, "--dialogues-per-iteration", "4", "--critic-warmup", "1")
     # the tiny model's users all end alike (zero-spread groups, zero advantages): the entropy bonus

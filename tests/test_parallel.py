@@ -36,7 +36,7 @@ def personas_file(write_personas, persona_entry):
 def args_for(script, model, personas, out, *extra):
     # grpo: greedy groups are identical (zero advantages), so an entropy bonus makes the step move the adapter
     # a learning rate large enough that iteration 2's policy is measurably off the reference
-    size = ["--dialogues-per-iteration", "4", "--actor-lr", "2e-3"] if script == "ppo.py" else \
+    size = ["--dialogues-per-iteration", "4", "--lr", "2e-3"] if script == "ppo.py" else \
         ["--personas-per-iteration", "2", "--group-size", "2", "--ent-coef", "0.01", "--lr", "2e-3"]
     # one minibatch of the whole batch and greedy dialogues: both runs see the same dialogues and
     # take the same optimizer step, so their adapters must agree to float tolerance
@@ -108,11 +108,11 @@ def test_critic_warmup_then_an_actor_step_matches_one_process(tiny_model_dir, pe
     """Two iterations of --critic-warmup, then one in which the actor learns. The actor has no
     gradients during the warm-up; had they become zeros on the way through the all-reduce, AdamW
     would have counted two steps on them with two processes and none with one, and the actor's
-    first real step would differ by about a third (Adam's bias correction; a large --actor-lr so
+    first real step would differ by about a third (Adam's bias correction; a large --lr so
     that the difference is far above float noise)."""
     from safetensors.torch import load_file
 
-    extra = ("--iterations", "3", "--critic-warmup", "2", "--actor-lr", "1e-3")
+    extra = ("--iterations", "3", "--critic-warmup", "2", "--lr", "1e-3")
     one, two = tmp_path / "one", tmp_path / "two"
     run([sys.executable, *args_for("ppo.py", tiny_model_dir, personas_file, one, *extra)], one)
     double = run(launch_two(args_for("ppo.py", tiny_model_dir, personas_file, two, *extra)), two)

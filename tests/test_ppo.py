@@ -160,7 +160,7 @@ def test_updates_first_ratio_is_one_kl_zero_base_frozen_adapters_move(tiny_model
 
     # an actor learning rate at which one step moves the policy measurably off the reference
     model, value_head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run",
-                                           "--iterations", "2", "--actor-lr", "2e-3"))
+                                           "--iterations", "2", "--lr", "2e-3"))
     m, m2 = read_metrics(tmp_path / "run")
     assert m["ratio_first"] == pytest.approx(1.0, abs=1e-6)   # same weights, same forward pass
     assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)        # LoRA B starts at zero: policy == reference
@@ -336,7 +336,7 @@ def test_untrained_critic_predicts_the_return_of_an_unmoved_emotion(tiny_model_d
     # The critic as built: one iteration whose learning rates are 0 (--iterations 0 is refused).
     # Every position after the first reads the prior.
     model, head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "1",
-                                     "--actor-lr", "0", "--critic-lr", "0",
+                                     "--lr", "0", "--critic-lr", "0",
                                      "--reward", reward, "--start-emotion", str(start)))
     ids = torch.randint(5, 500, (2, 9))
     with torch.no_grad(), ppo.adapter_active(model, "critic"):
@@ -348,7 +348,7 @@ def test_actor_warmup_of_the_learning_rate_starts_after_the_critic_warmup(tiny_m
     # One step an iteration. Iteration 1 only trains the critic, so the actor's first step (in
     # iteration 2) is the first of its two warm-up steps: half its rate. The critic's count runs on.
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2", "--critic-warmup", "1",
-                       "--warmup-steps", "2", "--actor-lr", "1e-3", "--critic-lr", "4e-3"))
+                       "--warmup-steps", "2", "--lr", "1e-3", "--critic-lr", "4e-3"))
     m = read_metrics(tmp_path / "run")
     assert m[0]["actor_lr"] == pytest.approx(0.5e-3) and m[0]["critic_lr"] == pytest.approx(4e-3)
     assert m[1]["actor_lr"] == pytest.approx(1e-3)

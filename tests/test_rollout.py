@@ -664,13 +664,13 @@ def test_saved_config_hides_secrets_but_keeps_token_counts():
     @dataclass
     class Settings:
         max_new_tokens: int = 64
-        sim_reply_tokens: int = 48
+        user_reply_tokens: int = 48
         api_key: str = "sk-not-for-logs"
         hf_token: str = "hf-not-for-logs"
         api_key_env: str = "OPENAI_API_KEY"
 
     saved = rollout.public_config(Settings())
-    assert saved["max_new_tokens"] == 64 and saved["sim_reply_tokens"] == 48
+    assert saved["max_new_tokens"] == 64 and saved["user_reply_tokens"] == 48
     assert saved["api_key"] == saved["hf_token"] == "<redacted>"
     assert saved["api_key_env"] == "OPENAI_API_KEY"
     assert "not-for-logs" not in json.dumps(saved)

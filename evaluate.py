@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rollout import (PLAIN_PROMPT, THINK_PROMPT, check_openings_fit, default_device, eos_ids, gpus_after_the_first,
-                     load_policy, log_to_trackers, parse_settings, play_dialogues, public_config, set_seed,
+from rollout import (PLAIN_PROMPT, THINK_PROMPT, check_openings_fit, default_device, eos_ids, load_policy,
+                     log_to_trackers, parse_settings, play_dialogues, public_config, set_seed, simulator_placement,
                      start_trackers, summarize, tracker_settings, transcript_record)
 from simulator import (Simulator, SimulatorError, auto_readout, fail, load_personas_or_exit, make_backend, one_of,
                        redact, simulator_kind)
@@ -364,16 +364,6 @@ def load_models(args):
             fail(f"--adapter {path} does not fit --model {args.model}: {problem}")
         models.append({"label": label, "adapter_name": name, "adapter_path": path})
     return policy, tokenizer, models
-
-
-def simulator_placement(simulator, device_map):
-    """(device_map, max_memory) for a local simulator model, as the trainers place it: with several
-    GPUs and --simulator-device-map auto, spread over every GPU but the first, which the policy
-    keeps; otherwise (None, None), and it goes to the policy's device."""
-    local = simulator not in ("same", "rules") and not simulator.startswith(("http://", "https://"))
-    if local and device_map == "auto" and torch.cuda.device_count() > 1:
-        return "auto", gpus_after_the_first()
-    return None, None
 
 
 def adapter_fit_problem(policy, path, name, load=True):

@@ -13,22 +13,22 @@ One copy of the weights serves four roles: the actor (adapter 'default'), the cr
     accelerate launch --num_processes 8 ppo.py   # data parallel on one node
 """
 import contextlib
-import random
 import sys
 import time
+from functools import partial
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from rollout import (DEFAULT_TARGETS, PLAIN_PROMPT, THINK_PROMPT, adapter_params, all_rng_states, batched_logprobs,
-                     check_openings_fit, fingerprint, global_max, global_mean, global_stats, global_sum,
-                     gpus_after_the_first, latest_checkpoint, load_adapter_weights, load_policy, log_to_trackers,
-                     masked_mean, pad_records, parse_settings, peak_memory_gb, play_dialogues, prepare_run,
-                     prune_checkpoints, public_config, reduce_gradients, RunFolder, save_checkpoint, set_rng_state,
-                     set_seed, start_trackers, stop_on_simulator_error, summarize, time_budget_used, token_logprobs,
-                     tracker_settings, transcript_record)
-from simulator import Simulator, SimulatorError, fail, load_personas_or_exit, make_backend, one_of, redact
+from rollout import (DEFAULT_TARGETS, PLAIN_PROMPT, THINK_PROMPT, StepGuard, adapter_params, all_rng_states,
+                     batched_logprobs, check_openings_fit, fingerprint, global_max, global_mean, global_stats,
+                     global_sum, latest_checkpoint, load_policy, log_to_trackers, make_simulator, masked_mean,
+                     pad_records, parse_settings, peak_memory_gb, pick_personas, play_dialogues, prepare_run,
+                     prune_checkpoints, public_config, reduce_gradients, save_checkpoint, set_seed, start_or_resume,
+                     stop_on_simulator_error, summarize, time_budget_used, token_logprobs, tracker_settings,
+                     transcript_record)
+from simulator import SimulatorError, fail, load_personas_or_exit, one_of
 
 
 @dataclass
@@ -327,51 +327,21 @@ def main(argv=None):
     def warm(step):
         return min(1.0, max(0, step + 1) / max(1, args.warmup_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: warm(s - held), warm])  # actor, critic
-    local_simulator = args.simulator not in ("same", "rules") and not args.simulator.startswith("http")
-    sim_device_map = None
-    if local_simulator and world == 1 and torch.cuda.device_count() > 1 and args.simulator_device_map == "auto":
-        # one process, several GPUs: the policy keeps GPU 0, the simulator spreads over the others
-        sim_device_map = "auto"
-    backend = make_backend(args.simulator, policy=model, tokenizer=tokenizer, api_model=args.api_model,
-                           api_key_env=args.api_key_env, device=device, device_map=sim_device_map,
-                           max_memory=gpus_after_the_first() if sim_device_map else None,
-                           trust_remote_code=args.trust_remote_code, api_timeout=args.api_timeout,
-                           api_retries=args.api_retries, api_concurrency=args.api_concurrency)
-    simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion, max_change=args.max_change,
-                          max_turns=args.max_turns, reply_tokens=args.user_reply_tokens)
+    simulator, where = make_simulator(args, model, tokenizer, device, world)
     if accelerator.is_main_process:
-        where = "shares the policy's base" if args.simulator == "same" else (
-            "spread over GPUs 1.." if sim_device_map else f"on {device}" if args.simulator != "rules" else "rules")
-        print(f"policy {args.model} on {device} x {world} process(es); simulator "
-              f"{redact(args.simulator)} ({where}), "
-              f"read-out {simulator.readout}")
+        print(where)
+
+    def save(iteration, name=None):  # every process calls it; the main process writes
+        return _save(args, iteration, model, value_head, optimizer, scheduler, accelerator, name)
 
     # --- run folder and resume ---------------------------------------------------------------
-    start_iteration = 0
+    run, start_iteration = start_or_resume(args, accelerator, ckpt, state, model, ["default", "critic"],
+                                           optimizer, scheduler, resumed)
     if args.resume:
-        # ckpt and state: the newest checkpoint that loads, picked by prepare_run
-        for name in ("default", "critic"):
-            load_adapter_weights(model, ckpt, name)
         value_head.load_state_dict(state["value_head"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_iteration = state["iteration"]
-        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
-        if len(rngs) == world:  # the same number of processes: continue exactly where it stopped
-            set_rng_state(rngs[rank])
-        else:                   # another number of processes: a fresh, still reproducible, stream
-            set_seed(args.seed + rank + 7919 * start_iteration)
-    else:
-        set_seed(args.seed + rank)  # each process samples its own dialogues
-    run = RunFolder(args.out, args, resume=bool(args.resume), enabled=accelerator.is_main_process,
-                    resumed=resumed)
     saved_at = start_iteration  # the iteration of the newest checkpoint
-    if args.resume:
-        run.truncate("metrics.jsonl", start_iteration)
-        run.truncate("rollouts.jsonl", start_iteration)
-    start_trackers(args, accelerator, start_iteration)
 
-    bad_updates = 0
+    guard = StepGuard(args.max_bad_updates, "Lower --lr / --critic-lr or use --dtype float32", args.out)
     bar = tqdm(range(start_iteration, args.iterations), desc="ppo", disable=not accelerator.is_main_process)
     t_run = time.time()  # --time-budget counts from here (on --resume: from the resume)
     for iteration in bar:
@@ -379,9 +349,7 @@ def main(argv=None):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         # --- 1. collect dialogues: this process's share of the iteration's personas -------------
-        pick = random.Random(args.seed * 1_000_003 + iteration)
-        chosen = pick.sample(personas, args.dialogues_per_iteration) if len(personas) >= args.dialogues_per_iteration \
-            else [pick.choice(personas) for _ in range(args.dialogues_per_iteration)]
+        chosen = pick_personas(personas, args.dialogues_per_iteration, args.seed, iteration)
         share = args.dialogues_per_iteration // world
         try:
             records, rstats = play_dialogues(model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
@@ -391,9 +359,7 @@ def main(argv=None):
                                              progress=accelerator.is_main_process and sys.stderr.isatty())
         except SimulatorError as e:  # one line; a finished iteration not yet saved is saved first
             due = iteration > saved_at and world == 1  # (a save is collective: one process only)
-            save = (lambda: _save(args, iteration, model, value_head, optimizer, scheduler, accelerator)) \
-                if due else None
-            stop_on_simulator_error(e, save)
+            stop_on_simulator_error(e, partial(save, iteration) if due else None)
         t_rollout = time.time() - t_start
 
         # --- 2. score: old log-probs, reference log-probs, values, rewards -----------------------
@@ -478,26 +444,9 @@ def main(argv=None):
                 reduce_gradients(actor_params + critic_params, accelerator)
                 actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)
                 critic_norm = torch.nn.utils.clip_grad_norm_(critic_params, args.max_grad_norm)
-                if not (torch.isfinite(actor_norm) and torch.isfinite(critic_norm)):
-                    # a non-finite loss gives non-finite gradients: skip this step, stop if it persists
-                    optimizer.zero_grad(set_to_none=True)
-                    bad_updates += 1
-                    print(f"warning: iteration {iteration}: non-finite gradient, update skipped "
-                          f"({bad_updates} in a row)", file=sys.stderr)
-                    if bad_updates >= args.max_bad_updates:
-                        # Part of this iteration's steps are in the weights: never write that over a
-                        # complete checkpoint. It goes where --resume does not look, for inspection.
-                        path = _save(args, iteration, model, value_head, optimizer, scheduler, accelerator,
-                                     name=f"partial_iter_{iteration + 1:06d}")
-                        if accelerator.is_main_process:
-                            print(f"error: {bad_updates} non-finite updates in a row; stopped in iteration "
-                                  f"{iteration + 1}. --resume continues from the last complete checkpoint "
-                                  f"({latest_checkpoint(args.out)}); the state at the stop is in {path}. Lower "
-                                  f"--lr / --critic-lr or use --dtype float32, and resume.", file=sys.stderr)
-                        accelerator.wait_for_everyone()  # no process may exit (the launcher would stop the
-                        sys.exit(1)                      # main one) before the main process has written it
+                if not guard.step_ok(actor_norm + critic_norm, iteration, partial(save, iteration), accelerator):
+                    optimizer.zero_grad(set_to_none=True)  # a non-finite loss: skip this step
                     continue
-                bad_updates = 0
                 optimizer.step()
                 scheduler.step()
                 logs["actor_grad_norm"].append(actor_norm.item())
@@ -538,7 +487,7 @@ def main(argv=None):
         out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time:
             saved_at = iteration + 1
-            _save(args, iteration + 1, model, value_head, optimizer, scheduler, accelerator)
+            save(iteration + 1)
         accelerator.wait_for_everyone()
         if out_of_time:
             if accelerator.is_main_process:

@@ -883,6 +883,91 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
              f"{max_new_tokens} does not fit --max-context {max_context}")
 
 
+def simulator_placement(simulator, device_map, world=1):
+    """(device_map, max_memory) for a local simulator model: with one process, several GPUs and
+    --simulator-device-map auto, spread over every GPU but the first, which the policy keeps;
+    otherwise (None, None), and it goes to the policy's device."""
+    local = simulator_kind(simulator) == "local"
+    if local and world == 1 and device_map == "auto" and torch.cuda.device_count() > 1:
+        return "auto", gpus_after_the_first()
+    return None, None
+
+
+def make_simulator(args, model, tokenizer, device, world=1):
+    """The simulated user of --simulator, placed as simulator_placement says, and a line saying where."""
+    device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map, world)
+    backend = make_backend(args.simulator, policy=model, tokenizer=tokenizer, api_model=args.api_model,
+                           api_key_env=args.api_key_env, device=device, device_map=device_map,
+                           max_memory=max_memory, trust_remote_code=args.trust_remote_code,
+                           api_timeout=args.api_timeout, api_retries=args.api_retries,
+                           api_concurrency=args.api_concurrency)
+    simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
+                          max_change=args.max_change, max_turns=args.max_turns, reply_tokens=args.user_reply_tokens)
+    where = {"same": "shares the policy's base", "rules": "rules", "url": "a server"}.get(
+        simulator_kind(args.simulator), "spread over GPUs 1.." if device_map else f"on {device}")
+    return simulator, (f"policy {args.model} on {device} x {world} process(es); simulator "
+                       f"{redact(args.simulator)} ({where}), read-out {simulator.readout}")
+
+
+def start_or_resume(args, accelerator, checkpoint, state, model, adapters, optimizer, scheduler, resumed):
+    """The run folder, and with --resume the state of the checkpoint prepare_run picked: adapters,
+    optimizer, scheduler and every process's RNG. Returns (run folder, iteration to start from)."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    start = 0
+    if args.resume:
+        for name in adapters:
+            load_adapter_weights(model, checkpoint, name)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start = state["iteration"]
+        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+        if len(rngs) == world:  # the same number of processes: continue exactly where it stopped
+            set_rng_state(rngs[rank])
+        else:                   # another number of processes: a fresh, still reproducible, stream
+            set_seed(args.seed + rank + 7919 * start)
+    else:
+        set_seed(args.seed + rank)  # each process samples its own dialogues
+    run = RunFolder(args.out, args, resume=bool(args.resume), enabled=accelerator.is_main_process,
+                    resumed=resumed)
+    if args.resume:  # lines logged after the checkpoint belong to iterations that will run again
+        run.truncate("metrics.jsonl", start)
+        run.truncate("rollouts.jsonl", start)
+    start_trackers(args, accelerator, start)
+    return run, start
+
+
+def pick_personas(personas, n, seed, iteration):
+    """The iteration's n personas, the same on every process (each then plays its own share)."""
+    pick = random.Random(seed * 1_000_003 + iteration)
+    return pick.sample(personas, n) if len(personas) >= n else [pick.choice(personas) for _ in range(n)]
+
+
+class StepGuard:
+    """--max-bad-updates: a non-finite gradient norm skips its optimizer step; that many in a row
+    stop the run. The state at the stop has part of an iteration's steps in it, so it is never
+    written over a complete checkpoint: save(name) puts it where --resume does not look."""
+
+    def __init__(self, limit, advice, run_dir):
+        self.limit, self.advice, self.run_dir, self.in_a_row = limit, advice, run_dir, 0
+
+    def step_ok(self, norm, iteration, save, accelerator):
+        if torch.isfinite(norm):
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        print(f"warning: iteration {iteration}: non-finite gradient, update skipped ({self.in_a_row} in a row)",
+              file=sys.stderr)
+        if self.in_a_row >= self.limit:
+            path = save(f"partial_iter_{iteration + 1:06d}")
+            if accelerator.is_main_process:
+                print(f"error: {self.in_a_row} non-finite updates in a row; stopped in iteration {iteration + 1}. "
+                      f"--resume continues from the last complete checkpoint ({latest_checkpoint(self.run_dir)}); "
+                      f"the state at the stop is in {path}. {self.advice}, and resume.", file=sys.stderr)
+            accelerator.wait_for_everyone()  # no process may exit (the launcher would stop the main
+            sys.exit(1)                      # one) before the main process has written the state
+        return False
+
+
 def stop_on_simulator_error(error, save=None):
     """A simulator that cannot answer ends the run with one line and exit code 2; save() first
     writes a checkpoint of the last complete iteration when one has not been saved."""

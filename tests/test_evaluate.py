@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import evaluate
+import rollout
 from evaluate import (CURVE_METRICS, EvalArgs, answers_match, bootstrap_interval, extract_answer, mean_trajectory,
                       model_summary, paired_difference, persona_means, results_table, run_evaluation,
                       unique_labels, use_model)
@@ -343,12 +344,12 @@ def test_load_in_4bit_is_checked_then_passed_to_the_policy(tiny_model_dir, monke
 
 
 def test_a_local_simulator_goes_to_the_gpus_after_the_first(monkeypatch):
-    from evaluate import simulator_placement
+    from rollout import simulator_placement
 
     if torch.cuda.device_count() < 2:
         assert simulator_placement("Qwen/Qwen2.5-7B-Instruct", "auto") == (None, None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
-    monkeypatch.setattr(evaluate, "gpus_after_the_first", lambda: {0: 0, 1: 9, 2: 9})
+    monkeypatch.setattr(rollout, "gpus_after_the_first", lambda: {0: 0, 1: 9, 2: 9})
     assert simulator_placement("Qwen/Qwen2.5-7B-Instruct", "auto") == ("auto", {0: 0, 1: 9, 2: 9})
     for simulator, device_map in (("same", "auto"), ("rules", "auto"), ("http://127.0.0.1:8000/v1", "auto"),
                                   ("Qwen/Qwen2.5-7B-Instruct", "none")):

@@ -220,6 +220,20 @@ def kl_k3(logprobs, ref_logprobs):
 
 
 
+def check_batch_shape(args, world):
+    """A group is played and scored inside one process, never split: each gets whole personas; and
+    minibatches split the batch evenly."""
+    for name in ("personas_per_iteration", "minibatch_size"):
+        if getattr(args, name) % world:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
+    if args.group_size < 2:
+        fail(f"--group-size {args.group_size}: GRPO compares dialogues within a group; use 2 or more")
+    batch_size = args.personas_per_iteration * args.group_size
+    if batch_size % args.minibatch_size:
+        fail(f"--minibatch-size {args.minibatch_size} must divide the batch of {batch_size} dialogues "
+             f"(--personas-per-iteration x --group-size)")
+
+
 def main(argv=None):
     from accelerate import Accelerator
     from accelerate.utils import gather_object
@@ -234,16 +248,7 @@ def main(argv=None):
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     # the run folder before any model: a run there is never clobbered; --resume takes its settings
     ckpt, state, resumed = prepare_run(args, ["default"], accelerator.is_main_process)
-    # A group is played and scored inside one process, never split: each gets whole personas.
-    for name in ("personas_per_iteration", "minibatch_size"):
-        if getattr(args, name) % world:
-            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
-    if args.group_size < 2:
-        fail(f"--group-size {args.group_size}: GRPO compares dialogues within a group; use 2 or more")
-    batch_size = args.personas_per_iteration * args.group_size
-    if batch_size % args.minibatch_size:
-        fail(f"--minibatch-size {args.minibatch_size} must divide the batch of {batch_size} dialogues "
-                 f"(--personas-per-iteration x --group-size)")
+    check_batch_shape(args, world)
     set_seed(args.seed)  # the same adapter initialisation on every process
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,

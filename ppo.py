@@ -278,6 +278,44 @@ def critic_values(model, value_head, input_ids, attention_mask):
     return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
 
 
+def check_batch_shape(args, world):
+    """Dialogues and minibatches must split evenly over the processes and into each other."""
+    for name in ("dialogues_per_iteration", "minibatch_size"):
+        if getattr(args, name) % world:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
+    if args.dialogues_per_iteration % args.minibatch_size:
+        fail("--dialogues-per-iteration must be a multiple of --minibatch-size")
+
+
+def actor_and_critic(args, model, device):
+    """The critic beside the actor on the shared base: a second LoRA adapter and a value head that
+    starts at value_prior; one AdamW with a parameter group each. Returns (value_head, actor
+    params, critic params, optimizer, scheduler)."""
+    from peft import LoraConfig  # here, not above: importing peft can print a bitsandbytes notice on CPU
+
+    model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                           target_modules=args.target_modules.split(","), task_type="CAUSAL_LM"))
+    use_adapter(model, "default")
+    hidden_size = model.get_base_model().config.get_text_config().hidden_size
+    value_head = torch.nn.Linear(hidden_size, 1).to(device)
+    torch.nn.init.zeros_(value_head.weight)
+    torch.nn.init.constant_(value_head.bias, value_prior(args.reward, args.start_emotion))
+    actor_params = adapter_params(model, "default")
+    critic_params = adapter_params(model, "critic") + list(value_head.parameters())
+    for p in actor_params + critic_params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW([{"params": actor_params, "lr": args.lr},
+                                   {"params": critic_params, "lr": args.critic_lr}], weight_decay=0.0)
+    # Linear warm-up over --warmup-steps optimizer steps. The actor's count starts when it starts to
+    # learn, after --critic-warmup iterations of steps that only moved the critic.
+    held = args.critic_warmup * args.update_epochs * (args.dialogues_per_iteration // args.minibatch_size)
+
+    def warm(step):
+        return min(1.0, max(0, step + 1) / max(1, args.warmup_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: warm(s - held), warm])  # actor, critic
+    return value_head, actor_params, critic_params, optimizer, scheduler
+
+
 def main(argv=None):
     from accelerate import Accelerator
     from accelerate.utils import gather_object
@@ -292,11 +330,7 @@ def main(argv=None):
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     # the run folder before any model: a run there is never clobbered; --resume takes its settings
     ckpt, state, resumed = prepare_run(args, ["default", "critic"], accelerator.is_main_process)
-    for name in ("dialogues_per_iteration", "minibatch_size"):
-        if getattr(args, name) % world:
-            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
-    if args.dialogues_per_iteration % args.minibatch_size:
-        fail("--dialogues-per-iteration must be a multiple of --minibatch-size")
+    check_batch_shape(args, world)
     set_seed(args.seed)  # the same adapter initialisation on every process
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
@@ -307,26 +341,7 @@ def main(argv=None):
                                    lora_dropout=args.lora_dropout, target_modules=args.target_modules,
                                    load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype,
                                    trust_remote_code=args.trust_remote_code)
-    from peft import LoraConfig  # here, not above: importing peft can print a bitsandbytes notice on CPU
-
-    model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                           target_modules=args.target_modules.split(","), task_type="CAUSAL_LM"))
-    use_adapter(model, "default")
-    hidden_size = model.get_base_model().config.get_text_config().hidden_size
-    value_head = torch.nn.Linear(hidden_size, 1).to(device)
-    torch.nn.init.zeros_(value_head.weight)
-    torch.nn.init.constant_(value_head.bias, value_prior(args.reward, args.start_emotion))
-    actor_params, critic_params = adapter_params(model, "default"), adapter_params(model, "critic") + list(value_head.parameters())
-    for p in actor_params + critic_params:
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW([{"params": actor_params, "lr": args.lr},
-                                   {"params": critic_params, "lr": args.critic_lr}], weight_decay=0.0)
-    # Linear warm-up over --warmup-steps optimizer steps. The actor's count starts when it starts to
-    # learn, after --critic-warmup iterations of steps that only moved the critic.
-    held = args.critic_warmup * args.update_epochs * (args.dialogues_per_iteration // args.minibatch_size)
-    def warm(step):
-        return min(1.0, max(0, step + 1) / max(1, args.warmup_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: warm(s - held), warm])  # actor, critic
+    value_head, actor_params, critic_params, optimizer, scheduler = actor_and_critic(args, model, device)
     simulator, where = make_simulator(args, model, tokenizer, device, world)
     if accelerator.is_main_process:
         print(where)

@@ -116,7 +116,8 @@ def test_report_to_a_missing_tracker_is_one_line_before_any_model_loads(script, 
     args = ["--model", tiny_model_dir, "--simulator", "rules", "--personas", personas_file, "--out", str(tmp_path)]
     args = args if script is evaluate else ["--preset", "cpu", *args]
     for value, message in (("wandb", "error: --report-to wandb needs the wandb package: pip install wandb"),
-                           ("mlflow", "error: argument --report_to/--report-to: invalid choice: 'mlflow' (choose "
+                           ("mlflow", "error: argument --report_to/--report-to: invalid choice: 'mlflow' "
+                                      "(choose "
                                       "from 'tensorboard', 'wandb', 'trackio', 'all', 'none')")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as stop:

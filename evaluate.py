@@ -670,7 +670,6 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
             results["paired"].append({"model": m["label"], "vs": base["label"], **paired_difference(
                 [summary["per_persona"][p] for p in persona_ids],
                 [base["per_persona"][p] for p in persona_ids], args.bootstrap, args.seed)})
-
         if answers is not None:
             graded = [{"id": q["id"], "answer": q["answer"], "extracted": extract_answer(a),
                        "output": a} for q, a in zip(problems, answers)]
@@ -702,7 +701,6 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
     plot_scores(results["models"], os.path.join(args.out, "scores.png"))
     plot_trajectories(played, simulator.start_emotion, simulator.leave_below,
                       os.path.join(args.out, "trajectories.png"))
-
     return results
 
 

@@ -853,7 +853,6 @@ class LocalBackend:
                     logits = self.model(input_ids=cont_ids, attention_mask=mask,
                                         **{cache_keyword(self.model): cache}).logits.float()
                     # rest: (C, W-1)
-
                     rest = torch.log_softmax(logits[:, :-1], -1).gather(-1, cont_ids[:, 1:, None])[..., 0]
                     total = first + (rest * cont_mask[:, 1:]).sum(1)
                     scores.append((total / lengths).cpu())
@@ -1510,7 +1509,6 @@ def main(argv=None):
     for r in results:
         print(f"\n=== {r['persona_id']} / {r['style']}: {r['end_reason']}, "
               f"final emotion {r['final_emotion']}")
-
         for t in r["turns"]:
             who = "agent" if t["role"] == "agent" else "user "
             tail = f"   [emotion {t['emotion']} ({t['change']:+d})]" if t["role"] == "agent" else ""

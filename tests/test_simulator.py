@@ -145,8 +145,8 @@ def test_sage_import(tmp_path):
          "main_cha": "Tom", "topic": "grief", "task": "wants to hear it is fine to miss a dog.",
          "first_talk": "So my dog died on Tuesday. Stupid to be this upset, right?"},
         {"id": 7, "player": "Ana, 19, a student.", "scene": {"place": "dorm", "event": "failed an exam"},
-         "main_cha": "Ana", "topic": "study", "task": "wants a plan.", "first_talk": "I failed calculus "
-                                                                                     "again."},
+         "main_cha": "Ana", "topic": "study", "task": "wants a plan.",
+         "first_talk": "I failed calculus again."},
     ]
     path = tmp_path / "sage.jsonl"
     path.write_text("\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\n\n", encoding="utf-8")
@@ -613,10 +613,9 @@ def test_rules_appraisal_warm_beats_lecture(persona, capsys):
     sim = Simulator(RulesBackend())
     state = sim.start(persona)
     warm, why_warm = rules_appraisal(state, "That sounds so painful, and no wonder you feel stupid for "
-                                            "hoping "
-                                            "after that promotion was promised. What hurts the most?")
-    lecture, why_lecture = rules_appraisal(state, "Calm down, it's not a big deal. You should update your "
-                                                  "CV. "
+                                            "hoping after that promotion was promised. What hurts the most?")
+    lecture, why_lecture = rules_appraisal(state, "Calm down, it's not a big deal. "
+                                                  "You should update your CV. "
                                                   "You need to network more.\n1. Apply elsewhere\n2. Move on")
     with capsys.disabled():
         print(f"\nrules: warm {warm:+d} ({why_warm}); lecture {lecture:+d} ({why_lecture})")
@@ -731,8 +730,8 @@ def test_batched_step_matches_one_by_one(smollm2, persona_entry, write_personas)
         assert t.end_reason == a.end_reason
 
 
-BASE_BACKGROUND_LONG = ("Her younger sister got married last Saturday in Lisbon. The two had not spoken "
-                        "since "
+BASE_BACKGROUND_LONG = ("Her younger sister got married last Saturday in Lisbon. "
+                        "The two had not spoken since "
                         "an argument about their mother's care two years ago, but she assumed the wedding "
                         "would be the moment they made up. She found out about it from photos online.")
 

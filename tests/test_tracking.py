@@ -117,8 +117,7 @@ def test_report_to_a_missing_tracker_is_one_line_before_any_model_loads(script, 
     args = args if script is evaluate else ["--preset", "cpu", *args]
     for value, message in (("wandb", "error: --report-to wandb needs the wandb package: pip install wandb"),
                            ("mlflow", "error: argument --report_to/--report-to: invalid choice: 'mlflow' "
-                                      "(choose "
-                                      "from 'tensorboard', 'wandb', 'trackio', 'all', 'none')")):
+                                      "(choose from 'tensorboard', 'wandb', 'trackio', 'all', 'none')")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as stop:
             script.main([*args, "--report-to", value])

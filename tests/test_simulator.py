@@ -579,7 +579,8 @@ def test_heldout_judge_is_an_outside_observer(persona):
 CHINESE = {"profile": {"name": "李雷", "age": 30, "job": "工程师", "personality": "内向",
                        "speaking_style": "简短"},
            "background": "他上周失业了，一直没告诉家人。", "goal": "想说说失业后的压力。",
-           "hidden_intention": "想听到失业不代表他失败。", "opening": "我上周被裁员了，不知道该怎么跟家里说。",
+           "hidden_intention": "想听到失业不代表他失败。",
+           "opening": "我上周被裁员了，不知道该怎么跟家里说。",
            "reactions": {"good": "他会多说一些。", "bad": "他会沉默。"}}
 
 

@@ -35,10 +35,10 @@ import torch
 from tqdm import tqdm
 
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, check_openings_fit, default_device, eos_ids, load_policy,
-                     log_to_trackers, parse_settings, play_dialogues, public_config, set_seed, simulator_placement,
-                     start_trackers, summarize, tracker_settings, transcript_record)
-from simulator import (Simulator, SimulatorError, auto_readout, fail, load_personas_or_exit, make_backend, one_of,
-                       redact, simulator_kind)
+                     log_to_trackers, parse_settings, play_dialogues, public_config, set_seed,
+                     simulator_placement, start_trackers, summarize, tracker_settings, transcript_record)
+from simulator import (Simulator, SimulatorError, auto_readout, fail, load_personas_or_exit, make_backend,
+                       one_of, redact, simulator_kind)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -46,15 +46,18 @@ from simulator import (Simulator, SimulatorError, auto_readout, fail, load_perso
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class EvalArgs:
-    model: str = field(default="smollm2", metadata={"help": "base model: smollm2 (embedded), a hub id or a path"})
+    model: str = field(default="smollm2", metadata={
+        "help": "base model: smollm2 (embedded), a hub id or a path"})
     load_in_4bit: bool = field(default=False, metadata={
         "help": "NF4 base weights via bitsandbytes (CUDA only): QLoRA adapters on the base they trained on"})
     adapter: list[str] = field(default_factory=list, metadata={
         "help": "LoRA adapter folders to compare with the base (each holds adapter_config.json)"})
     personas: str = field(default="personas.json", metadata={"help": "personas.json or a SAGE profile file"})
     split: str = field(default="test", metadata={"help": "train | test | all"})
-    dialogues: int = field(default=0, metadata={"help": "personas to play, the first N of the split (0 = all)"})
-    simulator: str = field(default="same", metadata={"help": "same | rules | model id/path | http://host:port/v1"})
+    dialogues: int = field(default=0, metadata={
+        "help": "personas to play, the first N of the split (0 = all)"})
+    simulator: str = field(default="same", metadata={
+        "help": "same | rules | model id/path | http://host:port/v1"})
     simulator_device_map: str = field(default="auto", metadata={
         "help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
     readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules"})
@@ -62,7 +65,8 @@ class EvalArgs:
         "help": "training | heldout: the appraisal prompt that scores (heldout: an outside observer the "
                 "agent never trained against; needs the reasoned read-out)"})
     api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
-    api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable holding its key"})
+    api_key_env: str = field(default="OPENAI_API_KEY", metadata={
+        "help": "environment variable holding its key"})
     api_timeout: float = field(default=60.0, metadata={
         "help": "seconds a request to a URL simulator may take in all; a call, x (retries + 1)"})
     api_retries: int = field(default=4, metadata={"help": "tries after a failed request to a URL simulator"})
@@ -71,14 +75,18 @@ class EvalArgs:
     max_change: int = field(default=10, metadata={"help": "largest emotion change per turn (SAGE: 10)"})
     max_turns: int = field(default=10, metadata={"help": "agent turns per dialogue (SAGE: 10)"})
     user_reply_tokens: int = field(default=64, metadata={"help": "tokens per simulated user message"})
-    thinking: bool = field(default=True, metadata={"help": "think-then-say scaffold (--no-thinking to drop it)"})
-    system_prompt_file: str = field(default=None, metadata={"help": "a file whose text replaces the agent's system prompt"})
-    sample: bool = field(default=False, metadata={"help": "sample the agent's replies instead of greedy decoding"})
+    thinking: bool = field(default=True, metadata={
+        "help": "think-then-say scaffold (--no-thinking to drop it)"})
+    system_prompt_file: str = field(default=None, metadata={
+        "help": "a file whose text replaces the agent's system prompt"})
+    sample: bool = field(default=False, metadata={
+        "help": "sample the agent's replies instead of greedy decoding"})
     samples: int = field(default=1, metadata={"help": "dialogues per persona (needs --sample when > 1)"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature with --sample"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling with --sample"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens per agent turn, thought included"})
-    max_context: int = field(default=4096, metadata={"help": "tokens per dialogue before it ends with 'context'"})
+    max_context: int = field(default=4096, metadata={
+        "help": "tokens per dialogue before it ends with 'context'"})
     bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples for the 95%% intervals"})
     seed: int = field(default=0, metadata={"help": "random seed (sampling, bootstrap)"})
     math: str = field(default=None, metadata={"help": "JSON lines {id, question, answer}: capability check"})
@@ -103,7 +111,8 @@ def parse_args(argv=None):
              f"{redact(args.simulator)} reads out '{readout}'")
     for path in args.adapter:
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
-            inside = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "adapter_config.json"))) \
+            inside = sorted(d for d in os.listdir(path)
+                            if os.path.isfile(os.path.join(path, d, "adapter_config.json"))) \
                 if os.path.isdir(path) else []
             hint = f"; did you mean {os.path.join(path, inside[0])}?" if inside else ""
             fail(f"--adapter {path}: no adapter_config.json there{hint}")
@@ -313,7 +322,8 @@ def load_math_or_exit(path):
         if missing:
             print(f"error: {path}: line {i + 1}: field '{missing[0]}' is missing", file=sys.stderr)
             sys.exit(2)
-        problems.append({"id": str(entry["id"]), "question": str(entry["question"]), "answer": str(entry["answer"])})
+        problems.append({"id": str(entry["id"]), "question": str(entry["question"]),
+                         "answer": str(entry["answer"])})
     if not problems:
         print(f"error: {path}: no questions", file=sys.stderr)
         sys.exit(2)
@@ -404,9 +414,9 @@ def answer_questions(policy, tokenizer, problems, max_new_tokens=256, batch_size
     with left padding so every row's answer starts at the same column."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,
-                              max_new_tokens=max_new_tokens, eos_token_id=eos_ids(tokenizer),
-                              pad_token_id=tokenizer.pad_token_id)
+    config = GenerationConfig(do_sample=False, temperature=None, top_p=None, top_k=None,
+                              repetition_penalty=1.0, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
     device = next(policy.parameters()).device
     was_training = policy.training
     policy.eval()
@@ -415,7 +425,8 @@ def answer_questions(policy, tokenizer, problems, max_new_tokens=256, batch_size
         # enable_thinking=False switches off Qwen3-style templates' own thinking; others ignore it.
         texts = [tokenizer.apply_chat_template([{"role": "system", "content": MATH_PROMPT},
                                                 {"role": "user", "content": p["question"]}],
-                                               tokenize=False, add_generation_prompt=True, enable_thinking=False)
+                                               tokenize=False, add_generation_prompt=True,
+                                               enable_thinking=False)
                  for p in problems[i:i + batch_size]]
         enc = tokenizer(texts, add_special_tokens=False, padding=True, padding_side="left",
                         return_tensors="pt").to(device)
@@ -439,15 +450,20 @@ def results_table(results):
     paired = {p["model"]: p for p in results["paired"]}
     has_math = results.get("math") is not None
     lines = [
-        f"{results['personas_played']} personas from `{os.path.basename(s['personas'])}` (split {s['split']}), "
+        f"{results['personas_played']} personas from `{os.path.basename(s['personas'])}` "
+        f"(split {s['split']}), "
         f"{decoding} dialogue(s) each; simulator `{s['simulator']}` (read-out {results['readout']}, "
         f"judge {results.get('judge', 'training')}), "
-        f"start emotion {s['start_emotion']}, up to {s['max_turns']} turns, thinking {'on' if s['thinking'] else 'off'}. "
-        f"Score = mean final emotion (0-100); [95% bootstrap interval over personas, {s['bootstrap']} resamples]; "
-        "vs base = mean paired difference over the same personas; reply tokens = policy tokens per agent turn, "
+        f"start emotion {s['start_emotion']}, up to {s['max_turns']} turns, "
+        f"thinking {'on' if s['thinking'] else 'off'}. "
+        f"Score = mean final emotion (0-100); "
+        f"[95% bootstrap interval over personas, {s['bootstrap']} resamples]; "
+        "vs base = mean paired difference over the same personas; "
+        "reply tokens = policy tokens per agent turn, "
         "thought included.",
         "",
-        "| model | score | vs base | successes | failures | turns | reply tokens | think violations | sim. fallbacks |"
+        "| model | score | vs base | successes | failures | turns | reply tokens | think violations "
+        "| sim. fallbacks |"
         + (" math acc. | math vs base |" if has_math else ""),
         "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if has_math else ""),
     ]
@@ -456,13 +472,15 @@ def results_table(results):
         p = paired.get(m["label"])
         vs = f"{_signed(p['mean'])} [{_signed(p['low'])}, {_signed(p['high'])}]" if p else "-"
         row = (f"| {m['label']} | {m['score']:.1f} [{m['ci_low']:.1f}, {m['ci_high']:.1f}] | {vs} "
-               f"| {m['successes']}/{n} | {m['failures']}/{n} | {m['turns_mean']:.1f} | {m['reply_tokens_mean']:.0f} "
+               f"| {m['successes']}/{n} | {m['failures']}/{n} | {m['turns_mean']:.1f} "
+               f"| {m['reply_tokens_mean']:.0f} "
                f"| {m['think_violations']} ({m['think_violation_rate']:.0%}) | {m['simulator_fallbacks']} |")
         if has_math:
             acc = results["math"]["models"].get(m["label"])
             mp = {q["model"]: q for q in results["math"]["paired"]}.get(m["label"])
             row += f" {acc['accuracy']:.1%} |" if acc else " |"
-            row += (f" {100 * mp['mean']:+.1f} pts [{100 * mp['low']:+.1f}, {100 * mp['high']:+.1f}] |" if mp else " - |")
+            row += (f" {100 * mp['mean']:+.1f} pts [{100 * mp['low']:+.1f}, {100 * mp['high']:+.1f}] |"
+                    if mp else " - |")
         lines.append(row)
     return "\n".join(lines) + "\n"
 
@@ -642,15 +660,16 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
         summary.update(label=m["label"], adapter=m["adapter_path"], seconds=time.time() - t0,
                        policy_tokens_per_s=speed["policy_tokens_per_s"],
                        simulator_tokens_per_s=speed["simulator_tokens_per_s"],
-                       dialogue_results=[{k: r[k] for k in ("persona_id", "sample", "final_emotion", "end_reason",
-                                                            "emotions", "violations", "fallbacks", "policy_tokens")}
+                       dialogue_results=[{k: r[k] for k in ("persona_id", "sample", "final_emotion",
+                                                            "end_reason", "emotions", "violations",
+                                                            "fallbacks", "policy_tokens")}
                                          | {"turns": len(r["turn_ends"])} for r in records])
         results["models"].append(summary)
         if m["adapter_name"] is not None:
             base = results["models"][0]
             results["paired"].append({"model": m["label"], "vs": base["label"], **paired_difference(
-                [summary["per_persona"][p] for p in persona_ids], [base["per_persona"][p] for p in persona_ids],
-                args.bootstrap, args.seed)})
+                [summary["per_persona"][p] for p in persona_ids],
+                [base["per_persona"][p] for p in persona_ids], args.bootstrap, args.seed)})
         if answers is not None:
             graded = [{"id": q["id"], "answer": q["answer"], "extracted": extract_answer(a),
                        "output": a} for q, a in zip(problems, answers)]
@@ -670,15 +689,18 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
         if answers is not None:
             numbers["math_accuracy"] = results["math"]["models"][m["label"]]["accuracy"]
         log_to_trackers(accelerator, numbers, records, step=len(results["models"]) - 1)
-        line = (f"{m['label']}: score {summary['score']:.1f} [{summary['ci_low']:.1f}, {summary['ci_high']:.1f}], "
-                f"{summary['successes']} successes, {summary['failures']} failures, {summary['seconds']:.0f} s")
+        line = (f"{m['label']}: score {summary['score']:.1f} "
+                f"[{summary['ci_low']:.1f}, {summary['ci_high']:.1f}], "
+                f"{summary['successes']} successes, {summary['failures']} failures, "
+                f"{summary['seconds']:.0f} s")
         if answers is not None:
             line += f", math {results['math']['models'][m['label']]['accuracy']:.1%}"
         print(line, file=sys.stderr)
     results["complete"] = True
     _write_results(args.out, results)
     plot_scores(results["models"], os.path.join(args.out, "scores.png"))
-    plot_trajectories(played, simulator.start_emotion, simulator.leave_below, os.path.join(args.out, "trajectories.png"))
+    plot_trajectories(played, simulator.start_emotion, simulator.leave_below,
+                      os.path.join(args.out, "trajectories.png"))
     return results
 
 
@@ -722,7 +744,8 @@ def main(argv=None):
         fail(e)
     print(f"{len(models)} models x {len(personas)} personas x {args.samples} "
           f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
-          f"(read-out {simulator.readout}, judge {simulator.judge}{', spread over GPUs 1..' if device_map else ''})"
+          f"(read-out {simulator.readout}, judge {simulator.judge}"
+          f"{', spread over GPUs 1..' if device_map else ''})"
           + (f"; {len(problems)} math questions" if problems else ""),
           file=sys.stderr)
     try:

@@ -17,9 +17,9 @@ import torch
 
 import evaluate
 import rollout
-from evaluate import (CURVE_METRICS, EvalArgs, answers_match, bootstrap_interval, extract_answer, mean_trajectory,
-                      model_summary, paired_difference, persona_means, results_table, run_evaluation,
-                      unique_labels, use_model)
+from evaluate import (CURVE_METRICS, EvalArgs, answers_match, bootstrap_interval, extract_answer,
+                      mean_trajectory, model_summary, paired_difference, persona_means, results_table,
+                      run_evaluation, unique_labels, use_model)
 from simulator import RulesBackend, Simulator, load_personas
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +33,8 @@ def assert_png(path):
         assert f.read(8) == PNG_HEADER, path
 
 
-def fake_record(persona_id, final, end_reason="max_turns", turns=2, tokens=20, violations=0, fallbacks=0, sample=0):
+def fake_record(persona_id, final, end_reason="max_turns", turns=2, tokens=20, violations=0, fallbacks=0,
+                sample=0):
     return {"persona_id": persona_id, "sample": sample, "final_emotion": final, "end_reason": end_reason,
             "turn_ends": list(range(turns)), "emotions": [final] * turns, "policy_tokens": tokens,
             "violations": violations, "fallbacks": fallbacks}
@@ -112,7 +113,8 @@ def test_mean_trajectory_carries_final_emotion_forward():
 def test_results_table(tmp_path):
     ids = ["p1", "p2"]
     base = model_summary([fake_record("p1", 40), fake_record("p2", 60)], ids, n_boot=100)
-    ppo = model_summary([fake_record("p1", 45, tokens=40), fake_record("p2", 100, "success")], ids, n_boot=100)
+    ppo = model_summary([fake_record("p1", 45, tokens=40), fake_record("p2", 100, "success")], ids,
+                        n_boot=100)
     base["label"], ppo["label"] = "base", "ppo"
     args = EvalArgs(personas="/x/personas.json", out=str(tmp_path), bootstrap=100)
     results = {"settings": vars(args), "readout": "likelihood", "personas_played": 2, "models": [base, ppo],
@@ -282,7 +284,8 @@ def test_project_file_evaluates_with_math(tiny_peft, tmp_path):
     args, results = tiny_run(tiny_peft, tmp_path, os.path.join(ROOT, "personas.json"), problems=problems)
     check_output_folder(args.out, ["base", "one", "two"], 2)
     math = results["math"]
-    assert set(math["models"]) == {"base", "one", "two"} and [p["model"] for p in math["paired"]] == ["one", "two"]
+    assert (set(math["models"]) == {"base", "one", "two"}
+            and [p["model"] for p in math["paired"]] == ["one", "two"])
     for m in math["models"].values():  # accuracy = correct / questions, each answer graded again here
         assert len(m["answers"]) == 3
         assert all(a["correct"] == answers_match(a["extracted"], a["answer"]) for a in m["answers"])
@@ -322,7 +325,8 @@ def test_settings_are_checked(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         evaluate.parse_args(["--adapter", str(tmp_path / "ckpt")])
     assert stop.value.code == 2 and re.search("did you mean .*ckpt/policy", capsys.readouterr().err)
-    args = evaluate.parse_args(["--adapter", str(tmp_path / "ckpt" / "policy"), "--no-thinking", "--max-turns", "3"])
+    args = evaluate.parse_args(["--adapter", str(tmp_path / "ckpt" / "policy"), "--no-thinking",
+                                "--max-turns", "3"])
     assert (args.thinking, args.max_turns, args.start_emotion, args.sample) == (False, 3, 40, False)
 
 
@@ -433,7 +437,8 @@ def test_curves_from_two_runs(tmp_path):
     out = tmp_path / "curves"
     evaluate.main(["--curves", ppo, grpo, "--out", str(out)])
     written = sorted(os.listdir(out))
-    assert written == sorted(f"curves_{k}.png" for k in ("reward_mean", "kl_ref", "value_loss", "entropy", "clip_frac"))
+    assert written == sorted(f"curves_{k}.png"
+                             for k in ("reward_mean", "kl_ref", "value_loss", "entropy", "clip_frac"))
     assert "seconds" not in CURVE_METRICS
     for name in written:
         assert_png(out / name)

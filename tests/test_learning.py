@@ -82,7 +82,8 @@ def test_ppo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, monk
     out = tmp_path / "ppo"
     ppo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
                        "--iterations", "16", "--dialogues-per-iteration", "8", "--minibatch-size", "8",
-                       "--micro-batch-size", "8", "--lr", "3e-2", "--critic-lr", "3e-2", "--update-epochs", "2"])
+                       "--micro-batch-size", "8", "--lr", "3e-2", "--critic-lr", "3e-2",
+                       "--update-epochs", "2"])
     assert_learned(rewards_of(out), "ppo")
 
 
@@ -93,21 +94,23 @@ def test_grpo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, mon
     out = tmp_path / "grpo"
     grpo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
                         "--iterations", "16", "--personas-per-iteration", "2", "--group-size", "4",
-                        "--minibatch-size", "8", "--micro-batch-size", "8", "--lr", "3e-2", "--update-epochs", "2"])
+                        "--minibatch-size", "8", "--micro-batch-size", "8", "--lr", "3e-2",
+                        "--update-epochs", "2"])
     assert_learned(rewards_of(out), "grpo")
 
 
-def test_ppo_learns_over_two_turns_with_per_turn_rewards(tiny_model_dir, personas_file, tmp_path, monkeypatch):
+def test_ppo_learns_over_two_turns_with_per_turn_rewards(tiny_model_dir, personas_file, tmp_path,
+                                                         monkeypatch):
     # Two agent turns with a user message between them: the user's tokens are masked out, GAE runs
     # across them, and each turn's change is its own reward. The critic must learn something too.
     import ppo
 
     install_stand_in(monkeypatch, ppo, turns=2)
     out = tmp_path / "ppo2"
-    ppo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out), "--max-turns", "2",
-                       "--reward", "turn", "--iterations", "16", "--dialogues-per-iteration", "8",
-                       "--minibatch-size", "8", "--micro-batch-size", "4", "--lr", "3e-2", "--critic-lr", "3e-2",
-                       "--update-epochs", "2"])
+    ppo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
+                       "--max-turns", "2", "--reward", "turn", "--iterations", "16",
+                       "--dialogues-per-iteration", "8", "--minibatch-size", "8", "--micro-batch-size", "4",
+                       "--lr", "3e-2", "--critic-lr", "3e-2", "--update-epochs", "2"])
     assert_learned(rewards_of(out), "ppo, 2 turns")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
@@ -122,7 +125,8 @@ def test_grpo_learns_over_two_turns(tiny_model_dir, personas_file, tmp_path, mon
 
     install_stand_in(monkeypatch, grpo, turns=2)
     out = tmp_path / "grpo2"
-    grpo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out), "--max-turns", "2",
-                        "--reward", "turn", "--iterations", "16", "--personas-per-iteration", "4", "--group-size", "4",
-                        "--minibatch-size", "16", "--micro-batch-size", "4", "--lr", "3e-2", "--update-epochs", "2"])
+    grpo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
+                        "--max-turns", "2", "--reward", "turn", "--iterations", "16",
+                        "--personas-per-iteration", "4", "--group-size", "4", "--minibatch-size", "16",
+                        "--micro-batch-size", "4", "--lr", "3e-2", "--update-epochs", "2"])
     assert_learned(rewards_of(out), "grpo, 2 turns")

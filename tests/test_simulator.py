@@ -52,15 +52,21 @@ def _set(entry, value, *keys):
 # (name, how to break the second entry, words the message must contain)
 BROKEN = [
     ("missing field", lambda e: _drop(e, "goal"), ["entry p2", "'goal'", "missing"]),
-    ("missing profile field", lambda e: _drop(e, "profile", "job"), ["entry p2", "profile", "'job'", "missing"]),
-    ("missing reaction", lambda e: _drop(e, "reactions", "bad"), ["entry p2", "reactions", "'bad'", "missing"]),
-    ("age as a string", lambda e: _set(e, "29", "profile", "age"), ["entry p2", "profile", "'age'", "int", "str"]),
+    ("missing profile field", lambda e: _drop(e, "profile", "job"),
+     ["entry p2", "profile", "'job'", "missing"]),
+    ("missing reaction", lambda e: _drop(e, "reactions", "bad"),
+     ["entry p2", "reactions", "'bad'", "missing"]),
+    ("age as a string", lambda e: _set(e, "29", "profile", "age"),
+     ["entry p2", "profile", "'age'", "int", "str"]),
     ("age as a bool", lambda e: _set(e, True, "profile", "age"), ["entry p2", "'age'", "int", "bool"]),
-    ("opening as a list", lambda e: _set(e, ["hi", "there"], "opening"), ["entry p2", "'opening'", "str", "list"]),
-    ("profile as a string", lambda e: _set(e, "Maya, 29", "profile"), ["entry p2", "'profile'", "dict", "str"]),
+    ("opening as a list", lambda e: _set(e, ["hi", "there"], "opening"),
+     ["entry p2", "'opening'", "str", "list"]),
+    ("profile as a string", lambda e: _set(e, "Maya, 29", "profile"),
+     ["entry p2", "'profile'", "dict", "str"]),
     ("empty opening", lambda e: _set(e, "   ", "opening"), ["entry p2", "'opening'", "empty"]),
     ("unknown split", lambda e: _set(e, "dev", "split"), ["entry p2", "'split'", "'dev'"]),
-    ("unknown difficulty", lambda e: _set(e, "extreme", "difficulty"), ["entry p2", "'difficulty'", "'extreme'"]),
+    ("unknown difficulty", lambda e: _set(e, "extreme", "difficulty"),
+     ["entry p2", "'difficulty'", "'extreme'"]),
     ("unknown band", lambda e: _set(e, {"X": "hm"}, "band_lines"), ["entry p2", "'band_lines'"]),
     ("missing id names the index", lambda e: _drop(e, "id"), ["entry 1", "'id'", "missing"]),
 ]
@@ -81,7 +87,8 @@ def test_broken_persona_names_file_entry_and_field(name, breaker, words, persona
 
 
 def test_duplicate_id(persona_entry, write_personas):
-    path = write_personas([persona_entry(id="p1"), persona_entry(id="p2", split="train"), persona_entry(id="p1")])
+    path = write_personas([persona_entry(id="p1"), persona_entry(id="p2", split="train"),
+                           persona_entry(id="p1")])
     with pytest.raises(PersonaError, match=r"entry p1: field 'id' is a duplicate") as info:
         load_personas(path)
     assert path in str(info.value)
@@ -145,7 +152,8 @@ def test_sage_import(tmp_path):
          "main_cha": "Tom", "topic": "grief", "task": "wants to hear it is fine to miss a dog.",
          "first_talk": "So my dog died on Tuesday. Stupid to be this upset, right?"},
         {"id": 7, "player": "Ana, 19, a student.", "scene": {"place": "dorm", "event": "failed an exam"},
-         "main_cha": "Ana", "topic": "study", "task": "wants a plan.", "first_talk": "I failed calculus again."},
+         "main_cha": "Ana", "topic": "study", "task": "wants a plan.",
+         "first_talk": "I failed calculus again."},
     ]
     path = tmp_path / "sage.jsonl"
     path.write_text("\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\n\n", encoding="utf-8")
@@ -171,7 +179,8 @@ def test_sage_errors_name_line_id_and_field(tmp_path):
     with pytest.raises(PersonaError) as info:
         load_personas(str(path))
     message = str(info.value)
-    assert message.startswith(str(path)) and "line 2" in message and "s2" in message and "'first_talk'" in message
+    assert (message.startswith(str(path)) and "line 2" in message and "s2" in message
+            and "'first_talk'" in message)
     path.write_text(json.dumps(good) + "\n{not json\n")
     with pytest.raises(PersonaError, match="line 2: not valid JSON"):
         load_personas(str(path))
@@ -401,7 +410,8 @@ def test_mixed_batch_keeps_dialogues_apart(persona):
     a, b, c = (sim.start(persona) for _ in range(3))
     sim.step([a, b, c], ["to a", "to b", "to c"])
     assert [s.emotion for s in (a, b, c)] == [100, 87, 90]
-    assert a.end_reason == "success" and b.history[-1]["text"] == "line one" and c.history[-1]["text"] == "line two"
+    assert (a.end_reason == "success" and b.history[-1]["text"] == "line one"
+            and c.history[-1]["text"] == "line two")
     assert [s.history[1]["text"] for s in (a, b, c)] == ["to a", "to b", "to c"]
     # only the two still talking were asked for a next message
     assert len(backend.calls[-1][0]) == 2
@@ -569,7 +579,8 @@ def test_heldout_judge_is_an_outside_observer(persona):
 CHINESE = {"profile": {"name": "李雷", "age": 30, "job": "工程师", "personality": "内向",
                        "speaking_style": "简短"},
            "background": "他上周失业了，一直没告诉家人。", "goal": "想说说失业后的压力。",
-           "hidden_intention": "想听到失业不代表他失败。", "opening": "我上周被裁员了，不知道该怎么跟家里说。",
+           "hidden_intention": "想听到失业不代表他失败。",
+           "opening": "我上周被裁员了，不知道该怎么跟家里说。",
            "reactions": {"good": "他会多说一些。", "bad": "他会沉默。"}}
 
 
@@ -611,9 +622,10 @@ def test_clean_user_text_drops_private_notes_and_scores(text, expected):
 def test_rules_appraisal_warm_beats_lecture(persona, capsys):
     sim = Simulator(RulesBackend())
     state = sim.start(persona)
-    warm, why_warm = rules_appraisal(state, "That sounds so painful, and no wonder you feel stupid for hoping "
-                                            "after that promotion was promised. What hurts the most?")
-    lecture, why_lecture = rules_appraisal(state, "Calm down, it's not a big deal. You should update your CV. "
+    warm, why_warm = rules_appraisal(state, "That sounds so painful, and no wonder you feel stupid for "
+                                            "hoping after that promotion was promised. What hurts the most?")
+    lecture, why_lecture = rules_appraisal(state, "Calm down, it's not a big deal. "
+                                                  "You should update your CV. "
                                                   "You need to network more.\n1. Apply elsewhere\n2. Move on")
     with capsys.disabled():
         print(f"\nrules: warm {warm:+d} ({why_warm}); lecture {lecture:+d} ({why_lecture})")
@@ -728,7 +740,8 @@ def test_batched_step_matches_one_by_one(smollm2, persona_entry, write_personas)
         assert t.end_reason == a.end_reason
 
 
-BASE_BACKGROUND_LONG = ("Her younger sister got married last Saturday in Lisbon. The two had not spoken since "
+BASE_BACKGROUND_LONG = ("Her younger sister got married last Saturday in Lisbon. "
+                        "The two had not spoken since "
                         "an argument about their mother's care two years ago, but she assumed the wedding "
                         "would be the moment they made up. She found out about it from photos online.")
 
@@ -736,7 +749,8 @@ BASE_BACKGROUND_LONG = ("Her younger sister got married last Saturday in Lisbon.
 # A tiny random model: checks of the plumbing that do not need a sensible model
 def _naive_scores(model, tokenizer, conversation, continuations):
     """Mean log-likelihood of each continuation after the prompt, one full forward per pair."""
-    prompt = tokenizer(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False),
+    prompt = tokenizer(tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                     tokenize=False),
                        add_special_tokens=False)["input_ids"]
     out = []
     for text in continuations:
@@ -755,7 +769,8 @@ def test_score_matches_full_forward_reference(tiny_model, persona):
     state = Simulator(backend).start(persona)
     conversations = [simulator.user_turn_messages(state),
                      simulator.user_turn_messages(simulator.UserState(
-                         persona=persona, emotion=80, history=state.history + [{"role": "agent", "text": WARM}]))]
+                         persona=persona, emotion=80,
+                         history=state.history + [{"role": "agent", "text": WARM}]))]
     continuations = simulator.POSITIVE_REACTIONS + simulator.NEGATIVE_REACTIONS
     scores = backend.score(conversations, continuations)
     assert scores.shape == (2, len(continuations))
@@ -802,10 +817,12 @@ def test_use_base_disables_adapters(tiny_model):
     from peft import LoraConfig, get_peft_model
 
     model, tokenizer = tiny_model
-    base_scores = LocalBackend(model, tokenizer).score([[{"role": "user", "content": "hello"}]], ["Hi there."])
+    base_scores = LocalBackend(model, tokenizer).score([[{"role": "user", "content": "hello"}]],
+                                                       ["Hi there."])
     peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                             init_lora_weights=False))
-    with_adapters = LocalBackend(peft, tokenizer).score([[{"role": "user", "content": "hello"}]], ["Hi there."])
+    with_adapters = LocalBackend(peft, tokenizer).score([[{"role": "user", "content": "hello"}]],
+                                                        ["Hi there."])
     frozen_base = LocalBackend(peft, tokenizer, use_base=True).score([[{"role": "user", "content": "hello"}]],
                                                                        ["Hi there."])
     torch.testing.assert_close(frozen_base, base_scores, atol=1e-5, rtol=1e-5)
@@ -849,7 +866,8 @@ class FakeServer:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                       daemon=True)
         self.thread.start()
 
     def close(self):
@@ -981,14 +999,16 @@ def test_cli_rules_run(persona_entry, write_personas, tmp_path):
                persona_entry(id="t2", difficulty="easy"), persona_entry(id="t3", difficulty="hard")]
     path = write_personas(entries)
     out = tmp_path / "transcripts.jsonl"
-    done = run_cli("--model", "rules", "--personas", path, "--split", "test", "--dialogues", "2", "--out", str(out))
+    done = run_cli("--model", "rules", "--personas", path, "--split", "test", "--dialogues", "2",
+                   "--out", str(out))
     assert done.returncode == 0, done.stderr
     results = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert len(results) == 2 * len(simulator.SCRIPTED_AGENT)
     assert {r["persona_id"] for r in results} == {"t1", "t2"}
     for r in results:
         assert r["end_reason"] in ("success", "left", "goodbye", "max_turns")
-        assert r["turns"][0] == {"role": "user", "text": next(e["opening"] for e in entries if e["id"] == r["persona_id"])}
+        assert r["turns"][0] == {"role": "user",
+                                 "text": next(e["opening"] for e in entries if e["id"] == r["persona_id"])}
         agent_turns = [t for t in r["turns"] if t["role"] == "agent"]
         assert agent_turns and all({"role", "text", "emotion", "appraisal"} <= set(t) for t in agent_turns)
         assert all(t["appraisal"].startswith("rules:") for t in agent_turns)
@@ -1084,9 +1104,11 @@ def test_cli_agent_replies(persona_entry, write_personas, tmp_path):
 
 
 def test_difficulty_override_and_its_error(write_personas, persona_entry, capsys):
-    path = write_personas([persona_entry(id="a", difficulty="easy"), persona_entry(id="b", difficulty="hard")])
+    path = write_personas([persona_entry(id="a", difficulty="easy"),
+                           persona_entry(id="b", difficulty="hard")])
     assert [p.difficulty for p in simulator.load_personas_or_exit(path)] == ["easy", "hard"]
-    assert [p.difficulty for p in simulator.load_personas_or_exit(path, None, "normal")] == ["normal", "normal"]
+    assert ([p.difficulty for p in simulator.load_personas_or_exit(path, None, "normal")]
+            == ["normal", "normal"])
     with pytest.raises(SystemExit) as stop:
         simulator.load_personas_or_exit(path, None, "brutal")
     assert stop.value.code == 2 and "--difficulty" in capsys.readouterr().err
@@ -1119,7 +1141,8 @@ def test_cached_batch_lays_out_prefix_then_new_tokens(tiny_model):
     for row, slot, n in zip(rows, slots, (4, 2, 0)):  # cache the first n tokens of each row
         if n:
             ids, mask, cache = simulator.cached_batch([row[:n]], [slot], tokenizer.pad_token_id, "cpu")
-            model(input_ids=ids, attention_mask=mask, **{simulator.cache_keyword(model): cache}, use_cache=True)
+            model(input_ids=ids, attention_mask=mask, **{simulator.cache_keyword(model): cache},
+                  use_cache=True)
             simulator.keep_cache([slot], cache, ids, mask)
     assert [s.get("ids") for s in slots] == [rows[0][:4], rows[1][:2], None]
     ids, mask, cache = simulator.cached_batch(rows, slots, tokenizer.pad_token_id, "cpu")

@@ -29,7 +29,8 @@ SIZE = {ppo: ["--dialogues-per-iteration", "2"], grpo: ["--personas-per-iteratio
 
 @pytest.fixture
 def personas_file(write_personas, persona_entry):
-    return write_personas([persona_entry(id=f"p{i}", difficulty=d) for i, d in enumerate(["easy", "normal", "hard"])])
+    return write_personas([persona_entry(id=f"p{i}", difficulty=d)
+                           for i, d in enumerate(["easy", "normal", "hard"])])
 
 
 def read_metrics(out):
@@ -41,15 +42,16 @@ def read_metrics(out):
 # --report-to
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
-def test_tensorboard_gets_every_iteration_and_old_checkpoints_go(script, tiny_model_dir, personas_file, tmp_path):
+def test_tensorboard_gets_every_iteration_and_old_checkpoints_go(script, tiny_model_dir, personas_file,
+                                                                 tmp_path):
     """The Done-when run of issue 18 on the tiny model: 2 iterations, a checkpoint after each, one kept,
     and a TensorBoard event file with reward_mean (as in metrics.jsonl) at steps 1 and 2."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    script.main(tiny_args(tiny_model_dir, personas_file, out, *SIZE[script], "--iterations", "2", "--save-every", "1",
-                          "--keep-checkpoints", "1", "--report-to", "tensorboard"))
+    script.main(tiny_args(tiny_model_dir, personas_file, out, *SIZE[script], "--iterations", "2",
+                          "--save-every", "1", "--keep-checkpoints", "1", "--report-to", "tensorboard"))
     assert os.listdir(out / "checkpoints") == ["iter_000002"]
     assert rollout.latest_checkpoint(str(out)).endswith("iter_000002")
     events = EventAccumulator(str(out / "rlver"))
@@ -65,7 +67,8 @@ def test_tensorboard_gets_every_iteration_and_old_checkpoints_go(script, tiny_mo
     assert "**agent**" in first and "**user**" in first and "final emotion" in first
 
 
-def test_resume_replaces_what_a_killed_run_logged_after_its_checkpoint(tiny_model_dir, personas_file, tmp_path):
+def test_resume_replaces_what_a_killed_run_logged_after_its_checkpoint(tiny_model_dir, personas_file,
+                                                                       tmp_path):
     """A run logged iteration 2 and was killed before its checkpoint: --resume plays iteration 2
     again, and TensorBoard holds it once (purge_step; without it, step 2 would be there twice), as
     metrics.jsonl does."""
@@ -93,8 +96,9 @@ def test_evaluate_reports_each_model_at_its_place_in_the_table(tiny_model_dir, p
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "eval"
-    evaluate.main(["--model", tiny_model_dir, "--simulator", "rules", "--personas", personas_file, "--split", "test",
-                   "--dialogues", "2", "--max-turns", "2", "--max-new-tokens", "6", "--bootstrap", "50",
+    evaluate.main(["--model", tiny_model_dir, "--simulator", "rules", "--personas", personas_file,
+                   "--split", "test", "--dialogues", "2", "--max-turns", "2", "--max-new-tokens", "6",
+                   "--bootstrap", "50",
                    "--report-to", "tensorboard", "--out", str(out)])
     results = json.load(open(out / "results.json"))
     events = EventAccumulator(str(out / "rlver"))
@@ -113,11 +117,12 @@ def test_report_to_a_missing_tracker_is_one_line_before_any_model_loads(script, 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the settings were checked")
     monkeypatch.setattr(rollout, "load_model", no_loading)
-    args = ["--model", tiny_model_dir, "--simulator", "rules", "--personas", personas_file, "--out", str(tmp_path)]
+    args = ["--model", tiny_model_dir, "--simulator", "rules", "--personas", personas_file,
+            "--out", str(tmp_path)]
     args = args if script is evaluate else ["--preset", "cpu", *args]
     for value, message in (("wandb", "error: --report-to wandb needs the wandb package: pip install wandb"),
-                           ("mlflow", "error: argument --report_to/--report-to: invalid choice: 'mlflow' (choose "
-                                      "from 'tensorboard', 'wandb', 'trackio', 'all', 'none')")):
+                           ("mlflow", "error: argument --report_to/--report-to: invalid choice: 'mlflow' "
+                                      "(choose from 'tensorboard', 'wandb', 'trackio', 'all', 'none')")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as stop:
             script.main([*args, "--report-to", value])
@@ -129,8 +134,9 @@ def test_report_to_wandb_without_wandb_from_the_command_line(tmp_path):
     """The Done-when line of issue 18, as a user runs it: exit 2, one line on stderr, nothing else."""
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
-    proc = subprocess.run([sys.executable, "ppo.py", "--preset", "cpu", "--simulator", "rules", "--report-to", "wandb",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "ppo.py", "--preset", "cpu", "--simulator", "rules",
+                           "--report-to", "wandb", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["error: --report-to wandb needs the wandb package: pip install wandb"]
     assert proc.stdout == ""
@@ -257,8 +263,9 @@ REDUCE_SCRIPT = textwrap.dedent("""
 def test_reduce_gradients_sums_in_buckets_and_leaves_none_alone(tmp_path):
     script = tmp_path / "reduce.py"
     script.write_text(REDUCE_SCRIPT.format(root=ROOT, out=str(tmp_path)))
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                           "--dynamo_backend", "no",
                            "--main_process_port", str(29600 + os.getpid() % 1000), str(script)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -200,7 +200,7 @@ def test_resume_keeps_the_runs_settings_and_records_what_changed(tiny_model_dir,
     # resumed without repeating them: the run's alpha and learning rate, not the defaults
     ppo.main(["--preset", "cpu", "--resume", str(out), "--iterations", "2"])
     config = json.loads((out / "config.json").read_text())
-    assert config["lora_alpha"] == 32 and config["actor_lr"] == 5e-4 and config["iterations"] == 2
+    assert config["lora_alpha"] == 32 and config["lr"] == 5e-4 and config["iterations"] == 2
     assert config["resumed_with"][-1]["changed"] == {"iterations": [1, 2]}
     state = torch.load(out / "checkpoints" / "iter_000002" / "state.pt", weights_only=False)
     assert state["args"]["lora_alpha"] == 32 and state["optimizer"]["param_groups"][0]["lr"] == 5e-4

@@ -40,17 +40,10 @@ class TargetTokenSimulator(sim_module.Simulator):
 
 
 def install_stand_in(monkeypatch, trainer, turns=1):
-    """Replace the trainer's Simulator with the stand-in (it needs the policy's tokenizer)."""
-    def make(backend, **kwargs):
-        return TargetTokenSimulator(make.tokenizer, turns)
-
-    real_make_backend = trainer.make_backend
-
-    def make_backend(name, policy=None, tokenizer=None, **kwargs):
-        make.tokenizer = tokenizer
-        return real_make_backend("rules")
-    monkeypatch.setattr(trainer, "Simulator", make)
-    monkeypatch.setattr(trainer, "make_backend", make_backend)
+    """Replace the trainer's simulated user with the stand-in (it needs the policy's tokenizer)."""
+    def make_simulator(args, model, tokenizer, device, world=1):
+        return TargetTokenSimulator(tokenizer, turns), "simulator: the target-token stand-in"
+    monkeypatch.setattr(trainer, "make_simulator", make_simulator)
 
 
 COMMON = ["--preset", "cpu", "--simulator", "rules", "--split", "test", "--max-turns", "1",

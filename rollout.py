@@ -968,6 +968,40 @@ class StepGuard:
         return False
 
 
+def log_iteration(run, accelerator, iteration, all_records, rstats, logs, params, method, times):
+    """Step 5 of both trainers. The metrics.jsonl line: the method's own figures (`method`, already
+    global), the means over processes of what the update logged (`logs`: name -> list), the rollout
+    summary, the timings (`times`: name -> this process's seconds), peak memory, and whether every
+    process holds the same adapters; then every dialogue to rollouts.jsonl and the trackers.
+    A collective call: every process makes it. Returns the metrics."""
+    from accelerate.utils import gather_object
+
+    digest = fingerprint(params)  # data parallel: every process must hold bit-identical adapters
+    digests = gather_object([digest]) if accelerator.num_processes > 1 else [digest]
+    metrics = {"iteration": iteration + 1, **method, **summarize(all_records, global_stats(rstats, accelerator)),
+               **{k: global_mean(v, accelerator) for k, v in logs.items()}, **times,
+               "peak_memory_gb": peak_memory_gb(), "processes": accelerator.num_processes,
+               "replicas_identical": len(set(digests)) == 1}
+    run.append("metrics.jsonl", [metrics])
+    run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
+    log_to_trackers(accelerator, metrics, all_records, step=iteration + 1)
+    return metrics
+
+
+def checkpoint_due(args, iteration, t_run, accelerator):
+    """(save now, stop now) after an iteration: every --save-every iterations, at the last one, and
+    when --time-budget is used up (then the run stops, with a line saying so)."""
+    out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
+    if out_of_time and accelerator.is_main_process:
+        print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}")
+    return (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time, out_of_time
+
+
+def global_masked_mean(x, mask, accelerator):
+    """The mean of x over the positions where mask is 1, on every process's positions."""
+    return (global_sum((x * mask).sum(), accelerator) / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
+
+
 def stop_on_simulator_error(error, save=None):
     """A simulator that cannot answer ends the run with one line and exit code 2; save() first
     writes a checkpoint of the last complete iteration when one has not been saved."""

@@ -1,7 +1,9 @@
 """Benchmarks of this codebase itself, one subcommand each.
 
-    python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--threads 2] [--simulator same|rules]
-    python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1] [--out runs/bench-learning] [-- TRAINER FLAGS]
+    python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--threads 2] \
+[--simulator same|rules]
+    python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1] [--out runs/bench-learning] \
+[-- TRAINER FLAGS]
     python bench.py gpu [--dialogues 32] [--max-turns 3] [--max-new-tokens 128]    (one CUDA GPU)
     python bench.py gpu --tiny                                                      (CPU smoke test)
 
@@ -22,7 +24,8 @@ mean over seeds with a min-max band) and OUT/learning.md (mean reward over the f
 the table printed, with the minutes each run's iterations took. Budget: the default 15 iterations
 take about 30 minutes for GRPO (120 s an iteration) and 46 minutes for PPO (184 s) on one core of
 a 2-core machine with a second run on the other core, so the 6 runs, two at a time (`--jobs 2`),
-add up to about 1 h 55 min there (README, "The learning benchmark, 3 seeds", has runs given both cores). A run whose
+add up to about 1 h 55 min there (README, "The learning benchmark, 3 seeds", has runs given both \
+cores). A run whose
 metrics.jsonl already holds every iteration is skipped and a partial one resumes from its newest
 checkpoint, so an interrupted benchmark continues where it stopped. Flags after `--` go to both
 trainers, e.g. `python bench.py learning -- --lr 1e-4` (a flag only one trainer knows
@@ -33,7 +36,8 @@ gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with ra
 Qwen's; its ids all lie below Qwen's vocabulary size). The model is built in memory and handed to
 ppo.main() by replacing rollout.load_model for the one name RANDOM_MODEL, so no 15 GB folder is
 written; the run goes through ppo.main() unchanged otherwise (--simulator rules, --iterations 1,
-its checkpoint lands in a temporary folder; ppo.pad_records is wrapped only to count tokens). It prints rollout tokens/s (policy tokens / rollout
+its checkpoint lands in a temporary folder; ppo.pad_records is wrapped only to count tokens). \
+It prints rollout tokens/s (policy tokens / rollout
 time), update tokens/s, peak GPU memory, and the ratio of the rollout's speed to one plain
 batched generate of the same batch size and new tokens. Random weights sample every id of the
 152064-row vocabulary nearly uniformly: about two thirds lie past the tokenizer's 49152 and decode
@@ -101,14 +105,16 @@ def bench_rollout(args):
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, device=device,
                            reuse_cache=args.reuse_cache)
     simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns)
-    sim_clock = {"score": 0.0, "chat": 0.0}  # the likelihood read-out; written replies (and reasoned appraisals)
+    # the likelihood read-out; written replies (and reasoned appraisals)
+    sim_clock = {"score": 0.0, "chat": 0.0}
     for method in sim_clock:
         if hasattr(backend, method):  # the rules user has neither
             time_calls(backend, method, sim_clock)
     chat = rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT)
     prompts = [chat.prompt(p.opening) for p in personas]
-    print(f"bench rollout: {args.model} on {device} ({torch.get_num_threads()} threads), {len(personas)} dialogues, "
-          f"{args.max_turns} turns, {args.max_new_tokens} new tokens per agent turn, "
+    print(f"bench rollout: {args.model} on {device} ({torch.get_num_threads()} threads), "
+          f"{len(personas)} dialogues, {args.max_turns} turns, "
+          f"{args.max_new_tokens} new tokens per agent turn, "
           f"simulator '{args.simulator}' with the {simulator.readout} read-out, "
           f"turn caches {'on' if args.reuse_cache else 'off'}")
 
@@ -117,8 +123,9 @@ def bench_rollout(args):
     # whose load changes during the run (shared CPUs) tilts the ratio less.
     before = plain_generate_rate(policy, tokenizer, prompts, args.max_new_tokens)
     t0 = time.time()
-    records, stats = rollout.play_dialogues(policy, tokenizer, simulator, personas, max_new_tokens=args.max_new_tokens,
-                                            reuse_cache=args.reuse_cache, progress=False)
+    records, stats = rollout.play_dialogues(policy, tokenizer, simulator, personas,
+                                            max_new_tokens=args.max_new_tokens, reuse_cache=args.reuse_cache,
+                                            progress=False)
     wall = time.time() - t0
     summary = rollout.summarize(records, stats)
     after = plain_generate_rate(policy, tokenizer, prompts, args.max_new_tokens)
@@ -127,20 +134,24 @@ def bench_rollout(args):
     tokens = stats["policy_tokens"] + stats["simulator_tokens"]
     rate = tokens / wall
     result = {
-        "plain_tokens_per_s": base_rate, "plain_tokens_per_s_before_after": [round(before[0], 3), round(after[0], 3)],
+        "plain_tokens_per_s": base_rate,
+        "plain_tokens_per_s_before_after": [round(before[0], 3), round(after[0], 3)],
         "rollout_tokens_per_s": rate, "ratio": rate / base_rate,
         "rollout_seconds": wall, "policy_seconds": policy_s, "simulator_seconds": sim_s,
         "other_seconds": wall - policy_s - sim_s, "policy_tokens": stats["policy_tokens"],
-        "simulator_tokens": stats["simulator_tokens"], "agent_turns": sum(len(r["turn_ends"]) for r in records),
+        "simulator_tokens": stats["simulator_tokens"],
+        "agent_turns": sum(len(r["turn_ends"]) for r in records),
         "simulator_score_seconds": sim_clock["score"], "simulator_chat_seconds": sim_clock["chat"],
         "policy_tokens_per_s": stats["policy_tokens"] / max(policy_s, 1e-9),
         "simulator_tokens_per_s": stats["simulator_tokens"] / max(sim_s, 1e-9),
-        "policy_cache_hit": summary["policy_cache_hit"], "simulator_cache_hit": summary["simulator_cache_hit"],
+        "policy_cache_hit": summary["policy_cache_hit"],
+        "simulator_cache_hit": summary["simulator_cache_hit"],
     }
     print(f"  plain generate : {before[1]} tokens in {before[2]:.1f} s before, {after[2]:.1f} s after "
           f"the rollout = {base_rate:.1f} tok/s ({before[0]:.1f} and {after[0]:.1f})")
-    print(f"  rollout        : {tokens} tokens ({stats['policy_tokens']} policy + {stats['simulator_tokens']} "
-          f"simulator, {result['agent_turns']} agent turns) in {wall:.1f} s = {rate:.1f} tok/s")
+    print(f"  rollout        : {tokens} tokens ({stats['policy_tokens']} policy + "
+          f"{stats['simulator_tokens']} simulator, {result['agent_turns']} agent turns) "
+          f"in {wall:.1f} s = {rate:.1f} tok/s")
     print(f"  ratio          : {result['ratio']:.2f} (target >= 0.8)")
     for name in ("policy", "simulator", "other"):
         seconds = result[f"{name}_seconds"]
@@ -202,7 +213,8 @@ def run_minutes(rows):
 
 def usable_cores():
     """The CPU cores this process may run on (all of them where the OS cannot say)."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else list(range(os.cpu_count() or 1)))
 
 
 def run_trainer(command, cwd, cores=None, log=None):
@@ -236,8 +248,9 @@ def train_runs(args):
             if done >= args.iterations:
                 print(f"{algo} seed {seed}: {done} iterations already logged in {run_dir}, skipped")
                 continue
-            command = [sys.executable, f"{algo}.py", "--preset", "cpu", "--simulator", "rules", "--seed", str(seed),
-                       "--iterations", str(args.iterations), "--out", run_dir, *LEARNING_FLAGS, *LEARNING_ALGO_FLAGS[algo], *args.trainer_flags]
+            command = [sys.executable, f"{algo}.py", "--preset", "cpu", "--simulator", "rules",
+                       "--seed", str(seed), "--iterations", str(args.iterations), "--out", run_dir,
+                       *LEARNING_FLAGS, *LEARNING_ALGO_FLAGS[algo], *args.trainer_flags]
             checkpoint = latest_checkpoint(run_dir) if done else None
             if checkpoint:   # the trainer drops the lines logged after this checkpoint and goes on
                 command += ["--resume", run_dir]
@@ -245,7 +258,8 @@ def train_runs(args):
             else:            # a fresh run, or one killed before its first checkpoint: (re)start it
                 command += ["--overwrite"]
                 if done:
-                    print(f"{algo} seed {seed}: {done} iterations logged but no checkpoint yet; starting again")
+                    print(f"{algo} seed {seed}: {done} iterations logged but no checkpoint yet; "
+                          "starting again")
             pending.append((f"{algo}-seed{seed}", command))
     cores = usable_cores()
     per_job = max(1, len(cores) // args.jobs)
@@ -275,8 +289,8 @@ def learning_summary(out, algos, seeds, iterations, window):
     last - first, and the mean minutes a run's iterations took. Runs with fewer than `iterations`
     logged are listed, never averaged in."""
     if not 1 <= window <= iterations // 2:
-        sys.exit(f"error: --window {window} must be between 1 and half of --iterations ({iterations}), so that "
-                 "the first and last iterations do not overlap")
+        sys.exit(f"error: --window {window} must be between 1 and half of --iterations ({iterations}), "
+                 "so that the first and last iterations do not overlap")
     rows, curves, incomplete = [], {}, []
     for algo in algos:
         runs, minutes = {}, []
@@ -317,7 +331,8 @@ def learning_table(rows, window):
             continue
         minutes = "-" if r["minutes"] is None else f"{r['minutes']:.0f}"
         lines.append(f"| {r['algorithm']} | {r['seeds']} | {r['first_mean']:.3f} ± {r['first_std']:.3f} | "
-                     f"{r['last_mean']:.3f} ± {r['last_std']:.3f} | {r['rise_mean']:+.3f} ± {r['rise_std']:.3f} | "
+                     f"{r['last_mean']:.3f} ± {r['last_std']:.3f} | "
+                     f"{r['rise_mean']:+.3f} ± {r['rise_std']:.3f} | "
                      f"{'yes' if r['target_met'] else 'no'} | {minutes} |")
     return "\n".join(lines)
 
@@ -397,13 +412,15 @@ def write_learning_report(out, algos, seeds, iterations, window, command):
     rows, curves, incomplete = learning_summary(out, algos, seeds, iterations, window)
     table = learning_table(rows, window)
     plot_learning(curves, os.path.join(out, "learning.png"),
-                  f"--preset cpu --simulator rules, {iterations} iterations, seeds {','.join(map(str, seeds))}")
+                  f"--preset cpu --simulator rules, {iterations} iterations, "
+                  f"seeds {','.join(map(str, seeds))}")
     with open(os.path.join(out, "learning.md"), "w", encoding="utf-8") as f:
         f.write(f"Made by `{command}`.\n\n{table}\n\n"
                 f"Mean reward per dialogue (final emotion / 100) over each run's first and last {window} "
                 f"iterations; mean ± std (ddof=1) over seeds. ![learning curves](learning.png)\n\n"
                 f"What the agent learned to say: the share of its turns whose appraisal names each tag of "
-                f"the rules user (simulator.rules_appraisal).\n\n{tags_table(out, curves, iterations, window)}\n")
+                f"the rules user (simulator.rules_appraisal).\n\n"
+                f"{tags_table(out, curves, iterations, window)}\n")
         if incomplete:
             f.write("\nNot counted (incomplete): " + ", ".join(incomplete) + "\n")
     return table, incomplete
@@ -424,12 +441,14 @@ def bench_learning(args):
                         *([f"--algos {','.join(args.algos)}"] if tuple(args.algos) != LEARNING_ALGOS else []),
                         f"--iterations {args.iterations}", f"--window {args.window}",
                         *(["--", *args.trainer_flags] if args.trainer_flags else [])])
-    table, incomplete = write_learning_report(args.out, args.algos, args.seeds, args.iterations, args.window, command)
+    table, incomplete = write_learning_report(args.out, args.algos, args.seeds, args.iterations, args.window,
+                                              command)
     print(f"\n{table}\n\nwritten: {args.out}/learning.md, {args.out}/learning.png")
     if incomplete:
         print("not counted (incomplete): " + ", ".join(incomplete), file=sys.stderr)
     if failed:
-        sys.exit(f"error: {', '.join(failed)} failed (see above); run the same command again to continue them")
+        sys.exit(f"error: {', '.join(failed)} failed (see above); "
+                 "run the same command again to continue them")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -491,7 +510,8 @@ def bench_gpu(args):
 
     # ppo.main() loads its policy by name through rollout.load_model; answer RANDOM_MODEL with the
     # in-memory random model instead of reading 15 GB of weights from disk.
-    real_load_model, real_load_tokenizer, real_pad_records = rollout.load_model, rollout.load_tokenizer, ppo.pad_records
+    real_load_model, real_load_tokenizer, real_pad_records = \
+        rollout.load_model, rollout.load_tokenizer, ppo.pad_records
     built = {}
 
     def load_tokenizer(name, **kwargs):  # ppo.main() checks the personas' openings with it first
@@ -536,15 +556,15 @@ def bench_gpu(args):
             argv += [x for key in ppo.PRESETS["cpu"] if key not in given
                      for x in (f"--{key.replace('_', '-')}", str(getattr(paper, key)))]
         device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-        print(f"bench gpu: {'tiny Qwen2 (2 layers, hidden 64)' if args.tiny else 'Qwen2.5-7B architecture'}, random "
-              f"weights, on {device_name}: ppo.py {' '.join(argv)}", flush=True)
+        print(f"bench gpu: {'tiny Qwen2 (2 layers, hidden 64)' if args.tiny else 'Qwen2.5-7B architecture'}, "
+              f"random weights, on {device_name}: ppo.py {' '.join(argv)}", flush=True)
         t0 = time.time()
         rollout.load_model, rollout.load_tokenizer, ppo.pad_records = load_model, load_tokenizer, pad_records
         try:
             model, _ = ppo.main(argv)
         finally:
-            rollout.load_model, rollout.load_tokenizer, ppo.pad_records = real_load_model, real_load_tokenizer, \
-                real_pad_records
+            rollout.load_model, rollout.load_tokenizer, ppo.pad_records = \
+                real_load_model, real_load_tokenizer, real_pad_records
         ppo_seconds = time.time() - t0
         with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
             m = json.loads(f.readline())
@@ -557,7 +577,8 @@ def bench_gpu(args):
     chat = rollout.ChatTokens(tokenizer, rollout.PLAIN_PROMPT)
     prompts = [chat.prompt(personas[i % len(personas)].opening) for i in range(args.dialogues)]
     plain_generate_rate(model, tokenizer, prompts, 4)  # warm-up: this batch shape's first allocations
-    plain_rate, plain_tokens, plain_seconds = plain_generate_rate(model, tokenizer, prompts, args.max_new_tokens)
+    plain_rate, plain_tokens, plain_seconds = plain_generate_rate(model, tokenizer, prompts,
+                                                                  args.max_new_tokens)
 
     rollout_rate = m["policy_tokens"] / m["time_rollout"]
     update_rate_all = batch_tokens[0] / m["time_update"]  # ppo's default of one epoch: each token passes once
@@ -566,23 +587,26 @@ def bench_gpu(args):
     result = {
         "model_params_b": sum(p.numel() for p in built["model"].parameters()) / 1e9,
         "build_seconds": built["seconds"], "ppo_main_seconds": ppo_seconds,
-        "rollout_seconds": m["time_rollout"], "score_seconds": m["time_score"], "update_seconds": m["time_update"],
+        "rollout_seconds": m["time_rollout"], "score_seconds": m["time_score"],
+        "update_seconds": m["time_update"],
         "policy_tokens": m["policy_tokens"], "batch_tokens": batch_tokens[0],
         "rollout_tokens_per_s": rollout_rate, "plain_generate_tokens_per_s": plain_rate,
         "ratio": rollout_rate / plain_rate, "update_agent_tokens_per_s": m["update_tokens_per_s"],
         "update_all_tokens_per_s": update_rate_all, "peak_memory_gb_iteration": m["peak_memory_gb"],
         "peak_memory_gb": peak_gb, "reward_mean": m["reward_mean"],
     }
-    print(f"  model          : {result['model_params_b']:.2f} B parameters, built in {built['seconds']:.1f} s; "
-          f"ppo.main {ppo_seconds:.1f} s in all")
-    print(f"  rollout        : {m['policy_tokens']} policy tokens ({args.dialogues} dialogues x {args.max_turns} turns "
-          f"x <= {args.max_new_tokens}) in {m['time_rollout']:.1f} s = {rollout_rate:.1f} tok/s")
+    print(f"  model          : {result['model_params_b']:.2f} B parameters, "
+          f"built in {built['seconds']:.1f} s; ppo.main {ppo_seconds:.1f} s in all")
+    print(f"  rollout        : {m['policy_tokens']} policy tokens "
+          f"({args.dialogues} dialogues x {args.max_turns} turns x <= {args.max_new_tokens}) "
+          f"in {m['time_rollout']:.1f} s = {rollout_rate:.1f} tok/s")
     print(f"  plain generate : {plain_tokens} tokens in {plain_seconds:.1f} s = {plain_rate:.1f} tok/s")
     print(f"  ratio          : {result['ratio']:.2f} (rollout / plain generate)")
     print(f"  score          : {m['time_score']:.1f} s (old, reference log-probs and values)")
-    print(f"  update         : {m['update_tokens_per_s']:.1f} agent tok/s, {update_rate_all:.1f} tok/s counting every "
-          f"token of the {batch_tokens[0]}-token batch, in {m['time_update']:.1f} s")
-    print(f"  peak memory    : {peak_gb:.2f} GiB {memory_kind} ({m['peak_memory_gb']:.2f} GiB within the iteration)")
+    print(f"  update         : {m['update_tokens_per_s']:.1f} agent tok/s, {update_rate_all:.1f} tok/s "
+          f"counting every token of the {batch_tokens[0]}-token batch, in {m['time_update']:.1f} s")
+    print(f"  peak memory    : {peak_gb:.2f} GiB {memory_kind} "
+          f"({m['peak_memory_gb']:.2f} GiB within the iteration)")
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
 
@@ -600,28 +624,36 @@ def main(argv=None):
     r.add_argument("--personas", default="personas.json")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--reuse-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep each dialogue's KV cache between turns (--no-reuse-cache: run every prompt whole)")
+                   help="keep each dialogue's KV cache between turns "
+                        "(--no-reuse-cache: run every prompt whole)")
     r.add_argument("--simulator", default="same", choices=["same", "rules"],
-                   help="same: the full rollout, user included; rules: a free user, so the ratio is the policy side's")
+                   help="same: the full rollout, user included; "
+                        "rules: a free user, so the ratio is the policy side's")
     r.set_defaults(run=bench_rollout)
 
-    lr = commands.add_parser("learning", help="PPO and GRPO learning curves against the rules user, several seeds")
+    lr = commands.add_parser("learning",
+                             help="PPO and GRPO learning curves against the rules user, several seeds")
     lr.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run per algorithm and seed")
-    lr.add_argument("--iterations", type=int, default=15, help="iterations per run (15: 30 min GRPO, 46 min PPO on one core)")
+    lr.add_argument("--iterations", type=int, default=15,
+                    help="iterations per run (15: 30 min GRPO, 46 min PPO on one core)")
     lr.add_argument("--window", type=int, default=3, help="iterations averaged at the start and at the end")
     lr.add_argument("--algos", default=",".join(LEARNING_ALGOS), help="comma-separated: ppo,grpo")
     lr.add_argument("--out", default="runs/bench-learning", help="runs go to OUT/{algo}-seed{S}")
     lr.add_argument("--jobs", type=int, default=1,
-                    help="runs at a time, each pinned to its share of the cores (2 on a 2-core machine: one core each)")
+                    help="runs at a time, each pinned to its share of the cores "
+                         "(2 on a 2-core machine: one core each)")
     lr.set_defaults(run=bench_learning)
 
     g = commands.add_parser("gpu", help="one PPO iteration of the Qwen2.5-7B architecture on one GPU")
-    g.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide Qwen2 on CPU: a smoke test of this path")
+    g.add_argument("--tiny", action="store_true",
+                   help="a 2-layer, 64-wide Qwen2 on CPU: a smoke test of this path")
     g.add_argument("--dialogues", type=int, help="dialogues in the iteration (default 32; 4 with --tiny)")
     g.add_argument("--max-turns", type=int, help="agent turns per dialogue (default 3; 2 with --tiny)")
     g.add_argument("--max-new-tokens", type=int, help="tokens per agent turn (default 128; 8 with --tiny)")
-    g.add_argument("--minibatch-size", type=int, help="dialogues per optimizer step (default 32; 4 with --tiny)")
-    g.add_argument("--micro-batch-size", type=int, help="dialogues per forward pass (default 4; 2 with --tiny)")
+    g.add_argument("--minibatch-size", type=int,
+                   help="dialogues per optimizer step (default 32; 4 with --tiny)")
+    g.add_argument("--micro-batch-size", type=int,
+                   help="dialogues per forward pass (default 4; 2 with --tiny)")
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(run=bench_gpu)
 

@@ -27,75 +27,108 @@ from rollout import (DEFAULT_TARGETS, PLAIN_PROMPT, THINK_PROMPT, StepGuard, ada
                      batched_logprobs, check_openings_fit, fingerprint, global_max, global_mean, global_stats,
                      global_sum, latest_checkpoint, load_policy, log_to_trackers, make_simulator, masked_mean,
                      pad_records, parse_settings, peak_memory_gb, pick_personas, play_dialogues, prepare_run,
-                     prune_checkpoints, public_config, reduce_gradients, save_checkpoint, set_seed, start_or_resume,
-                     stop_on_simulator_error, summarize, time_budget_used, token_logprobs, tracker_settings,
-                     transcript_record)
+                     prune_checkpoints, public_config, reduce_gradients, save_checkpoint, set_seed,
+                     start_or_resume, stop_on_simulator_error, summarize, time_budget_used, token_logprobs,
+                     tracker_settings, transcript_record)
 from simulator import SimulatorError, fail, load_personas_or_exit, one_of
 
 
 @dataclass
 class Args:
-    preset: str = field(default="paper", metadata={"help": "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win"})
+    preset: str = field(default="paper", metadata={
+        "help": "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win"})
     # the policy
-    model: str = field(default="Qwen/Qwen2.5-7B-Instruct", metadata={"help": "policy base: hub id, path, or smollm2 (embedded)"})
+    model: str = field(default="Qwen/Qwen2.5-7B-Instruct", metadata={
+        "help": "policy base: hub id, path, or smollm2 (embedded)"})
     lora_r: int = field(default=32, metadata={"help": "LoRA rank of the policy adapter"})
     lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (scale = alpha / r)"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout; 0 keeps the first ratio exactly 1"})
-    target_modules: str = field(default=DEFAULT_TARGETS, metadata={"help": "comma-separated module names that get LoRA"})
-    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: NF4 base weights via bitsandbytes (CUDA only)"})
-    gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in the backward pass"})
-    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "allow model code from the hub (off unless you trust it)"})
+    lora_dropout: float = field(default=0.0, metadata={
+        "help": "LoRA dropout; 0 keeps the first ratio exactly 1"})
+    target_modules: str = field(default=DEFAULT_TARGETS, metadata={
+        "help": "comma-separated module names that get LoRA"})
+    load_in_4bit: bool = field(default=False, metadata={
+        "help": "QLoRA: NF4 base weights via bitsandbytes (CUDA only)"})
+    gradient_checkpointing: bool = field(default=True, metadata={
+        "help": "recompute activations in the backward pass"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "allow model code from the hub (off unless you trust it)"})
     # the simulated user
-    simulator: str = field(default="same", metadata={"help": "same | rules | model id/path | http://host:port/v1"})
-    simulator_device_map: str = field(default="auto", metadata={"help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
-    readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules (see README: read-outs)"})
+    simulator: str = field(default="same", metadata={
+        "help": "same | rules | model id/path | http://host:port/v1"})
+    simulator_device_map: str = field(default="auto", metadata={
+        "help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
+    readout: str = field(default="auto", metadata={
+        "help": "auto | reasoned | likelihood | rules (see README: read-outs)"})
     api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
-    api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable with the URL simulator's key"})
+    api_key_env: str = field(default="OPENAI_API_KEY", metadata={
+        "help": "environment variable with the URL simulator's key"})
     api_timeout: float = field(default=60.0, metadata={
         "help": "seconds a request to a URL simulator may take in all; a call, x (retries + 1)"})
     api_retries: int = field(default=4, metadata={"help": "tries after a failed request to a URL simulator"})
     api_concurrency: int = field(default=8, metadata={"help": "requests in flight at once to a URL server"})
     personas: str = field(default="personas.json", metadata={"help": "persona file"})
     split: str = field(default="train", metadata={"help": "persona split to train on"})
-    difficulty: str = field(default="all", metadata={"help": "all (each persona's own) | easy | normal | hard: every user plays at this level"})
-    start_emotion: int = field(default=30, metadata={"help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
+    difficulty: str = field(default="all", metadata={
+        "help": "all (each persona's own) | easy | normal | hard: every user plays at this level"})
+    start_emotion: int = field(default=30, metadata={
+        "help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
     max_change: int = field(default=10, metadata={"help": "largest emotion change per turn"})
     max_turns: int = field(default=8, metadata={"help": "agent turns per dialogue (RLVER: 8)"})
     user_reply_tokens: int = field(default=96, metadata={"help": "tokens per simulated user message"})
     # rollouts
-    personas_per_iteration: int = field(default=8, metadata={"help": "personas (groups) per iteration, over all processes (RLVER: 32 dialogues = 8 x 4)"})
-    group_size: int = field(default=4, metadata={"help": "dialogues per persona, all from its opening (RLVER: 4); at least 2"})
+    personas_per_iteration: int = field(default=8, metadata={
+        "help": "personas (groups) per iteration, over all processes (RLVER: 32 dialogues = 8 x 4)"})
+    group_size: int = field(default=4, metadata={
+        "help": "dialogues per persona, all from its opening (RLVER: 4); at least 2"})
     thinking: bool = field(default=True, metadata={"help": "think-then-say scaffold (the paper's best run)"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; the trainer's log-probs use the same"})
+    temperature: float = field(default=1.0, metadata={
+        "help": "sampling temperature; the trainer's log-probs use the same"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (RLVER: 1.0)"})
-    greedy: bool = field(default=False, metadata={"help": "decode greedily: reproducible dialogues for tests and debugging, not for training (a group's dialogues would be identical)"})
+    greedy: bool = field(default=False, metadata={
+        "help": "decode greedily: reproducible dialogues for tests and debugging, not for training "
+                "(a group's dialogues would be identical)"})
     max_new_tokens: int = field(default=512, metadata={"help": "tokens per agent turn"})
-    max_context: int = field(default=6144, metadata={"help": "tokens per dialogue; past it the dialogue ends with 'context'"})
+    max_context: int = field(default=6144, metadata={
+        "help": "tokens per dialogue; past it the dialogue ends with 'context'"})
     # rewards
-    reward: str = field(default="final", metadata={"help": "final: final emotion / 100 | turn: sum of the turns' changes / 100"})
-    format_penalty: float = field(default=0.0, metadata={"help": "subtracted per think-format violation (thinking on)"})
-    kl_loss_coef: float = field(default=0.0, metadata={"help": "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)"})
+    reward: str = field(default="final", metadata={
+        "help": "final: final emotion / 100 | turn: sum of the turns' changes / 100"})
+    format_penalty: float = field(default=0.0, metadata={
+        "help": "subtracted per think-format violation (thinking on)"})
+    kl_loss_coef: float = field(default=0.0, metadata={
+        "help": "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)"})
     # advantages
-    scale_rewards: str = field(default="group", metadata={"help": "group: (r - group mean) / group std | batch: / batch std | none: r - group mean (Dr. GRPO)"})
-    drop_zero_spread: bool = field(default=False, metadata={"help": "leave groups whose rewards are all equal out of the loss (default: keep, they weigh zero)"})
+    scale_rewards: str = field(default="group", metadata={
+        "help": "group: (r - group mean) / group std | batch: / batch std | none: r - group mean (Dr. GRPO)"})
+    drop_zero_spread: bool = field(default=False, metadata={
+        "help": "leave groups whose rewards are all equal out of the loss (default: keep, they weigh zero)"})
     # the update
-    update_epochs: int = field(default=1, metadata={"help": "passes over each iteration's dialogues (GRPO's mu); 1 = plain policy gradient"})
-    minibatch_size: int = field(default=32, metadata={"help": "dialogues per optimizer step, over all processes; the whole batch = one step per batch"})
-    micro_batch_size: int = field(default=2, metadata={"help": "dialogues per forward pass (gradient accumulation)"})
-    clip_low: float = field(default=0.2, metadata={"help": "clip: ratio kept within [1 - clip_low, 1 + clip_high]"})
-    clip_high: float = field(default=0.2, metadata={"help": "upper clip; larger than clip_low = clip-higher (DAPO uses 0.28)"})
+    update_epochs: int = field(default=1, metadata={
+        "help": "passes over each iteration's dialogues (GRPO's mu); 1 = plain policy gradient"})
+    minibatch_size: int = field(default=32, metadata={
+        "help": "dialogues per optimizer step, over all processes; the whole batch = one step per batch"})
+    micro_batch_size: int = field(default=2, metadata={
+        "help": "dialogues per forward pass (gradient accumulation)"})
+    clip_low: float = field(default=0.2, metadata={
+        "help": "clip: ratio kept within [1 - clip_low, 1 + clip_high]"})
+    clip_high: float = field(default=0.2, metadata={
+        "help": "upper clip; larger than clip_low = clip-higher (DAPO uses 0.28)"})
     ent_coef: float = field(default=0.001, metadata={"help": "entropy bonus coefficient (RLVER: 0.001)"})
-    loss_agg: str = field(default="seq-mean-token-mean", metadata={"help": "seq-mean-token-mean (GRPO paper) | token-mean | dr-grpo (token sum / fixed budget)"})
+    loss_agg: str = field(default="seq-mean-token-mean", metadata={
+        "help": "seq-mean-token-mean (GRPO paper) | token-mean | dr-grpo (token sum / fixed budget)"})
     lr: float = field(default=1e-5, metadata={"help": "LoRA learning rate (paper, full fine-tuning: 1e-6)"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping"})
-    max_bad_updates: int = field(default=3, metadata={"help": "stop after this many non-finite updates in a row"})
+    max_bad_updates: int = field(default=3, metadata={
+        "help": "stop after this many non-finite updates in a row"})
     # the run
     iterations: int = field(default=200, metadata={"help": "training iterations"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N checkpoints (0 = all)"})
-    time_budget: float = field(default=0.0, metadata={"help": "minutes: stop (with a checkpoint) after the iteration that uses them up; 0 = off"})
+    time_budget: float = field(default=0.0, metadata={
+        "help": "minutes: stop (with a checkpoint) after the iteration that uses them up; 0 = off"})
     out: str = field(default="runs/grpo", metadata={"help": "run folder"})
     resume: str = field(default="", metadata={
         "help": "run folder to continue from its newest checkpoint that loads, with its saved settings"})
@@ -136,7 +169,8 @@ def dialogue_rewards(records, mode="final", format_penalty=0.0):
         else:
             raise ValueError(f"--reward must be final or turn, got '{mode}'")
         if format_penalty:
-            reward -= format_penalty * sum(t.get("violation") is not None for t in r["turns"] if t["role"] == "agent")
+            reward -= format_penalty * sum(t.get("violation") is not None for t in r["turns"]
+                                           if t["role"] == "agent")
         out.append(reward)
     return torch.tensor(out, dtype=torch.float64)
 
@@ -255,15 +289,17 @@ def main(argv=None):
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
 
     # --- the model: policy adapter on a frozen base; no critic --------------------------------
-    model, tokenizer = load_policy(args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                                   lora_dropout=args.lora_dropout, target_modules=args.target_modules,
-                                   load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype,
-                                   trust_remote_code=args.trust_remote_code)
+    model, tokenizer = load_policy(
+        args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout, target_modules=args.target_modules, load_in_4bit=args.load_in_4bit,
+        gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code)
     params = adapter_params(model, "default")
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     simulator, where = make_simulator(args, model, tokenizer, device, world)
     if accelerator.is_main_process:
         print(f"{where}; {args.personas_per_iteration} personas x {args.group_size} dialogues")
@@ -289,12 +325,11 @@ def main(argv=None):
         chosen = pick_personas(personas, args.personas_per_iteration, args.seed, iteration)
         share = args.personas_per_iteration // world
         try:
-            records, rstats = play_dialogues(model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
-                                             samples_per_persona=args.group_size,
-                                             thinking=args.thinking, temperature=args.temperature,
-                                             top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                                             max_context=args.max_context, greedy=args.greedy,
-                                             progress=accelerator.is_main_process and sys.stderr.isatty())
+            records, rstats = play_dialogues(
+                model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
+                samples_per_persona=args.group_size, thinking=args.thinking, temperature=args.temperature,
+                top_p=args.top_p, max_new_tokens=args.max_new_tokens, max_context=args.max_context,
+                greedy=args.greedy, progress=accelerator.is_main_process and sys.stderr.isatty())
         except SimulatorError as e:  # one line; a finished iteration not yet saved is saved first
             due = iteration > saved_at and world == 1  # (a save is collective: one process only)
             stop_on_simulator_error(e, partial(save, iteration) if due else None)
@@ -304,37 +339,38 @@ def main(argv=None):
         t0 = time.time()
         batch = pad_records(records, tokenizer.pad_token_id, device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # Recomputed with the training forward pass rather than taken from generate, so that the
-        # ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
-        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)          # (B, T)
-        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)  # (B, T)
+        # (B, T) each. Recomputed with the training forward pass rather than taken from generate, so
+        # that the ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
+        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
         # How far the sampler's log-probs (generate) are from the training forward pass's: 0 up to
         # round-off in float32; in bf16 the two kernels round differently (see README: ratio_first).
         logprob_gap = (global_sum(((old_logprobs - batch["sample_logprobs"]).abs() * mask).sum(), accelerator)
                        / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
-        rewards = dialogue_rewards(records, args.reward, args.format_penalty)                           # (B,)
-        group_ids = torch.tensor([rank * share + r["group"] for r in records])                          # (B,)
+        rewards = dialogue_rewards(records, args.reward, args.format_penalty)                         # (B,)
+        group_ids = torch.tensor([rank * share + r["group"] for r in records])                        # (B,)
         # The advantages of the whole iteration, on every process: batch scaling needs the std of all
         # rewards. gather_object concatenates in rank order, so this process's rows are one slice.
-        all_rewards = torch.tensor(gather_object(rewards.tolist()), dtype=torch.float64) if world > 1 else rewards
+        all_rewards = (torch.tensor(gather_object(rewards.tolist()), dtype=torch.float64) if world > 1
+                       else rewards)
         all_groups = torch.tensor(gather_object(group_ids.tolist())) if world > 1 else group_ids
-        all_advantages = group_advantages(all_rewards, all_groups, args.scale_rewards)                  # (N,)
-        _, all_std, all_flat = group_stats(all_rewards, all_groups)                                      # (N,)
+        all_advantages = group_advantages(all_rewards, all_groups, args.scale_rewards)                # (N,)
+        _, all_std, all_flat = group_stats(all_rewards, all_groups)                                   # (N,)
         mine = slice(rank * len(records), (rank + 1) * len(records))
-        zero_spread = all_flat[mine].to(device)                                                         # (B,)
+        zero_spread = all_flat[mine].to(device)                                                       # (B,)
         if args.drop_zero_spread:
             # Their advantage is 0 anyway; dropping them also takes them out of the loss's
             # denominators (the other dialogues weigh more) and out of the entropy and KL terms.
-            mask = mask * (~zero_spread).float()[:, None]                                                # (B, T)
-        keep = (mask.sum(1) > 0).float()                                                                # (B,)
-        advantages = all_advantages[mine].float().to(device)[:, None] * mask                            # (B, T)
+            mask = mask * (~zero_spread).float()[:, None]                                             # (B, T)
+        keep = (mask.sum(1) > 0).float()                                                              # (B,)
+        advantages = all_advantages[mine].float().to(device)[:, None] * mask                          # (B, T)
         t_score = time.time() - t0
 
         # --- 3. update: passes x minibatches x micro-batches ------------------------------------
         t0 = time.time()
         model.train()
-        logs = {k: [] for k in ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ratio_first",
-                                "grad_norm")}
+        logs = {k: [] for k in ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss",
+                                "ratio_first", "grad_norm")}
         skipped_steps = 0
         local_mb = args.minibatch_size // world
         for epoch in range(args.update_epochs):
@@ -360,14 +396,16 @@ def main(argv=None):
                                                              args.clip_low, args.clip_high)
                     kl_ref = kl_k3(newlogprob, ref_logprobs[idx])
                     loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs, token_budget)
-                            - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs, token_budget)
-                            + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg, total_tokens, total_seqs, token_budget))
+                            - args.ent_coef * aggregate(entropy, m, args.loss_agg,
+                                                        total_tokens, total_seqs, token_budget)
+                            + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg,
+                                                            total_tokens, total_seqs, token_budget))
                     loss.backward()
                     with torch.no_grad():
-                        logratio = newlogprob - old_logprobs[idx]
+                        logratio = newlogprob - old_logprobs[idx]  # approx_kl below: the k3 estimator
                         logs["policy_loss"].append(masked_mean(pg, m).item())
                         logs["entropy"].append(masked_mean(entropy, m).item())
-                        logs["approx_kl"].append(masked_mean(torch.exp(logratio) - 1 - logratio, m).item())  # k3
+                        logs["approx_kl"].append(masked_mean(torch.exp(logratio) - 1 - logratio, m).item())
                         logs["clip_frac"].append(masked_mean(clipped, m).item())
                         logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
                         if epoch == 0 and start == 0 and m0 == 0:
@@ -394,17 +432,19 @@ def main(argv=None):
         replicas_identical = len(set(gather_object([digest]) if world > 1 else [digest])) == 1
         with torch.no_grad():  # over every process's agent tokens
             rollout_mask = batch["action_mask"]
-            kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(), accelerator)
+            kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(),
+                                         accelerator)
                               / global_sum(rollout_mask.sum(), accelerator).clamp(min=1)).item()
             update_tokens = global_sum(mask.sum(), accelerator).item() * args.update_epochs
         # reward_mean as in ppo.py (no format penalty), so the two scripts' curves compare
         rewards_per_dialogue = dialogue_rewards(all_records, args.reward).numpy()
-        first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])  # one row per group
+        first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])
         summary = summarize(all_records, global_stats(rstats, accelerator))
         metrics = {
             "iteration": iteration + 1,
-            "reward_mean": float(rewards_per_dialogue.mean()), "reward_std": float(rewards_per_dialogue.std()),
-            "group_reward_std": float(all_std[first_of_group].mean()),
+            "reward_mean": float(rewards_per_dialogue.mean()),
+            "reward_std": float(rewards_per_dialogue.std()),
+            "group_reward_std": float(all_std[first_of_group].mean()),  # first_of_group: one row per group
             "zero_spread_groups": int(all_flat[first_of_group].sum()),
             **summary,
             **{k: global_mean(v, accelerator) for k, v in logs.items()},
@@ -419,8 +459,8 @@ def main(argv=None):
         run.append("metrics.jsonl", [metrics])
         run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
         log_to_trackers(accelerator, metrics, all_records, step=iteration + 1)
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}",
-                        flat=metrics["zero_spread_groups"])
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                        emotion=f"{metrics['final_emotion_mean']:.1f}", flat=metrics["zero_spread_groups"])
         out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time:
             saved_at = iteration + 1

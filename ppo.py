@@ -25,82 +25,113 @@ from rollout import (DEFAULT_TARGETS, PLAIN_PROMPT, THINK_PROMPT, StepGuard, ada
                      batched_logprobs, check_openings_fit, fingerprint, global_max, global_mean, global_stats,
                      global_sum, latest_checkpoint, load_policy, log_to_trackers, make_simulator, masked_mean,
                      pad_records, parse_settings, peak_memory_gb, pick_personas, play_dialogues, prepare_run,
-                     prune_checkpoints, public_config, reduce_gradients, save_checkpoint, set_seed, start_or_resume,
-                     stop_on_simulator_error, summarize, time_budget_used, token_logprobs, tracker_settings,
-                     transcript_record)
+                     prune_checkpoints, public_config, reduce_gradients, save_checkpoint, set_seed,
+                     start_or_resume, stop_on_simulator_error, summarize, time_budget_used, token_logprobs,
+                     tracker_settings, transcript_record)
 from simulator import SimulatorError, fail, load_personas_or_exit, one_of
 
 
 @dataclass
 class Args:
-    preset: str = field(default="paper", metadata={"help": "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win"})
+    preset: str = field(default="paper", metadata={
+        "help": "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win"})
     # the policy
-    model: str = field(default="Qwen/Qwen2.5-7B-Instruct", metadata={"help": "policy base: hub id, path, or smollm2 (embedded)"})
+    model: str = field(default="Qwen/Qwen2.5-7B-Instruct", metadata={
+        "help": "policy base: hub id, path, or smollm2 (embedded)"})
     lora_r: int = field(default=32, metadata={"help": "LoRA rank of actor and critic adapters"})
     lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (scale = alpha / r)"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout; 0 keeps the first PPO ratio exactly 1"})
-    target_modules: str = field(default=DEFAULT_TARGETS, metadata={"help": "comma-separated module names that get LoRA"})
-    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: NF4 base weights via bitsandbytes (CUDA only)"})
-    gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in the backward pass"})
-    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "allow model code from the hub (off unless you trust it)"})
+    lora_dropout: float = field(default=0.0, metadata={
+        "help": "LoRA dropout; 0 keeps the first PPO ratio exactly 1"})
+    target_modules: str = field(default=DEFAULT_TARGETS, metadata={
+        "help": "comma-separated module names that get LoRA"})
+    load_in_4bit: bool = field(default=False, metadata={
+        "help": "QLoRA: NF4 base weights via bitsandbytes (CUDA only)"})
+    gradient_checkpointing: bool = field(default=True, metadata={
+        "help": "recompute activations in the backward pass"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "allow model code from the hub (off unless you trust it)"})
     # the simulated user
-    simulator: str = field(default="same", metadata={"help": "same | rules | model id/path | http://host:port/v1"})
-    simulator_device_map: str = field(default="auto", metadata={"help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
-    readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules (see README: read-outs)"})
+    simulator: str = field(default="same", metadata={
+        "help": "same | rules | model id/path | http://host:port/v1"})
+    simulator_device_map: str = field(default="auto", metadata={
+        "help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
+    readout: str = field(default="auto", metadata={
+        "help": "auto | reasoned | likelihood | rules (see README: read-outs)"})
     api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
-    api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable with the URL simulator's key"})
+    api_key_env: str = field(default="OPENAI_API_KEY", metadata={
+        "help": "environment variable with the URL simulator's key"})
     api_timeout: float = field(default=60.0, metadata={
         "help": "seconds a request to a URL simulator may take in all; a call, x (retries + 1)"})
     api_retries: int = field(default=4, metadata={"help": "tries after a failed request to a URL simulator"})
     api_concurrency: int = field(default=8, metadata={"help": "requests in flight at once to a URL server"})
     personas: str = field(default="personas.json", metadata={"help": "persona file"})
     split: str = field(default="train", metadata={"help": "persona split to train on"})
-    difficulty: str = field(default="all", metadata={"help": "all (each persona's own) | easy | normal | hard: every user plays at this level"})
-    start_emotion: int = field(default=30, metadata={"help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
+    difficulty: str = field(default="all", metadata={
+        "help": "all (each persona's own) | easy | normal | hard: every user plays at this level"})
+    start_emotion: int = field(default=30, metadata={
+        "help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
     max_change: int = field(default=10, metadata={"help": "largest emotion change per turn"})
     max_turns: int = field(default=8, metadata={"help": "agent turns per dialogue (RLVER: 8)"})
     user_reply_tokens: int = field(default=96, metadata={"help": "tokens per simulated user message"})
     # rollouts
-    dialogues_per_iteration: int = field(default=32, metadata={"help": "dialogues per iteration, over all processes (RLVER: 32)"})
+    dialogues_per_iteration: int = field(default=32, metadata={
+        "help": "dialogues per iteration, over all processes (RLVER: 32)"})
     thinking: bool = field(default=True, metadata={"help": "think-then-say scaffold (the paper's best run)"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; the trainer's log-probs use the same"})
+    temperature: float = field(default=1.0, metadata={
+        "help": "sampling temperature; the trainer's log-probs use the same"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (RLVER: 1.0)"})
-    greedy: bool = field(default=False, metadata={"help": "decode greedily: reproducible dialogues for tests and debugging, not for training"})
+    greedy: bool = field(default=False, metadata={
+        "help": "decode greedily: reproducible dialogues for tests and debugging, not for training"})
     max_new_tokens: int = field(default=512, metadata={"help": "tokens per agent turn"})
-    max_context: int = field(default=6144, metadata={"help": "tokens per dialogue; past it the dialogue ends with 'context'"})
+    max_context: int = field(default=6144, metadata={
+        "help": "tokens per dialogue; past it the dialogue ends with 'context'"})
     # rewards
-    reward: str = field(default="final", metadata={"help": "final: emotion/100 on the last agent token | turn: each change/100 on its turn"})
-    format_penalty: float = field(default=0.0, metadata={"help": "subtracted per think-format violation (thinking on)"})
-    kl_coef: float = field(default=0.0, metadata={"help": "per-token KL penalty to the reference in the reward (RLVER: 0)"})
+    reward: str = field(default="final", metadata={
+        "help": "final: emotion/100 on the last agent token | turn: each change/100 on its turn"})
+    format_penalty: float = field(default=0.0, metadata={
+        "help": "subtracted per think-format violation (thinking on)"})
+    kl_coef: float = field(default=0.0, metadata={
+        "help": "per-token KL penalty to the reference in the reward (RLVER: 0)"})
     kl_loss_coef: float = field(default=0.0, metadata={"help": "k3 KL-to-reference loss term (RLVER: 0)"})
     # advantages
     gamma: float = field(default=1.0, metadata={"help": "discount over agent tokens (RLVER's trainer: 1.0)"})
     lam: float = field(default=1.0, metadata={"help": "GAE lambda (RLVER's trainer: 1.0)"})
-    whiten_advantages: bool = field(default=True, metadata={"help": "normalise advantages over the batch's agent tokens"})
+    whiten_advantages: bool = field(default=True, metadata={
+        "help": "normalise advantages over the batch's agent tokens"})
     # the update
     update_epochs: int = field(default=1, metadata={"help": "passes over each iteration's dialogues"})
     minibatch_size: int = field(default=32, metadata={
         "help": "dialogues per optimizer step, over all processes (RLVER: 32)"})
-    micro_batch_size: int = field(default=2, metadata={"help": "dialogues per forward pass (gradient accumulation)"})
-    clip_low: float = field(default=0.2, metadata={"help": "PPO clip: ratio kept within [1 - clip_low, 1 + clip_high]"})
-    clip_high: float = field(default=0.2, metadata={"help": "upper clip; larger than clip_low = clip-higher (DAPO uses 0.28)"})
+    micro_batch_size: int = field(default=2, metadata={
+        "help": "dialogues per forward pass (gradient accumulation)"})
+    clip_low: float = field(default=0.2, metadata={
+        "help": "PPO clip: ratio kept within [1 - clip_low, 1 + clip_high]"})
+    clip_high: float = field(default=0.2, metadata={
+        "help": "upper clip; larger than clip_low = clip-higher (DAPO uses 0.28)"})
     value_clip: float = field(default=0.5, metadata={
         "help": "value predictions move at most this far from the rollout's (RLVER: 0.5)"})
     vf_coef: float = field(default=0.5, metadata={"help": "value loss coefficient"})
     ent_coef: float = field(default=0.001, metadata={"help": "entropy bonus coefficient (RLVER: 0.001)"})
-    loss_agg: str = field(default="token-mean", metadata={"help": "token-mean | seq-mean-token-mean | seq-mean-token-sum"})
-    lr: float = field(default=1e-5, metadata={"help": "actor LoRA learning rate (paper, full fine-tuning: 1e-6)"})
-    critic_lr: float = field(default=5e-5, metadata={"help": "critic LoRA and value head learning rate (paper: 5x the actor's)"})
-    critic_warmup: int = field(default=0, metadata={"help": "first iterations in which only the critic learns (verl's critic_warmup)"})
+    loss_agg: str = field(default="token-mean", metadata={
+        "help": "token-mean | seq-mean-token-mean | seq-mean-token-sum"})
+    lr: float = field(default=1e-5, metadata={
+        "help": "actor LoRA learning rate (paper, full fine-tuning: 1e-6)"})
+    critic_lr: float = field(default=5e-5, metadata={
+        "help": "critic LoRA and value head learning rate (paper: 5x the actor's)"})
+    critic_warmup: int = field(default=0, metadata={
+        "help": "first iterations in which only the critic learns (verl's critic_warmup)"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping, per model part"})
-    max_bad_updates: int = field(default=3, metadata={"help": "stop after this many non-finite updates in a row"})
+    max_bad_updates: int = field(default=3, metadata={
+        "help": "stop after this many non-finite updates in a row"})
     # the run
     iterations: int = field(default=200, metadata={"help": "training iterations"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N checkpoints (0 = all)"})
-    time_budget: float = field(default=0.0, metadata={"help": "minutes: stop (with a checkpoint) after the iteration that uses them up; 0 = off"})
+    time_budget: float = field(default=0.0, metadata={
+        "help": "minutes: stop (with a checkpoint) after the iteration that uses them up; 0 = off"})
     out: str = field(default="runs/ppo", metadata={"help": "run folder"})
     resume: str = field(default="", metadata={
         "help": "run folder to continue from its newest checkpoint that loads, with its saved settings"})
@@ -181,7 +212,8 @@ def aggregate(loss, mask, mode, total_tokens, total_seqs):
         return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
     if mode == "seq-mean-token-sum":
         return (loss * mask).sum() / total_seqs
-    raise ValueError(f"--loss-agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum, got '{mode}'")
+    raise ValueError(f"--loss-agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum, got "
+                     f"'{mode}'")
 
 
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
@@ -293,8 +325,9 @@ def actor_and_critic(args, model, device):
     params, critic params, optimizer, scheduler)."""
     from peft import LoraConfig  # here, not above: importing peft can print a bitsandbytes notice on CPU
 
-    model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                           target_modules=args.target_modules.split(","), task_type="CAUSAL_LM"))
+    model.add_adapter("critic", LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        target_modules=args.target_modules.split(","), task_type="CAUSAL_LM"))
     use_adapter(model, "default")
     hidden_size = model.get_base_model().config.get_text_config().hidden_size
     value_head = torch.nn.Linear(hidden_size, 1).to(device)
@@ -312,7 +345,8 @@ def actor_and_critic(args, model, device):
 
     def warm(step):
         return min(1.0, max(0, step + 1) / max(1, args.warmup_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: warm(s - held), warm])  # actor, critic
+    # one schedule per parameter group: actor, critic
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: warm(s - held), warm])
     return value_head, actor_params, critic_params, optimizer, scheduler
 
 
@@ -337,10 +371,11 @@ def main(argv=None):
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
 
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
-    model, tokenizer = load_policy(args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                                   lora_dropout=args.lora_dropout, target_modules=args.target_modules,
-                                   load_in_4bit=args.load_in_4bit, gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype,
-                                   trust_remote_code=args.trust_remote_code)
+    model, tokenizer = load_policy(
+        args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout, target_modules=args.target_modules, load_in_4bit=args.load_in_4bit,
+        gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code)
     value_head, actor_params, critic_params, optimizer, scheduler = actor_and_critic(args, model, device)
     simulator, where = make_simulator(args, model, tokenizer, device, world)
     if accelerator.is_main_process:
@@ -367,11 +402,11 @@ def main(argv=None):
         chosen = pick_personas(personas, args.dialogues_per_iteration, args.seed, iteration)
         share = args.dialogues_per_iteration // world
         try:
-            records, rstats = play_dialogues(model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
-                                             thinking=args.thinking, temperature=args.temperature,
-                                             top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                                             max_context=args.max_context, greedy=args.greedy,
-                                             progress=accelerator.is_main_process and sys.stderr.isatty())
+            records, rstats = play_dialogues(
+                model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share], thinking=args.thinking,
+                temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                max_context=args.max_context, greedy=args.greedy,
+                progress=accelerator.is_main_process and sys.stderr.isatty())
         except SimulatorError as e:  # one line; a finished iteration not yet saved is saved first
             due = iteration > saved_at and world == 1  # (a save is collective: one process only)
             stop_on_simulator_error(e, partial(save, iteration) if due else None)
@@ -381,22 +416,23 @@ def main(argv=None):
         t0 = time.time()
         batch = pad_records(records, tokenizer.pad_token_id, device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # Recomputed with the training forward pass rather than taken from generate, so that the
-        # ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
-        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)          # (B, T)
-        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)  # (B, T)
+        # (B, T) each. Recomputed with the training forward pass rather than taken from generate, so
+        # that the ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
+        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
         # How far the sampler's log-probs (generate) are from the training forward pass's: 0 up to
         # round-off in float32; in bf16 the two kernels round differently (see README: ratio_first).
         logprob_gap = (global_sum(((old_logprobs - batch["sample_logprobs"]).abs() * mask).sum(), accelerator)
                        / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
         with torch.no_grad(), adapter_active(model, "critic"):
             model.eval()
-            old_values = torch.cat([critic_values(model, value_head, batch["input_ids"][i:i + args.micro_batch_size],
+            old_values = torch.cat([critic_values(model, value_head,
+                                                  batch["input_ids"][i:i + args.micro_batch_size],
                                                   batch["attention_mask"][i:i + args.micro_batch_size])
                                     for i in range(0, len(records), args.micro_batch_size)]).float() * mask
             model.train()
-        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(device)       # (B, T)
-        kl_to_ref = (old_logprobs - ref_logprobs) * mask                                                # k1, per token
+        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(device)     # (B, T)
+        kl_to_ref = (old_logprobs - ref_logprobs) * mask                                       # k1, per token
         rewards = rewards - args.kl_coef * kl_to_ref
         advantages, returns = compute_gae(rewards.cpu(), old_values.cpu(), mask.cpu(), args.gamma, args.lam)
         advantages, returns = advantages.to(device), returns.to(device)
@@ -410,8 +446,9 @@ def main(argv=None):
         # --- 3. update: epochs x minibatches x micro-batches ------------------------------------
         t0 = time.time()
         model.train()
-        logs = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "value_clip_frac",
-                                "kl_ref_loss", "ratio_first", "actor_grad_norm", "critic_grad_norm")}
+        logs = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac",
+                                "value_clip_frac", "kl_ref_loss", "ratio_first",
+                                "actor_grad_norm", "critic_grad_norm")}
         local_mb = args.minibatch_size // world
         train_actor = iteration >= args.critic_warmup  # during warm-up the actor's loss is only logged
         for epoch in range(args.update_epochs):
@@ -425,27 +462,30 @@ def main(argv=None):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
                     ids, att, m = batch["input_ids"][idx], batch["attention_mask"][idx], mask[idx]   # (b, T)
                     with torch.set_grad_enabled(train_actor):
-                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True,
-                                                             action_mask=m)
-                        pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx], advantages[idx],
-                                                                 args.clip_low, args.clip_high)
+                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature,
+                                                             with_entropy=True, action_mask=m)
+                        pg, ratio, clipped = clipped_policy_loss(
+                            newlogprob, old_logprobs[idx], advantages[idx], args.clip_low, args.clip_high)
                         kl_ref = kl_k3(newlogprob, ref_logprobs[idx])
                         actor_loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs)
-                                      - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs)
-                                      + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg, total_tokens, total_seqs))
+                                      - args.ent_coef * aggregate(entropy, m, args.loss_agg,
+                                                                  total_tokens, total_seqs)
+                                      + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg,
+                                                                      total_tokens, total_seqs))
                     if train_actor:
                         actor_loss.backward()
                     with adapter_active(model, "critic"):  # forward and backward under the critic
                         values = critic_values(model, value_head, ids, att).float()
-                        vl, vclipped = clipped_value_loss(values, old_values[idx], returns[idx], args.value_clip)
+                        vl, vclipped = clipped_value_loss(values, old_values[idx], returns[idx],
+                                                          args.value_clip)
                         critic_loss = args.vf_coef * aggregate(vl, m, args.loss_agg, total_tokens, total_seqs)
                         critic_loss.backward()
                     with torch.no_grad():
-                        logratio = newlogprob - old_logprobs[idx]
+                        logratio = newlogprob - old_logprobs[idx]  # approx_kl below: the k3 estimator
                         logs["policy_loss"].append(masked_mean(pg, m).item())
                         logs["value_loss"].append(masked_mean(vl, m).item())
                         logs["entropy"].append(masked_mean(entropy, m).item())
-                        logs["approx_kl"].append(masked_mean(torch.exp(logratio) - 1 - logratio, m).item())  # k3
+                        logs["approx_kl"].append(masked_mean(torch.exp(logratio) - 1 - logratio, m).item())
                         logs["clip_frac"].append(masked_mean(clipped, m).item())
                         logs["value_clip_frac"].append(masked_mean(vclipped, m).item())
                         logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
@@ -459,7 +499,8 @@ def main(argv=None):
                 reduce_gradients(actor_params + critic_params, accelerator)
                 actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)
                 critic_norm = torch.nn.utils.clip_grad_norm_(critic_params, args.max_grad_norm)
-                if not guard.step_ok(actor_norm + critic_norm, iteration, partial(save, iteration), accelerator):
+                if not guard.step_ok(actor_norm + critic_norm, iteration, partial(save, iteration),
+                                     accelerator):
                     optimizer.zero_grad(set_to_none=True)  # a non-finite loss: skip this step
                     continue
                 optimizer.step()
@@ -479,12 +520,13 @@ def main(argv=None):
             kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * mask).sum(), accelerator)
                               / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
             update_tokens = global_sum(mask.sum(), accelerator).item() * args.update_epochs
-        rewards_per_dialogue = np.array([r["final_emotion"] / 100.0 if args.reward == "final" else sum(r["changes"]) / 100.0
-                                         for r in all_records])
+        rewards_per_dialogue = np.array([r["final_emotion"] / 100.0 if args.reward == "final"
+                                         else sum(r["changes"]) / 100.0 for r in all_records])
         summary = summarize(all_records, global_stats(rstats, accelerator))
         metrics = {
             "iteration": iteration + 1,
-            "reward_mean": float(rewards_per_dialogue.mean()), "reward_std": float(rewards_per_dialogue.std()),
+            "reward_mean": float(rewards_per_dialogue.mean()),
+            "reward_std": float(rewards_per_dialogue.std()),
             **summary,
             **{k: global_mean(v, accelerator) for k, v in logs.items()},
             "kl_ref": kl_ref_rollout, "sample_logprob_gap": logprob_gap, "explained_variance": explained_var,
@@ -498,7 +540,8 @@ def main(argv=None):
         run.append("metrics.jsonl", [metrics])
         run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
         log_to_trackers(accelerator, metrics, all_records, step=iteration + 1)
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}")
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                        emotion=f"{metrics['final_emotion_mean']:.1f}")
         out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time:
             saved_at = iteration + 1

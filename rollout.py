@@ -27,9 +27,9 @@ from tqdm import tqdm
 
 from simulator import (DIFFICULTIES, READOUTS, REDACTED, Simulator, SimulatorError, above, at_least,
                        cache_keyword, cached_batch, check_rules, env_name, fail, keep_cache, load_model,
-                       load_personas_or_exit, make_backend, model_problem, one_line_errors, one_of, prompt_counts,
-                       readout_problem, redact, resolve_model, simulator_kind, simulator_problem, transcript_turns,
-                       unknown_arguments, within)
+                       load_personas_or_exit, make_backend, model_problem, one_line_errors, one_of,
+                       prompt_counts, readout_problem, redact, resolve_model, simulator_kind,
+                       simulator_problem, transcript_turns, unknown_arguments, within)
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project; --system-prompt-file replaces them)
@@ -246,9 +246,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     # log-probs are log softmax(logits / temperature), the distribution we sample from when
     # top_p = 1; the trainers must compute theirs with the same temperature.
     gen_config = GenerationConfig(
-        do_sample=not greedy, temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
-        top_k=0 if not greedy else None, repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
-        pad_token_id=tokenizer.pad_token_id)
+        do_sample=not greedy, temperature=temperature if not greedy else None,
+        top_p=top_p if not greedy else None, top_k=0 if not greedy else None, repetition_penalty=1.0,
+        max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids, pad_token_id=tokenizer.pad_token_id)
     dialogues = []
     for g, persona in enumerate(personas):
         for s in range(samples_per_persona):
@@ -260,7 +260,8 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     stats = Counter()
     t_policy = 0.0
     sim_seconds_before, sim_tokens_before = simulator.seconds, simulator.backend.generated_tokens
-    sim_prompt_before = (getattr(simulator.backend, "prompt_tokens", 0), getattr(simulator.backend, "reused_tokens", 0))
+    sim_prompt_before = (getattr(simulator.backend, "prompt_tokens", 0),
+                         getattr(simulator.backend, "reused_tokens", 0))
     # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
     bar = tqdm(total=len(dialogues), desc=desc, disable=not progress, leave=False, file=sys.stderr)
     turns_played = 0
@@ -285,13 +286,15 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         stats["policy_reused_tokens"] += reused
         recorder = SampledLogprobs(1.0 if greedy else temperature)
         sequences = policy.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(policy): cache},
-                                    generation_config=gen_config, logits_processor=LogitsProcessorList([recorder]))
+                                    generation_config=gen_config,
+                                    logits_processor=LogitsProcessorList([recorder]))
         new = sequences[:, ids.shape[1]:]                                        # (B, N)
         new_logp = recorder.finish(sequences).cpu()                               # (B, N)
         lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
                    for row in new.tolist()]
         if reuse_cache:
-            sampled = (torch.arange(new.shape[1], device=device)[None] < torch.tensor(lengths, device=device)[:, None])
+            sampled = (torch.arange(new.shape[1], device=device)[None]
+                       < torch.tensor(lengths, device=device)[:, None])
             keep_cache(slots, cache, sequences, torch.cat([mask, sampled.long()], 1))
         new = new.cpu()
         t_policy += time.time() - t0
@@ -380,12 +383,15 @@ def summarize(records, stats):
         "simulator_fallbacks": sum(r["fallbacks"] for r in records),
         "policy_tokens": int(stats.get("policy_tokens", 0)),
         "policy_tokens_per_s": stats.get("policy_tokens", 0) / max(1e-9, stats.get("policy_seconds", 0)),
-        "simulator_tokens_per_s": stats.get("simulator_tokens", 0) / max(1e-9, stats.get("simulator_seconds", 0)),
+        "simulator_tokens_per_s": (stats.get("simulator_tokens", 0)
+                                   / max(1e-9, stats.get("simulator_seconds", 0))),
         "policy_seconds": stats.get("policy_seconds", 0.0),
         "simulator_seconds": stats.get("simulator_seconds", 0.0),
         # the share of prompt tokens read from a dialogue's KV cache instead of being run again
-        "policy_cache_hit": stats.get("policy_reused_tokens", 0) / max(1, stats.get("policy_prompt_tokens", 0)),
-        "simulator_cache_hit": stats.get("simulator_reused_tokens", 0) / max(1, stats.get("simulator_prompt_tokens", 0)),
+        "policy_cache_hit": (stats.get("policy_reused_tokens", 0)
+                             / max(1, stats.get("policy_prompt_tokens", 0))),
+        "simulator_cache_hit": (stats.get("simulator_reused_tokens", 0)
+                                / max(1, stats.get("simulator_prompt_tokens", 0))),
     }
     for reason in ("success", "left", "goodbye", "max_turns", "context"):
         out[f"end_{reason}"] = reasons.get(reason, 0)
@@ -400,7 +406,8 @@ def pad_records(records, pad_id, device):
     width = max(len(r["token_ids"]) for r in records)
 
     def pad(key, value, dtype):
-        return torch.tensor([r[key] + [value] * (width - len(r[key])) for r in records], dtype=dtype, device=device)
+        return torch.tensor([r[key] + [value] * (width - len(r[key])) for r in records],
+                            dtype=dtype, device=device)
 
     return {
         "input_ids": pad("token_ids", pad_id, torch.long),                                  # (B, T)
@@ -422,7 +429,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
     if action_mask is None:
         keep = torch.arange(T - 1, device=input_ids.device)                                   # every position
     else:
-        keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                                # (K,) predictors
+        keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                              # (K,) predictors
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    logits_to_keep=keep).logits.float() / temperature                          # (B, K, V)
     logp_all = torch.log_softmax(logits, -1)                                                  # (B, K, V)
@@ -848,7 +855,8 @@ def load_adapter_weights(model, folder, name):
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    weights = load_file(os.path.join(folder, name, "adapter_model.safetensors"), device=str(next(model.parameters()).device))
+    weights = load_file(os.path.join(folder, name, "adapter_model.safetensors"),
+                        device=str(next(model.parameters()).device))
     live = get_peft_model_state_dict(model, adapter_name=name)
     wrong = [k for k, w in weights.items() if k in live and live[k].shape != w.shape]
     if wrong or set(weights) != set(live):
@@ -902,7 +910,8 @@ def make_simulator(args, model, tokenizer, device, world=1):
                            api_timeout=args.api_timeout, api_retries=args.api_retries,
                            api_concurrency=args.api_concurrency)
     simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
-                          max_change=args.max_change, max_turns=args.max_turns, reply_tokens=args.user_reply_tokens)
+                          max_change=args.max_change, max_turns=args.max_turns,
+                          reply_tokens=args.user_reply_tokens)
     where = {"same": "shares the policy's base", "rules": "rules", "url": "a server"}.get(
         simulator_kind(args.simulator), "spread over GPUs 1.." if device_map else f"on {device}")
     return simulator, (f"policy {args.model} on {device} x {world} process(es); simulator "
@@ -955,14 +964,15 @@ class StepGuard:
             self.in_a_row = 0
             return True
         self.in_a_row += 1
-        print(f"warning: iteration {iteration}: non-finite gradient, update skipped ({self.in_a_row} in a row)",
-              file=sys.stderr)
+        print(f"warning: iteration {iteration}: non-finite gradient, update skipped "
+              f"({self.in_a_row} in a row)", file=sys.stderr)
         if self.in_a_row >= self.limit:
             path = save(f"partial_iter_{iteration + 1:06d}")
             if accelerator.is_main_process:
-                print(f"error: {self.in_a_row} non-finite updates in a row; stopped in iteration {iteration + 1}. "
-                      f"--resume continues from the last complete checkpoint ({latest_checkpoint(self.run_dir)}); "
-                      f"the state at the stop is in {path}. {self.advice}, and resume.", file=sys.stderr)
+                print(f"error: {self.in_a_row} non-finite updates in a row; stopped in iteration "
+                      f"{iteration + 1}. --resume continues from the last complete checkpoint "
+                      f"({latest_checkpoint(self.run_dir)}); the state at the stop is in {path}. "
+                      f"{self.advice}, and resume.", file=sys.stderr)
             accelerator.wait_for_everyone()  # no process may exit (the launcher would stop the main
             sys.exit(1)                      # one) before the main process has written the state
         return False
@@ -1205,7 +1215,8 @@ def peak_memory_gb():
 class RolloutArgs:
     model: str = field(default="smollm2", metadata={"help": "policy: smollm2 (embedded), a hub id or a path"})
     adapter: str = field(default=None, metadata={"help": "a saved LoRA adapter folder to play with"})
-    simulator: str = field(default="same", metadata={"help": "same | rules | model id/path | http://host:port/v1"})
+    simulator: str = field(default="same", metadata={
+        "help": "same | rules | model id/path | http://host:port/v1"})
     readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules"})
     personas: str = field(default="personas.json", metadata={"help": "personas.json or a SAGE profile file"})
     split: str = field(default="train", metadata={"help": "train | test | all"})
@@ -1217,7 +1228,8 @@ class RolloutArgs:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
     max_new_tokens: int = field(default=96, metadata={"help": "tokens per agent turn"})
-    max_context: int = field(default=2048, metadata={"help": "tokens per dialogue before it ends with 'context'"})
+    max_context: int = field(default=2048, metadata={
+        "help": "tokens per dialogue before it ends with 'context'"})
     seed: int = field(default=0, metadata={"help": "random seed"})
     out: str = field(default="runs/rollout", metadata={"help": "output folder"})
 
@@ -1231,7 +1243,8 @@ def main(argv=None):
                        args.max_context, args.max_new_tokens)
     policy, tokenizer = load_policy(args.model, adapter=args.adapter, trainable=False)
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, device=default_device())
-    simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion, max_turns=args.max_turns)
+    simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
+                          max_turns=args.max_turns)
     t0 = time.time()
     try:
         records, stats = play_dialogues(policy, tokenizer, simulator, personas, args.samples,
@@ -1249,7 +1262,8 @@ def main(argv=None):
     print(f"mean final emotion {s['final_emotion_mean']:.1f}; end reasons "
           + ", ".join(f"{k[4:]} {v}" for k, v in s.items() if k.startswith("end_") and v))
     print(f"policy {s['policy_tokens_per_s']:.1f} tok/s, simulator {s['simulator_tokens_per_s']:.1f} tok/s, "
-          f"think-format violations {s['think_violation_rate']:.0%} of turns, simulator fallbacks {s['simulator_fallbacks']}")
+          f"think-format violations {s['think_violation_rate']:.0%} of turns, "
+          f"simulator fallbacks {s['simulator_fallbacks']}")
 
 
 if __name__ == "__main__":

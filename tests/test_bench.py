@@ -24,8 +24,10 @@ def write_run(out, name, rewards):
 
 
 # PPO rises by 0.2 in every seed (target met); GRPO by about 0.05 (not met). Six iterations, window 2.
-PPO = {0: [0.30, 0.32, 0.40, 0.45, 0.50, 0.52], 1: [0.28, 0.30, 0.38, 0.44, 0.48, 0.50], 2: [0.32, 0.34, 0.42, 0.47, 0.52, 0.54]}
-GRPO = {0: [0.30, 0.30, 0.31, 0.33, 0.35, 0.35], 1: [0.31, 0.29, 0.30, 0.32, 0.34, 0.36], 2: [0.29, 0.31, 0.33, 0.33, 0.34, 0.35]}
+PPO = {0: [0.30, 0.32, 0.40, 0.45, 0.50, 0.52], 1: [0.28, 0.30, 0.38, 0.44, 0.48, 0.50],
+       2: [0.32, 0.34, 0.42, 0.47, 0.52, 0.54]}
+GRPO = {0: [0.30, 0.30, 0.31, 0.33, 0.35, 0.35], 1: [0.31, 0.29, 0.30, 0.32, 0.34, 0.36],
+        2: [0.29, 0.31, 0.33, 0.33, 0.34, 0.35]}
 
 
 @pytest.fixture
@@ -38,7 +40,8 @@ def fake_runs(tmp_path):
 
 
 def test_summary_means_and_target(fake_runs):
-    rows, curves, incomplete = bench.learning_summary(fake_runs, ["ppo", "grpo"], [0, 1, 2], iterations=6, window=2)
+    rows, curves, incomplete = bench.learning_summary(fake_runs, ["ppo", "grpo"], [0, 1, 2], iterations=6,
+                                                      window=2)
     assert incomplete == []
     ppo, grpo = rows
     first = [np.mean(PPO[s][:2]) for s in range(3)]    # 0.31, 0.29, 0.33
@@ -49,17 +52,21 @@ def test_summary_means_and_target(fake_runs):
     assert ppo["last_std"] == pytest.approx(np.std(last, ddof=1))
     assert ppo["rise_mean"] == pytest.approx(0.20) and ppo["rise_std"] == pytest.approx(0.0, abs=1e-12)
     assert ppo["target_met"] is True
-    assert grpo["first_mean"] == pytest.approx(0.30) and grpo["last_mean"] == pytest.approx(0.3483333, abs=1e-6)
+    assert (grpo["first_mean"] == pytest.approx(0.30)
+            and grpo["last_mean"] == pytest.approx(0.3483333, abs=1e-6))
     assert grpo["target_met"] is False
     assert set(curves["ppo"]) == {0, 1, 2} and len(curves["ppo"][0]) == 6
 
 
 def test_report_files_and_table(fake_runs):
-    table, incomplete = bench.write_learning_report(fake_runs, ["ppo", "grpo"], [0, 1, 2], 6, 2, "python bench.py learning")
+    table, incomplete = bench.write_learning_report(fake_runs, ["ppo", "grpo"], [0, 1, 2], 6, 2,
+                                                    "python bench.py learning")
     assert incomplete == []
     lines = table.splitlines()
-    assert lines[0].startswith("| algorithm | seeds | first 2 iterations | last 2 iterations | rise | target met")
-    assert lines[2] == "| ppo | 3 | 0.310 ± 0.020 | 0.510 ± 0.020 | +0.200 ± 0.000 | yes | - |"  # no timings logged
+    assert lines[0].startswith("| algorithm | seeds | first 2 iterations | last 2 iterations | rise | "
+                               "target met")
+    # no timings logged
+    assert lines[2] == "| ppo | 3 | 0.310 ± 0.020 | 0.510 ± 0.020 | +0.200 ± 0.000 | yes | - |"
     assert lines[3].startswith("| grpo | 3 | 0.300 ± ") and lines[3].endswith("| no | - |")
     png = os.path.join(fake_runs, "learning.png")
     with open(png, "rb") as f:
@@ -98,7 +105,8 @@ def test_learning_driver_skips_resumes_and_passes_flags(fake_runs, monkeypatch, 
         assert cores is None and log is None          # --jobs 1: no pinning, output to the terminal
         calls.append(command)
         out = command[command.index("--out") + 1]
-        write_run(os.path.dirname(out), os.path.basename(out), GRPO[int(command[command.index("--seed") + 1])])
+        write_run(os.path.dirname(out), os.path.basename(out),
+                  GRPO[int(command[command.index("--seed") + 1])])
         return 0
 
     monkeypatch.setattr(bench, "run_trainer", run)
@@ -106,7 +114,8 @@ def test_learning_driver_skips_resumes_and_passes_flags(fake_runs, monkeypatch, 
                 "--", "--max-new-tokens", "24"])
     assert [c[1] for c in calls] == ["grpo.py", "grpo.py"]
     resumed, fresh = calls
-    assert resumed[resumed.index("--seed") + 1] == "1" and resumed[-2:] == ["--resume", resumed[resumed.index("--out") + 1]]
+    assert (resumed[resumed.index("--seed") + 1] == "1"
+            and resumed[-2:] == ["--resume", resumed[resumed.index("--out") + 1]])
     assert fresh[fresh.index("--seed") + 1] == "2" and "--resume" not in fresh
     assert fresh[-1] == "--overwrite" and "--overwrite" not in resumed  # its folder may hold a run cut short
     for c in calls:
@@ -121,11 +130,13 @@ def test_learning_driver_skips_resumes_and_passes_flags(fake_runs, monkeypatch, 
 def test_minutes_per_run_from_the_logged_iteration_times(fake_runs):
     for seed, seconds in ((0, 60.0), (1, 120.0), (2, 90.0)):
         folder = os.path.join(fake_runs, f"ppo-seed{seed}")
-        rows = [dict(json.loads(line), time_iteration=seconds) for line in open(os.path.join(folder, "metrics.jsonl"))]
-        rows.append({"iteration": 7, "reward_mean": 0.6, "time_iteration": 1e6})   # past --iterations: not counted
+        rows = [dict(json.loads(line), time_iteration=seconds)
+                for line in open(os.path.join(folder, "metrics.jsonl"))]
+        rows.append({"iteration": 7, "reward_mean": 0.6, "time_iteration": 1e6})  # past --iterations
         with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    assert bench.run_minutes(bench.read_metrics(os.path.join(fake_runs, "ppo-seed1"))[:6]) == pytest.approx(12.0)
+    assert (bench.run_minutes(bench.read_metrics(os.path.join(fake_runs, "ppo-seed1"))[:6])
+            == pytest.approx(12.0))
     rows, _, _ = bench.learning_summary(fake_runs, ["ppo", "grpo"], [0, 1, 2], 6, 2)
     assert rows[0]["minutes"] == pytest.approx(9.0) and rows[1]["minutes"] is None
     assert bench.learning_table(rows, 2).splitlines()[2].endswith("| yes | 9 |")
@@ -156,7 +167,8 @@ def test_jobs_run_side_by_side_on_separate_cores(fake_runs, monkeypatch):
         return 0
 
     monkeypatch.setattr(bench, "run_trainer", run)
-    bench.main(["learning", "--out", fake_runs, "--iterations", "6", "--window", "2", "--algos", "grpo", "--jobs", "2"])
+    bench.main(["learning", "--out", fake_runs, "--iterations", "6", "--window", "2", "--algos", "grpo",
+                "--jobs", "2"])
     assert sorted(seed for seed, _, _ in calls) == [0, 1, 2]
     assert all(len(cores) == 2 and set(cores) <= {0, 1, 2, 3} for _, cores, _ in calls)
     assert {log for _, _, log in calls} == {os.path.join(fake_runs, f"grpo-seed{s}.log") for s in range(3)}
@@ -168,7 +180,8 @@ def test_a_pinned_trainer_sees_only_its_cores(tmp_path):
     core = sorted(os.sched_getaffinity(0))[-1]
     log = str(tmp_path / "run.log")
     code = bench.run_trainer([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)), "
-                              "os.environ['OMP_NUM_THREADS']); raise SystemExit(4)"], str(tmp_path), [core], log)
+                              "os.environ['OMP_NUM_THREADS']); raise SystemExit(4)"],
+                             str(tmp_path), [core], log)
     assert code == 4
     with open(log) as f:
         assert f.read().strip() == f"[{core}] 1"
@@ -201,11 +214,14 @@ def test_gpu_tiny_end_to_end():
     for flag in ("--gradient-checkpointing True", "--lora-r 32", "--lora-alpha 64", "--value-clip 0.5",
                  "--ent-coef 0.001", "--lr 1e-05"):
         assert flag in out.splitlines()[0], flag  # the ppo.py command it ran
-    for label in ("rollout        :", "plain generate :", "ratio          :", "update         :", "peak memory    :"):
+    for label in ("rollout        :", "plain generate :", "ratio          :", "update         :",
+                  "peak memory    :"):
         assert label in out, out
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["policy_tokens"] == 4 * 2 * 8  # random weights never end a turn early: 4 dialogues x 2 turns x 8
-    assert result["rollout_tokens_per_s"] > 0 and result["update_all_tokens_per_s"] > 0 and result["ratio"] > 0
+    # random weights never end a turn early: 4 dialogues x 2 turns x 8
+    assert result["policy_tokens"] == 4 * 2 * 8
+    assert (result["rollout_tokens_per_s"] > 0 and result["update_all_tokens_per_s"] > 0
+            and result["ratio"] > 0)
     assert result["batch_tokens"] > result["policy_tokens"] and result["peak_memory_gb"] > 0
 
 
@@ -214,7 +230,8 @@ def test_gpu_without_cuda_says_so_in_one_line():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = subprocess.run([sys.executable, "bench.py", "gpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "bench.py", "gpu"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0 and "needs a CUDA GPU" in proc.stderr
 
@@ -222,20 +239,25 @@ def test_gpu_without_cuda_says_so_in_one_line():
 def write_rollouts(folder, appraisals_by_iteration):
     with open(os.path.join(folder, "rollouts.jsonl"), "w") as f:
         for it, appraisals in appraisals_by_iteration.items():
-            turns = [{"role": "user", "text": "hi"}] + [{"role": "agent", "text": "x", "appraisal": a} for a in appraisals]
+            turns = ([{"role": "user", "text": "hi"}]
+                     + [{"role": "agent", "text": "x", "appraisal": a} for a in appraisals])
             f.write(json.dumps({"iteration": it, "turns": turns}) + "\n")
 
 
 def test_tag_shares_compare_first_and_last_iterations(fake_runs):
     # grpo: iteration 1 is off topic, iteration 6 acknowledges and asks; a second seed counts too.
-    write_rollouts(os.path.join(fake_runs, "grpo-seed0"), {1: ["rules: off_topic-3", "rules: nothing notable"],
-                                                           3: ["rules: dismissive-4"],
-                                                           6: ["rules: acknowledges+3, asks+3", "rules: acknowledges+6"]})
-    write_rollouts(os.path.join(fake_runs, "grpo-seed1"), {6: ["rules: reflects+4, lectures-3", "the model's words"]})
-    shares, turns = bench.rules_tag_shares([os.path.join(fake_runs, "grpo-seed0"), os.path.join(fake_runs, "grpo-seed1")], {6})
+    write_rollouts(os.path.join(fake_runs, "grpo-seed0"),
+                   {1: ["rules: off_topic-3", "rules: nothing notable"],
+                    3: ["rules: dismissive-4"],
+                    6: ["rules: acknowledges+3, asks+3", "rules: acknowledges+6"]})
+    write_rollouts(os.path.join(fake_runs, "grpo-seed1"),
+                   {6: ["rules: reflects+4, lectures-3", "the model's words"]})
+    shares, turns = bench.rules_tag_shares([os.path.join(fake_runs, "grpo-seed0"),
+                                            os.path.join(fake_runs, "grpo-seed1")], {6})
     assert turns == 3                       # the agent turn without a rules appraisal is not counted
     assert shares["acknowledges"] == pytest.approx(2 / 3) and shares["asks"] == pytest.approx(1 / 3)
-    assert shares["lectures"] == pytest.approx(1 / 3) and shares["off_topic"] == 0 and shares["dismissive"] == 0
+    assert (shares["lectures"] == pytest.approx(1 / 3) and shares["off_topic"] == 0
+            and shares["dismissive"] == 0)
     table = bench.tags_table(fake_runs, {"grpo": {0: GRPO[0], 1: GRPO[1]}}, 6, 2)
     assert "| off_topic | 50% -> 0% |" in table and "| acknowledges | 0% -> 67% |" in table
     assert "grpo 2 and 3." in table

@@ -130,13 +130,16 @@ def test_clipped_policy_loss_and_k3_by_hand():
 # ----------------------------------------------------------------------------------------------
 # Groups in the rollout
 # ----------------------------------------------------------------------------------------------
-def test_group_members_share_persona_and_opening_and_differ_in_samples(tiny_model, persona_entry, write_personas):
+def test_group_members_share_persona_and_opening_and_differ_in_samples(tiny_model, persona_entry,
+                                                                        write_personas):
     model, tokenizer = tiny_model
     personas = load_personas(write_personas([persona_entry(id="a"),
-                                             persona_entry(id="b", opening="my sister stopped talking to me.")]))
+                                             persona_entry(id="b",
+                                                           opening="my sister stopped talking to me.")]))
     torch.manual_seed(0)
-    records, _ = play_dialogues(model, tokenizer, Simulator(RulesBackend(), max_turns=2), personas, samples_per_persona=3,
-                                thinking=False, temperature=1.0, max_new_tokens=6, max_context=512, progress=False)
+    records, _ = play_dialogues(model, tokenizer, Simulator(RulesBackend(), max_turns=2), personas,
+                                samples_per_persona=3, thinking=False, temperature=1.0, max_new_tokens=6,
+                                max_context=512, progress=False)
     assert len(records) == 6
     for g, persona in enumerate(personas):
         group = [r for r in records if r["group"] == g]
@@ -206,8 +209,9 @@ def read_metrics(out):
 def warm_run(warm_model_dir, personas_file, tmp_path_factory):
     """One iteration of 2 personas x 4 dialogues on the warm model, in this process."""
     out = tmp_path_factory.mktemp("grpo_warm") / "run"
-    model = grpo.main(tiny_args(warm_model_dir, personas_file, out, "--group-size", "4", "--minibatch-size", "8",
-                                "--micro-batch-size", "4", "--iterations", "1", "--seed", "1"))
+    model = grpo.main(tiny_args(warm_model_dir, personas_file, out, "--group-size", "4",
+                                "--minibatch-size", "8", "--micro-batch-size", "4", "--iterations", "1",
+                                "--seed", "1"))
     return model, out
 
 
@@ -216,7 +220,7 @@ def test_first_ratio_is_one_and_kl_zero_before_the_first_update(warm_run):
     (m,) = read_metrics(out)
     assert m["zero_spread_groups"] < 2, "no group had a reward spread: the update had nothing to learn"
     assert m["group_reward_std"] > 0 and m["grad_norm"] > 0
-    assert m["ratio_first"] == pytest.approx(1.0, abs=1e-6)   # one pass: the same weights, the same forward pass
+    assert m["ratio_first"] == pytest.approx(1.0, abs=1e-6)   # one pass: same weights, same forward pass
     assert m["clip_frac"] == 0.0 and m["approx_kl"] == pytest.approx(0.0, abs=1e-7)
     assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)        # LoRA B starts at zero: policy == reference
     assert m["kl_ref_loss"] == pytest.approx(0.0, abs=1e-7)
@@ -279,8 +283,9 @@ def test_settings_errors_say_what_to_change(tiny_model_dir, personas_file, tmp_p
         assert stop.value.code == 2 and "--preset cpu" in capsys.readouterr().err
 
 
-E2E = ("--iterations", "2", "--save-every", "1", "--seed", "3", "--ent-coef", "0.01", "--kl-loss-coef", "0.1", "--lr", "5e-3",
-       "--update-epochs", "2", "--scale-rewards", "batch", "--loss-agg", "dr-grpo", "--reward", "turn")
+E2E = ("--iterations", "2", "--save-every", "1", "--seed", "3", "--ent-coef", "0.01", "--kl-loss-coef", "0.1",
+       "--lr", "5e-3", "--update-epochs", "2", "--scale-rewards", "batch", "--loss-agg", "dr-grpo",
+       "--reward", "turn")
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +294,8 @@ def script_run(tiny_model_dir, personas_file, tmp_path_factory):
     even though every reply of the random model scores the same."""
     out = tmp_path_factory.mktemp("grpo_script") / "run"
     proc = subprocess.run([sys.executable, "grpo.py", *tiny_args(tiny_model_dir, personas_file, out, *E2E)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 
@@ -301,9 +307,9 @@ def test_grpo_script_end_to_end(script_run, tiny_model_dir):
     out = script_run
     metrics = read_metrics(out)
     assert [m["iteration"] for m in metrics] == [1, 2]
-    for key in ("reward_mean", "group_reward_std", "zero_spread_groups", "policy_loss", "entropy", "approx_kl",
-                "kl_ref", "kl_ref_loss", "clip_frac", "ratio_first", "grad_norm", "lr", "time_rollout",
-                "time_update", "peak_memory_gb", "final_emotion_mean"):
+    for key in ("reward_mean", "group_reward_std", "zero_spread_groups", "policy_loss", "entropy",
+                "approx_kl", "kl_ref", "kl_ref_loss", "clip_frac", "ratio_first", "grad_norm", "lr",
+                "time_rollout", "time_update", "peak_memory_gb", "final_emotion_mean"):
         assert key in metrics[0], key
     assert metrics[1]["kl_ref"] > 0                             # the adapter moved in iteration 1
     # each iteration's first minibatch of its first pass runs the weights that scored its rollout,
@@ -337,7 +343,8 @@ def test_resume_gives_the_same_second_iteration(script_run, tiny_model_dir, pers
     with open(script_run / "rollouts.jsonl") as fa, open(split / "rollouts.jsonl") as fb:
         assert fa.read() == fb.read()
     from safetensors.torch import load_file
-    first, second = (load_file(os.path.join(d, "checkpoints", "iter_000002", "default", "adapter_model.safetensors"))
+    first, second = (load_file(os.path.join(d, "checkpoints", "iter_000002", "default",
+                                            "adapter_model.safetensors"))
                      for d in (script_run, split))
     for k in first:
         torch.testing.assert_close(first[k], second[k], atol=0, rtol=0)
@@ -345,7 +352,7 @@ def test_resume_gives_the_same_second_iteration(script_run, tiny_model_dir, pers
 
 def test_time_budget_stops_with_a_checkpoint(tiny_model_dir, personas_file, tmp_path):
     # A budget that the first iteration already uses up: one iteration of five, then a checkpoint.
-    grpo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5", "--save-every", "3",
-                        "--time-budget", "1e-6"))
+    grpo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5",
+                        "--save-every", "3", "--time-budget", "1e-6"))
     assert [m["iteration"] for m in read_metrics(tmp_path / "run")] == [1]
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["iter_000001"]

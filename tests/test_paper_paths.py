@@ -29,7 +29,8 @@ def assert_same_metrics(a, b, rel=1e-5, abs=1e-6):
     for ma, mb in zip(a, b):
         for key in ma:
             if not any(t in key for t in TIMING):
-                assert ma[key] == pytest.approx(mb[key], rel=rel, abs=abs, nan_ok=True), (ma["iteration"], key)
+                assert ma[key] == pytest.approx(mb[key], rel=rel, abs=abs, nan_ok=True), \
+                    (ma["iteration"], key)
 
 
 def lora_state(model):
@@ -58,9 +59,10 @@ def personas_file(tmp_path_factory):
 
 def ppo_args(model_dir, personas, out, *extra):
     return ["--preset", "cpu", "--model", str(model_dir), "--simulator", "rules", "--personas", personas,
-            "--split", "test", "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--micro-batch-size", "1",
-            "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "512", "--lora-r", "4",
-            "--lora-alpha", "8", "--lr", "1e-3", "--critic-lr", "1e-3", "--out", str(out), *extra]
+            "--split", "test", "--dialogues-per-iteration", "2", "--minibatch-size", "2",
+            "--micro-batch-size", "1", "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "512",
+            "--lora-r", "4", "--lora-alpha", "8", "--lr", "1e-3", "--critic-lr", "1e-3",
+            "--out", str(out), *extra]
 
 
 def grpo_args(model_dir, personas, out, *extra):
@@ -136,8 +138,8 @@ def test_ppo_is_the_same_with_and_without_checkpointing(tiny_model_dir, personas
     runs = {}
     for on in ("true", "false"):
         out = tmp_path / on
-        model, head = ppo.main(ppo_args(tiny_model_dir, personas_file, out, "--iterations", "3", "--seed", "5",
-                                        "--gradient-checkpointing", on))
+        model, head = ppo.main(ppo_args(tiny_model_dir, personas_file, out, "--iterations", "3",
+                                        "--seed", "5", "--gradient-checkpointing", on))
         runs[on] = (read_metrics(out), lora_state(model), head.state_dict())
     assert_same_metrics(runs["true"][0], runs["false"][0])
     assert all(m["critic_grad_norm"] > 0 and m["actor_grad_norm"] > 0 for m in runs["true"][0])
@@ -162,8 +164,8 @@ def test_grpo_is_the_same_with_and_without_checkpointing(tiny_model_dir, persona
 # CPU-preset values that only size the run (a smaller model, fewer and shorter dialogues, rates
 # scaled to them): the same code runs either way.
 SIZES = {"model", "dialogues_per_iteration", "personas_per_iteration", "group_size", "max_turns",
-         "max_new_tokens", "user_reply_tokens", "max_context", "lora_r", "lora_alpha", "actor_lr", "critic_lr",
-         "lr", "iterations", "save_every", "out", "minibatch_size", "micro_batch_size"}
+         "max_new_tokens", "user_reply_tokens", "max_context", "lora_r", "lora_alpha", "actor_lr",
+         "critic_lr", "lr", "iterations", "save_every", "out", "minibatch_size", "micro_batch_size"}
 # Switches that change which code runs, with the flags that turn each on in the runs below. The
 # split into micro-batches and minibatches is sized by the CPU preset but is a path of its own.
 SWITCHES = {
@@ -191,10 +193,12 @@ def test_every_switch_of_the_cpu_preset_is_covered_here(trainer):
 def paper_path_args(trainer, model_dir, personas, out):
     names = {f.name for f in fields(trainer.Args)}
     switches = sum((flags for name, flags in SWITCHES.items() if name in names), [])
+    # 2 minibatches x 2 micro-batches
     common = [*switches, "--iterations", "2", "--micro-batch-size", "1", "--minibatch-size", "2",
-              "--max-new-tokens", "8", "--user-reply-tokens", "6", "--seed", "2"]  # 2 minibatches x 2 micro-batches
+              "--max-new-tokens", "8", "--user-reply-tokens", "6", "--seed", "2"]
     if trainer is ppo:
-        return ppo_args(model_dir, personas, out, *common, "--dialogues-per-iteration", "4", "--critic-warmup", "1")
+        return ppo_args(model_dir, personas, out, *common, "--dialogues-per-iteration", "4",
+                        "--critic-warmup", "1")
     # the tiny model's users all end alike (zero-spread groups, zero advantages): the entropy bonus
     # alone gives the update a gradient, enough to check that it flows
     return grpo_args(model_dir, personas, out, *common)
@@ -215,7 +219,8 @@ def test_the_paper_preset_paths_run_on_a_tiny_model(trainer, tiny_model_dir, per
         assert m["ratio_first"] == pytest.approx(1.0, abs=1e-2)       # bf16 round-off, every iteration
         assert m["sample_logprob_gap"] < 0.1                           # generate vs training pass, bf16
         assert m["think_violation_rate"] > 0                           # a random model writes no tags
-        assert m["end_max_turns"] + m["end_goodbye"] + m["end_left"] + m["end_success"] + m["end_context"] == 4
+        assert (m["end_max_turns"] + m["end_goodbye"] + m["end_left"] + m["end_success"]
+                + m["end_context"] == 4)
     if trainer is ppo:
         assert defaults["whiten_advantages"] and config["critic_warmup"] == 1
         assert metrics[0]["kl_ref"] == 0 and metrics[1]["kl_ref"] == pytest.approx(0, abs=1e-3)  # actor held
@@ -234,9 +239,10 @@ def test_the_micro_batch_split_does_not_change_the_update(tiny_model_dir, person
     results = []
     for micro in ("1", "2", "4"):
         out = tmp_path / micro
-        model, head = ppo.main(ppo_args(tiny_model_dir, personas_file, out, "--iterations", "1", "--greedy", "true",
-                                        "--dialogues-per-iteration", "4", "--minibatch-size", "4",
-                                        "--whiten-advantages", "false", "--micro-batch-size", micro))
+        model, head = ppo.main(ppo_args(tiny_model_dir, personas_file, out, "--iterations", "1",
+                                        "--greedy", "true", "--dialogues-per-iteration", "4",
+                                        "--minibatch-size", "4", "--whiten-advantages", "false",
+                                        "--micro-batch-size", micro))
         results.append((read_metrics(out), lora_state(model), head.state_dict()))
     for metrics, actor_critic, head in results[1:]:
         assert metrics[0]["reward_mean"] == results[0][0][0]["reward_mean"]
@@ -248,8 +254,8 @@ def test_the_micro_batch_split_does_not_change_the_update(tiny_model_dir, person
 
 
 @pytest.mark.parametrize("trainer", [ppo, grpo])
-def test_two_minibatches_step_the_learning_rate_warmup_twice_an_iteration(trainer, tiny_model_dir, personas_file,
-                                                                          tmp_path):
+def test_two_minibatches_step_the_learning_rate_warmup_twice_an_iteration(trainer, tiny_model_dir,
+                                                                          personas_file, tmp_path):
     # --warmup-steps counts optimizer steps, one per minibatch: with 2 minibatches an iteration the
     # logged rate (the one the next step will use) is base x min(1, (steps taken + 1) / warmup).
     lr_key = "actor_lr" if trainer is ppo else "lr"
@@ -266,8 +272,9 @@ def test_two_minibatches_step_the_learning_rate_warmup_twice_an_iteration(traine
 # The stop after non-finite updates never overwrites a complete checkpoint
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("trainer", [ppo, grpo])
-def test_the_stop_after_non_finite_updates_keeps_the_last_complete_checkpoint(trainer, tiny_model_dir, personas_file,
-                                                                              tmp_path, monkeypatch, capsys):
+def test_the_stop_after_non_finite_updates_keeps_the_last_complete_checkpoint(trainer, tiny_model_dir,
+                                                                              personas_file, tmp_path,
+                                                                              monkeypatch, capsys):
     from rollout import latest_checkpoint
 
     # 3 optimizer steps an iteration. Iteration 1 is clean and saved; in iteration 2 the first step
@@ -284,13 +291,15 @@ def test_the_stop_after_non_finite_updates_keeps_the_last_complete_checkpoint(tr
     sizes = ["--dialogues-per-iteration", "6"] if trainer is ppo else ["--personas-per-iteration", "3"]
     with pytest.raises(SystemExit) as stop:
         trainer.main(make(tiny_model_dir, personas_file, out, "--iterations", "4", "--save-every", "1",
-                          "--minibatch-size", "2", "--micro-batch-size", "2", "--max-bad-updates", "2", *sizes))
+                          "--minibatch-size", "2", "--micro-batch-size", "2", "--max-bad-updates", "2",
+                          *sizes))
     assert stop.value.code == 1
     assert "stopped in iteration 2" in capsys.readouterr().err
     folder = out / "checkpoints"
     assert sorted(os.listdir(folder)) == ["iter_000001", "partial_iter_000002"]
     assert latest_checkpoint(str(out)) == str(folder / "iter_000001")
-    clean, partial = (torch.load(folder / d / "state.pt", weights_only=False) for d in sorted(os.listdir(folder)))
+    clean, partial = (torch.load(folder / d / "state.pt", weights_only=False)
+                      for d in sorted(os.listdir(folder)))
     steps = [int(s["step"]) for s in clean["optimizer"]["state"].values()]
     assert clean["iteration"] == 1 and set(steps) == {3}             # the steps of iteration 1, no more
     assert {int(s["step"]) for s in partial["optimizer"]["state"].values()} == {4}

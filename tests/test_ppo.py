@@ -110,7 +110,8 @@ def test_loss_aggregation_by_hand(mode, expected):
     whole = ppo.aggregate(LOSS, MASK, mode, MASK.sum(), 3)
     assert whole.item() == pytest.approx(expected)
     # split into micro-batches, the shares add up to the same minibatch loss
-    parts = ppo.aggregate(LOSS[:1], MASK[:1], mode, MASK.sum(), 3) + ppo.aggregate(LOSS[1:], MASK[1:], mode, MASK.sum(), 3)
+    parts = (ppo.aggregate(LOSS[:1], MASK[:1], mode, MASK.sum(), 3)
+             + ppo.aggregate(LOSS[1:], MASK[1:], mode, MASK.sum(), 3))
     assert parts.item() == pytest.approx(expected)
 
 
@@ -131,7 +132,8 @@ def test_value_loss_and_k3():
     torch.testing.assert_close(loss, torch.tensor([0.125, 0.5]))
     lp, ref = torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([0.5, 0.4]))
     k3 = ppo.kl_k3(lp, ref)
-    assert k3[0].item() == pytest.approx(0.0, abs=1e-7) and k3[1].item() == pytest.approx(2 - torch.log(torch.tensor(2.0)).item() - 1)
+    assert (k3[0].item() == pytest.approx(0.0, abs=1e-7)
+            and k3[1].item() == pytest.approx(2 - torch.log(torch.tensor(2.0)).item() - 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,14 +141,15 @@ def test_value_loss_and_k3():
 # ----------------------------------------------------------------------------------------------
 def tiny_args(model_dir, personas, out, *extra):
     return ["--preset", "cpu", "--model", model_dir, "--simulator", "rules", "--personas", personas,
-            "--split", "test", "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--micro-batch-size", "1",
-            "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "512", "--lora-r", "4", "--lora-alpha", "8",
-            "--out", str(out), *extra]
+            "--split", "test", "--dialogues-per-iteration", "2", "--minibatch-size", "2",
+            "--micro-batch-size", "1", "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "512",
+            "--lora-r", "4", "--lora-alpha", "8", "--out", str(out), *extra]
 
 
 @pytest.fixture
 def personas_file(write_personas, persona_entry):
-    return write_personas([persona_entry(id=f"p{i}", difficulty=d) for i, d in enumerate(["easy", "normal", "hard"])])
+    return write_personas([persona_entry(id=f"p{i}", difficulty=d)
+                           for i, d in enumerate(["easy", "normal", "hard"])])
 
 
 def read_metrics(out):
@@ -154,7 +157,8 @@ def read_metrics(out):
         return [json.loads(line) for line in f]
 
 
-def test_updates_first_ratio_is_one_kl_zero_base_frozen_adapters_move(tiny_model_dir, personas_file, tmp_path):
+def test_updates_first_ratio_is_one_kl_zero_base_frozen_adapters_move(tiny_model_dir, personas_file,
+                                                                       tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -181,14 +185,16 @@ def test_updates_first_ratio_is_one_kl_zero_base_frozen_adapters_move(tiny_model
         # B starts at zero; the critic's B only gets a gradient once the zero-initialised value head has moved
         assert any(w.abs().sum() > 0 for k, w in second.items() if "lora_B" in k), adapter
         assert any(not torch.equal(first[k], second[k]) for k in first), adapter
-    heads = [torch.load(os.path.join(c, "state.pt"), weights_only=False)["value_head"]["weight"] for c in ckpts]
+    heads = [torch.load(os.path.join(c, "state.pt"), weights_only=False)["value_head"]["weight"]
+             for c in ckpts]
     assert heads[0].abs().sum() > 0 and not torch.equal(heads[0], heads[1])
     torch.testing.assert_close(value_head.weight.detach(), heads[1])
     state = torch.load(os.path.join(ckpts[1], "state.pt"), weights_only=False)
     assert state["iteration"] == 2 and "optimizer" in state and "scheduler" in state and "rng" in state
 
 
-def test_non_finite_updates_are_skipped_then_stop_with_a_checkpoint(tiny_model_dir, personas_file, tmp_path, monkeypatch, capsys):
+def test_non_finite_updates_are_skipped_then_stop_with_a_checkpoint(tiny_model_dir, personas_file, tmp_path,
+                                                                    monkeypatch, capsys):
     real = ppo.clipped_policy_loss
 
     def poisoned(*args, **kwargs):
@@ -261,14 +267,17 @@ def test_resume_gives_the_same_metrics(tiny_model_dir, personas_file, tmp_path):
 
 def test_ppo_script_end_to_end(tiny_model_dir, personas_file, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "ppo.py", *tiny_args(tiny_model_dir, personas_file, out, "--iterations", "2",
-                                                                   "--reward", "turn", "--loss-agg", "seq-mean-token-sum")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([sys.executable, "ppo.py",
+                           *tiny_args(tiny_model_dir, personas_file, out, "--iterations", "2",
+                                      "--reward", "turn", "--loss-agg", "seq-mean-token-sum")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = read_metrics(out)
     assert [m["iteration"] for m in metrics] == [1, 2]
-    for key in ("reward_mean", "value_loss", "entropy", "approx_kl", "kl_ref", "clip_frac", "explained_variance",
-                "actor_grad_norm", "critic_grad_norm", "time_rollout", "time_update", "peak_memory_gb"):
+    for key in ("reward_mean", "value_loss", "entropy", "approx_kl", "kl_ref", "clip_frac",
+                "explained_variance", "actor_grad_norm", "critic_grad_norm", "time_rollout", "time_update",
+                "peak_memory_gb"):
         assert key in metrics[0], key
     config = json.load(open(out / "config.json"))
     assert config["reward"] == "turn" and config["model"] == tiny_model_dir
@@ -287,8 +296,8 @@ def test_paper_preset_without_cuda_points_to_cpu_preset():
 
 def test_time_budget_stops_with_a_checkpoint(tiny_model_dir, personas_file, tmp_path):
     # A budget that the first iteration already uses up: one iteration of five, then a checkpoint.
-    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5", "--save-every", "3",
-                       "--time-budget", "1e-6"))
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5",
+                       "--save-every", "3", "--time-budget", "1e-6"))
     assert [m["iteration"] for m in read_metrics(tmp_path / "run")] == [1]
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["iter_000001"]
 
@@ -297,8 +306,8 @@ def test_critic_warmup_holds_the_actor_still(tiny_model_dir, personas_file, tmp_
     # One warm-up iteration: the critic learns and the actor does not; in the next both do.
     from safetensors.torch import load_file
 
-    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2", "--save-every", "1",
-                       "--critic-warmup", "1"))
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2",
+                       "--save-every", "1", "--critic-warmup", "1"))
     ckpts = [os.path.join(tmp_path, "run", "checkpoints", f"iter_00000{i}") for i in (1, 2)]
     actor = [load_file(os.path.join(c, "default", "adapter_model.safetensors")) for c in ckpts]
     assert all((w == 0).all() for k, w in actor[0].items() if "lora_B" in k)
@@ -306,7 +315,8 @@ def test_critic_warmup_holds_the_actor_still(tiny_model_dir, personas_file, tmp_
     head = torch.load(os.path.join(ckpts[0], "state.pt"), weights_only=False)["value_head"]["weight"]
     assert head.abs().sum() > 0
     m = read_metrics(tmp_path / "run")
-    assert m[0]["kl_ref"] == 0 and m[1]["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # still the reference policy
+    # still the reference policy
+    assert m[0]["kl_ref"] == 0 and m[1]["kl_ref"] == pytest.approx(0.0, abs=1e-7)
 
 
 def test_value_of_a_token_does_not_see_that_token(tiny_model_dir):
@@ -316,7 +326,8 @@ def test_value_of_a_token_does_not_see_that_token(tiny_model_dir):
     from rollout import load_policy
 
     model, _ = load_policy(tiny_model_dir, lora_r=4, lora_alpha=8)
-    model.add_adapter("critic", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    model.add_adapter("critic", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                           task_type="CAUSAL_LM"))
     torch.manual_seed(0)
     head = torch.nn.Linear(model.config.hidden_size, 1)
     ids = torch.randint(5, 500, (1, 12))
@@ -330,7 +341,8 @@ def test_value_of_a_token_does_not_see_that_token(tiny_model_dir):
     assert not torch.allclose(a[:, 7:], b[:, 7:])
 
 
-@pytest.mark.parametrize("reward,start,expected", [("final", 30, 0.30), ("final", 40, 0.40), ("turn", 30, 0.0)])
+@pytest.mark.parametrize("reward,start,expected",
+                         [("final", 30, 0.30), ("final", 40, 0.40), ("turn", 30, 0.0)])
 def test_untrained_critic_predicts_the_return_of_an_unmoved_emotion(tiny_model_dir, personas_file, tmp_path,
                                                                     reward, start, expected):
     # The critic as built: one iteration whose learning rates are 0 (--iterations 0 is refused).
@@ -344,11 +356,12 @@ def test_untrained_critic_predicts_the_return_of_an_unmoved_emotion(tiny_model_d
     torch.testing.assert_close(values[:, 1:], torch.full((2, 8), expected))
 
 
-def test_actor_warmup_of_the_learning_rate_starts_after_the_critic_warmup(tiny_model_dir, personas_file, tmp_path):
+def test_actor_warmup_of_the_learning_rate_starts_after_the_critic_warmup(tiny_model_dir, personas_file,
+                                                                          tmp_path):
     # One step an iteration. Iteration 1 only trains the critic, so the actor's first step (in
     # iteration 2) is the first of its two warm-up steps: half its rate. The critic's count runs on.
-    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2", "--critic-warmup", "1",
-                       "--warmup-steps", "2", "--lr", "1e-3", "--critic-lr", "4e-3"))
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2",
+                       "--critic-warmup", "1", "--warmup-steps", "2", "--lr", "1e-3", "--critic-lr", "4e-3"))
     m = read_metrics(tmp_path / "run")
     assert m[0]["actor_lr"] == pytest.approx(0.5e-3) and m[0]["critic_lr"] == pytest.approx(4e-3)
     assert m[1]["actor_lr"] == pytest.approx(1e-3)

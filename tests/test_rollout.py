@@ -94,7 +94,8 @@ def eos_biased_model(tiny_model):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text, thinking, expected", [
     ("<think>she is hurt</think>That sounds hard.", True, ("she is hurt", "That sounds hard.", None)),
-    ("  <think>\n she is hurt \n</think>\n\n That sounds hard.  ", True, ("she is hurt", "That sounds hard.", None)),
+    ("  <think>\n she is hurt \n</think>\n\n That sounds hard.  ", True,
+     ("she is hurt", "That sounds hard.", None)),
     ("That sounds hard.", True, ("", "That sounds hard.", "no_think")),
     ("<think>she is hurt and", True, ("she is hurt and", "", "unclosed")),
     ("<think></think>That sounds hard.", True, ("", "That sounds hard.", "empty_thought")),
@@ -128,10 +129,12 @@ class ScriptedPolicy(torch.nn.Module):
     def __init__(self, tokenizer, texts):
         super().__init__()
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # play_dialogues reads the device from it
-        self.rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+        self.rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                     for t in texts]
         self.vocab, self.pad = len(tokenizer), tokenizer.pad_token_id
 
-    def generate(self, input_ids, attention_mask, generation_config, past_key_values=None, logits_processor=()):
+    def generate(self, input_ids, attention_mask, generation_config, past_key_values=None,
+                 logits_processor=()):
         rows = self.rows[:input_ids.shape[0]]
         width = max(len(r) for r in rows)
         new = torch.tensor([r + [self.pad] * (width - len(r)) for r in rows])
@@ -287,7 +290,8 @@ def test_truncated_turns_get_the_template_end_that_was_never_sampled(tiny_model,
         assert [t["tokens"] for t in agent_turns(r)] == [4, 4]
         first_end = r["turn_ends"][0]
         after = r["token_ids"][first_end + 1:first_end + 1 + len(end_of_turn)]
-        assert after == end_of_turn and not any(r["action_mask"][first_end + 1:first_end + 1 + len(end_of_turn)])
+        assert (after == end_of_turn
+                and not any(r["action_mask"][first_end + 1:first_end + 1 + len(end_of_turn)]))
         text = tokenizer.decode(r["token_ids"], skip_special_tokens=False)
         rendered = render(tokenizer, rollout.THINK_PROMPT, r)
         assert text + "\n" != rendered
@@ -341,7 +345,8 @@ def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_mo
 
 
 def _hand_batch(tokenizer):
-    texts = ["I hear you. That sounds exhausting.", "Maybe. I don't know what to do about work anymore, honestly."]
+    texts = ["I hear you. That sounds exhausting.",
+             "Maybe. I don't know what to do about work anymore, honestly."]
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     records = [{"token_ids": r, "action_mask": [1] * len(r), "logprobs": [0.0] * len(r)} for r in rows]
     return pad_records(records, tokenizer.pad_token_id, "cpu")
@@ -479,8 +484,8 @@ def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_e
     assert all(r["turns"][-1]["role"] == "user" for r in records)
     assert rollout.summarize(records, stats)["end_context"] == 3
     # a prompt that does not fit at all: the dialogue ends before the agent speaks, without a crash
-    records, stats = play_dialogues(policy, tokenizer, rules_simulator(), group, max_new_tokens=max_new_tokens,
-                                    max_context=prompt_length, progress=False)
+    records, stats = play_dialogues(policy, tokenizer, rules_simulator(), group,
+                                    max_new_tokens=max_new_tokens, max_context=prompt_length, progress=False)
     assert [r["end_reason"] for r in records] == ["context"] * 3
     assert all(r["policy_tokens"] == 0 and r["turn_ends"] == [] for r in records)
     assert rollout.summarize(records, stats)["end_context"] == 3
@@ -539,7 +544,8 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir, monkeyp
 # ----------------------------------------------------------------------------------------------
 def test_cli_writes_rollouts(tiny_model_dir, persona_entry, write_personas, tmp_path):
     entries = [persona_entry(id="tr1", split="train"), persona_entry(id="te1"),
-               persona_entry(id="tr2", split="train", difficulty="easy"), persona_entry(id="tr3", split="train")]
+               persona_entry(id="tr2", split="train", difficulty="easy"),
+               persona_entry(id="tr3", split="train")]
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "rollout.py", "--model", tiny_model_dir, "--simulator", "rules",
@@ -652,7 +658,8 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_b
     assert sum(len(r["turn_ends"]) for r in cached) >= 9
     for a, b in zip(cached, plain):
         assert a["token_ids"] == b["token_ids"]
-        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
+                                   atol=1e-4, rtol=1e-4)
     assert cached_summary["policy_cache_hit"] > 0.5 and plain_summary["policy_cache_hit"] == 0
     batch = pad_records(cached, tokenizer.pad_token_id, "cpu")
     fresh = batched_logprobs(model, batch, micro_batch_size=2)

@@ -988,7 +988,8 @@ def log_iteration(run, accelerator, iteration, all_records, rstats, logs, params
 
     digest = fingerprint(params)  # data parallel: every process must hold bit-identical adapters
     digests = gather_object([digest]) if accelerator.num_processes > 1 else [digest]
-    metrics = {"iteration": iteration + 1, **method, **summarize(all_records, global_stats(rstats, accelerator)),
+    summary = summarize(all_records, global_stats(rstats, accelerator))
+    metrics = {"iteration": iteration + 1, **method, **summary,
                **{k: global_mean(v, accelerator) for k, v in logs.items()}, **times,
                "peak_memory_gb": peak_memory_gb(), "processes": accelerator.num_processes,
                "replicas_identical": len(set(digests)) == 1}
@@ -1004,12 +1005,14 @@ def checkpoint_due(args, iteration, t_run, accelerator):
     out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
     if out_of_time and accelerator.is_main_process:
         print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}")
-    return (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time, out_of_time
+    due = (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time
+    return due, out_of_time
 
 
 def global_masked_mean(x, mask, accelerator):
     """The mean of x over the positions where mask is 1, on every process's positions."""
-    return (global_sum((x * mask).sum(), accelerator) / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
+    total = global_sum((x * mask).sum(), accelerator)
+    return (total / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
 
 
 def stop_on_simulator_error(error, save=None):

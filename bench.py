@@ -2,6 +2,7 @@
 
     python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--threads 2] [--simulator same|rules]
     python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1] [--out runs/bench-learning] [-- TRAINER FLAGS]
+    python bench.py step --algo grpo|ppo [--iterations 3] [-- TRAINER FLAGS]
     python bench.py gpu [--dialogues 32] [--max-turns 3] [--max-new-tokens 128]    (one CUDA GPU)
     python bench.py gpu --tiny                                                      (CPU smoke test)
 
@@ -12,6 +13,15 @@ and its generated tokens (policy + simulator) counted; the baseline is one plain
 `generate` call on the same policy, the same batch size and the same first-turn prompts, sampling
 exactly --max-new-tokens tokens per row. The ratio of the two rates is the figure of merit
 (target >= 0.8); the time split says where the rest went.
+
+step: the trainer's iteration on the single-turn job of issue 17 (the rules user, --max-turns 1,
+32 dialogues (GRPO: 8 personas x 4) of up to 48 new tokens in one minibatch, micro-batches of 8, LoRA
+r 16 / alpha 32, learning rate 1e-5, the embedded SmolLM2) against its plain floor: a sampled
+generate of the same prompts, exactly --max-new-tokens each, with the same LoRA policy, plus one
+forward and backward of the sampled sequences (PPO: and the critic's). The floor runs before each
+iteration's rollout on the same weights and its seconds are taken out of that iteration's, so
+both see the same machine load; the medians over --iterations and their ratio are printed
+(targets: GRPO <= 1.2, PPO <= 1.3). Flags after `--` go to the trainer.
 
 learning: evidence that the trainers learn, on an environment whose answer is known. `ppo.py
 --preset cpu --simulator rules` and `grpo.py --preset cpu --simulator rules` (the embedded
@@ -150,6 +160,127 @@ def bench_rollout(args):
                   f"chat (generated user replies) {sim_clock['chat']:6.1f} s")
     print(f"  prompt tokens read from the turn caches: policy {result['policy_cache_hit']:.0%}, "
           f"simulator {result['simulator_cache_hit']:.0%}")
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# step: one training iteration against its plain floor
+# ----------------------------------------------------------------------------------------------
+STEP_FLOOR_TARGET = {"grpo": 1.2, "ppo": 1.3}  # issue 17; TRL's GRPOTrainer is at 1.5 of the same floor
+
+
+def step_floor(model, tokenizer, prompts, max_new_tokens, micro_batch_size, critic=None):
+    """Seconds of the least any trainer must do with these prompts: one sampled generate of exactly
+    max_new_tokens per prompt with the LoRA policy, then one forward and backward of the sampled
+    sequences in micro-batches (the sampled tokens' log-probs, their mean as the loss), and with
+    critic = (adapter_active, critic_values, value_head) the critic's forward and backward too.
+    The gradients it leaves are dropped (the trainers zero theirs before every step)."""
+    from transformers import GenerationConfig
+
+    from rollout import eos_ids
+    from simulator import cached_batch
+
+    device = next(model.parameters()).device
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
+                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                              eos_token_id=eos_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    ids, mask, _ = cached_batch(prompts, [{} for _ in prompts], tokenizer.pad_token_id, device)  # left padding
+    was_training = model.training
+    t0 = time.time()
+    model.eval()
+    with torch.no_grad():
+        sequences = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)   # (B, P + N)
+    t_generate = time.time() - t0
+    model.train()
+    att = torch.cat([mask, torch.ones_like(sequences[:, ids.shape[1]:])], 1)                        # (B, P + N)
+    for i in range(0, len(prompts), micro_batch_size):
+        seq, a = sequences[i:i + micro_batch_size], att[i:i + micro_batch_size]
+        logits = model(input_ids=seq, attention_mask=a, logits_to_keep=max_new_tokens + 1).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, seq[:, -max_new_tokens:, None])     # (b, N, 1)
+        logp.mean().backward()
+        if critic is not None:
+            adapter_active, critic_values, value_head = critic
+            with adapter_active(model, "critic"):
+                critic_values(model, value_head, seq, a).float().pow(2).mean().backward()
+    model.zero_grad(set_to_none=True)
+    value_head = critic[2] if critic is not None else None
+    if value_head is not None:
+        value_head.zero_grad(set_to_none=True)
+    model.train(was_training)
+    return time.time() - t0, t_generate
+
+
+def bench_step(args):
+    """The trainer's iteration on the single-turn job against its floor (step_floor), measured in
+    turn: before each iteration's rollout the floor runs on the same prompts and the same weights
+    (its seconds are taken out of the iteration's), so a machine whose load changes tilts both."""
+    import importlib
+    import tempfile
+    from statistics import median
+
+    import rollout
+
+    trainer = importlib.import_module(args.algo)
+    flags = ["--preset", "cpu", "--model", args.model, "--personas", args.personas, "--simulator", "rules",
+             "--max-turns", "1", "--max-new-tokens", str(args.max_new_tokens), "--lora-r", "16", "--lora-alpha", "32",
+             "--minibatch-size", str(args.dialogues), "--micro-batch-size", str(args.micro_batch_size),
+             "--iterations", str(args.iterations), "--save-every", str(args.iterations), "--seed", str(args.seed),
+             "--max-context", "1024"]
+    if args.algo == "grpo":
+        flags += ["--personas-per-iteration", str(args.dialogues // args.group_size), "--group-size",
+                  str(args.group_size), "--lr", "1e-5"]
+    else:
+        flags += ["--dialogues-per-iteration", str(args.dialogues), "--actor-lr", "1e-5"]
+    flags += args.trainer_flags
+    floors = []  # (seconds, generate seconds) per iteration
+    real_play = trainer.play_dialogues
+
+    def play_after_the_floor(policy, tokenizer, simulator, personas, samples_per_persona=1, **kwargs):
+        chat = rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT if kwargs.get("thinking") else rollout.PLAIN_PROMPT)
+        prompts = [chat.prompt(p.opening) for p in personas for _ in range(samples_per_persona)]
+        critic = None
+        if args.algo == "ppo":  # a value head of the trainer's shape on its critic adapter
+            hidden = policy.get_base_model().config.get_text_config().hidden_size
+            critic = (trainer.adapter_active, trainer.critic_values, torch.nn.Linear(hidden, 1))
+        floors.append(step_floor(policy, tokenizer, prompts, kwargs["max_new_tokens"], args.micro_batch_size,
+                                 critic))
+        return real_play(policy, tokenizer, simulator, personas, samples_per_persona, **kwargs)
+
+    print(f"bench step: {args.algo}.py {' '.join(flags)} (+ --out TMP), {torch.get_num_threads()} threads",
+          flush=True)
+    trainer.play_dialogues = play_after_the_floor
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-step-") as out:
+            trainer.main(flags + ["--out", out, "--overwrite"])
+            metrics = read_metrics(out)
+    finally:
+        trainer.play_dialogues = real_play
+    iterations = [m["time_iteration"] - f for m, (f, _) in zip(metrics, floors)]
+    rollouts = [m["time_rollout"] - f for m, (f, _) in zip(metrics, floors)]
+    result = {
+        "algo": args.algo, "iterations": len(metrics),
+        "iteration_seconds": median(iterations), "floor_seconds": median(f for f, _ in floors),
+        "rollout_seconds": median(rollouts), "floor_generate_seconds": median(g for _, g in floors),
+        "score_seconds": median(m["time_score"] for m in metrics),
+        "update_seconds": median(m["time_update"] for m in metrics),
+        "floor_update_seconds": median(f - g for f, g in floors),
+        "policy_tokens": median(m["policy_tokens"] for m in metrics),
+        "floor_tokens": args.dialogues * args.max_new_tokens,
+        "peak_memory_gb": max(m["peak_memory_gb"] for m in metrics),
+        "iteration_seconds_each": [round(x, 2) for x in iterations],
+        "floor_seconds_each": [round(f, 2) for f, _ in floors],
+    }
+    result["ratio"] = result["iteration_seconds"] / result["floor_seconds"]
+    memory = "GPU memory allocated" if torch.cuda.is_available() else "process peak RSS"
+    print(f"  iteration : {result['iteration_seconds']:.1f} s median of {len(metrics)} "
+          f"(rollout {result['rollout_seconds']:.1f}, score {result['score_seconds']:.1f}, "
+          f"update {result['update_seconds']:.1f}; {result['policy_tokens']:.0f} policy tokens)")
+    print(f"  floor     : {result['floor_seconds']:.1f} s median (generate {result['floor_generate_seconds']:.1f} s of "
+          f"{result['floor_tokens']} tokens, forward + backward {result['floor_update_seconds']:.1f} s"
+          f"{', critic included' if args.algo == 'ppo' else ''})")
+    print(f"  ratio     : {result['ratio']:.2f} (target <= {STEP_FLOOR_TARGET[args.algo]})")
+    print(f"  peak mem  : {result['peak_memory_gb']:.2f} GiB {memory}")
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
 
@@ -615,6 +746,19 @@ def main(argv=None):
                     help="runs at a time, each pinned to its share of the cores (2 on a 2-core machine: one core each)")
     lr.set_defaults(run=bench_learning)
 
+    st = commands.add_parser("step", help="one training iteration of the single-turn job against its plain floor")
+    st.add_argument("--algo", default="grpo", choices=["grpo", "ppo"])
+    st.add_argument("--iterations", type=int, default=3, help="iterations timed (the median is reported)")
+    st.add_argument("--dialogues", type=int, default=32, help="dialogues an iteration, one minibatch (GRPO: / group size personas)")
+    st.add_argument("--group-size", type=int, default=4, help="GRPO: dialogues per persona")
+    st.add_argument("--max-new-tokens", type=int, default=48, help="tokens of the one agent turn")
+    st.add_argument("--micro-batch-size", type=int, default=8, help="dialogues per forward pass")
+    st.add_argument("--threads", type=int, default=2, help="torch intra-op CPU threads")
+    st.add_argument("--model", default="smollm2", help="policy: smollm2 (embedded), a hub id or a path")
+    st.add_argument("--personas", default="personas.json")
+    st.add_argument("--seed", type=int, default=0)
+    st.set_defaults(run=bench_step)
+
     g = commands.add_parser("gpu", help="one PPO iteration of the Qwen2.5-7B architecture on one GPU")
     g.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide Qwen2 on CPU: a smoke test of this path")
     g.add_argument("--dialogues", type=int, help="dialogues in the iteration (default 32; 4 with --tiny)")
@@ -625,17 +769,17 @@ def main(argv=None):
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(run=bench_gpu)
 
-    # Everything after a bare `--` goes to the trainers of `learning` untouched.
+    # Everything after a bare `--` goes to the trainers of `learning` and `step` untouched.
     argv = sys.argv[1:] if argv is None else list(argv)
     trainer_flags = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     args = ap.parse_args(argv)
     args.trainer_flags = trainer_flags
-    if trainer_flags and args.command != "learning":
-        ap.error("flags after -- go to the trainers of `learning` only")
+    if trainer_flags and args.command not in ("learning", "step"):
+        ap.error("flags after -- go to the trainers of `learning` and `step` only")
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    args.run(args)
+    return args.run(args)
 
 
 if __name__ == "__main__":

@@ -239,3 +239,20 @@ def test_tag_shares_compare_first_and_last_iterations(fake_runs):
     table = bench.tags_table(fake_runs, {"grpo": {0: GRPO[0], 1: GRPO[1]}}, 6, 2)
     assert "| off_topic | 50% -> 0% |" in table and "| acknowledges | 0% -> 67% |" in table
     assert "grpo 2 and 3." in table
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_bench_step_prints_iteration_floor_and_ratio(tiny_model_dir, algo, capsys):
+    # The single-turn job at tiny sizes: two iterations, each after its floor, and the ratio line.
+    result = bench.main(["step", "--algo", algo, "--model", tiny_model_dir, "--iterations", "2", "--dialogues", "4",
+                         "--group-size", "2", "--max-new-tokens", "4", "--micro-batch-size", "2", "--threads", "1"])
+    out = capsys.readouterr().out
+    ratio_line = next(line for line in out.splitlines() if line.strip().startswith("ratio"))
+    target = bench.STEP_FLOOR_TARGET[algo]
+    assert f"(target <= {target})" in ratio_line
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["iterations"] == 2 and len(summary["floor_seconds_each"]) == 2
+    assert 0 < summary["floor_seconds"] and 0 < summary["iteration_seconds"]
+    assert float(ratio_line.split()[2]) == pytest.approx(summary["ratio"], abs=0.006)
+    assert result["ratio"] == pytest.approx(result["iteration_seconds"] / result["floor_seconds"])
+    assert summary["floor_tokens"] == 4 * 4 and summary["policy_tokens"] > 0

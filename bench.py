@@ -4,7 +4,8 @@
     python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1] [--out runs/bench-learning] [-- TRAINER FLAGS]
     python bench.py step --algo grpo|ppo [--iterations 3] [-- TRAINER FLAGS]
     python bench.py gpu [--dialogues 32] [--max-turns 3] [--max-new-tokens 128]    (one CUDA GPU)
-    python bench.py gpu --tiny                                                      (CPU smoke test)
+    python bench.py gpu --shape paper     (8 turns of 512 tokens, thinking on, the 'same' user; one GPU)
+    python bench.py gpu --tiny [--shape paper]                                      (CPU smoke test)
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
 (rollout.play_dialogues: the LoRA policy on the embedded SmolLM2-135M-Instruct against the
@@ -582,6 +583,24 @@ RANDOM_MODEL = "bench/random-qwen2.5-7b"  # the --model name ppo.main() gets; th
 GPU_DEFAULTS = {  # (one H200, --tiny on CPU): dialogues, agent turns, new tokens, minibatch, micro-batch
     "dialogues": (32, 4), "max_turns": (3, 2), "max_new_tokens": (128, 8), "minibatch_size": (32, 4),
     "micro_batch_size": (4, 2)}
+# --shape paper: the paper preset's dialogues (8 turns of up to 512 tokens, thinking on) against the
+# 'same' user, whose random-weight appraisals end dialogues at different turns (ragged endings).
+GPU_PAPER_SHAPE = {"max_turns": (8, 3), "max_new_tokens": (512, 8)}
+# Memory bandwidth (GB/s) of the GPUs this was sized for, by a part of the name torch reports;
+# --bandwidth-gbs gives it for any other.
+GPU_BANDWIDTH_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000, "A100-SXM4-80GB": 2039,
+                     "A100 80GB PCIe": 1935, "A100-SXM4-40GB": 1555, "L40S": 864}
+
+
+def decode_bytes(model, batch, context):
+    """Bytes one decode step reads at least: every weight once, and the KV cache of `batch` rows
+    of `context` tokens (keys and values of every layer, in the cache's dtype = the weights')."""
+    config = model.config.get_text_config()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element * context * batch
+    return weights + kv
 
 
 def random_model(config, tokenizer, device):
@@ -609,9 +628,11 @@ def bench_gpu(args):
     import rollout
     from simulator import load_personas_or_exit, resolve_model
 
-    for name, (full, tiny) in GPU_DEFAULTS.items():
+    defaults = {**GPU_DEFAULTS, **(GPU_PAPER_SHAPE if args.shape == "paper" else {})}
+    for name, (full, tiny) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
+    paper_shape = args.shape == "paper"
     config = TINY_CONFIG if args.tiny else QWEN25_7B_CONFIG
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
     tokenizer.padding_side = "left"  # as simulator.load_model sets it up
@@ -651,13 +672,15 @@ def bench_gpu(args):
         batch_tokens.append(int(batch["attention_mask"].sum()))
         return batch
 
-    # With random weights the think scaffold means nothing (no tags are ever written); it would only
-    # lengthen the prompt. The paper preset (LoRA r 32 on every linear layer, gradient checkpointing,
+    # Quick shape: with random weights the think scaffold means nothing (no tags are ever written);
+    # it would only lengthen the prompt, and the rules user is free. Paper shape: thinking on and the
+    # 'same' user, as a paper run has them. The paper preset (LoRA r 32 on every linear layer, gradient checkpointing,
     # RLVER's clips and entropy bonus) at the sizes above; for --tiny too, through the cpu preset
     # (the paper preset needs CUDA) with every setting it changes put back, sizes and model aside.
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as out:
-        argv = ["--preset", "cpu" if args.tiny else "paper", "--model", RANDOM_MODEL, "--simulator", "rules",
-                "--iterations", "1", "--thinking", "false", "--seed", str(args.seed), "--out", out,
+        argv = ["--preset", "cpu" if args.tiny else "paper", "--model", RANDOM_MODEL,
+                "--simulator", "same" if paper_shape else "rules", "--thinking", str(paper_shape).lower(),
+                "--iterations", "1", "--seed", str(args.seed), "--out", out,
                 "--dialogues-per-iteration", str(args.dialogues), "--max-turns", str(args.max_turns),
                 "--max-new-tokens", str(args.max_new_tokens), "--minibatch-size", str(args.minibatch_size),
                 "--micro-batch-size", str(args.micro_batch_size)]
@@ -685,7 +708,7 @@ def bench_gpu(args):
     # turns the KV cache off and the baseline would crawl.
     model.eval()
     personas = load_personas_or_exit("personas.json", "train")
-    chat = rollout.ChatTokens(tokenizer, rollout.PLAIN_PROMPT)
+    chat = rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT if paper_shape else rollout.PLAIN_PROMPT)
     prompts = [chat.prompt(personas[i % len(personas)].opening) for i in range(args.dialogues)]
     plain_generate_rate(model, tokenizer, prompts, 4)  # warm-up: this batch shape's first allocations
     plain_rate, plain_tokens, plain_seconds = plain_generate_rate(model, tokenizer, prompts, args.max_new_tokens)
@@ -693,6 +716,14 @@ def bench_gpu(args):
     rollout_rate = m["policy_tokens"] / m["time_rollout"]
     update_rate_all = batch_tokens[0] / m["time_update"]  # ppo's default of one epoch: each token passes once
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else m["peak_memory_gb"]
+    reserved_gb = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
+    # The bandwidth bound of plain generate: batch x bandwidth / bytes read a decode step, at the
+    # mean context of the baseline's steps (prompt + half the new tokens).
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    bandwidth = args.bandwidth_gbs or next((v for k, v in GPU_BANDWIDTH_GBS.items() if k in name), None)
+    context = float(np.mean([len(p) for p in prompts])) + args.max_new_tokens / 2
+    step_bytes = decode_bytes(model, args.dialogues, context)
+    bound_rate = args.dialogues * bandwidth * 1e9 / step_bytes if bandwidth else None
     memory_kind = "GPU memory allocated" if torch.cuda.is_available() else "process RSS (CPU run)"
     result = {
         "model_params_b": sum(p.numel() for p in built["model"].parameters()) / 1e9,
@@ -702,7 +733,10 @@ def bench_gpu(args):
         "rollout_tokens_per_s": rollout_rate, "plain_generate_tokens_per_s": plain_rate,
         "ratio": rollout_rate / plain_rate, "update_agent_tokens_per_s": m["update_tokens_per_s"],
         "update_all_tokens_per_s": update_rate_all, "peak_memory_gb_iteration": m["peak_memory_gb"],
-        "peak_memory_gb": peak_gb, "reward_mean": m["reward_mean"],
+        "peak_memory_gb": peak_gb, "peak_reserved_gb": reserved_gb, "reward_mean": m["reward_mean"],
+        "shape": args.shape, "bandwidth_gbs": bandwidth, "decode_step_bytes": step_bytes,
+        "bound_tokens_per_s": bound_rate, "plain_to_bound": plain_rate / bound_rate if bound_rate else None,
+        "rollout_to_bound": rollout_rate / bound_rate if bound_rate else None,
     }
     print(f"  model          : {result['model_params_b']:.2f} B parameters, built in {built['seconds']:.1f} s; "
           f"ppo.main {ppo_seconds:.1f} s in all")
@@ -713,7 +747,15 @@ def bench_gpu(args):
     print(f"  score          : {m['time_score']:.1f} s (old, reference log-probs and values)")
     print(f"  update         : {m['update_tokens_per_s']:.1f} agent tok/s, {update_rate_all:.1f} tok/s counting every "
           f"token of the {batch_tokens[0]}-token batch, in {m['time_update']:.1f} s")
-    print(f"  peak memory    : {peak_gb:.2f} GiB {memory_kind} ({m['peak_memory_gb']:.2f} GiB within the iteration)")
+    print(f"  peak memory    : {peak_gb:.2f} GiB {memory_kind} ({m['peak_memory_gb']:.2f} GiB within the iteration), "
+          + (f"{reserved_gb:.2f} GiB reserved" if reserved_gb is not None else "no CUDA reserve on CPU"))
+    if bandwidth:
+        print(f"  bandwidth bound: {bound_rate:.0f} tok/s = {args.dialogues} x {bandwidth} GB/s / "
+              f"{step_bytes / 1e9:.2f} GB a decode step; plain generate at {result['plain_to_bound']:.1%} of it, "
+              f"the rollout at {result['rollout_to_bound']:.1%}")
+    else:
+        print(f"  bandwidth bound: unknown bandwidth for '{name or 'CPU'}' (--bandwidth-gbs); "
+              f"{step_bytes / 1e9:.3f} GB a decode step")
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
 
@@ -762,10 +804,14 @@ def main(argv=None):
     g = commands.add_parser("gpu", help="one PPO iteration of the Qwen2.5-7B architecture on one GPU")
     g.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide Qwen2 on CPU: a smoke test of this path")
     g.add_argument("--dialogues", type=int, help="dialogues in the iteration (default 32; 4 with --tiny)")
-    g.add_argument("--max-turns", type=int, help="agent turns per dialogue (default 3; 2 with --tiny)")
-    g.add_argument("--max-new-tokens", type=int, help="tokens per agent turn (default 128; 8 with --tiny)")
+    g.add_argument("--max-turns", type=int, help="agent turns per dialogue (default 3, paper shape 8; 2 / 3 with --tiny)")
+    g.add_argument("--max-new-tokens", type=int, help="tokens per agent turn (default 128, paper shape 512; 8 with --tiny)")
     g.add_argument("--minibatch-size", type=int, help="dialogues per optimizer step (default 32; 4 with --tiny)")
     g.add_argument("--micro-batch-size", type=int, help="dialogues per forward pass (default 4; 2 with --tiny)")
+    g.add_argument("--shape", default="quick", choices=["quick", "paper"],
+                   help="quick: 3 turns of 128 tokens, thinking off, the rules user; paper: 8 turns of 512 tokens, "
+                        "thinking on, the 'same' user (ragged endings)")
+    g.add_argument("--bandwidth-gbs", type=float, help="GPU memory bandwidth for the bound (default: known GPUs by name)")
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(run=bench_gpu)
 

@@ -290,9 +290,13 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         new_logp = recorder.finish(sequences).cpu()                               # (B, N)
         lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
                    for row in new.tolist()]
-        if reuse_cache:
+        # Keep the per-row caches only if a dialogue can go on: on its last allowed turn every one ends
+        # (a one-turn rollout never extracts them).
+        last_turn = all(d.state.turns + 1 >= simulator.max_turns for d in active)
+        if reuse_cache and not last_turn:
             sampled = (torch.arange(new.shape[1], device=device)[None] < torch.tensor(lengths, device=device)[:, None])
             keep_cache(slots, cache, sequences, torch.cat([mask, sampled.long()], 1))
+        del cache  # the batch's cache: what the dialogues keep is in their slots now
         new = new.cpu()
         t_policy += time.time() - t0
         replies = []

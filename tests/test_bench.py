@@ -209,6 +209,25 @@ def test_gpu_tiny_end_to_end():
     assert result["batch_tokens"] > result["policy_tokens"] and result["peak_memory_gb"] > 0
 
 
+def test_gpu_tiny_paper_shape_and_bandwidth_bound():
+    """--shape paper runs the paper preset's kind of dialogue (thinking on, the 'same' user) and the
+    report gives the bandwidth bound: batch x bandwidth / bytes a decode step, here for a given
+    bandwidth, and the ratios of plain generate and the rollout to it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "bench.py", "gpu", "--tiny", "--shape", "paper", "--bandwidth-gbs", "100"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "--simulator same --thinking true" in out.splitlines()[0] and "--max-turns 3" in out.splitlines()[0]
+    assert "bandwidth bound:" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["shape"] == "paper" and result["bandwidth_gbs"] == 100
+    assert result["bound_tokens_per_s"] == pytest.approx(4 * 100e9 / result["decode_step_bytes"])
+    assert result["plain_to_bound"] == pytest.approx(result["plain_generate_tokens_per_s"] / result["bound_tokens_per_s"],
+                                                     abs=6e-4)  # printed to 3 places
+    assert result["decode_step_bytes"] > 0.99 * 4 * result["model_params_b"] * 1e9  # fp32 weights, a KV cache
+
+
 def test_gpu_without_cuda_says_so_in_one_line():
     import torch
 

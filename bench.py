@@ -232,7 +232,7 @@ def bench_step(args):
         flags += ["--personas-per-iteration", str(args.dialogues // args.group_size), "--group-size",
                   str(args.group_size), "--lr", "1e-5"]
     else:
-        flags += ["--dialogues-per-iteration", str(args.dialogues), "--actor-lr", "1e-5"]
+        flags += ["--dialogues-per-iteration", str(args.dialogues), "--lr", "1e-5"]
     flags += args.trainer_flags
     floors = []  # (seconds, generate seconds) per iteration
     real_play = trainer.play_dialogues

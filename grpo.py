@@ -311,6 +311,7 @@ def main(argv=None):
         # With one optimizer step per batch they are the update's own forward pass, detached (filled
         # in below): a scoring pass here would compute the same numbers once more.
         # (--drop-zero-spread trims the mask the update's pass computes, so it keeps the scoring pass.)
+        batch_size = args.personas_per_iteration * args.group_size  # dialogues, over all processes
         old_from_update = (one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size)
                            and not args.drop_zero_spread)
         old_logprobs = torch.zeros_like(mask) if old_from_update else \

@@ -392,7 +392,7 @@ def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny
                                                                              tmp_path, monkeypatch):
     # One step per batch and no KL in the rewards: the old log-probs are the update's own forward pass.
     # Forcing the separate scoring pass (the code before the skip) must give the same run.
-    argv = ["--iterations", "2", "--actor-lr", "2e-2", "--ent-coef", "0.01", "--micro-batch-size", "2"]
+    argv = ["--iterations", "2", "--lr", "2e-2", "--ent-coef", "0.01", "--micro-batch-size", "2"]
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "skip", *argv))
     monkeypatch.setattr(ppo, "one_step_per_batch", lambda *a: False)
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "pass", *argv))
@@ -414,7 +414,7 @@ def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny
 def test_kl_coef_keeps_the_scoring_and_reference_passes(tiny_model_dir, personas_file, tmp_path):
     # The KL penalty goes into the rewards before the update, so it needs both passes every iteration,
     # whatever --log-kl-every says.
-    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2", "--actor-lr", "2e-2",
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2", "--lr", "2e-2",
                        "--kl-coef", "0.1", "--log-kl-every", "5"))
     m = read_metrics(tmp_path / "run")
     assert m[1]["kl_ref"] > 1e-6 and m[1]["ratio_first"] == pytest.approx(1.0, abs=1e-6)

@@ -17,7 +17,8 @@ exactly --max-new-tokens tokens per row. The ratio of the two rates is the figur
 
 step: the trainer's iteration on the single-turn job of issue 17 (the rules user, --max-turns 1,
 32 dialogues (GRPO: 8 personas x 4) of up to 48 new tokens in one minibatch, micro-batches of 8, LoRA
-r 16 / alpha 32, learning rate 1e-5, the embedded SmolLM2) against its plain floor: a sampled
+r 16 / alpha 32, learning rate 1e-5, the embedded SmolLM2, kl_ref logged every 10th iteration so that,
+as in TRL at beta 0, the timed iterations run no reference pass) against its plain floor: a sampled
 generate of the same prompts, exactly --max-new-tokens each, with the same LoRA policy, plus one
 forward and backward of the sampled sequences (PPO: and the critic's). The floor runs before each
 iteration's rollout on the same weights and its seconds are taken out of that iteration's, so
@@ -227,7 +228,7 @@ def bench_step(args):
              "--max-turns", "1", "--max-new-tokens", str(args.max_new_tokens), "--lora-r", "16", "--lora-alpha", "32",
              "--minibatch-size", str(args.dialogues), "--micro-batch-size", str(args.micro_batch_size),
              "--iterations", str(args.iterations), "--save-every", str(args.iterations), "--seed", str(args.seed),
-             "--max-context", "1024"]
+             "--max-context", "1024", "--log-kl-every", str(args.log_kl_every)]
     if args.algo == "grpo":
         flags += ["--personas-per-iteration", str(args.dialogues // args.group_size), "--group-size",
                   str(args.group_size), "--lr", "1e-5"]
@@ -803,6 +804,9 @@ def main(argv=None):
     st.add_argument("--threads", type=int, default=2, help="torch intra-op CPU threads")
     st.add_argument("--model", default="smollm2", help="policy: smollm2 (embedded), a hub id or a path")
     st.add_argument("--personas", default="personas.json")
+    st.add_argument("--log-kl-every", type=int, default=10,
+                    help="the trainer's --log-kl-every: with no KL term, the reference pass runs only on the "
+                         "iterations that log kl_ref (TRL at beta 0 runs none); 1 = every iteration")
     st.add_argument("--seed", type=int, default=0)
     st.set_defaults(run=bench_step)
 

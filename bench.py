@@ -1,11 +1,11 @@
 """Benchmarks of this codebase itself, one subcommand each.
 
-    python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--threads 2] \
-[--simulator same|rules]
-    python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1] [--out runs/bench-learning] \
-[-- TRAINER FLAGS]
+    python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--threads 2] [--simulator same|rules]
+    python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1] [--out runs/bench-learning] [-- TRAINER FLAGS]
+    python bench.py step --algo grpo|ppo [--iterations 3] [-- TRAINER FLAGS]
     python bench.py gpu [--dialogues 32] [--max-turns 3] [--max-new-tokens 128]    (one CUDA GPU)
-    python bench.py gpu --tiny                                                      (CPU smoke test)
+    python bench.py gpu --shape paper     (8 turns of 512 tokens, thinking on, the 'same' user; one GPU)
+    python bench.py gpu --tiny [--shape paper]                                      (CPU smoke test)
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
 (rollout.play_dialogues: the LoRA policy on the embedded SmolLM2-135M-Instruct against the
@@ -14,6 +14,16 @@ and its generated tokens (policy + simulator) counted; the baseline is one plain
 `generate` call on the same policy, the same batch size and the same first-turn prompts, sampling
 exactly --max-new-tokens tokens per row. The ratio of the two rates is the figure of merit
 (target >= 0.8); the time split says where the rest went.
+
+step: the trainer's iteration on the single-turn job of issue 17 (the rules user, --max-turns 1,
+32 dialogues (GRPO: 8 personas x 4) of up to 48 new tokens in one minibatch, micro-batches of 8, LoRA
+r 16 / alpha 32, learning rate 1e-5, the embedded SmolLM2, kl_ref logged every 10th iteration so that,
+as in TRL at beta 0, the timed iterations run no reference pass) against its plain floor: a sampled
+generate of the same prompts, exactly --max-new-tokens each, with the same LoRA policy, plus one
+forward and backward of the sampled sequences (PPO: and the critic's). The floor runs before each
+iteration's rollout on the same weights and its seconds are taken out of that iteration's, so
+both see the same machine load; the medians over --iterations and their ratio are printed
+(targets: GRPO <= 1.2, PPO <= 1.3). Flags after `--` go to the trainer.
 
 learning: evidence that the trainers learn, on an environment whose answer is known. `ppo.py
 --preset cpu --simulator rules` and `grpo.py --preset cpu --simulator rules` (the embedded
@@ -161,6 +171,131 @@ def bench_rollout(args):
                   f"chat (generated user replies) {sim_clock['chat']:6.1f} s")
     print(f"  prompt tokens read from the turn caches: policy {result['policy_cache_hit']:.0%}, "
           f"simulator {result['simulator_cache_hit']:.0%}")
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# step: one training iteration against its plain floor
+# ----------------------------------------------------------------------------------------------
+STEP_FLOOR_TARGET = {"grpo": 1.2, "ppo": 1.3}  # issue 17; TRL's GRPOTrainer is at 1.5 of the same floor
+
+
+def step_floor(model, tokenizer, prompts, max_new_tokens, micro_batch_size, critic=None):
+    """Seconds of the least any trainer must do with these prompts: one sampled generate of exactly
+    max_new_tokens per prompt with the LoRA policy, then one forward and backward of the sampled
+    sequences in micro-batches (the sampled tokens' log-probs, their mean as the loss), and with
+    critic = (adapter_active, critic_values, value_head) the critic's forward and backward too.
+    The gradients it leaves are dropped (the trainers zero theirs before every step)."""
+    from transformers import GenerationConfig
+
+    from rollout import eos_ids
+    from simulator import cached_batch
+
+    device = next(model.parameters()).device
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
+                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                              eos_token_id=eos_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    ids, mask, _ = cached_batch(prompts, [{} for _ in prompts], tokenizer.pad_token_id, device)  # left padding
+    was_training = model.training
+    t0 = time.time()
+    model.eval()
+    with torch.no_grad():
+        sequences = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)   # (B, P + N)
+    t_generate = time.time() - t0
+    model.train()
+    att = torch.cat([mask, torch.ones_like(sequences[:, ids.shape[1]:])], 1)                        # (B, P + N)
+    for i in range(0, len(prompts), micro_batch_size):
+        seq, a = sequences[i:i + micro_batch_size], att[i:i + micro_batch_size]
+        logits = model(input_ids=seq, attention_mask=a, logits_to_keep=max_new_tokens + 1).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, seq[:, -max_new_tokens:, None])     # (b, N, 1)
+        logp.mean().backward()
+        if critic is not None:
+            adapter_active, critic_values, value_head = critic
+            with adapter_active(model, "critic"):
+                critic_values(model, value_head, seq, a).float().pow(2).mean().backward()
+    model.zero_grad(set_to_none=True)
+    value_head = critic[2] if critic is not None else None
+    if value_head is not None:
+        value_head.zero_grad(set_to_none=True)
+    model.train(was_training)
+    return time.time() - t0, t_generate
+
+
+def bench_step(args):
+    """The trainer's iteration on the single-turn job against its floor (step_floor), measured in
+    turn: before each iteration's rollout the floor runs on the same prompts and the same weights
+    (its seconds are taken out of the iteration's), so a machine whose load changes tilts both."""
+    import importlib
+    import tempfile
+    from statistics import median
+
+    import rollout
+
+    trainer = importlib.import_module(args.algo)
+    flags = ["--preset", "cpu", "--model", args.model, "--personas", args.personas, "--simulator", "rules",
+             "--max-turns", "1", "--max-new-tokens", str(args.max_new_tokens), "--lora-r", "16", "--lora-alpha", "32",
+             "--minibatch-size", str(args.dialogues), "--micro-batch-size", str(args.micro_batch_size),
+             "--iterations", str(args.iterations), "--save-every", str(args.iterations), "--seed", str(args.seed),
+             "--max-context", "1024", "--log-kl-every", str(args.log_kl_every)]
+    if args.algo == "grpo":
+        flags += ["--personas-per-iteration", str(args.dialogues // args.group_size), "--group-size",
+                  str(args.group_size), "--lr", "1e-5"]
+    else:
+        flags += ["--dialogues-per-iteration", str(args.dialogues), "--lr", "1e-5"]
+    flags += args.trainer_flags
+    floors = []  # (seconds, generate seconds) per iteration
+    real_play = trainer.play_dialogues
+
+    def play_after_the_floor(policy, tokenizer, simulator, personas, samples_per_persona=1, **kwargs):
+        chat = rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT if kwargs.get("thinking") else rollout.PLAIN_PROMPT)
+        prompts = [chat.prompt(p.opening) for p in personas for _ in range(samples_per_persona)]
+        critic = None
+        if args.algo == "ppo":  # a value head of the trainer's shape on its critic adapter
+            hidden = policy.get_base_model().config.get_text_config().hidden_size
+            critic = (trainer.adapter_active, trainer.critic_values, torch.nn.Linear(hidden, 1))
+        floors.append(step_floor(policy, tokenizer, prompts, kwargs["max_new_tokens"], args.micro_batch_size,
+                                 critic))
+        return real_play(policy, tokenizer, simulator, personas, samples_per_persona, **kwargs)
+
+    print(f"bench step: {args.algo}.py {' '.join(flags)} (+ --out TMP), {torch.get_num_threads()} threads",
+          flush=True)
+    trainer.play_dialogues = play_after_the_floor
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-step-") as out:
+            trainer.main(flags + ["--out", out, "--overwrite"])
+            metrics = read_metrics(out)
+    finally:
+        trainer.play_dialogues = real_play
+    # The first iteration and its floor pay one-off costs (first allocations, kernels): with 3 or
+    # more iterations it is left out of the medians.
+    timed = slice(1, None) if len(metrics) >= 3 else slice(None)
+    each = [m["time_iteration"] - f for m, (f, _) in zip(metrics, floors)]
+    metrics, kept = metrics[timed], floors[timed]
+    rollouts = [m["time_rollout"] - f for m, (f, _) in zip(metrics, kept)]
+    result = {
+        "algo": args.algo, "iterations": len(each), "timed_iterations": len(metrics),
+        "iteration_seconds": median(each[timed]), "floor_seconds": median(f for f, _ in kept),
+        "rollout_seconds": median(rollouts), "floor_generate_seconds": median(g for _, g in kept),
+        "score_seconds": median(m["time_score"] for m in metrics),
+        "update_seconds": median(m["time_update"] for m in metrics),
+        "floor_update_seconds": median(f - g for f, g in kept),
+        "policy_tokens": median(m["policy_tokens"] for m in metrics),
+        "floor_tokens": args.dialogues * args.max_new_tokens,
+        "peak_memory_gb": max(m["peak_memory_gb"] for m in metrics),
+        "iteration_seconds_each": [round(x, 2) for x in each],
+        "floor_seconds_each": [round(f, 2) for f, _ in floors],
+    }
+    result["ratio"] = result["iteration_seconds"] / result["floor_seconds"]
+    memory = "GPU memory allocated" if torch.cuda.is_available() else "process peak RSS"
+    print(f"  iteration : {result['iteration_seconds']:.1f} s median of {len(metrics)} of {len(each)} "
+          f"(rollout {result['rollout_seconds']:.1f}, score {result['score_seconds']:.1f}, "
+          f"update {result['update_seconds']:.1f}; {result['policy_tokens']:.0f} policy tokens)")
+    print(f"  floor     : {result['floor_seconds']:.1f} s median (generate {result['floor_generate_seconds']:.1f} s of "
+          f"{result['floor_tokens']} tokens, forward + backward {result['floor_update_seconds']:.1f} s"
+          f"{', critic included' if args.algo == 'ppo' else ''})")
+    print(f"  ratio     : {result['ratio']:.2f} (target <= {STEP_FLOOR_TARGET[args.algo]})")
+    print(f"  peak mem  : {result['peak_memory_gb']:.2f} GiB {memory}")
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
 
@@ -470,6 +605,24 @@ RANDOM_MODEL = "bench/random-qwen2.5-7b"  # the --model name ppo.main() gets; th
 GPU_DEFAULTS = {  # (one H200, --tiny on CPU): dialogues, agent turns, new tokens, minibatch, micro-batch
     "dialogues": (32, 4), "max_turns": (3, 2), "max_new_tokens": (128, 8), "minibatch_size": (32, 4),
     "micro_batch_size": (4, 2)}
+# --shape paper: the paper preset's dialogues (8 turns of up to 512 tokens, thinking on) against the
+# 'same' user, whose random-weight appraisals end dialogues at different turns (ragged endings).
+GPU_PAPER_SHAPE = {"max_turns": (8, 3), "max_new_tokens": (512, 8)}
+# Memory bandwidth (GB/s) of the GPUs this was sized for, by a part of the name torch reports;
+# --bandwidth-gbs gives it for any other.
+GPU_BANDWIDTH_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000, "A100-SXM4-80GB": 2039,
+                     "A100 80GB PCIe": 1935, "A100-SXM4-40GB": 1555, "L40S": 864}
+
+
+def decode_bytes(model, batch, context):
+    """Bytes one decode step reads at least: every weight once, and the KV cache of `batch` rows
+    of `context` tokens (keys and values of every layer, in the cache's dtype = the weights')."""
+    config = model.config.get_text_config()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element * context * batch
+    return weights + kv
 
 
 def random_model(config, tokenizer, device):
@@ -497,9 +650,11 @@ def bench_gpu(args):
     import rollout
     from simulator import load_personas_or_exit, resolve_model
 
-    for name, (full, tiny) in GPU_DEFAULTS.items():
+    defaults = {**GPU_DEFAULTS, **(GPU_PAPER_SHAPE if args.shape == "paper" else {})}
+    for name, (full, tiny) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
+    paper_shape = args.shape == "paper"
     config = TINY_CONFIG if args.tiny else QWEN25_7B_CONFIG
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
     tokenizer.padding_side = "left"  # as simulator.load_model sets it up
@@ -540,13 +695,15 @@ def bench_gpu(args):
         batch_tokens.append(int(batch["attention_mask"].sum()))
         return batch
 
-    # With random weights the think scaffold means nothing (no tags are ever written); it would only
-    # lengthen the prompt. The paper preset (LoRA r 32 on every linear layer, gradient checkpointing,
+    # Quick shape: with random weights the think scaffold means nothing (no tags are ever written);
+    # it would only lengthen the prompt, and the rules user is free. Paper shape: thinking on and the
+    # 'same' user, as a paper run has them. The paper preset (LoRA r 32 on every linear layer, gradient checkpointing,
     # RLVER's clips and entropy bonus) at the sizes above; for --tiny too, through the cpu preset
     # (the paper preset needs CUDA) with every setting it changes put back, sizes and model aside.
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as out:
-        argv = ["--preset", "cpu" if args.tiny else "paper", "--model", RANDOM_MODEL, "--simulator", "rules",
-                "--iterations", "1", "--thinking", "false", "--seed", str(args.seed), "--out", out,
+        argv = ["--preset", "cpu" if args.tiny else "paper", "--model", RANDOM_MODEL,
+                "--simulator", "same" if paper_shape else "rules", "--thinking", str(paper_shape).lower(),
+                "--iterations", "1", "--seed", str(args.seed), "--out", out,
                 "--dialogues-per-iteration", str(args.dialogues), "--max-turns", str(args.max_turns),
                 "--max-new-tokens", str(args.max_new_tokens), "--minibatch-size", str(args.minibatch_size),
                 "--micro-batch-size", str(args.micro_batch_size)]
@@ -574,7 +731,7 @@ def bench_gpu(args):
     # turns the KV cache off and the baseline would crawl.
     model.eval()
     personas = load_personas_or_exit("personas.json", "train")
-    chat = rollout.ChatTokens(tokenizer, rollout.PLAIN_PROMPT)
+    chat = rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT if paper_shape else rollout.PLAIN_PROMPT)
     prompts = [chat.prompt(personas[i % len(personas)].opening) for i in range(args.dialogues)]
     plain_generate_rate(model, tokenizer, prompts, 4)  # warm-up: this batch shape's first allocations
     plain_rate, plain_tokens, plain_seconds = plain_generate_rate(model, tokenizer, prompts,
@@ -583,6 +740,14 @@ def bench_gpu(args):
     rollout_rate = m["policy_tokens"] / m["time_rollout"]
     update_rate_all = batch_tokens[0] / m["time_update"]  # ppo's default of one epoch: each token passes once
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else m["peak_memory_gb"]
+    reserved_gb = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
+    # The bandwidth bound of plain generate: batch x bandwidth / bytes read a decode step, at the
+    # mean context of the baseline's steps (prompt + half the new tokens).
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    bandwidth = args.bandwidth_gbs or next((v for k, v in GPU_BANDWIDTH_GBS.items() if k in name), None)
+    context = float(np.mean([len(p) for p in prompts])) + args.max_new_tokens / 2
+    step_bytes = decode_bytes(model, args.dialogues, context)
+    bound_rate = args.dialogues * bandwidth * 1e9 / step_bytes if bandwidth else None
     memory_kind = "GPU memory allocated" if torch.cuda.is_available() else "process RSS (CPU run)"
     result = {
         "model_params_b": sum(p.numel() for p in built["model"].parameters()) / 1e9,
@@ -593,7 +758,10 @@ def bench_gpu(args):
         "rollout_tokens_per_s": rollout_rate, "plain_generate_tokens_per_s": plain_rate,
         "ratio": rollout_rate / plain_rate, "update_agent_tokens_per_s": m["update_tokens_per_s"],
         "update_all_tokens_per_s": update_rate_all, "peak_memory_gb_iteration": m["peak_memory_gb"],
-        "peak_memory_gb": peak_gb, "reward_mean": m["reward_mean"],
+        "peak_memory_gb": peak_gb, "peak_reserved_gb": reserved_gb, "reward_mean": m["reward_mean"],
+        "shape": args.shape, "bandwidth_gbs": bandwidth, "decode_step_bytes": step_bytes,
+        "bound_tokens_per_s": bound_rate, "plain_to_bound": plain_rate / bound_rate if bound_rate else None,
+        "rollout_to_bound": rollout_rate / bound_rate if bound_rate else None,
     }
     print(f"  model          : {result['model_params_b']:.2f} B parameters, "
           f"built in {built['seconds']:.1f} s; ppo.main {ppo_seconds:.1f} s in all")
@@ -603,10 +771,17 @@ def bench_gpu(args):
     print(f"  plain generate : {plain_tokens} tokens in {plain_seconds:.1f} s = {plain_rate:.1f} tok/s")
     print(f"  ratio          : {result['ratio']:.2f} (rollout / plain generate)")
     print(f"  score          : {m['time_score']:.1f} s (old, reference log-probs and values)")
-    print(f"  update         : {m['update_tokens_per_s']:.1f} agent tok/s, {update_rate_all:.1f} tok/s "
-          f"counting every token of the {batch_tokens[0]}-token batch, in {m['time_update']:.1f} s")
-    print(f"  peak memory    : {peak_gb:.2f} GiB {memory_kind} "
-          f"({m['peak_memory_gb']:.2f} GiB within the iteration)")
+    print(f"  update         : {m['update_tokens_per_s']:.1f} agent tok/s, {update_rate_all:.1f} tok/s counting every "
+          f"token of the {batch_tokens[0]}-token batch, in {m['time_update']:.1f} s")
+    print(f"  peak memory    : {peak_gb:.2f} GiB {memory_kind} ({m['peak_memory_gb']:.2f} GiB within the iteration), "
+          + (f"{reserved_gb:.2f} GiB reserved" if reserved_gb is not None else "no CUDA reserve on CPU"))
+    if bandwidth:
+        print(f"  bandwidth bound: {bound_rate:.0f} tok/s = {args.dialogues} x {bandwidth} GB/s / "
+              f"{step_bytes / 1e9:.2f} GB a decode step; plain generate at {result['plain_to_bound']:.1%} of it, "
+              f"the rollout at {result['rollout_to_bound']:.1%}")
+    else:
+        print(f"  bandwidth bound: unknown bandwidth for '{name or 'CPU'}' (--bandwidth-gbs); "
+              f"{step_bytes / 1e9:.3f} GB a decode step")
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
 
@@ -644,30 +819,49 @@ def main(argv=None):
                          "(2 on a 2-core machine: one core each)")
     lr.set_defaults(run=bench_learning)
 
+    st = commands.add_parser("step", help="one training iteration of the single-turn job against its plain floor")
+    st.add_argument("--algo", default="grpo", choices=["grpo", "ppo"])
+    st.add_argument("--iterations", type=int, default=3,
+                    help="iterations run; the median of all but the first (warm-up) is reported when 3 or more")
+    st.add_argument("--dialogues", type=int, default=32, help="dialogues an iteration, one minibatch (GRPO: / group size personas)")
+    st.add_argument("--group-size", type=int, default=4, help="GRPO: dialogues per persona")
+    st.add_argument("--max-new-tokens", type=int, default=48, help="tokens of the one agent turn")
+    st.add_argument("--micro-batch-size", type=int, default=8, help="dialogues per forward pass")
+    st.add_argument("--threads", type=int, default=2, help="torch intra-op CPU threads")
+    st.add_argument("--model", default="smollm2", help="policy: smollm2 (embedded), a hub id or a path")
+    st.add_argument("--personas", default="personas.json")
+    st.add_argument("--log-kl-every", type=int, default=10,
+                    help="the trainer's --log-kl-every: with no KL term, the reference pass runs only on the "
+                         "iterations that log kl_ref (TRL at beta 0 runs none); 1 = every iteration")
+    st.add_argument("--seed", type=int, default=0)
+    st.set_defaults(run=bench_step)
+
     g = commands.add_parser("gpu", help="one PPO iteration of the Qwen2.5-7B architecture on one GPU")
     g.add_argument("--tiny", action="store_true",
                    help="a 2-layer, 64-wide Qwen2 on CPU: a smoke test of this path")
     g.add_argument("--dialogues", type=int, help="dialogues in the iteration (default 32; 4 with --tiny)")
-    g.add_argument("--max-turns", type=int, help="agent turns per dialogue (default 3; 2 with --tiny)")
-    g.add_argument("--max-new-tokens", type=int, help="tokens per agent turn (default 128; 8 with --tiny)")
-    g.add_argument("--minibatch-size", type=int,
-                   help="dialogues per optimizer step (default 32; 4 with --tiny)")
-    g.add_argument("--micro-batch-size", type=int,
-                   help="dialogues per forward pass (default 4; 2 with --tiny)")
+    g.add_argument("--max-turns", type=int, help="agent turns per dialogue (default 3, paper shape 8; 2 / 3 with --tiny)")
+    g.add_argument("--max-new-tokens", type=int, help="tokens per agent turn (default 128, paper shape 512; 8 with --tiny)")
+    g.add_argument("--minibatch-size", type=int, help="dialogues per optimizer step (default 32; 4 with --tiny)")
+    g.add_argument("--micro-batch-size", type=int, help="dialogues per forward pass (default 4; 2 with --tiny)")
+    g.add_argument("--shape", default="quick", choices=["quick", "paper"],
+                   help="quick: 3 turns of 128 tokens, thinking off, the rules user; paper: 8 turns of 512 tokens, "
+                        "thinking on, the 'same' user (ragged endings)")
+    g.add_argument("--bandwidth-gbs", type=float, help="GPU memory bandwidth for the bound (default: known GPUs by name)")
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(run=bench_gpu)
 
-    # Everything after a bare `--` goes to the trainers of `learning` untouched.
+    # Everything after a bare `--` goes to the trainers of `learning` and `step` untouched.
     argv = sys.argv[1:] if argv is None else list(argv)
     trainer_flags = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     args = ap.parse_args(argv)
     args.trainer_flags = trainer_flags
-    if trainer_flags and args.command != "learning":
-        ap.error("flags after -- go to the trainers of `learning` only")
+    if trainer_flags and args.command not in ("learning", "step"):
+        ap.error("flags after -- go to the trainers of `learning` and `step` only")
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    args.run(args)
+    return args.run(args)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from rollout import (DEFAULT_TARGETS, PLAIN_PROMPT, THINK_PROMPT, StepGuard, ada
                      pad_records, parse_settings, peak_memory_gb, pick_personas, play_dialogues, prepare_run,
                      prune_checkpoints, public_config, reduce_gradients, save_checkpoint, set_seed,
                      start_or_resume, stop_on_simulator_error, summarize, time_budget_used, token_logprobs,
-                     tracker_settings, transcript_record)
+                     tracker_settings, transcript_record, one_step_per_batch, length_sorted)
 from simulator import SimulatorError, fail, load_personas_or_exit, one_of
 
 
@@ -121,8 +121,9 @@ class Args:
     lr: float = field(default=1e-5, metadata={"help": "LoRA learning rate (paper, full fine-tuning: 1e-6)"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping"})
-    max_bad_updates: int = field(default=3, metadata={
-        "help": "stop after this many non-finite updates in a row"})
+    max_bad_updates: int = field(default=3, metadata={"help": "stop after this many non-finite updates in a row"})
+    log_kl_every: int = field(default=1, metadata={
+        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass in the others"})
     # the run
     iterations: int = field(default=200, metadata={"help": "training iterations"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
@@ -339,16 +340,22 @@ def main(argv=None):
         t0 = time.time()
         batch = pad_records(records, tokenizer.pad_token_id, device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # (B, T) each. Recomputed with the training forward pass rather than taken from generate, so
-        # that the ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
-        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
-        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
-        # How far the sampler's log-probs (generate) are from the training forward pass's: 0 up to
-        # round-off in float32; in bf16 the two kernels round differently (see README: ratio_first).
-        logprob_gap = (global_sum(((old_logprobs - batch["sample_logprobs"]).abs() * mask).sum(), accelerator)
-                       / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
-        rewards = dialogue_rewards(records, args.reward, args.format_penalty)                         # (B,)
-        group_ids = torch.tensor([rank * share + r["group"] for r in records])                        # (B,)
+        # Recomputed with the training forward pass rather than taken from generate, so that the
+        # ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
+        # With one optimizer step per batch they are the update's own forward pass, detached (filled
+        # in below): a scoring pass here would compute the same numbers once more.
+        # (--drop-zero-spread trims the mask the update's pass computes, so it keeps the scoring pass.)
+        batch_size = args.personas_per_iteration * args.group_size  # dialogues, over all processes
+        old_from_update = (one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size)
+                           and not args.drop_zero_spread)
+        old_logprobs = torch.zeros_like(mask) if old_from_update else \
+            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)                     # (B, T)
+        # The reference pass only when a KL term reads it or kl_ref is logged (--log-kl-every).
+        need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
+        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
+                                        reference=True) if need_ref else None                           # (B, T)
+        rewards = dialogue_rewards(records, args.reward, args.format_penalty)                           # (B,)
+        group_ids = torch.tensor([rank * share + r["group"] for r in records])                          # (B,)
         # The advantages of the whole iteration, on every process: batch scaling needs the std of all
         # rewards. gather_object concatenates in rank order, so this process's rows are one slice.
         all_rewards = (torch.tensor(gather_object(rewards.tolist()), dtype=torch.float64) if world > 1
@@ -387,27 +394,31 @@ def main(argv=None):
                 optimizer.zero_grad(set_to_none=True)
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
-                    ids, att, m = batch["input_ids"][idx], batch["attention_mask"][idx], mask[idx]   # (b, T)
+                    w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
+                    ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
                     newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True,
-                                                         action_mask=m)
+                                                         action_mask=m, entropy_grad=args.ent_coef > 0)
+                    if old_from_update:
+                        old_logprobs[idx, :w] = newlogprob.detach()
                     # With --update-epochs 1 and one minibatch per batch, newlogprob == old_logprobs:
                     # the ratio is exactly 1 and this is the plain policy gradient.
-                    pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx], advantages[idx],
+                    pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx, :w], advantages[idx, :w],
                                                              args.clip_low, args.clip_high)
-                    kl_ref = kl_k3(newlogprob, ref_logprobs[idx])
+                    kl_ref = kl_k3(newlogprob, ref_logprobs[idx, :w]) if ref_logprobs is not None else None
                     loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs, token_budget)
-                            - args.ent_coef * aggregate(entropy, m, args.loss_agg,
-                                                        total_tokens, total_seqs, token_budget)
-                            + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg,
-                                                            total_tokens, total_seqs, token_budget))
+                            - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs, token_budget))
+                    if args.kl_loss_coef > 0:
+                        loss = loss + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg, total_tokens,
+                                                                    total_seqs, token_budget)
                     loss.backward()
                     with torch.no_grad():
-                        logratio = newlogprob - old_logprobs[idx]  # approx_kl below: the k3 estimator
+                        logratio = newlogprob - old_logprobs[idx, :w]
                         logs["policy_loss"].append(masked_mean(pg, m).item())
                         logs["entropy"].append(masked_mean(entropy, m).item())
                         logs["approx_kl"].append(masked_mean(torch.exp(logratio) - 1 - logratio, m).item())
                         logs["clip_frac"].append(masked_mean(clipped, m).item())
-                        logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
+                        if kl_ref is not None:
+                            logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
                         if epoch == 0 and start == 0 and m0 == 0:
                             # The weights that scored the rollout, so 1, but exactly 1 only in float32:
                             # in bf16 (on a GPU) the logits are rounded before .float(), and the scoring
@@ -432,9 +443,14 @@ def main(argv=None):
         replicas_identical = len(set(gather_object([digest]) if world > 1 else [digest])) == 1
         with torch.no_grad():  # over every process's agent tokens
             rollout_mask = batch["action_mask"]
-            kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(),
-                                         accelerator)
-                              / global_sum(rollout_mask.sum(), accelerator).clamp(min=1)).item()
+            n_tokens = global_sum(rollout_mask.sum(), accelerator).clamp(min=1)
+            # kl_ref: None (null) on iterations without the reference pass (--log-kl-every)
+            kl_ref_rollout = None if ref_logprobs is None else \
+                (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(), accelerator) / n_tokens).item()
+            # How far the sampler's log-probs (generate) are from the training forward pass's: 0 up to
+            # round-off in float32; in bf16 the two kernels round differently (see README: ratio_first).
+            gap = (old_logprobs - batch["sample_logprobs"]).abs() * rollout_mask
+            logprob_gap = (global_sum(gap.sum(), accelerator) / n_tokens).item()
             update_tokens = global_sum(mask.sum(), accelerator).item() * args.update_epochs
         # reward_mean as in ppo.py (no format penalty), so the two scripts' curves compare
         rewards_per_dialogue = dialogue_rewards(all_records, args.reward).numpy()
@@ -448,6 +464,7 @@ def main(argv=None):
             "zero_spread_groups": int(all_flat[first_of_group].sum()),
             **summary,
             **{k: global_mean(v, accelerator) for k, v in logs.items()},
+            "kl_ref_loss": global_mean(logs["kl_ref_loss"], accelerator) if ref_logprobs is not None else None,
             "kl_ref": kl_ref_rollout, "sample_logprob_gap": logprob_gap, "skipped_steps": skipped_steps,
             "lr": optimizer.param_groups[0]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,

@@ -27,7 +27,7 @@ from rollout import (DEFAULT_TARGETS, PLAIN_PROMPT, THINK_PROMPT, StepGuard, ada
                      pad_records, parse_settings, peak_memory_gb, pick_personas, play_dialogues, prepare_run,
                      prune_checkpoints, public_config, reduce_gradients, save_checkpoint, set_seed,
                      start_or_resume, stop_on_simulator_error, summarize, time_budget_used, token_logprobs,
-                     tracker_settings, transcript_record)
+                     tracker_settings, transcript_record, one_step_per_batch, length_sorted)
 from simulator import SimulatorError, fail, load_personas_or_exit, one_of
 
 
@@ -124,8 +124,9 @@ class Args:
         "help": "first iterations in which only the critic learns (verl's critic_warmup)"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping, per model part"})
-    max_bad_updates: int = field(default=3, metadata={
-        "help": "stop after this many non-finite updates in a row"})
+    max_bad_updates: int = field(default=3, metadata={"help": "stop after this many non-finite updates in a row"})
+    log_kl_every: int = field(default=1, metadata={
+        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass in the others"})
     # the run
     iterations: int = field(default=200, metadata={"help": "training iterations"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
@@ -305,7 +306,8 @@ def critic_values(model, value_head, input_ids, attention_mask):
         raise RuntimeError("critic_values runs under the 'critic' adapter: call it, and the backward pass "
                            "of its loss, inside `with adapter_active(model, 'critic'):`")
     decoder = model.get_base_model().get_decoder()
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
+                     use_cache=False).last_hidden_state                                   # (B, T, H)
     values = value_head(hidden[:, :-1].to(value_head.weight.dtype)).squeeze(-1)           # (B, T-1)
     return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
 
@@ -416,24 +418,30 @@ def main(argv=None):
         t0 = time.time()
         batch = pad_records(records, tokenizer.pad_token_id, device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # (B, T) each. Recomputed with the training forward pass rather than taken from generate, so
-        # that the ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
-        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
-        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
-        # How far the sampler's log-probs (generate) are from the training forward pass's: 0 up to
-        # round-off in float32; in bf16 the two kernels round differently (see README: ratio_first).
-        logprob_gap = (global_sum(((old_logprobs - batch["sample_logprobs"]).abs() * mask).sum(), accelerator)
-                       / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
+        # Recomputed with the training forward pass rather than taken from generate, so that the
+        # ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
+        # With one optimizer step per batch they are the update's own forward pass, detached (filled
+        # in below): a scoring pass here would compute the same numbers once more.
+        # (--kl-coef puts the KL in the rewards, before the update: then the scoring pass runs.)
+        old_from_update = (one_step_per_batch(args.update_epochs, args.minibatch_size, args.dialogues_per_iteration)
+                           and args.kl_coef == 0)
+        old_logprobs = torch.zeros_like(mask) if old_from_update else \
+            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)                     # (B, T)
+        # The reference pass only when a KL term reads it or kl_ref is logged (--log-kl-every).
+        need_ref = args.kl_coef > 0 or args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
+        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
+                                        reference=True) if need_ref else None                           # (B, T)
         with torch.no_grad(), adapter_active(model, "critic"):
             model.eval()
-            old_values = torch.cat([critic_values(model, value_head,
-                                                  batch["input_ids"][i:i + args.micro_batch_size],
-                                                  batch["attention_mask"][i:i + args.micro_batch_size])
-                                    for i in range(0, len(records), args.micro_batch_size)]).float() * mask
+            old_values = torch.zeros_like(mask)                                                         # (B, T)
+            for rows, w in length_sorted(batch["attention_mask"], args.micro_batch_size):
+                old_values[rows, :w] = critic_values(model, value_head, batch["input_ids"][rows, :w],
+                                                     batch["attention_mask"][rows, :w]).float()
+            old_values = old_values * mask
             model.train()
-        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(device)     # (B, T)
-        kl_to_ref = (old_logprobs - ref_logprobs) * mask                                       # k1, per token
-        rewards = rewards - args.kl_coef * kl_to_ref
+        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(device)       # (B, T)
+        if args.kl_coef > 0:  # then both passes ran above
+            rewards = rewards - args.kl_coef * (old_logprobs - ref_logprobs) * mask                     # k1, per token
         advantages, returns = compute_gae(rewards.cpu(), old_values.cpu(), mask.cpu(), args.gamma, args.lam)
         advantages, returns = advantages.to(device), returns.to(device)
         if args.whiten_advantages:  # over every process's agent tokens
@@ -460,35 +468,39 @@ def main(argv=None):
                 optimizer.zero_grad(set_to_none=True)
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
-                    ids, att, m = batch["input_ids"][idx], batch["attention_mask"][idx], mask[idx]   # (b, T)
+                    w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
+                    ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
                     with torch.set_grad_enabled(train_actor):
-                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature,
-                                                             with_entropy=True, action_mask=m)
-                        pg, ratio, clipped = clipped_policy_loss(
-                            newlogprob, old_logprobs[idx], advantages[idx], args.clip_low, args.clip_high)
-                        kl_ref = kl_k3(newlogprob, ref_logprobs[idx])
+                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True,
+                                                             action_mask=m, entropy_grad=args.ent_coef > 0)
+                        if old_from_update:
+                            old_logprobs[idx, :w] = newlogprob.detach()
+                        pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx, :w],
+                                                                 advantages[idx, :w], args.clip_low, args.clip_high)
+                        kl_ref = kl_k3(newlogprob, ref_logprobs[idx, :w]) if ref_logprobs is not None else None
                         actor_loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs)
-                                      - args.ent_coef * aggregate(entropy, m, args.loss_agg,
-                                                                  total_tokens, total_seqs)
-                                      + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg,
-                                                                      total_tokens, total_seqs))
+                                      - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs))
+                        if args.kl_loss_coef > 0:
+                            actor_loss = actor_loss + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg,
+                                                                                    total_tokens, total_seqs)
                     if train_actor:
                         actor_loss.backward()
                     with adapter_active(model, "critic"):  # forward and backward under the critic
                         values = critic_values(model, value_head, ids, att).float()
-                        vl, vclipped = clipped_value_loss(values, old_values[idx], returns[idx],
+                        vl, vclipped = clipped_value_loss(values, old_values[idx, :w], returns[idx, :w],
                                                           args.value_clip)
                         critic_loss = args.vf_coef * aggregate(vl, m, args.loss_agg, total_tokens, total_seqs)
                         critic_loss.backward()
                     with torch.no_grad():
-                        logratio = newlogprob - old_logprobs[idx]  # approx_kl below: the k3 estimator
+                        logratio = newlogprob - old_logprobs[idx, :w]
                         logs["policy_loss"].append(masked_mean(pg, m).item())
                         logs["value_loss"].append(masked_mean(vl, m).item())
                         logs["entropy"].append(masked_mean(entropy, m).item())
                         logs["approx_kl"].append(masked_mean(torch.exp(logratio) - 1 - logratio, m).item())
                         logs["clip_frac"].append(masked_mean(clipped, m).item())
                         logs["value_clip_frac"].append(masked_mean(vclipped, m).item())
-                        logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
+                        if kl_ref is not None:
+                            logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
                         if epoch == 0 and start == 0 and m0 == 0:
                             # The weights that scored the rollout, so 1, but exactly 1 only in float32:
                             # in bf16 (on a GPU) the logits are rounded before .float(), and the scoring
@@ -517,8 +529,14 @@ def main(argv=None):
         with torch.no_grad():  # over every process's agent tokens
             sums = variance_sums(old_values[mask > 0], returns[mask > 0])                       # (5,)
             explained_var = explained_variance(global_sum(sums, accelerator))
-            kl_ref_rollout = (global_sum((kl_k3(old_logprobs, ref_logprobs) * mask).sum(), accelerator)
-                              / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
+            n_tokens = global_sum(mask.sum(), accelerator).clamp(min=1)
+            # kl_ref: None (null) on iterations without the reference pass (--log-kl-every)
+            kl_ref_rollout = None if ref_logprobs is None else \
+                (global_sum((kl_k3(old_logprobs, ref_logprobs) * mask).sum(), accelerator) / n_tokens).item()
+            # How far the sampler's log-probs (generate) are from the training forward pass's: 0 up to
+            # round-off in float32; in bf16 the two kernels round differently (see README: ratio_first).
+            gap = (old_logprobs - batch["sample_logprobs"]).abs() * mask
+            logprob_gap = (global_sum(gap.sum(), accelerator) / n_tokens).item()
             update_tokens = global_sum(mask.sum(), accelerator).item() * args.update_epochs
         rewards_per_dialogue = np.array([r["final_emotion"] / 100.0 if args.reward == "final"
                                          else sum(r["changes"]) / 100.0 for r in all_records])
@@ -529,6 +547,7 @@ def main(argv=None):
             "reward_std": float(rewards_per_dialogue.std()),
             **summary,
             **{k: global_mean(v, accelerator) for k, v in logs.items()},
+            "kl_ref_loss": global_mean(logs["kl_ref_loss"], accelerator) if ref_logprobs is not None else None,
             "kl_ref": kl_ref_rollout, "sample_logprob_gap": logprob_gap, "explained_variance": explained_var,
             "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,

@@ -292,10 +292,13 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         new_logp = recorder.finish(sequences).cpu()                               # (B, N)
         lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
                    for row in new.tolist()]
-        if reuse_cache:
-            sampled = (torch.arange(new.shape[1], device=device)[None]
-                       < torch.tensor(lengths, device=device)[:, None])
+        # Keep the per-row caches only if a dialogue can go on: on its last allowed turn every one ends
+        # (a one-turn rollout never extracts them).
+        last_turn = all(d.state.turns + 1 >= simulator.max_turns for d in active)
+        if reuse_cache and not last_turn:
+            sampled = (torch.arange(new.shape[1], device=device)[None] < torch.tensor(lengths, device=device)[:, None])
             keep_cache(slots, cache, sequences, torch.cat([mask, sampled.long()], 1))
+        del cache  # the batch's cache: what the dialogues keep is in their slots now
         new = new.cpu()
         t_policy += time.time() - t0
         replies = []
@@ -418,49 +421,100 @@ def pad_records(records, pad_id, device):
     }
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=False, action_mask=None):
+LOGITS_CHUNK_TOKENS = 1024  # rows x positions projected onto the vocabulary at once (token_logprobs)
+
+
+def one_step_per_batch(passes, minibatch_size, batch_size):
+    """True when an iteration takes exactly one optimizer step on its batch (one pass, the whole
+    batch as one minibatch). Then the weights that would score the rollout are the ones the
+    update's forward pass runs, so the old log-probs are that pass's own, detached, and a separate
+    scoring pass would only repeat it (TRL takes them the same way). The tests replace this
+    function to force the scoring pass and compare the two paths."""
+    return passes == 1 and minibatch_size == batch_size
+
+
+def length_sorted(attention_mask, micro_batch_size):
+    """Micro-batches for passes where the order of dialogues does not matter (scoring): a list of
+    (rows, width), the rows sorted by length, longest first, and width their longest row, so that
+    a micro-batch of short dialogues is not run at the width of the batch's longest one.
+    The batch is right-padded (pad_records), so a row's tokens are its first `length` columns."""
+    lengths = attention_mask.sum(1)                                                          # (B,)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    return [(order[i:i + micro_batch_size], int(lengths[order[i]]))
+            for i in range(0, len(order), micro_batch_size)]
+
+
+def _chunk_logprobs(head, hidden, targets, temperature, with_entropy, entropy_grad):
+    """log-probs of `targets` (B, C) and, with with_entropy, the entropy (B, C) of the softmax
+    over head(hidden) / temperature, for hidden (B, C, H): one chunk of token_logprobs."""
+    logp_all = torch.log_softmax(head(hidden).float() / temperature, -1)                     # (B, C, V)
+    picked = logp_all.gather(-1, targets[..., None])[..., 0]                                # (B, C)
+    if not with_entropy:
+        return picked, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return picked, -(logp_all.exp() * logp_all).sum(-1)                                 # (B, C)
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=False, action_mask=None,
+                   chunk_tokens=LOGITS_CHUNK_TOKENS, entropy_grad=True):
     """log p(token t | tokens < t) under `model`, aligned with input_ids (position 0 gets 0),
     computed as log softmax(logits / temperature), the distribution the rollout sampled from.
     With action_mask (B, T), the vocabulary projection and softmax run only at the positions that
-    predict an agent token in some row (the rest get 0): the losses read nothing else, and the
-    (B, T, vocab) logits are the largest tensor of the update (vocab is 49k for SmolLM2, 152k for
-    Qwen2.5). Returns (logprobs (B, T), entropy (B, T) or None). Gradients flow if enabled."""
+    predict an agent token in some row (the rest get 0): the losses read nothing else.
+    The (B, K, vocab) logits are the largest tensor of the update (vocab is 49k for SmolLM2, 152k
+    for Qwen2.5, K up to 6,144 positions), so they are made in chunks of about chunk_tokens rows x
+    positions; with gradients each chunk is recomputed in the backward pass (activation
+    checkpointing), so at most one chunk's logits are alive at a time (chunk_tokens=None: one
+    chunk). entropy_grad=False computes the entropy without a gradient (an entropy bonus of 0
+    needs none, and its backward through the softmax costs as much as the log-probs').
+    No KV cache is built: nothing reads it. Returns (logprobs (B, T), entropy (B, T) or None)."""
+    from torch.utils.checkpoint import checkpoint
+
     B, T = input_ids.shape
     if action_mask is None:
         keep = torch.arange(T - 1, device=input_ids.device)                                   # every position
     else:
-        keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                              # (K,) predictors
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   logits_to_keep=keep).logits.float() / temperature                          # (B, K, V)
-    logp_all = torch.log_softmax(logits, -1)                                                  # (B, K, V)
-    picked = logp_all.gather(-1, input_ids[:, keep + 1, None])[..., 0]                        # (B, K)
+        keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                                # (K,) predictors
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model             # under peft
+    hidden = inner.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 use_cache=False).last_hidden_state[:, keep]                 # (B, K, H)
+    head, targets = inner.get_output_embeddings(), input_ids[:, keep + 1]                    # (B, K)
+    step = max(1, (chunk_tokens or B * len(keep)) // B)                                       # positions a chunk
+    parts = []
+    for c in range(0, len(keep), step):
+        args = (head, hidden[:, c:c + step], targets[:, c:c + step], temperature, with_entropy, entropy_grad)
+        if torch.is_grad_enabled() and len(keep) > step:  # only then is there a peak to bound
+            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(*args))
+    picked = torch.cat([p for p, _ in parts], 1) if parts else hidden.new_zeros(B, 0).float()  # (B, K)
     logp = torch.zeros(B, T, dtype=picked.dtype, device=picked.device)
     logp = logp.index_copy(1, keep + 1, picked)                                               # (B, T)
     entropy = None
     if with_entropy:
-        ent = -(logp_all.exp() * logp_all).sum(-1)                                            # (B, K)
+        ent = torch.cat([e for _, e in parts], 1) if parts else picked                        # (B, K)
         entropy = torch.zeros_like(logp).index_copy(1, keep + 1, ent)                         # (B, T)
     return logp, entropy
 
 
 @torch.no_grad()
 def batched_logprobs(model, batch, temperature=1.0, micro_batch_size=4, reference=False):
-    """token_logprobs over a padded batch in micro-batches, without gradients. reference=True runs
-    the base weights with every adapter disabled: the reference policy, no second copy."""
+    """token_logprobs over a padded batch (B, T) in micro-batches, without gradients, each
+    micro-batch of dialogues of similar length at its own width (length_sorted). reference=True
+    runs the base weights with every adapter disabled: the reference policy, no second copy."""
     import contextlib
 
     ctx = model.disable_adapter() if reference else contextlib.nullcontext()
     was_training = model.training
     model.eval()
-    out = []
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device)
     with ctx:
-        for i in range(0, batch["input_ids"].shape[0], micro_batch_size):
-            lp, _ = token_logprobs(model, batch["input_ids"][i:i + micro_batch_size],
-                                   batch["attention_mask"][i:i + micro_batch_size], temperature,
-                                   action_mask=batch["action_mask"][i:i + micro_batch_size])
-            out.append(lp)
+        for rows, width in length_sorted(batch["attention_mask"], micro_batch_size):
+            lp, _ = token_logprobs(model, batch["input_ids"][rows, :width], batch["attention_mask"][rows, :width],
+                                   temperature, action_mask=batch["action_mask"][rows, :width])
+            out[rows, :width] = lp
     model.train(was_training)
-    return torch.cat(out)
+    return out
 
 
 def masked_mean(x, mask, dim=None):
@@ -502,6 +556,7 @@ SETTING_RULES = {
     "value_clip": above(0), "vf_coef": at_least(0), "ent_coef": at_least(0),
     "critic_lr": at_least(0), "lr": at_least(0), "critic_warmup": at_least(0),
     "warmup_steps": at_least(0), "max_grad_norm": above(0), "max_bad_updates": at_least(1),
+    "log_kl_every": at_least(1),
     # the run
     "iterations": at_least(1), "save_every": at_least(1), "time_budget": at_least(0),
     "bootstrap": at_least(1), "math_max_new_tokens": at_least(1), "math_batch_size": at_least(1),

@@ -225,6 +225,25 @@ def test_gpu_tiny_end_to_end():
     assert result["batch_tokens"] > result["policy_tokens"] and result["peak_memory_gb"] > 0
 
 
+def test_gpu_tiny_paper_shape_and_bandwidth_bound():
+    """--shape paper runs the paper preset's kind of dialogue (thinking on, the 'same' user) and the
+    report gives the bandwidth bound: batch x bandwidth / bytes a decode step, here for a given
+    bandwidth, and the ratios of plain generate and the rollout to it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "bench.py", "gpu", "--tiny", "--shape", "paper", "--bandwidth-gbs", "100"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "--simulator same --thinking true" in out.splitlines()[0] and "--max-turns 3" in out.splitlines()[0]
+    assert "bandwidth bound:" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["shape"] == "paper" and result["bandwidth_gbs"] == 100
+    assert result["bound_tokens_per_s"] == pytest.approx(4 * 100e9 / result["decode_step_bytes"])
+    assert result["plain_to_bound"] == pytest.approx(result["plain_generate_tokens_per_s"] / result["bound_tokens_per_s"],
+                                                     abs=6e-4)  # printed to 3 places
+    assert result["decode_step_bytes"] > 0.99 * 4 * result["model_params_b"] * 1e9  # fp32 weights, a KV cache
+
+
 def test_gpu_without_cuda_says_so_in_one_line():
     import torch
 
@@ -261,3 +280,20 @@ def test_tag_shares_compare_first_and_last_iterations(fake_runs):
     table = bench.tags_table(fake_runs, {"grpo": {0: GRPO[0], 1: GRPO[1]}}, 6, 2)
     assert "| off_topic | 50% -> 0% |" in table and "| acknowledges | 0% -> 67% |" in table
     assert "grpo 2 and 3." in table
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_bench_step_prints_iteration_floor_and_ratio(tiny_model_dir, algo, capsys):
+    # The single-turn job at tiny sizes: two iterations, each after its floor, and the ratio line.
+    result = bench.main(["step", "--algo", algo, "--model", tiny_model_dir, "--iterations", "2", "--dialogues", "4",
+                         "--group-size", "2", "--max-new-tokens", "4", "--micro-batch-size", "2", "--threads", "1"])
+    out = capsys.readouterr().out
+    ratio_line = next(line for line in out.splitlines() if line.strip().startswith("ratio"))
+    target = bench.STEP_FLOOR_TARGET[algo]
+    assert f"(target <= {target})" in ratio_line
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["iterations"] == 2 and len(summary["floor_seconds_each"]) == 2
+    assert 0 < summary["floor_seconds"] and 0 < summary["iteration_seconds"]
+    assert float(ratio_line.split()[2]) == pytest.approx(summary["ratio"], abs=0.006)
+    assert result["ratio"] == pytest.approx(result["iteration_seconds"] / result["floor_seconds"])
+    assert summary["floor_tokens"] == 4 * 4 and summary["policy_tokens"] > 0

@@ -356,3 +356,53 @@ def test_time_budget_stops_with_a_checkpoint(tiny_model_dir, personas_file, tmp_
                         "--save-every", "3", "--time-budget", "1e-6"))
     assert [m["iteration"] for m in read_metrics(tmp_path / "run")] == [1]
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["iter_000001"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Passes whose result is known are skipped, and the run is the same
+# ----------------------------------------------------------------------------------------------
+def adapter_of(out, iteration):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(out, "checkpoints", f"iter_{iteration:06d}", "default", "adapter_model.safetensors"))
+
+
+def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(warm_model_dir, personas_file,
+                                                                             tmp_path, monkeypatch):
+    # One step per batch (minibatch = batch, one pass): the old log-probs are the update's own forward
+    # pass. Forcing the separate scoring pass (one_step_per_batch -> False: the code before the skip)
+    # must give the same run: rewards, losses, diagnostics and adapters, iteration after iteration.
+    # The learning rate is high enough that iteration 2's dialogues depend on iteration 1's step.
+    argv = ["--group-size", "4", "--minibatch-size", "8", "--micro-batch-size", "4", "--iterations", "2",
+            "--seed", "1", "--lr", "5e-2", "--ent-coef", "0.01"]
+    grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "skip", *argv))
+    monkeypatch.setattr(grpo, "one_step_per_batch", lambda *a: False)
+    grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "pass", *argv))
+    skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")
+    assert full[1]["kl_ref"] > 1e-6 and full[0]["grad_norm"] > 0  # the policy moved: a real comparison
+    for a, b in zip(skip, full):
+        for key in ("reward_mean", "final_emotion_mean", "policy_tokens"):
+            assert a[key] == b[key], key
+        for key in ("policy_loss", "entropy", "kl_ref", "kl_ref_loss", "grad_norm", "sample_logprob_gap"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+        assert a["ratio_first"] == 1.0 and b["ratio_first"] == pytest.approx(1.0, abs=1e-6)
+    for it in (1, 2):
+        skipped, forced = adapter_of(tmp_path / "skip", it), adapter_of(tmp_path / "pass", it)
+        for k in forced:
+            torch.testing.assert_close(skipped[k], forced[k], atol=1e-7, rtol=1e-5)
+
+
+def test_log_kl_every_skips_the_reference_pass_and_nothing_else(warm_model_dir, personas_file, tmp_path):
+    # With no KL term the reference pass only feeds the kl_ref diagnostic: logged every 2nd
+    # iteration, the others write null, and the adapters are bit for bit those of logging it always.
+    argv = ["--group-size", "4", "--minibatch-size", "8", "--micro-batch-size", "4", "--iterations", "2",
+            "--seed", "1", "--lr", "5e-3"]
+    grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "every", *argv))
+    grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "second", *argv, "--log-kl-every", "2"))
+    every, second = read_metrics(tmp_path / "every"), read_metrics(tmp_path / "second")
+    assert second[0]["kl_ref"] == every[0]["kl_ref"] and every[1]["kl_ref"] > 0
+    assert second[1]["kl_ref"] is None and second[1]["kl_ref_loss"] is None
+    assert second[1]["nonfinite_metrics"] == 0  # absent on purpose, not a NaN
+    assert second[1]["reward_mean"] == every[1]["reward_mean"]
+    for k, w in adapter_of(tmp_path / "every", 2).items():
+        assert torch.equal(w, adapter_of(tmp_path / "second", 2)[k]), k

@@ -393,3 +393,41 @@ def test_explained_variance_from_the_sums_of_two_processes():
     assert ppo.explained_variance(ppo.variance_sums(values, returns)) == pytest.approx(whole, rel=1e-6)
     assert ppo.explained_variance(ppo.variance_sums(returns, returns)) == pytest.approx(1.0)
     assert math.isnan(ppo.explained_variance(ppo.variance_sums(values[:1], returns[:1])))
+
+
+def adapter_of(out, iteration, name):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(out, "checkpoints", f"iter_{iteration:06d}", name, "adapter_model.safetensors"))
+
+
+def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny_model_dir, personas_file,
+                                                                             tmp_path, monkeypatch):
+    # One step per batch and no KL in the rewards: the old log-probs are the update's own forward pass.
+    # Forcing the separate scoring pass (the code before the skip) must give the same run.
+    argv = ["--iterations", "2", "--lr", "2e-2", "--ent-coef", "0.01", "--micro-batch-size", "2"]
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "skip", *argv))
+    monkeypatch.setattr(ppo, "one_step_per_batch", lambda *a: False)
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "pass", *argv))
+    skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")
+    assert full[1]["kl_ref"] > 1e-6 and full[0]["actor_grad_norm"] > 0  # the policy moved
+    for a, b in zip(skip, full):
+        for key in ("reward_mean", "final_emotion_mean", "policy_tokens"):
+            assert a[key] == b[key], key
+        for key in ("policy_loss", "value_loss", "entropy", "kl_ref", "kl_ref_loss", "actor_grad_norm",
+                    "critic_grad_norm", "sample_logprob_gap", "explained_variance"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+        assert a["ratio_first"] == 1.0 and b["ratio_first"] == pytest.approx(1.0, abs=1e-6)
+    for name in ("default", "critic"):
+        skipped, forced = adapter_of(tmp_path / "skip", 2, name), adapter_of(tmp_path / "pass", 2, name)
+        for k in forced:
+            torch.testing.assert_close(skipped[k], forced[k], atol=1e-7, rtol=1e-5)
+
+
+def test_kl_coef_keeps_the_scoring_and_reference_passes(tiny_model_dir, personas_file, tmp_path):
+    # The KL penalty goes into the rewards before the update, so it needs both passes every iteration,
+    # whatever --log-kl-every says.
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2", "--lr", "2e-2",
+                       "--kl-coef", "0.1", "--log-kl-every", "5"))
+    m = read_metrics(tmp_path / "run")
+    assert m[1]["kl_ref"] > 1e-6 and m[1]["ratio_first"] == pytest.approx(1.0, abs=1e-6)

@@ -344,6 +344,60 @@ def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_mo
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunk_tokens", [2, 5, 64])
+def test_logits_in_chunks_equal_one_pass_gradients_included(tiny_model_dir, chunk_tokens):
+    """The update's log-probs and entropies made over chunks of positions (each recomputed in the
+    backward pass) equal one pass over all of them: values, and the LoRA gradients through both."""
+    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.05)
+    policy.train()
+    ids = torch.randint(3, tokenizer.vocab_size, (3, 15))
+    att = torch.ones_like(ids)
+    att[2, 11:] = 0                                    # a shorter row: padding on the right
+    mask = torch.zeros(3, 15)
+    mask[0, 2:9], mask[1, 6:14], mask[2, 4:10] = 1, 1, 1
+    lora = [p for n, p in policy.named_parameters() if "lora_" in n]
+    results = []
+    for chunk in (None, chunk_tokens):
+        policy.zero_grad()
+        lp, ent = rollout.token_logprobs(policy, ids, att, with_entropy=True, action_mask=mask, chunk_tokens=chunk)
+        ((lp - 0.3 * ent) * mask).sum().backward()
+        results.append((lp, ent, [p.grad.clone() for p in lora]))
+    (lp_one, ent_one, g_one), (lp_chunked, ent_chunked, g_chunked) = results
+    torch.testing.assert_close(lp_chunked, lp_one, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent_chunked, ent_one, atol=1e-6, rtol=1e-6)
+    assert (lp_one[mask.bool()] != 0).all() and any(g.abs().max() > 0 for g in g_one)
+    scale = max(g.abs().max() for g in g_one)
+    for a, b in zip(g_one, g_chunked):  # float32 sums in another order: round-off only
+        assert (b - a).abs().max() <= 1e-5 * scale, ((b - a).abs().max(), scale)
+    # without a gradient through the entropy (an entropy bonus of 0), the same values
+    lp_nograd, ent_nograd = rollout.token_logprobs(policy, ids, att, with_entropy=True, action_mask=mask,
+                                                   chunk_tokens=chunk_tokens, entropy_grad=False)
+    assert lp_nograd.requires_grad and not ent_nograd.requires_grad
+    torch.testing.assert_close(ent_nograd, ent_one.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_length_sorted_scoring_equals_each_dialogue_alone(tiny_model_dir):
+    """batched_logprobs runs dialogues of similar length together at their own width: every row's
+    log-probs equal that dialogue's pass on its own."""
+    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.05)
+    lengths = [9, 17, 5, 12, 16]
+    records = []
+    for n in lengths:
+        row = torch.randint(3, tokenizer.vocab_size, (n,)).tolist()
+        records.append({"token_ids": row, "action_mask": [0, 0] + [1] * (n - 2), "logprobs": [0.0] * n})
+    batch = pad_records(records, tokenizer.pad_token_id, "cpu")
+    assert [[int(r) for r in rows] for rows, _ in rollout.length_sorted(batch["attention_mask"], 2)] == \
+        [[1, 4], [3, 0], [2]]
+    assert [w for _, w in rollout.length_sorted(batch["attention_mask"], 2)] == [17, 12, 5]
+    scored = batched_logprobs(policy, batch, micro_batch_size=2)                          # (B, T)
+    for b, n in enumerate(lengths):
+        alone, _ = rollout.token_logprobs(policy, batch["input_ids"][b:b + 1, :n], batch["attention_mask"][b:b + 1, :n],
+                                          action_mask=batch["action_mask"][b:b + 1, :n])
+        torch.testing.assert_close(scored[b, :n], alone[0], atol=1e-5, rtol=1e-5)
+        assert (scored[b, 2:n] != 0).all()
+    assert (scored[2, 5:] == 0).all()  # the shortest row ran alone at its own width: nothing past it
+
+
 def _hand_batch(tokenizer):
     texts = ["I hear you. That sounds exhausting.",
              "Maybe. I don't know what to do about work anymore, honestly."]

@@ -23,14 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout import (DEFAULT_TARGETS, PLAIN_PROMPT, THINK_PROMPT, StepGuard, adapter_params, all_rng_states,
-                     batched_logprobs, check_openings_fit, fingerprint, global_max, global_mean, global_stats,
-                     global_sum, latest_checkpoint, load_policy, log_to_trackers, make_simulator, masked_mean,
-                     pad_records, parse_settings, peak_memory_gb, pick_personas, play_dialogues, prepare_run,
-                     prune_checkpoints, public_config, reduce_gradients, save_checkpoint, set_seed,
-                     start_or_resume, stop_on_simulator_error, summarize, time_budget_used, token_logprobs,
-                     tracker_settings, transcript_record, one_step_per_batch, length_sorted)
-from simulator import SimulatorError, fail, load_personas_or_exit, one_of
+from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs, begin_run,
+                     checkpoint_due, gather_tensor, global_masked_mean, global_max, global_sum,
+                     latest_checkpoint, load_policy, log_iteration, make_simulator, masked_mean, pad_records,
+                     passes_to_run, pick_personas, play_dialogues, policy_settings, prune_checkpoints,
+                     public_config, reduce_gradients, sampling_settings, save_checkpoint, set_seed,
+                     start_or_resume, StepGuard, stop_on_simulator_error, token_logprobs, training_personas)
+from simulator import SimulatorError, fail, one_of
 
 
 @dataclass
@@ -121,9 +120,11 @@ class Args:
     lr: float = field(default=1e-5, metadata={"help": "LoRA learning rate (paper, full fine-tuning: 1e-6)"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping"})
-    max_bad_updates: int = field(default=3, metadata={"help": "stop after this many non-finite updates in a row"})
+    max_bad_updates: int = field(default=3, metadata={
+        "help": "stop after this many non-finite updates in a row"})
     log_kl_every: int = field(default=1, metadata={
-        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass in the others"})
+        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass in the "
+                "others"})
     # the run
     iterations: int = field(default=200, metadata={"help": "training iterations"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
@@ -246,6 +247,22 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
     return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
 
 
+# What the update logs, per micro-batch or optimizer step; metrics.jsonl has their means (docs/metrics.md).
+LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ratio_first", "grad_norm")
+
+
+def policy_and_optimizer(args, model):
+    """The policy adapter's parameters, AdamW on them, and a linear warm-up over --warmup-steps
+    optimizer steps."""
+    params = adapter_params(model, "default")
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    return params, optimizer, scheduler
+
+
 def kl_k3(logprobs, ref_logprobs):
     """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
     always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020); GRPO's KL term."""
@@ -270,114 +287,78 @@ def check_batch_shape(args, world):
 
 
 def main(argv=None):
-    from accelerate import Accelerator
     from accelerate.utils import gather_object
     from tqdm import tqdm
 
-    args = parse_settings(Args, PRESETS, argv,
-                          {"loss_agg": one_of("seq-mean-token-mean", "token-mean", "dr-grpo")})
-    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
-        fail("the paper's setup needs CUDA; on this machine run `python grpo.py --preset cpu`")
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              **tracker_settings(args.report_to, args.resume or args.out))
+    args, accelerator, ckpt, state, resumed = begin_run(Args, PRESETS, argv, {"loss_agg": one_of(
+        "seq-mean-token-mean", "token-mean", "dr-grpo")}, ["default"], "grpo.py")
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    # the run folder before any model: a run there is never clobbered; --resume takes its settings
-    ckpt, state, resumed = prepare_run(args, ["default"], accelerator.is_main_process)
     check_batch_shape(args, world)
     set_seed(args.seed)  # the same adapter initialisation on every process
-    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
-    check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
-                       args.max_context, args.max_new_tokens, args.trust_remote_code)
+    personas = training_personas(args)
 
     # --- the model: policy adapter on a frozen base; no critic --------------------------------
-    model, tokenizer = load_policy(
-        args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout, target_modules=args.target_modules, load_in_4bit=args.load_in_4bit,
-        gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code)
-    params = adapter_params(model, "default")
-    for p in params:
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                                  lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    simulator, where = make_simulator(args, model, tokenizer, device, world)
-    if accelerator.is_main_process:
-        print(f"{where}; {args.personas_per_iteration} personas x {args.group_size} dialogues")
+    model, tokenizer = load_policy(args.model, device=device, **policy_settings(args))
+    params, optimizer, scheduler = policy_and_optimizer(args, model)
+    simulator = make_simulator(args, model, tokenizer, accelerator,
+                               f"; {args.personas_per_iteration} personas x {args.group_size} dialogues")
 
     def save(iteration, name=None):  # every process calls it; the main process writes
         return _save(args, iteration, model, optimizer, scheduler, accelerator, name)
 
     # --- run folder and resume ---------------------------------------------------------------
-    run, start_iteration = start_or_resume(args, accelerator, ckpt, state, model, ["default"], optimizer,
-                                           scheduler, resumed)
+    run, start_iteration = start_or_resume(args, accelerator, ckpt, state, model, ["default"],
+                                           optimizer, scheduler, resumed)
     saved_at = start_iteration  # the iteration of the newest checkpoint
-
-    guard = StepGuard(args.max_bad_updates, "Lower --lr or use --dtype float32", args.out)
-    # Dr. GRPO's constant: the most agent tokens one dialogue can hold.
-    token_budget = args.max_turns * args.max_new_tokens
+    guard = StepGuard(args.max_bad_updates, "Lower --lr or use --dtype float32", args.out, accelerator)
+    token_budget = args.max_turns * args.max_new_tokens  # Dr. GRPO's constant: the most a dialogue holds
     bar = tqdm(range(start_iteration, args.iterations), desc="grpo", disable=not accelerator.is_main_process)
     t_run = time.time()  # --time-budget counts from here (on --resume: from the resume)
     for iteration in bar:
         t_start = time.time()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
         # --- 1. collect dialogues: this process's whole groups (its share of the personas) --------
         chosen = pick_personas(personas, args.personas_per_iteration, args.seed, iteration)
         share = args.personas_per_iteration // world
         try:
-            records, rstats = play_dialogues(
-                model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share],
-                samples_per_persona=args.group_size, thinking=args.thinking, temperature=args.temperature,
-                top_p=args.top_p, max_new_tokens=args.max_new_tokens, max_context=args.max_context,
-                greedy=args.greedy, progress=accelerator.is_main_process and sys.stderr.isatty())
+            own = chosen[rank * share:(rank + 1) * share]
+            records, rstats = play_dialogues(model, tokenizer, simulator, own, **sampling_settings(args),
+                                             samples_per_persona=args.group_size,
+                                             progress=accelerator.is_main_process and sys.stderr.isatty())
         except SimulatorError as e:  # one line; a finished iteration not yet saved is saved first
             due = iteration > saved_at and world == 1  # (a save is collective: one process only)
             stop_on_simulator_error(e, partial(save, iteration) if due else None)
         t_rollout = time.time() - t_start
 
-        # --- 2. score: old log-probs, reference log-probs, rewards, group advantages --------------
+        # --- 2. score: old log-probs, reference log-probs, rewards --------------------------------
         t0 = time.time()
         batch = pad_records(records, tokenizer.pad_token_id, device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # Recomputed with the training forward pass rather than taken from generate, so that the
-        # ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
-        # With one optimizer step per batch they are the update's own forward pass, detached (filled
-        # in below): a scoring pass here would compute the same numbers once more.
-        # (--drop-zero-spread trims the mask the update's pass computes, so it keeps the scoring pass.)
-        batch_size = args.personas_per_iteration * args.group_size  # dialogues, over all processes
-        old_from_update = (one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size)
-                           and not args.drop_zero_spread)
+        # only passes whose result is not known yet; --drop-zero-spread trims the update's mask
+        old_from_update, need_ref = passes_to_run(args, iteration, old_first=args.drop_zero_spread)
         old_logprobs = torch.zeros_like(mask) if old_from_update else \
-            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)                     # (B, T)
-        # The reference pass only when a KL term reads it or kl_ref is logged (--log-kl-every).
-        need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
+            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                        reference=True) if need_ref else None                           # (B, T)
-        rewards = dialogue_rewards(records, args.reward, args.format_penalty)                           # (B,)
-        group_ids = torch.tensor([rank * share + r["group"] for r in records])                          # (B,)
-        # The advantages of the whole iteration, on every process: batch scaling needs the std of all
-        # rewards. gather_object concatenates in rank order, so this process's rows are one slice.
-        all_rewards = (torch.tensor(gather_object(rewards.tolist()), dtype=torch.float64) if world > 1
-                       else rewards)
-        all_groups = torch.tensor(gather_object(group_ids.tolist())) if world > 1 else group_ids
-        all_advantages = group_advantages(all_rewards, all_groups, args.scale_rewards)                # (N,)
-        _, all_std, all_flat = group_stats(all_rewards, all_groups)                                   # (N,)
+                                        reference=True) if need_ref else None               # (B, T)
+        rewards = dialogue_rewards(records, args.reward, args.format_penalty)               # (B,)
+        group_ids = torch.tensor([rank * share + r["group"] for r in records])              # (B,)
+
+        # --- 3. advantages: each dialogue against its group --------------------------------------
+        # Over the whole iteration, on every process (batch scaling needs the std of all rewards);
+        # the gather is in rank order, so this process's rows are one slice.
+        all_rewards, all_groups = gather_tensor(rewards, accelerator), gather_tensor(group_ids, accelerator)
+        all_advantages = group_advantages(all_rewards, all_groups, args.scale_rewards)      # (N,)
+        _, all_std, all_flat = group_stats(all_rewards, all_groups)                         # (N,)
         mine = slice(rank * len(records), (rank + 1) * len(records))
-        zero_spread = all_flat[mine].to(device)                                                       # (B,)
-        if args.drop_zero_spread:
-            # Their advantage is 0 anyway; dropping them also takes them out of the loss's
-            # denominators (the other dialogues weigh more) and out of the entropy and KL terms.
-            mask = mask * (~zero_spread).float()[:, None]                                             # (B, T)
-        keep = (mask.sum(1) > 0).float()                                                              # (B,)
-        advantages = all_advantages[mine].float().to(device)[:, None] * mask                          # (B, T)
+        if args.drop_zero_spread:  # advantage 0 anyway; out of the loss's denominators and other terms
+            mask = mask * (~all_flat[mine].to(device)).float()[:, None]                     # (B, T)
+        keep = (mask.sum(1) > 0).float()                                                    # (B,)
+        advantages = all_advantages[mine].float().to(device)[:, None] * mask                # (B, T)
         t_score = time.time() - t0
 
-        # --- 3. update: passes x minibatches x micro-batches ------------------------------------
+        # --- 4. update: passes x minibatches x micro-batches ------------------------------------
         t0 = time.time()
         model.train()
-        logs = {k: [] for k in ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss",
-                                "ratio_first", "grad_norm")}
+        logs = {k: [] for k in LOGGED}
         skipped_steps = 0
         local_mb = args.minibatch_size // world
         for epoch in range(args.update_epochs):
@@ -396,39 +377,33 @@ def main(argv=None):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
                     w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
                     ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
-                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True,
-                                                         action_mask=m, entropy_grad=args.ent_coef > 0)
+                    agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
+                                  total_seqs=total_seqs, token_budget=token_budget)  # its share of the loss
+                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
+                                                         with_entropy=True, entropy_grad=args.ent_coef > 0)
                     if old_from_update:
                         old_logprobs[idx, :w] = newlogprob.detach()
-                    # With --update-epochs 1 and one minibatch per batch, newlogprob == old_logprobs:
-                    # the ratio is exactly 1 and this is the plain policy gradient.
-                    pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx, :w], advantages[idx, :w],
-                                                             args.clip_low, args.clip_high)
-                    kl_ref = kl_k3(newlogprob, ref_logprobs[idx, :w]) if ref_logprobs is not None else None
-                    loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs, token_budget)
-                            - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs, token_budget))
+                    pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx, :w],
+                                                             advantages[idx, :w], args.clip_low,
+                                                             args.clip_high)
+                    kl_ref = None if ref_logprobs is None else kl_k3(newlogprob, ref_logprobs[idx, :w])
+                    loss = agg(pg) - args.ent_coef * agg(entropy)
                     if args.kl_loss_coef > 0:
-                        loss = loss + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg, total_tokens,
-                                                                    total_seqs, token_budget)
+                        loss = loss + args.kl_loss_coef * agg(kl_ref)
                     loss.backward()
                     with torch.no_grad():
                         logratio = newlogprob - old_logprobs[idx, :w]
-                        logs["policy_loss"].append(masked_mean(pg, m).item())
-                        logs["entropy"].append(masked_mean(entropy, m).item())
-                        logs["approx_kl"].append(masked_mean(torch.exp(logratio) - 1 - logratio, m).item())
-                        logs["clip_frac"].append(masked_mean(clipped, m).item())
-                        if kl_ref is not None:
-                            logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
-                        if epoch == 0 and start == 0 and m0 == 0:
-                            # The weights that scored the rollout, so 1, but exactly 1 only in float32:
-                            # in bf16 (on a GPU) the logits are rounded before .float(), and the scoring
-                            # pass and this one group the dialogues into other micro-batches (other
-                            # shapes, other kernels): near 1 there, not exactly 1.
-                            logs["ratio_first"].append(masked_mean(ratio, m).item())
+                        # ratio_first: the weights that scored the rollout, so 1 (exactly, in float32)
+                        for key, x in (("policy_loss", pg), ("entropy", entropy),
+                                       ("approx_kl", torch.exp(logratio) - 1 - logratio),  # the k3 estimator
+                                       ("clip_frac", clipped), ("kl_ref_loss", kl_ref),
+                                       ("ratio_first", ratio if epoch == start == m0 == 0 else None)):
+                            if x is not None:
+                                logs[key].append(masked_mean(x, m).item())
                 # gradients: sum over processes (each loss was already divided by the global count)
                 reduce_gradients(params, accelerator)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                if not guard.step_ok(grad_norm, iteration, partial(save, iteration), accelerator):
+                if not guard.step_ok(grad_norm, iteration, partial(save, iteration)):
                     optimizer.zero_grad(set_to_none=True)  # a non-finite loss: skip this step
                     continue
                 optimizer.step()
@@ -436,56 +411,36 @@ def main(argv=None):
                 logs["grad_norm"].append(grad_norm.item())
         t_update = time.time() - t0
 
-        # --- 4. log: global means over every process's dialogues ---------------------------------
+        # --- 5. log: global figures over every process's dialogues -------------------------------
         all_records = gather_object(records) if world > 1 else records
-        # data parallel: every process must hold bit-identical adapters after the update
-        digest = fingerprint(params)
-        replicas_identical = len(set(gather_object([digest]) if world > 1 else [digest])) == 1
-        with torch.no_grad():  # over every process's agent tokens
-            rollout_mask = batch["action_mask"]
-            n_tokens = global_sum(rollout_mask.sum(), accelerator).clamp(min=1)
-            # kl_ref: None (null) on iterations without the reference pass (--log-kl-every)
-            kl_ref_rollout = None if ref_logprobs is None else \
-                (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(), accelerator) / n_tokens).item()
-            # How far the sampler's log-probs (generate) are from the training forward pass's: 0 up to
-            # round-off in float32; in bf16 the two kernels round differently (see README: ratio_first).
-            gap = (old_logprobs - batch["sample_logprobs"]).abs() * rollout_mask
-            logprob_gap = (global_sum(gap.sum(), accelerator) / n_tokens).item()
-            update_tokens = global_sum(mask.sum(), accelerator).item() * args.update_epochs
-        # reward_mean as in ppo.py (no format penalty), so the two scripts' curves compare
-        rewards_per_dialogue = dialogue_rewards(all_records, args.reward).numpy()
+        final = dialogue_rewards(all_records, args.reward).numpy()  # as in ppo.py: no format penalty
         first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])
-        summary = summarize(all_records, global_stats(rstats, accelerator))
-        metrics = {
-            "iteration": iteration + 1,
-            "reward_mean": float(rewards_per_dialogue.mean()),
-            "reward_std": float(rewards_per_dialogue.std()),
-            "group_reward_std": float(all_std[first_of_group].mean()),  # first_of_group: one row per group
-            "zero_spread_groups": int(all_flat[first_of_group].sum()),
-            **summary,
-            **{k: global_mean(v, accelerator) for k, v in logs.items()},
-            "kl_ref_loss": global_mean(logs["kl_ref_loss"], accelerator) if ref_logprobs is not None else None,
-            "kl_ref": kl_ref_rollout, "sample_logprob_gap": logprob_gap, "skipped_steps": skipped_steps,
-            "lr": optimizer.param_groups[0]["lr"],
-            "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
-            "time_iteration": time.time() - t_start,
-            "update_tokens": int(update_tokens),  # agent tokens the update passed over, all processes
-            "update_tokens_per_s": update_tokens / max(global_max(t_update, accelerator), 1e-9),
-            "peak_memory_gb": peak_memory_gb(), "processes": world, "replicas_identical": replicas_identical,
-        }
-        run.append("metrics.jsonl", [metrics])
-        run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
-        log_to_trackers(accelerator, metrics, all_records, step=iteration + 1)
+        with torch.no_grad():  # over every process's agent tokens
+            acted = batch["action_mask"]  # (B, T) every agent token, dropped groups' too
+            update_tokens = global_sum(mask.sum(), accelerator).item() * args.update_epochs
+            kl_ref = None if ref_logprobs is None else \
+                global_masked_mean(kl_k3(old_logprobs, ref_logprobs), acted, accelerator)  # null: no pass
+            gap = global_masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted, accelerator)
+        method = {"reward_mean": float(final.mean()), "reward_std": float(final.std()),
+                  "group_reward_std": float(all_std[first_of_group].mean()),
+                  "zero_spread_groups": int(all_flat[first_of_group].sum()), "kl_ref": kl_ref,
+                  "sample_logprob_gap": gap, "skipped_steps": skipped_steps,
+                  "lr": optimizer.param_groups[0]["lr"],
+                  "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
+                  "update_tokens_per_s": update_tokens / max(global_max(t_update, accelerator), 1e-9)}
+        times = {"time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
+                 "time_iteration": time.time() - t_start}
+        metrics = log_iteration(run, accelerator, iteration, all_records, rstats, logs, params, method, times)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                         emotion=f"{metrics['final_emotion_mean']:.1f}", flat=metrics["zero_spread_groups"])
-        out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
-        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time:
+
+        # --- 6. checkpoint -----------------------------------------------------------------------
+        due, out_of_time = checkpoint_due(args, iteration, t_run, accelerator)
+        if due:
             saved_at = iteration + 1
             save(iteration + 1)
         accelerator.wait_for_everyone()
         if out_of_time:
-            if accelerator.is_main_process:
-                print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}")
             break
     accelerator.end_training()  # closes the trackers
     if accelerator.is_main_process:

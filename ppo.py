@@ -21,14 +21,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rollout import (DEFAULT_TARGETS, PLAIN_PROMPT, THINK_PROMPT, StepGuard, adapter_params, all_rng_states,
-                     batched_logprobs, check_openings_fit, fingerprint, global_max, global_mean, global_stats,
-                     global_sum, latest_checkpoint, load_policy, log_to_trackers, make_simulator, masked_mean,
-                     pad_records, parse_settings, peak_memory_gb, pick_personas, play_dialogues, prepare_run,
-                     prune_checkpoints, public_config, reduce_gradients, save_checkpoint, set_seed,
-                     start_or_resume, stop_on_simulator_error, summarize, time_budget_used, token_logprobs,
-                     tracker_settings, transcript_record, one_step_per_batch, length_sorted)
-from simulator import SimulatorError, fail, load_personas_or_exit, one_of
+from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs, begin_run,
+                     checkpoint_due, global_masked_mean, global_max, global_sum, latest_checkpoint,
+                     length_sorted, load_policy, log_iteration, make_simulator, masked_mean, pad_records,
+                     passes_to_run, pick_personas, play_dialogues, policy_settings, prune_checkpoints,
+                     public_config, reduce_gradients, sampling_settings, save_checkpoint, set_seed,
+                     start_or_resume, StepGuard, stop_on_simulator_error, token_logprobs, training_personas)
+from simulator import SimulatorError, fail, one_of
 
 
 @dataclass
@@ -124,9 +123,11 @@ class Args:
         "help": "first iterations in which only the critic learns (verl's critic_warmup)"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping, per model part"})
-    max_bad_updates: int = field(default=3, metadata={"help": "stop after this many non-finite updates in a row"})
+    max_bad_updates: int = field(default=3, metadata={
+        "help": "stop after this many non-finite updates in a row"})
     log_kl_every: int = field(default=1, metadata={
-        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass in the others"})
+        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass in the "
+                "others"})
     # the run
     iterations: int = field(default=200, metadata={"help": "training iterations"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
@@ -157,6 +158,11 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_ppo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
+# What the update logs, per micro-batch or optimizer step; metrics.jsonl has their means (docs/metrics.md).
+LOGGED = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "value_clip_frac", "kl_ref_loss",
+          "ratio_first", "actor_grad_norm", "critic_grad_norm")
+
+
 def place_rewards(records, shape, mode="final", format_penalty=0.0):
     """Per-token rewards (B, T), zero except on the last token of agent turns.
     final: final emotion / 100 on the last token of the agent's last turn (the paper).
@@ -294,6 +300,14 @@ def value_prior(reward, start_emotion):
     return start_emotion / 100.0 if reward == "final" else 0.0
 
 
+def whiten(advantages, mask, accelerator):
+    """Advantages (B, T) to zero mean and unit variance over every process's agent tokens."""
+    n = global_sum(mask.sum(), accelerator)
+    mean = global_sum((advantages * mask).sum(), accelerator) / n
+    var = global_sum((((advantages - mean) * mask) ** 2).sum(), accelerator) / n
+    return (advantages - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
 def critic_values(model, value_head, input_ids, attention_mask):
     """V(s_t) for every position (B, T) under the 'critic' adapter, aligned with token_logprobs:
     the value at position t is the value of the state the token at t was sampled in, so it is
@@ -310,6 +324,20 @@ def critic_values(model, value_head, input_ids, attention_mask):
                      use_cache=False).last_hidden_state                                   # (B, T, H)
     values = value_head(hidden[:, :-1].to(value_head.weight.dtype)).squeeze(-1)           # (B, T-1)
     return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
+
+
+@torch.no_grad()
+def batched_values(model, value_head, batch, micro_batch_size):
+    """critic_values over a padded batch (B, T), in length-sorted micro-batches, without gradients."""
+    values = torch.zeros_like(batch["attention_mask"], dtype=torch.float32)                # (B, T)
+    was_training = model.training
+    model.eval()
+    with adapter_active(model, "critic"):
+        for rows, w in length_sorted(batch["attention_mask"], micro_batch_size):
+            values[rows, :w] = critic_values(model, value_head, batch["input_ids"][rows, :w],
+                                             batch["attention_mask"][rows, :w]).float()
+    model.train(was_training)
+    return values
 
 
 def check_batch_shape(args, world):
@@ -353,110 +381,72 @@ def actor_and_critic(args, model, device):
 
 
 def main(argv=None):
-    from accelerate import Accelerator
     from accelerate.utils import gather_object
     from tqdm import tqdm
 
-    args = parse_settings(Args, PRESETS, argv, {"loss_agg": one_of("token-mean", "seq-mean-token-mean",
-                                                                  "seq-mean-token-sum")})
-    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
-        fail("the paper's setup needs CUDA; on this machine run `python ppo.py --preset cpu`")
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              **tracker_settings(args.report_to, args.resume or args.out))
+    args, accelerator, ckpt, state, resumed = begin_run(Args, PRESETS, argv, {"loss_agg": one_of(
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum")}, ["default", "critic"], "ppo.py")
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    # the run folder before any model: a run there is never clobbered; --resume takes its settings
-    ckpt, state, resumed = prepare_run(args, ["default", "critic"], accelerator.is_main_process)
     check_batch_shape(args, world)
     set_seed(args.seed)  # the same adapter initialisation on every process
-    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
-    check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
-                       args.max_context, args.max_new_tokens, args.trust_remote_code)
+    personas = training_personas(args)
 
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
-    model, tokenizer = load_policy(
-        args.model, device=device, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout, target_modules=args.target_modules, load_in_4bit=args.load_in_4bit,
-        gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code)
+    model, tokenizer = load_policy(args.model, device=device, **policy_settings(args))
     value_head, actor_params, critic_params, optimizer, scheduler = actor_and_critic(args, model, device)
-    simulator, where = make_simulator(args, model, tokenizer, device, world)
-    if accelerator.is_main_process:
-        print(where)
+    simulator = make_simulator(args, model, tokenizer, accelerator)
 
     def save(iteration, name=None):  # every process calls it; the main process writes
         return _save(args, iteration, model, value_head, optimizer, scheduler, accelerator, name)
 
     # --- run folder and resume ---------------------------------------------------------------
     run, start_iteration = start_or_resume(args, accelerator, ckpt, state, model, ["default", "critic"],
-                                           optimizer, scheduler, resumed)
-    if args.resume:
-        value_head.load_state_dict(state["value_head"])
+                                           optimizer, scheduler, resumed, {"value_head": value_head})
     saved_at = start_iteration  # the iteration of the newest checkpoint
-
-    guard = StepGuard(args.max_bad_updates, "Lower --lr / --critic-lr or use --dtype float32", args.out)
+    guard = StepGuard(args.max_bad_updates, "Lower --lr / --critic-lr or use --dtype float32", args.out,
+                      accelerator)
     bar = tqdm(range(start_iteration, args.iterations), desc="ppo", disable=not accelerator.is_main_process)
     t_run = time.time()  # --time-budget counts from here (on --resume: from the resume)
     for iteration in bar:
         t_start = time.time()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
         # --- 1. collect dialogues: this process's share of the iteration's personas -------------
         chosen = pick_personas(personas, args.dialogues_per_iteration, args.seed, iteration)
         share = args.dialogues_per_iteration // world
         try:
-            records, rstats = play_dialogues(
-                model, tokenizer, simulator, chosen[rank * share:(rank + 1) * share], thinking=args.thinking,
-                temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                max_context=args.max_context, greedy=args.greedy,
-                progress=accelerator.is_main_process and sys.stderr.isatty())
+            own = chosen[rank * share:(rank + 1) * share]
+            records, rstats = play_dialogues(model, tokenizer, simulator, own, **sampling_settings(args),
+                                             progress=accelerator.is_main_process and sys.stderr.isatty())
         except SimulatorError as e:  # one line; a finished iteration not yet saved is saved first
             due = iteration > saved_at and world == 1  # (a save is collective: one process only)
             stop_on_simulator_error(e, partial(save, iteration) if due else None)
         t_rollout = time.time() - t_start
 
-        # --- 2. score: old log-probs, reference log-probs, values, rewards -----------------------
+        # --- 2. score: old log-probs, reference log-probs, values, rewards ------------------------
         t0 = time.time()
         batch = pad_records(records, tokenizer.pad_token_id, device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # Recomputed with the training forward pass rather than taken from generate, so that the
-        # ratio is exactly 1 on the first minibatch (generate's cached kernels differ slightly).
-        # With one optimizer step per batch they are the update's own forward pass, detached (filled
-        # in below): a scoring pass here would compute the same numbers once more.
-        # (--kl-coef puts the KL in the rewards, before the update: then the scoring pass runs.)
-        old_from_update = (one_step_per_batch(args.update_epochs, args.minibatch_size, args.dialogues_per_iteration)
-                           and args.kl_coef == 0)
+        # only passes whose result is not known yet; --kl-coef reads old log-probs before the update
+        old_from_update, need_ref = passes_to_run(args, iteration, old_first=args.kl_coef > 0)
         old_logprobs = torch.zeros_like(mask) if old_from_update else \
-            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)                     # (B, T)
-        # The reference pass only when a KL term reads it or kl_ref is logged (--log-kl-every).
-        need_ref = args.kl_coef > 0 or args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
+            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                        reference=True) if need_ref else None                           # (B, T)
-        with torch.no_grad(), adapter_active(model, "critic"):
-            model.eval()
-            old_values = torch.zeros_like(mask)                                                         # (B, T)
-            for rows, w in length_sorted(batch["attention_mask"], args.micro_batch_size):
-                old_values[rows, :w] = critic_values(model, value_head, batch["input_ids"][rows, :w],
-                                                     batch["attention_mask"][rows, :w]).float()
-            old_values = old_values * mask
-            model.train()
-        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(device)       # (B, T)
-        if args.kl_coef > 0:  # then both passes ran above
-            rewards = rewards - args.kl_coef * (old_logprobs - ref_logprobs) * mask                     # k1, per token
+                                        reference=True) if need_ref else None               # (B, T)
+        old_values = batched_values(model, value_head, batch, args.micro_batch_size) * mask  # (B, T)
+        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(device)
+        if args.kl_coef > 0:  # the k1 estimate, per token, in the reward (both passes ran above)
+            rewards = rewards - args.kl_coef * (old_logprobs - ref_logprobs) * mask           # (B, T)
+
+        # --- 3. advantages: GAE over the agent's tokens ------------------------------------------
         advantages, returns = compute_gae(rewards.cpu(), old_values.cpu(), mask.cpu(), args.gamma, args.lam)
         advantages, returns = advantages.to(device), returns.to(device)
         if args.whiten_advantages:  # over every process's agent tokens
-            n = global_sum(mask.sum(), accelerator)
-            mean = global_sum((advantages * mask).sum(), accelerator) / n
-            var = global_sum((((advantages - mean) * mask) ** 2).sum(), accelerator) / n
-            advantages = (advantages - mean) * torch.rsqrt(var + 1e-8) * mask
+            advantages = whiten(advantages, mask, accelerator)
         t_score = time.time() - t0
 
-        # --- 3. update: epochs x minibatches x micro-batches ------------------------------------
+        # --- 4. update: epochs x minibatches x micro-batches ------------------------------------
         t0 = time.time()
         model.train()
-        logs = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac",
-                                "value_clip_frac", "kl_ref_loss", "ratio_first",
-                                "actor_grad_norm", "critic_grad_norm")}
+        logs = {k: [] for k in LOGGED}
         local_mb = args.minibatch_size // world
         train_actor = iteration >= args.critic_warmup  # during warm-up the actor's loss is only logged
         for epoch in range(args.update_epochs):
@@ -464,55 +454,48 @@ def main(argv=None):
             for start in range(0, len(records), local_mb):
                 mb_inds = order[start:start + local_mb]
                 total_tokens = global_sum(mask[mb_inds].sum(), accelerator).clamp(min=1)
-                total_seqs = float(args.minibatch_size)
                 optimizer.zero_grad(set_to_none=True)
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
                     w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
                     ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
+                    agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
+                                  total_seqs=float(args.minibatch_size))  # its share of the minibatch loss
                     with torch.set_grad_enabled(train_actor):
-                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True,
-                                                             action_mask=m, entropy_grad=args.ent_coef > 0)
+                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
+                                                             with_entropy=True,
+                                                             entropy_grad=args.ent_coef > 0)
                         if old_from_update:
                             old_logprobs[idx, :w] = newlogprob.detach()
                         pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx, :w],
-                                                                 advantages[idx, :w], args.clip_low, args.clip_high)
-                        kl_ref = kl_k3(newlogprob, ref_logprobs[idx, :w]) if ref_logprobs is not None else None
-                        actor_loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs)
-                                      - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs))
+                                                                 advantages[idx, :w], args.clip_low,
+                                                                 args.clip_high)
+                        kl_ref = None if ref_logprobs is None else kl_k3(newlogprob, ref_logprobs[idx, :w])
+                        actor_loss = agg(pg) - args.ent_coef * agg(entropy)
                         if args.kl_loss_coef > 0:
-                            actor_loss = actor_loss + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg,
-                                                                                    total_tokens, total_seqs)
+                            actor_loss = actor_loss + args.kl_loss_coef * agg(kl_ref)
                     if train_actor:
                         actor_loss.backward()
                     with adapter_active(model, "critic"):  # forward and backward under the critic
                         values = critic_values(model, value_head, ids, att).float()
                         vl, vclipped = clipped_value_loss(values, old_values[idx, :w], returns[idx, :w],
                                                           args.value_clip)
-                        critic_loss = args.vf_coef * aggregate(vl, m, args.loss_agg, total_tokens, total_seqs)
-                        critic_loss.backward()
+                        (args.vf_coef * agg(vl)).backward()
                     with torch.no_grad():
                         logratio = newlogprob - old_logprobs[idx, :w]
-                        logs["policy_loss"].append(masked_mean(pg, m).item())
-                        logs["value_loss"].append(masked_mean(vl, m).item())
-                        logs["entropy"].append(masked_mean(entropy, m).item())
-                        logs["approx_kl"].append(masked_mean(torch.exp(logratio) - 1 - logratio, m).item())
-                        logs["clip_frac"].append(masked_mean(clipped, m).item())
-                        logs["value_clip_frac"].append(masked_mean(vclipped, m).item())
-                        if kl_ref is not None:
-                            logs["kl_ref_loss"].append(masked_mean(kl_ref, m).item())
-                        if epoch == 0 and start == 0 and m0 == 0:
-                            # The weights that scored the rollout, so 1, but exactly 1 only in float32:
-                            # in bf16 (on a GPU) the logits are rounded before .float(), and the scoring
-                            # pass and this one group the dialogues into other micro-batches (other
-                            # shapes, other kernels): near 1 there, not exactly 1.
-                            logs["ratio_first"].append(masked_mean(ratio, m).item())
+                        # ratio_first: the weights that scored the rollout, so 1 (exactly, in float32)
+                        for key, x in (("policy_loss", pg), ("value_loss", vl), ("entropy", entropy),
+                                       ("approx_kl", torch.exp(logratio) - 1 - logratio),  # the k3 estimator
+                                       ("clip_frac", clipped), ("value_clip_frac", vclipped),
+                                       ("kl_ref_loss", kl_ref),
+                                       ("ratio_first", ratio if epoch == start == m0 == 0 else None)):
+                            if x is not None:
+                                logs[key].append(masked_mean(x, m).item())
                 # gradients: sum over processes (each loss was already divided by the global count)
                 reduce_gradients(actor_params + critic_params, accelerator)
                 actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)
                 critic_norm = torch.nn.utils.clip_grad_norm_(critic_params, args.max_grad_norm)
-                if not guard.step_ok(actor_norm + critic_norm, iteration, partial(save, iteration),
-                                     accelerator):
+                if not guard.step_ok(actor_norm + critic_norm, iteration, partial(save, iteration)):
                     optimizer.zero_grad(set_to_none=True)  # a non-finite loss: skip this step
                     continue
                 optimizer.step()
@@ -521,54 +504,36 @@ def main(argv=None):
                 logs["critic_grad_norm"].append(critic_norm.item())
         t_update = time.time() - t0
 
-        # --- 4. log: global means over every process's dialogues ---------------------------------
+        # --- 5. log: global figures over every process's dialogues -------------------------------
         all_records = gather_object(records) if world > 1 else records
-        # data parallel: every process must hold bit-identical adapters after the update
-        digest = fingerprint(actor_params + critic_params)
-        replicas_identical = len(set(gather_object([digest]) if world > 1 else [digest])) == 1
+        final = np.array([r["final_emotion"] / 100.0 if args.reward == "final" else sum(r["changes"]) / 100.0
+                          for r in all_records])
         with torch.no_grad():  # over every process's agent tokens
-            sums = variance_sums(old_values[mask > 0], returns[mask > 0])                       # (5,)
-            explained_var = explained_variance(global_sum(sums, accelerator))
-            n_tokens = global_sum(mask.sum(), accelerator).clamp(min=1)
-            # kl_ref: None (null) on iterations without the reference pass (--log-kl-every)
-            kl_ref_rollout = None if ref_logprobs is None else \
-                (global_sum((kl_k3(old_logprobs, ref_logprobs) * mask).sum(), accelerator) / n_tokens).item()
-            # How far the sampler's log-probs (generate) are from the training forward pass's: 0 up to
-            # round-off in float32; in bf16 the two kernels round differently (see README: ratio_first).
-            gap = (old_logprobs - batch["sample_logprobs"]).abs() * mask
-            logprob_gap = (global_sum(gap.sum(), accelerator) / n_tokens).item()
+            on = mask > 0  # (B, T) agent tokens
+            ev = explained_variance(global_sum(variance_sums(old_values[on], returns[on]), accelerator))
             update_tokens = global_sum(mask.sum(), accelerator).item() * args.update_epochs
-        rewards_per_dialogue = np.array([r["final_emotion"] / 100.0 if args.reward == "final"
-                                         else sum(r["changes"]) / 100.0 for r in all_records])
-        summary = summarize(all_records, global_stats(rstats, accelerator))
-        metrics = {
-            "iteration": iteration + 1,
-            "reward_mean": float(rewards_per_dialogue.mean()),
-            "reward_std": float(rewards_per_dialogue.std()),
-            **summary,
-            **{k: global_mean(v, accelerator) for k, v in logs.items()},
-            "kl_ref_loss": global_mean(logs["kl_ref_loss"], accelerator) if ref_logprobs is not None else None,
-            "kl_ref": kl_ref_rollout, "sample_logprob_gap": logprob_gap, "explained_variance": explained_var,
-            "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
-            "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
-            "time_iteration": time.time() - t_start,
-            "update_tokens": int(update_tokens),  # agent tokens the update passed over, all processes
-            "update_tokens_per_s": update_tokens / max(global_max(t_update, accelerator), 1e-9),
-            "peak_memory_gb": peak_memory_gb(), "processes": world, "replicas_identical": replicas_identical,
-        }
-        run.append("metrics.jsonl", [metrics])
-        run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
-        log_to_trackers(accelerator, metrics, all_records, step=iteration + 1)
+            kl_ref = None if ref_logprobs is None else \
+                global_masked_mean(kl_k3(old_logprobs, ref_logprobs), mask, accelerator)  # null: no pass
+            gap = global_masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), mask, accelerator)
+        method = {"reward_mean": float(final.mean()), "reward_std": float(final.std()), "kl_ref": kl_ref,
+                  "sample_logprob_gap": gap, "explained_variance": ev,
+                  "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
+                  "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
+                  "update_tokens_per_s": update_tokens / max(global_max(t_update, accelerator), 1e-9)}
+        times = {"time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
+                 "time_iteration": time.time() - t_start}
+        metrics = log_iteration(run, accelerator, iteration, all_records, rstats, logs,
+                                actor_params + critic_params, method, times)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                         emotion=f"{metrics['final_emotion_mean']:.1f}")
-        out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
-        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time:
+
+        # --- 6. checkpoint -----------------------------------------------------------------------
+        due, out_of_time = checkpoint_due(args, iteration, t_run, accelerator)
+        if due:
             saved_at = iteration + 1
             save(iteration + 1)
         accelerator.wait_for_everyone()
         if out_of_time:
-            if accelerator.is_main_process:
-                print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}")
             break
     accelerator.end_training()  # closes the trackers
     if accelerator.is_main_process:

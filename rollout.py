@@ -946,6 +946,42 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
              f"{max_new_tokens} does not fit --max-context {max_context}")
 
 
+def begin_run(args_class, presets, argv, rules, adapters, script):
+    """Everything before a model loads: the settings, checked (parse_settings); the Accelerator,
+    with --report-to's trackers; the run folder, never clobbered, and with --resume the checkpoint
+    and the run's own settings (prepare_run). Returns (args, accelerator, checkpoint, state, resumed)."""
+    from accelerate import Accelerator
+
+    args = parse_settings(args_class, presets, argv, rules)
+    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
+        fail(f"the paper's setup needs CUDA; on this machine run `python {script} --preset cpu`")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              **tracker_settings(args.report_to, args.resume or args.out))
+    checkpoint, state, resumed = prepare_run(args, adapters, accelerator.is_main_process)
+    return args, accelerator, checkpoint, state, resumed
+
+
+def training_personas(args):
+    """The split's personas at --difficulty, each opening checked to fit --max-context."""
+    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
+    check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
+                       args.max_context, args.max_new_tokens, args.trust_remote_code)
+    return personas
+
+
+def policy_settings(args):
+    """load_policy's keyword arguments from a trainer's settings."""
+    return dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                target_modules=args.target_modules, load_in_4bit=args.load_in_4bit, dtype=args.dtype,
+                gradient_checkpointing=args.gradient_checkpointing, trust_remote_code=args.trust_remote_code)
+
+
+def sampling_settings(args):
+    """play_dialogues' keyword arguments from a trainer's settings."""
+    return dict(thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
+                max_new_tokens=args.max_new_tokens, max_context=args.max_context, greedy=args.greedy)
+
+
 def simulator_placement(simulator, device_map, world=1):
     """(device_map, max_memory) for a local simulator model: with one process, several GPUs and
     --simulator-device-map auto, spread over every GPU but the first, which the policy keeps;
@@ -956,8 +992,10 @@ def simulator_placement(simulator, device_map, world=1):
     return None, None
 
 
-def make_simulator(args, model, tokenizer, device, world=1):
-    """The simulated user of --simulator, placed as simulator_placement says, and a line saying where."""
+def make_simulator(args, model, tokenizer, accelerator, note=""):
+    """The simulated user of --simulator, placed as simulator_placement says; the main process says
+    where it is (and `note`)."""
+    device, world = accelerator.device, accelerator.num_processes
     device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map, world)
     backend = make_backend(args.simulator, policy=model, tokenizer=tokenizer, api_model=args.api_model,
                            api_key_env=args.api_key_env, device=device, device_map=device_map,
@@ -969,13 +1007,17 @@ def make_simulator(args, model, tokenizer, device, world=1):
                           reply_tokens=args.user_reply_tokens)
     where = {"same": "shares the policy's base", "rules": "rules", "url": "a server"}.get(
         simulator_kind(args.simulator), "spread over GPUs 1.." if device_map else f"on {device}")
-    return simulator, (f"policy {args.model} on {device} x {world} process(es); simulator "
-                       f"{redact(args.simulator)} ({where}), read-out {simulator.readout}")
+    if accelerator.is_main_process:
+        print(f"policy {args.model} on {device} x {world} process(es); simulator {redact(args.simulator)} "
+              f"({where}), read-out {simulator.readout}{note}")
+    return simulator
 
 
-def start_or_resume(args, accelerator, checkpoint, state, model, adapters, optimizer, scheduler, resumed):
+def start_or_resume(args, accelerator, checkpoint, state, model, adapters, optimizer, scheduler, resumed,
+                    modules=None):
     """The run folder, and with --resume the state of the checkpoint prepare_run picked: adapters,
-    optimizer, scheduler and every process's RNG. Returns (run folder, iteration to start from)."""
+    optimizer, scheduler, `modules` (name in state.pt -> module, e.g. PPO's value head) and every
+    process's RNG. Returns (run folder, iteration to start from)."""
     rank, world = accelerator.process_index, accelerator.num_processes
     start = 0
     if args.resume:
@@ -983,6 +1025,8 @@ def start_or_resume(args, accelerator, checkpoint, state, model, adapters, optim
             load_adapter_weights(model, checkpoint, name)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        for name, module in (modules or {}).items():
+            module.load_state_dict(state[name])
         start = state["iteration"]
         rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
         if len(rngs) == world:  # the same number of processes: continue exactly where it stopped
@@ -997,7 +1041,21 @@ def start_or_resume(args, accelerator, checkpoint, state, model, adapters, optim
         run.truncate("metrics.jsonl", start)
         run.truncate("rollouts.jsonl", start)
     start_trackers(args, accelerator, start)
+    if torch.cuda.is_available():  # each iteration's peak_memory_gb counts from here (then from its log)
+        torch.cuda.reset_peak_memory_stats()
     return run, start
+
+
+def passes_to_run(args, iteration, old_first=False):
+    """(old log-probs from the update, reference pass): the scoring passes an iteration needs.
+    With one optimizer step per batch (one epoch, one minibatch) the old log-probs are the update's
+    own forward pass, detached, so a scoring pass would compute the same numbers once more; unless
+    something reads them before the update (old_first). The reference pass runs when a KL term
+    reads it or kl_ref is logged (every --log-kl-every iterations). TRL skips the same passes."""
+    batch_size = getattr(args, "dialogues_per_iteration", 0) or args.personas_per_iteration * args.group_size
+    old_from_update = one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size) and not old_first
+    kl_term = getattr(args, "kl_coef", 0) > 0 or args.kl_loss_coef > 0
+    return old_from_update, kl_term or iteration % args.log_kl_every == 0
 
 
 def pick_personas(personas, n, seed, iteration):
@@ -1011,10 +1069,12 @@ class StepGuard:
     stop the run. The state at the stop has part of an iteration's steps in it, so it is never
     written over a complete checkpoint: save(name) puts it where --resume does not look."""
 
-    def __init__(self, limit, advice, run_dir):
+    def __init__(self, limit, advice, run_dir, accelerator):
         self.limit, self.advice, self.run_dir, self.in_a_row = limit, advice, run_dir, 0
+        self.accelerator = accelerator
 
-    def step_ok(self, norm, iteration, save, accelerator):
+    def step_ok(self, norm, iteration, save):
+        accelerator = self.accelerator
         if torch.isfinite(norm):
             self.in_a_row = 0
             return True
@@ -1045,12 +1105,14 @@ def log_iteration(run, accelerator, iteration, all_records, rstats, logs, params
     digests = gather_object([digest]) if accelerator.num_processes > 1 else [digest]
     summary = summarize(all_records, global_stats(rstats, accelerator))
     metrics = {"iteration": iteration + 1, **method, **summary,
-               **{k: global_mean(v, accelerator) for k, v in logs.items()}, **times,
+               **{k: global_mean(v, accelerator) if v else None for k, v in logs.items()}, **times,
                "peak_memory_gb": peak_memory_gb(), "processes": accelerator.num_processes,
                "replicas_identical": len(set(digests)) == 1}
     run.append("metrics.jsonl", [metrics])
     run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
     log_to_trackers(accelerator, metrics, all_records, step=iteration + 1)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()  # the next iteration's peak
     return metrics
 
 
@@ -1062,6 +1124,13 @@ def checkpoint_due(args, iteration, t_run, accelerator):
         print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}")
     due = (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time
     return due, out_of_time
+
+
+def gather_tensor(x, accelerator):
+    """A 1-D tensor of every process's rows, in rank order (itself with one process)."""
+    from accelerate.utils import gather_object
+
+    return torch.tensor(gather_object(x.tolist()), dtype=x.dtype) if accelerator.num_processes > 1 else x
 
 
 def global_masked_mean(x, mask, accelerator):

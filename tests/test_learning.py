@@ -41,8 +41,8 @@ class TargetTokenSimulator(sim_module.Simulator):
 
 def install_stand_in(monkeypatch, trainer, turns=1):
     """Replace the trainer's simulated user with the stand-in (it needs the policy's tokenizer)."""
-    def make_simulator(args, model, tokenizer, device, world=1):
-        return TargetTokenSimulator(tokenizer, turns), "simulator: the target-token stand-in"
+    def make_simulator(args, model, tokenizer, accelerator, note=""):
+        return TargetTokenSimulator(tokenizer, turns)
     monkeypatch.setattr(trainer, "make_simulator", make_simulator)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ppo
+import rollout
 from conftest import ROOT
 
 
@@ -398,7 +399,8 @@ def test_explained_variance_from_the_sums_of_two_processes():
 def adapter_of(out, iteration, name):
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(out, "checkpoints", f"iter_{iteration:06d}", name, "adapter_model.safetensors"))
+    folder = os.path.join(out, "checkpoints", f"iter_{iteration:06d}", name)
+    return load_file(os.path.join(folder, "adapter_model.safetensors"))
 
 
 def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny_model_dir, personas_file,
@@ -407,7 +409,7 @@ def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny
     # Forcing the separate scoring pass (the code before the skip) must give the same run.
     argv = ["--iterations", "2", "--lr", "2e-2", "--ent-coef", "0.01", "--micro-batch-size", "2"]
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "skip", *argv))
-    monkeypatch.setattr(ppo, "one_step_per_batch", lambda *a: False)
+    monkeypatch.setattr(rollout, "one_step_per_batch", lambda *a: False)
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "pass", *argv))
     skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")
     assert full[1]["kl_ref"] > 1e-6 and full[0]["actor_grad_norm"] > 0  # the policy moved

@@ -241,7 +241,7 @@ def test_gpu_tiny_paper_shape_and_bandwidth_bound():
     assert result["bound_tokens_per_s"] == pytest.approx(4 * 100e9 / result["decode_step_bytes"])
     assert result["plain_to_bound"] == pytest.approx(result["plain_generate_tokens_per_s"] / result["bound_tokens_per_s"],
                                                      abs=6e-4)  # printed to 3 places
-    assert result["decode_step_bytes"] > 0.99 * 4 * result["model_params_b"] * 1e9  # fp32 weights, a KV cache
+    assert result["decode_step_bytes"] > 3.5 * result["model_params_b"] * 1e9  # fp32 weights (params rounded)
 
 
 def test_gpu_without_cuda_says_so_in_one_line():

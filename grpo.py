@@ -29,7 +29,7 @@ from rollout import (DEFAULT_TARGETS, PLAIN_PROMPT, THINK_PROMPT, StepGuard, ada
                      pad_records, parse_settings, peak_memory_gb, pick_personas, play_dialogues, prepare_run,
                      prune_checkpoints, public_config, reduce_gradients, save_checkpoint, set_seed,
                      start_or_resume, stop_on_simulator_error, summarize, time_budget_used, token_logprobs,
-                     tracker_settings, transcript_record, one_step_per_batch, length_sorted)
+                     tracker_settings, transcript_record, one_step_per_batch)
 from simulator import SimulatorError, fail, load_personas_or_exit, one_of
 
 
@@ -121,9 +121,11 @@ class Args:
     lr: float = field(default=1e-5, metadata={"help": "LoRA learning rate (paper, full fine-tuning: 1e-6)"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping"})
-    max_bad_updates: int = field(default=3, metadata={"help": "stop after this many non-finite updates in a row"})
+    max_bad_updates: int = field(default=3, metadata={
+        "help": "stop after this many non-finite updates in a row"})
     log_kl_every: int = field(default=1, metadata={
-        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass in the others"})
+        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass "
+                "in the others"})
     # the run
     iterations: int = field(default=200, metadata={"help": "training iterations"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
@@ -349,11 +351,11 @@ def main(argv=None):
         old_from_update = (one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size)
                            and not args.drop_zero_spread)
         old_logprobs = torch.zeros_like(mask) if old_from_update else \
-            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)                     # (B, T)
+            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)              # (B, T)
         # The reference pass only when a KL term reads it or kl_ref is logged (--log-kl-every).
         need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                        reference=True) if need_ref else None                           # (B, T)
+                                        reference=True) if need_ref else None                    # (B, T)
         rewards = dialogue_rewards(records, args.reward, args.format_penalty)                           # (B,)
         group_ids = torch.tensor([rank * share + r["group"] for r in records])                          # (B,)
         # The advantages of the whole iteration, on every process: batch scaling needs the std of all
@@ -402,11 +404,13 @@ def main(argv=None):
                         old_logprobs[idx, :w] = newlogprob.detach()
                     # With --update-epochs 1 and one minibatch per batch, newlogprob == old_logprobs:
                     # the ratio is exactly 1 and this is the plain policy gradient.
-                    pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx, :w], advantages[idx, :w],
-                                                             args.clip_low, args.clip_high)
-                    kl_ref = kl_k3(newlogprob, ref_logprobs[idx, :w]) if ref_logprobs is not None else None
+                    pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx, :w],
+                                                             advantages[idx, :w], args.clip_low,
+                                                             args.clip_high)
+                    kl_ref = None if ref_logprobs is None else kl_k3(newlogprob, ref_logprobs[idx, :w])
                     loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs, token_budget)
-                            - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs, token_budget))
+                            - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs,
+                                                        token_budget))
                     if args.kl_loss_coef > 0:
                         loss = loss + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg, total_tokens,
                                                                     total_seqs, token_budget)
@@ -446,7 +450,8 @@ def main(argv=None):
             n_tokens = global_sum(rollout_mask.sum(), accelerator).clamp(min=1)
             # kl_ref: None (null) on iterations without the reference pass (--log-kl-every)
             kl_ref_rollout = None if ref_logprobs is None else \
-                (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(), accelerator) / n_tokens).item()
+                (global_sum((kl_k3(old_logprobs, ref_logprobs) * rollout_mask).sum(), accelerator)
+                 / n_tokens).item()
             # How far the sampler's log-probs (generate) are from the training forward pass's: 0 up to
             # round-off in float32; in bf16 the two kernels round differently (see README: ratio_first).
             gap = (old_logprobs - batch["sample_logprobs"]).abs() * rollout_mask
@@ -464,7 +469,7 @@ def main(argv=None):
             "zero_spread_groups": int(all_flat[first_of_group].sum()),
             **summary,
             **{k: global_mean(v, accelerator) for k, v in logs.items()},
-            "kl_ref_loss": global_mean(logs["kl_ref_loss"], accelerator) if ref_logprobs is not None else None,
+            "kl_ref_loss": None if ref_logprobs is None else global_mean(logs["kl_ref_loss"], accelerator),
             "kl_ref": kl_ref_rollout, "sample_logprob_gap": logprob_gap, "skipped_steps": skipped_steps,
             "lr": optimizer.param_groups[0]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,

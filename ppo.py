@@ -124,9 +124,11 @@ class Args:
         "help": "first iterations in which only the critic learns (verl's critic_warmup)"})
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping, per model part"})
-    max_bad_updates: int = field(default=3, metadata={"help": "stop after this many non-finite updates in a row"})
+    max_bad_updates: int = field(default=3, metadata={
+        "help": "stop after this many non-finite updates in a row"})
     log_kl_every: int = field(default=1, metadata={
-        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass in the others"})
+        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass "
+                "in the others"})
     # the run
     iterations: int = field(default=200, metadata={"help": "training iterations"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
@@ -423,25 +425,25 @@ def main(argv=None):
         # With one optimizer step per batch they are the update's own forward pass, detached (filled
         # in below): a scoring pass here would compute the same numbers once more.
         # (--kl-coef puts the KL in the rewards, before the update: then the scoring pass runs.)
-        old_from_update = (one_step_per_batch(args.update_epochs, args.minibatch_size, args.dialogues_per_iteration)
-                           and args.kl_coef == 0)
+        old_from_update = (one_step_per_batch(args.update_epochs, args.minibatch_size,
+                                              args.dialogues_per_iteration) and args.kl_coef == 0)
         old_logprobs = torch.zeros_like(mask) if old_from_update else \
-            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)                     # (B, T)
+            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)              # (B, T)
         # The reference pass only when a KL term reads it or kl_ref is logged (--log-kl-every).
         need_ref = args.kl_coef > 0 or args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                        reference=True) if need_ref else None                           # (B, T)
+                                        reference=True) if need_ref else None                    # (B, T)
         with torch.no_grad(), adapter_active(model, "critic"):
             model.eval()
-            old_values = torch.zeros_like(mask)                                                         # (B, T)
+            old_values = torch.zeros_like(mask)                                                  # (B, T)
             for rows, w in length_sorted(batch["attention_mask"], args.micro_batch_size):
                 old_values[rows, :w] = critic_values(model, value_head, batch["input_ids"][rows, :w],
                                                      batch["attention_mask"][rows, :w]).float()
             old_values = old_values * mask
             model.train()
-        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(device)       # (B, T)
+        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(device)  # (B, T)
         if args.kl_coef > 0:  # then both passes ran above
-            rewards = rewards - args.kl_coef * (old_logprobs - ref_logprobs) * mask                     # k1, per token
+            rewards = rewards - args.kl_coef * (old_logprobs - ref_logprobs) * mask       # k1, per token
         advantages, returns = compute_gae(rewards.cpu(), old_values.cpu(), mask.cpu(), args.gamma, args.lam)
         advantages, returns = advantages.to(device), returns.to(device)
         if args.whiten_advantages:  # over every process's agent tokens
@@ -471,15 +473,18 @@ def main(argv=None):
                     w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
                     ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
                     with torch.set_grad_enabled(train_actor):
-                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, with_entropy=True,
-                                                             action_mask=m, entropy_grad=args.ent_coef > 0)
+                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature,
+                                                             with_entropy=True, action_mask=m,
+                                                             entropy_grad=args.ent_coef > 0)
                         if old_from_update:
                             old_logprobs[idx, :w] = newlogprob.detach()
                         pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx, :w],
-                                                                 advantages[idx, :w], args.clip_low, args.clip_high)
-                        kl_ref = kl_k3(newlogprob, ref_logprobs[idx, :w]) if ref_logprobs is not None else None
+                                                                 advantages[idx, :w], args.clip_low,
+                                                                 args.clip_high)
+                        kl_ref = None if ref_logprobs is None else kl_k3(newlogprob, ref_logprobs[idx, :w])
                         actor_loss = (aggregate(pg, m, args.loss_agg, total_tokens, total_seqs)
-                                      - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens, total_seqs))
+                                      - args.ent_coef * aggregate(entropy, m, args.loss_agg, total_tokens,
+                                                                  total_seqs))
                         if args.kl_loss_coef > 0:
                             actor_loss = actor_loss + args.kl_loss_coef * aggregate(kl_ref, m, args.loss_agg,
                                                                                     total_tokens, total_seqs)
@@ -547,7 +552,7 @@ def main(argv=None):
             "reward_std": float(rewards_per_dialogue.std()),
             **summary,
             **{k: global_mean(v, accelerator) for k, v in logs.items()},
-            "kl_ref_loss": global_mean(logs["kl_ref_loss"], accelerator) if ref_logprobs is not None else None,
+            "kl_ref_loss": None if ref_logprobs is None else global_mean(logs["kl_ref_loss"], accelerator),
             "kl_ref": kl_ref_rollout, "sample_logprob_gap": logprob_gap, "explained_variance": explained_var,
             "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
             "time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,

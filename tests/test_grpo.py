@@ -364,7 +364,8 @@ def test_time_budget_stops_with_a_checkpoint(tiny_model_dir, personas_file, tmp_
 def adapter_of(out, iteration):
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(out, "checkpoints", f"iter_{iteration:06d}", "default", "adapter_model.safetensors"))
+    return load_file(os.path.join(out, "checkpoints", f"iter_{iteration:06d}", "default",
+                                  "adapter_model.safetensors"))
 
 
 def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(warm_model_dir, personas_file,

@@ -398,7 +398,8 @@ def test_explained_variance_from_the_sums_of_two_processes():
 def adapter_of(out, iteration, name):
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(out, "checkpoints", f"iter_{iteration:06d}", name, "adapter_model.safetensors"))
+    return load_file(os.path.join(out, "checkpoints", f"iter_{iteration:06d}", name,
+                                  "adapter_model.safetensors"))
 
 
 def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny_model_dir, personas_file,

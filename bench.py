@@ -1,7 +1,9 @@
 """Benchmarks of this codebase itself, one subcommand each.
 
-    python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--threads 2] [--simulator same|rules]
-    python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1] [--out runs/bench-learning] [-- TRAINER FLAGS]
+    python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--threads 2] \
+[--simulator same|rules]
+    python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1] [--out runs/bench-learning] \
+[-- TRAINER FLAGS]
     python bench.py step --algo grpo|ppo [--iterations 3] [-- TRAINER FLAGS]
     python bench.py gpu [--dialogues 32] [--max-turns 3] [--max-new-tokens 128]    (one CUDA GPU)
     python bench.py gpu --shape paper     (8 turns of 512 tokens, thinking on, the 'same' user; one GPU)
@@ -196,19 +198,19 @@ def step_floor(model, tokenizer, prompts, max_new_tokens, micro_batch_size, crit
     config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                               eos_token_id=eos_ids(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    ids, mask, _ = cached_batch(prompts, [{} for _ in prompts], tokenizer.pad_token_id, device)  # left padding
+    ids, mask, _ = cached_batch(prompts, [{} for _ in prompts], tokenizer.pad_token_id, device)  # left-padded
     was_training = model.training
     t0 = time.time()
     model.eval()
     with torch.no_grad():
-        sequences = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)   # (B, P + N)
+        sequences = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)  # (B, P + N)
     t_generate = time.time() - t0
     model.train()
-    att = torch.cat([mask, torch.ones_like(sequences[:, ids.shape[1]:])], 1)                        # (B, P + N)
+    att = torch.cat([mask, torch.ones_like(sequences[:, ids.shape[1]:])], 1)                   # (B, P + N)
     for i in range(0, len(prompts), micro_batch_size):
         seq, a = sequences[i:i + micro_batch_size], att[i:i + micro_batch_size]
         logits = model(input_ids=seq, attention_mask=a, logits_to_keep=max_new_tokens + 1).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, seq[:, -max_new_tokens:, None])     # (b, N, 1)
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, seq[:, -max_new_tokens:, None])  # (b, N, 1)
         logp.mean().backward()
         if critic is not None:
             adapter_active, critic_values, value_head = critic
@@ -234,9 +236,11 @@ def bench_step(args):
 
     trainer = importlib.import_module(args.algo)
     flags = ["--preset", "cpu", "--model", args.model, "--personas", args.personas, "--simulator", "rules",
-             "--max-turns", "1", "--max-new-tokens", str(args.max_new_tokens), "--lora-r", "16", "--lora-alpha", "32",
+             "--max-turns", "1", "--max-new-tokens", str(args.max_new_tokens),
+             "--lora-r", "16", "--lora-alpha", "32",
              "--minibatch-size", str(args.dialogues), "--micro-batch-size", str(args.micro_batch_size),
-             "--iterations", str(args.iterations), "--save-every", str(args.iterations), "--seed", str(args.seed),
+             "--iterations", str(args.iterations), "--save-every", str(args.iterations),
+             "--seed", str(args.seed),
              "--max-context", "1024", "--log-kl-every", str(args.log_kl_every)]
     if args.algo == "grpo":
         flags += ["--personas-per-iteration", str(args.dialogues // args.group_size), "--group-size",
@@ -248,7 +252,8 @@ def bench_step(args):
     real_play = trainer.play_dialogues
 
     def play_after_the_floor(policy, tokenizer, simulator, personas, samples_per_persona=1, **kwargs):
-        chat = rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT if kwargs.get("thinking") else rollout.PLAIN_PROMPT)
+        system_prompt = rollout.THINK_PROMPT if kwargs.get("thinking") else rollout.PLAIN_PROMPT
+        chat = rollout.ChatTokens(tokenizer, system_prompt)
         prompts = [chat.prompt(p.opening) for p in personas for _ in range(samples_per_persona)]
         critic = None
         if args.algo == "ppo":  # a value head of the trainer's shape on its critic adapter
@@ -291,7 +296,8 @@ def bench_step(args):
     print(f"  iteration : {result['iteration_seconds']:.1f} s median of {len(metrics)} of {len(each)} "
           f"(rollout {result['rollout_seconds']:.1f}, score {result['score_seconds']:.1f}, "
           f"update {result['update_seconds']:.1f}; {result['policy_tokens']:.0f} policy tokens)")
-    print(f"  floor     : {result['floor_seconds']:.1f} s median (generate {result['floor_generate_seconds']:.1f} s of "
+    print(f"  floor     : {result['floor_seconds']:.1f} s median "
+          f"(generate {result['floor_generate_seconds']:.1f} s of "
           f"{result['floor_tokens']} tokens, forward + backward {result['floor_update_seconds']:.1f} s"
           f"{', critic included' if args.algo == 'ppo' else ''})")
     print(f"  ratio     : {result['ratio']:.2f} (target <= {STEP_FLOOR_TARGET[args.algo]})")
@@ -610,8 +616,8 @@ GPU_DEFAULTS = {  # (one H200, --tiny on CPU): dialogues, agent turns, new token
 GPU_PAPER_SHAPE = {"max_turns": (8, 3), "max_new_tokens": (512, 8)}
 # Memory bandwidth (GB/s) of the GPUs this was sized for, by a part of the name torch reports;
 # --bandwidth-gbs gives it for any other.
-GPU_BANDWIDTH_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000, "A100-SXM4-80GB": 2039,
-                     "A100 80GB PCIe": 1935, "A100-SXM4-40GB": 1555, "L40S": 864}
+GPU_BANDWIDTH_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000,
+                     "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100-SXM4-40GB": 1555, "L40S": 864}
 
 
 def decode_bytes(model, batch, context):
@@ -697,7 +703,8 @@ def bench_gpu(args):
 
     # Quick shape: with random weights the think scaffold means nothing (no tags are ever written);
     # it would only lengthen the prompt, and the rules user is free. Paper shape: thinking on and the
-    # 'same' user, as a paper run has them. The paper preset (LoRA r 32 on every linear layer, gradient checkpointing,
+    # 'same' user, as a paper run has them. The paper preset (LoRA r 32 on every linear layer, gradient
+    # checkpointing,
     # RLVER's clips and entropy bonus) at the sizes above; for --tiny too, through the cpu preset
     # (the paper preset needs CUDA) with every setting it changes put back, sizes and model aside.
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as out:
@@ -771,13 +778,15 @@ def bench_gpu(args):
     print(f"  plain generate : {plain_tokens} tokens in {plain_seconds:.1f} s = {plain_rate:.1f} tok/s")
     print(f"  ratio          : {result['ratio']:.2f} (rollout / plain generate)")
     print(f"  score          : {m['time_score']:.1f} s (old, reference log-probs and values)")
-    print(f"  update         : {m['update_tokens_per_s']:.1f} agent tok/s, {update_rate_all:.1f} tok/s counting every "
-          f"token of the {batch_tokens[0]}-token batch, in {m['time_update']:.1f} s")
-    print(f"  peak memory    : {peak_gb:.2f} GiB {memory_kind} ({m['peak_memory_gb']:.2f} GiB within the iteration), "
+    print(f"  update         : {m['update_tokens_per_s']:.1f} agent tok/s, {update_rate_all:.1f} tok/s "
+          f"counting every token of the {batch_tokens[0]}-token batch, in {m['time_update']:.1f} s")
+    print(f"  peak memory    : {peak_gb:.2f} GiB {memory_kind} "
+          f"({m['peak_memory_gb']:.2f} GiB within the iteration), "
           + (f"{reserved_gb:.2f} GiB reserved" if reserved_gb is not None else "no CUDA reserve on CPU"))
     if bandwidth:
         print(f"  bandwidth bound: {bound_rate:.0f} tok/s = {args.dialogues} x {bandwidth} GB/s / "
-              f"{step_bytes / 1e9:.2f} GB a decode step; plain generate at {result['plain_to_bound']:.1%} of it, "
+              f"{step_bytes / 1e9:.2f} GB a decode step; "
+              f"plain generate at {result['plain_to_bound']:.1%} of it, "
               f"the rollout at {result['rollout_to_bound']:.1%}")
     else:
         print(f"  bandwidth bound: unknown bandwidth for '{name or 'CPU'}' (--bandwidth-gbs); "
@@ -819,11 +828,14 @@ def main(argv=None):
                          "(2 on a 2-core machine: one core each)")
     lr.set_defaults(run=bench_learning)
 
-    st = commands.add_parser("step", help="one training iteration of the single-turn job against its plain floor")
+    st = commands.add_parser("step",
+                             help="one training iteration of the single-turn job against its plain floor")
     st.add_argument("--algo", default="grpo", choices=["grpo", "ppo"])
     st.add_argument("--iterations", type=int, default=3,
-                    help="iterations run; the median of all but the first (warm-up) is reported when 3 or more")
-    st.add_argument("--dialogues", type=int, default=32, help="dialogues an iteration, one minibatch (GRPO: / group size personas)")
+                    help="iterations run; the median of all but the first (warm-up) is reported "
+                         "when 3 or more")
+    st.add_argument("--dialogues", type=int, default=32,
+                    help="dialogues an iteration, one minibatch (GRPO: / group size personas)")
     st.add_argument("--group-size", type=int, default=4, help="GRPO: dialogues per persona")
     st.add_argument("--max-new-tokens", type=int, default=48, help="tokens of the one agent turn")
     st.add_argument("--micro-batch-size", type=int, default=8, help="dialogues per forward pass")
@@ -840,14 +852,19 @@ def main(argv=None):
     g.add_argument("--tiny", action="store_true",
                    help="a 2-layer, 64-wide Qwen2 on CPU: a smoke test of this path")
     g.add_argument("--dialogues", type=int, help="dialogues in the iteration (default 32; 4 with --tiny)")
-    g.add_argument("--max-turns", type=int, help="agent turns per dialogue (default 3, paper shape 8; 2 / 3 with --tiny)")
-    g.add_argument("--max-new-tokens", type=int, help="tokens per agent turn (default 128, paper shape 512; 8 with --tiny)")
-    g.add_argument("--minibatch-size", type=int, help="dialogues per optimizer step (default 32; 4 with --tiny)")
-    g.add_argument("--micro-batch-size", type=int, help="dialogues per forward pass (default 4; 2 with --tiny)")
+    g.add_argument("--max-turns", type=int,
+                   help="agent turns per dialogue (default 3, paper shape 8; 2 / 3 with --tiny)")
+    g.add_argument("--max-new-tokens", type=int,
+                   help="tokens per agent turn (default 128, paper shape 512; 8 with --tiny)")
+    g.add_argument("--minibatch-size", type=int,
+                   help="dialogues per optimizer step (default 32; 4 with --tiny)")
+    g.add_argument("--micro-batch-size", type=int,
+                   help="dialogues per forward pass (default 4; 2 with --tiny)")
     g.add_argument("--shape", default="quick", choices=["quick", "paper"],
-                   help="quick: 3 turns of 128 tokens, thinking off, the rules user; paper: 8 turns of 512 tokens, "
-                        "thinking on, the 'same' user (ragged endings)")
-    g.add_argument("--bandwidth-gbs", type=float, help="GPU memory bandwidth for the bound (default: known GPUs by name)")
+                   help="quick: 3 turns of 128 tokens, thinking off, the rules user; paper: 8 turns of "
+                        "512 tokens, thinking on, the 'same' user (ragged endings)")
+    g.add_argument("--bandwidth-gbs", type=float,
+                   help="GPU memory bandwidth for the bound (default: known GPUs by name)")
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(run=bench_gpu)
 

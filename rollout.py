@@ -296,7 +296,8 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         # (a one-turn rollout never extracts them).
         last_turn = all(d.state.turns + 1 >= simulator.max_turns for d in active)
         if reuse_cache and not last_turn:
-            sampled = (torch.arange(new.shape[1], device=device)[None] < torch.tensor(lengths, device=device)[:, None])
+            sampled = (torch.arange(new.shape[1], device=device)[None]
+                       < torch.tensor(lengths, device=device)[:, None])                      # (B, N)
             keep_cache(slots, cache, sequences, torch.cat([mask, sampled.long()], 1))
         del cache  # the batch's cache: what the dialogues keep is in their slots now
         new = new.cpu()
@@ -474,12 +475,12 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
     if action_mask is None:
         keep = torch.arange(T - 1, device=input_ids.device)                                   # every position
     else:
-        keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                                # (K,) predictors
+        keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                         # (K,) predictors
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model             # under peft
     hidden = inner.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                  use_cache=False).last_hidden_state[:, keep]                 # (B, K, H)
     head, targets = inner.get_output_embeddings(), input_ids[:, keep + 1]                    # (B, K)
-    step = max(1, (chunk_tokens or B * len(keep)) // B)                                       # positions a chunk
+    step = max(1, (chunk_tokens or B * len(keep)) // B)                               # positions a chunk
     parts = []
     for c in range(0, len(keep), step):
         args = (head, hidden[:, c:c + step], targets[:, c:c + step], temperature, with_entropy, entropy_grad)
@@ -510,8 +511,9 @@ def batched_logprobs(model, batch, temperature=1.0, micro_batch_size=4, referenc
     out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device)
     with ctx:
         for rows, width in length_sorted(batch["attention_mask"], micro_batch_size):
-            lp, _ = token_logprobs(model, batch["input_ids"][rows, :width], batch["attention_mask"][rows, :width],
-                                   temperature, action_mask=batch["action_mask"][rows, :width])
+            lp, _ = token_logprobs(model, batch["input_ids"][rows, :width],
+                                   batch["attention_mask"][rows, :width], temperature,
+                                   action_mask=batch["action_mask"][rows, :width])
             out[rows, :width] = lp
     model.train(was_training)
     return out
@@ -1053,7 +1055,8 @@ def passes_to_run(args, iteration, old_first=False):
     something reads them before the update (old_first). The reference pass runs when a KL term
     reads it or kl_ref is logged (every --log-kl-every iterations). TRL skips the same passes."""
     batch_size = getattr(args, "dialogues_per_iteration", 0) or args.personas_per_iteration * args.group_size
-    old_from_update = one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size) and not old_first
+    one_step = one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size)
+    old_from_update = one_step and not old_first
     kl_term = getattr(args, "kl_coef", 0) > 0 or args.kl_loss_coef > 0
     return old_from_update, kl_term or iteration % args.log_kl_every == 0
 

@@ -230,18 +230,19 @@ def test_gpu_tiny_paper_shape_and_bandwidth_bound():
     report gives the bandwidth bound: batch x bandwidth / bytes a decode step, here for a given
     bandwidth, and the ratios of plain generate and the rollout to it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "bench.py", "gpu", "--tiny", "--shape", "paper", "--bandwidth-gbs", "100"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "bench.py", "gpu", "--tiny", "--shape", "paper", "--bandwidth-gbs", "100"]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "--simulator same --thinking true" in out.splitlines()[0] and "--max-turns 3" in out.splitlines()[0]
+    ran = out.splitlines()[0]  # the ppo.py command
+    assert "--simulator same --thinking true" in ran and "--max-turns 3" in ran
     assert "bandwidth bound:" in out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["shape"] == "paper" and result["bandwidth_gbs"] == 100
     assert result["bound_tokens_per_s"] == pytest.approx(4 * 100e9 / result["decode_step_bytes"])
-    assert result["plain_to_bound"] == pytest.approx(result["plain_generate_tokens_per_s"] / result["bound_tokens_per_s"],
-                                                     abs=6e-4)  # printed to 3 places
-    assert result["decode_step_bytes"] > 0.99 * 4 * result["model_params_b"] * 1e9  # fp32 weights, a KV cache
+    plain_to_bound = result["plain_generate_tokens_per_s"] / result["bound_tokens_per_s"]
+    assert result["plain_to_bound"] == pytest.approx(plain_to_bound, abs=6e-4)  # printed to 3 places
+    assert result["decode_step_bytes"] > 3.5 * result["model_params_b"] * 1e9  # fp32 weights (params rounded)
 
 
 def test_gpu_without_cuda_says_so_in_one_line():
@@ -285,8 +286,9 @@ def test_tag_shares_compare_first_and_last_iterations(fake_runs):
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_bench_step_prints_iteration_floor_and_ratio(tiny_model_dir, algo, capsys):
     # The single-turn job at tiny sizes: two iterations, each after its floor, and the ratio line.
-    result = bench.main(["step", "--algo", algo, "--model", tiny_model_dir, "--iterations", "2", "--dialogues", "4",
-                         "--group-size", "2", "--max-new-tokens", "4", "--micro-batch-size", "2", "--threads", "1"])
+    result = bench.main(["step", "--algo", algo, "--model", tiny_model_dir, "--iterations", "2",
+                         "--dialogues", "4", "--group-size", "2", "--max-new-tokens", "4",
+                         "--micro-batch-size", "2", "--threads", "1"])
     out = capsys.readouterr().out
     ratio_line = next(line for line in out.splitlines() if line.strip().startswith("ratio"))
     target = bench.STEP_FLOOR_TARGET[algo]

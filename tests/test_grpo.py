@@ -263,7 +263,8 @@ def test_drop_zero_spread_takes_flat_groups_out_of_the_loss(tiny_model_dir, pers
                                 "--drop-zero-spread", "--ent-coef", "0.1"))
     (m,) = read_metrics(tmp_path / "run")
     assert m["zero_spread_groups"] == 2 and m["group_reward_std"] == 0.0
-    assert m["skipped_steps"] == 1 and m["grad_norm"] is None and m["policy_loss"] is None  # nothing ran: null
+    # nothing ran: null
+    assert m["skipped_steps"] == 1 and m["grad_norm"] is None and m["policy_loss"] is None
     assert m["nonfinite_metrics"] == 0
     assert all((p == 0).all() for n, p in model.named_parameters() if "lora_B" in n)
 

@@ -359,7 +359,8 @@ def test_logits_in_chunks_equal_one_pass_gradients_included(tiny_model_dir, chun
     results = []
     for chunk in (None, chunk_tokens):
         policy.zero_grad()
-        lp, ent = rollout.token_logprobs(policy, ids, att, with_entropy=True, action_mask=mask, chunk_tokens=chunk)
+        lp, ent = rollout.token_logprobs(policy, ids, att, with_entropy=True, action_mask=mask,
+                                         chunk_tokens=chunk)
         ((lp - 0.3 * ent) * mask).sum().backward()
         results.append((lp, ent, [p.grad.clone() for p in lora]))
     (lp_one, ent_one, g_one), (lp_chunked, ent_chunked, g_chunked) = results
@@ -391,8 +392,10 @@ def test_length_sorted_scoring_equals_each_dialogue_alone(tiny_model_dir):
     assert [w for _, w in rollout.length_sorted(batch["attention_mask"], 2)] == [17, 12, 5]
     scored = batched_logprobs(policy, batch, micro_batch_size=2)                          # (B, T)
     for b, n in enumerate(lengths):
-        alone, _ = rollout.token_logprobs(policy, batch["input_ids"][b:b + 1, :n], batch["attention_mask"][b:b + 1, :n],
-                                          action_mask=batch["action_mask"][b:b + 1, :n])
+        row = slice(b, b + 1)
+        alone, _ = rollout.token_logprobs(policy, batch["input_ids"][row, :n],
+                                          batch["attention_mask"][row, :n],
+                                          action_mask=batch["action_mask"][row, :n])
         torch.testing.assert_close(scored[b, :n], alone[0], atol=1e-5, rtol=1e-5)
         assert (scored[b, 2:n] != 0).all()
     assert (scored[2, 5:] == 0).all()  # the shortest row ran alone at its own width: nothing past it

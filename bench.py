@@ -36,7 +36,7 @@ mean over seeds with a min-max band) and OUT/learning.md (mean reward over the f
 the table printed, with the minutes each run's iterations took. Budget: the default 15 iterations
 take about 30 minutes for GRPO (120 s an iteration) and 46 minutes for PPO (184 s) on one core of
 a 2-core machine with a second run on the other core, so the 6 runs, two at a time (`--jobs 2`),
-add up to about 1 h 55 min there (README, "The learning benchmark, 3 seeds", has runs given both \
+add up to about 1 h 55 min there (docs/results.md, "The learning benchmark, 3 seeds", has runs given both \
 cores). A run whose
 metrics.jsonl already holds every iteration is skipped and a partial one resumes from its newest
 checkpoint, so an interrupted benchmark continues where it stopped. Flags after `--` go to both
@@ -318,7 +318,7 @@ TARGET_RISE = 0.15  # issue 7: the last iterations must beat the first by this m
 # - 16 dialogues an iteration (PPO: 16 personas; GRPO: 4 personas x groups of 4) in minibatches of
 #   8, two passes, and a LoRA learning rate of 5e-4 (critic 1e-4). With the presets' 4 dialogues and
 #   5e-5 the reward did not move in 20 iterations; at 2e-4 GRPO needed about 16 iterations for the
-#   +0.15 that 5e-4 reached in 11 (README, "Evidence that training works").
+#   +0.15 that 5e-4 reached in 11 (docs/decisions.md, how the settings were found).
 # Thinking stays off as the preset has it (the 135M model never writes the tags). A checkpoint
 # every 5 iterations, not every one: about 60 MB each (two adapters and Adam state for PPO), and
 # 5 iterations is all an interrupted run can lose.

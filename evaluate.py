@@ -546,7 +546,7 @@ def plot_trajectories(runs, start_emotion, leave_below, path):
     return path
 
 
-# Training-curve keys the trainers write to metrics.jsonl (see README "Metrics"); those present
+# Training-curve keys the trainers write to metrics.jsonl (see docs/metrics.md); those present
 # are plotted against 'iteration', one figure each. Different KL names cover both estimators.
 CURVE_METRICS = ("reward_mean", "final_emotion_mean", "kl_ref", "kl", "kl_mean", "approx_kl", "entropy",
                  "value_loss", "policy_loss", "clip_frac", "success_rate", "think_violation_rate")

@@ -59,7 +59,7 @@ class Args:
     simulator_device_map: str = field(default="auto", metadata={
         "help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
     readout: str = field(default="auto", metadata={
-        "help": "auto | reasoned | likelihood | rules (see README: read-outs)"})
+        "help": "auto | reasoned | likelihood | rules (see docs/simulator.md: read-outs)"})
     api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
     api_key_env: str = field(default="OPENAI_API_KEY", metadata={
         "help": "environment variable with the URL simulator's key"})

@@ -34,11 +34,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rollout import (PLAIN_PROMPT, THINK_PROMPT, check_openings_fit, default_device, eos_ids, load_policy,
-                     log_to_trackers, parse_settings, play_dialogues, public_config, set_seed,
-                     simulator_placement, start_trackers, summarize, tracker_settings, transcript_record)
-from simulator import (Simulator, SimulatorError, auto_readout, fail, load_personas_or_exit, make_backend,
-                       one_of, redact, simulator_kind)
+from rollout import (PLAIN_PROMPT, THINK_PROMPT, build_simulator, check_openings_fit, default_device, eos_ids,
+                     load_policy, log_to_trackers, parse_settings, play_dialogues, public_config, set_seed,
+                     start_trackers, summarize, tracker_settings, transcript_record)
+from simulator import (SimulatorError, auto_readout, fail, load_personas_or_exit, one_of, redact,
+                       simulator_kind)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -731,15 +731,8 @@ def main(argv=None):
                                   **tracker_settings(args.report_to, args.out))
         start_trackers(args, accelerator)
     policy, tokenizer, models = load_models(args)
-    device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map)
-    backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, api_model=args.api_model,
-                           api_key_env=args.api_key_env, device=default_device(), device_map=device_map,
-                           max_memory=max_memory, api_timeout=args.api_timeout, api_retries=args.api_retries,
-                           api_concurrency=args.api_concurrency)
     try:
-        simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
-                              max_change=args.max_change, max_turns=args.max_turns,
-                              reply_tokens=args.user_reply_tokens, judge=args.judge)
+        simulator, device_map = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge)
     except ValueError as e:
         fail(e)
     print(f"{len(models)} models x {len(personas)} personas x {args.samples} "

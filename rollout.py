@@ -994,19 +994,25 @@ def simulator_placement(simulator, device_map, world=1):
     return None, None
 
 
-def make_simulator(args, model, tokenizer, accelerator, note=""):
-    """The simulated user of --simulator, placed as simulator_placement says; the main process says
-    where it is (and `note`)."""
-    device, world = accelerator.device, accelerator.num_processes
+def build_simulator(args, model, tokenizer, device, world=1, judge="training"):
+    """The simulated user of --simulator with its settings (a trainer's or evaluate.py's), placed as
+    simulator_placement says. Returns (simulator, device_map)."""
     device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map, world)
     backend = make_backend(args.simulator, policy=model, tokenizer=tokenizer, api_model=args.api_model,
                            api_key_env=args.api_key_env, device=device, device_map=device_map,
-                           max_memory=max_memory, trust_remote_code=args.trust_remote_code,
+                           max_memory=max_memory, trust_remote_code=getattr(args, "trust_remote_code", False),
                            api_timeout=args.api_timeout, api_retries=args.api_retries,
                            api_concurrency=args.api_concurrency)
     simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
                           max_change=args.max_change, max_turns=args.max_turns,
-                          reply_tokens=args.user_reply_tokens)
+                          reply_tokens=args.user_reply_tokens, judge=judge)
+    return simulator, device_map
+
+
+def make_simulator(args, model, tokenizer, accelerator, note=""):
+    """A trainer's simulated user (build_simulator); the main process says where it is (and `note`)."""
+    device, world = accelerator.device, accelerator.num_processes
+    simulator, device_map = build_simulator(args, model, tokenizer, device, world)
     where = {"same": "shares the policy's base", "rules": "rules", "url": "a server"}.get(
         simulator_kind(args.simulator), "spread over GPUs 1.." if device_map else f"on {device}")
     if accelerator.is_main_process:

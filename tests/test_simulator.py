@@ -779,6 +779,32 @@ def test_score_matches_full_forward_reference(tiny_model, persona):
                                    atol=1e-4, rtol=1e-4)
 
 
+def test_score_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model, persona):
+    """Three conversations scored together, each from its own kept cache of a different length
+    (so the batch has holes before and between the new tokens), and the continuations of unequal
+    length in one tree row: the same scores as one full forward per pair, and what each slot keeps
+    is its conversation, not the continuations."""
+    model, tokenizer = tiny_model
+    backend = LocalBackend(model, tokenizer, micro_batch_size=3)
+    continuations = simulator.POSITIVE_REACTIONS + simulator.NEGATIVE_REACTIONS
+    assert len({len(tokenizer(c)["input_ids"]) for c in continuations}) > 1
+    states = [Simulator(backend).start(persona) for _ in range(3)]
+    slots = [{}, {}, {}]
+    first = [simulator.user_turn_messages(s) for s in states]
+    backend.score(first[:2], continuations, slots=slots[:2])  # the third dialogue has no cache yet
+    later = [simulator.user_turn_messages(simulator.UserState(
+        persona=persona, emotion=30 + 10 * k,
+        history=s.history + [{"role": "agent", "text": WARM * (k + 1)}])) for k, s in enumerate(states)]
+    scores = backend.score(later, continuations, slots=slots)
+    assert backend.reused_tokens > 0 and scores.shape == (3, len(continuations))
+    for row, conversation, slot in zip(scores, later, slots):
+        # tight: this random model's log-probs are nearly flat, and one position off moves them ~1e-4
+        torch.testing.assert_close(row, _naive_scores(model, tokenizer, conversation, continuations),
+                                   atol=1e-5, rtol=0)
+        assert slot["ids"] == backend._encode([conversation])[0]
+        assert all(k.shape[2] == len(slot["ids"]) for k, _ in slot["kv"])
+
+
 def test_chat_batched_equals_alone_and_restores_mode(tiny_model):
     model, tokenizer = tiny_model
     backend = LocalBackend(model, tokenizer, micro_batch_size=2)

@@ -85,6 +85,9 @@ class EvalArgs:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature with --sample"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling with --sample"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens per agent turn, thought included"})
+    merged_sampling: bool = field(default=True, metadata={
+        "help": "sample from the adapter merged into a copy of the weights: faster, the update stays "
+                "exact (off: less memory; 4-bit bases never merge)"})
     max_context: int = field(default=4096, metadata={
         "help": "tokens per dialogue before it ends with 'context'"})
     bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples for the 95%% intervals"})
@@ -649,7 +652,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
                 policy, tokenizer, simulator, personas, args.samples, thinking=args.thinking,
                 system_prompt=system_prompt, temperature=args.temperature, top_p=args.top_p,
                 max_new_tokens=args.max_new_tokens, max_context=args.max_context, greedy=not args.sample,
-                desc=f"{m['label']}: dialogues")
+                merged_sampling=args.merged_sampling, desc=f"{m['label']}: dialogues")
             answers = None
             if problems is not None:
                 answers = answer_questions(policy, tokenizer, problems, args.math_max_new_tokens,

@@ -88,6 +88,9 @@ class Args:
     greedy: bool = field(default=False, metadata={
         "help": "decode greedily: reproducible dialogues for tests and debugging, not for training "
                 "(a group's dialogues would be identical)"})
+    merged_sampling: bool = field(default=True, metadata={
+        "help": "sample from the adapter merged into a copy of the weights: faster, the update stays "
+                "exact (off: less memory; 4-bit bases never merge)"})
     max_new_tokens: int = field(default=512, metadata={"help": "tokens per agent turn"})
     max_context: int = field(default=6144, metadata={
         "help": "tokens per dialogue; past it the dialogue ends with 'context'"})

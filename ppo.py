@@ -83,6 +83,9 @@ class Args:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (RLVER: 1.0)"})
     greedy: bool = field(default=False, metadata={
         "help": "decode greedily: reproducible dialogues for tests and debugging, not for training"})
+    merged_sampling: bool = field(default=True, metadata={
+        "help": "sample from the adapter merged into a copy of the weights: faster, the update stays "
+                "exact (off: less memory; 4-bit bases never merge)"})
     max_new_tokens: int = field(default=512, metadata={"help": "tokens per agent turn"})
     max_context: int = field(default=6144, metadata={
         "help": "tokens per dialogue; past it the dialogue ends with 'context'"})

@@ -317,6 +317,51 @@ def test_stored_logprobs_equal_a_fresh_forward_pass(tiny_model_dir, personas, te
     assert (reference[mask] - fresh[mask]).abs().max() > 1e-3
 
 
+def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_model_dir, personas):
+    """Greedy dialogues against the 'same' user (the policy's own base, adapters off) are the same
+    with the adapter merged for sampling and without: the agent's tokens, their log-probs, and the
+    user's messages, which would change if the merged weights leaked into the user's turns. After
+    it, every weight is the same tensor with the same values as before."""
+    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.3)
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in policy.named_parameters()}
+    runs = []
+    for merged in (True, False):
+        sim = Simulator(simulator.LocalBackend(policy, tokenizer, use_base=True), max_turns=3,
+                        reply_tokens=6, leave_below=0)
+        runs.append(play_dialogues(policy, tokenizer, sim, personas(3), greedy=True, max_new_tokens=8,
+                                   merged_sampling=merged, progress=False)[0])
+    for a, b in zip(*runs):
+        assert a["token_ids"] == b["token_ids"] and a["turns"] == b["turns"]
+        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
+                                   atol=1e-5, rtol=0)
+    assert sum(len(r["turn_ends"]) for r in runs[0]) == 9
+    for n, p in policy.named_parameters():
+        assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
+    # inside, the projections hold W + s B A: the adapter's function, not the base's
+    ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]])
+    with torch.no_grad():
+        with_adapter = policy(input_ids=ids).logits
+        with policy.disable_adapter():
+            base = policy(input_ids=ids).logits
+        with rollout.MergedAdapter.of(policy):
+            merged = policy(input_ids=ids).logits
+    torch.testing.assert_close(merged, with_adapter, atol=1e-5, rtol=0)
+    assert (merged - base).abs().max() > 1e-2
+
+
+def test_merged_sampling_steps_aside_where_it_cannot_merge(tiny_model_dir):
+    """No merge for a switched-off adapter (evaluate.py's base run) or a weight that is not a float
+    (a 4-bit base), and none for a plain model."""
+    policy, _ = new_policy(tiny_model_dir, perturb=0.1)
+    assert rollout.MergedAdapter.of(policy) is not None
+    with policy.disable_adapter():
+        assert rollout.MergedAdapter.of(policy) is None
+    assert rollout.MergedAdapter.of(policy.get_base_model()) is None
+    layer = next(m.get_base_layer() for m in policy.modules() if hasattr(m, "lora_A"))
+    layer.weight = torch.nn.Parameter(torch.zeros(layer.weight.shape, dtype=torch.uint8), requires_grad=False)
+    assert rollout.MergedAdapter.of(policy) is None
+
+
 def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_model_dir):
     """With action_mask, the vocabulary projection runs only where an agent token is predicted:
     same log-probs, entropies and gradients there, zeros where no row of the batch has one."""

@@ -8,6 +8,7 @@
     python bench.py gpu [--dialogues 32] [--max-turns 3] [--max-new-tokens 128]    (one CUDA GPU)
     python bench.py gpu --shape paper     (8 turns of 512 tokens, thinking on, the 'same' user; one GPU)
     python bench.py gpu --tiny [--shape paper]                                      (CPU smoke test)
+    python bench.py gpu [...] -- --static-cache true        (flags after `--` go to ppo.py)
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
 (rollout.play_dialogues: the LoRA policy on the embedded SmolLM2-135M-Instruct against the
@@ -15,7 +16,7 @@ rollout: how much of plain batched generation speed a full multi-turn rollout ke
 and its generated tokens (policy + simulator) counted; the baseline is one plain batched
 `generate` call on the same policy, the same batch size and the same first-turn prompts, sampling
 exactly --max-new-tokens tokens per row. The ratio of the two rates is the figure of merit
-(target >= 0.8); the time split says where the rest went.
+(target >= 0.9, issue 17); the time split says where the rest went.
 
 step: the trainer's iteration on the single-turn job of issue 17 (the rules user, --max-turns 1,
 32 dialogues (GRPO: 8 personas x 4) of up to 48 new tokens in one minibatch, micro-batches of 8, LoRA
@@ -106,6 +107,9 @@ def time_calls(obj, method, clock):
     setattr(obj, method, timed)
 
 
+ROLLOUT_TARGET = 0.9  # issue 17: the multi-turn rollout at 0.9 of plain generate's tokens/s
+
+
 def bench_rollout(args):
     import rollout
     from simulator import Simulator, load_personas_or_exit, make_backend
@@ -164,7 +168,7 @@ def bench_rollout(args):
     print(f"  rollout        : {tokens} tokens ({stats['policy_tokens']} policy + "
           f"{stats['simulator_tokens']} simulator, {result['agent_turns']} agent turns) "
           f"in {wall:.1f} s = {rate:.1f} tok/s")
-    print(f"  ratio          : {result['ratio']:.2f} (target >= 0.8)")
+    print(f"  ratio          : {result['ratio']:.2f} (target >= {ROLLOUT_TARGET})")
     for name in ("policy", "simulator", "other"):
         seconds = result[f"{name}_seconds"]
         print(f"    {name:<10} {seconds:6.1f} s  {seconds / wall:4.0%}")
@@ -181,6 +185,7 @@ def bench_rollout(args):
 # step: one training iteration against its plain floor
 # ----------------------------------------------------------------------------------------------
 STEP_FLOOR_TARGET = {"grpo": 1.2, "ppo": 1.3}  # issue 17; TRL's GRPOTrainer is at 1.5 of the same floor
+SAMPLING_TARGET = 0.95  # issue 17: the one-turn rollout's tokens/s against plain generate's
 
 
 def step_floor(model, tokenizer, prompts, max_new_tokens, micro_batch_size, critic=None):
@@ -292,6 +297,9 @@ def bench_step(args):
         "floor_seconds_each": [round(f, 2) for f, _ in floors],
     }
     result["ratio"] = result["iteration_seconds"] / result["floor_seconds"]
+    result["sampling_tokens_per_s"] = result["policy_tokens"] / result["rollout_seconds"]
+    result["floor_sampling_tokens_per_s"] = result["floor_tokens"] / result["floor_generate_seconds"]
+    result["sampling_ratio"] = result["sampling_tokens_per_s"] / result["floor_sampling_tokens_per_s"]
     memory = "GPU memory allocated" if torch.cuda.is_available() else "process peak RSS"
     print(f"  iteration : {result['iteration_seconds']:.1f} s median of {len(metrics)} of {len(each)} "
           f"(rollout {result['rollout_seconds']:.1f}, score {result['score_seconds']:.1f}, "
@@ -301,6 +309,9 @@ def bench_step(args):
           f"{result['floor_tokens']} tokens, forward + backward {result['floor_update_seconds']:.1f} s"
           f"{', critic included' if args.algo == 'ppo' else ''})")
     print(f"  ratio     : {result['ratio']:.2f} (target <= {STEP_FLOOR_TARGET[args.algo]})")
+    print(f"  sampling  : the rollout's {result['sampling_tokens_per_s']:.1f} tok/s against plain generate's "
+          f"{result['floor_sampling_tokens_per_s']:.1f} = {result['sampling_ratio']:.2f} "
+          f"(target >= {SAMPLING_TARGET})")
     print(f"  peak mem  : {result['peak_memory_gb']:.2f} GiB {memory}")
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return result
@@ -713,7 +724,7 @@ def bench_gpu(args):
                 "--iterations", "1", "--seed", str(args.seed), "--out", out,
                 "--dialogues-per-iteration", str(args.dialogues), "--max-turns", str(args.max_turns),
                 "--max-new-tokens", str(args.max_new_tokens), "--minibatch-size", str(args.minibatch_size),
-                "--micro-batch-size", str(args.micro_batch_size)]
+                "--micro-batch-size", str(args.micro_batch_size)] + args.trainer_flags
         if args.tiny:
             given = {a[2:].replace("-", "_") for a in argv if a.startswith("--")} | {"save_every"}
             paper = ppo.Args()
@@ -868,14 +879,14 @@ def main(argv=None):
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(run=bench_gpu)
 
-    # Everything after a bare `--` goes to the trainers of `learning` and `step` untouched.
+    # Everything after a bare `--` goes to the trainers of `learning`, `step` and `gpu` untouched.
     argv = sys.argv[1:] if argv is None else list(argv)
     trainer_flags = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     args = ap.parse_args(argv)
     args.trainer_flags = trainer_flags
-    if trainer_flags and args.command not in ("learning", "step"):
-        ap.error("flags after -- go to the trainers of `learning` and `step` only")
+    if trainer_flags and args.command not in ("learning", "step", "gpu"):
+        ap.error("flags after -- go to the trainers of `learning`, `step` and `gpu` only")
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     return args.run(args)

@@ -88,6 +88,9 @@ class EvalArgs:
     merged_sampling: bool = field(default=True, metadata={
         "help": "sample from the adapter merged into a copy of the weights: faster, the update stays "
                 "exact (off: less memory; 4-bit bases never merge)"})
+    static_cache: bool = field(default=False, metadata={
+        "help": "decode into a fixed-size KV cache, which transformers compiles on a GPU (CUDA graphs); "
+                "turn caches off. Not yet measured on a GPU"})
     max_context: int = field(default=4096, metadata={
         "help": "tokens per dialogue before it ends with 'context'"})
     bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples for the 95%% intervals"})
@@ -652,7 +655,8 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
                 policy, tokenizer, simulator, personas, args.samples, thinking=args.thinking,
                 system_prompt=system_prompt, temperature=args.temperature, top_p=args.top_p,
                 max_new_tokens=args.max_new_tokens, max_context=args.max_context, greedy=not args.sample,
-                merged_sampling=args.merged_sampling, desc=f"{m['label']}: dialogues")
+                merged_sampling=args.merged_sampling,
+                static_cache=args.static_cache, desc=f"{m['label']}: dialogues")
             answers = None
             if problems is not None:
                 answers = answer_questions(policy, tokenizer, problems, args.math_max_new_tokens,

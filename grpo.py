@@ -91,6 +91,9 @@ class Args:
     merged_sampling: bool = field(default=True, metadata={
         "help": "sample from the adapter merged into a copy of the weights: faster, the update stays "
                 "exact (off: less memory; 4-bit bases never merge)"})
+    static_cache: bool = field(default=False, metadata={
+        "help": "decode into a fixed-size KV cache, which transformers compiles on a GPU (CUDA graphs); "
+                "turn caches off. Not yet measured on a GPU"})
     max_new_tokens: int = field(default=512, metadata={"help": "tokens per agent turn"})
     max_context: int = field(default=6144, metadata={
         "help": "tokens per dialogue; past it the dialogue ends with 'context'"})

@@ -280,14 +280,17 @@ class Dialogue:
 @torch.no_grad()
 def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1, *, thinking=True,
                    system_prompt=None, temperature=1.0, top_p=1.0, max_new_tokens=256,
-                   max_context=4096, greedy=False, reuse_cache=True, merged_sampling=True, progress=True,
-                   desc="dialogues"):
+                   max_context=4096, greedy=False, reuse_cache=True, merged_sampling=True, static_cache=False,
+                   progress=True, desc="dialogues"):
     """Play len(personas) x samples_per_persona dialogues in lockstep: one batched generate for all
     active agents, then one batched simulator step; finished dialogues leave the batch.
     With reuse_cache each dialogue keeps its KV cache between turns, so a turn runs only the tokens
     added since the last one (simulator.cached_batch); without it every turn runs the whole prompt.
     With merged_sampling the agent samples from its adapter merged into a copy of the base weights
-    (MergedAdapter), where the model allows it.
+    (MergedAdapter), where the model allows it. With static_cache each generate call decodes into
+    a KV cache of fixed size, which transformers answers on a GPU by compiling the decode step
+    (CUDA graphs: one launch a step instead of one a kernel); a fresh cache each call, so the
+    agent's turn caches are off (each turn runs its whole prompt: cheap next to decoding on a GPU).
     Returns (records, stats): one flat dict per dialogue, and counts and timings."""
     from transformers import GenerationConfig, LogitsProcessorList
 
@@ -301,7 +304,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     gen_config = GenerationConfig(
         do_sample=not greedy, temperature=temperature if not greedy else None,
         top_p=top_p if not greedy else None, top_k=0 if not greedy else None, repetition_penalty=1.0,
-        max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids, pad_token_id=tokenizer.pad_token_id)
+        max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids, pad_token_id=tokenizer.pad_token_id,
+        cache_implementation="static" if static_cache else None)
+    reuse_cache = reuse_cache and not static_cache
     dialogues = []
     for g, persona in enumerate(personas):
         for s in range(samples_per_persona):
@@ -339,8 +344,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         stats["policy_prompt_tokens"] += prompt
         stats["policy_reused_tokens"] += reused
         recorder = SampledLogprobs(1.0 if greedy else temperature)
+        given = {} if static_cache else {cache_keyword(policy): cache}  # static: generate makes its own
         with merged or contextlib.nullcontext():  # the user's turns below run on the base's own weights
-            sequences = policy.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(policy): cache},
+            sequences = policy.generate(input_ids=ids, attention_mask=mask, **given,
                                         generation_config=gen_config,
                                         logits_processor=LogitsProcessorList([recorder]))
         new = sequences[:, ids.shape[1]:]                                        # (B, N)
@@ -901,7 +907,7 @@ def pick_checkpoint(run_dir, adapters):
 MAY_CHANGE_ON_RESUME = {
     "preset", "iterations", "save_every", "time_budget", "out", "resume", "overwrite",
     "gradient_checkpointing", "micro_batch_size", "max_bad_updates", "simulator_device_map",
-    "keep_checkpoints", "report_to", "merged_sampling",
+    "keep_checkpoints", "report_to", "merged_sampling", "static_cache",
     "api_key_env", "api_timeout", "api_retries", "api_concurrency",
 }
 # Consent is never inherited: a resumed run runs hub code only if this command line allows it.
@@ -1038,7 +1044,7 @@ def sampling_settings(args):
     """play_dialogues' keyword arguments from a trainer's settings."""
     return dict(thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
                 max_new_tokens=args.max_new_tokens, max_context=args.max_context, greedy=args.greedy,
-                merged_sampling=args.merged_sampling)
+                merged_sampling=args.merged_sampling, static_cache=args.static_cache)
 
 
 def simulator_placement(simulator, device_map, world=1):

@@ -196,9 +196,10 @@ def test_learning_driver_reports_a_failed_run(fake_runs, monkeypatch):
         assert "ppo-seed1 (0 of 6 iterations)" in f.read()
 
 
-def test_trainer_flags_only_for_learning():
+def test_trainer_flags_only_for_the_trainer_benchmarks(capsys):
     with pytest.raises(SystemExit):
-        bench.main(["gpu", "--tiny", "--", "--lr", "1"])
+        bench.main(["rollout", "--", "--lr", "1"])
+    assert "`learning`, `step` and `gpu` only" in capsys.readouterr().err
 
 
 def test_gpu_tiny_end_to_end():
@@ -299,3 +300,8 @@ def test_bench_step_prints_iteration_floor_and_ratio(tiny_model_dir, algo, capsy
     assert float(ratio_line.split()[2]) == pytest.approx(summary["ratio"], abs=0.006)
     assert result["ratio"] == pytest.approx(result["iteration_seconds"] / result["floor_seconds"])
     assert summary["floor_tokens"] == 4 * 4 and summary["policy_tokens"] > 0
+    sampling = next(line for line in out.splitlines() if line.strip().startswith("sampling"))
+    assert f"(target >= {bench.SAMPLING_TARGET})" in sampling
+    assert result["sampling_ratio"] == pytest.approx(
+        (result["policy_tokens"] / result["rollout_seconds"])
+        / (result["floor_tokens"] / result["floor_generate_seconds"]))

@@ -362,6 +362,21 @@ def test_merged_sampling_steps_aside_where_it_cannot_merge(tiny_model_dir):
     assert rollout.MergedAdapter.of(policy) is None
 
 
+def test_static_cache_decodes_the_same_dialogues(tiny_model_dir, personas):
+    """--static-cache (a fixed-size KV cache per generate call, compiled on a GPU; eager here) plays
+    the same greedy dialogues as the dynamic turn caches, with the same log-probs."""
+    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.3)
+    runs = [play_dialogues(policy, tokenizer, rules_simulator(max_turns=3), personas(3), greedy=True,
+                           max_new_tokens=8, static_cache=static, progress=False) for static in (False, True)]
+    (dynamic, dynamic_stats), (static, static_stats) = runs
+    assert dynamic_stats["policy_reused_tokens"] > 0 and static_stats["policy_reused_tokens"] == 0
+    assert sum(len(r["turn_ends"]) for r in static) == 9
+    for a, b in zip(dynamic, static):
+        assert a["token_ids"] == b["token_ids"]
+        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
+                                   atol=1e-5, rtol=0)
+
+
 def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_model_dir):
     """With action_mask, the vocabulary projection runs only where an agent token is predicted:
     same log-probs, entropies and gradients there, zeros where no row of the batch has one."""

@@ -242,10 +242,21 @@ class MergedAdapter:
         if any(not isinstance(m, LoraLinear) or m.lora_variant
                or not m.get_base_layer().weight.dtype.is_floating_point for m in layers):
             return None
-        swaps = []
-        for m in layers:
-            weight = m.get_base_layer().weight
-            swaps.append((m.get_base_layer(), (weight + m.get_delta_weight(adapter)).to(weight.dtype)))
+        # One buffer per (dtype, device) holds every merged weight: freed in one piece after the
+        # rollout, it goes back to the system. As ~200 separate tensors they stayed in the CPU heap,
+        # fragmented, and PPO's peak memory in the update grew by 0.5-1.1 GiB (SmolLM2, 2 cores).
+        weights = [m.get_base_layer().weight for m in layers]
+        buffers = {}
+        for w in weights:
+            buffers[w.dtype, w.device] = buffers.get((w.dtype, w.device), 0) + w.numel()
+        buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in buffers.items()}
+        used, swaps = dict.fromkeys(buffers, 0), []
+        for m, w in zip(layers, weights):
+            key = w.dtype, w.device
+            merged = buffers[key][used[key]:used[key] + w.numel()].view(w.shape)
+            used[key] += w.numel()
+            merged.copy_(w + m.get_delta_weight(adapter).to(w.dtype))
+            swaps.append((m.get_base_layer(), merged))
         return cls(model, swaps)
 
     def __enter__(self):

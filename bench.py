@@ -26,7 +26,8 @@ generate of the same prompts, exactly --max-new-tokens each, with the same LoRA 
 forward and backward of the sampled sequences (PPO: and the critic's). The floor runs before each
 iteration's rollout on the same weights and its seconds are taken out of that iteration's, so
 both see the same machine load; the medians over --iterations and their ratio are printed
-(targets: GRPO <= 1.2, PPO <= 1.3). Flags after `--` go to the trainer.
+(targets: GRPO <= 1.2, PPO <= 1.3), and the one-turn rollout's tokens/s against the floor's
+generate (target >= 0.95). Flags after `--` go to the trainer.
 
 learning: evidence that the trainers learn, on an environment whose answer is known. `ppo.py
 --preset cpu --simulator rules` and `grpo.py --preset cpu --simulator rules` (the embedded

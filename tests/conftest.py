@@ -5,9 +5,11 @@ trains it changes it in place, and the next module should start from clean weigh
 embedded model takes about a second).
 """
 import copy
+import http.server
 import json
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -100,6 +102,23 @@ def write_personas(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def personas_file(tmp_path_factory):
+    """A personas.json of three test-split users, p0 easy, p1 normal and p2 hard, written once.
+    Tests only read it; one that needs other personas writes its own (write_personas)."""
+    entries = [{**copy.deepcopy(BASE_PERSONA), "id": f"p{i}", "difficulty": d}
+               for i, d in enumerate(["easy", "normal", "hard"])]
+    path = tmp_path_factory.mktemp("personas") / "personas.json"
+    path.write_text(json.dumps(entries), encoding="utf-8")
+    return str(path)
+
+
+def read_metrics(out):
+    """The rows of a run folder's metrics.jsonl, in order."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A folder holding a tiny random Llama (the tiny_model config and seed) and the smollm2
     tokenizer, written with save_pretrained. Pass it as a model name to load_model(),
@@ -110,3 +129,66 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+# ----------------------------------------------------------------------------------------------
+# A local HTTP server for the URL client's tests: it speaks real HTTP on 127.0.0.1
+# ----------------------------------------------------------------------------------------------
+class LocalServer:
+    """An HTTP server on 127.0.0.1 whose POST handler is handle(request_handler, n, json_body),
+    n counting requests from 1. `url` is its OpenAI-style base URL; `stop` is set on close()."""
+
+    def __init__(self, handle):
+        self.count, self.stop, lock = 0, threading.Event(), threading.Lock()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    outer.count += 1
+                    n = outer.count
+                try:
+                    handle(self, n, body)
+                except OSError:  # the client gave up first (a deadline under test)
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                       daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def reply(handler, status, body, headers=()):
+    """Answer a request with `status` and the bytes `body` (and extra headers)."""
+    handler.send_response(status)
+    for k, v in headers:
+        handler.send_header(k, v)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+@pytest.fixture
+def server():
+    """server(handle) -> a running LocalServer, closed after the test."""
+    made = []
+
+    def start(handle):
+        made.append(LocalServer(handle))
+        return made[-1]
+    yield start
+    for s in made:
+        s.close()
+    assert not any(s.thread.is_alive() for s in made)

@@ -3,20 +3,18 @@ of that issue: the flag or file a careless or hostile user could give, and what 
 
 Most settings cases end before any model loads, so they run in-process through each script's
 main() (the code the command line runs); one of each kind also runs as a real subprocess."""
-import http.server
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, reply
 
 import evaluate  # noqa: E402
 import grpo  # noqa: E402
@@ -55,12 +53,6 @@ def exits_with_one_line(main, argv, capsys, *words):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert_one_line(stop.value.code, capsys.readouterr().err, *words)
-
-
-@pytest.fixture
-def personas_file(write_personas, persona_entry):
-    levels = ["easy", "normal", "hard"]
-    return write_personas([persona_entry(id=f"p{i}", difficulty=d) for i, d in enumerate(levels)])
 
 
 def tiny(model_dir, personas, out, *extra, script="ppo"):
@@ -315,59 +307,6 @@ def test_resume_with_no_loadable_checkpoint_is_one_line(two_checkpoints, tmp_pat
 # ----------------------------------------------------------------------------------------------
 # Cases 9, 10, 11: the URL client against a local server
 # ----------------------------------------------------------------------------------------------
-class Server:
-    """An HTTP server on 127.0.0.1 whose POST handler is handle(request_handler, n, json_body)."""
-
-    def __init__(self, handle):
-        self.count, self.stop = 0, threading.Event()
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.count += 1
-                try:
-                    handle(self, outer.count, body)
-                except OSError:
-                    pass
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                                       daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def server():
-    made = []
-
-    def start(handle):
-        made.append(Server(handle))
-        return made[-1]
-    yield start
-    for s in made:
-        s.close()
-
-
-def reply(handler, status, body, headers=()):
-    handler.send_response(status)
-    for k, v in headers:
-        handler.send_header(k, v)
-    handler.send_header("Content-Length", str(len(body)))
-    handler.end_headers()
-    handler.wfile.write(body)
-
-
 def chat(text):
     return json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
 

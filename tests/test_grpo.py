@@ -15,7 +15,7 @@ import torch
 
 import grpo
 import rollout
-from conftest import BASE_PERSONA, ROOT
+from conftest import ROOT, read_metrics
 from rollout import play_dialogues
 from simulator import RulesBackend, Simulator, load_personas
 
@@ -165,18 +165,6 @@ def tiny_args(model_dir, personas, out, *extra):
 
 
 @pytest.fixture(scope="module")
-def personas_file(tmp_path_factory):
-    entries = []
-    for i, difficulty in enumerate(["easy", "normal", "hard"]):
-        entry = json.loads(json.dumps(BASE_PERSONA))
-        entry.update(id=f"p{i}", difficulty=difficulty)
-        entries.append(entry)
-    path = tmp_path_factory.mktemp("grpo_personas") / "personas.json"
-    path.write_text(json.dumps(entries), encoding="utf-8")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def warm_model_dir(tiny_model_dir, tmp_path_factory):
     """The tiny random Llama rewired so that every position says ' sorry' with p ~ 0.26 and ends
     the turn with p ~ 0.16. The rules user scores a reply with 'sorry' +3 and one without -3, so
@@ -199,11 +187,6 @@ def warm_model_dir(tiny_model_dir, tmp_path_factory):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
-
-
-def read_metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,7 @@ import torch
 
 import grpo
 import ppo
-
-
-def read_metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+from conftest import read_metrics
 
 
 TIMING = ("time_", "_per_s", "_seconds", "peak_memory")
@@ -41,20 +37,6 @@ def assert_same_weights(a, b, atol=1e-6):
     assert a.keys() == b.keys() and a
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-5, msg=k)
-
-
-@pytest.fixture(scope="module")
-def personas_file(tmp_path_factory):
-    from conftest import BASE_PERSONA
-
-    entries = []
-    for i, difficulty in enumerate(["easy", "normal", "hard"]):
-        entry = json.loads(json.dumps(BASE_PERSONA))
-        entry.update(id=f"p{i}", difficulty=difficulty)
-        entries.append(entry)
-    path = tmp_path_factory.mktemp("paper_personas") / "personas.json"
-    path.write_text(json.dumps(entries), encoding="utf-8")
-    return str(path)
 
 
 def ppo_args(model_dir, personas, out, *extra):

@@ -10,7 +10,7 @@ import torch
 
 import ppo
 import rollout
-from conftest import ROOT
+from conftest import ROOT, read_metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,17 +145,6 @@ def tiny_args(model_dir, personas, out, *extra):
             "--split", "test", "--dialogues-per-iteration", "2", "--minibatch-size", "2",
             "--micro-batch-size", "1", "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "512",
             "--lora-r", "4", "--lora-alpha", "8", "--out", str(out), *extra]
-
-
-@pytest.fixture
-def personas_file(write_personas, persona_entry):
-    return write_personas([persona_entry(id=f"p{i}", difficulty=d)
-                           for i, d in enumerate(["easy", "normal", "hard"])])
-
-
-def read_metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_updates_first_ratio_is_one_kl_zero_base_frozen_adapters_move(tiny_model_dir, personas_file,

@@ -4,7 +4,6 @@ backends (a local transformers model, an OpenAI-compatible server, the rules use
     python -m pytest tests/test_simulator.py -q      # prints the warm-vs-rude separation
 """
 import copy
-import http.server
 import json
 import os
 import re
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import simulator
+from conftest import LocalServer, reply
 from simulator import (GENERIC_LINES, LocalBackend, OpenAIBackend, PersonaError, RulesBackend, Simulator,
                        SimulatorError, apply_change, band, load_personas, parse_change, rules_appraisal,
                        says_goodbye)
@@ -858,49 +858,26 @@ def test_use_base_disables_adapters(tiny_model):
 # ----------------------------------------------------------------------------------------------
 # URL backend against a local OpenAI-compatible server
 # ----------------------------------------------------------------------------------------------
-class FakeServer:
-    """A /v1/chat/completions server on 127.0.0.1 whose answer to request n is respond(n, body),
-    returning (status, body bytes) or the string "hang". Records headers and bodies."""
+class FakeServer(LocalServer):
+    """A /v1/chat/completions server on 127.0.0.1 whose answer to request n (from 0) is
+    respond(n, body), returning (status, body bytes) or the string "hang". Records headers and
+    bodies."""
 
     def __init__(self, respond):
-        self.respond, self.requests, self.stop = respond, [], threading.Event()
-        lock, outer = threading.Lock(), self
+        self.requests, lock = [], threading.Lock()
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with lock:
-                    n = len(outer.requests)
-                    outer.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
-                answer = outer.respond(n, body)
-                if answer == "hang":
-                    outer.stop.wait(10)  # until the test is over
-                    return
-                status, data = answer
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except OSError:
-                    pass
+        def handle(handler, _, body):
+            with lock:
+                n = len(self.requests)
+                self.requests.append({"path": handler.path, "headers": dict(handler.headers), "body": body})
+            answer = respond(n, body)
+            if answer == "hang":
+                self.stop.wait(10)  # until the test is over
+                return
+            status, data = answer
+            reply(handler, status, data, [("Content-Type", "application/json")])
 
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                                       daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+        super().__init__(handle)
 
 
 def completion(text, tokens=3):

@@ -14,7 +14,7 @@ import evaluate
 import grpo
 import ppo
 import rollout
-from conftest import ROOT
+from conftest import ROOT, read_metrics
 
 
 def tiny_args(model_dir, personas, out, *extra):
@@ -25,17 +25,6 @@ def tiny_args(model_dir, personas, out, *extra):
 
 
 SIZE = {ppo: ["--dialogues-per-iteration", "2"], grpo: ["--personas-per-iteration", "1", "--group-size", "2"]}
-
-
-@pytest.fixture
-def personas_file(write_personas, persona_entry):
-    return write_personas([persona_entry(id=f"p{i}", difficulty=d)
-                           for i, d in enumerate(["easy", "normal", "hard"])])
-
-
-def read_metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -227,7 +227,8 @@ class MergedAdapter:
     while the rollout lasts. of() answers None where it cannot merge (4-bit weights, DoRA)."""
 
     def __init__(self, model, swaps):
-        self.model, self.swaps, self.own = model, swaps, []
+        self.model, self.swaps = model, swaps  # swaps: (projection, its merged weight)
+        self.own, self.off = [], None  # while inside: each projection's own weight; the adapter-off context
 
     @classmethod
     @torch.no_grad()
@@ -270,7 +271,7 @@ class MergedAdapter:
         self.off.__exit__(*error)
         for (layer, _), own in zip(self.swaps, self.own):
             layer.weight.data = own
-        self.own = []
+        self.own, self.off = [], None
 
 
 @dataclass

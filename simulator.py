@@ -850,6 +850,7 @@ class LocalBackend:
         rows = self._encode(conversations)
         slots, keep = self._slots(slots, len(rows))
         C, pad, scores = len(block), self.tokenizer.pad_token_id, []
+        dtype = self.model.get_input_embeddings().weight.dtype  # of the additive attention mask
         try:
             with self._context():
                 for i in range(0, len(rows), self.micro_batch_size):
@@ -867,7 +868,6 @@ class LocalBackend:
                         torch.cat([sees_conv, sees_conv.new_zeros(B, S, C)], 2),
                         torch.cat([real[:, None, :].expand(B, C, P + S), in_block.expand(B, C, C)], 2),
                     ], 1)                                               # (B, S + C, P + S + C)
-                    dtype = self.model.get_input_embeddings().weight.dtype
                     bias = torch.zeros(sees.shape, dtype=dtype, device=device)
                     bias.masked_fill_(~sees, torch.finfo(dtype).min)
                     position = mask.cumsum(1) - 1                       # (B, P + S)

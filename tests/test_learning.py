@@ -3,13 +3,11 @@ against a stand-in user whose reward has a known, reachable optimum: the fractio
 reply tokens that come from a target set (a quarter of the vocabulary, so a random policy scores
 about 0.25 and the best policy 1.0). The scripts run through their real main(); only the
 simulator is replaced. A sign error, a wrong mask or a detached loss keeps the reward flat."""
-import json
-import os
-
 import numpy as np
 import pytest
 
 import simulator as sim_module
+from conftest import read_metrics
 
 
 class TargetTokenSimulator(sim_module.Simulator):
@@ -52,8 +50,7 @@ COMMON = ["--preset", "cpu", "--simulator", "rules", "--split", "test", "--max-t
 
 
 def rewards_of(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line)["reward_mean"] for line in f]
+    return [m["reward_mean"] for m in read_metrics(out)]
 
 
 @pytest.fixture
@@ -105,8 +102,7 @@ def test_ppo_learns_over_two_turns_with_per_turn_rewards(tiny_model_dir, persona
                        "--dialogues-per-iteration", "8", "--minibatch-size", "8", "--micro-batch-size", "4",
                        "--lr", "3e-2", "--critic-lr", "3e-2", "--update-epochs", "2"])
     assert_learned(rewards_of(out), "ppo, 2 turns")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        metrics = [json.loads(line) for line in f]
+    metrics = read_metrics(out)
     assert all(m["turns_mean"] == 2 for m in metrics)
     late = [m["explained_variance"] for m in metrics[-4:]]
     print(f"explained variance, last 4 iterations: {late}")

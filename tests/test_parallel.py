@@ -7,15 +7,14 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, read_metrics
 
 
 def run(cmd, out):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_metrics(out)
 
 
 @pytest.fixture

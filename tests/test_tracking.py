@@ -24,6 +24,20 @@ def tiny_args(model_dir, personas, out, *extra):
             "--out", str(out), *extra]
 
 
+def events_matching_metrics(out):
+    """The run's TensorBoard events, checked to hold reward_mean at steps 1 and 2 with the values
+    of metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "rlver"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("reward_mean")]
+    expected = [(m["iteration"], m["reward_mean"]) for m in read_metrics(out)]
+    assert [s for s, _ in logged] == [1, 2]
+    assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)
+    return events
+
+
 SIZE = {ppo: ["--dialogues-per-iteration", "2"], grpo: ["--personas-per-iteration", "1", "--group-size", "2"]}
 
 
@@ -36,19 +50,12 @@ def test_tensorboard_gets_every_iteration_and_old_checkpoints_go(script, tiny_mo
     """The Done-when run of issue 18 on the tiny model: 2 iterations, a checkpoint after each, one kept,
     and a TensorBoard event file with reward_mean (as in metrics.jsonl) at steps 1 and 2."""
     pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     out = tmp_path / "run"
     script.main(tiny_args(tiny_model_dir, personas_file, out, *SIZE[script], "--iterations", "2",
                           "--save-every", "1", "--keep-checkpoints", "1", "--report-to", "tensorboard"))
     assert os.listdir(out / "checkpoints") == ["iter_000002"]
     assert rollout.latest_checkpoint(str(out)).endswith("iter_000002")
-    events = EventAccumulator(str(out / "rlver"))
-    events.Reload()
-    logged = [(e.step, e.value) for e in events.Scalars("reward_mean")]
-    expected = [(m["iteration"], m["reward_mean"]) for m in read_metrics(out)]
-    assert [s for s, _ in logged] == [1, 2]
-    assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)
+    events = events_matching_metrics(out)
     assert "kl_ref" in events.Tags()["scalars"]
     texts = events.Tensors("dialogues/text_summary")  # a few dialogues per iteration, as markdown
     assert [t.step for t in texts] == [1, 2]
@@ -64,20 +71,13 @@ def test_resume_replaces_what_a_killed_run_logged_after_its_checkpoint(tiny_mode
     pytest.importorskip("tensorboard")
     import shutil
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     out = tmp_path / "run"
     args = tiny_args(tiny_model_dir, personas_file, out, *SIZE[ppo], "--iterations", "2", "--save-every", "1",
                      "--report-to", "tensorboard")
     ppo.main(args)
     shutil.rmtree(out / "checkpoints" / "iter_000002")  # the kill
     ppo.main([*args, "--resume", str(out)])
-    events = EventAccumulator(str(out / "rlver"))
-    events.Reload()
-    logged = [(e.step, e.value) for e in events.Scalars("reward_mean")]
-    expected = [(m["iteration"], m["reward_mean"]) for m in read_metrics(out)]
-    assert [s for s, _ in logged] == [1, 2]
-    assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)
+    events_matching_metrics(out)
 
 
 def test_evaluate_reports_each_model_at_its_place_in_the_table(tiny_model_dir, personas_file, tmp_path):

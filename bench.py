@@ -113,10 +113,11 @@ ROLLOUT_TARGET = 0.9  # issue 17: the multi-turn rollout at 0.9 of plain generat
 
 def bench_rollout(args):
     import rollout
+    from run import default_device, set_seed, summarize
     from simulator import Simulator, load_personas_or_exit, make_backend
 
-    rollout.set_seed(args.seed)
-    device = rollout.default_device()
+    set_seed(args.seed)
+    device = default_device()
     policy, tokenizer = rollout.load_policy(args.model, device=device, trainable=False)
     personas = load_personas_or_exit(args.personas, "train")[:args.dialogues]
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, device=device,
@@ -144,7 +145,7 @@ def bench_rollout(args):
                                             max_new_tokens=args.max_new_tokens, reuse_cache=args.reuse_cache,
                                             progress=False)
     wall = time.time() - t0
-    summary = rollout.summarize(records, stats)
+    summary = summarize(records, stats)
     after = plain_generate_rate(policy, tokenizer, prompts, args.max_new_tokens)
     base_rate = (before[0] + after[0]) / 2
     policy_s, sim_s = stats["policy_seconds"], stats["simulator_seconds"]
@@ -390,7 +391,7 @@ def train_runs(args):
     is pinned to one set (and as many torch threads), and its output goes to OUT/{algo}-seed{S}.log."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rollout import latest_checkpoint
+    from run import latest_checkpoint
 
     here = os.path.dirname(os.path.abspath(__file__))
     pending = []
@@ -645,7 +646,7 @@ def decode_bytes(model, batch, context):
 
 def random_model(config, tokenizer, device):
     """A causal LM of `config` with random weights, built straight on `device`: bf16 on a GPU
-    (initialised there, in seconds), fp32 on CPU as simulator.load_model does."""
+    (initialised there, in seconds), fp32 on CPU as run.load_model does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**config, pad_token_id=tokenizer.pad_token_id,
@@ -666,7 +667,8 @@ def bench_gpu(args):
 
     import ppo
     import rollout
-    from simulator import load_personas_or_exit, resolve_model
+    from run import parse_settings, resolve_model
+    from simulator import load_personas_or_exit
 
     defaults = {**GPU_DEFAULTS, **(GPU_PAPER_SHAPE if args.shape == "paper" else {})}
     for name, (full, tiny) in defaults.items():
@@ -675,7 +677,7 @@ def bench_gpu(args):
     paper_shape = args.shape == "paper"
     config = TINY_CONFIG if args.tiny else QWEN25_7B_CONFIG
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
-    tokenizer.padding_side = "left"  # as simulator.load_model sets it up
+    tokenizer.padding_side = "left"  # as run.load_model sets it up
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if len(tokenizer) > config["vocab_size"]:
@@ -728,7 +730,7 @@ def bench_gpu(args):
                 "--micro-batch-size", str(args.micro_batch_size)] + args.trainer_flags
         if args.tiny:
             given = {a[2:].replace("-", "_") for a in argv if a.startswith("--")} | {"save_every"}
-            paper = ppo.Args()
+            paper = parse_settings(ppo.SETTINGS, argv=[])  # the paper preset's values
             argv += [x for key in ppo.PRESETS["cpu"] if key not in given
                      for x in (f"--{key.replace('_', '-')}", str(getattr(paper, key)))]
         device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"

@@ -27,102 +27,74 @@ import re
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from rollout import (PLAIN_PROMPT, THINK_PROMPT, build_simulator, check_openings_fit, default_device, eos_ids,
-                     load_policy, log_to_trackers, parse_settings, play_dialogues, public_config, set_seed,
-                     start_trackers, summarize, tracker_settings, transcript_record)
-from simulator import (SimulatorError, auto_readout, fail, load_personas_or_exit, one_of, redact,
-                       simulator_kind)
+from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
+                     eos_ids, load_policy, play_dialogues)
+from run import (OutputSettings, TrackerSettings, at_least, default_device, fail, log_to_trackers, one_of,
+                 parse_settings, public_config, redact, set_seed, setting, start_trackers, summarize,
+                 tracker_settings, transcript_record)
+from simulator import (SimulatorError, SimulatorSettings, auto_readout, build_simulator,
+                       load_personas_or_exit, simulator_kind)
 
 
 # ----------------------------------------------------------------------------------------------
 # Settings
 # ----------------------------------------------------------------------------------------------
 @dataclass
-class EvalArgs:
-    model: str = field(default="smollm2", metadata={
-        "help": "base model: smollm2 (embedded), a hub id or a path"})
-    load_in_4bit: bool = field(default=False, metadata={
-        "help": "NF4 base weights via bitsandbytes (CUDA only): QLoRA adapters on the base they trained on"})
-    adapter: list[str] = field(default_factory=list, metadata={
-        "help": "LoRA adapter folders to compare with the base (each holds adapter_config.json)"})
-    personas: str = field(default="personas.json", metadata={"help": "personas.json or a SAGE profile file"})
-    split: str = field(default="test", metadata={"help": "train | test | all"})
-    dialogues: int = field(default=0, metadata={
-        "help": "personas to play, the first N of the split (0 = all)"})
-    simulator: str = field(default="same", metadata={
-        "help": "same | rules | model id/path | http://host:port/v1"})
-    simulator_device_map: str = field(default="auto", metadata={
-        "help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
-    readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules"})
-    judge: str = field(default="training", metadata={
-        "help": "training | heldout: the appraisal prompt that scores (heldout: an outside observer the "
-                "agent never trained against; needs the reasoned read-out)"})
-    api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
-    api_key_env: str = field(default="OPENAI_API_KEY", metadata={
-        "help": "environment variable holding its key"})
-    api_timeout: float = field(default=60.0, metadata={
-        "help": "seconds a request to a URL simulator may take in all; a call, x (retries + 1)"})
-    api_retries: int = field(default=4, metadata={"help": "tries after a failed request to a URL simulator"})
-    api_concurrency: int = field(default=8, metadata={"help": "requests in flight at once to a URL server"})
-    start_emotion: int = field(default=40, metadata={"help": "the user's starting emotion (SAGE: 40)"})
-    max_change: int = field(default=10, metadata={"help": "largest emotion change per turn (SAGE: 10)"})
-    max_turns: int = field(default=10, metadata={"help": "agent turns per dialogue (SAGE: 10)"})
-    user_reply_tokens: int = field(default=64, metadata={"help": "tokens per simulated user message"})
-    thinking: bool = field(default=True, metadata={
-        "help": "think-then-say scaffold (--no-thinking to drop it)"})
-    system_prompt_file: str = field(default=None, metadata={
-        "help": "a file whose text replaces the agent's system prompt"})
-    sample: bool = field(default=False, metadata={
-        "help": "sample the agent's replies instead of greedy decoding"})
-    samples: int = field(default=1, metadata={"help": "dialogues per persona (needs --sample when > 1)"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature with --sample"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling with --sample"})
-    max_new_tokens: int = field(default=128, metadata={"help": "tokens per agent turn, thought included"})
-    merged_sampling: bool = field(default=True, metadata={
-        "help": "sample from the adapter merged into a copy of the weights: faster, the update stays "
-                "exact (off: less memory; 4-bit bases never merge)"})
-    static_cache: bool = field(default=False, metadata={
-        "help": "decode into a fixed-size KV cache, which transformers compiles on a GPU (CUDA graphs); "
-                "turn caches off. Not yet measured on a GPU"})
-    max_context: int = field(default=4096, metadata={
-        "help": "tokens per dialogue before it ends with 'context'"})
-    bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples for the 95%% intervals"})
-    seed: int = field(default=0, metadata={"help": "random seed (sampling, bootstrap)"})
-    math: str = field(default=None, metadata={"help": "JSON lines {id, question, answer}: capability check"})
-    math_max_new_tokens: int = field(default=256, metadata={"help": "tokens per math answer"})
-    math_batch_size: int = field(default=8, metadata={"help": "math questions per generate call"})
-    curves: list[str] = field(default_factory=list, metadata={
-        "help": "run folders with metrics.jsonl: plot their training curves instead of evaluating"})
-    out: str = field(default="runs/eval", metadata={"help": "output folder"})
-    report_to: str = field(default="none", metadata={"help": "none | tensorboard | wandb | trackio | all"})
+class EvalSettings:
+    """What evaluate.py compares, and how (the policy's, the user's and the output's settings are
+    declared where they are read; evaluate.py gives them SAGE's defaults)."""
+    group = "evaluate.py"
+    adapter: list[str] = setting([], "LoRA adapter folders to compare with the base (each holds "
+                                     "adapter_config.json)")
+    judge: str = setting("training", "training | heldout: the appraisal prompt that scores (heldout: an "
+                                     "outside observer the agent never trained against; needs the reasoned "
+                                     "read-out)", one_of("training", "heldout"))
+    dialogues: int = setting(0, "personas to play, the first N of the split (0 = all)", at_least(0))
+    system_prompt_file: str = setting("", "a file whose text replaces the agent's system prompt")
+    sample: bool = setting(False, "sample the agent's replies instead of greedy decoding")
+    samples: int = setting(1, "dialogues per persona (needs --sample when > 1)", at_least(1))
+    bootstrap: int = setting(2000, "bootstrap resamples for the 95%% intervals", at_least(1))
+    math: str = setting("", "JSON lines {id, question, answer}: capability check")
+    math_max_new_tokens: int = setting(256, "tokens per math answer", at_least(1))
+    math_batch_size: int = setting(8, "math questions per generate call", at_least(1))
+    curves: list[str] = setting([], "run folders with metrics.jsonl: plot their training curves instead of "
+                                    "evaluating")
+
+    @staticmethod
+    def check(args):
+        if args.samples > 1 and not args.sample:
+            fail("--samples: greedy decoding plays the same dialogue every time; add --sample for "
+                 "--samples > 1")
+        readout = args.readout if args.readout != "auto" else auto_readout(simulator_kind(args.simulator))
+        if args.judge == "heldout" and readout != "reasoned":
+            fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
+                 f"{redact(args.simulator)} reads out '{readout}'")
+        for path in args.adapter:
+            if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+                inside = sorted(d for d in os.listdir(path)
+                                if os.path.isfile(os.path.join(path, d, "adapter_config.json"))) \
+                    if os.path.isdir(path) else []
+                hint = f"; did you mean {os.path.join(path, inside[0])}?" if inside else ""
+                fail(f"--adapter {path}: no adapter_config.json there{hint}")
+
+
+SETTINGS = (PolicySettings, SamplingSettings, SimulatorSettings, EvalSettings, OutputSettings,
+            TrackerSettings)
+# SAGE's benchmark settings (start emotion 40, up to 10 turns), and sizes for a reply, not a long thought
+DEFAULTS = dict(model="smollm2", max_new_tokens=128, max_context=4096, split="test", start_emotion=40,
+                max_turns=10, user_reply_tokens=64, out="runs/eval")
 
 
 def parse_args(argv=None):
-    """The settings, each checked (rollout.check_settings) before any model loads."""
-    args = parse_settings(EvalArgs, None, argv, {"split": one_of("train", "test", "all")})
-    if args.samples > 1 and not args.sample:
-        fail("--samples: greedy decoding plays the same dialogue every time; add --sample for --samples > 1")
-    if args.load_in_4bit and not torch.cuda.is_available():
-        fail("--load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU")
-    readout = args.readout if args.readout != "auto" else auto_readout(simulator_kind(args.simulator))
-    if args.judge == "heldout" and readout != "reasoned":
-        fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
-             f"{redact(args.simulator)} reads out '{readout}'")
-    for path in args.adapter:
-        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
-            inside = sorted(d for d in os.listdir(path)
-                            if os.path.isfile(os.path.join(path, d, "adapter_config.json"))) \
-                if os.path.isdir(path) else []
-            hint = f"; did you mean {os.path.join(path, inside[0])}?" if inside else ""
-            fail(f"--adapter {path}: no adapter_config.json there{hint}")
-    return args
+    """The settings, each checked before any model loads (run.parse_settings)."""
+    return parse_settings(SETTINGS, None, argv, defaults=DEFAULTS, prog="evaluate.py")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,7 +340,8 @@ def load_models(args):
     first = args.adapter[0] if args.adapter else None
     try:
         policy, tokenizer = load_policy(args.model, adapter=first, trainable=False, device=default_device(),
-                                        load_in_4bit=args.load_in_4bit)
+                                        load_in_4bit=args.load_in_4bit, dtype=args.dtype,
+                                        trust_remote_code=args.trust_remote_code)
     except RuntimeError as e:  # torch's size mismatch: another hidden size
         fail(f"--adapter {first} does not fit --model {args.model}: {str(e).splitlines()[0][:200]}")
     policy.requires_grad_(False)

@@ -5,146 +5,79 @@ all from the persona's fixed opening (rollout.py). A dialogue's reward is its fi
 its advantage is the reward minus the mean of its group, divided by the group's std (Shao et al.
 2024, DeepSeekMath, arXiv 2402.03300), broadcast over every token the agent sampled in it. Then
 clipped policy-gradient steps on the LoRA adapter. No value model: the group mean is the baseline.
-
 One copy of the weights serves three roles: the policy (adapter 'default'), the reference policy
 (adapter disabled) and, with --simulator same, the simulated user (adapter disabled too).
 
-This file is ppo.py with the critic taken out and the group advantage put in; the two are kept
-parallel line by line so that `diff ppo.py grpo.py` shows exactly what GRPO changes.
+This is ppo.py with the critic taken out and the group advantage put in, in the same order,
+so `diff ppo.py grpo.py` shows the methods' differences. In the loop every `run.` call is plumbing
+(run.py); what is left is the method.
 
     python grpo.py                      # the paper's GRPO setup on a CUDA machine (Qwen2.5-7B-Instruct)
     python grpo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
     accelerate launch --num_processes 8 grpo.py   # data parallel on one node
 """
-import sys
 import time
+from dataclasses import dataclass
 from functools import partial
-from dataclasses import dataclass, field
 
 import torch
 
-from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs, begin_run,
-                     checkpoint_due, gather_tensor, global_masked_mean, global_max, global_sum,
-                     latest_checkpoint, load_policy, log_iteration, make_simulator, masked_mean, pad_records,
-                     passes_to_run, pick_personas, play_dialogues, policy_settings, prune_checkpoints,
-                     public_config, reduce_gradients, sampling_settings, save_checkpoint, set_seed,
-                     start_or_resume, StepGuard, stop_on_simulator_error, token_logprobs, training_personas)
-from simulator import SimulatorError, fail, one_of
+from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_params, append_means,
+                     batched_logprobs, load_policy, pad_records, passes_to_run,
+                     pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
+                     training_personas)
+from run import (OutputSettings, Run, RunSettings, TrackerSettings, above, at_least, fail, one_of,
+                 parse_settings, setting, within)
+from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 
 @dataclass
-class Args:
-    preset: str = field(default="paper", metadata={
-        "help": "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win"})
-    # the policy
-    model: str = field(default="Qwen/Qwen2.5-7B-Instruct", metadata={
-        "help": "policy base: hub id, path, or smollm2 (embedded)"})
-    lora_r: int = field(default=32, metadata={"help": "LoRA rank of the policy adapter"})
-    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (scale = alpha / r)"})
-    lora_dropout: float = field(default=0.0, metadata={
-        "help": "LoRA dropout; 0 keeps the first ratio exactly 1"})
-    target_modules: str = field(default=DEFAULT_TARGETS, metadata={
-        "help": "comma-separated module names that get LoRA"})
-    load_in_4bit: bool = field(default=False, metadata={
-        "help": "QLoRA: NF4 base weights via bitsandbytes (CUDA only)"})
-    gradient_checkpointing: bool = field(default=True, metadata={
-        "help": "recompute activations in the backward pass"})
-    dtype: str = field(default="auto", metadata={
-        "help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
-    trust_remote_code: bool = field(default=False, metadata={
-        "help": "allow model code from the hub (off unless you trust it)"})
-    # the simulated user
-    simulator: str = field(default="same", metadata={
-        "help": "same | rules | model id/path | http://host:port/v1"})
-    simulator_device_map: str = field(default="auto", metadata={
-        "help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
-    readout: str = field(default="auto", metadata={
-        "help": "auto | reasoned | likelihood | rules (see docs/simulator.md: read-outs)"})
-    api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
-    api_key_env: str = field(default="OPENAI_API_KEY", metadata={
-        "help": "environment variable with the URL simulator's key"})
-    api_timeout: float = field(default=60.0, metadata={
-        "help": "seconds a request to a URL simulator may take in all; a call, x (retries + 1)"})
-    api_retries: int = field(default=4, metadata={"help": "tries after a failed request to a URL simulator"})
-    api_concurrency: int = field(default=8, metadata={"help": "requests in flight at once to a URL server"})
-    personas: str = field(default="personas.json", metadata={"help": "persona file"})
-    split: str = field(default="train", metadata={"help": "persona split to train on"})
-    difficulty: str = field(default="all", metadata={
-        "help": "all (each persona's own) | easy | normal | hard: every user plays at this level"})
-    start_emotion: int = field(default=30, metadata={
-        "help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
-    max_change: int = field(default=10, metadata={"help": "largest emotion change per turn"})
-    max_turns: int = field(default=8, metadata={"help": "agent turns per dialogue (RLVER: 8)"})
-    user_reply_tokens: int = field(default=96, metadata={"help": "tokens per simulated user message"})
-    # rollouts
-    personas_per_iteration: int = field(default=8, metadata={
-        "help": "personas (groups) per iteration, over all processes (RLVER: 32 dialogues = 8 x 4)"})
-    group_size: int = field(default=4, metadata={
-        "help": "dialogues per persona, all from its opening (RLVER: 4); at least 2"})
-    thinking: bool = field(default=True, metadata={"help": "think-then-say scaffold (the paper's best run)"})
-    temperature: float = field(default=1.0, metadata={
-        "help": "sampling temperature; the trainer's log-probs use the same"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (RLVER: 1.0)"})
-    greedy: bool = field(default=False, metadata={
-        "help": "decode greedily: reproducible dialogues for tests and debugging, not for training "
-                "(a group's dialogues would be identical)"})
-    merged_sampling: bool = field(default=True, metadata={
-        "help": "sample from the adapter merged into a copy of the weights: faster, the update stays "
-                "exact (off: less memory; 4-bit bases never merge)"})
-    static_cache: bool = field(default=False, metadata={
-        "help": "decode into a fixed-size KV cache, which transformers compiles on a GPU (CUDA graphs); "
-                "turn caches off. Not yet measured on a GPU"})
-    max_new_tokens: int = field(default=512, metadata={"help": "tokens per agent turn"})
-    max_context: int = field(default=6144, metadata={
-        "help": "tokens per dialogue; past it the dialogue ends with 'context'"})
+class GRPOSettings:
+    """GRPO's own settings (the policy's, the user's and the run's are declared where they are read)."""
+    group = "GRPO"
+    personas_per_iteration: int = setting(8, "personas (groups) per iteration, over all processes (RLVER: 32 "
+                                             "dialogues = 8 x 4)", at_least(1))
+    group_size: int = setting(4, "dialogues per persona, all from its opening (RLVER: 4); at least 2",
+                              at_least(2))
+    greedy: bool = setting(False, "decode greedily: reproducible dialogues for tests and debugging, not for "
+                                  "training (GRPO: a group's dialogues would be identical)")
     # rewards
-    reward: str = field(default="final", metadata={
-        "help": "final: final emotion / 100 | turn: sum of the turns' changes / 100"})
-    format_penalty: float = field(default=0.0, metadata={
-        "help": "subtracted per think-format violation (thinking on)"})
-    kl_loss_coef: float = field(default=0.0, metadata={
-        "help": "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)"})
+    reward: str = setting("final", "final: final emotion / 100 | turn: sum of the turns' changes / 100",
+                          one_of("final", "turn"))
+    format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
+    kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
     # advantages
-    scale_rewards: str = field(default="group", metadata={
-        "help": "group: (r - group mean) / group std | batch: / batch std | none: r - group mean (Dr. GRPO)"})
-    drop_zero_spread: bool = field(default=False, metadata={
-        "help": "leave groups whose rewards are all equal out of the loss (default: keep, they weigh zero)"})
+    scale_rewards: str = setting("group", "group: (r - group mean) / group std | batch: / batch std | none: "
+                                          "r - group mean (Dr. GRPO)", one_of("group", "batch", "none"))
+    drop_zero_spread: bool = setting(False, "leave groups whose rewards are all equal out of the loss "
+                                            "(default: keep, they weigh zero)")
     # the update
-    update_epochs: int = field(default=1, metadata={
-        "help": "passes over each iteration's dialogues (GRPO's mu); 1 = plain policy gradient"})
-    minibatch_size: int = field(default=32, metadata={
-        "help": "dialogues per optimizer step, over all processes; the whole batch = one step per batch"})
-    micro_batch_size: int = field(default=2, metadata={
-        "help": "dialogues per forward pass (gradient accumulation)"})
-    clip_low: float = field(default=0.2, metadata={
-        "help": "clip: ratio kept within [1 - clip_low, 1 + clip_high]"})
-    clip_high: float = field(default=0.2, metadata={
-        "help": "upper clip; larger than clip_low = clip-higher (DAPO uses 0.28)"})
-    ent_coef: float = field(default=0.001, metadata={"help": "entropy bonus coefficient (RLVER: 0.001)"})
-    loss_agg: str = field(default="seq-mean-token-mean", metadata={
-        "help": "seq-mean-token-mean (GRPO paper) | token-mean | dr-grpo (token sum / fixed budget)"})
-    lr: float = field(default=1e-5, metadata={"help": "LoRA learning rate (paper, full fine-tuning: 1e-6)"})
-    warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping"})
-    max_bad_updates: int = field(default=3, metadata={
-        "help": "stop after this many non-finite updates in a row"})
-    log_kl_every: int = field(default=1, metadata={
-        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass in the "
-                "others"})
-    # the run
-    iterations: int = field(default=200, metadata={"help": "training iterations"})
-    save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
-    keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N checkpoints (0 = all)"})
-    time_budget: float = field(default=0.0, metadata={
-        "help": "minutes: stop (with a checkpoint) after the iteration that uses them up; 0 = off"})
-    out: str = field(default="runs/grpo", metadata={"help": "run folder"})
-    resume: str = field(default="", metadata={
-        "help": "run folder to continue from its newest checkpoint that loads, with its saved settings"})
-    overwrite: bool = field(default=False, metadata={"help": "let --out replace a run (deletes its files)"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
-    report_to: str = field(default="none", metadata={"help": "none | tensorboard | wandb | trackio | all"})
+    update_epochs: int = setting(1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
+    minibatch_size: int = setting(32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
+    micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1))
+    clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
+                              within(0, 1, low_open=True, high_open=True))
+    clip_high: float = setting(0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
+    ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
+    loss_agg: str = setting("seq-mean-token-mean", "seq-mean-token-mean (GRPO paper) | token-mean | dr-grpo "
+                                                   "(token sum / fixed budget)",
+                            one_of("seq-mean-token-mean", "token-mean", "dr-grpo"))
+    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tuning: 1e-6)", at_least(0))
+    warmup_steps: int = setting(0, "optimizer steps of linear learning-rate warm-up", at_least(0))
+    max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
+    log_kl_every: int = setting(1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
+                                   "reference pass in the others", at_least(1))
+
+    @staticmethod
+    def check(args):
+        batch = args.personas_per_iteration * args.group_size
+        if batch % args.minibatch_size:
+            fail(f"--minibatch-size {args.minibatch_size} must divide the batch of {batch} dialogues "
+                 f"(--personas-per-iteration x --group-size)")
 
 
+SETTINGS = (PolicySettings, AdapterSettings, SamplingSettings, SimulatorSettings, GRPOSettings, RunSettings,
+            OutputSettings, TrackerSettings)
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
@@ -253,8 +186,33 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
     return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
 
 
-# What the update logs, per micro-batch or optimizer step; metrics.jsonl has their means (docs/metrics.md).
-LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ratio_first", "grad_norm")
+def kl_k3(logprobs, ref_logprobs):
+    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
+    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1
+
+
+def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, agg, args):
+    """The policy's loss on one micro-batch, from per-token (b, T) tensors to its share of the
+    minibatch loss (agg: aggregate with the minibatch's counts): the clipped surrogate, minus
+    --ent-coef x the entropy, plus --kl-loss-coef x the k3 KL to the reference (ref_logprobs,
+    None when no reference pass ran). Returns (loss, the per-token terms the update logs)."""
+    pg, ratio, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low,
+                                             args.clip_high)
+    kl_ref = None if ref_logprobs is None else kl_k3(logprobs, ref_logprobs)
+    loss = agg(pg) - args.ent_coef * agg(entropy)
+    if args.kl_loss_coef > 0:
+        loss = loss + args.kl_loss_coef * agg(kl_ref)
+    with torch.no_grad():
+        logratio = logprobs - old_logprobs
+        approx_kl = torch.exp(logratio) - 1 - logratio  # the k3 estimator of KL(old || new)
+    return loss, {"policy_loss": pg, "entropy": entropy, "approx_kl": approx_kl, "clip_frac": clipped,
+                  "kl_ref_loss": kl_ref, "ratio": ratio}
+
+
+LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ratio_first",
+          "grad_norm")  # by the update; metrics.jsonl: their means
 
 
 def policy_and_optimizer(args, model):
@@ -269,96 +227,55 @@ def policy_and_optimizer(args, model):
     return params, optimizer, scheduler
 
 
-def kl_k3(logprobs, ref_logprobs):
-    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
-    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020); GRPO's KL term."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1
-
-
-
-
-def check_batch_shape(args, world):
-    """A group is played and scored inside one process, never split: each gets whole personas; and
-    minibatches split the batch evenly."""
-    for name in ("personas_per_iteration", "minibatch_size"):
-        if getattr(args, name) % world:
-            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
-    if args.group_size < 2:
-        fail(f"--group-size {args.group_size}: GRPO compares dialogues within a group; use 2 or more")
-    batch_size = args.personas_per_iteration * args.group_size
-    if batch_size % args.minibatch_size:
-        fail(f"--minibatch-size {args.minibatch_size} must divide the batch of {batch_size} dialogues "
-             f"(--personas-per-iteration x --group-size)")
-
-
 def main(argv=None):
-    from accelerate.utils import gather_object
-    from tqdm import tqdm
-
-    args, accelerator, ckpt, state, resumed = begin_run(Args, PRESETS, argv, {"loss_agg": one_of(
-        "seq-mean-token-mean", "token-mean", "dr-grpo")}, ["default"], "grpo.py")
-    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    check_batch_shape(args, world)
-    set_seed(args.seed)  # the same adapter initialisation on every process
+    args = parse_settings(SETTINGS, PRESETS, argv, defaults={"out": "runs/grpo"}, prog="grpo.py")
+    run = Run(args, "grpo.py", adapters=["default"],  # --out checked, --resume's settings taken
+              per_process=["personas_per_iteration", "minibatch_size"])  # a group stays in one process
     personas = training_personas(args)
 
     # --- the model: policy adapter on a frozen base; no critic --------------------------------
-    model, tokenizer = load_policy(args.model, device=device, **policy_settings(args))
+    model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
     params, optimizer, scheduler = policy_and_optimizer(args, model)
-    simulator = make_simulator(args, model, tokenizer, accelerator,
+    simulator = make_simulator(args, model, tokenizer, run,
                                f"; {args.personas_per_iteration} personas x {args.group_size} dialogues")
-
-    def save(iteration, name=None):  # every process calls it; the main process writes
-        return _save(args, iteration, model, optimizer, scheduler, accelerator, name)
-
-    # --- run folder and resume ---------------------------------------------------------------
-    run, start_iteration = start_or_resume(args, accelerator, ckpt, state, model, ["default"],
-                                           optimizer, scheduler, resumed)
-    saved_at = start_iteration  # the iteration of the newest checkpoint
-    guard = StepGuard(args.max_bad_updates, "Lower --lr or use --dtype float32", args.out, accelerator)
     token_budget = args.max_turns * args.max_new_tokens  # Dr. GRPO's constant: the most a dialogue holds
-    bar = tqdm(range(start_iteration, args.iterations), desc="grpo", disable=not accelerator.is_main_process)
-    t_run = time.time()  # --time-budget counts from here (on --resume: from the resume)
-    for iteration in bar:
+    first_iteration = run.begin(model, optimizer, scheduler)
+    for iteration in range(first_iteration, args.iterations):
         t_start = time.time()
         # --- 1. collect dialogues: this process's whole groups (its share of the personas) --------
-        chosen = pick_personas(personas, args.personas_per_iteration, args.seed, iteration)
-        share = args.personas_per_iteration // world
+        chosen = run.share(pick_personas(personas, args.personas_per_iteration, args.seed, iteration))
         try:
-            own = chosen[rank * share:(rank + 1) * share]
-            records, rstats = play_dialogues(model, tokenizer, simulator, own, **sampling_settings(args),
-                                             samples_per_persona=args.group_size,
-                                             progress=accelerator.is_main_process and sys.stderr.isatty())
-        except SimulatorError as e:  # one line; a finished iteration not yet saved is saved first
-            due = iteration > saved_at and world == 1  # (a save is collective: one process only)
-            stop_on_simulator_error(e, partial(save, iteration) if due else None)
+            records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling_settings(args),
+                                             samples_per_persona=args.group_size, progress=run.show_progress)
+        except SimulatorError as e:
+            run.stop(e, iteration)  # one line; a finished iteration not yet saved is saved first
         t_rollout = time.time() - t_start
 
         # --- 2. score: old log-probs, reference log-probs, rewards --------------------------------
         t0 = time.time()
-        batch = pad_records(records, tokenizer.pad_token_id, device)
+        batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
         # only passes whose result is not known yet; --drop-zero-spread trims the update's mask
-        old_from_update, need_ref = passes_to_run(args, iteration, old_first=args.drop_zero_spread)
+        old_from_update, need_ref = passes_to_run(args, iteration, len(records) * run.world,
+                                                  old_first=args.drop_zero_spread)
         old_logprobs = torch.zeros_like(mask) if old_from_update else \
             batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
                                         reference=True) if need_ref else None               # (B, T)
         rewards = dialogue_rewards(records, args.reward, args.format_penalty)               # (B,)
-        group_ids = torch.tensor([rank * share + r["group"] for r in records])              # (B,)
+        group_ids = torch.tensor([run.rank * len(chosen) + r["group"] for r in records])   # (B,)
 
         # --- 3. advantages: each dialogue against its group --------------------------------------
         # Over the whole iteration, on every process (batch scaling needs the std of all rewards);
         # the gather is in rank order, so this process's rows are one slice.
-        all_rewards, all_groups = gather_tensor(rewards, accelerator), gather_tensor(group_ids, accelerator)
+        all_rewards, all_groups = run.gather_tensor(rewards), run.gather_tensor(group_ids)
         all_advantages = group_advantages(all_rewards, all_groups, args.scale_rewards)      # (N,)
         _, all_std, all_flat = group_stats(all_rewards, all_groups)                         # (N,)
-        mine = slice(rank * len(records), (rank + 1) * len(records))
+        mine = slice(run.rank * len(records), (run.rank + 1) * len(records))
         if args.drop_zero_spread:  # advantage 0 anyway; out of the loss's denominators and other terms
-            mask = mask * (~all_flat[mine].to(device)).float()[:, None]                     # (B, T)
+            mask = mask * (~all_flat[mine].to(run.device)).float()[:, None]                 # (B, T)
         keep = (mask.sum(1) > 0).float()                                                    # (B,)
-        advantages = all_advantages[mine].float().to(device)[:, None] * mask                # (B, T)
+        advantages = all_advantages[mine].float().to(run.device)[:, None] * mask            # (B, T)
         t_score = time.time() - t0
 
         # --- 4. update: passes x minibatches x micro-batches ------------------------------------
@@ -366,16 +283,14 @@ def main(argv=None):
         model.train()
         logs = {k: [] for k in LOGGED}
         skipped_steps = 0
-        local_mb = args.minibatch_size // world
+        local_mb = args.minibatch_size // run.world
         for epoch in range(args.update_epochs):
             order = torch.randperm(len(records)).tolist()
             for start in range(0, len(records), local_mb):
                 mb_inds = order[start:start + local_mb]
-                total_tokens = global_sum(mask[mb_inds].sum(), accelerator).clamp(min=1)
-                total_seqs = global_sum(keep[mb_inds].sum(), accelerator)  # = minibatch_size unless dropped
-                if total_seqs.item() == 0:
-                    # every dialogue of this minibatch was dropped (or has no agent token): no step,
-                    # which also keeps Adam's momentum from moving the weights on a zero gradient
+                total_tokens = run.sum(mask[mb_inds].sum()).clamp(min=1)
+                total_seqs = run.sum(keep[mb_inds].sum())  # = minibatch_size unless dropped
+                if total_seqs.item() == 0:  # all dropped: no step (Adam's momentum would move the weights)
                     skipped_steps += 1
                     continue
                 optimizer.zero_grad(set_to_none=True)
@@ -389,82 +304,39 @@ def main(argv=None):
                                                          with_entropy=True, entropy_grad=args.ent_coef > 0)
                     if old_from_update:
                         old_logprobs[idx, :w] = newlogprob.detach()
-                    pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx, :w],
-                                                             advantages[idx, :w], args.clip_low,
-                                                             args.clip_high)
-                    kl_ref = None if ref_logprobs is None else kl_k3(newlogprob, ref_logprobs[idx, :w])
-                    loss = agg(pg) - args.ent_coef * agg(entropy)
-                    if args.kl_loss_coef > 0:
-                        loss = loss + args.kl_loss_coef * agg(kl_ref)
+                    loss, terms = policy_objective(
+                        newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
+                        None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)
                     loss.backward()
-                    with torch.no_grad():
-                        logratio = newlogprob - old_logprobs[idx, :w]
-                        # ratio_first: the weights that scored the rollout, so 1 (exactly, in float32)
-                        for key, x in (("policy_loss", pg), ("entropy", entropy),
-                                       ("approx_kl", torch.exp(logratio) - 1 - logratio),  # the k3 estimator
-                                       ("clip_frac", clipped), ("kl_ref_loss", kl_ref),
-                                       ("ratio_first", ratio if epoch == start == m0 == 0 else None)):
-                            if x is not None:
-                                logs[key].append(masked_mean(x, m).item())
-                # gradients: sum over processes (each loss was already divided by the global count)
-                reduce_gradients(params, accelerator)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                if not guard.step_ok(grad_norm, iteration, partial(save, iteration)):
-                    optimizer.zero_grad(set_to_none=True)  # a non-finite loss: skip this step
-                    continue
-                optimizer.step()
-                scheduler.step()
-                logs["grad_norm"].append(grad_norm.item())
+                    append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
+                run.step(optimizer, scheduler, {"grad_norm": params}, args.max_grad_norm, iteration, logs)
         t_update = time.time() - t0
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
-        all_records = gather_object(records) if world > 1 else records
+        all_records = run.gather(records)
         final = dialogue_rewards(all_records, args.reward).numpy()  # as in ppo.py: no format penalty
         first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])
-        with torch.no_grad():  # over every process's agent tokens
-            acted = batch["action_mask"]  # (B, T) every agent token, dropped groups' too
-            update_tokens = global_sum(mask.sum(), accelerator).item() * args.update_epochs
-            kl_ref = None if ref_logprobs is None else \
-                global_masked_mean(kl_k3(old_logprobs, ref_logprobs), acted, accelerator)  # null: no pass
-            gap = global_masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted, accelerator)
-        method = {"reward_mean": float(final.mean()), "reward_std": float(final.std()),
-                  "group_reward_std": float(all_std[first_of_group].mean()),
-                  "zero_spread_groups": int(all_flat[first_of_group].sum()), "kl_ref": kl_ref,
-                  "sample_logprob_gap": gap, "skipped_steps": skipped_steps,
+        acted = batch["action_mask"]  # (B, T) every agent token, dropped groups' too
+        update_tokens = run.sum(mask.sum()).item() * args.update_epochs
+        kl_ref = None if ref_logprobs is None else \
+            run.masked_mean(kl_k3(old_logprobs, ref_logprobs), acted)  # null: no reference pass
+        gap = run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted)
+        method = {"reward_mean": float(final.mean()), "reward_std": float(final.std()), "kl_ref": kl_ref,
+                  "sample_logprob_gap": gap, "group_reward_std": float(all_std[first_of_group].mean()),
+                  "zero_spread_groups": int(all_flat[first_of_group].sum()), "skipped_steps": skipped_steps,
                   "lr": optimizer.param_groups[0]["lr"],
                   "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
-                  "update_tokens_per_s": update_tokens / max(global_max(t_update, accelerator), 1e-9)}
+                  "update_tokens_per_s": update_tokens / max(run.max(t_update), 1e-9)}
         times = {"time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
                  "time_iteration": time.time() - t_start}
-        metrics = log_iteration(run, accelerator, iteration, all_records, rstats, logs, params, method, times)
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
-                        emotion=f"{metrics['final_emotion_mean']:.1f}", flat=metrics["zero_spread_groups"])
+        run.log(iteration, all_records, rstats, logs, method, times)
 
         # --- 6. checkpoint -----------------------------------------------------------------------
-        due, out_of_time = checkpoint_due(args, iteration, t_run, accelerator)
-        if due:
-            saved_at = iteration + 1
-            save(iteration + 1)
-        accelerator.wait_for_everyone()
-        if out_of_time:
+        run.save_if_due(iteration)  # every --save-every iterations, at the last, when --time-budget is up
+        if run.time_is_up:
             break
-    accelerator.end_training()  # closes the trackers
-    if accelerator.is_main_process:
-        print(f"done: {args.out} (adapter: {latest_checkpoint(args.out)}/default)")
+    run.finish()
     return model  # the trained PeftModel, for tests and notebooks
-
-
-def _save(args, iteration, model, optimizer, scheduler, accelerator, name=None):
-    """Every process hands in its RNG state; the main process writes the checkpoint."""
-    rngs = all_rng_states(accelerator)
-    if not accelerator.is_main_process:
-        return None
-    path = save_checkpoint(args.out, iteration, model, ["default"], {
-        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "args": public_config(args),
-        "rng": rngs if len(rngs) > 1 else rngs[0]}, name=name)
-    if name is None:  # a complete checkpoint: older ones beyond --keep-checkpoints go
-        prune_checkpoints(args.out, args.keep_checkpoints)
-    return path
 
 
 if __name__ == "__main__":

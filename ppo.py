@@ -3,151 +3,82 @@
 Each iteration plays a batch of dialogues against the simulated user (rollout.py), puts the
 reward (final emotion / 100) on the last token of the agent's last turn, estimates advantages
 with GAE over the agent's own tokens, and takes clipped PPO steps on the actor and the critic.
-
 One copy of the weights serves four roles: the actor (adapter 'default'), the critic (adapter
 'critic' plus a scalar value head), the reference policy (adapters disabled) and, with
 --simulator same, the simulated user (adapters disabled too). TRL's PPO holds four models.
+
+grpo.py is this file with the critic taken out and the group advantage put in, in the same order,
+so `diff ppo.py grpo.py` shows the methods' differences. In the loop every `run.` call is plumbing
+(run.py); what is left is the method.
 
     python ppo.py                      # the paper's setup on a CUDA machine (Qwen2.5-7B-Instruct)
     python ppo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
     accelerate launch --num_processes 8 ppo.py   # data parallel on one node
 """
 import contextlib
-import sys
 import time
+from dataclasses import dataclass
 from functools import partial
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs, begin_run,
-                     checkpoint_due, global_masked_mean, global_max, global_sum, latest_checkpoint,
-                     length_sorted, load_policy, log_iteration, make_simulator, masked_mean, pad_records,
-                     passes_to_run, pick_personas, play_dialogues, policy_settings, prune_checkpoints,
-                     public_config, reduce_gradients, sampling_settings, save_checkpoint, set_seed,
-                     start_or_resume, StepGuard, stop_on_simulator_error, token_logprobs, training_personas)
-from simulator import SimulatorError, fail, one_of
+from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_params, append_means,
+                     batched_logprobs, length_sorted, load_policy, pad_records, passes_to_run,
+                     pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
+                     training_personas, use_adapter)
+from run import (OutputSettings, Run, RunSettings, TrackerSettings, above, at_least, fail, one_of,
+                 parse_settings, setting, within)
+from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 
 @dataclass
-class Args:
-    preset: str = field(default="paper", metadata={
-        "help": "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win"})
-    # the policy
-    model: str = field(default="Qwen/Qwen2.5-7B-Instruct", metadata={
-        "help": "policy base: hub id, path, or smollm2 (embedded)"})
-    lora_r: int = field(default=32, metadata={"help": "LoRA rank of actor and critic adapters"})
-    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (scale = alpha / r)"})
-    lora_dropout: float = field(default=0.0, metadata={
-        "help": "LoRA dropout; 0 keeps the first PPO ratio exactly 1"})
-    target_modules: str = field(default=DEFAULT_TARGETS, metadata={
-        "help": "comma-separated module names that get LoRA"})
-    load_in_4bit: bool = field(default=False, metadata={
-        "help": "QLoRA: NF4 base weights via bitsandbytes (CUDA only)"})
-    gradient_checkpointing: bool = field(default=True, metadata={
-        "help": "recompute activations in the backward pass"})
-    dtype: str = field(default="auto", metadata={
-        "help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16"})
-    trust_remote_code: bool = field(default=False, metadata={
-        "help": "allow model code from the hub (off unless you trust it)"})
-    # the simulated user
-    simulator: str = field(default="same", metadata={
-        "help": "same | rules | model id/path | http://host:port/v1"})
-    simulator_device_map: str = field(default="auto", metadata={
-        "help": "where a local simulator model goes: auto spreads it over the GPUs after the first"})
-    readout: str = field(default="auto", metadata={
-        "help": "auto | reasoned | likelihood | rules (see docs/simulator.md: read-outs)"})
-    api_model: str = field(default="default", metadata={"help": "model name sent to a URL simulator"})
-    api_key_env: str = field(default="OPENAI_API_KEY", metadata={
-        "help": "environment variable with the URL simulator's key"})
-    api_timeout: float = field(default=60.0, metadata={
-        "help": "seconds a request to a URL simulator may take in all; a call, x (retries + 1)"})
-    api_retries: int = field(default=4, metadata={"help": "tries after a failed request to a URL simulator"})
-    api_concurrency: int = field(default=8, metadata={"help": "requests in flight at once to a URL server"})
-    personas: str = field(default="personas.json", metadata={"help": "persona file"})
-    split: str = field(default="train", metadata={"help": "persona split to train on"})
-    difficulty: str = field(default="all", metadata={
-        "help": "all (each persona's own) | easy | normal | hard: every user plays at this level"})
-    start_emotion: int = field(default=30, metadata={
-        "help": "start emotion (RLVER training 30, SAGE benchmark 40)"})
-    max_change: int = field(default=10, metadata={"help": "largest emotion change per turn"})
-    max_turns: int = field(default=8, metadata={"help": "agent turns per dialogue (RLVER: 8)"})
-    user_reply_tokens: int = field(default=96, metadata={"help": "tokens per simulated user message"})
-    # rollouts
-    dialogues_per_iteration: int = field(default=32, metadata={
-        "help": "dialogues per iteration, over all processes (RLVER: 32)"})
-    thinking: bool = field(default=True, metadata={"help": "think-then-say scaffold (the paper's best run)"})
-    temperature: float = field(default=1.0, metadata={
-        "help": "sampling temperature; the trainer's log-probs use the same"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (RLVER: 1.0)"})
-    greedy: bool = field(default=False, metadata={
-        "help": "decode greedily: reproducible dialogues for tests and debugging, not for training"})
-    merged_sampling: bool = field(default=True, metadata={
-        "help": "sample from the adapter merged into a copy of the weights: faster, the update stays "
-                "exact (off: less memory; 4-bit bases never merge)"})
-    static_cache: bool = field(default=False, metadata={
-        "help": "decode into a fixed-size KV cache, which transformers compiles on a GPU (CUDA graphs); "
-                "turn caches off. Not yet measured on a GPU"})
-    max_new_tokens: int = field(default=512, metadata={"help": "tokens per agent turn"})
-    max_context: int = field(default=6144, metadata={
-        "help": "tokens per dialogue; past it the dialogue ends with 'context'"})
+class PPOSettings:
+    """PPO's own settings (the policy's, the user's and the run's are declared where they are read)."""
+    group = "PPO"
+    dialogues_per_iteration: int = setting(32, "dialogues per iteration, over all processes (RLVER: 32)",
+                                           at_least(1))
+    greedy: bool = setting(False, "decode greedily: reproducible dialogues for tests and debugging, not for "
+                                  "training (GRPO: a group's dialogues would be identical)")
     # rewards
-    reward: str = field(default="final", metadata={
-        "help": "final: emotion/100 on the last agent token | turn: each change/100 on its turn"})
-    format_penalty: float = field(default=0.0, metadata={
-        "help": "subtracted per think-format violation (thinking on)"})
-    kl_coef: float = field(default=0.0, metadata={
-        "help": "per-token KL penalty to the reference in the reward (RLVER: 0)"})
-    kl_loss_coef: float = field(default=0.0, metadata={"help": "k3 KL-to-reference loss term (RLVER: 0)"})
+    reward: str = setting("final", "final: emotion/100 on the last agent token | turn: each change/100 on "
+                                   "its turn", one_of("final", "turn"))
+    format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
+    kl_coef: float = setting(0.0, "k1 KL-to-reference penalty in the reward (RLVER: 0)", at_least(0))
+    kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
     # advantages
-    gamma: float = field(default=1.0, metadata={"help": "discount over agent tokens (RLVER's trainer: 1.0)"})
-    lam: float = field(default=1.0, metadata={"help": "GAE lambda (RLVER's trainer: 1.0)"})
-    whiten_advantages: bool = field(default=True, metadata={
-        "help": "normalise advantages over the batch's agent tokens"})
+    gamma: float = setting(1.0, "discount over agent tokens (RLVER's trainer: 1.0)", within(0, 1))
+    lam: float = setting(1.0, "GAE lambda (RLVER's trainer: 1.0)", within(0, 1))
+    whiten_advantages: bool = setting(True, "normalise advantages over the batch's agent tokens")
     # the update
-    update_epochs: int = field(default=1, metadata={"help": "passes over each iteration's dialogues"})
-    minibatch_size: int = field(default=32, metadata={
-        "help": "dialogues per optimizer step, over all processes (RLVER: 32)"})
-    micro_batch_size: int = field(default=2, metadata={
-        "help": "dialogues per forward pass (gradient accumulation)"})
-    clip_low: float = field(default=0.2, metadata={
-        "help": "PPO clip: ratio kept within [1 - clip_low, 1 + clip_high]"})
-    clip_high: float = field(default=0.2, metadata={
-        "help": "upper clip; larger than clip_low = clip-higher (DAPO uses 0.28)"})
-    value_clip: float = field(default=0.5, metadata={
-        "help": "value predictions move at most this far from the rollout's (RLVER: 0.5)"})
-    vf_coef: float = field(default=0.5, metadata={"help": "value loss coefficient"})
-    ent_coef: float = field(default=0.001, metadata={"help": "entropy bonus coefficient (RLVER: 0.001)"})
-    loss_agg: str = field(default="token-mean", metadata={
-        "help": "token-mean | seq-mean-token-mean | seq-mean-token-sum"})
-    lr: float = field(default=1e-5, metadata={
-        "help": "actor LoRA learning rate (paper, full fine-tuning: 1e-6)"})
-    critic_lr: float = field(default=5e-5, metadata={
-        "help": "critic LoRA and value head learning rate (paper: 5x the actor's)"})
-    critic_warmup: int = field(default=0, metadata={
-        "help": "first iterations in which only the critic learns (verl's critic_warmup)"})
-    warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping, per model part"})
-    max_bad_updates: int = field(default=3, metadata={
-        "help": "stop after this many non-finite updates in a row"})
-    log_kl_every: int = field(default=1, metadata={
-        "help": "log kl_ref every N iterations; with no KL term, N > 1 skips the reference pass in the "
-                "others"})
-    # the run
-    iterations: int = field(default=200, metadata={"help": "training iterations"})
-    save_every: int = field(default=10, metadata={"help": "checkpoint every N iterations (and at the end)"})
-    keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N checkpoints (0 = all)"})
-    time_budget: float = field(default=0.0, metadata={
-        "help": "minutes: stop (with a checkpoint) after the iteration that uses them up; 0 = off"})
-    out: str = field(default="runs/ppo", metadata={"help": "run folder"})
-    resume: str = field(default="", metadata={
-        "help": "run folder to continue from its newest checkpoint that loads, with its saved settings"})
-    overwrite: bool = field(default=False, metadata={"help": "let --out replace a run (deletes its files)"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
-    report_to: str = field(default="none", metadata={"help": "none | tensorboard | wandb | trackio | all"})
+    update_epochs: int = setting(1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
+    minibatch_size: int = setting(32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
+    micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1))
+    clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
+                              within(0, 1, low_open=True, high_open=True))
+    clip_high: float = setting(0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
+    value_clip: float = setting(0.5, "values move at most this far from the rollout's (RLVER: 0.5)", above(0))
+    vf_coef: float = setting(0.5, "value loss coefficient", at_least(0))
+    ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
+    loss_agg: str = setting("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum",
+                            one_of("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
+    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tuning: 1e-6)", at_least(0))
+    critic_lr: float = setting(5e-5, "critic adapter and value head learning rate (5x --lr)", at_least(0))
+    critic_warmup: int = setting(0, "first iterations in which only the critic learns (verl)", at_least(0))
+    warmup_steps: int = setting(0, "optimizer steps of linear learning-rate warm-up", at_least(0))
+    max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
+    log_kl_every: int = setting(1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
+                                   "reference pass in the others", at_least(1))
+
+    @staticmethod
+    def check(args):
+        if args.dialogues_per_iteration % args.minibatch_size:
+            fail(f"--dialogues-per-iteration {args.dialogues_per_iteration} must be a multiple of "
+                 f"--minibatch-size {args.minibatch_size}")
 
 
+SETTINGS = (PolicySettings, AdapterSettings, SamplingSettings, SimulatorSettings, PPOSettings, RunSettings,
+            OutputSettings, TrackerSettings)
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
@@ -164,11 +95,6 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_ppo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
-# What the update logs, per micro-batch or optimizer step; metrics.jsonl has their means (docs/metrics.md).
-LOGGED = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "value_clip_frac", "kl_ref_loss",
-          "ratio_first", "actor_grad_norm", "critic_grad_norm")
-
-
 def place_rewards(records, shape, mode="final", format_penalty=0.0):
     """Per-token rewards (B, T), zero except on the last token of agent turns.
     final: final emotion / 100 on the last token of the agent's last turn (the paper).
@@ -231,18 +157,14 @@ def aggregate(loss, mask, mode, total_tokens, total_seqs):
 
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
     """Per-token PPO surrogate (Schulman et al. 2017) with an asymmetric clip (clip-higher, DAPO).
-    Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high))."""
+    Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high)).
+    With one pass over the batch and one optimizer step per batch, old_logprobs are the current
+    weights' own log-probs, so r = 1 exactly, nothing is clipped, and the gradient is the plain
+    policy gradient -A grad log p (GRPO with mu = 1, as TRL's default)."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
-
-
-def clipped_value_loss(values, old_values, returns, clip):
-    """0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped within clip of the rollout's values."""
-    v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
-    loss = 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
-    return loss, ((values - returns) ** 2 < (v_clipped - returns) ** 2).float()
 
 
 def kl_k3(logprobs, ref_logprobs):
@@ -250,6 +172,31 @@ def kl_k3(logprobs, ref_logprobs):
     always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
     d = ref_logprobs - logprobs
     return torch.exp(d) - d - 1
+
+
+def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, agg, args):
+    """The policy's loss on one micro-batch, from per-token (b, T) tensors to its share of the
+    minibatch loss (agg: aggregate with the minibatch's counts): the clipped surrogate, minus
+    --ent-coef x the entropy, plus --kl-loss-coef x the k3 KL to the reference (ref_logprobs,
+    None when no reference pass ran). Returns (loss, the per-token terms the update logs)."""
+    pg, ratio, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low,
+                                             args.clip_high)
+    kl_ref = None if ref_logprobs is None else kl_k3(logprobs, ref_logprobs)
+    loss = agg(pg) - args.ent_coef * agg(entropy)
+    if args.kl_loss_coef > 0:
+        loss = loss + args.kl_loss_coef * agg(kl_ref)
+    with torch.no_grad():
+        logratio = logprobs - old_logprobs
+        approx_kl = torch.exp(logratio) - 1 - logratio  # the k3 estimator of KL(old || new)
+    return loss, {"policy_loss": pg, "entropy": entropy, "approx_kl": approx_kl, "clip_frac": clipped,
+                  "kl_ref_loss": kl_ref, "ratio": ratio}
+
+
+def clipped_value_loss(values, old_values, returns, clip):
+    """0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped within clip of the rollout's values."""
+    v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+    loss = 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
+    return loss, ((values - returns) ** 2 < (v_clipped - returns) ** 2).float()
 
 
 def variance_sums(values, returns):
@@ -270,18 +217,13 @@ def explained_variance(sums):
     return 1 - var_d / var_r if var_r > 0 else float("nan")
 
 
+LOGGED = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "value_clip_frac", "kl_ref_loss",
+          "ratio_first", "actor_grad_norm", "critic_grad_norm")  # by the update; metrics.jsonl: their means
+
+
 # ----------------------------------------------------------------------------------------------
 # The critic: a second adapter on the shared base, plus a value head
 # ----------------------------------------------------------------------------------------------
-def use_adapter(model, name):
-    """Make one adapter active. peft's set_adapter also freezes the other adapters, but autograd
-    skips a parameter that no longer requires grad at backward time, so both stay trainable."""
-    model.set_adapter(name)
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            p.requires_grad_(True)
-
-
 @contextlib.contextmanager
 def adapter_active(model, name):
     """Run a forward pass AND its backward pass under one adapter, then return to the actor's.
@@ -298,30 +240,27 @@ def adapter_active(model, name):
 
 
 def value_prior(reward, start_emotion):
-    """What the critic predicts before it has learned anything: the return of a dialogue in which
-    the emotion never moves. With --reward final every agent token's return is final emotion / 100,
-    so start_emotion / 100; with --reward turn it is the sum of the changes still to come, so 0.
-    Starting at 0 instead, a critic with a small learning rate spends its first iterations
-    climbing to the mean return, and its large early errors are a baseline worse than none."""
+    """What the critic predicts before it has learned anything: the return of a dialogue in which the
+    emotion never moves (--reward final: start_emotion / 100; turn: 0). Starting at 0 instead, a
+    critic with a small learning rate spends its first iterations climbing to the mean return."""
     return start_emotion / 100.0 if reward == "final" else 0.0
 
 
-def whiten(advantages, mask, accelerator):
-    """Advantages (B, T) to zero mean and unit variance over every process's agent tokens."""
-    n = global_sum(mask.sum(), accelerator)
-    mean = global_sum((advantages * mask).sum(), accelerator) / n
-    var = global_sum((((advantages - mean) * mask) ** 2).sum(), accelerator) / n
+def whiten(advantages, mask, total=lambda x: x):
+    """Advantages (B, T) to zero mean and unit variance over the agent tokens; total sums a
+    tensor over the processes (run.sum), so the moments are every process's tokens'."""
+    n = total(mask.sum())
+    mean = total((advantages * mask).sum()) / n
+    var = total((((advantages - mean) * mask) ** 2).sum()) / n
     return (advantages - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
 def critic_values(model, value_head, input_ids, attention_mask):
-    """V(s_t) for every position (B, T) under the 'critic' adapter, aligned with token_logprobs:
-    the value at position t is the value of the state the token at t was sampled in, so it is
-    read from the hidden state at t - 1, which has not seen that token (position 0 gets 0).
-    Read at t itself, the value would depend on the action it is a baseline for: a critic that
-    learned it would predict each token's own return and cancel the advantage it should leave.
-    Call it inside `with adapter_active(model, "critic"):`, together with the backward pass of any
-    loss built on it (see adapter_active)."""
+    """V(s_t) for every position (B, T) under the 'critic' adapter, aligned with token_logprobs: the
+    value at t is that of the state the token at t was sampled in, read from the hidden state at t - 1
+    (position 0 gets 0). Read at t, it would see the action it is a baseline for, and a critic that
+    learned that would cancel the advantage. Call it, and the backward pass of its loss, inside
+    `with adapter_active(model, "critic"):`."""
     if model.active_adapter != "critic":
         raise RuntimeError("critic_values runs under the 'critic' adapter: call it, and the backward pass "
                            "of its loss, inside `with adapter_active(model, 'critic'):`")
@@ -344,15 +283,6 @@ def batched_values(model, value_head, batch, micro_batch_size):
                                              batch["attention_mask"][rows, :w]).float()
     model.train(was_training)
     return values
-
-
-def check_batch_shape(args, world):
-    """Dialogues and minibatches must split evenly over the processes and into each other."""
-    for name in ("dialogues_per_iteration", "minibatch_size"):
-        if getattr(args, name) % world:
-            fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {world} processes")
-    if args.dialogues_per_iteration % args.minibatch_size:
-        fail("--dialogues-per-iteration must be a multiple of --minibatch-size")
 
 
 def actor_and_critic(args, model, device):
@@ -387,79 +317,61 @@ def actor_and_critic(args, model, device):
 
 
 def main(argv=None):
-    from accelerate.utils import gather_object
-    from tqdm import tqdm
-
-    args, accelerator, ckpt, state, resumed = begin_run(Args, PRESETS, argv, {"loss_agg": one_of(
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum")}, ["default", "critic"], "ppo.py")
-    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    check_batch_shape(args, world)
-    set_seed(args.seed)  # the same adapter initialisation on every process
+    args = parse_settings(SETTINGS, PRESETS, argv, defaults={"out": "runs/ppo"}, prog="ppo.py")
+    run = Run(args, "ppo.py", adapters=["default", "critic"],  # --out checked, --resume's settings taken
+              per_process=["dialogues_per_iteration", "minibatch_size"])
     personas = training_personas(args)
 
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
-    model, tokenizer = load_policy(args.model, device=device, **policy_settings(args))
-    value_head, actor_params, critic_params, optimizer, scheduler = actor_and_critic(args, model, device)
-    simulator = make_simulator(args, model, tokenizer, accelerator)
-
-    def save(iteration, name=None):  # every process calls it; the main process writes
-        return _save(args, iteration, model, value_head, optimizer, scheduler, accelerator, name)
-
-    # --- run folder and resume ---------------------------------------------------------------
-    run, start_iteration = start_or_resume(args, accelerator, ckpt, state, model, ["default", "critic"],
-                                           optimizer, scheduler, resumed, {"value_head": value_head})
-    saved_at = start_iteration  # the iteration of the newest checkpoint
-    guard = StepGuard(args.max_bad_updates, "Lower --lr / --critic-lr or use --dtype float32", args.out,
-                      accelerator)
-    bar = tqdm(range(start_iteration, args.iterations), desc="ppo", disable=not accelerator.is_main_process)
-    t_run = time.time()  # --time-budget counts from here (on --resume: from the resume)
-    for iteration in bar:
+    model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
+    value_head, actor_params, critic_params, optimizer, scheduler = actor_and_critic(args, model, run.device)
+    simulator = make_simulator(args, model, tokenizer, run)
+    first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
+    for iteration in range(first_iteration, args.iterations):
         t_start = time.time()
         # --- 1. collect dialogues: this process's share of the iteration's personas -------------
-        chosen = pick_personas(personas, args.dialogues_per_iteration, args.seed, iteration)
-        share = args.dialogues_per_iteration // world
+        chosen = run.share(pick_personas(personas, args.dialogues_per_iteration, args.seed, iteration))
         try:
-            own = chosen[rank * share:(rank + 1) * share]
-            records, rstats = play_dialogues(model, tokenizer, simulator, own, **sampling_settings(args),
-                                             progress=accelerator.is_main_process and sys.stderr.isatty())
-        except SimulatorError as e:  # one line; a finished iteration not yet saved is saved first
-            due = iteration > saved_at and world == 1  # (a save is collective: one process only)
-            stop_on_simulator_error(e, partial(save, iteration) if due else None)
+            records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling_settings(args),
+                                             progress=run.show_progress)
+        except SimulatorError as e:
+            run.stop(e, iteration)  # one line; a finished iteration not yet saved is saved first
         t_rollout = time.time() - t_start
 
         # --- 2. score: old log-probs, reference log-probs, values, rewards ------------------------
         t0 = time.time()
-        batch = pad_records(records, tokenizer.pad_token_id, device)
+        batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
         # only passes whose result is not known yet; --kl-coef reads old log-probs before the update
-        old_from_update, need_ref = passes_to_run(args, iteration, old_first=args.kl_coef > 0)
+        old_from_update, need_ref = passes_to_run(args, iteration, len(records) * run.world,
+                                                  old_first=args.kl_coef > 0)
         old_logprobs = torch.zeros_like(mask) if old_from_update else \
             batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
                                         reference=True) if need_ref else None               # (B, T)
         old_values = batched_values(model, value_head, batch, args.micro_batch_size) * mask  # (B, T)
-        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(device)
+        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(run.device)
         if args.kl_coef > 0:  # the k1 estimate, per token, in the reward (both passes ran above)
             rewards = rewards - args.kl_coef * (old_logprobs - ref_logprobs) * mask           # (B, T)
 
         # --- 3. advantages: GAE over the agent's tokens ------------------------------------------
         advantages, returns = compute_gae(rewards.cpu(), old_values.cpu(), mask.cpu(), args.gamma, args.lam)
-        advantages, returns = advantages.to(device), returns.to(device)
+        advantages, returns = advantages.to(run.device), returns.to(run.device)
         if args.whiten_advantages:  # over every process's agent tokens
-            advantages = whiten(advantages, mask, accelerator)
+            advantages = whiten(advantages, mask, run.sum)
         t_score = time.time() - t0
 
         # --- 4. update: epochs x minibatches x micro-batches ------------------------------------
         t0 = time.time()
         model.train()
         logs = {k: [] for k in LOGGED}
-        local_mb = args.minibatch_size // world
+        local_mb = args.minibatch_size // run.world
         train_actor = iteration >= args.critic_warmup  # during warm-up the actor's loss is only logged
         for epoch in range(args.update_epochs):
             order = torch.randperm(len(records)).tolist()
             for start in range(0, len(records), local_mb):
                 mb_inds = order[start:start + local_mb]
-                total_tokens = global_sum(mask[mb_inds].sum(), accelerator).clamp(min=1)
+                total_tokens = run.sum(mask[mb_inds].sum()).clamp(min=1)
                 optimizer.zero_grad(set_to_none=True)
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
@@ -473,92 +385,45 @@ def main(argv=None):
                                                              entropy_grad=args.ent_coef > 0)
                         if old_from_update:
                             old_logprobs[idx, :w] = newlogprob.detach()
-                        pg, ratio, clipped = clipped_policy_loss(newlogprob, old_logprobs[idx, :w],
-                                                                 advantages[idx, :w], args.clip_low,
-                                                                 args.clip_high)
-                        kl_ref = None if ref_logprobs is None else kl_k3(newlogprob, ref_logprobs[idx, :w])
-                        actor_loss = agg(pg) - args.ent_coef * agg(entropy)
-                        if args.kl_loss_coef > 0:
-                            actor_loss = actor_loss + args.kl_loss_coef * agg(kl_ref)
+                        actor_loss, terms = policy_objective(
+                            newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
+                            None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)
                     if train_actor:
                         actor_loss.backward()
                     with adapter_active(model, "critic"):  # forward and backward under the critic
                         values = critic_values(model, value_head, ids, att).float()
-                        vl, vclipped = clipped_value_loss(values, old_values[idx, :w], returns[idx, :w],
-                                                          args.value_clip)
-                        (args.vf_coef * agg(vl)).backward()
-                    with torch.no_grad():
-                        logratio = newlogprob - old_logprobs[idx, :w]
-                        # ratio_first: the weights that scored the rollout, so 1 (exactly, in float32)
-                        for key, x in (("policy_loss", pg), ("value_loss", vl), ("entropy", entropy),
-                                       ("approx_kl", torch.exp(logratio) - 1 - logratio),  # the k3 estimator
-                                       ("clip_frac", clipped), ("value_clip_frac", vclipped),
-                                       ("kl_ref_loss", kl_ref),
-                                       ("ratio_first", ratio if epoch == start == m0 == 0 else None)):
-                            if x is not None:
-                                logs[key].append(masked_mean(x, m).item())
-                # gradients: sum over processes (each loss was already divided by the global count)
-                reduce_gradients(actor_params + critic_params, accelerator)
-                actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)
-                critic_norm = torch.nn.utils.clip_grad_norm_(critic_params, args.max_grad_norm)
-                if not guard.step_ok(actor_norm + critic_norm, iteration, partial(save, iteration)):
-                    optimizer.zero_grad(set_to_none=True)  # a non-finite loss: skip this step
-                    continue
-                optimizer.step()
-                scheduler.step()
-                logs["actor_grad_norm"].append(actor_norm.item())
-                logs["critic_grad_norm"].append(critic_norm.item())
+                        terms["value_loss"], terms["value_clip_frac"] = clipped_value_loss(
+                            values, old_values[idx, :w], returns[idx, :w], args.value_clip)
+                        (args.vf_coef * agg(terms["value_loss"])).backward()
+                    append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
+                run.step(optimizer, scheduler, {"actor_grad_norm": actor_params, "critic_grad_norm":
+                                                critic_params}, args.max_grad_norm, iteration, logs)
         t_update = time.time() - t0
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
-        all_records = gather_object(records) if world > 1 else records
+        all_records = run.gather(records)
         final = np.array([r["final_emotion"] / 100.0 if args.reward == "final" else sum(r["changes"]) / 100.0
                           for r in all_records])
-        with torch.no_grad():  # over every process's agent tokens
-            on = mask > 0  # (B, T) agent tokens
-            ev = explained_variance(global_sum(variance_sums(old_values[on], returns[on]), accelerator))
-            update_tokens = global_sum(mask.sum(), accelerator).item() * args.update_epochs
-            kl_ref = None if ref_logprobs is None else \
-                global_masked_mean(kl_k3(old_logprobs, ref_logprobs), mask, accelerator)  # null: no pass
-            gap = global_masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), mask, accelerator)
+        ev = explained_variance(run.sum(variance_sums(old_values[mask > 0], returns[mask > 0])))
+        update_tokens = run.sum(mask.sum()).item() * args.update_epochs
+        kl_ref = None if ref_logprobs is None else \
+            run.masked_mean(kl_k3(old_logprobs, ref_logprobs), mask)  # null: no reference pass
+        gap = run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), mask)
         method = {"reward_mean": float(final.mean()), "reward_std": float(final.std()), "kl_ref": kl_ref,
                   "sample_logprob_gap": gap, "explained_variance": ev,
                   "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
                   "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
-                  "update_tokens_per_s": update_tokens / max(global_max(t_update, accelerator), 1e-9)}
+                  "update_tokens_per_s": update_tokens / max(run.max(t_update), 1e-9)}
         times = {"time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
                  "time_iteration": time.time() - t_start}
-        metrics = log_iteration(run, accelerator, iteration, all_records, rstats, logs,
-                                actor_params + critic_params, method, times)
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
-                        emotion=f"{metrics['final_emotion_mean']:.1f}")
+        run.log(iteration, all_records, rstats, logs, method, times)
 
         # --- 6. checkpoint -----------------------------------------------------------------------
-        due, out_of_time = checkpoint_due(args, iteration, t_run, accelerator)
-        if due:
-            saved_at = iteration + 1
-            save(iteration + 1)
-        accelerator.wait_for_everyone()
-        if out_of_time:
+        run.save_if_due(iteration)  # every --save-every iterations, at the last, when --time-budget is up
+        if run.time_is_up:
             break
-    accelerator.end_training()  # closes the trackers
-    if accelerator.is_main_process:
-        print(f"done: {args.out} (adapter: {latest_checkpoint(args.out)}/default)")
+    run.finish()
     return model, value_head  # for tests and notebooks
-
-
-def _save(args, iteration, model, value_head, optimizer, scheduler, accelerator, name=None):
-    """Every process hands in its RNG state; the main process writes the checkpoint."""
-    rngs = all_rng_states(accelerator)
-    if not accelerator.is_main_process:
-        return None
-    path = save_checkpoint(args.out, iteration, model, ["default", "critic"], {
-        "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "args": public_config(args),
-        "rng": rngs if len(rngs) > 1 else rngs[0]}, name=name)
-    if name is None:  # a complete checkpoint: older ones beyond --keep-checkpoints go
-        prune_checkpoints(args.out, args.keep_checkpoints)
-    return path
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The policy and its multi-turn dialogues with the simulated user, token in, token out.
 
 This is the one place where the agent meets the simulated user; ppo.py, grpo.py and evaluate.py
-all call play_dialogues(). It also holds what those scripts share: loading the LoRA policy,
-per-token log-probabilities, padding dialogues into a batch, run folders and checkpoints.
+all call play_dialogues(). It holds the LoRA policy and its settings, the chat template's token
+deltas, the dialogues and their records, padding dialogues into a batch, and per-token
+log-probabilities. The run's plumbing (settings parsing, folders, checkpoints) is in run.py.
 
 Token in, token out: the ids the policy sampled are kept exactly as sampled (never decoded and
 re-tokenised), and each user turn is appended as the chat template's token delta for that
@@ -16,21 +17,19 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
-from simulator import (DIFFICULTIES, READOUTS, REDACTED, Simulator, SimulatorError, above, at_least,
-                       cache_keyword, cached_batch, check_rules, env_name, fail, keep_cache, load_model,
-                       load_personas_or_exit, make_backend, model_problem, one_line_errors, one_of,
-                       prompt_counts, readout_problem, redact, resolve_model, simulator_kind,
-                       simulator_problem, transcript_turns, unknown_arguments, within)
+from run import (OutputSettings, above, at_least, default_device, fail, load_model, load_tokenizer,
+                 model_problem, one_of, parse_settings, set_seed, setting, summarize, transcript_record,
+                 within, write_atomically)
+from simulator import (SimulatorError, SimulatorSettings, build_simulator, cache_keyword, cached_batch,
+                       keep_cache, load_personas_or_exit, prompt_counts, transcript_turns)
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project; --system-prompt-file replaces them)
@@ -93,8 +92,33 @@ def split_thought(text, thinking):
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen2.5 / Llama names
 
 
-def default_device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
+@dataclass
+class PolicySettings:
+    """The base model the policy (and the reference, and the 'same' user) runs on."""
+    group = "the policy"
+    model: str = setting("Qwen/Qwen2.5-7B-Instruct", "policy base: hub id, path, or smollm2 (embedded)",
+                         model_problem)
+    dtype: str = setting("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16",
+                         one_of("auto", "float32", "bfloat16"))
+    load_in_4bit: bool = setting(False, "QLoRA: NF4 base weights via bitsandbytes (CUDA only)")
+    trust_remote_code: bool = setting(False, "allow model code from the hub (off unless you trust it)")
+
+    @staticmethod
+    def check(args):
+        if args.load_in_4bit and not torch.cuda.is_available():
+            fail("--load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU")
+
+
+@dataclass
+class AdapterSettings:
+    """The LoRA adapters the trainers train, and how their backward pass is run."""
+    group = "the adapters"
+    lora_r: int = setting(32, "LoRA rank of the trained adapters", at_least(1))
+    lora_alpha: int = setting(64, "LoRA alpha (scale = alpha / r)", above(0))
+    lora_dropout: float = setting(0.0, "LoRA dropout; 0 keeps the first importance ratio exactly 1",
+                                  within(0, 1, high_open=True))
+    target_modules: str = setting(DEFAULT_TARGETS, "comma-separated module names that get LoRA")
+    gradient_checkpointing: bool = setting(True, "recompute activations in the backward pass")
 
 
 def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=0.0,
@@ -289,6 +313,29 @@ class Dialogue:
     cache: dict = field(default_factory=dict, repr=False)  # the policy's KV cache between turns
 
 
+@dataclass
+class SamplingSettings:
+    """How the agent's turns are sampled (play_dialogues)."""
+    group = "sampling"
+    thinking: bool = setting(True, "think-then-say scaffold (the paper's best run)")
+    temperature: float = setting(1.0, "sampling temperature; the trainer's log-probs use the same", above(0))
+    top_p: float = setting(1.0, "nucleus sampling (RLVER: 1.0)", within(0, 1, low_open=True))
+    max_new_tokens: int = setting(512, "tokens per agent turn", at_least(1))
+    max_context: int = setting(6144, "tokens per dialogue; past it the dialogue ends with 'context'",
+                               at_least(2))
+    merged_sampling: bool = setting(True, "sample from the adapter merged into a copy of the weights: "
+                                          "faster, the update stays exact (off: less memory; 4-bit bases "
+                                          "never merge)")
+    static_cache: bool = setting(False, "decode into a fixed-size KV cache, which transformers compiles on "
+                                        "a GPU (CUDA graphs); turn caches off. Not yet measured on a GPU")
+
+    @staticmethod
+    def check(args):
+        if args.max_context <= args.max_new_tokens:
+            fail(f"--max-context {args.max_context}: must be more than --max-new-tokens "
+                 f"{args.max_new_tokens} (a prompt and a whole reply must fit)")
+
+
 @torch.no_grad()
 def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1, *, thinking=True,
                    system_prompt=None, temperature=1.0, top_p=1.0, max_new_tokens=256,
@@ -440,42 +487,6 @@ def to_record(d):
     }
 
 
-def transcript_record(r, **extra):
-    """What goes to rollouts.jsonl: the record without the token-level arrays."""
-    keep = {k: v for k, v in r.items() if k not in ("token_ids", "action_mask", "logprobs", "turn_ends")}
-    return {**extra, **keep}
-
-
-def summarize(records, stats):
-    """Batch-level numbers shared by every script's log. With several processes, give it every
-    process's records and global_stats(stats): then every figure is the whole job's."""
-    finals = np.array([r["final_emotion"] for r in records], dtype=float)
-    reasons = Counter(r["end_reason"] for r in records)
-    agent_turns = sum(len(r["turn_ends"]) for r in records)
-    out = {
-        "final_emotion_mean": float(finals.mean()),
-        "success_rate": float(np.mean([r["end_reason"] == "success" for r in records])),
-        "failure_rate": float(np.mean([r["end_reason"] == "left" for r in records])),
-        "turns_mean": agent_turns / len(records),
-        "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
-        "simulator_fallbacks": sum(r["fallbacks"] for r in records),
-        "policy_tokens": int(stats.get("policy_tokens", 0)),
-        "policy_tokens_per_s": stats.get("policy_tokens", 0) / max(1e-9, stats.get("policy_seconds", 0)),
-        "simulator_tokens_per_s": (stats.get("simulator_tokens", 0)
-                                   / max(1e-9, stats.get("simulator_seconds", 0))),
-        "policy_seconds": stats.get("policy_seconds", 0.0),
-        "simulator_seconds": stats.get("simulator_seconds", 0.0),
-        # the share of prompt tokens read from a dialogue's KV cache instead of being run again
-        "policy_cache_hit": (stats.get("policy_reused_tokens", 0)
-                             / max(1, stats.get("policy_prompt_tokens", 0))),
-        "simulator_cache_hit": (stats.get("simulator_reused_tokens", 0)
-                                / max(1, stats.get("simulator_prompt_tokens", 0))),
-    }
-    for reason in ("success", "left", "goodbye", "max_turns", "context"):
-        out[f"end_{reason}"] = reasons.get(reason, 0)
-    return out
-
-
 # ----------------------------------------------------------------------------------------------
 # Batches and log-probabilities, shared by the trainers
 # ----------------------------------------------------------------------------------------------
@@ -600,411 +611,22 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+@torch.no_grad()
+def append_means(logs, terms, mask, first):
+    """The update's per-token terms (b, T) as their means over the agent tokens, appended to logs
+    (name -> list); metrics.jsonl has the means of those. `ratio` counts only on the first
+    micro-batch of an iteration (first): those weights scored the rollout, so it is 1 (exactly, in
+    float32); a term that is None (no reference pass) is left out."""
+    for key, x in terms.items():
+        if key == "ratio":
+            key, x = "ratio_first", x if first else None
+        if x is not None:
+            logs[key].append(masked_mean(x, mask).item())
+
+
 # ----------------------------------------------------------------------------------------------
-# Settings, run folders and checkpoints, shared by the trainers
+# What the trainers take from here: their personas, the passes of an iteration
 # ----------------------------------------------------------------------------------------------
-# What each setting may be, by field name; check_settings applies the rules of the fields a
-# settings class has. A script adds or replaces rules for its own fields (the choices of
-# --loss-agg differ between ppo.py and grpo.py). Renaming a flag means renaming its key here.
-TRACKERS = ("tensorboard", "wandb", "trackio")  # each one's pip package has the same name
-
-
-SETTING_RULES = {
-    # the policy and the simulated user
-    "model": model_problem, "simulator": simulator_problem, "readout": one_of(*READOUTS),
-    "lora_r": at_least(1), "lora_alpha": above(0), "lora_dropout": within(0, 1, high_open=True),
-    "split": one_of("train", "test"), "difficulty": one_of("all", *DIFFICULTIES),
-    "start_emotion": within(0, 100), "max_change": at_least(1), "max_turns": at_least(1),
-    "user_reply_tokens": at_least(1),
-    "api_key_env": env_name, "api_timeout": above(0), "api_retries": at_least(0),
-    "api_concurrency": at_least(1),
-    # rollouts
-    "dialogues_per_iteration": at_least(1), "personas_per_iteration": at_least(1), "group_size": at_least(2),
-    "dialogues": at_least(0), "samples": at_least(1), "temperature": above(0),
-    "top_p": within(0, 1, low_open=True), "max_new_tokens": at_least(1), "max_context": at_least(2),
-    # rewards and advantages
-    "reward": one_of("final", "turn"), "format_penalty": at_least(0), "kl_coef": at_least(0),
-    "kl_loss_coef": at_least(0), "gamma": within(0, 1), "lam": within(0, 1),
-    "scale_rewards": one_of("group", "batch", "none"),
-    # the update
-    "update_epochs": at_least(1), "minibatch_size": at_least(1), "micro_batch_size": at_least(1),
-    "clip_low": within(0, 1, low_open=True, high_open=True), "clip_high": above(0),
-    "value_clip": above(0), "vf_coef": at_least(0), "ent_coef": at_least(0),
-    "critic_lr": at_least(0), "lr": at_least(0), "critic_warmup": at_least(0),
-    "warmup_steps": at_least(0), "max_grad_norm": above(0), "max_bad_updates": at_least(1),
-    "log_kl_every": at_least(1),
-    # the run
-    "iterations": at_least(1), "save_every": at_least(1), "time_budget": at_least(0),
-    "bootstrap": at_least(1), "math_max_new_tokens": at_least(1), "math_batch_size": at_least(1),
-    "keep_checkpoints": at_least(0), "report_to": one_of(*TRACKERS, "all", "none"),
-    "dtype": one_of("auto", "float32", "bfloat16"), "judge": one_of("training", "heldout"),
-}
-
-
-def check_settings(args, rules=None):
-    """Every setting against its rule (SETTING_RULES, then `rules`), and the pairs that only work
-    together, before anything loads. Bad input ends the program: one line naming the flag, the
-    value and what is allowed, exit code 2."""
-    values = {f.name: getattr(args, f.name) for f in fields(args)}
-    check_rules(values, {**SETTING_RULES, **(rules or {})})
-    if "simulator" in values and "readout" in values:
-        problem = readout_problem(values["readout"], simulator_kind(values["simulator"]))
-        if problem:
-            fail(f"--readout {values['readout']} with --simulator {redact(values['simulator'])}: {problem}")
-    context, reply = values.get("max_context"), values.get("max_new_tokens")
-    if context is not None and reply is not None and context <= reply:
-        fail(f"--max-context {values['max_context']}: must be more than --max-new-tokens "
-             f"{values['max_new_tokens']} (a prompt and a whole reply must fit)")
-
-
-def parse_settings(args_class, presets=None, argv=None, rules=None):
-    """Parse a settings dataclass with transformers.HfArgumentParser, then check it (check_settings).
-    A preset only changes defaults: any flag given explicitly on the command line wins over it.
-    The flags given explicitly are kept in args.given_flags (--resume compares them with the run's)."""
-    from transformers import HfArgumentParser
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    # No abbreviated flags: "--max-t 5" would set max_turns without being seen as given below.
-    parser = one_line_errors(HfArgumentParser(args_class, allow_abbrev=False))
-    rules = {**SETTING_RULES, **(rules or {})}
-    if presets is not None:
-        rules["preset"] = one_of(*presets)
-    for action in parser._actions:  # choices go to argparse too, so that --help lists them
-        if hasattr(rules.get(action.dest), "choices") and action.choices is None:
-            action.choices = rules[action.dest].choices
-    args, extra = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
-    if extra:
-        fail(unknown_arguments(parser, extra))
-    given = {a.split("=", 1)[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
-    given |= {g[3:] for g in given if g.startswith("no_")}  # --no_thinking / --no-thinking set `thinking`
-    for key, value in (presets or {}).get(getattr(args, "preset", None), {}).items():
-        if key not in given:
-            setattr(args, key, value)
-    check_settings(args, rules)
-    args.given_flags = frozenset(given)
-    return args
-
-
-def set_seed(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def rng_state():
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-SECRET_WORDS = {"key", "token", "secret", "password"}  # whole words of a setting's name
-
-
-def public_config(args):
-    """Settings as a dict for config.json and state.pt: names of environment variables are kept;
-    a setting named like a secret is hidden, and so is any value that looks like one (an sk- key,
-    a bearer token, the password in a URL), whatever the setting is called."""
-    out = {}
-    for f in fields(args):
-        value = getattr(args, f.name)
-        # "api_key" is hidden, "api_key_env" (the variable's name) and "max_new_tokens" are not
-        if SECRET_WORDS & set(f.name.lower().split("_")) and not f.name.endswith("_env"):
-            value = REDACTED
-        out[f.name] = redact(value)
-    return out
-
-
-RUN_FILES = ("config.json", "metrics.jsonl", "rollouts.jsonl", "checkpoints")
-
-
-def finite_row(row):
-    """(row, count): a copy of a JSON row with every NaN or infinite float replaced by None (JSON
-    has neither, and strict readers reject the NaN that json.dumps writes), and how many there were."""
-    count = 0
-
-    def clean(x):
-        nonlocal count
-        if isinstance(x, float) and not np.isfinite(x):
-            count += 1
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-    return clean(row), count
-
-
-def write_atomically(path, text):
-    """Replace a file's content so that a kill at any moment leaves the old or the new one whole:
-    write a temporary file beside it, fsync, rename over (rename is atomic on POSIX)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the rename itself survives a power cut
-    finally:
-        os.close(folder)
-
-
-class RunFolder:
-    """config.json, metrics.jsonl, rollouts.jsonl and checkpoints/ of one run. Each JSON line is
-    written whole and flushed, so a killed run leaves no torn line. resumed: what --resume
-    recorded (prepare_run), added to config.json's "resumed_with" list."""
-
-    def __init__(self, path, args, resume=False, enabled=True, resumed=None):
-        self.path, self.enabled = path, enabled
-        if not enabled:
-            return
-        os.makedirs(os.path.join(path, "checkpoints"), exist_ok=True)
-        config = public_config(args)
-        config_path = os.path.join(path, "config.json")
-        if resume:
-            try:
-                with open(config_path, encoding="utf-8") as f:
-                    config["resumed_with"] = json.load(f).get("resumed_with", [])
-            except (OSError, ValueError, AttributeError):
-                config["resumed_with"] = []
-            config["resumed_with"].append(resumed or {})
-        write_atomically(config_path, json.dumps(config, indent=2))
-        if not resume:
-            for name in ("metrics.jsonl", "rollouts.jsonl"):
-                open(os.path.join(path, name), "w").close()
-
-    def append(self, name, rows):
-        """Append JSON lines. NaN and infinity are written as null; in metrics.jsonl each row
-        says how many of its values were (nonfinite_metrics)."""
-        if not self.enabled:
-            return
-        lines = []
-        for row in rows:
-            row, count = finite_row(row)
-            if name == "metrics.jsonl":
-                row["nonfinite_metrics"] = count
-            lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
-        with open(os.path.join(self.path, name), "a", encoding="utf-8") as f:
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
-
-    def truncate(self, name, iterations):
-        """On resume: drop lines of iterations after the checkpoint (written after it was saved),
-        and a torn last line. The kept lines replace the file atomically (write_atomically): a kill
-        during the trim leaves the whole old file, never a cut one."""
-        path = os.path.join(self.path, name)
-        if not self.enabled or not os.path.exists(path):
-            return
-        keep = []
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    if line.strip() and json.loads(line)["iteration"] <= iterations:
-                        keep.append(line if line.endswith("\n") else line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut by a kill, or not a row of this run
-        write_atomically(path, "".join(keep))
-
-
-def save_checkpoint(run_dir, iteration, model, adapters, state, name=None):
-    """checkpoints/iter_XXXXXX/ (or checkpoints/NAME/): each adapter in peft's format (loadable with
-    PeftModel.from_pretrained), and state.pt (optimizer, scheduler, value head, RNG, settings).
-    Written to a temporary folder and renamed, so a kill leaves the last complete one intact.
-    --resume only picks folders named iter_*; `iteration` is the number of completed iterations."""
-    final = os.path.join(run_dir, "checkpoints", name or f"iter_{iteration:06d}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name in adapters:
-        model.save_pretrained(os.path.join(tmp, name), selected_adapters=[name])
-        nested = os.path.join(tmp, name, name)  # peft nests non-default adapters one level down
-        if os.path.isdir(nested):
-            for item in os.listdir(nested):
-                os.replace(os.path.join(nested, item), os.path.join(tmp, name, item))
-            os.rmdir(nested)
-    torch.save({"rng": rng_state(), **state, "iteration": iteration}, os.path.join(tmp, "state.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    return final
-
-
-def prune_checkpoints(run_dir, keep):
-    """--keep-checkpoints: delete every complete checkpoint but the newest `keep` (0 keeps all).
-    Called right after a checkpoint is complete. Each folder is renamed first, to a name ending in
-    .tmp, which complete_checkpoints skips, and only then removed: a kill half way through a removal
-    leaves a folder that --resume never picks. Leftovers of such a kill go in the next call."""
-    folder = os.path.join(run_dir, "checkpoints")
-    for path in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        os.rename(path, path + ".deleting.tmp")
-    for name in os.listdir(folder):
-        if name.endswith(".deleting.tmp"):
-            shutil.rmtree(os.path.join(folder, name))
-
-
-def complete_checkpoints(run_dir):
-    """Checkpoint folders, oldest first (a folder still named *.tmp is a save that was cut short)."""
-    folder = os.path.join(run_dir, "checkpoints")
-    done = sorted(d for d in os.listdir(folder) if d.startswith("iter_") and not d.endswith(".tmp")) \
-        if os.path.isdir(folder) else []
-    return [os.path.join(folder, d) for d in done]
-
-
-def latest_checkpoint(run_dir):
-    """The newest complete checkpoint folder, or None."""
-    done = complete_checkpoints(run_dir)
-    return done[-1] if done else None
-
-
-def checkpoint_problem(folder, adapters):
-    """(state, None) when a checkpoint loads: state.pt reads and has what a resume needs, and every
-    adapter's weights read and have the rank its settings say; else (None, why not)."""
-    from safetensors.torch import load_file
-
-    try:
-        state = torch.load(os.path.join(folder, "state.pt"), map_location="cpu", weights_only=False)
-    except Exception as e:  # a truncated or foreign file fails in many ways
-        return None, f"state.pt does not load ({type(e).__name__})"
-    missing = [k for k in ("iteration", "optimizer", "scheduler", "args", "rng") if k not in state]
-    if missing:
-        return None, f"state.pt lacks {', '.join(missing)}"
-    rank = state["args"].get("lora_r")
-    for name in adapters:
-        path = os.path.join(folder, name, "adapter_model.safetensors")
-        if not os.path.exists(path):
-            return None, f"{name}/adapter_model.safetensors is missing"
-        try:
-            weights = load_file(path)
-        except Exception as e:
-            return None, f"{name}/adapter_model.safetensors does not load ({type(e).__name__})"
-        ranks = {w.shape[0] for k, w in weights.items() if "lora_A" in k}
-        if not ranks or (rank is not None and ranks != {rank}):
-            return None, f"{name} adapter has rank {sorted(ranks)}, its settings say --lora-r {rank}"
-    return state, None
-
-
-def pick_checkpoint(run_dir, adapters):
-    """(folder, state) of the newest checkpoint that loads, saying on stderr which newer ones it
-    skipped and why. None loads: one line, exit code 2."""
-    skipped = []
-    for folder in reversed(complete_checkpoints(run_dir)):
-        state, problem = checkpoint_problem(folder, adapters)
-        if state is not None:
-            return folder, state, skipped
-        print(f"warning: --resume: skipping {folder}: {problem}", file=sys.stderr)
-        skipped.append(f"{os.path.basename(folder)}: {problem}")
-    fail(f"--resume {run_dir}: no checkpoint in {run_dir}/checkpoints that loads"
-         + (f" ({len(skipped)} skipped; newest: {skipped[0]})" if skipped else ""))
-
-
-# Settings that may differ on --resume: how long and how often, where to log, how the same
-# computation is laid out in memory, and how to reach the simulator server. Every other setting
-# (the model, the adapter's shape, the optimizer, the method, the data, the seed) is the run's:
-# it is taken from the checkpoint, and giving another value on the command line is an error.
-MAY_CHANGE_ON_RESUME = {
-    "preset", "iterations", "save_every", "time_budget", "out", "resume", "overwrite",
-    "gradient_checkpointing", "micro_batch_size", "max_bad_updates", "simulator_device_map",
-    "keep_checkpoints", "report_to", "merged_sampling", "static_cache",
-    "api_key_env", "api_timeout", "api_retries", "api_concurrency",
-}
-# Consent is never inherited: a resumed run runs hub code only if this command line allows it.
-NOT_FROM_CHECKPOINT = {"trust_remote_code"}
-
-
-def resume_settings(args, saved, given):
-    """args with the run's saved settings put back, checked against the flags given now. Returns
-    {field: [saved, now]} of the settings that changed (all in MAY_CHANGE_ON_RESUME); ends the
-    program on a flag that would change the model, the adapter, the optimizer or the method."""
-    changed = {}
-    for f in fields(args):
-        if f.name not in saved or f.name in ("resume", "out", "overwrite") or f.name in NOT_FROM_CHECKPOINT:
-            continue  # a setting added since the checkpoint keeps its value now
-        now, then = getattr(args, f.name), saved[f.name]
-        if redact(now) == then:
-            continue
-        url_moved = f.name == "simulator" and simulator_kind(now) == simulator_kind(then) == "url"
-        if f.name in given and (f.name in MAY_CHANGE_ON_RESUME or url_moved):
-            changed[f.name] = [then, redact(now)]
-        elif f.name in given:
-            fail(f"--{f.name.replace('_', '-')} {redact(now)!r}: the run in {args.resume} has {then!r}, and "
-                 f"--resume keeps the model, adapter, optimizer and method settings (drop the flag, or start "
-                 f"a new run with another --out)")
-        elif REDACTED in str(then):
-            fail(f"--{f.name.replace('_', '-')}: the run saved it redacted (it held a secret); give it again")
-        else:
-            setattr(args, f.name, then)
-    return changed
-
-
-def prepare_run(args, adapters, is_main=True):
-    """Before any model loads: the run folder and, with --resume, its checkpoint and settings.
-    --out on a folder that holds a run stops unless --overwrite (which clears that run's files);
-    --resume takes the newest checkpoint that loads (pick_checkpoint) and the settings saved in it
-    (resume_settings). Returns (checkpoint folder, state, record for config.json) or Nones."""
-    if args.resume:
-        if getattr(args, "overwrite", False):
-            fail("--overwrite with --resume: continue the run or replace it, not both")
-        args.out = args.resume
-        folder, state, skipped = pick_checkpoint(args.resume, adapters)
-        changed = resume_settings(args, state["args"], getattr(args, "given_flags", set()))
-        if is_main:
-            print(f"resuming {args.resume} from {os.path.basename(folder)} with its saved settings"
-                  + "".join(f"; --{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in changed.items()),
-                  file=sys.stderr)
-        return folder, state, {"from": os.path.basename(folder), "changed": changed, "skipped": skipped}
-    present = [n for n in RUN_FILES if os.path.exists(os.path.join(args.out, n))
-               and (n != "checkpoints" or os.listdir(os.path.join(args.out, n)))]
-    if present and not getattr(args, "overwrite", False):
-        fail(f"--out {args.out} holds a run ({', '.join(present)}): continue it with --resume {args.out}, "
-             f"replace it with --overwrite, or pick another --out")
-    if present and is_main:
-        for name in present:
-            path = os.path.join(args.out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        print(f"--overwrite: cleared the run in {args.out} ({', '.join(present)})", file=sys.stderr)
-    return None, None, None
-
-
-def load_adapter_weights(model, folder, name):
-    """Copy a saved adapter's weights into the adapter `name` of a live PeftModel. Weights that do
-    not fit (another rank, another model) raise one line, not torch's list of mismatches."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    weights = load_file(os.path.join(folder, name, "adapter_model.safetensors"),
-                        device=str(next(model.parameters()).device))
-    live = get_peft_model_state_dict(model, adapter_name=name)
-    wrong = [k for k, w in weights.items() if k in live and live[k].shape != w.shape]
-    if wrong or set(weights) != set(live):
-        missing, unexpected = len(set(live) - set(weights)), len(set(weights) - set(live))
-        why = (f"{wrong[0]} is {tuple(weights[wrong[0]].shape)}, the model's {tuple(live[wrong[0]].shape)}"
-               if wrong else f"{missing} missing, {unexpected} unexpected")
-        raise RuntimeError(f"{folder}/{name}: adapter weights do not fit this model ({why})")
-    set_peft_model_state_dict(model, weights, adapter_name=name)
-
-
-def load_tokenizer(model_name, trust_remote_code=False):
-    """The tokenizer of a model, without its weights (bench.py answers its in-memory model here)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
-
-
 def check_openings_fit(model_name, personas, system_prompt, max_context, max_new_tokens,
                        trust_remote_code=False):
     """Every persona's first prompt (system prompt and opening) with room for a whole reply must fit
@@ -1022,24 +644,11 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
              f"{max_new_tokens} does not fit --max-context {max_context}")
 
 
-def begin_run(args_class, presets, argv, rules, adapters, script):
-    """Everything before a model loads: the settings, checked (parse_settings); the Accelerator,
-    with --report-to's trackers; the run folder, never clobbered, and with --resume the checkpoint
-    and the run's own settings (prepare_run). Returns (args, accelerator, checkpoint, state, resumed)."""
-    from accelerate import Accelerator
-
-    args = parse_settings(args_class, presets, argv, rules)
-    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
-        fail(f"the paper's setup needs CUDA; on this machine run `python {script} --preset cpu`")
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              **tracker_settings(args.report_to, args.resume or args.out))
-    checkpoint, state, resumed = prepare_run(args, adapters, accelerator.is_main_process)
-    return args, accelerator, checkpoint, state, resumed
-
-
 def training_personas(args):
-    """The split's personas at --difficulty, each opening checked to fit --max-context."""
-    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
+    """The personas of --split (all: the whole file) at --difficulty, each opening checked to fit
+    --max-context."""
+    personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split,
+                                     args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
     return personas
@@ -1053,89 +662,19 @@ def policy_settings(args):
 
 
 def sampling_settings(args):
-    """play_dialogues' keyword arguments from a trainer's settings."""
+    """play_dialogues' keyword arguments from a script's SamplingSettings (and a trainer's --greedy)."""
     return dict(thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
-                max_new_tokens=args.max_new_tokens, max_context=args.max_context, greedy=args.greedy,
-                merged_sampling=args.merged_sampling, static_cache=args.static_cache)
+                max_new_tokens=args.max_new_tokens, max_context=args.max_context,
+                greedy=getattr(args, "greedy", False), merged_sampling=args.merged_sampling,
+                static_cache=args.static_cache)
 
 
-def simulator_placement(simulator, device_map, world=1):
-    """(device_map, max_memory) for a local simulator model: with one process, several GPUs and
-    --simulator-device-map auto, spread over every GPU but the first, which the policy keeps;
-    otherwise (None, None), and it goes to the policy's device."""
-    local = simulator_kind(simulator) == "local"
-    if local and world == 1 and device_map == "auto" and torch.cuda.device_count() > 1:
-        return "auto", gpus_after_the_first()
-    return None, None
-
-
-def build_simulator(args, model, tokenizer, device, world=1, judge="training"):
-    """The simulated user of --simulator with its settings (a trainer's or evaluate.py's), placed as
-    simulator_placement says. Returns (simulator, device_map)."""
-    device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map, world)
-    backend = make_backend(args.simulator, policy=model, tokenizer=tokenizer, api_model=args.api_model,
-                           api_key_env=args.api_key_env, device=device, device_map=device_map,
-                           max_memory=max_memory, trust_remote_code=getattr(args, "trust_remote_code", False),
-                           api_timeout=args.api_timeout, api_retries=args.api_retries,
-                           api_concurrency=args.api_concurrency)
-    simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
-                          max_change=args.max_change, max_turns=args.max_turns,
-                          reply_tokens=args.user_reply_tokens, judge=judge)
-    return simulator, device_map
-
-
-def make_simulator(args, model, tokenizer, accelerator, note=""):
-    """A trainer's simulated user (build_simulator); the main process says where it is (and `note`)."""
-    device, world = accelerator.device, accelerator.num_processes
-    simulator, device_map = build_simulator(args, model, tokenizer, device, world)
-    where = {"same": "shares the policy's base", "rules": "rules", "url": "a server"}.get(
-        simulator_kind(args.simulator), "spread over GPUs 1.." if device_map else f"on {device}")
-    if accelerator.is_main_process:
-        print(f"policy {args.model} on {device} x {world} process(es); simulator {redact(args.simulator)} "
-              f"({where}), read-out {simulator.readout}{note}")
-    return simulator
-
-
-def start_or_resume(args, accelerator, checkpoint, state, model, adapters, optimizer, scheduler, resumed,
-                    modules=None):
-    """The run folder, and with --resume the state of the checkpoint prepare_run picked: adapters,
-    optimizer, scheduler, `modules` (name in state.pt -> module, e.g. PPO's value head) and every
-    process's RNG. Returns (run folder, iteration to start from)."""
-    rank, world = accelerator.process_index, accelerator.num_processes
-    start = 0
-    if args.resume:
-        for name in adapters:
-            load_adapter_weights(model, checkpoint, name)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        for name, module in (modules or {}).items():
-            module.load_state_dict(state[name])
-        start = state["iteration"]
-        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
-        if len(rngs) == world:  # the same number of processes: continue exactly where it stopped
-            set_rng_state(rngs[rank])
-        else:                   # another number of processes: a fresh, still reproducible, stream
-            set_seed(args.seed + rank + 7919 * start)
-    else:
-        set_seed(args.seed + rank)  # each process samples its own dialogues
-    run = RunFolder(args.out, args, resume=bool(args.resume), enabled=accelerator.is_main_process,
-                    resumed=resumed)
-    if args.resume:  # lines logged after the checkpoint belong to iterations that will run again
-        run.truncate("metrics.jsonl", start)
-        run.truncate("rollouts.jsonl", start)
-    start_trackers(args, accelerator, start)
-    if torch.cuda.is_available():  # each iteration's peak_memory_gb counts from here (then from its log)
-        torch.cuda.reset_peak_memory_stats()
-    return run, start
-
-
-def passes_to_run(args, iteration, old_first=False):
+def passes_to_run(args, iteration, batch_size, old_first=False):
     """(old log-probs from the update, reference pass): the scoring passes an iteration needs.
     With one optimizer step per batch (one epoch, one minibatch) the old log-probs are the update's
     own forward pass, detached, so a scoring pass would compute the same numbers once more; unless
     something reads them before the update (old_first). The reference pass runs when a KL term
     reads it or kl_ref is logged (every --log-kl-every iterations). TRL skips the same passes."""
-    batch_size = getattr(args, "dialogues_per_iteration", 0) or args.personas_per_iteration * args.group_size
     one_step = one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size)
     old_from_update = one_step and not old_first
     kl_term = getattr(args, "kl_coef", 0) > 0 or args.kl_loss_coef > 0
@@ -1148,331 +687,62 @@ def pick_personas(personas, n, seed, iteration):
     return pick.sample(personas, n) if len(personas) >= n else [pick.choice(personas) for _ in range(n)]
 
 
-class StepGuard:
-    """--max-bad-updates: a non-finite gradient norm skips its optimizer step; that many in a row
-    stop the run. The state at the stop has part of an iteration's steps in it, so it is never
-    written over a complete checkpoint: save(name) puts it where --resume does not look."""
-
-    def __init__(self, limit, advice, run_dir, accelerator):
-        self.limit, self.advice, self.run_dir, self.in_a_row = limit, advice, run_dir, 0
-        self.accelerator = accelerator
-
-    def step_ok(self, norm, iteration, save):
-        accelerator = self.accelerator
-        if torch.isfinite(norm):
-            self.in_a_row = 0
-            return True
-        self.in_a_row += 1
-        print(f"warning: iteration {iteration}: non-finite gradient, update skipped "
-              f"({self.in_a_row} in a row)", file=sys.stderr)
-        if self.in_a_row >= self.limit:
-            path = save(f"partial_iter_{iteration + 1:06d}")
-            if accelerator.is_main_process:
-                print(f"error: {self.in_a_row} non-finite updates in a row; stopped in iteration "
-                      f"{iteration + 1}. --resume continues from the last complete checkpoint "
-                      f"({latest_checkpoint(self.run_dir)}); the state at the stop is in {path}. "
-                      f"{self.advice}, and resume.", file=sys.stderr)
-            accelerator.wait_for_everyone()  # no process may exit (the launcher would stop the main
-            sys.exit(1)                      # one) before the main process has written the state
-        return False
+def use_adapter(model, name):
+    """Make one adapter active. peft's set_adapter also freezes the other adapters, but autograd
+    skips a parameter that no longer requires grad at backward time, so both stay trainable."""
+    model.set_adapter(name)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.requires_grad_(True)
 
 
-def log_iteration(run, accelerator, iteration, all_records, rstats, logs, params, method, times):
-    """Step 5 of both trainers. The metrics.jsonl line: the method's own figures (`method`, already
-    global), the means over processes of what the update logged (`logs`: name -> list), the rollout
-    summary, the timings (`times`: name -> this process's seconds), peak memory, and whether every
-    process holds the same adapters; then every dialogue to rollouts.jsonl and the trackers.
-    A collective call: every process makes it. Returns the metrics."""
-    from accelerate.utils import gather_object
-
-    digest = fingerprint(params)  # data parallel: every process must hold bit-identical adapters
-    digests = gather_object([digest]) if accelerator.num_processes > 1 else [digest]
-    summary = summarize(all_records, global_stats(rstats, accelerator))
-    metrics = {"iteration": iteration + 1, **method, **summary,
-               **{k: global_mean(v, accelerator) if v else None for k, v in logs.items()}, **times,
-               "peak_memory_gb": peak_memory_gb(), "processes": accelerator.num_processes,
-               "replicas_identical": len(set(digests)) == 1}
-    run.append("metrics.jsonl", [metrics])
-    run.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])
-    log_to_trackers(accelerator, metrics, all_records, step=iteration + 1)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()  # the next iteration's peak
-    return metrics
-
-
-def checkpoint_due(args, iteration, t_run, accelerator):
-    """(save now, stop now) after an iteration: every --save-every iterations, at the last one, and
-    when --time-budget is used up (then the run stops, with a line saying so)."""
-    out_of_time = time_budget_used(t_run, args.time_budget, accelerator)
-    if out_of_time and accelerator.is_main_process:
-        print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}")
-    due = (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or out_of_time
-    return due, out_of_time
-
-
-def gather_tensor(x, accelerator):
-    """A 1-D tensor of every process's rows, in rank order (itself with one process)."""
-    from accelerate.utils import gather_object
-
-    return torch.tensor(gather_object(x.tolist()), dtype=x.dtype) if accelerator.num_processes > 1 else x
-
-
-def global_masked_mean(x, mask, accelerator):
-    """The mean of x over the positions where mask is 1, on every process's positions."""
-    total = global_sum((x * mask).sum(), accelerator)
-    return (total / global_sum(mask.sum(), accelerator).clamp(min=1)).item()
-
-
-def stop_on_simulator_error(error, save=None):
-    """A simulator that cannot answer ends the run with one line and exit code 2; save() first
-    writes a checkpoint of the last complete iteration when one has not been saved."""
-    path = save() if save is not None else None
-    fail(f"{error}" + (f"; the last complete iteration is saved in {path}" if path else ""))
-
-
-# ----------------------------------------------------------------------------------------------
-# Experiment trackers (--report-to), through accelerate's tracker API; metrics.jsonl stays the record
-# ----------------------------------------------------------------------------------------------
-TRACKER_DIALOGUES = 3  # dialogues per iteration shown as text in the trackers that take text
-
-
-def tracker_settings(report_to, run_dir):
-    """Accelerator(...) keyword arguments for --report-to none | tensorboard | wandb | trackio | all
-    (all: those of the three that are installed). Called before any model loads, so that a tracker
-    whose package is missing is a one-line error (exit 2), not a crash after an hour of loading."""
-    import importlib.util
-
-    if report_to == "none":
-        return {}
-    if report_to not in (*TRACKERS, "all"):
-        print(f"error: --report-to must be one of none | {' | '.join(TRACKERS)} | all, got '{report_to}'",
-              file=sys.stderr)
-        sys.exit(2)
-    wanted = TRACKERS if report_to == "all" else (report_to,)
-    found = [name for name in wanted if importlib.util.find_spec(name) is not None]
-    if not found:
-        package = "tensorboard" if report_to == "all" else report_to
-        print(f"error: --report-to {report_to} needs the {package} package: pip install {package}",
-              file=sys.stderr)
-        sys.exit(2)
-    return {"log_with": found, "project_dir": run_dir}  # TensorBoard writes under project_dir
-
-
-def start_trackers(args, accelerator, start_iteration=0):
-    """Open one tracker run (main process only), with the settings as its config: public_config,
-    so no secret, and lists or None written as text, since trackers take scalars and strings.
-    TensorBoard writes to <run folder>/rlver/; on --resume it drops the steps a killed run logged
-    after the checkpoint (purge_step), as metrics.jsonl does."""
-    if not accelerator.log_with:
-        return
-    config = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
-              for k, v in public_config(args).items()}
-    name = os.path.basename(os.path.normpath(accelerator.project_dir))
-    accelerator.init_trackers("rlver", config=config, init_kwargs={
-        "tensorboard": {"purge_step": start_iteration + 1} if start_iteration else {},
-        "wandb": {"name": name}, "trackio": {"name": name}})
-
-
-def dialogue_markdown(record):
-    """One dialogue as markdown for a tracker's text panel."""
-    lines = [f"**{record['persona_id']}**: final emotion {record['final_emotion']}, "
-             f"ended by {record['end_reason']}", ""]
-    for t in record["turns"]:
-        thought = f" _(thought: {t['thought']})_" if t.get("thought") else ""
-        emotion = f" (emotion {t['emotion']})" if "emotion" in t else ""
-        lines.append(f"- **{t['role']}**: {t['text']}{thought}{emotion}")
-    return "\n".join(lines)
-
-
-def log_to_trackers(accelerator, metrics, records, step):
-    """One iteration to the trackers (main process only): every number of the metrics.jsonl line at
-    step = iteration, and the first TRACKER_DIALOGUES dialogues as text where the tracker takes text
-    (TensorBoard: markdown; wandb: a table; trackio: none)."""
-    if accelerator is None or not accelerator.trackers:  # --report-to none, or not the main process
-        return
-    numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and k != "iteration"}
-    accelerator.log(numbers, step=step)
-    shown = records[:TRACKER_DIALOGUES]
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            text = "\n\n---\n\n".join(dialogue_markdown(r) for r in shown)
-            tracker.writer.add_text("dialogues", text, global_step=step)
-            tracker.writer.flush()
-        elif tracker.name == "wandb":
-            tracker.log_table("dialogues", columns=["persona", "final_emotion", "end_reason", "dialogue"],
-                              data=[[r["persona_id"], r["final_emotion"], r["end_reason"],
-                                     dialogue_markdown(r)] for r in shown], step=step)
-
-
-# ----------------------------------------------------------------------------------------------
-# Data parallel and bookkeeping helpers, shared by the trainers
-# ----------------------------------------------------------------------------------------------
 def adapter_params(model, name):
     """The LoRA parameters of one adapter."""
     return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]
 
-
-def global_sum(x, accelerator):
-    """Sum of a tensor over every process (itself with one process)."""
-    return accelerator.reduce(x, "sum") if accelerator.num_processes > 1 else x
-
-
-def global_max(x, accelerator):
-    """The largest value of a number over every process (itself with one process)."""
-    if accelerator.num_processes == 1:
-        return float(x)
-    return accelerator.gather(torch.tensor([float(x)], device=accelerator.device)).max().item()
-
-
-def merge_stats(per_process):
-    """Rollout stats of every process as one process's: counts add up, and the *_seconds, which the
-    processes spend at the same time, are the longest one's, so count / seconds is the whole
-    job's rate (what summarize reports) rather than one process's."""
-    out = Counter()
-    for stats in per_process:
-        for key, value in stats.items():
-            out[key] = max(out[key], value) if key.endswith("_seconds") else out[key] + value
-    return dict(out)
-
-
-def global_stats(stats, accelerator):
-    """merge_stats over every process (a collective call: every process must make it)."""
-    from accelerate.utils import gather_object
-
-    return merge_stats(gather_object([stats]) if accelerator.num_processes > 1 else [stats])
-
-
-def reduce_gradients(params, accelerator, bucket_bytes=256 * 2**20):
-    """Sum the gradients of `params` over every process, in one all-reduce per bucket of at most
-    bucket_bytes: PPO's two r-32 adapters on Qwen2.5-7B hold 161 M fp32 gradients (646 MB), so
-    3 all-reduces a step instead of 786, one per tensor. A gradient that is None stays None:
-    during --critic-warmup the actor has none, and zeros in its place would advance AdamW's step
-    count (and with it the bias correction of the actor's first real steps), which one process
-    does not do. Every process is at the same step, so all have gradients for the same
-    parameters; a cheap check (one small gather) says so."""
-    if accelerator.num_processes == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    counts = accelerator.gather(torch.tensor([len(grads)], device=accelerator.device))
-    if len(set(counts.tolist())) != 1:
-        raise RuntimeError(f"processes hold gradients for different parameters: counts {counts.tolist()}")
-    buckets, size = [[]], 0  # consecutive gradients of one dtype, up to bucket_bytes each
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        if buckets[-1] and (size + nbytes > bucket_bytes or g.dtype != buckets[-1][0].dtype):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(g)
-        size += nbytes
-    for bucket in buckets:
-        if not bucket:
-            continue
-        flat = accelerator.reduce(torch.cat([g.reshape(-1) for g in bucket]), "sum")  # (sum of numel,)
-        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-            g.copy_(part.view_as(g))
-
-
-def time_budget_used(t_run, minutes, accelerator):
-    """--time-budget: True on every process once any of them has run `minutes` since t_run (0 = no
-    budget), so all stop after the same iteration."""
-    if minutes <= 0:
-        return False
-    late = torch.tensor(float(time.time() - t_run >= 60 * minutes), device=accelerator.device)
-    return global_sum(late, accelerator).item() > 0
-
-
-def global_mean(values, accelerator):
-    """The mean of a logged quantity over every process (each process's own mean, averaged)."""
-    local = torch.tensor(float(np.mean(values)) if values else float("nan"), device=accelerator.device)
-    return (accelerator.reduce(local, "mean") if accelerator.num_processes > 1 else local).item()
-
-
-def all_rng_states(accelerator):
-    """Every process's RNG state, gathered (a collective call: every process must make it)."""
-    from accelerate.utils import gather_object
-
-    return gather_object([rng_state()]) if accelerator.num_processes > 1 else [rng_state()]
-
-
-def fingerprint(params):
-    """A hash of parameter values: equal on every process iff the replicas are bit-identical."""
-    import hashlib
-
-    h = hashlib.sha1()
-    for p in params:
-        h.update(p.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
-def gpus_after_the_first():
-    """A max_memory map for device_map='auto' that leaves GPU 0 to the policy."""
-    n = torch.cuda.device_count()
-    return {0: 0, **{i: int(torch.cuda.get_device_properties(i).total_memory * 0.9) for i in range(1, n)}}
-
-
-def peak_memory_gb():
-    """Peak GPU memory on CUDA, else the process's peak resident memory (Linux reports KiB)."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 # ----------------------------------------------------------------------------------------------
 # Command line: play and save a few dialogues
 # ----------------------------------------------------------------------------------------------
 @dataclass
-class RolloutArgs:
-    model: str = field(default="smollm2", metadata={"help": "policy: smollm2 (embedded), a hub id or a path"})
-    adapter: str = field(default=None, metadata={"help": "a saved LoRA adapter folder to play with"})
-    simulator: str = field(default="same", metadata={
-        "help": "same | rules | model id/path | http://host:port/v1"})
-    readout: str = field(default="auto", metadata={"help": "auto | reasoned | likelihood | rules"})
-    personas: str = field(default="personas.json", metadata={"help": "personas.json or a SAGE profile file"})
-    split: str = field(default="train", metadata={"help": "train | test | all"})
-    dialogues: int = field(default=4, metadata={"help": "personas to play (0 = all of the split)"})
-    samples: int = field(default=1, metadata={"help": "dialogues per persona"})
-    max_turns: int = field(default=3, metadata={"help": "agent turns per dialogue"})
-    start_emotion: int = field(default=30, metadata={"help": "the simulated user's starting emotion"})
-    thinking: bool = field(default=True, metadata={"help": "think-then-say scaffold"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
-    max_new_tokens: int = field(default=96, metadata={"help": "tokens per agent turn"})
-    merged_sampling: bool = field(default=True, metadata={
-        "help": "sample from the adapter merged into a copy of the weights: faster, the update stays "
-                "exact (off: less memory; 4-bit bases never merge)"})
-    max_context: int = field(default=2048, metadata={
-        "help": "tokens per dialogue before it ends with 'context'"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
-    out: str = field(default="runs/rollout", metadata={"help": "output folder"})
+class PlaySettings:
+    """What `python rollout.py` plays."""
+    group = "rollout.py"
+    adapter: str = setting("", "a saved LoRA adapter folder to play with (default: the base model)")
+    dialogues: int = setting(4, "personas to play (0 = all of the split)", at_least(0))
+    samples: int = setting(1, "dialogues per persona", at_least(1))
 
 
 def main(argv=None):
-    args = parse_settings(RolloutArgs, None, argv, {"split": one_of("train", "test", "all")})
+    args = parse_settings([PolicySettings, SamplingSettings, SimulatorSettings, PlaySettings, OutputSettings],
+                          argv=argv, prog="rollout.py", defaults=dict(
+                              model="smollm2", max_turns=3, max_new_tokens=96, max_context=2048,
+                              out="runs/rollout"))
+    path = os.path.join(args.out, "rollouts.jsonl")
+    if os.path.exists(path) and not args.overwrite:
+        fail(f"--out {args.out} holds {path}: replace it with --overwrite, or pick another --out")
     set_seed(args.seed)
-    personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split)
+    personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split,
+                                     args.difficulty)
     personas = personas[:args.dialogues] if args.dialogues else personas
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
-                       args.max_context, args.max_new_tokens)
-    policy, tokenizer = load_policy(args.model, adapter=args.adapter, trainable=False)
-    backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, device=default_device())
-    simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
-                          max_turns=args.max_turns)
+                       args.max_context, args.max_new_tokens, args.trust_remote_code)
+    policy, tokenizer = load_policy(args.model, adapter=args.adapter or None, trainable=False,
+                                    dtype=args.dtype, load_in_4bit=args.load_in_4bit,
+                                    trust_remote_code=args.trust_remote_code)
+    simulator, _ = build_simulator(args, policy, tokenizer, default_device())
     t0 = time.time()
     try:
         records, stats = play_dialogues(policy, tokenizer, simulator, personas, args.samples,
-                                        thinking=args.thinking, temperature=args.temperature,
-                                        top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                                        max_context=args.max_context, merged_sampling=args.merged_sampling)
+                                        **sampling_settings(args))
     except SimulatorError as e:
         fail(e)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "rollouts.jsonl"), "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(transcript_record(r), ensure_ascii=False) + "\n")
+    write_atomically(path, "".join(json.dumps(transcript_record(r), ensure_ascii=False) + "\n"
+                                   for r in records))
     s = summarize(records, stats)
-    print(f"{len(records)} dialogues in {time.time() - t0:.0f} s -> {args.out}/rollouts.jsonl")
+    print(f"{len(records)} dialogues in {time.time() - t0:.0f} s -> {path}")
     print(f"mean final emotion {s['final_emotion_mean']:.1f}; end reasons "
           + ", ".join(f"{k[4:]} {v}" for k, v in s.items() if k.startswith("end_") and v))
     print(f"policy {s['policy_tokens_per_s']:.1f} tok/s, simulator {s['simulator_tokens_per_s']:.1f} tok/s, "

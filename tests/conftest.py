@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import simulator  # noqa: E402
+import run  # noqa: E402
 
 # One intra-op thread unless told otherwise. On a 2-core machine that is also running anything else,
 # two OpenMP threads wait on each other and a 12-token generation on the embedded model went from
@@ -29,7 +29,7 @@ torch.set_num_threads(int(os.environ.get("RLVER_TEST_THREADS", "1")))
 @pytest.fixture(scope="module")
 def smollm2():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, exactly as load_model() gives them."""
-    return simulator.load_model("smollm2")
+    return run.load_model("smollm2")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def _tiny_llama():
     """A 2-layer random Llama (seed 0) sized to the smollm2 tokenizer, and that tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(simulator.resolve_model("smollm2"))
+    tokenizer = AutoTokenizer.from_pretrained(run.resolve_model("smollm2"))
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=4096,

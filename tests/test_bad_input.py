@@ -16,6 +16,7 @@ import torch
 
 from conftest import ROOT, reply
 
+import run  # noqa: E402
 import evaluate  # noqa: E402
 import grpo  # noqa: E402
 import ppo  # noqa: E402
@@ -210,7 +211,7 @@ def test_resume_keeps_the_runs_settings_and_records_what_changed(tiny_model_dir,
 # Case 8: trimming the logs on resume is atomic
 # ----------------------------------------------------------------------------------------------
 def test_a_trim_killed_midway_leaves_the_whole_file(tmp_path, monkeypatch):
-    run = rollout.RunFolder(str(tmp_path), None, resume=True, enabled=False)
+    run = run.RunFolder(str(tmp_path), None, resume=True, enabled=False)
     run.enabled = True
     rows = [{"iteration": i // 4 + 1, "text": "x" * 1000} for i in range(400)]
     path = tmp_path / "rollouts.jsonl"
@@ -238,7 +239,7 @@ def test_a_trim_killed_by_a_signal_leaves_the_whole_file(tmp_path):
     script = (f"import os, sys, time\nsys.path.insert(0, {ROOT!r})\nimport rollout\n"
               "def stall(fd):\n    print('writing', flush=True)\n    time.sleep(120)\n"
               "os.fsync = stall\n"
-              f"run = rollout.RunFolder({str(tmp_path)!r}, None, enabled=False)\nrun.enabled = True\n"
+              f"run = run.RunFolder({str(tmp_path)!r}, None, enabled=False)\nrun.enabled = True\n"
               "run.truncate('metrics.jsonl', 10)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                             env=ENV)
@@ -430,10 +431,10 @@ def test_values_that_look_like_keys_are_redacted():
         adapter: tuple = ("runs/a", "hf_abcdefghijklmnopqrs")
         max_new_tokens: int = 64
 
-    saved = json.dumps(rollout.public_config(Settings()))
+    saved = json.dumps(run.public_config(Settings()))
     for secret in ("abcdefghijklmnop", "hunter2", "alice", "abc.def.ghi", "zzz123", "hf_abcdefghijklmnopqrs"):
         assert secret not in saved, secret
-    config = rollout.public_config(Settings())
+    config = run.public_config(Settings())
     assert config["simulator"] == "https://<redacted>@example.org/v1" and config["max_new_tokens"] == 64
     assert config["adapter"][0] == "runs/a"
 
@@ -515,7 +516,7 @@ def test_non_finite_metrics_are_written_as_null_and_counted(tmp_path):
     @dataclass
     class Settings:
         seed: int = 0
-    run = rollout.RunFolder(str(tmp_path), Settings())
+    run = run.RunFolder(str(tmp_path), Settings())
     run.append("metrics.jsonl", [{"iteration": 1, "a": float("nan"), "b": [1.0, float("inf")], "c": 2.5}])
 
     def refuse(name):

@@ -17,7 +17,7 @@ import torch
 
 import evaluate
 import rollout
-from evaluate import (CURVE_METRICS, EvalArgs, answers_match, bootstrap_interval, extract_answer,
+from evaluate import (CURVE_METRICS, answers_match, bootstrap_interval, extract_answer,
                       mean_trajectory, model_summary, paired_difference, persona_means, results_table,
                       run_evaluation, unique_labels, use_model)
 from simulator import RulesBackend, Simulator, load_personas
@@ -26,6 +26,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 PNG_HEADER = b"\x89PNG\r\n\x1a\n"
 
+
+
+def eval_args(**values):
+    """evaluate.py's settings at its defaults, then `values` set as given (unchecked)."""
+    args = evaluate.parse_args([])
+    for name, value in values.items():
+        assert hasattr(args, name), name
+        setattr(args, name, value)
+    return args
 
 def assert_png(path):
     assert os.path.getsize(path) > 1000, path
@@ -116,8 +125,9 @@ def test_results_table(tmp_path):
     ppo = model_summary([fake_record("p1", 45, tokens=40), fake_record("p2", 100, "success")], ids,
                         n_boot=100)
     base["label"], ppo["label"] = "base", "ppo"
-    args = EvalArgs(personas="/x/personas.json", out=str(tmp_path), bootstrap=100)
-    results = {"settings": vars(args), "readout": "likelihood", "personas_played": 2, "models": [base, ppo],
+    args = eval_args(personas="/x/personas.json", out=str(tmp_path), bootstrap=100)
+    results = {"settings": args.values(), "readout": "likelihood", "personas_played": 2,
+               "models": [base, ppo],
                "paired": [{"model": "ppo", "vs": "base", **paired_difference([45, 100], [40, 60], 100)}],
                "math": None}
     table = results_table(results)
@@ -240,7 +250,7 @@ MODELS = [{"label": "base", "adapter_name": None, "adapter_path": None},
 
 def tiny_run(tiny_peft, tmp_path, personas_file, split="test", n=2, problems=None, models=MODELS):
     peft, tokenizer, _ = tiny_peft
-    args = EvalArgs(personas=personas_file, split=split, out=str(tmp_path / "eval"), simulator="rules",
+    args = eval_args(personas=personas_file, split=split, out=str(tmp_path / "eval"), simulator="rules",
                     max_turns=2, max_new_tokens=6, bootstrap=200, math_max_new_tokens=5, math_batch_size=2)
     personas = load_personas(personas_file, split)[:n]
     sim = Simulator(RulesBackend(), start_emotion=args.start_emotion, max_turns=args.max_turns)
@@ -343,12 +353,12 @@ def test_load_in_4bit_is_checked_then_passed_to_the_policy(tiny_model_dir, monke
         return real(*a, **{**k, "load_in_4bit": False})  # bitsandbytes needs CUDA; the route is what counts
     monkeypatch.setattr(evaluate, "load_policy", record)
     for flag in (True, False):
-        evaluate.load_models(EvalArgs(model=tiny_model_dir, load_in_4bit=flag))
+        evaluate.load_models(eval_args(model=tiny_model_dir, load_in_4bit=flag))
     assert seen == [True, False]
 
 
 def test_a_local_simulator_goes_to_the_gpus_after_the_first(monkeypatch):
-    from rollout import simulator_placement
+    from simulator import simulator_placement
 
     if torch.cuda.device_count() < 2:
         assert simulator_placement("Qwen/Qwen2.5-7B-Instruct", "auto") == (None, None)

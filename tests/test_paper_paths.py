@@ -7,13 +7,13 @@ run, so each is run here, and where a switch should not change the numbers (chec
 the micro-batch split) the run with it on is held against the run with it off."""
 import json
 import os
-from dataclasses import fields
 
 import pytest
 import torch
 
 import grpo
 import ppo
+import run
 from conftest import read_metrics
 
 
@@ -162,7 +162,7 @@ SWITCHES = {
 
 @pytest.mark.parametrize("trainer", [ppo, grpo])
 def test_every_switch_of_the_cpu_preset_is_covered_here(trainer):
-    defaults = {f.name: f.default for f in fields(trainer.Args)}
+    defaults = run.parse_settings(trainer.SETTINGS, argv=[]).values()
     assert trainer.PRESETS["paper"] == {}  # the paper preset is the dataclass defaults
     turned = {k for k, v in trainer.PRESETS["cpu"].items() if v != defaults[k]}
     uncovered = turned - SIZES - set(SWITCHES)
@@ -173,7 +173,7 @@ def test_every_switch_of_the_cpu_preset_is_covered_here(trainer):
 
 
 def paper_path_args(trainer, model_dir, personas, out):
-    names = {f.name for f in fields(trainer.Args)}
+    names = run.parse_settings(trainer.SETTINGS, argv=[]).values().keys()
     switches = sum((flags for name, flags in SWITCHES.items() if name in names), [])
     # 2 minibatches x 2 micro-batches
     common = [*switches, "--iterations", "2", "--micro-batch-size", "1", "--minibatch-size", "2",
@@ -194,7 +194,7 @@ def test_the_paper_preset_paths_run_on_a_tiny_model(trainer, tiny_model_dir, per
     trainer.main(paper_path_args(trainer, tiny_model_dir, personas_file, out))
     metrics = read_metrics(out)
     config = json.load(open(out / "config.json"))
-    defaults = {f.name: f.default for f in fields(trainer.Args)}
+    defaults = run.parse_settings(trainer.SETTINGS, argv=[]).values()
     assert config["loss_agg"] == defaults["loss_agg"] and config["dtype"] == "bfloat16"
     assert [m["iteration"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -257,7 +257,7 @@ def test_two_minibatches_step_the_learning_rate_warmup_twice_an_iteration(traine
 def test_the_stop_after_non_finite_updates_keeps_the_last_complete_checkpoint(trainer, tiny_model_dir,
                                                                               personas_file, tmp_path,
                                                                               monkeypatch, capsys):
-    from rollout import latest_checkpoint
+    from run import latest_checkpoint
 
     # 3 optimizer steps an iteration. Iteration 1 is clean and saved; in iteration 2 the first step
     # is clean (the weights move on) and every later one is non-finite, so the run stops part-way.

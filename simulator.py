@@ -1241,10 +1241,14 @@ def simulator_placement(simulator, device_map, world=1):
     otherwise (None, None), and it goes to the policy's device."""
     if simulator_kind(simulator) == "local" and world == 1 and device_map == "auto" \
             and torch.cuda.device_count() > 1:
-        n = torch.cuda.device_count()  # a max_memory map for device_map='auto' that leaves GPU 0 out
-        return "auto", {0: 0, **{i: int(torch.cuda.get_device_properties(i).total_memory * 0.9)
-                                 for i in range(1, n)}}
+        return "auto", gpus_after_the_first()
     return None, None
+
+
+def gpus_after_the_first():
+    """A max_memory map for device_map='auto' that leaves GPU 0 to the policy."""
+    n = torch.cuda.device_count()
+    return {0: 0, **{i: int(torch.cuda.get_device_properties(i).total_memory * 0.9) for i in range(1, n)}}
 
 
 def build_simulator(args, policy, tokenizer, device, world=1, judge="training"):

@@ -211,8 +211,8 @@ def test_resume_keeps_the_runs_settings_and_records_what_changed(tiny_model_dir,
 # Case 8: trimming the logs on resume is atomic
 # ----------------------------------------------------------------------------------------------
 def test_a_trim_killed_midway_leaves_the_whole_file(tmp_path, monkeypatch):
-    run = run.RunFolder(str(tmp_path), None, resume=True, enabled=False)
-    run.enabled = True
+    folder = run.RunFolder(str(tmp_path), None, resume=True, enabled=False)
+    folder.enabled = True
     rows = [{"iteration": i // 4 + 1, "text": "x" * 1000} for i in range(400)]
     path = tmp_path / "rollouts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"iteration": 101, "te', encoding="utf-8")
@@ -220,13 +220,13 @@ def test_a_trim_killed_midway_leaves_the_whole_file(tmp_path, monkeypatch):
 
     def killed(fd):
         raise KeyboardInterrupt  # the kill arrives after the kept lines were written, before the rename
-    monkeypatch.setattr(rollout.os, "fsync", killed)
+    monkeypatch.setattr(run.os, "fsync", killed)
     with pytest.raises(KeyboardInterrupt):
-        run.truncate("rollouts.jsonl", 50)
+        folder.truncate("rollouts.jsonl", 50)
     assert path.read_bytes() == original
     assert sorted(os.listdir(tmp_path)) == ["rollouts.jsonl"]  # no temporary file left behind
     monkeypatch.undo()
-    run.truncate("rollouts.jsonl", 50)
+    folder.truncate("rollouts.jsonl", 50)
     kept = read_jsonl(path)
     assert len(kept) == 200 and kept[-1]["iteration"] == 50  # and the torn last line is gone
 
@@ -236,11 +236,11 @@ def test_a_trim_killed_by_a_signal_leaves_the_whole_file(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"iteration": i, "pad": "y" * 5000}) + "\n" for i in range(1, 2001)))
     original = path.read_bytes()
-    script = (f"import os, sys, time\nsys.path.insert(0, {ROOT!r})\nimport rollout\n"
+    script = (f"import os, sys, time\nsys.path.insert(0, {ROOT!r})\nimport run\n"
               "def stall(fd):\n    print('writing', flush=True)\n    time.sleep(120)\n"
               "os.fsync = stall\n"
-              f"run = run.RunFolder({str(tmp_path)!r}, None, enabled=False)\nrun.enabled = True\n"
-              "run.truncate('metrics.jsonl', 10)\n")
+              f"folder = run.RunFolder({str(tmp_path)!r}, None, enabled=False)\nfolder.enabled = True\n"
+              "folder.truncate('metrics.jsonl', 10)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                             env=ENV)
     assert proc.stdout.readline().strip() == "writing"
@@ -516,8 +516,8 @@ def test_non_finite_metrics_are_written_as_null_and_counted(tmp_path):
     @dataclass
     class Settings:
         seed: int = 0
-    run = run.RunFolder(str(tmp_path), Settings())
-    run.append("metrics.jsonl", [{"iteration": 1, "a": float("nan"), "b": [1.0, float("inf")], "c": 2.5}])
+    folder = run.RunFolder(str(tmp_path), Settings())
+    folder.append("metrics.jsonl", [{"iteration": 1, "a": float("nan"), "b": [1.0, float("inf")], "c": 2.5}])
 
     def refuse(name):
         raise ValueError(f"{name} in strict JSON")

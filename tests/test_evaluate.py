@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import evaluate
-import rollout
+import simulator
 from evaluate import (CURVE_METRICS, answers_match, bootstrap_interval, extract_answer,
                       mean_trajectory, model_summary, paired_difference, persona_means, results_table,
                       run_evaluation, unique_labels, use_model)
@@ -363,11 +363,11 @@ def test_a_local_simulator_goes_to_the_gpus_after_the_first(monkeypatch):
     if torch.cuda.device_count() < 2:
         assert simulator_placement("Qwen/Qwen2.5-7B-Instruct", "auto") == (None, None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
-    monkeypatch.setattr(rollout, "gpus_after_the_first", lambda: {0: 0, 1: 9, 2: 9})
+    monkeypatch.setattr(simulator, "gpus_after_the_first", lambda: {0: 0, 1: 9, 2: 9})
     assert simulator_placement("Qwen/Qwen2.5-7B-Instruct", "auto") == ("auto", {0: 0, 1: 9, 2: 9})
-    for simulator, device_map in (("same", "auto"), ("rules", "auto"), ("http://127.0.0.1:8000/v1", "auto"),
-                                  ("Qwen/Qwen2.5-7B-Instruct", "none")):
-        assert simulator_placement(simulator, device_map) == (None, None), simulator
+    for user, device_map in (("same", "auto"), ("rules", "auto"), ("http://127.0.0.1:8000/v1", "auto"),
+                             ("Qwen/Qwen2.5-7B-Instruct", "none")):
+        assert simulator_placement(user, device_map) == (None, None), user
 
 
 def test_judge_flag_is_checked(capsys):

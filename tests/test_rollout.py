@@ -726,16 +726,16 @@ def test_checkpoints_newest_complete_wins_and_adapters_load(tiny_model_dir, tmp_
 
     policy, _ = new_policy(tiny_model_dir, perturb=0.05)
     policy.add_adapter("critic", LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
-    run = str(tmp_path / "run")
-    assert run.latest_checkpoint(run) is None
-    run.save_checkpoint(run, 1, policy, ["default", "critic"], {"note": "first"})
+    run_dir = str(tmp_path / "run")
+    assert run.latest_checkpoint(run_dir) is None
+    run.save_checkpoint(run_dir, 1, policy, ["default", "critic"], {"note": "first"})
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.add_(0.01)
-    second = run.save_checkpoint(run, 2, policy, ["default", "critic"], {"note": "second"})
-    os.makedirs(os.path.join(run, "checkpoints", "iter_000003.tmp", "default"))  # a save killed halfway
-    assert run.latest_checkpoint(run) == second
+    second = run.save_checkpoint(run_dir, 2, policy, ["default", "critic"], {"note": "second"})
+    os.makedirs(os.path.join(run_dir, "checkpoints", "iter_000003.tmp", "default"))  # a save killed halfway
+    assert run.latest_checkpoint(run_dir) == second
     state = torch.load(os.path.join(second, "state.pt"), weights_only=False)
     assert state["iteration"] == 2 and state["note"] == "second" and "rng" in state
     for adapter in ("default", "critic"):

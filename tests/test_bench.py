@@ -357,6 +357,17 @@ def check_args(tmp_path, *extra):
     return ["gpu", "--check", "--dry-run", "--out", str(tmp_path / "check" / "check.json"), *extra]
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["gpu", "--dry-run"], "--dry-run goes with --check"),
+    (["gpu", "--check", "--steps", "versions,tets"], "unknown tets; choose"),
+    (["gpu", "--check", "--budget", "0"], "--budget 0.0: must be")])
+def test_gpu_check_flags_are_checked(argv, words, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and words in err and err.strip().count("\n") == 0, err
+
+
 def test_gpu_check_goes_on_after_a_failed_or_hung_step(tmp_path, monkeypatch, capsys):
     """A step that fails, or runs past its time limit (killed with its process group), is reported
     and the next one still runs; the results file is whole after each step; a step that no longer

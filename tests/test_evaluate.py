@@ -498,6 +498,7 @@ def trained_adapter(tmp_path_factory):
     return str(folder)
 
 
+@pytest.mark.smollm2
 def test_cli_base_vs_adapter_end_to_end(trained_adapter, tmp_path):
     math_file = tmp_path / "math.jsonl"
     math_file.write_text("".join(open(os.path.join(DATA, "math_problems.jsonl")).readlines()[:2]))

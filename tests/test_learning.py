@@ -2,9 +2,14 @@
 against a stand-in user whose reward has a known, reachable optimum: the fraction of the agent's
 reply tokens that come from a target set (a quarter of the vocabulary, so a random policy scores
 about 0.25 and the best policy 1.0). The scripts run through their real main(); only the
-simulator is replaced. A sign error, a wrong mask or a detached loss keeps the reward flat."""
+simulator is replaced. A sign error, a wrong mask or a detached loss keeps the reward flat.
+
+The tests are marked gpu: with --device cuda they train on the GPU, and with --dtype bfloat16 in the
+paper's set-up (bf16 base weights, gradient checkpointing, the think-then-say scaffold: the random
+model never writes the tags, so its whole text is the reply and the reward the same)."""
 import numpy as np
 import pytest
+import torch
 
 import simulator as sim_module
 from conftest import read_metrics
@@ -45,8 +50,15 @@ def install_stand_in(monkeypatch, trainer, turns=1):
 
 
 COMMON = ["--preset", "cpu", "--simulator", "rules", "--split", "test", "--max-turns", "1",
-          "--max-new-tokens", "8", "--thinking", "false", "--lora-r", "8", "--lora-alpha", "16",
+          "--max-new-tokens", "8", "--lora-r", "8", "--lora-alpha", "16",
           "--target-modules", "q_proj,v_proj,lm_head", "--save-every", "1000"]
+PAPER_SETUP = ["--dtype", "bfloat16", "--gradient-checkpointing", "true", "--thinking", "true"]
+
+
+@pytest.fixture
+def setup(dtype):
+    """The flags of the run's set-up: float32 without thinking (CI), or the paper's in bfloat16."""
+    return ["--dtype", "float32", "--thinking", "false"] if dtype == torch.float32 else PAPER_SETUP
 
 
 def rewards_of(out):
@@ -65,39 +77,42 @@ def assert_learned(rewards, name):
     assert last > first + 0.2, f"{name}: reward did not rise clearly: {first:.3f} -> {last:.3f}"
 
 
-def test_ppo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, monkeypatch):
+@pytest.mark.gpu
+def test_ppo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, monkeypatch, setup):
     import ppo
 
     install_stand_in(monkeypatch, ppo)
     out = tmp_path / "ppo"
-    ppo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
+    ppo.main(COMMON + setup + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
                        "--iterations", "16", "--dialogues-per-iteration", "8", "--minibatch-size", "8",
                        "--micro-batch-size", "8", "--lr", "3e-2", "--critic-lr", "3e-2",
                        "--update-epochs", "2"])
     assert_learned(rewards_of(out), "ppo")
 
 
-def test_grpo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, monkeypatch):
+@pytest.mark.gpu
+def test_grpo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, monkeypatch, setup):
     import grpo
 
     install_stand_in(monkeypatch, grpo)
     out = tmp_path / "grpo"
-    grpo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
+    grpo.main(COMMON + setup + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
                         "--iterations", "16", "--personas-per-iteration", "2", "--group-size", "4",
                         "--minibatch-size", "8", "--micro-batch-size", "8", "--lr", "3e-2",
                         "--update-epochs", "2"])
     assert_learned(rewards_of(out), "grpo")
 
 
+@pytest.mark.gpu
 def test_ppo_learns_over_two_turns_with_per_turn_rewards(tiny_model_dir, personas_file, tmp_path,
-                                                         monkeypatch):
+                                                         monkeypatch, setup):
     # Two agent turns with a user message between them: the user's tokens are masked out, GAE runs
     # across them, and each turn's change is its own reward. The critic must learn something too.
     import ppo
 
     install_stand_in(monkeypatch, ppo, turns=2)
     out = tmp_path / "ppo2"
-    ppo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
+    ppo.main(COMMON + setup + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
                        "--max-turns", "2", "--reward", "turn", "--iterations", "16",
                        "--dialogues-per-iteration", "8", "--minibatch-size", "8", "--micro-batch-size", "4",
                        "--lr", "3e-2", "--critic-lr", "3e-2", "--update-epochs", "2"])
@@ -109,12 +124,13 @@ def test_ppo_learns_over_two_turns_with_per_turn_rewards(tiny_model_dir, persona
     assert np.mean(late) > 0, late
 
 
-def test_grpo_learns_over_two_turns(tiny_model_dir, personas_file, tmp_path, monkeypatch):
+@pytest.mark.gpu
+def test_grpo_learns_over_two_turns(tiny_model_dir, personas_file, tmp_path, monkeypatch, setup):
     import grpo
 
     install_stand_in(monkeypatch, grpo, turns=2)
     out = tmp_path / "grpo2"
-    grpo.main(COMMON + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
+    grpo.main(COMMON + setup + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
                         "--max-turns", "2", "--reward", "turn", "--iterations", "16",
                         "--personas-per-iteration", "4", "--group-size", "4", "--minibatch-size", "16",
                         "--micro-batch-size", "4", "--lr", "3e-2", "--update-epochs", "2"])

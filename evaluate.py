@@ -20,6 +20,12 @@ scores.png and trajectories.png. Training curves of finished or running runs, on
 
 Capability retention (RLVER reports that math and code stay intact): --math FILE asks every model
 every question of a JSON-lines file {id, question, answer} and reports exact-match accuracy.
+
+Does a simulated user agree with the judge behind SAGE's numbers? Its changes on SAGE's recorded
+dialogues against the recorded ones (its own settings: python evaluate.py --agreement --help):
+
+    python evaluate.py --agreement SAGE/dataset/<judge>_based_simulator/*_result.jsonl \\
+        --personas SAGE/profile/simulator_profile_withfirsttalk.jsonl --simulator URL --out runs/agreement
 """
 import contextlib
 import dataclasses
@@ -922,7 +928,7 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
     file's label); changes / fallbacks: the simulator's change per judged reply and its count of
     unread appraisals, per dialogue, in the same order."""
     groups = [agreement_rows(d, c, max_change) for d, c in zip(dialogues, changes)]
-    groups = [g for g in groups if len(g)] or [np.zeros((0, 2))]
+    groups = [g for g in groups if len(g)]  # at least one judged reply (agreement_main checks)
     rows = np.concatenate(groups)
     recorded, simulated = rows[:, 0], rows[:, 1]
     names = {1: "up", 0: "flat", -1: "down"}
@@ -953,8 +959,10 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
             "direction_agreement": with_interval(
                 groups, lambda r: direction_agreement(r[:, 0], r[:, 1]), n_boot, seed),
             "mae": with_interval(groups, lambda r: mean_absolute_error(r[:, 0], r[:, 1]), n_boot, seed),
-            "recorded_mean_change": float(recorded.mean()) if len(rows) else float("nan"),
-            "simulated_mean_change": float(simulated.mean()) if len(rows) else float("nan"),
+            # what a simulator that knows nothing gets: always the commonest recorded direction; never moving
+            "direction_baseline": max(float(np.mean(np.sign(recorded) == d)) for d in (-1, 0, 1)),
+            "mae_of_no_change": float(np.abs(recorded).mean()),
+            "recorded_mean_change": float(recorded.mean()), "simulated_mean_change": float(simulated.mean()),
             "directions": confusion, "fallbacks": int(sum(fallbacks)),
         },
         "final": {
@@ -991,8 +999,9 @@ def agreement_table(report, settings):
         "| per reply | value |", "|---|---|",
         f"| Spearman of the changes | {_interval(r['spearman'])} |",
         f"| Pearson of the changes | {_interval(r['pearson'])} |",
-        f"| direction agreement (up / flat / down) | {_interval(r['direction_agreement'])} |",
-        f"| mean absolute error | {_interval(r['mae'])} |",
+        f"| direction agreement (up / flat / down) | {_interval(r['direction_agreement'])} "
+        f"(always the commonest recorded direction: {r['direction_baseline']:.2f}) |",
+        f"| mean absolute error | {_interval(r['mae'])} (never moving: {r['mae_of_no_change']:.2f}) |",
         f"| mean change: recorded / simulated | {r['recorded_mean_change']:+.2f} / "
         f"{r['simulated_mean_change']:+.2f} |",
         f"| appraisals not read (fallback 0) | {r['fallbacks']} |",
@@ -1118,6 +1127,8 @@ def agreement_main(argv):
     """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--limit N]."""
     from simulator import Simulator, load_model, make_backend
 
+    if "-h" in argv or "--help" in argv:  # "--agreement --help": the flag alone would want files first
+        argv = [a for a in argv if a != "--agreement"]
     args = parse_settings(AgreementArgs, None, argv, {"limit": at_least(0), "batch_dialogues": at_least(1)})
     if not args.agreement:
         fail("--agreement: give one or more SAGE result files (JSON lines: id, emo_point, history)")
@@ -1141,6 +1152,9 @@ def agreement_main(argv):
             d["label"] = label
             d["key"] = _key([d["text"], dataclasses.asdict(personas[d["id"]])])
         dialogues += mine
+    if not any(judged_replies(d) for d in dialogues):
+        fail(f"--agreement: no agent reply in {', '.join(args.agreement)} is followed by a judged user "
+             f"message (one with an emotion-point)")
     settings = {"simulator": redact(args.simulator), "readout": readout, "judge": args.judge,
                 "model": args.model if args.simulator == "same" else None, "max_change": args.max_change,
                 "api_model": args.api_model if simulator_kind(args.simulator) == "url" else None}

@@ -5,7 +5,8 @@ background, an open goal and a hidden intention. After every agent reply the sim
 the reply and moves an emotion score in [0, 100]; the final emotion / 100 is the reward. This file
 holds everything on the user's side of the table:
 
-  personas      load_personas() reads personas.json or a SAGE profile file and validates it
+  personas      load_personas() reads personas.json or a SAGE / RLVER profile file and validates it;
+                --write-openings writes the openings RLVER's profiles lack (openings_command)
   emotion       band(), Simulator.step() (appraise -> clamp -> end rules -> next user message)
   read-outs     "reasoned" (the simulator writes an anchored appraisal ending in "Change: N",
                 parsed strictly, re-asked once if unread; judged by the persona itself or, with
@@ -18,6 +19,10 @@ holds everything on the user's side of the table:
 Check that a simulator tells a warm agent from a dismissive one before training against it:
 
     python simulator.py --model smollm2 --personas personas.json --split test --dialogues 3
+
+Write the first messages of profiles that have none (RLVER's training profiles), once, into a new file:
+
+    python simulator.py --write-openings NEW_FILE --personas train_profile.jsonl --model MODEL_OR_URL
 """
 import argparse
 import concurrent.futures

@@ -320,6 +320,8 @@ def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server):
     # same direction: 2 + 1 + 1 + 2 + 6 + 4 of 19 (0 vs +2, -5 vs 0 and 0 vs +1 differ)
     assert r["direction_agreement"]["value"] == 16 / 19
     assert r["mae"]["value"] == (6 + 6 + 11 + 8 + 48 + 16) / 19  # = 5
+    # baselines: 9 of the 19 recorded changes go up (8 down, 2 flat); their sizes add up to 143
+    assert r["direction_baseline"] == 9 / 19 and r["mae_of_no_change"] == 143 / 19
     assert r["directions"]["flat->up"] == 2 and r["directions"]["down->flat"] == 1
     for name in ("spearman", "pearson", "direction_agreement", "mae"):
         assert r[name]["low"] <= r[name]["value"] <= r[name]["high"]
@@ -416,3 +418,9 @@ def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {path}: ") and message in err, err
+
+
+def test_agreement_help_lists_its_own_settings():
+    done = run("evaluate.py", "--agreement", "--help", timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage:")
+    assert "--limit" in done.stdout and "--batch-dialogues" in done.stdout.replace("_", "-")

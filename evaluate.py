@@ -982,7 +982,18 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
 def _interval(x, digits=2):
     if x is None:
         return "- (needs 2 files or more)"
+    if not np.isfinite(x["value"]):
+        return "undefined (one side never varies)"
     return f"{x['value']:.{digits}f} [{x['low']:.{digits}f}, {x['high']:.{digits}f}]"
+
+
+def _ranking(files, key):
+    """'a > b = c': the files in order of a score, ties shown as ties."""
+    ordered = sorted(files, key=lambda m: -m[key])
+    text = ordered[0]["label"]
+    for before, m in zip(ordered, ordered[1:]):
+        text += (" = " if m[key] == before[key] else " > ") + m["label"]
+    return text
 
 
 def agreement_table(report, settings):
@@ -1018,10 +1029,10 @@ def agreement_table(report, settings):
                      f"[{m['recorded_ci'][0]:.1f}, {m['recorded_ci'][1]:.1f}] | {m['simulated_score']:.1f} "
                      f"[{m['simulated_ci'][0]:.1f}, {m['simulated_ci'][1]:.1f}] | {rs} / {rf} "
                      f"| {ss} / {sf} |")
-    models = report["models"]
-    lines += ["", f"Rank order of the models, Kendall's tau-b: {_interval(models['kendall_tau_b'])}; "
-              f"recorded {' > '.join(models['recorded_order'])}, simulated "
-              f"{' > '.join(models['simulated_order'])}."]
+    tau = _interval(report["models"]["kendall_tau_b"])
+    lines += ["", f"Rank order of the models, Kendall's tau-b: {tau}; "
+              f"recorded {_ranking(report['files'], 'recorded_score')}, simulated "
+              f"{_ranking(report['files'], 'simulated_score')}."]
     return "\n".join(lines) + "\n"
 
 

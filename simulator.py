@@ -227,12 +227,12 @@ def _sage_persona(path, i, entry, need_opening=True):
     where = f"line {i + 1}" + (f" (id {entry['id']})" if isinstance(entry, dict) and "id" in entry else "")
     if not isinstance(entry, dict):
         raise PersonaError(f"{path}: {where}: must be a JSON object")
-    if not has_opening(entry) and not need_opening:
-        entry = {**entry, "first_talk": ""}
-    if need_opening and not has_opening(entry) and all(k in entry for k in ("id", "player", "scene")) \
-            and isinstance(entry.get("first_talk", ""), str):
-        state, hint = "empty" if "first_talk" in entry else "missing", OPENINGS_HINT.format(path=path)
-        raise PersonaError(f"{path}: {where}: field 'first_talk' is {state}; {hint}")
+    if not has_opening(entry):
+        if not need_opening:  # the openings command is about to write it
+            entry = {**entry, "first_talk": ""}
+        elif {"id", "player", "scene"} <= set(entry) and isinstance(entry.get("first_talk", ""), str):
+            state, hint = "empty" if "first_talk" in entry else "missing", OPENINGS_HINT.format(path=path)
+            raise PersonaError(f"{path}: {where}: field 'first_talk' is {state}; {hint}")
     _check(path, where, entry, SAGE_FIELDS)
     split = entry.get("split")
     if split is not None and split not in SPLITS:
@@ -1606,12 +1606,16 @@ def openings_command(args):
     folder = os.path.dirname(os.path.abspath(out))
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=folder, prefix=".openings-",
                                      delete=False) as f:
-        for p, (_, entry) in zip(personas, lines):
-            if not has_opening(entry):
-                entry = {**entry, "first_talk": kept[p.id]}
-            f.write(json.dumps(entry, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            for p, (_, entry) in zip(personas, lines):
+                if not has_opening(entry):
+                    entry = {**entry, "first_talk": kept[p.id]}
+                f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:  # a full disk or Ctrl-C: no temporary file left behind
+            os.remove(f.name)
+            raise
     os.replace(f.name, out)  # atomic: OUT is whole or absent
     if os.path.exists(partial):
         os.remove(partial)

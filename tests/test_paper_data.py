@@ -191,7 +191,8 @@ def test_sage_outcomes_are_counted_from_the_final_emotion():
 def test_evaluate_judges_as_many_replies_as_sage_does():
     # SAGE's loop writes 10 agent replies and appraises 9: the 10th is never judged
     assert evaluate.EvalArgs().max_turns == evaluate.SAGE_JUDGED_REPLIES == 9
-    assert (evaluate.EvalArgs().start_emotion, evaluate.EvalArgs().max_change) == (40, 10)
+    defaults = evaluate.EvalArgs()
+    assert (defaults.start_emotion, defaults.max_change) == (evaluate.SAGE_START, 10) == (40, 10)
     sim = simulator.Simulator(simulator.RulesBackend())
     assert sim.leave_below == evaluate.SAGE_LEAVE_BELOW == 10
 

@@ -1,7 +1,8 @@
 """Evaluation: the base model and trained adapters against the same simulated users, with plots.
 
 A Sentient-style benchmark (SAGE, arXiv 2505.02847): every persona of a set talks with each model
-under test, SAGE settings by default (start emotion 40, up to 10 turns, greedy agent decoding).
+under test, SAGE's protocol by default (start emotion 40, the opening first, up to 9 judged agent replies,
+the user leaves on a goodbye, at 100 or below 10; greedy agent decoding; see docs/evaluate.md).
 The score is the mean final emotion (0-100) over the personas, with a 95% bootstrap interval; each
 adapter is compared with the base on the same personas (mean paired difference, paired bootstrap).
 The models under test are the base (every adapter disabled) and each --adapter on top of it; the
@@ -19,8 +20,16 @@ scores.png and trajectories.png. Training curves of finished or running runs, on
 
 Capability retention (RLVER reports that math and code stay intact): --math FILE asks every model
 every question of a JSON-lines file {id, question, answer} and reports exact-match accuracy.
+
+Does a simulated user agree with the judge behind SAGE's numbers? Its changes on SAGE's recorded
+dialogues against the recorded ones (its own settings: python evaluate.py --agreement --help):
+
+    python evaluate.py --agreement SAGE/dataset/<judge>_based_simulator/*_result.jsonl \\
+        --personas SAGE/profile/simulator_profile_withfirsttalk.jsonl --simulator URL --out runs/agreement
 """
 import contextlib
+import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -39,8 +48,8 @@ from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSetting
 from run import (OutputSettings, TrackerSettings, at_least, default_device, fail, log_to_trackers, one_of,
                  parse_settings, public_config, redact, set_seed, setting, start_trackers, summarize,
                  tracker_settings, transcript_record)
-from simulator import (SimulatorError, SimulatorSettings, auto_readout, build_simulator,
-                       load_personas_or_exit, simulator_kind)
+from simulator import (SimulatorError, SimulatorSettings, UserState, apply_change, auto_readout,
+                       build_simulator, load_personas_or_exit, simulator_kind)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,6 +75,12 @@ class EvalSettings:
     math_batch_size: int = setting(8, "math questions per generate call", at_least(1))
     curves: list[str] = setting([], "run folders with metrics.jsonl: plot their training curves instead of "
                                     "evaluating")
+    agreement: list[str] = setting([], "SAGE result files (JSON lines: id, emo_point, history), one per "
+                                       "evaluated model: check the simulator against their judge instead of "
+                                       "evaluating (docs/evaluate.md)")
+    limit: int = setting(0, "--agreement: the first N dialogues of each file (0 = all)", at_least(0))
+    batch_dialogues: int = setting(4, "--agreement: dialogues whose replies go to the simulator in one call",
+                                   at_least(1))
 
     @staticmethod
     def check(args):
@@ -87,9 +102,11 @@ class EvalSettings:
 
 SETTINGS = (PolicySettings, SamplingSettings, SimulatorSettings, EvalSettings, OutputSettings,
             TrackerSettings)
-# SAGE's benchmark settings (start emotion 40, up to 10 turns), and sizes for a reply, not a long thought
+# SAGE's benchmark settings: start emotion 40; its loop writes 10 agent replies and judges the first
+# 9 (the 10th is never appraised), so 9 judged replies give SAGE's score (docs/evaluate.md). Sizes for
+# a reply, not a long thought.
 DEFAULTS = dict(model="smollm2", max_new_tokens=128, max_context=4096, split="test", start_emotion=40,
-                max_turns=10, user_reply_tokens=64, out="runs/eval")
+                max_turns=9, user_reply_tokens=64, out="runs/eval")
 
 
 def parse_args(argv=None):
@@ -684,8 +701,457 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
     return results
 
 
+# ----------------------------------------------------------------------------------------------
+# SAGE's protocol, and a simulated user measured against SAGE's recorded judgments (--agreement)
+# ----------------------------------------------------------------------------------------------
+# SAGE (github.com/Tencent/digitalhuman, SAGE/test_npc.py and simulator_response.py) starts every
+# dialogue at 40 with the profile's first_talk, lets the agent write at most 10 replies and judges
+# all but the last (the 10th is written, never appraised: 9 count), and stops when the user says
+# goodbye or the emotion reaches 100 (a success) or falls below 10 (a failure). The score is the
+# mean final emotion. docs/evaluate.md lists where this project differs, and why.
+SAGE_START, SAGE_JUDGED_REPLIES, SAGE_SUCCESS, SAGE_LEAVE_BELOW = 40, 9, 100, 10
+
+
+def sage_outcome(final_emotion):
+    """'success' (reached 100), 'failure' (ended below 10) or None, from the final emotion alone,
+    as a recorded SAGE file allows (its records keep no end reason)."""
+    if final_emotion >= SAGE_SUCCESS:
+        return "success"
+    return "failure" if final_emotion < SAGE_LEAVE_BELOW else None
+
+
+def sage_counts(finals):
+    """(successes, failures) of a list of final emotions."""
+    outcomes = [sage_outcome(f) for f in finals]
+    return outcomes.count("success"), outcomes.count("failure")
+
+
+# The statistics, in numpy (no scipy), each tested against a hand computation.
+def average_ranks(x):
+    """1-based ranks, ties sharing the mean of the ranks they span: [10, 20, 20, 30] -> [1, 2.5, 2.5, 4]."""
+    x = np.asarray(x, dtype=float)
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x))
+    i = 0
+    while i < len(x):
+        j = i
+        while j + 1 < len(x) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def pearson(x, y):
+    """Pearson correlation; NaN when either side is constant (no correlation is defined)."""
+    dx = np.asarray(x, dtype=float) - np.mean(x)
+    dy = np.asarray(y, dtype=float) - np.mean(y)
+    denominator = np.sqrt((dx * dx).sum() * (dy * dy).sum())
+    return float((dx * dy).sum() / denominator) if denominator > 0 else float("nan")
+
+
+def spearman(x, y):
+    """Spearman's rho: the Pearson correlation of the average ranks (ties handled)."""
+    return pearson(average_ranks(x), average_ranks(y))
+
+
+def kendall_tau_b(x, y):
+    """Kendall's tau-b: (concordant - discordant) / sqrt((n0 - ties in x) (n0 - ties in y)) over the
+    n0 = n(n-1)/2 pairs; NaN when either side is constant."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    i, j = np.triu_indices(len(x), 1)
+    sx, sy = np.sign(x[i] - x[j]), np.sign(y[i] - y[j])  # (n0,) each
+    n0 = len(i)
+    denominator = np.sqrt((n0 - (sx == 0).sum()) * (n0 - (sy == 0).sum()))
+    return float((sx * sy).sum() / denominator) if denominator > 0 else float("nan")
+
+
+def direction_agreement(recorded, simulated):
+    """The share of replies whose change goes the same way (up, flat or down) in both."""
+    return float(np.mean(np.sign(recorded) == np.sign(simulated)))
+
+
+def mean_absolute_error(recorded, simulated):
+    return float(np.mean(np.abs(np.asarray(recorded, dtype=float) - np.asarray(simulated, dtype=float))))
+
+
+def dialogue_bootstrap(groups, statistic, n_boot=2000, seed=0, level=0.95):
+    """Percentile interval of statistic(rows) when whole dialogues are resampled: groups is one
+    (replies, 2) array of (recorded, simulated) changes per dialogue. Replies of one dialogue share
+    its persona and history, so resampling replies would pretend they are independent and make the
+    interval too narrow; this resamples dialogues (the same draws as bootstrap_interval) and keeps
+    each one's replies together. Resamples where the statistic is undefined (NaN) are dropped."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(groups), size=(n_boot, len(groups)))  # (n_boot, dialogues)
+    values = np.array([statistic(np.concatenate([groups[k] for k in row])) for row in idx])
+    values = values[np.isfinite(values)]
+    if len(values) == 0:
+        return float("nan"), float("nan")
+    low, high = np.percentile(values, [50 * (1 - level), 50 * (1 + level)])
+    return float(low), float(high)
+
+
+def with_interval(groups, statistic, n_boot, seed):
+    """{value, low, high} of a statistic of the (recorded, simulated) rows of all dialogues."""
+    value = statistic(np.concatenate(groups))
+    low, high = dialogue_bootstrap(groups, statistic, n_boot, seed)
+    return {"value": value, "low": low, "high": high}
+
+
+def kendall_with_interval(per_file_finals, n_boot=2000, seed=0, level=0.95):
+    """Kendall's tau-b between the files' (models') mean recorded and mean simulated final
+    emotions, with an interval from resampling each file's dialogues. per_file_finals: one
+    (dialogues, 2) array of (recorded, simulated) finals per file. None for fewer than 2 files."""
+    if len(per_file_finals) < 2:
+        return None
+    means = np.array([f.mean(0) for f in per_file_finals])  # (files, 2)
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(n_boot):
+        resampled = np.array([f[rng.integers(0, len(f), len(f))].mean(0) for f in per_file_finals])
+        values.append(kendall_tau_b(resampled[:, 0], resampled[:, 1]))
+    values = np.array(values)
+    values = values[np.isfinite(values)]
+    low, high = (np.percentile(values, [50 * (1 - level), 50 * (1 + level)]) if len(values)
+                 else (float("nan"), float("nan")))
+    return {"value": kendall_tau_b(means[:, 0], means[:, 1]), "low": float(low), "high": float(high)}
+
+
+# Reading SAGE's recorded dialogues: one JSON object per line with id, emo_point (the final
+# emotion) and history, a list of {role: user|assistant, content}; each user message carries the
+# judge's `emotion-point` when it was written (the first: 40).
+def read_sage_dialogues(path):
+    """[{file, line, id, final, history: [{role: user|agent, text}], points: {message index:
+    emotion}, key}] for each line. Bad input: one line naming the file, the line and the field,
+    exit 2."""
+    dialogues = []
+    for i, record in read_jsonl_or_exit(path):
+        where = f"{path}: line {i + 1}"
+        if not isinstance(record, dict):
+            fail(f"{where}: must be a JSON object")
+        if not isinstance(record.get("id"), (str, int)) or isinstance(record.get("id"), bool):
+            fail(f"{where}: field 'id' is {'missing' if 'id' not in record else 'not a string'}")
+        where += f" (id {record['id']})"
+        final = record.get("emo_point")
+        if not isinstance(final, (int, float)) or isinstance(final, bool):
+            fail(f"{where}: field 'emo_point' must be a number (the final emotion)")
+        history = record.get("history")
+        if not isinstance(history, list) or not history:
+            fail(f"{where}: field 'history' must be a non-empty list of messages")
+        messages, points = [], {}
+        for k, m in enumerate(history):
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in ("user", "assistant"):
+                fail(f"{where}: field 'history[{k}].role' must be user or assistant")
+            if role == ("assistant" if k % 2 == 0 else "user"):
+                fail(f"{where}: field 'history[{k}].role': messages must alternate, the user's first")
+            if not isinstance(m.get("content"), str):
+                fail(f"{where}: field 'history[{k}].content' must be a string")
+            if role == "user":
+                point = m.get("emotion-point")
+                if not isinstance(point, (int, float)) or isinstance(point, bool):
+                    fail(f"{where}: field 'history[{k}].emotion-point' is "
+                         f"{'missing' if 'emotion-point' not in m else 'not a number'}")
+                points[k] = point
+            messages.append({"role": "user" if role == "user" else "agent", "text": m["content"]})
+        text = json.dumps(record, sort_keys=True, ensure_ascii=False)
+        dialogues.append({"file": path, "line": i + 1, "id": str(record["id"]), "final": final,
+                          "history": messages, "points": points, "text": text})
+    if not dialogues:
+        fail(f"{path}: no dialogues")
+    return dialogues
+
+
+def judged_replies(dialogue):
+    """[(index of the agent message, emotion before it, emotion after it)] for every agent reply
+    that a user message with an emotion-point follows (SAGE's unjudged last reply is left out)."""
+    out, before = [], None
+    for k, m in enumerate(dialogue["history"]):
+        if m["role"] == "user":
+            before = dialogue["points"][k]
+        elif k + 1 < len(dialogue["history"]):
+            out.append((k, before, dialogue["points"][k + 1]))
+    return out
+
+
+def recorded_state(persona, dialogue, k):
+    """The simulated user as it was when agent message k arrived: the recorded conversation before
+    it, the recorded emotion, and one appraisal per earlier reply whose move is the recorded change,
+    so that the mood notes (user_turn_messages) and the likelihood read-out see the recorded moods."""
+    history = [dict(m) for m in dialogue["history"][:k]]
+    moods = [dialogue["points"][j] for j in range(k) if history[j]["role"] == "user"]  # e_0 .. e_m
+    appraisals = [{"change": after - before, "emotion": after, "appraisal": "", "parsed": True}
+                  for before, after in zip(moods, moods[1:])]
+    return UserState(persona=persona, emotion=moods[-1], history=history, turns=len(appraisals),
+                     appraisals=appraisals)
+
+
+def simulated_final(start, changes, max_change=10):
+    """The final emotion from adding the simulator's changes along a recorded dialogue, each
+    clamped as the simulator clamps it (apply_change): to +-max_change, the mood to [0, 100]."""
+    emotion = start
+    for change in changes:
+        emotion, _ = apply_change(emotion, change, max_change)
+    return emotion
+
+
+def agreement_rows(dialogue, changes, max_change=10):
+    """(replies, 2) array of (recorded change, simulated move) for one dialogue: the simulator's
+    move starts from the recorded emotion before each reply, so the two are compared reply by reply."""
+    rows = [(after - before, apply_change(before, change, max_change)[1])
+            for (_, before, after), change in zip(judged_replies(dialogue), changes)]
+    return np.array(rows, dtype=float).reshape(-1, 2)
+
+
+def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, seed=0):
+    """Every number of the agreement check. dialogues: read_sage_dialogues rows (tagged with their
+    file's label); changes / fallbacks: the simulator's change per judged reply and its count of
+    unread appraisals, per dialogue, in the same order."""
+    groups = [agreement_rows(d, c, max_change) for d, c in zip(dialogues, changes)]
+    groups = [g for g in groups if len(g)]  # at least one judged reply (agreement_main checks)
+    rows = np.concatenate(groups)
+    recorded, simulated = rows[:, 0], rows[:, 1]
+    names = {1: "up", 0: "flat", -1: "down"}
+    confusion = {f"{names[a]}->{names[b]}": int(((np.sign(recorded) == a) & (np.sign(simulated) == b)).sum())
+                 for a in names for b in names}  # recorded direction -> simulated direction
+    finals = np.array([(d["final"], simulated_final(d["points"][0], c, max_change))
+                       for d, c in zip(dialogues, changes)], dtype=float)  # (dialogues, 2)
+    final_groups = [f[None] for f in finals]
+    low, high = bootstrap_interval(np.abs(finals[:, 1] - finals[:, 0]), n_boot, seed)
+    files = []
+    for label in dict.fromkeys(d["label"] for d in dialogues):
+        mine = [k for k, d in enumerate(dialogues) if d["label"] == label]
+        rec, sim = finals[mine, 0], finals[mine, 1]
+        files.append({
+            "label": label, "file": dialogues[mine[0]]["file"], "dialogues": len(mine),
+            "replies": int(sum(len(judged_replies(dialogues[k])) for k in mine)),
+            "recorded_score": float(rec.mean()), "recorded_ci": bootstrap_interval(rec, n_boot, seed),
+            "simulated_score": float(sim.mean()), "simulated_ci": bootstrap_interval(sim, n_boot, seed),
+            "recorded_successes_failures": sage_counts(rec), "simulated_successes_failures": sage_counts(sim),
+            "fallbacks": int(sum(fallbacks[k] for k in mine))})
+    by_file = [finals[[k for k, d in enumerate(dialogues) if d["label"] == f["label"]]] for f in files]
+    tau = kendall_with_interval(by_file, n_boot, seed)
+    return {
+        "replies": {
+            "n": int(len(rows)), "dialogues": len(dialogues),
+            "spearman": with_interval(groups, lambda r: spearman(r[:, 0], r[:, 1]), n_boot, seed),
+            "pearson": with_interval(groups, lambda r: pearson(r[:, 0], r[:, 1]), n_boot, seed),
+            "direction_agreement": with_interval(
+                groups, lambda r: direction_agreement(r[:, 0], r[:, 1]), n_boot, seed),
+            "mae": with_interval(groups, lambda r: mean_absolute_error(r[:, 0], r[:, 1]), n_boot, seed),
+            # what a simulator that knows nothing gets: always the commonest recorded direction; never moving
+            "direction_baseline": max(float(np.mean(np.sign(recorded) == d)) for d in (-1, 0, 1)),
+            "mae_of_no_change": float(np.abs(recorded).mean()),
+            "recorded_mean_change": float(recorded.mean()), "simulated_mean_change": float(simulated.mean()),
+            "directions": confusion, "fallbacks": int(sum(fallbacks)),
+        },
+        "final": {
+            "mae": {"value": float(np.abs(finals[:, 1] - finals[:, 0]).mean()), "low": low, "high": high},
+            "simulated_minus_recorded": paired_difference(finals[:, 1], finals[:, 0], n_boot, seed),
+            "spearman": with_interval(final_groups, lambda r: spearman(r[:, 0], r[:, 1]), n_boot, seed),
+            "pearson": with_interval(final_groups, lambda r: pearson(r[:, 0], r[:, 1]), n_boot, seed),
+        },
+        "files": files,
+        "models": {"kendall_tau_b": tau,
+                   "recorded_order": [m["label"] for m in sorted(files, key=lambda m: -m["recorded_score"])],
+                   "simulated_order": [m["label"]
+                                       for m in sorted(files, key=lambda m: -m["simulated_score"])]},
+    }
+
+
+def _interval(x, digits=2):
+    if x is None:
+        return "- (needs 2 files or more)"
+    if not np.isfinite(x["value"]):
+        return "undefined (one side never varies)"
+    return f"{x['value']:.{digits}f} [{x['low']:.{digits}f}, {x['high']:.{digits}f}]"
+
+
+def _ranking(files, key):
+    """'a > b = c': the files in order of a score, ties shown as ties."""
+    ordered = sorted(files, key=lambda m: -m[key])
+    text = ordered[0]["label"]
+    for before, m in zip(ordered, ordered[1:]):
+        text += (" = " if m[key] == before[key] else " > ") + m["label"]
+    return text
+
+
+def agreement_table(report, settings):
+    """results.md of an agreement run."""
+    r, f = report["replies"], report["final"]
+    model = f" (model `{settings['model']}`)" if settings["simulator"] == "same" else ""
+    lines = [
+        f"Simulator `{settings['simulator']}`{model}, read-out {settings['readout']}, judge "
+        f"{settings['judge']}, against {r['dialogues']} recorded SAGE dialogues ({r['n']} judged replies) of "
+        f"{len(report['files'])} file(s). [95% bootstrap interval over dialogues, {settings['bootstrap']} "
+        "resamples.] Changes: the recorded one is the next user message's emotion-point minus the one "
+        "before; the simulator's is its move from the recorded emotion.",
+        "",
+        "| per reply | value |", "|---|---|",
+        f"| Spearman of the changes | {_interval(r['spearman'])} |",
+        f"| Pearson of the changes | {_interval(r['pearson'])} |",
+        f"| direction agreement (up / flat / down) | {_interval(r['direction_agreement'])} "
+        f"(always the commonest recorded direction: {r['direction_baseline']:.2f}) |",
+        f"| mean absolute error | {_interval(r['mae'])} (never moving: {r['mae_of_no_change']:.2f}) |",
+        f"| mean change: recorded / simulated | {r['recorded_mean_change']:+.2f} / "
+        f"{r['simulated_mean_change']:+.2f} |",
+        f"| appraisals not read (fallback 0) | {r['fallbacks']} |",
+        "", "| final emotion per dialogue | value |", "|---|---|",
+        f"| mean absolute error | {_interval(f['mae'], 1)} |",
+        f"| simulated - recorded | {f['simulated_minus_recorded']['mean']:+.1f} "
+        f"[{f['simulated_minus_recorded']['low']:+.1f}, {f['simulated_minus_recorded']['high']:+.1f}] |",
+        f"| Spearman | {_interval(f['spearman'])} |",
+        "", "| file (model) | dialogues | recorded score | simulated score | recorded successes / failures "
+        "| simulated successes / failures |", "|---|---|---|---|---|---|"]
+    for m in report["files"]:
+        (rs, rf), (ss, sf) = m["recorded_successes_failures"], m["simulated_successes_failures"]
+        lines.append(f"| {m['label']} | {m['dialogues']} | {m['recorded_score']:.1f} "
+                     f"[{m['recorded_ci'][0]:.1f}, {m['recorded_ci'][1]:.1f}] | {m['simulated_score']:.1f} "
+                     f"[{m['simulated_ci'][0]:.1f}, {m['simulated_ci'][1]:.1f}] | {rs} / {rf} "
+                     f"| {ss} / {sf} |")
+    tau = _interval(report["models"]["kendall_tau_b"])
+    lines += ["", f"Rank order of the models, Kendall's tau-b: {tau}; "
+              f"recorded {_ranking(report['files'], 'recorded_score')}, simulated "
+              f"{_ranking(report['files'], 'simulated_score')}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_agreement(report_rows, path, title=""):
+    """Recorded vs simulated change per reply: one dot per (recorded, simulated) pair, its area the
+    number of replies there (the changes are whole numbers, so dots would hide each other)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    pairs = Counter(map(tuple, report_rows.tolist()))
+    if pairs:
+        xs, ys = zip(*pairs)
+        ax.scatter(xs, ys, s=[30 * n for n in pairs.values()], alpha=0.6, color="C0", edgecolor="none")
+    ax.plot([-10, 10], [-10, 10], color="grey", ls="--", lw=0.8)
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.axvline(0, color="grey", lw=0.5)
+    ax.set_xlabel("recorded change (SAGE's judge)")
+    ax.set_ylabel("simulated change (this simulator)")
+    ax.set_title(title + "\n(dot area: number of replies; dashed: perfect agreement)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _key(value):
+    """A short fingerprint of a JSON-able value: which settings, which dialogue and persona."""
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def finished_appraisals(path, settings_key):
+    """{dialogue key: row} of appraisals.jsonl rows made with these settings; rows of other settings
+    stay in the file and are never mixed in; a line cut short by a crash is ignored."""
+    done = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict) and row.get("settings") == settings_key:
+                    done[row["dialogue"]] = row
+    return done
+
+
+def appraise_dialogues(simulator, dialogues, personas, store, settings_key, batch_dialogues=4, progress=True):
+    """The simulator's change for every judged reply of every dialogue: {dialogue key: row}. Each
+    batch of dialogues is one call to simulator.appraise (all their replies at once); each finished
+    dialogue is appended to `store` at once, so an interrupted run keeps it and a rerun skips it."""
+    done = finished_appraisals(store, settings_key)
+    todo = [d for d in dialogues if d["key"] not in done]
+    bar = tqdm(total=len(dialogues), initial=len(dialogues) - len(todo), desc="agreement: dialogues",
+               disable=not progress)
+    for start in range(0, len(todo), batch_dialogues):
+        part = todo[start:start + batch_dialogues]
+        jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
+        results = simulator.appraise([recorded_state(personas[d["id"]], d, k) for d, k in jobs],
+                                     [d["history"][k]["text"] for d, k in jobs])
+        rows = []
+        for d in part:
+            mine = [r for (owner, _), r in zip(jobs, results) if owner is d]
+            rows.append({"settings": settings_key, "dialogue": d["key"], "file": d["file"], "line": d["line"],
+                         "id": d["id"], "changes": [c for c, _, _ in mine], "parsed": [p for _, _, p in mine],
+                         "appraisals": [t for _, t, _ in mine]})
+        _append_lines(store, rows)
+        done.update((row["dialogue"], row) for row in rows)
+        bar.update(len(part))
+    bar.close()
+    return done
+
+
+def agreement_main(args):
+    """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--limit N]."""
+    from run import load_model
+
+    # everything is read and checked before any model loads
+    personas = {p.id: p for p in load_personas_or_exit(args.personas)}
+    labels = [re.sub(r"(_result)?\.jsonl?$", "", name) for name in unique_labels(args.agreement, reserved=())]
+    dialogues = []
+    for path, label in zip(args.agreement, labels):
+        mine = read_sage_dialogues(path)
+        for d in mine:
+            if d["id"] not in personas:
+                fail(f"{path}: line {d['line']}: field 'id' {d['id']!r} has no persona in {args.personas}")
+        mine = mine[:args.limit] if args.limit else mine
+        for d in mine:
+            d["label"] = label
+            d["key"] = _key([d["text"], dataclasses.asdict(personas[d["id"]])])
+        dialogues += mine
+    if not any(judged_replies(d) for d in dialogues):
+        fail(f"--agreement: no agent reply in {', '.join(args.agreement)} is followed by a judged user "
+             f"message (one with an emotion-point)")
+    readout = args.readout if args.readout != "auto" else auto_readout(simulator_kind(args.simulator))
+    settings = {"simulator": redact(args.simulator), "readout": readout, "judge": args.judge,
+                "model": args.model if args.simulator == "same" else None, "max_change": args.max_change,
+                "api_model": args.api_model if simulator_kind(args.simulator) == "url" else None}
+    os.makedirs(args.out, exist_ok=True)
+    model = tokenizer = None
+    if args.simulator == "same":  # the base model alone: no policy, no adapters
+        model, tokenizer = load_model(args.model, device=default_device(), dtype=None,
+                                      trust_remote_code=args.trust_remote_code)
+        model.requires_grad_(False)
+    try:
+        simulator, _ = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
+    except ValueError as e:
+        fail(e)
+    store = os.path.join(args.out, "appraisals.jsonl")
+    print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
+          f"{redact(args.simulator)} (read-out {simulator.readout}, judge {simulator.judge}); appraisals "
+          f"kept in {store}", file=sys.stderr)
+    try:
+        done = appraise_dialogues(simulator, dialogues, personas, store, _key(settings), args.batch_dialogues)
+    except SimulatorError as e:
+        fail(f"{e}; the dialogues finished so far are kept in {store}: the same command continues from them")
+    rows = [done[d["key"]] for d in dialogues]
+    report = agreement_report(dialogues, [r["changes"] for r in rows],
+                              [len(r["parsed"]) - sum(r["parsed"]) for r in rows], args.max_change,
+                              args.bootstrap, args.seed)
+    results = {"complete": True, "settings": {**public_config(args), "readout": simulator.readout}, **report}
+    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1, ensure_ascii=False)
+    table = agreement_table(report, results["settings"])
+    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
+        f.write(table)
+    pairs = np.concatenate([agreement_rows(d, r["changes"], args.max_change)
+                            for d, r in zip(dialogues, rows)])
+    plot_agreement(pairs, os.path.join(args.out, "agreement.png"),
+                   f"{redact(args.simulator)} ({simulator.readout}) vs SAGE's judge: {len(pairs)} replies, "
+                   f"Spearman {report['replies']['spearman']['value']:.2f}")
+    print(table)
+    print(f"-> {args.out}/results.json, results.md, agreement.png, appraisals.jsonl")
+    return results
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.agreement:  # the simulator checked against SAGE's recorded judgments
+        return agreement_main(args)
     if args.curves:
         for path in plot_curves(args.curves, args.out):
             print(path)

@@ -5,7 +5,8 @@ background, an open goal and a hidden intention. After every agent reply the sim
 the reply and moves an emotion score in [0, 100]; the final emotion / 100 is the reward. This file
 holds everything on the user's side of the table:
 
-  personas      load_personas() reads personas.json or a SAGE profile file and validates it
+  personas      load_personas() reads personas.json or a SAGE / RLVER profile file and validates it;
+                --write-openings writes the openings RLVER's profiles lack (openings_command)
   emotion       band(), Simulator.step() (appraise -> clamp -> end rules -> next user message)
   read-outs     "reasoned" (the simulator writes an anchored appraisal ending in "Change: N",
                 parsed strictly, re-asked once if unread; judged by the persona itself or, with
@@ -18,6 +19,10 @@ holds everything on the user's side of the table:
 Check that a simulator tells a warm agent from a dismissive one before training against it:
 
     python simulator.py --model smollm2 --personas personas.json --split test --dialogues 3
+
+Write the first messages of profiles that have none (RLVER's training profiles), once, into a new file:
+
+    python simulator.py --write-openings NEW_FILE --personas train_profile.jsonl --model MODEL_OR_URL
 """
 import argparse
 import concurrent.futures
@@ -32,6 +37,7 @@ import os
 import re
 import socket
 import sys
+import tempfile
 import threading
 import time
 import unicodedata
@@ -113,25 +119,79 @@ def _project_persona(path, i, entry):
                    **{k: entry[k] for k in PERSONA_FIELDS})
 
 
-def _sage_persona(path, i, entry):
-    """SAGE profile lines carry free text; they have no split or difficulty: test / normal."""
+# Profiles without openings (RLVER's training profiles): their `first_talk` is written once by
+# `python simulator.py --write-openings NEW_FILE --personas FILE --model ...` (write_openings below).
+OPENINGS_HINT = ("profiles without openings (as RLVER's) need them written once: python simulator.py "
+                 "--write-openings NEW_FILE --personas {path} --model MODEL")
+
+
+def has_opening(entry):
+    return isinstance(entry.get("first_talk"), str) and bool(entry["first_talk"].strip())
+
+
+def _sage_persona(path, i, entry, need_opening=True):
+    """SAGE and RLVER profile lines carry free text and no difficulty (normal). A line may carry a
+    `split`; one without belongs to whichever split the reading script asks for (load_personas).
+    main_cha is a character type in both (负面型, 被动型, ...), cha_group (RLVER) three traits."""
     where = f"line {i + 1}" + (f" (id {entry['id']})" if isinstance(entry, dict) and "id" in entry else "")
     if not isinstance(entry, dict):
         raise PersonaError(f"{path}: {where}: must be a JSON object")
+    if not has_opening(entry):
+        if not need_opening:  # the openings command is about to write it
+            entry = {**entry, "first_talk": ""}
+        elif {"id", "player", "scene"} <= set(entry) and isinstance(entry.get("first_talk", ""), str):
+            state, hint = "empty" if "first_talk" in entry else "missing", OPENINGS_HINT.format(path=path)
+            raise PersonaError(f"{path}: {where}: field 'first_talk' is {state}; {hint}")
     _check(path, where, entry, SAGE_FIELDS)
+    split = entry.get("split")
+    if split is not None and split not in SPLITS:
+        raise PersonaError(f"{path}: {where}: field 'split' must be one of {SPLITS}, got {split!r}")
     scene = entry["scene"]
     scene = scene if isinstance(scene, str) else "\n".join(f"{k}: {v}" for k, v in scene.items())
-    return Persona(
-        id=str(entry["id"]), split="test", difficulty="normal",
-        profile={"name": str(entry.get("main_cha") or "the user"), "description": entry["player"]},
+    profile = {"character": str(entry.get("main_cha") or "-"), "description": entry["player"]}
+    if isinstance(entry.get("cha_group"), list):
+        profile["traits"] = ", ".join(map(str, entry["cha_group"]))
+    persona = Persona(
+        id=str(entry["id"]), split=split, difficulty="normal", profile=profile,
         background=scene, goal=str(entry.get("task") or entry.get("topic") or "to talk it through"),
         hidden_intention="(the hidden theme is part of the background above)",
         opening=entry["first_talk"], reactions={"good": "opens up", "bad": "withdraws"},
         topic=str(entry.get("topic", "")))
+    if persona_language(persona) == "zh":  # the card around a Chinese profile is Chinese: no English in it
+        keys = {"character": "性格类型", "description": "人物画像", "traits": "性格特点"}
+        persona = dataclasses.replace(persona, hidden_intention="（隐藏主题写在上面的背景里）",
+                                      profile={keys[k]: v for k, v in profile.items()},
+                                      reactions={"good": "会敞开心扉。", "bad": "会退缩。"})
+    return persona
+
+
+def read_profile_lines(path):
+    """[(line index, object)] of a JSON-lines profile file; PersonaError (one line) when the file
+    cannot be read or a line is not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise PersonaError(f"{path}: cannot read: {e.strerror}")
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise PersonaError(f"{path}: line {line}: not UTF-8 text "
+                           f"(byte 0x{e.object[e.start]:02x} at offset {e.start})")
+    entries = []
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            entries.append((i, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise PersonaError(f"{path}: line {i + 1}: not valid JSON: {e.msg}")
+    return entries
 
 
 def load_personas(path, split=None):
-    """Read personas.json (a JSON list) or a SAGE profile file (JSON lines); validate every entry.
+    """Read personas.json (a JSON list) or a SAGE / RLVER profile file (JSON lines); validate every
+    entry. split: keep that split; a JSON-lines entry without a split of its own belongs to any
+    split asked for (labelled 'test' when none is). Ids stay the file's own.
     Raises PersonaError with a one-line message naming the file, the entry and the field."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -149,23 +209,16 @@ def load_personas(path, split=None):
         except json.JSONDecodeError as e:
             raise PersonaError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}")
         personas = [_project_persona(path, i, e) for i, e in enumerate(entries)]
-    else:  # SAGE: one JSON object per line
-        personas = []
-        for i, line in enumerate(text.splitlines()):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PersonaError(f"{path}: line {i + 1}: not valid JSON: {e.msg}")
-            personas.append(_sage_persona(path, i, entry))
+    else:  # SAGE / RLVER: one JSON object per line
+        personas = [_sage_persona(path, i, entry) for i, entry in read_profile_lines(path)]
     seen = set()
     for p in personas:
         if p.id in seen:
             raise PersonaError(f"{path}: entry {p.id}: field 'id' is a duplicate")
         seen.add(p.id)
-    if split is not None:
-        personas = [p for p in personas if p.split == split]
+    if split is not None:  # an entry with no split of its own belongs to the split asked for
+        personas = [p for p in personas if p.split in (split, None)]
+    personas = [p if p.split else dataclasses.replace(p, split=split or "test") for p in personas]
     if not personas:
         raise PersonaError(f"{path}: no personas" + (f" in split '{split}'" if split else ""))
     return personas
@@ -538,6 +591,12 @@ def inner_reaction(appraisal):
     return escape_agent(found[-1].strip()[:240]) if found else None
 
 
+USER_RULES = {"en": "\nWrite only your next message: one to three short sentences in your speaking style. "
+                    "Never mention being an AI or playing a role.",
+              "zh": "\n只写你的下一条消息：用你的说话风格写一到三个短句。"
+                    "永远不要提到自己是 AI 或在扮演角色。"}
+
+
 def user_turn_messages(state):
     """The persona speaks as the 'assistant' of this chat; the agent's words arrive as 'user'. Each
     agent message is preceded by a note of the user's mood when it arrived, and stays so in later
@@ -545,11 +604,7 @@ def user_turn_messages(state):
     and, with the reasoned read-out, the appraisal's private reaction, for the user's next message;
     before that (the likelihood read-out) the reply comes last."""
     lang = persona_language(state.persona)
-    rules = {"en": "\nWrite only your next message: one to three short sentences in your speaking style. "
-                   "Never mention being an AI or playing a role.",
-             "zh": "\n只写你的下一条消息：用你的说话风格写一到三个短句。"
-                   "永远不要提到自己是 AI 或在扮演角色。"}[lang]
-    messages = [{"role": "system", "content": persona_card(state.persona) + rules}]
+    messages = [{"role": "system", "content": persona_card(state.persona) + USER_RULES[lang]}]
     moods = [a["emotion"] - a["change"] for a in state.appraisals] + [state.emotion]  # before each agent turn
     k = 0
     for m in state.history:
@@ -1075,6 +1130,20 @@ class Simulator:
                                 f"contrast {contrast:+.3f}", True))
         return out
 
+    def appraise(self, states, replies):
+        """The change each reply would make in its state, with nothing moved or stored: a list of
+        (change, appraisal text, parsed), the change clamped to +-max_change (apply_change then
+        clamps the mood). evaluate.py --agreement appraises recorded replies in recorded states."""
+        if len(states) != len(replies):
+            raise ValueError(f"{len(states)} simulated users but {len(replies)} replies")
+        if not states:
+            return []
+        t0 = time.time()
+        out = [(max(-self.max_change, min(self.max_change, int(change))), text, parsed)
+               for change, text, parsed in self._appraise(states, replies)]
+        self.seconds += time.time() - t0
+        return out
+
     def _user_messages(self, states):
         if self.readout == "rules":
             return [s.persona.band_lines.get(band(s.emotion), GENERIC_LINES[band(s.emotion)]) for s in states]
@@ -1277,6 +1346,152 @@ def make_simulator(args, policy, tokenizer, run, note=""):
     return simulator
 
 # ----------------------------------------------------------------------------------------------
+# Openings for profiles without them: RLVER's training profiles have no first_talk
+# ----------------------------------------------------------------------------------------------
+# RLVER writes each opening with its simulator when it loads a profile; here they are written once,
+# into a new file, so that every run trains from the same first messages. The prompt is the user's
+# own (persona card, the reply rules, a mood note), asking for a first message instead of a reply.
+OPENING_ASK = {
+    "en": "You have just opened a chat with a support chatbot. Write your first message: start on what is "
+          "on your mind, in your own voice, without saying what would really help you.",
+    "zh": "你刚打开和心理支持聊天机器人的对话。写出你的第一条消息：用你自己的口吻，开始说你心里的事，"
+          "但不要说出真正能帮到你的东西。",
+}
+RULES_OPENING = {"en": "There is something on my mind that I would like to talk through.",
+                 "zh": "我心里有件事，想找人聊聊。"}  # the rules user writes no text of its own
+OPENING_TOKENS = 64
+
+
+def opening_messages(persona, emotion=40):
+    """The chat that asks the persona for its first message, in its language."""
+    lang = persona_language(persona)
+    return [{"role": "system", "content": persona_card(persona) + USER_RULES[lang]},
+            {"role": "user", "content": mood_note(emotion, lang) + "\n" + OPENING_ASK[lang]}]
+
+
+def write_openings(backend, personas, emotion=40, batch_size=8, keep=None, progress=True):
+    """({id: opening}, {id: why it has none}) for the personas, asked batch_size at a time.
+    keep(id, text) is called for each opening as its batch finishes (the command line appends it
+    to a file, so that a rerun after a failure does not ask again). A batch the backend fails on is
+    asked again one persona at a time, so that only the personas that fail are named."""
+    openings, failed = {}, {}
+    bar = tqdm(total=len(personas), desc="openings", disable=not progress)
+    for start in range(0, len(personas), batch_size):
+        part = personas[start:start + batch_size]
+        if backend.name == "rules":
+            texts = [RULES_OPENING[persona_language(p)] for p in part]
+        else:
+            try:
+                texts = backend.chat([opening_messages(p, emotion) for p in part], OPENING_TOKENS)
+            except SimulatorError:
+                texts = []
+                for p in part:
+                    try:
+                        texts += backend.chat([opening_messages(p, emotion)], OPENING_TOKENS)
+                    except SimulatorError as e:
+                        texts.append(e)
+        for p, text in zip(part, texts):
+            if isinstance(text, SimulatorError):
+                failed[p.id] = str(text)
+                continue
+            text = clean_user_text(text)
+            if text == "...":  # what clean_user_text leaves of an empty or all-private answer
+                failed[p.id] = "the simulator wrote nothing usable"
+                continue
+            openings[p.id] = text
+            if keep:
+                keep(p.id, text)
+        bar.update(len(part))
+    bar.close()
+    return openings, failed
+
+
+def openings_command(args):
+    """python simulator.py --write-openings OUT --personas FILE --model ...: FILE's lines with
+    first_talk filled (lines that have one keep it), everything else unchanged, written to OUT at
+    once (a temporary file renamed), never half. Finished openings are kept in OUT.partial until
+    then, and a rerun with the same settings asks only for the rest. Bad input: one line, exit 2."""
+    source, out = args.personas, args.write_openings
+    if os.path.exists(out):
+        fail(f"--write-openings {out}: the file exists; give a new file (the profiles are never overwritten)")
+    try:
+        with open(source, encoding="utf-8") as f:
+            is_list = f.read(4096).lstrip().startswith("[")
+    except (OSError, UnicodeDecodeError):
+        is_list = False  # read_profile_lines says what is wrong
+    if is_list:
+        fail(f"{source}: a JSON list (personas.json has its openings); --write-openings takes JSON-lines "
+             f"profiles (SAGE, RLVER)")
+    try:
+        lines = read_profile_lines(source)
+        personas = [_sage_persona(source, i, entry, need_opening=False) for i, entry in lines]
+    except PersonaError as e:
+        fail(e)
+    ids = [p.id for p in personas]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        fail(f"{source}: entry {dup}: field 'id' is a duplicate")
+    if not personas:
+        fail(f"{source}: no profiles")
+    settings = {"personas": os.path.abspath(source), "model": redact(args.model), "api_model": args.api_model,
+                "start_emotion": args.start_emotion}
+    partial = out + ".partial"
+    kept = {}
+    if os.path.exists(partial):
+        with open(partial, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash: ask for that one again
+                    continue
+                if isinstance(row, dict) and row.get("settings") == settings:
+                    kept[row["id"]] = row["first_talk"]
+    todo = [p for p, (_, entry) in zip(personas, lines) if not has_opening(entry) and p.id not in kept]
+    print(f"{len(personas)} profiles in {source}: {len(personas) - len(todo) - len(kept)} have openings, "
+          f"{len(kept)} written before (in {partial}), {len(todo)} to write with {redact(args.model)}",
+          file=sys.stderr)
+
+    def keep(persona_id, text):
+        with open(partial, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"settings": settings, "id": persona_id, "first_talk": text},
+                               ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    failed = {}
+    if todo:
+        backend = make_backend(args.model, api_model=args.api_model, api_key_env=args.api_key_env,
+                               api_timeout=args.api_timeout, api_retries=args.api_retries,
+                               api_concurrency=args.api_concurrency)
+        written, failed = write_openings(backend, todo, args.start_emotion, keep=keep)
+        kept.update(written)
+    if failed:
+        line_of = {p.id: i for p, (i, _) in zip(personas, lines)}
+        for persona_id, why in failed.items():
+            tqdm.write(f"error: {source}: line {line_of[persona_id] + 1} (id {persona_id}): field "
+                       f"'first_talk' could not be written: {why}", file=sys.stderr)
+        fail(f"{len(failed)} of {len(personas)} openings not written; {out} not written; the {len(kept)} "
+             f"written are kept in {partial}, and the same command again asks only for the rest")
+    folder = os.path.dirname(os.path.abspath(out))
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=folder, prefix=".openings-",
+                                     delete=False) as f:
+        try:
+            for p, (_, entry) in zip(personas, lines):
+                if not has_opening(entry):
+                    entry = {**entry, "first_talk": kept[p.id]}
+                f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:  # a full disk or Ctrl-C: no temporary file left behind
+            os.remove(f.name)
+            raise
+    os.replace(f.name, out)  # atomic: OUT is whole or absent
+    if os.path.exists(partial):
+        os.remove(partial)
+    print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
 # A runnable check: a scripted agent against the simulator
 # ----------------------------------------------------------------------------------------------
 SCRIPTED_AGENT = {
@@ -1358,6 +1573,9 @@ def main(argv=None):
     ap.add_argument("--api-retries", type=int, default=4, help="tries after the first one that failed")
     ap.add_argument("--api-concurrency", type=int, default=8, help="requests in flight at once")
     ap.add_argument("--out", help="write transcripts as JSON lines here")
+    ap.add_argument("--write-openings", metavar="NEW_FILE",
+                    help="write the missing first_talk of a JSON-lines profile file (--personas; RLVER's "
+                         "training profiles have none) with --model, into NEW_FILE, and stop")
     args = ap.parse_args(argv)
     check_rules(vars(args), {
         "model": lambda v: "no policy here to share: use rules, a model or a URL" if v == "same"
@@ -1368,6 +1586,8 @@ def main(argv=None):
     problem = readout_problem(args.readout, simulator_kind(args.model))
     if problem:
         fail(f"--readout {args.readout} with --model {redact(args.model)}: {problem}")
+    if args.write_openings:
+        return openings_command(args)
 
     personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split)
     if args.dialogues:

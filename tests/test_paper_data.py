@@ -1,0 +1,427 @@
+"""The paper's own data formats (issue 24), with files written for these tests:
+
+  tests/data/rlver_sample.jsonl          RLVER-format training profiles, no first_talk (one Chinese)
+  tests/data/sage_sample.jsonl           SAGE-format profiles with first_talk (sage-004 is Chinese)
+  tests/data/sage_results/*_result.jsonl SAGE-format recorded dialogues of three invented "models"
+
+Openings for profiles without them (simulator.py --write-openings), profile files without split
+fields, and the simulator-agreement check (evaluate.py --agreement), whose numbers are asserted
+against hand computations with a fake OpenAI-compatible server that answers known changes.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import evaluate
+import ppo
+import simulator
+from conftest import ROOT, read_metrics, reply
+
+DATA = os.path.join(ROOT, "tests", "data")
+RLVER = os.path.join(DATA, "rlver_sample.jsonl")
+SAGE = os.path.join(DATA, "sage_sample.jsonl")
+RESULTS = [os.path.join(DATA, "sage_results", f"{name}_result.jsonl") for name in ("warm", "cold", "mixed")]
+
+
+def read_lines(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run(script, *args, timeout=600):
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def chat_completion(text):
+    return json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+
+
+# ----------------------------------------------------------------------------------------------
+# Profile files: no openings, no split fields
+# ----------------------------------------------------------------------------------------------
+def test_profiles_without_openings_name_the_command(tmp_path):
+    with pytest.raises(simulator.PersonaError) as info:
+        simulator.load_personas(RLVER)
+    message = str(info.value)
+    assert message.startswith(f"{RLVER}: line 1 (id rl-001): field 'first_talk' is missing")
+    assert "python simulator.py --write-openings NEW_FILE --personas " + RLVER in message
+    assert "\n" not in message
+
+
+def test_profiles_without_split_fields_belong_to_the_split_asked_for(tmp_path):
+    lines = read_lines(SAGE)
+    lines[1]["split"] = "test"  # one entry says where it belongs; the others do not
+    path = tmp_path / "profiles.jsonl"
+    path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
+    train = simulator.load_personas(str(path), "train")
+    test = simulator.load_personas(str(path), "test")
+    assert [p.id for p in train] == ["sage-001", "sage-003", "sage-004"]  # the file's own ids
+    assert [p.id for p in test] == ["sage-001", "sage-002", "sage-003", "sage-004"]
+    assert {p.split for p in train} == {"train"} and {p.split for p in test} == {"test"}
+    lines[1]["split"] = "dev"
+    path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
+    with pytest.raises(simulator.PersonaError, match=r"line 2 \(id sage-002\): field 'split' must be one of"):
+        simulator.load_personas(str(path))
+
+
+def test_rlver_fields_reach_the_card_in_the_personas_language(tmp_path):
+    entries = [{**e, "first_talk": "hi"} for e in read_lines(RLVER)]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in entries), encoding="utf-8")
+    owen, _, han = simulator.load_personas(str(path))
+    assert owen.profile == {"character": "passive", "description": entries[0]["player"],
+                            "traits": "dry, proud, tired"}
+    card = simulator.persona_card(han)
+    assert simulator.persona_language(han) == "zh"
+    assert "回避型" in card and "温和, 敏感, 固执" in card
+    assert not re.search(r"[A-Za-z]{3,}", card), card  # no English words around a Chinese profile
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing the openings
+# ----------------------------------------------------------------------------------------------
+def test_write_openings_with_a_server_names_failures_keeps_the_rest_and_never_writes_half(tmp_path, server):
+    asked = []
+
+    def handle(handler, n, body):
+        system, ask = body["messages"][0]["content"], body["messages"][1]["content"]
+        asked.append((system, ask))
+        if "Leila" in system and not ok_now:
+            reply(handler, 400, b"{}")  # a client error: not retried
+        elif "韩小北" in system:
+            reply(handler, 200, chat_completion("【我的心情不好】唉……有件事一直堵在心里。\n\n机器人：你好"))
+        else:
+            reply(handler, 200, chat_completion("[note] Long week, honestly. Can I just talk for a minute?"))
+    ok_now = False
+    srv = server(handle)
+    out = tmp_path / "with_openings.jsonl"
+    done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", srv.url)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors[0] == (f"error: {RLVER}: line 2 (id rl-002): field 'first_talk' could not be written: "
+                         f"simulator server {srv.url}/chat/completions: HTTP 400 after 1 tries")
+    assert "1 of 3 openings not written" in errors[1] and len(errors) == 2
+    assert not out.exists()  # never half-written
+    kept = read_lines(str(out) + ".partial")
+    assert [k["id"] for k in kept] == ["rl-001", "rl-003"]
+    # the user's own prompt family, in the persona's language
+    personas = [simulator._sage_persona(RLVER, i, e, need_opening=False) for i, e in
+                simulator.read_profile_lines(RLVER)]
+    zh = [a for a in asked if "韩小北" in a[0]][0]
+    assert list(zh) == [m["content"] for m in simulator.opening_messages(personas[2], 40)]
+    assert simulator.USER_RULES["zh"] in zh[0] and "你的心情：40/100" in zh[1]
+    # a rerun asks only for the one that failed
+    ok_now, before = True, len(asked)
+    done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", srv.url)
+    assert done.returncode == 0, done.stderr
+    assert [a[0] for a in asked[before:]] == [simulator.opening_messages(personas[1])[0]["content"]]
+    written, source = read_lines(out), read_lines(RLVER)
+    english = "Long week, honestly. Can I just talk for a minute?"  # cleaned as the user's turns are
+    assert [w["first_talk"] for w in written] == [english, english, "唉……有件事一直堵在心里。"]
+    assert [{k: v for k, v in w.items() if k != "first_talk"} for w in written] == source  # the rest as is
+    assert not os.path.exists(str(out) + ".partial")
+    again = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", "rules")
+    assert again.returncode == 2 and "the file exists" in again.stderr  # nothing is overwritten
+
+
+def test_write_openings_keeps_existing_ones_and_rules_write_fixed_lines(tmp_path):
+    entries = read_lines(RLVER)
+    entries[0]["first_talk"] = "Long shift. Can we talk?"
+    src = tmp_path / "some.jsonl"
+    src.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in entries), encoding="utf-8")
+    out = tmp_path / "all.jsonl"
+    done = run("simulator.py", "--write-openings", out, "--personas", src, "--model", "rules")
+    assert done.returncode == 0, done.stderr
+    en, zh = simulator.RULES_OPENING["en"], simulator.RULES_OPENING["zh"]
+    assert [e["first_talk"] for e in read_lines(out)] == ["Long shift. Can we talk?", en, zh]
+
+
+# The done-when of issue 24: an RLVER-format file without openings, through the openings command
+# with a real model, loads in ppo.py --preset cpu and trains one iteration. The tiny random model
+# stands in for the embedded one here (the same code path; docs/evaluate.md has the smollm2 run).
+def test_rlver_profiles_get_openings_then_train_one_ppo_iteration(tiny_model_dir, tmp_path, monkeypatch,
+                                                                   capsys):
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before the profile file was checked")
+    monkeypatch.setattr(ppo, "load_policy", no_model)
+    args = ["--preset", "cpu", "--model", tiny_model_dir, "--simulator", "rules", "--split", "train",
+            "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--micro-batch-size", "1",
+            "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "1024", "--lora-r", "4",
+            "--lora-alpha", "8", "--iterations", "1"]
+    with pytest.raises(SystemExit) as stop:
+        ppo.main([*args, "--personas", RLVER, "--out", str(tmp_path / "refused")])
+    assert stop.value.code == 2
+    assert "--write-openings NEW_FILE --personas " + RLVER in capsys.readouterr().err
+    monkeypatch.undo()
+
+    out = tmp_path / "rlver_with_openings.jsonl"
+    done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", tiny_model_dir)
+    assert done.returncode == 0, done.stderr
+    written = read_lines(out)
+    assert all(w["first_talk"].strip() and w["first_talk"] != "..." for w in written)
+    assert [w["id"] for w in written] == ["rl-001", "rl-002", "rl-003"]
+    ppo.main([*args, "--personas", str(out), "--out", str(tmp_path / "run")])
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["iteration"] for m in metrics] == [1] and np.isfinite(metrics[0]["reward_mean"])
+
+
+def test_evaluate_refuses_profiles_without_openings_before_a_model_loads(monkeypatch, capsys):
+    monkeypatch.setattr(evaluate, "load_models", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["--personas", RLVER, "--simulator", "rules"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and "--write-openings" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# SAGE's protocol and the statistics of the agreement check
+# ----------------------------------------------------------------------------------------------
+def test_sage_outcomes_are_counted_from_the_final_emotion():
+    assert [evaluate.sage_outcome(e) for e in (100, 99, 10, 9.5, 0)] == ["success", None, None, "failure",
+                                                                         "failure"]
+    assert evaluate.sage_counts([100, 4, 10, 9, 55, 100]) == (2, 2)
+
+
+def test_evaluate_judges_as_many_replies_as_sage_does():
+    # SAGE's loop writes 10 agent replies and appraises 9: the 10th is never judged
+    defaults = evaluate.parse_args([])
+    assert defaults.max_turns == evaluate.SAGE_JUDGED_REPLIES == 9
+    assert (defaults.start_emotion, defaults.max_change) == (evaluate.SAGE_START, 10) == (40, 10)
+    sim = simulator.Simulator(simulator.RulesBackend())
+    assert sim.leave_below == evaluate.SAGE_LEAVE_BELOW == 10
+
+
+def test_average_ranks_share_ties():
+    assert evaluate.average_ranks([10, 20, 20, 30]).tolist() == [1, 2.5, 2.5, 4]
+    assert evaluate.average_ranks([3, 1, 3, 3]).tolist() == [3, 1, 3, 3]
+
+
+def test_pearson_spearman_kendall_by_hand():
+    x, y = [1, 2, 3, 4], [2, 4, 5, 4]
+    # deviations (-1.5, -0.5, 0.5, 1.5) and (-1.75, 0.25, 1.25, 0.25): 3.5 / sqrt(5 * 4.75)
+    assert evaluate.pearson(x, y) == pytest.approx(3.5 / np.sqrt(5 * 4.75), abs=1e-12)
+    # ranks of y: (1, 2.5, 4, 2.5), deviations (-1.5, 0, 1.5, 0): 3 / sqrt(5 * 4.5)
+    assert evaluate.spearman(x, y) == pytest.approx(3 / np.sqrt(5 * 4.5), abs=1e-12)
+    # pairs of (1,2,3,4) vs (1,3,2,2): 3 concordant, 2 discordant, 1 tied in y: 1 / sqrt(6 * 5)
+    assert evaluate.kendall_tau_b([1, 2, 3, 4], [1, 3, 2, 2]) == pytest.approx(1 / np.sqrt(30), abs=1e-12)
+    assert evaluate.kendall_tau_b([1, 2, 3], [3, 2, 1]) == -1.0
+    assert np.isnan(evaluate.pearson([1, 2, 3], [5, 5, 5]))
+    assert np.isnan(evaluate.kendall_tau_b([1, 1], [1, 2]))
+    assert evaluate.direction_agreement([3, 0, -2, 1], [1, 0, 2, 0]) == 0.5
+    assert evaluate.mean_absolute_error([3, 0, -2], [1, 0, 2]) == 2.0
+
+
+def test_the_interval_resamples_dialogues_not_replies():
+    # dialogue A: three replies with error 0; dialogue B: one reply with error 4. Resampling the two
+    # dialogues gives a pooled MAE of 0 (A, A), 1 (A, B) or 4 (B, B; probability 1/4), so the 97.5%
+    # quantile is 4. Resampling the 4 replies would give 4 only with probability (1/4)^4 < 2.5%.
+    groups = [np.array([[1, 1], [2, 2], [3, 3]]), np.array([[0, 4]])]
+    mae = lambda r: evaluate.mean_absolute_error(r[:, 0], r[:, 1])  # noqa: E731
+    assert evaluate.dialogue_bootstrap(groups, mae, n_boot=2000, seed=0) == (0.0, 4.0)
+    assert evaluate.dialogue_bootstrap([groups[1], groups[1]], mae) == (4.0, 4.0)
+
+
+def test_simulated_final_clamps_as_the_simulator_does():
+    assert evaluate.simulated_final(95, [8, 15, -30]) == 90  # 100 (ceiling), 100, 90 (-30 -> -10)
+    assert evaluate.simulated_final(40, [-10] * 5) == 0
+    assert evaluate.simulated_final(40, [7, 7], max_change=5) == 50
+
+
+def test_recorded_state_sees_the_recorded_moods():
+    dialogue = evaluate.read_sage_dialogues(RESULTS[1])[1]  # sage-003: 40 -> 35 -> 35 -> 28
+    assert evaluate.judged_replies(dialogue) == [(1, 40, 35), (3, 35, 35), (5, 35, 28)]
+    persona = {p.id: p for p in simulator.load_personas(SAGE)}["sage-003"]
+    state = evaluate.recorded_state(persona, dialogue, 5)
+    assert (state.emotion, state.turns, len(state.history)) == (35, 2, 5)
+    assert [(a["change"], a["emotion"]) for a in state.appraisals] == [(-5, 35), (0, 35)]
+    newest = {"role": "agent", "text": dialogue["history"][5]["text"]}
+    probe = simulator.UserState(persona=persona, emotion=state.emotion, appraisals=state.appraisals,
+                                history=state.history + [newest])
+    messages = simulator.user_turn_messages(probe)
+    notes = re.findall(r"Your mood: (\d+)", "\n".join(m["content"] for m in messages))
+    assert notes == ["40", "35", "35"]  # the mood before each of the three agent replies
+    # the last reply of the warm sage-001 dialogue has no user message after it: never judged
+    warm = evaluate.read_sage_dialogues(RESULTS[0])[0]
+    assert [k for k, _, _ in evaluate.judged_replies(warm)] == [1, 3] and len(warm["history"]) == 6
+
+
+# ----------------------------------------------------------------------------------------------
+# The agreement check end to end: a fake server with known changes, hand-computed numbers
+# ----------------------------------------------------------------------------------------------
+# The simulator's change for each recorded agent reply, dialogue by dialogue, and what SAGE recorded:
+#   warm  sage-001 (40 45 52)              recorded +5 +7      simulated +3 +3     final 52 | 46
+#   warm  sage-004 (40 40 48, Chinese)     recorded  0 +8      simulated +2 +4     final 48 | 46
+#   cold  sage-002 (40 30 25)              recorded -10 -5     simulated -4  0     final 25 | 36
+#   cold  sage-003 (40 35 35 28)           recorded -5 0 -7    simulated -2 +1 -3  final 28 | 36
+#   mixed sage-001 (40 50 ... 100)         recorded +10 x 6    simulated +2 x 6    final 100 | 52
+#   mixed sage-002 (40 30 20 10 4)         recorded -10 -10 -10 -6, simulated -6 -2 -10 -10 (its move
+#                                          from 10 is -10), final 4 | 40-6-2-10-10 = 12
+SIMULATED = [[3, 3], [2, 4], [-4, 0], [-2, 1, -3], [2] * 6, [-6, -2, -10, -10]]
+
+
+def known_changes():
+    """{the reply as the appraisal prompt quotes it: its change}."""
+    changes = {}
+    for path, dialogue_changes in zip(RESULTS, [SIMULATED[0:2], SIMULATED[2:4], SIMULATED[4:6]]):
+        for dialogue, simulated in zip(evaluate.read_sage_dialogues(path), dialogue_changes):
+            for (k, _, _), change in zip(evaluate.judged_replies(dialogue), simulated):
+                changes[simulator.escape_agent(dialogue["history"][k]["text"])] = change
+    assert len(changes) == 19
+    return changes
+
+
+def appraising_server(server, fail_on=None):
+    changes, asked = known_changes(), []
+
+    def handle(handler, n, body):
+        ask = body["messages"][-1]["content"]
+        marker = next(m for m in simulator.NEWEST.values() if m in ask)
+        newest = json.loads(ask.split(marker + "\n", 1)[1].split("\n", 1)[0])
+        asked.append(newest)
+        if fail_on and fail_on[0] in newest:
+            reply(handler, 400, b"{}")
+            return
+        system = body["messages"][0]["content"]
+        sign = -1 if "observer" in system or "观察者" in system else 1  # the held-out judge disagrees
+        appraisal = f"Got right: -\nMissed: -\nInner reaction: -\nChange: {sign * changes[newest]:+d}"
+        reply(handler, 200, chat_completion(appraisal))
+    return server(handle), asked
+
+
+def agreement(out, simulator_arg, *extra):
+    return evaluate.main(["--agreement", *RESULTS, "--personas", SAGE, "--simulator", simulator_arg,
+                          "--bootstrap", "300", "--out", str(out), *extra])
+
+
+def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server):
+    srv, asked = appraising_server(server)
+    results = agreement(tmp_path, srv.url, "--readout", "reasoned")
+    assert len(asked) == 19  # one appraisal per judged reply, none for SAGE's unjudged last reply
+    r = results["replies"]
+    assert (r["n"], r["dialogues"], r["fallbacks"]) == (19, 6, 0)
+    # recorded r and simulated s, 19 pairs: sum r = 17, sum s = -12, sum r^2 = 1273, sum s^2 = 332,
+    # sum rs = 499, so Pearson = (19*499 - 17*(-12)) / sqrt((19*1273 - 17^2) (19*332 - 12^2))
+    assert r["pearson"]["value"] == pytest.approx(9685 / np.sqrt(23898 * 6164), abs=1e-12)
+    # average ranks, by hand: recorded -10 x4 -> 2.5, -7 -> 5, -6 -> 6, -5 x2 -> 7.5, 0 x2 -> 9.5,
+    # 5 -> 11, 7 -> 12, 8 -> 13, 10 x6 -> 16.5; simulated -10 x2 -> 1.5, -6 -> 3, -4 -> 4, -3 -> 5,
+    # -2 x2 -> 6.5, 0 -> 8, 1 -> 9, 2 x7 -> 13, 3 x2 -> 17.5, 4 -> 19
+    rank_r = [11, 12, 9.5, 13, 2.5, 7.5, 7.5, 9.5, 5] + [16.5] * 6 + [2.5, 2.5, 2.5, 6]
+    rank_s = [17.5, 17.5, 13, 19, 4, 8, 6.5, 9, 5] + [13] * 6 + [3, 6.5, 1.5, 1.5]
+    n, sx, sy = 19, sum(rank_r), sum(rank_s)
+    sxx, syy, sxy = (sum(a * a for a in rank_r), sum(b * b for b in rank_s),
+                     sum(a * b for a, b in zip(rank_r, rank_s)))
+    rho = (n * sxy - sx * sy) / np.sqrt((n * sxx - sx ** 2) * (n * syy - sy ** 2))
+    assert r["spearman"]["value"] == pytest.approx(rho, abs=1e-12)
+    # same direction: 2 + 1 + 1 + 2 + 6 + 4 of 19 (0 vs +2, -5 vs 0 and 0 vs +1 differ)
+    assert r["direction_agreement"]["value"] == 16 / 19
+    assert r["mae"]["value"] == (6 + 6 + 11 + 8 + 48 + 16) / 19  # = 5
+    # baselines: 9 of the 19 recorded changes go up (8 down, 2 flat); their sizes add up to 143
+    assert r["direction_baseline"] == 9 / 19 and r["mae_of_no_change"] == 143 / 19
+    assert r["directions"]["flat->up"] == 2 and r["directions"]["down->flat"] == 1
+    for name in ("spearman", "pearson", "direction_agreement", "mae"):
+        assert r[name]["low"] <= r[name]["value"] <= r[name]["high"]
+    f = results["final"]
+    assert f["mae"]["value"] == (6 + 2 + 11 + 8 + 48 + 8) / 6
+    assert f["simulated_minus_recorded"]["mean"] == pytest.approx((-6 - 2 + 11 + 8 - 48 + 8) / 6, abs=1e-12)
+    files = {m["label"]: m for m in results["files"]}
+    scores = [(m["recorded_score"], m["simulated_score"]) for m in files.values()]
+    assert scores == [(50, 46), (26.5, 36), (52, 32)]
+    assert files["mixed"]["recorded_successes_failures"] == (1, 1)
+    assert files["mixed"]["simulated_successes_failures"] == (0, 0)
+    # models: recorded mixed 52 > warm 50 > cold 26.5; simulated warm 46 > cold 36 > mixed 32:
+    # (warm, cold) concordant, (warm, mixed) and (cold, mixed) discordant: (1 - 2) / 3
+    assert results["models"]["kendall_tau_b"]["value"] == pytest.approx(-1 / 3, abs=1e-12)
+    assert results["models"]["recorded_order"] == ["mixed", "warm", "cold"]
+    assert results["models"]["simulated_order"] == ["warm", "cold", "mixed"]
+    for name in ("results.json", "results.md", "agreement.png", "appraisals.jsonl"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "Kendall's tau-b: -0.33" in (tmp_path / "results.md").read_text()
+
+    # a rerun with the same settings asks for nothing and gives the same numbers
+    again = agreement(tmp_path, srv.url, "--readout", "reasoned")
+    assert len(asked) == 19 and again["replies"] == results["replies"]
+    # other settings (the held-out judge, which the server answers with the opposite change): asked
+    # again, kept apart, never mixed with the first run's appraisals
+    other = agreement(tmp_path, srv.url, "--readout", "reasoned", "--judge", "heldout")
+    assert len(asked) == 38 and len(read_lines(tmp_path / "appraisals.jsonl")) == 12
+    assert other["replies"]["pearson"]["value"] == pytest.approx(-r["pearson"]["value"], abs=1e-12)
+    # |r + s| per reply; sage-002's last reply moves +10 from 10 (no floor in the way)
+    errors = [8, 10, 2, 12, 14, 5, 7, 1, 10] + [12] * 6 + [16, 12, 20, 16]  # sage-004's are 2 and 12
+    assert other["replies"]["mae"]["value"] == sum(errors) / 19
+
+
+def test_an_interrupted_agreement_run_keeps_what_it_finished(tmp_path, server, capsys):
+    first_cold = evaluate.read_sage_dialogues(RESULTS[1])[0]["history"][1]["text"]
+    failing = [first_cold]
+    srv, asked = appraising_server(server, fail_on=failing)
+    with pytest.raises(SystemExit) as stop:
+        agreement(tmp_path, srv.url, "--batch-dialogues", "1")
+    assert stop.value.code == 2 and "the same command continues from them" in capsys.readouterr().err
+    assert [row["id"] for row in read_lines(tmp_path / "appraisals.jsonl")] == ["sage-001", "sage-004"]
+    failing.clear()
+    before = len(asked)
+    results = agreement(tmp_path, srv.url, "--batch-dialogues", "1")
+    assert len(asked) - before == 19 - 4  # the two finished dialogues (4 replies) were not asked again
+    assert results["replies"]["n"] == 19 and results["replies"]["mae"]["value"] == 5.0
+
+
+def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
+    done = run("evaluate.py", "--agreement", *RESULTS, "--personas", SAGE, "--simulator", "rules",
+               "--bootstrap", "200", "--limit", "1", "--out", tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "agreement: dialogues: 100%" in done.stderr  # the progress bar
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["settings"]["readout"] == "rules"
+    assert results["replies"]["dialogues"] == 3  # --limit 1: one per file
+    rows = read_lines(tmp_path / "appraisals.jsonl")
+    personas = {p.id: p for p in simulator.load_personas(SAGE)}
+    for path, row in zip(RESULTS, rows):
+        dialogue = evaluate.read_sage_dialogues(path)[0]
+        assert row["id"] == dialogue["id"]
+        # the rules user's own verdict on each reply in a state built by hand from the record
+        expected = []
+        for k, before, _ in evaluate.judged_replies(dialogue):
+            state = simulator.UserState(persona=personas[dialogue["id"]], emotion=before,
+                                        history=dialogue["history"][:k])
+            change, _ = simulator.rules_appraisal(state, dialogue["history"][k]["text"])
+            expected.append(max(-10, min(10, change)))
+        assert row["changes"] == expected
+    assert (tmp_path / "agreement.png").stat().st_size > 0
+    assert "| warm | 1 |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("broken,message", [
+    (lambda lines: [{**lines[0], "id": "nobody"}] + lines[1:],
+     "line 1: field 'id' 'nobody' has no persona in"),
+    (lambda lines: [{**lines[0], "history": [{k: v for k, v in m.items() if k != "emotion-point"}
+                                             for m in lines[0]["history"]]}] + lines[1:],
+     "line 1 (id sage-001): field 'history[0].emotion-point' is missing"),
+    (lambda lines: lines[:1] + ["{not json"], "line 2: not valid JSON"),
+    (lambda lines: [{**lines[0], "emo_point": "high"}],
+     "line 1 (id sage-001): field 'emo_point' must be a number"),
+])
+def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, monkeypatch, capsys, broken,
+                                                      message):
+    monkeypatch.setattr(simulator, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    lines = broken(read_lines(RESULTS[0]))
+    path = tmp_path / "bad_result.jsonl"
+    text = [x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in lines]
+    path.write_text("".join(line + "\n" for line in text), encoding="utf-8")
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["--agreement", str(path), "--personas", SAGE, "--simulator", "same",
+                       "--model", tiny_model_dir, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {path}: ") and message in err, err
+
+
+def test_agreement_help_lists_its_own_settings():
+    done = run("evaluate.py", "--help", timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage:")
+    assert "--limit" in done.stdout and "--batch-dialogues" in done.stdout.replace("_", "-")

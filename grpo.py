@@ -1,12 +1,11 @@
 """GRPO for RLVER: group-relative advantages over the same multi-turn rollouts, no critic.
 
-Each iteration takes --personas-per-iteration personas and plays --group-size dialogues with each,
-all from the persona's fixed opening (rollout.py). A dialogue's reward is its final emotion / 100;
-its advantage is the reward minus the mean of its group, divided by the group's std (Shao et al.
-2024, DeepSeekMath, arXiv 2402.03300), broadcast over every token the agent sampled in it. Then
-clipped policy-gradient steps on the LoRA adapter. No value model: the group mean is the baseline.
-One copy of the weights serves three roles: the policy (adapter 'default'), the reference policy
-(adapter disabled) and, with --simulator same, the simulated user (adapter disabled too).
+Each iteration plays --group-size dialogues with each of --personas-per-iteration personas, all from
+the persona's opening (rollout.py). A dialogue's advantage is its reward (final emotion / 100) minus
+its group's mean, over the group's std (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300), on every
+token the agent sampled in it; then clipped policy-gradient steps on the LoRA adapter. No value
+model: the group mean is the baseline. One copy of the weights serves three roles: the policy
+(adapter 'default'), the reference (adapter disabled) and, with --simulator same, the user.
 
 This is ppo.py with the critic taken out and the group advantage put in, in the same order,
 so `diff ppo.py grpo.py` shows the methods' differences. In the loop every `run.` call is plumbing
@@ -37,8 +36,7 @@ class GRPOSettings:
     group = "GRPO"
     personas_per_iteration: int = setting(8, "personas (groups) per iteration, over all processes (RLVER: 32 "
                                              "dialogues = 8 x 4)", at_least(1))
-    group_size: int = setting(4, "dialogues per persona, all from its opening (RLVER: 4); at least 2",
-                              at_least(2))
+    group_size: int = setting(4, "dialogues per persona, all from its opening (RLVER: 4)", at_least(2))
     greedy: bool = setting(False, "decode greedily: reproducible dialogues for tests and debugging, not for "
                                   "training (GRPO: a group's dialogues would be identical)")
     # rewards
@@ -49,8 +47,7 @@ class GRPOSettings:
     # advantages
     scale_rewards: str = setting("group", "group: (r - group mean) / group std | batch: / batch std | none: "
                                           "r - group mean (Dr. GRPO)", one_of("group", "batch", "none"))
-    drop_zero_spread: bool = setting(False, "leave groups whose rewards are all equal out of the loss "
-                                            "(default: keep, they weigh zero)")
+    drop_zero_spread: bool = setting(False, "leave groups of equal rewards out of the loss (else: weight 0)")
     # the update
     update_epochs: int = setting(1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
     minibatch_size: int = setting(32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
@@ -236,9 +233,7 @@ def main(argv=None):
     # --- the model: policy adapter on a frozen base; no critic --------------------------------
     model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
     params, optimizer, scheduler = policy_and_optimizer(args, model)
-    simulator = make_simulator(args, model, tokenizer, run,
-                               f"; {args.personas_per_iteration} personas x {args.group_size} dialogues")
-    token_budget = args.max_turns * args.max_new_tokens  # Dr. GRPO's constant: the most a dialogue holds
+    simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler)
     for iteration in range(first_iteration, args.iterations):
         t_start = time.time()
@@ -256,7 +251,7 @@ def main(argv=None):
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
         # only passes whose result is not known yet; --drop-zero-spread trims the update's mask
-        old_from_update, need_ref = passes_to_run(args, iteration, len(records) * run.world,
+        old_from_update, need_ref = passes_to_run(args, iteration, len(records) * run.world, model,
                                                   old_first=args.drop_zero_spread)
         old_logprobs = torch.zeros_like(mask) if old_from_update else \
             batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)
@@ -296,10 +291,12 @@ def main(argv=None):
                 optimizer.zero_grad(set_to_none=True)
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
+                    if not mask[idx].any():  # only dropped dialogues: no term of the loss, nothing to run
+                        continue
                     w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
                     ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
                     agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
-                                  total_seqs=total_seqs, token_budget=token_budget)  # its share of the loss
+                                  total_seqs=total_seqs, token_budget=args.max_turns * args.max_new_tokens)
                     newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
                                                          with_entropy=True, entropy_grad=args.ent_coef > 0)
                     if old_from_update:

@@ -26,7 +26,7 @@ import torch
 from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_params, append_means,
                      batched_logprobs, length_sorted, load_policy, pad_records, passes_to_run,
                      pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
-                     training_personas, use_adapter)
+                     target_names, training_personas, use_adapter)
 from run import (OutputSettings, Run, RunSettings, TrackerSettings, above, at_least, fail, one_of,
                  parse_settings, setting, within)
 from simulator import SimulatorError, SimulatorSettings, make_simulator
@@ -293,7 +293,7 @@ def actor_and_critic(args, model, device):
 
     model.add_adapter("critic", LoraConfig(
         r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        target_modules=args.target_modules.split(","), task_type="CAUSAL_LM"))
+        target_modules=target_names(args.target_modules), task_type="CAUSAL_LM"))
     use_adapter(model, "default")
     hidden_size = model.get_base_model().config.get_text_config().hidden_size
     value_head = torch.nn.Linear(hidden_size, 1).to(device)
@@ -343,7 +343,7 @@ def main(argv=None):
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
         # only passes whose result is not known yet; --kl-coef reads old log-probs before the update
-        old_from_update, need_ref = passes_to_run(args, iteration, len(records) * run.world,
+        old_from_update, need_ref = passes_to_run(args, iteration, len(records) * run.world, model,
                                                   old_first=args.kl_coef > 0)
         old_logprobs = torch.zeros_like(mask) if old_from_update else \
             batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)

@@ -19,15 +19,16 @@ import random
 import re
 import sys
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
-from run import (OutputSettings, above, at_least, default_device, fail, load_model, load_tokenizer,
-                 model_problem, one_of, parse_settings, set_seed, setting, summarize, transcript_record,
-                 within, write_atomically)
+from run import (OutputSettings, above, at_least, default_device, fail, four_bit_problem, load_model,
+                 load_tokenizer, model_problem, one_of, parse_settings, random_streams_kept, resolve_model,
+                 set_seed, setting, summarize, transcript_record, within, write_atomically)
 from simulator import (SimulatorError, SimulatorSettings, build_simulator, cache_keyword, cached_batch,
                        keep_cache, load_personas_or_exit, prompt_counts, transcript_turns)
 
@@ -105,8 +106,8 @@ class PolicySettings:
 
     @staticmethod
     def check(args):
-        if args.load_in_4bit and not torch.cuda.is_available():
-            fail("--load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU")
+        if args.load_in_4bit and four_bit_problem():
+            fail(f"--load-in-4bit {four_bit_problem()}")
 
 
 @dataclass
@@ -149,7 +150,7 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
         model = PeftModel.from_pretrained(base, adapter, is_trainable=trainable)
     else:
         config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                            target_modules=[t.strip() for t in target_modules.split(",")],
+                            target_modules=target_names(target_modules),
                             task_type="CAUSAL_LM")
         model = get_peft_model(base, config)
     return model, tokenizer
@@ -237,6 +238,9 @@ class SampledLogprobs:
         return out
 
 
+KEPT_BUFFERS = weakref.WeakKeyDictionary()  # model -> MergedAdapter's buffers, with --static-cache
+
+
 class MergedAdapter:
     """The policy's active LoRA adapter folded into a copy of every adapted weight, W + s B A, to
     sample from: a decode step then runs one matmul per projection instead of three (about 20%
@@ -248,7 +252,15 @@ class MergedAdapter:
     The trainers recompute every log-prob they train on with the adapter itself, so the update
     stays exact; what the merge changes is which tokens are sampled, by the rounding of W + s B A
     (logged as sample_logprob_gap: about 1e-6 in float32). Costs one copy of the adapted weights
-    while the rollout lasts. of() answers None where it cannot merge (4-bit weights, DoRA)."""
+    while the rollout lasts. of() answers None where W + s B A is not the adapter's function, and the
+    rollout samples through the adapter: 4-bit weights, DoRA, a LoRA bias (lora_bias=True: not in
+    the delta weight), a base weight another module shares (lm_head on a model with tied embeddings:
+    its merged copy would change the input embeddings too), and modules_to_save or trainable-token
+    copies, which the adapter-off context inside bypasses. (LoraConfig's bias="all" only makes the
+    base biases trainable: the merged layers use them as the adapter does.)
+    of(model, keep=True) (--static-cache) fills the same buffers at every rollout, kept for the run
+    (in KEPT_BUFFERS, by model): a compiled decode step on a GPU is recorded against the weights'
+    addresses (CUDA graphs), and a new buffer per rollout would have it recorded again."""
 
     def __init__(self, model, swaps):
         self.model, self.swaps = model, swaps  # swaps: (projection, its merged weight)
@@ -256,25 +268,36 @@ class MergedAdapter:
 
     @classmethod
     @torch.no_grad()
-    def of(cls, model):
+    def of(cls, model, keep=False):
         from peft.tuners.lora import Linear as LoraLinear
         from peft.tuners.lora import LoraLayer
+        from peft.utils import AuxiliaryTrainingWrapper
 
         adapter = getattr(model, "active_adapter", None)
         layers = [m for m in model.modules() if isinstance(m, LoraLayer) and adapter in m.lora_A]
         if not layers or layers[0].disable_adapters:
             return None  # no adapter, or it is switched off (evaluate.py's base): sample the base
-        if any(not isinstance(m, LoraLinear) or m.lora_variant
-               or not m.get_base_layer().weight.dtype.is_floating_point for m in layers):
+        uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # tied: 2
+        if any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
+               or not m.get_base_layer().weight.dtype.is_floating_point
+               or uses[id(m.get_base_layer().weight)] > 1 for m in layers):
+            return None
+        if any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
+               for m in model.modules()):
             return None
         # One buffer per (dtype, device) holds every merged weight: freed in one piece after the
         # rollout, it goes back to the system. As ~200 separate tensors they stayed in the CPU heap,
         # fragmented, and PPO's peak memory in the update grew by 0.5-1.1 GiB (SmolLM2, 2 cores).
+        # With keep, the run's buffers are refilled instead (the same sizes: the same adapter).
         weights = [m.get_base_layer().weight for m in layers]
-        buffers = {}
+        sizes = Counter()
         for w in weights:
-            buffers[w.dtype, w.device] = buffers.get((w.dtype, w.device), 0) + w.numel()
-        buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in buffers.items()}
+            sizes[w.dtype, w.device] += w.numel()
+        buffers = KEPT_BUFFERS.get(model, {}) if keep else {}
+        if {key: b.numel() for key, b in buffers.items()} != sizes:
+            buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+            if keep:
+                KEPT_BUFFERS[model] = buffers
         used, swaps = dict.fromkeys(buffers, 0), []
         for m, w in zip(layers, weights):
             key = w.dtype, w.device
@@ -296,6 +319,26 @@ class MergedAdapter:
         for (layer, _), own in zip(self.swaps, self.own):
             layer.weight.data = own
         self.own, self.off = [], None
+
+
+# --static-cache's torch.compile settings for the decode step: None leaves transformers' own
+# (inductor with CUDA graphs, on CUDA devices only). A test compiles on the CPU with the eager backend.
+DECODE_COMPILE = None
+
+
+def rows_finished(done):
+    """A stopping criterion for generate(): the rows where done (B,) is True count as finished
+    from the first step, so generate fills them with padding and stops when the others end."""
+    return lambda input_ids, scores, **kwargs: done.to(input_ids.device)
+
+
+def compiled_graphs():
+    """How many graphs torch.compile (dynamo) has built in this process so far, recompilations
+    included: a count that grows after a run's first rollout means the decode step was compiled
+    again (for a new shape or guard)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 @dataclass
@@ -350,8 +393,12 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     a KV cache of fixed size, which transformers answers on a GPU by compiling the decode step
     (CUDA graphs: one launch a step instead of one a kernel); a fresh cache each call, so the
     agent's turn caches are off (each turn runs its whole prompt: cheap next to decoding on a GPU).
+    So that the step is compiled once per run, its shapes and buffers stay the same: the cache is
+    max_context long, a finished dialogue stays in the batch as a one-token padding row that is
+    marked done from the first step (its output is never read), and the merged weights keep one
+    buffer for the run. stats["decode_compilations"] counts the graphs compiled during the rollout.
     Returns (records, stats): one flat dict per dialogue, and counts and timings."""
-    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
     chat = ChatTokens(tokenizer, system_prompt or (THINK_PROMPT if thinking else PLAIN_PROMPT))
     device = next(policy.parameters()).device
@@ -364,7 +411,8 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         do_sample=not greedy, temperature=temperature if not greedy else None,
         top_p=top_p if not greedy else None, top_k=0 if not greedy else None, repetition_penalty=1.0,
         max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids, pad_token_id=tokenizer.pad_token_id,
-        cache_implementation="static" if static_cache else None)
+        **(dict(cache_implementation="static", max_cache_len=max_context, compile_config=DECODE_COMPILE)
+           if static_cache else {}))
     reuse_cache = reuse_cache and not static_cache
     dialogues = []
     for g, persona in enumerate(personas):
@@ -374,8 +422,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                                       ids=ids, action_mask=[0] * len(ids), logprobs=[0.0] * len(ids)))
     was_training = policy.training
     policy.eval()
-    merged = MergedAdapter.of(policy) if merged_sampling else None
+    merged = MergedAdapter.of(policy, keep=static_cache) if merged_sampling else None
     stats = Counter()
+    graphs_before = compiled_graphs()
     t_policy = 0.0
     sim_seconds_before, sim_tokens_before = simulator.seconds, simulator.backend.generated_tokens
     sim_prompt_before = (getattr(simulator.backend, "prompt_tokens", 0),
@@ -397,19 +446,28 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         if not active:
             break
         t0 = time.time()
-        slots = [d.cache if reuse_cache else {} for d in active]
-        ids, mask, cache = cached_batch([d.ids for d in active], slots, tokenizer.pad_token_id, device)
-        prompt, reused = prompt_counts(mask, cache)
+        # static cache: every dialogue keeps its row (a finished one a single padding token), so
+        # that every generate call has the same batch size
+        rows = dialogues if static_cache else active
+        slots = [d.cache if reuse_cache else {} for d in rows]
+        ids, mask, cache = cached_batch([[tokenizer.pad_token_id] if d.state.done else d.ids for d in rows],
+                                        slots, tokenizer.pad_token_id, device)
+        live = torch.tensor([not d.state.done for d in rows])                            # (B,)
+        prompt, reused = prompt_counts(mask[live.to(device)], cache)
         stats["policy_prompt_tokens"] += prompt
         stats["policy_reused_tokens"] += reused
         recorder = SampledLogprobs(1.0 if greedy else temperature)
-        given = {} if static_cache else {cache_keyword(policy): cache}  # static: generate makes its own
+        # static: generate makes its own cache, and the padding rows are done from the first step
+        given = {"stopping_criteria": StoppingCriteriaList([rows_finished(~live)])} if static_cache \
+            else {cache_keyword(policy): cache}
         with merged or contextlib.nullcontext():  # the user's turns below run on the base's own weights
             sequences = policy.generate(input_ids=ids, attention_mask=mask, **given,
                                         generation_config=gen_config,
                                         logits_processor=LogitsProcessorList([recorder]))
-        new = sequences[:, ids.shape[1]:]                                        # (B, N)
-        new_logp = recorder.finish(sequences).cpu()                               # (B, N)
+        keep = live.nonzero()[:, 0].to(sequences.device)  # the active dialogues' rows, in order
+        new_logp = recorder.finish(sequences)[keep].cpu()                              # (B_active, N)
+        sequences, mask = sequences[keep], mask[keep]
+        new = sequences[:, ids.shape[1]:]                                        # (B_active, N)
         lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
                    for row in new.tolist()]
         # Keep the per-row caches only if a dialogue can go on: on its last allowed turn every one ends
@@ -456,6 +514,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     bar.close()
     del merged
     policy.train(was_training)
+    stats["decode_compilations"] = compiled_graphs() - graphs_before
     stats["policy_seconds"] = t_policy
     stats["simulator_seconds"] = simulator.seconds - sim_seconds_before
     stats["simulator_tokens"] = simulator.backend.generated_tokens - sim_tokens_before
@@ -644,13 +703,41 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
              f"{max_new_tokens} does not fit --max-context {max_context}")
 
 
+def target_names(target_modules):
+    """--target-modules as a list of names: "q_proj, v_proj" -> ["q_proj", "v_proj"]."""
+    return [t.strip() for t in target_modules.split(",")]
+
+
+def check_target_modules(model_name, target_modules, trust_remote_code=False):
+    """Every name in --target-modules must name a layer of the model that LoRA adapts (peft takes
+    a name for the end of a module's dotted name, and skips without a word a name that matches
+    nothing when another one matches). Read off the model's skeleton, built from its config on the
+    meta device: no weights load and no random stream moves. Bad input: one line, exit 2."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
+    with random_streams_kept():
+        config = AutoConfig.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    layers = [name for name, m in skeleton.named_modules() if isinstance(m, kinds)]
+    for target in target_names(target_modules):
+        if not any(name == target or name.endswith("." + target) for name in layers):
+            ends = sorted({name.rsplit(".", 1)[-1] for name in layers})
+            fail(f"--target-modules {target_modules}: {target!r} is no layer of {model_name}; "
+                 f"its layers LoRA can adapt end in {', '.join(ends)}")
+
+
 def training_personas(args):
     """The personas of --split (all: the whole file) at --difficulty, each opening checked to fit
-    --max-context."""
+    --max-context; and, since this is the trainers' last check before the weights load,
+    --target-modules against the model."""
     personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split,
                                      args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
+    check_target_modules(args.model, args.target_modules, args.trust_remote_code)
     return personas
 
 
@@ -669,14 +756,35 @@ def sampling_settings(args):
                 static_cache=args.static_cache)
 
 
-def passes_to_run(args, iteration, batch_size, old_first=False):
+DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+            torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
+def dropout_active(model):
+    """True when the model drops anything in train mode: a dropout module with p > 0 (LoRA's
+    lora_dropout is one), or a dropout probability above 0 in the model's config (Llama and Qwen2
+    apply attention_dropout inside their attention function, where no module shows it). Read from
+    the loaded model, once; any *dropout* or *pdrop* setting counts, whether or not this model's
+    code reads it, since a needless scoring pass costs time and a missed one costs correctness."""
+    if any(isinstance(m, DROPOUTS) and m.p > 0 for m in model.modules()):
+        return True
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = inner.config.get_text_config().to_dict()
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+               and ("dropout" in k or k.endswith("pdrop")) for k, v in config.items())
+
+
+def passes_to_run(args, iteration, batch_size, model, old_first=False):
     """(old log-probs from the update, reference pass): the scoring passes an iteration needs.
     With one optimizer step per batch (one epoch, one minibatch) the old log-probs are the update's
     own forward pass, detached, so a scoring pass would compute the same numbers once more; unless
-    something reads them before the update (old_first). The reference pass runs when a KL term
-    reads it or kl_ref is logged (every --log-kl-every iterations). TRL skips the same passes."""
+    something reads them before the update (old_first), or the update's pass drops (the model's
+    dropout_active): in train mode its log-probs carry dropout noise, not the sampling policy's,
+    so the scoring pass, in eval mode as the sampling was, gives them. The reference pass runs when
+    a KL term reads it or kl_ref is logged (every --log-kl-every iterations). TRL skips the same
+    passes."""
     one_step = one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size)
-    old_from_update = one_step and not old_first
+    old_from_update = one_step and not old_first and not dropout_active(model)
     kl_term = getattr(args, "kl_coef", 0) > 0 or args.kl_loss_coef > 0
     return old_from_update, kl_term or iteration % args.log_kl_every == 0
 

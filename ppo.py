@@ -22,11 +22,12 @@ import numpy as np
 import torch
 
 from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_logprobs, begin_run,
-                     checkpoint_due, global_masked_mean, global_max, global_sum, latest_checkpoint,
-                     length_sorted, load_policy, log_iteration, make_simulator, masked_mean, pad_records,
-                     passes_to_run, pick_personas, play_dialogues, policy_settings, prune_checkpoints,
-                     public_config, reduce_gradients, sampling_settings, save_checkpoint, set_seed,
-                     start_or_resume, StepGuard, stop_on_simulator_error, token_logprobs, training_personas)
+                     checkpoint_due, dropout_active, global_masked_mean, global_max, global_sum,
+                     latest_checkpoint, length_sorted, load_policy, log_iteration, make_simulator,
+                     masked_mean, pad_records, passes_to_run, pick_personas, play_dialogues, policy_settings,
+                     prune_checkpoints, public_config, reduce_gradients, sampling_settings, save_checkpoint,
+                     set_seed, start_or_resume, StepGuard, stop_on_simulator_error, token_logprobs,
+                     training_personas)
 from simulator import SimulatorError, fail, one_of
 
 
@@ -401,6 +402,7 @@ def main(argv=None):
     model, tokenizer = load_policy(args.model, device=device, **policy_settings(args))
     value_head, actor_params, critic_params, optimizer, scheduler = actor_and_critic(args, model, device)
     simulator = make_simulator(args, model, tokenizer, accelerator)
+    dropout = dropout_active(model)  # then the old log-probs need their own pass (passes_to_run)
 
     def save(iteration, name=None):  # every process calls it; the main process writes
         return _save(args, iteration, model, value_head, optimizer, scheduler, accelerator, name)
@@ -432,7 +434,8 @@ def main(argv=None):
         batch = pad_records(records, tokenizer.pad_token_id, device)
         mask = batch["action_mask"]                                                         # (B, T)
         # only passes whose result is not known yet; --kl-coef reads old log-probs before the update
-        old_from_update, need_ref = passes_to_run(args, iteration, old_first=args.kl_coef > 0)
+        old_from_update, need_ref = passes_to_run(args, iteration, old_first=args.kl_coef > 0,
+                                                  dropout=dropout)
         old_logprobs = torch.zeros_like(mask) if old_from_update else \
             batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,

@@ -1129,15 +1129,36 @@ def start_or_resume(args, accelerator, checkpoint, state, model, adapters, optim
     return run, start
 
 
-def passes_to_run(args, iteration, old_first=False):
+DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+            torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
+def dropout_active(model):
+    """True when the model drops anything in train mode: a dropout module with p > 0 (LoRA's
+    lora_dropout is one), or a dropout probability above 0 in the model's config (Llama and Qwen2
+    apply attention_dropout inside their attention function, where no module shows it). Read from
+    the loaded model, once; any *dropout* or *pdrop* setting counts, whether or not this model's
+    code reads it, since a needless scoring pass costs time and a missed one costs correctness."""
+    if any(isinstance(m, DROPOUTS) and m.p > 0 for m in model.modules()):
+        return True
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = inner.config.get_text_config().to_dict()
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+               and ("dropout" in k or k.endswith("pdrop")) for k, v in config.items())
+
+
+def passes_to_run(args, iteration, old_first=False, dropout=False):
     """(old log-probs from the update, reference pass): the scoring passes an iteration needs.
     With one optimizer step per batch (one epoch, one minibatch) the old log-probs are the update's
     own forward pass, detached, so a scoring pass would compute the same numbers once more; unless
-    something reads them before the update (old_first). The reference pass runs when a KL term
-    reads it or kl_ref is logged (every --log-kl-every iterations). TRL skips the same passes."""
+    something reads them before the update (old_first), or the update's pass drops (dropout: see
+    dropout_active): in train mode its log-probs carry dropout noise, not the sampling policy's,
+    so the scoring pass, in eval mode as the sampling was, gives them. The reference pass runs when
+    a KL term reads it or kl_ref is logged (every --log-kl-every iterations). TRL skips the same
+    passes."""
     batch_size = getattr(args, "dialogues_per_iteration", 0) or args.personas_per_iteration * args.group_size
     one_step = one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size)
-    old_from_update = one_step and not old_first
+    old_from_update = one_step and not old_first and not dropout
     kl_term = getattr(args, "kl_coef", 0) > 0 or args.kl_loss_coef > 0
     return old_from_update, kl_term or iteration % args.log_kl_every == 0
 

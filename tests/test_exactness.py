@@ -8,8 +8,10 @@ stable shapes and buffers.
 import random
 
 import numpy as np
+import pytest
 import torch
 
+import grpo
 import ppo
 import rollout
 import simulator
@@ -61,3 +63,47 @@ def test_a_cold_cache_and_a_warm_cache_run_log_the_same_numbers(personas_file, t
     for a, b in zip(cold, warm):
         a, b = timeless(a), timeless(b)
         assert a.keys() == b.keys() and {k: (a[k], b[k]) for k in a if a[k] != b[k]} == {}
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Old log-probs under dropout: from the scoring pass (eval mode), never from the update's own pass
+# ----------------------------------------------------------------------------------------------
+def tiny_run(script, model_dir, personas, out, *extra):
+    """The smallest run of a trainer on a tiny model and the rules user, one step per batch (one
+    epoch, the minibatch the whole batch: the shortcut that reads the old log-probs off the update)."""
+    size = (["--dialogues-per-iteration", "2"] if script is ppo else
+            ["--personas-per-iteration", "1", "--group-size", "2"])
+    return ["--preset", "cpu", "--model", str(model_dir), "--simulator", "rules", "--personas", personas,
+            "--split", "test", *size, "--minibatch-size", "2", "--micro-batch-size", "1", "--max-turns", "1",
+            "--max-new-tokens", "6", "--max-context", "512", "--lora-r", "4", "--lora-alpha", "8",
+            "--out", str(out), *extra]
+
+
+def test_dropout_active_reads_the_adapter_and_the_base_model(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not rollout.dropout_active(base)
+    assert not rollout.dropout_active(get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert rollout.dropout_active(get_peft_model(base, LoraConfig(r=2, lora_dropout=0.3,
+                                                                  target_modules=["q_proj"])))
+    # Llama applies attention_dropout inside its attention function in train mode: no nn.Dropout to see
+    assert rollout.dropout_active(AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.1))
+
+
+@pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
+def test_lora_dropout_takes_the_old_logprobs_from_the_scoring_pass(script, tiny_model_dir, personas_file,
+                                                                  tmp_path):
+    """With --lora-dropout 0.3 the update's forward pass (train mode) carries dropout noise, so its
+    log-probs are not the sampling policy's: the old log-probs must come from the scoring pass, and
+    then they equal the sampled ones to float round-off. Iteration 2, once lora_B has moved (at
+    iteration 1 B = 0 and the dropped adapter input changes nothing)."""
+    out = tmp_path / "run"
+    script.main(tiny_run(script, tiny_model_dir, personas_file, out, "--lora-dropout", "0.3",
+                         "--iterations", "2", "--lr", "5e-2", "--ent-coef", "0.01"))
+    m = read_metrics(out)
+    assert m[1]["kl_ref"] > 1e-4  # the adapter moved: dropout on its input changes its output
+    for row in m:
+        assert row["sample_logprob_gap"] < 1e-5, row["sample_logprob_gap"]

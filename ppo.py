@@ -26,8 +26,8 @@ from rollout import (DEFAULT_TARGETS, adapter_params, all_rng_states, batched_lo
                      latest_checkpoint, length_sorted, load_policy, log_iteration, make_simulator,
                      masked_mean, pad_records, passes_to_run, pick_personas, play_dialogues, policy_settings,
                      prune_checkpoints, public_config, reduce_gradients, sampling_settings, save_checkpoint,
-                     set_seed, start_or_resume, StepGuard, stop_on_simulator_error, token_logprobs,
-                     training_personas)
+                     set_seed, start_or_resume, target_names, StepGuard, stop_on_simulator_error,
+                     token_logprobs, training_personas)
 from simulator import SimulatorError, fail, one_of
 
 
@@ -364,7 +364,7 @@ def actor_and_critic(args, model, device):
 
     model.add_adapter("critic", LoraConfig(
         r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        target_modules=args.target_modules.split(","), task_type="CAUSAL_LM"))
+        target_modules=target_names(args.target_modules), task_type="CAUSAL_LM"))
     use_adapter(model, "default")
     hidden_size = model.get_base_model().config.get_text_config().hidden_size
     value_head = torch.nn.Linear(hidden_size, 1).to(device)

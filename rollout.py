@@ -29,8 +29,8 @@ from tqdm import tqdm
 from simulator import (DIFFICULTIES, READOUTS, REDACTED, Simulator, SimulatorError, above, at_least,
                        cache_keyword, cached_batch, check_rules, env_name, fail, keep_cache, load_model,
                        load_personas_or_exit, make_backend, model_problem, one_line_errors, one_of,
-                       prompt_counts, readout_problem, redact, resolve_model, simulator_kind,
-                       simulator_problem, transcript_turns, unknown_arguments, within)
+                       prompt_counts, random_streams_kept, readout_problem, redact, resolve_model,
+                       simulator_kind, simulator_problem, transcript_turns, unknown_arguments, within)
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project; --system-prompt-file replaces them)
@@ -125,7 +125,7 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
         model = PeftModel.from_pretrained(base, adapter, is_trainable=trainable)
     else:
         config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                            target_modules=[t.strip() for t in target_modules.split(",")],
+                            target_modules=target_names(target_modules),
                             task_type="CAUSAL_LM")
         model = get_peft_model(base, config)
     return model, tokenizer
@@ -224,7 +224,12 @@ class MergedAdapter:
     The trainers recompute every log-prob they train on with the adapter itself, so the update
     stays exact; what the merge changes is which tokens are sampled, by the rounding of W + s B A
     (logged as sample_logprob_gap: about 1e-6 in float32). Costs one copy of the adapted weights
-    while the rollout lasts. of() answers None where it cannot merge (4-bit weights, DoRA)."""
+    while the rollout lasts. of() answers None where W + s B A is not the adapter's function, and the
+    rollout samples through the adapter: 4-bit weights, DoRA, a LoRA bias (lora_bias=True: not in
+    the delta weight), a base weight another module shares (lm_head on a model with tied embeddings:
+    its merged copy would change the input embeddings too), and modules_to_save or trainable-token
+    copies, which the adapter-off context inside bypasses. (LoraConfig's bias="all" only makes the
+    base biases trainable: the merged layers use them as the adapter does.)"""
 
     def __init__(self, model, swaps):
         self.model, self.swaps = model, swaps  # swaps: (projection, its merged weight)
@@ -235,13 +240,19 @@ class MergedAdapter:
     def of(cls, model):
         from peft.tuners.lora import Linear as LoraLinear
         from peft.tuners.lora import LoraLayer
+        from peft.utils import AuxiliaryTrainingWrapper
 
         adapter = getattr(model, "active_adapter", None)
         layers = [m for m in model.modules() if isinstance(m, LoraLayer) and adapter in m.lora_A]
         if not layers or layers[0].disable_adapters:
             return None  # no adapter, or it is switched off (evaluate.py's base): sample the base
-        if any(not isinstance(m, LoraLinear) or m.lora_variant
-               or not m.get_base_layer().weight.dtype.is_floating_point for m in layers):
+        uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # tied: 2
+        if any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
+               or not m.get_base_layer().weight.dtype.is_floating_point
+               or uses[id(m.get_base_layer().weight)] > 1 for m in layers):
+            return None
+        if any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
+               for m in model.modules()):
             return None
         # One buffer per (dtype, device) holds every merged weight: freed in one piece after the
         # rollout, it goes back to the system. As ~200 separate tensors they stayed in the CPU heap,
@@ -1022,6 +1033,32 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
              f"{max_new_tokens} does not fit --max-context {max_context}")
 
 
+def target_names(target_modules):
+    """--target-modules as a list of names: "q_proj, v_proj" -> ["q_proj", "v_proj"]."""
+    return [t.strip() for t in target_modules.split(",")]
+
+
+def check_target_modules(model_name, target_modules, trust_remote_code=False):
+    """Every name in --target-modules must name a layer of the model that LoRA adapts (peft takes
+    a name for the end of a module's dotted name, and skips without a word a name that matches
+    nothing when another one matches). Read off the model's skeleton, built from its config on the
+    meta device: no weights load and no random stream moves. Bad input: one line, exit 2."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
+    with random_streams_kept():
+        config = AutoConfig.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    layers = [name for name, m in skeleton.named_modules() if isinstance(m, kinds)]
+    for target in target_names(target_modules):
+        if not any(name == target or name.endswith("." + target) for name in layers):
+            ends = sorted({name.rsplit(".", 1)[-1] for name in layers})
+            fail(f"--target-modules {target_modules}: {target!r} is no layer of {model_name}; "
+                 f"its layers LoRA can adapt end in {', '.join(ends)}")
+
+
 def begin_run(args_class, presets, argv, rules, adapters, script):
     """Everything before a model loads: the settings, checked (parse_settings); the Accelerator,
     with --report-to's trackers; the run folder, never clobbered, and with --resume the checkpoint
@@ -1038,10 +1075,12 @@ def begin_run(args_class, presets, argv, rules, adapters, script):
 
 
 def training_personas(args):
-    """The split's personas at --difficulty, each opening checked to fit --max-context."""
+    """The split's personas at --difficulty, each opening checked to fit --max-context; and, since
+    this is the trainers' last check before the weights load, --target-modules against the model."""
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
+    check_target_modules(args.model, args.target_modules, args.trust_remote_code)
     return personas
 
 

@@ -30,6 +30,19 @@ def same_rng(a, b):
             and a[1][2:] == b[1][2:] and a[2] == b[2])
 
 
+def rules_user(max_turns, **kwargs):
+    return simulator.Simulator(simulator.RulesBackend(), max_turns=max_turns, **kwargs)
+
+
+def assert_same_dialogues(first, second):
+    """The same tokens, and their sampling log-probs to float round-off."""
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        assert a["token_ids"] == b["token_ids"] and a["turns"] == b["turns"]
+        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
+                                   atol=1e-5, rtol=0)
+
+
 def timeless(row):
     return {k: v for k, v in row.items() if not any(part in k for part in UNTIMED)}
 
@@ -107,3 +120,100 @@ def test_lora_dropout_takes_the_old_logprobs_from_the_scoring_pass(script, tiny_
     assert m[1]["kl_ref"] > 1e-4  # the adapter moved: dropout on its input changes its output
     for row in m:
         assert row["sample_logprob_gap"] < 1e-5, row["sample_logprob_gap"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Merged sampling samples the adapter's policy, or steps aside
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    """A 2-layer random Llama on the smollm2 tokenizer, as conftest's tiny model, but with tied
+    input and output embeddings (as SmolLM2) and biases on the attention projections (as Qwen2)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(simulator.resolve_model("smollm2"))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                         max_position_embeddings=4096, tie_word_embeddings=True, attention_bias=True,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    folder = tmp_path_factory.mktemp("tied_llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def adapted(model_dir, **lora):
+    """A PeftModel on the model in model_dir whose adapter parts are all moved off their
+    initialisation (lora_B, a LoRA bias, a modules_to_save copy): a fresh adapter equals the base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=4, **lora))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+    return policy.eval(), tokenizer
+
+
+MERGE_CASES = {  # LoraConfig of each adapter set-up, and whether W + s B A is its whole function
+    "lm_head on tied embeddings": (dict(target_modules=["q_proj", "lm_head"]), False),
+    "modules_to_save": (dict(target_modules=["q_proj"], modules_to_save=["o_proj"]), False),
+    "lora_bias": (dict(target_modules=["q_proj", "v_proj"], lora_bias=True), False),
+    "bias all": (dict(target_modules=["q_proj", "v_proj"], bias="all"), True),  # base biases: no change
+}
+
+
+@pytest.mark.parametrize("case", list(MERGE_CASES))
+def test_merged_sampling_samples_the_adapter_or_steps_aside(case, tied_model_dir, personas_file):
+    lora, merges = MERGE_CASES[case]
+    policy, tokenizer = adapted(tied_model_dir, **lora)
+    ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]])
+    merged = rollout.MergedAdapter.of(policy)
+    with torch.no_grad():
+        with_adapter = policy(input_ids=ids).logits
+        with policy.disable_adapter():
+            assert (policy(input_ids=ids).logits - with_adapter).abs().max() > 1e-2  # the adapter matters
+        if merged is not None:  # where it merges, the merged weights are the adapter's function
+            with merged:
+                torch.testing.assert_close(policy(input_ids=ids).logits, with_adapter, atol=1e-5, rtol=0)
+    assert (merged is not None) == merges  # and it merges wherever it can
+    # and the dialogues it samples are those of sampling through the adapter, token for token
+    personas = simulator.load_personas(personas_file)
+    runs = [rollout.play_dialogues(policy, tokenizer, rules_user(2), personas, greedy=True, max_new_tokens=6,
+                                   merged_sampling=m, progress=False)[0] for m in (True, False)]
+    assert_same_dialogues(*runs)
+
+
+def test_lm_head_on_tied_embeddings_trains_on_what_it_sampled(tied_model_dir, personas_file, tmp_path):
+    """GRPO with lm_head among the target modules of a model with tied embeddings: the log-probs the
+    update computes are those the rollout sampled with, at iteration 2 too (the adapter has moved)."""
+    out = tmp_path / "run"
+    grpo.main(tiny_run(grpo, tied_model_dir, personas_file, out, "--target-modules", "q_proj,lm_head",
+                       "--iterations", "2", "--lr", "5e-2", "--ent-coef", "0.01"))
+    m = read_metrics(out)
+    assert m[1]["kl_ref"] > 1e-4
+    for row in m:
+        assert row["sample_logprob_gap"] < 1e-5, row["sample_logprob_gap"]
+
+
+@pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
+def test_a_target_module_the_model_lacks_is_one_line_before_the_weights_load(script, tiny_model_dir,
+                                                                            personas_file, tmp_path, capsys,
+                                                                            monkeypatch):
+    def no_weights(*a, **k):
+        raise AssertionError("the weights loaded")
+    monkeypatch.setattr(rollout, "load_model", no_weights)
+    with pytest.raises(SystemExit) as stop:
+        script.main(tiny_run(script, tiny_model_dir, personas_file, tmp_path / "run",
+                             "--target-modules", "q_proj,qkv_proj"))
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--target-modules" in err and "qkv_proj" in err and "q_proj, " in err  # it lists the model's

@@ -384,6 +384,8 @@ def main(argv=None):
                 optimizer.zero_grad(set_to_none=True)
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
+                    if not mask[idx].any():  # only dropped dialogues: no term of the loss, nothing to run
+                        continue
                     w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
                     ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
                     agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
@@ -409,7 +411,12 @@ def main(argv=None):
                                        ("ratio_first", ratio if epoch == start == m0 == 0 else None)):
                             if x is not None:
                                 logs[key].append(masked_mean(x, m).item())
-                # gradients: sum over processes (each loss was already divided by the global count)
+                # gradients: sum over processes (each loss was already divided by the global count);
+                # a process whose dialogues here were all dropped adds zeros (reduce_gradients wants
+                # every process to hold gradients for the same parameters)
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
                 reduce_gradients(params, accelerator)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                 if not guard.step_ok(grad_norm, iteration, partial(save, iteration)):

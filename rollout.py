@@ -1249,7 +1249,7 @@ def log_iteration(run, accelerator, iteration, all_records, rstats, logs, params
     digests = gather_object([digest]) if accelerator.num_processes > 1 else [digest]
     summary = summarize(all_records, global_stats(rstats, accelerator))
     metrics = {"iteration": iteration + 1, **method, **summary,
-               **{k: global_mean(v, accelerator) if v else None for k, v in logs.items()}, **times,
+               **{k: global_mean(v, accelerator) for k, v in logs.items()}, **times,
                "peak_memory_gb": peak_memory_gb(), "processes": accelerator.num_processes,
                "replicas_identical": len(set(digests)) == 1}
     run.append("metrics.jsonl", [metrics])
@@ -1442,9 +1442,13 @@ def time_budget_used(t_run, minutes, accelerator):
 
 
 def global_mean(values, accelerator):
-    """The mean of a logged quantity over every process (each process's own mean, averaged)."""
-    local = torch.tensor(float(np.mean(values)) if values else float("nan"), device=accelerator.device)
-    return (accelerator.reduce(local, "mean") if accelerator.num_processes > 1 else local).item()
+    """The mean of a logged quantity over the processes that logged it (each process's own mean,
+    averaged), or None where none did. A collective call that every process makes, with values or
+    without: with --drop-zero-spread a process whose dialogues were all dropped logs nothing."""
+    local = torch.tensor([float(np.mean(values)) if values else 0.0, float(len(values) > 0)],
+                         device=accelerator.device)                                         # (mean, logged)
+    mean, logged = (accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local).tolist()
+    return mean / logged if logged else None
 
 
 def all_rng_states(accelerator):

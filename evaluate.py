@@ -109,8 +109,6 @@ def parse_args(argv=None):
     args = parse_settings(EvalArgs, None, argv, {"split": one_of("train", "test", "all")})
     if args.samples > 1 and not args.sample:
         fail("--samples: greedy decoding plays the same dialogue every time; add --sample for --samples > 1")
-    if args.load_in_4bit and not torch.cuda.is_available():
-        fail("--load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU")
     readout = args.readout if args.readout != "auto" else auto_readout(simulator_kind(args.simulator))
     if args.judge == "heldout" and readout != "reasoned":
         fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "

@@ -27,9 +27,9 @@ import torch
 from tqdm import tqdm
 
 from simulator import (DIFFICULTIES, READOUTS, REDACTED, Simulator, SimulatorError, above, at_least,
-                       cache_keyword, cached_batch, check_rules, env_name, fail, keep_cache, load_model,
-                       load_personas_or_exit, make_backend, model_problem, one_line_errors, one_of,
-                       prompt_counts, random_streams_kept, readout_problem, redact, resolve_model,
+                       cache_keyword, cached_batch, check_rules, env_name, fail, four_bit_problem, keep_cache,
+                       load_model, load_personas_or_exit, make_backend, model_problem, one_line_errors,
+                       one_of, prompt_counts, random_streams_kept, readout_problem, redact, resolve_model,
                        simulator_kind, simulator_problem, transcript_turns, unknown_arguments, within)
 
 # ----------------------------------------------------------------------------------------------
@@ -662,6 +662,8 @@ def check_settings(args, rules=None):
         problem = readout_problem(values["readout"], simulator_kind(values["simulator"]))
         if problem:
             fail(f"--readout {values['readout']} with --simulator {redact(values['simulator'])}: {problem}")
+    if values.get("load_in_4bit") and four_bit_problem():
+        fail(f"--load-in-4bit {four_bit_problem()}")
     context, reply = values.get("max_context"), values.get("max_new_tokens")
     if context is not None and reply is not None and context <= reply:
         fail(f"--max-context {values['max_context']}: must be more than --max-new-tokens "

@@ -132,6 +132,16 @@ def _convert(name, folder, gguf_file, target):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def four_bit_problem():
+    """Why --load-in-4bit cannot run on this machine, or None: NF4 weights need CUDA and the
+    bitsandbytes package. Asked at the settings check, before any model loads."""
+    if not torch.cuda.is_available():
+        return "needs CUDA (bitsandbytes NF4); drop the flag on CPU"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "needs the bitsandbytes package: pip install bitsandbytes (or drop the flag)"
+    return None
+
+
 def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=None, max_memory=None,
                trust_remote_code=False):
     """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token).
@@ -149,8 +159,8 @@ def _load_model(name, device, dtype, load_in_4bit, device_map, max_memory, trust
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     if load_in_4bit:
-        if not torch.cuda.is_available():
-            sys.exit("error: --load-in-4bit needs CUDA (bitsandbytes NF4); drop the flag on CPU")
+        if four_bit_problem():  # the scripts ask before this; a caller in code hears it here
+            fail(f"--load-in-4bit {four_bit_problem()}")
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(

@@ -305,3 +305,50 @@ def test_drop_zero_spread_with_a_process_holding_only_the_flat_group(tiny_model_
     w1, w2 = adapter_weights(tmp_path / "one"), adapter_weights(tmp_path / "two")
     for key in w1:
         torch.testing.assert_close(w1[key], w2[key], atol=1e-4, rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. --load-in-4bit where bitsandbytes or CUDA is missing: one line at the settings check
+# ----------------------------------------------------------------------------------------------
+def no_package(monkeypatch, name):
+    """importlib.util.find_spec answers None for `name`, as where the package is not installed."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a, **k: None if n == name else real(n, *a, **k))
+
+
+def four_bit_argv(script, model_dir, personas, out):
+    import evaluate
+
+    if script is evaluate:
+        return ["--model", str(model_dir), "--simulator", "rules", "--personas", personas, "--split", "test",
+                "--dialogues", "1", "--out", str(out), "--load-in-4bit"]
+    return tiny_run(script, model_dir, personas, out, "--load-in-4bit", "true")
+
+
+@pytest.mark.parametrize("script", ["ppo", "grpo", "evaluate"])
+@pytest.mark.parametrize("missing", ["bitsandbytes", "cuda"])
+def test_load_in_4bit_without_its_parts_is_one_line_before_any_model_loads(script, missing, tiny_model_dir,
+                                                                          personas_file, tmp_path, capsys,
+                                                                          monkeypatch):
+    import importlib
+
+    script = importlib.import_module(script)
+
+    def no_model(*a, **k):
+        raise AssertionError("a model loaded")
+    monkeypatch.setattr(rollout, "load_model", no_model)
+    monkeypatch.setattr(simulator, "load_model", no_model)
+    if missing == "bitsandbytes":  # a CUDA machine without the package: nothing below touches CUDA
+        no_package(monkeypatch, "bitsandbytes")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    elif torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    with pytest.raises(SystemExit) as stop:
+        script.main(four_bit_argv(script, tiny_model_dir, personas_file, tmp_path / "run"))
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "--load-in-4bit" in err and ("bitsandbytes" if missing == "bitsandbytes" else "CUDA") in err, err
+    assert not (tmp_path / "run").exists()  # nothing written either

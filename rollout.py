@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field, fields
 
@@ -213,6 +214,9 @@ class SampledLogprobs:
         return out
 
 
+KEPT_BUFFERS = weakref.WeakKeyDictionary()  # model -> MergedAdapter's buffers, with --static-cache
+
+
 class MergedAdapter:
     """The policy's active LoRA adapter folded into a copy of every adapted weight, W + s B A, to
     sample from: a decode step then runs one matmul per projection instead of three (about 20%
@@ -229,7 +233,10 @@ class MergedAdapter:
     the delta weight), a base weight another module shares (lm_head on a model with tied embeddings:
     its merged copy would change the input embeddings too), and modules_to_save or trainable-token
     copies, which the adapter-off context inside bypasses. (LoraConfig's bias="all" only makes the
-    base biases trainable: the merged layers use them as the adapter does.)"""
+    base biases trainable: the merged layers use them as the adapter does.)
+    of(model, keep=True) (--static-cache) fills the same buffers at every rollout, kept for the run
+    (in KEPT_BUFFERS, by model): a compiled decode step on a GPU is recorded against the weights'
+    addresses (CUDA graphs), and a new buffer per rollout would have it recorded again."""
 
     def __init__(self, model, swaps):
         self.model, self.swaps = model, swaps  # swaps: (projection, its merged weight)
@@ -237,7 +244,7 @@ class MergedAdapter:
 
     @classmethod
     @torch.no_grad()
-    def of(cls, model):
+    def of(cls, model, keep=False):
         from peft.tuners.lora import Linear as LoraLinear
         from peft.tuners.lora import LoraLayer
         from peft.utils import AuxiliaryTrainingWrapper
@@ -257,11 +264,16 @@ class MergedAdapter:
         # One buffer per (dtype, device) holds every merged weight: freed in one piece after the
         # rollout, it goes back to the system. As ~200 separate tensors they stayed in the CPU heap,
         # fragmented, and PPO's peak memory in the update grew by 0.5-1.1 GiB (SmolLM2, 2 cores).
+        # With keep, the run's buffers are refilled instead (the same sizes: the same adapter).
         weights = [m.get_base_layer().weight for m in layers]
-        buffers = {}
+        sizes = Counter()
         for w in weights:
-            buffers[w.dtype, w.device] = buffers.get((w.dtype, w.device), 0) + w.numel()
-        buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in buffers.items()}
+            sizes[w.dtype, w.device] += w.numel()
+        buffers = KEPT_BUFFERS.get(model, {}) if keep else {}
+        if {key: b.numel() for key, b in buffers.items()} != sizes:
+            buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+            if keep:
+                KEPT_BUFFERS[model] = buffers
         used, swaps = dict.fromkeys(buffers, 0), []
         for m, w in zip(layers, weights):
             key = w.dtype, w.device
@@ -283,6 +295,26 @@ class MergedAdapter:
         for (layer, _), own in zip(self.swaps, self.own):
             layer.weight.data = own
         self.own, self.off = [], None
+
+
+# --static-cache's torch.compile settings for the decode step: None leaves transformers' own
+# (inductor with CUDA graphs, on CUDA devices only). A test compiles on the CPU with the eager backend.
+DECODE_COMPILE = None
+
+
+def rows_finished(done):
+    """A stopping criterion for generate(): the rows where done (B,) is True count as finished
+    from the first step, so generate fills them with padding and stops when the others end."""
+    return lambda input_ids, scores, **kwargs: done.to(input_ids.device)
+
+
+def compiled_graphs():
+    """How many graphs torch.compile (dynamo) has built in this process so far, recompilations
+    included: a count that grows after a run's first rollout means the decode step was compiled
+    again (for a new shape or guard)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 @dataclass
@@ -314,8 +346,12 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     a KV cache of fixed size, which transformers answers on a GPU by compiling the decode step
     (CUDA graphs: one launch a step instead of one a kernel); a fresh cache each call, so the
     agent's turn caches are off (each turn runs its whole prompt: cheap next to decoding on a GPU).
+    So that the step is compiled once per run, its shapes and buffers stay the same: the cache is
+    max_context long, a finished dialogue stays in the batch as a one-token padding row that is
+    marked done from the first step (its output is never read), and the merged weights keep one
+    buffer for the run. stats["decode_compilations"] counts the graphs compiled during the rollout.
     Returns (records, stats): one flat dict per dialogue, and counts and timings."""
-    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
     chat = ChatTokens(tokenizer, system_prompt or (THINK_PROMPT if thinking else PLAIN_PROMPT))
     device = next(policy.parameters()).device
@@ -328,7 +364,8 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         do_sample=not greedy, temperature=temperature if not greedy else None,
         top_p=top_p if not greedy else None, top_k=0 if not greedy else None, repetition_penalty=1.0,
         max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids, pad_token_id=tokenizer.pad_token_id,
-        cache_implementation="static" if static_cache else None)
+        **(dict(cache_implementation="static", max_cache_len=max_context, compile_config=DECODE_COMPILE)
+           if static_cache else {}))
     reuse_cache = reuse_cache and not static_cache
     dialogues = []
     for g, persona in enumerate(personas):
@@ -338,8 +375,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                                       ids=ids, action_mask=[0] * len(ids), logprobs=[0.0] * len(ids)))
     was_training = policy.training
     policy.eval()
-    merged = MergedAdapter.of(policy) if merged_sampling else None
+    merged = MergedAdapter.of(policy, keep=static_cache) if merged_sampling else None
     stats = Counter()
+    graphs_before = compiled_graphs()
     t_policy = 0.0
     sim_seconds_before, sim_tokens_before = simulator.seconds, simulator.backend.generated_tokens
     sim_prompt_before = (getattr(simulator.backend, "prompt_tokens", 0),
@@ -361,19 +399,28 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         if not active:
             break
         t0 = time.time()
-        slots = [d.cache if reuse_cache else {} for d in active]
-        ids, mask, cache = cached_batch([d.ids for d in active], slots, tokenizer.pad_token_id, device)
-        prompt, reused = prompt_counts(mask, cache)
+        # static cache: every dialogue keeps its row (a finished one a single padding token), so
+        # that every generate call has the same batch size
+        rows = dialogues if static_cache else active
+        slots = [d.cache if reuse_cache else {} for d in rows]
+        ids, mask, cache = cached_batch([[tokenizer.pad_token_id] if d.state.done else d.ids for d in rows],
+                                        slots, tokenizer.pad_token_id, device)
+        live = torch.tensor([not d.state.done for d in rows])                            # (B,)
+        prompt, reused = prompt_counts(mask[live.to(device)], cache)
         stats["policy_prompt_tokens"] += prompt
         stats["policy_reused_tokens"] += reused
         recorder = SampledLogprobs(1.0 if greedy else temperature)
-        given = {} if static_cache else {cache_keyword(policy): cache}  # static: generate makes its own
+        # static: generate makes its own cache, and the padding rows are done from the first step
+        given = {"stopping_criteria": StoppingCriteriaList([rows_finished(~live)])} if static_cache \
+            else {cache_keyword(policy): cache}
         with merged or contextlib.nullcontext():  # the user's turns below run on the base's own weights
             sequences = policy.generate(input_ids=ids, attention_mask=mask, **given,
                                         generation_config=gen_config,
                                         logits_processor=LogitsProcessorList([recorder]))
-        new = sequences[:, ids.shape[1]:]                                        # (B, N)
-        new_logp = recorder.finish(sequences).cpu()                               # (B, N)
+        keep = live.nonzero()[:, 0].to(sequences.device)  # the active dialogues' rows, in order
+        new_logp = recorder.finish(sequences)[keep].cpu()                              # (B_active, N)
+        sequences, mask = sequences[keep], mask[keep]
+        new = sequences[:, ids.shape[1]:]                                        # (B_active, N)
         lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
                    for row in new.tolist()]
         # Keep the per-row caches only if a dialogue can go on: on its last allowed turn every one ends
@@ -420,6 +467,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     bar.close()
     del merged
     policy.train(was_training)
+    stats["decode_compilations"] = compiled_graphs() - graphs_before
     stats["policy_seconds"] = t_policy
     stats["simulator_seconds"] = simulator.seconds - sim_seconds_before
     stats["simulator_tokens"] = simulator.backend.generated_tokens - sim_tokens_before
@@ -481,6 +529,7 @@ def summarize(records, stats):
                              / max(1, stats.get("policy_prompt_tokens", 0))),
         "simulator_cache_hit": (stats.get("simulator_reused_tokens", 0)
                                 / max(1, stats.get("simulator_prompt_tokens", 0))),
+        "decode_compilations": int(stats.get("decode_compilations", 0)),
     }
     for reason in ("success", "left", "goodbye", "max_turns", "context"):
         out[f"end_{reason}"] = reasons.get(reason, 0)

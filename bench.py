@@ -683,12 +683,15 @@ def bench_gpu(args):
 
     # ppo.main() loads its policy by name through rollout.load_model; answer RANDOM_MODEL with the
     # in-memory random model instead of reading 15 GB of weights from disk.
-    real_load_model, real_load_tokenizer, real_pad_records = \
-        rollout.load_model, rollout.load_tokenizer, ppo.pad_records
+    real_load_model, real_load_tokenizer, real_pad_records, real_check_targets = \
+        rollout.load_model, rollout.load_tokenizer, ppo.pad_records, rollout.check_target_modules
     built = {}
 
     def load_tokenizer(name, **kwargs):  # ppo.main() checks the personas' openings with it first
         return tokenizer if name == RANDOM_MODEL else real_load_tokenizer(name, **kwargs)
+
+    def check_target_modules(name, *args, **kwargs):  # the random model has no config file to read
+        return None if name == RANDOM_MODEL else real_check_targets(name, *args, **kwargs)
 
     def load_model(name, device="cpu", load_in_4bit=False, **kwargs):
         if name != RANDOM_MODEL:
@@ -735,12 +738,13 @@ def bench_gpu(args):
         print(f"bench gpu: {'tiny Qwen2 (2 layers, hidden 64)' if args.tiny else 'Qwen2.5-7B architecture'}, "
               f"random weights, on {device_name}: ppo.py {' '.join(argv)}", flush=True)
         t0 = time.time()
-        rollout.load_model, rollout.load_tokenizer, ppo.pad_records = load_model, load_tokenizer, pad_records
+        rollout.load_model, rollout.load_tokenizer, ppo.pad_records, rollout.check_target_modules = \
+            load_model, load_tokenizer, pad_records, check_target_modules
         try:
             model, _ = ppo.main(argv)
         finally:
-            rollout.load_model, rollout.load_tokenizer, ppo.pad_records = \
-                real_load_model, real_load_tokenizer, real_pad_records
+            rollout.load_model, rollout.load_tokenizer, ppo.pad_records, rollout.check_target_modules = \
+                real_load_model, real_load_tokenizer, real_pad_records, real_check_targets
         ppo_seconds = time.time() - t0
         with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
             m = json.loads(f.readline())

@@ -1156,7 +1156,7 @@ def main(argv=None):
         for path in plot_curves(args.curves, args.out):
             print(path)
         return
-    personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split)
+    personas = load_personas_or_exit(args.personas, args.split)
     personas = personas[:args.dialogues] if args.dialogues else personas
     problems = load_math_or_exit(args.math) if args.math else None
     system_prompt = None

@@ -21,12 +21,12 @@ from functools import partial
 
 import torch
 
-from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_params, append_means,
+from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_params,
                      batched_logprobs, load_policy, pad_records, passes_to_run,
                      pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
                      training_personas)
-from run import (OutputSettings, Run, RunSettings, TrackerSettings, above, at_least, fail, one_of,
-                 parse_settings, setting, within)
+from run import (OutputSettings, Run, RunSettings, TrackerSettings, above, append_means, at_least, fail,
+                 one_of, parse_settings, setting, within)
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 

@@ -23,12 +23,12 @@ from functools import partial
 import numpy as np
 import torch
 
-from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_params, append_means,
+from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_params,
                      batched_logprobs, length_sorted, load_policy, pad_records, passes_to_run,
                      pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
-                     target_names, training_personas, use_adapter)
-from run import (OutputSettings, Run, RunSettings, TrackerSettings, above, at_least, fail, one_of,
-                 parse_settings, setting, within)
+                     training_personas, use_adapter)
+from run import (OutputSettings, Run, RunSettings, TrackerSettings, above, append_means, at_least, fail,
+                 one_of, parse_settings, setting, target_names, within)
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from run import (OutputSettings, above, at_least, default_device, fail, four_bit_problem, load_model,
-                 load_tokenizer, model_problem, one_of, parse_settings, random_streams_kept, resolve_model,
-                 set_seed, setting, summarize, transcript_record, within, write_atomically)
+from run import (OutputSettings, above, at_least, check_target_modules, compiled_graphs, default_device,
+                 fail, four_bit_problem, load_model, load_tokenizer, model_problem, one_of, parse_settings,
+                 set_seed, setting, summarize, target_names, transcript_record, within, write_atomically)
 from simulator import (SimulatorError, SimulatorSettings, build_simulator, cache_keyword, cached_batch,
                        keep_cache, load_personas_or_exit, prompt_counts, transcript_turns)
 
@@ -330,15 +330,6 @@ def rows_finished(done):
     """A stopping criterion for generate(): the rows where done (B,) is True count as finished
     from the first step, so generate fills them with padding and stops when the others end."""
     return lambda input_ids, scores, **kwargs: done.to(input_ids.device)
-
-
-def compiled_graphs():
-    """How many graphs torch.compile (dynamo) has built in this process so far, recompilations
-    included: a count that grows after a run's first rollout means the decode step was compiled
-    again (for a new shape or guard)."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 @dataclass
@@ -663,26 +654,6 @@ def batched_logprobs(model, batch, temperature=1.0, micro_batch_size=4, referenc
     return out
 
 
-def masked_mean(x, mask, dim=None):
-    """Mean of x over the positions where mask is 1."""
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
-
-
-@torch.no_grad()
-def append_means(logs, terms, mask, first):
-    """The update's per-token terms (b, T) as their means over the agent tokens, appended to logs
-    (name -> list); metrics.jsonl has the means of those. `ratio` counts only on the first
-    micro-batch of an iteration (first): those weights scored the rollout, so it is 1 (exactly, in
-    float32); a term that is None (no reference pass) is left out."""
-    for key, x in terms.items():
-        if key == "ratio":
-            key, x = "ratio_first", x if first else None
-        if x is not None:
-            logs[key].append(masked_mean(x, mask).item())
-
-
 # ----------------------------------------------------------------------------------------------
 # What the trainers take from here: their personas, the passes of an iteration
 # ----------------------------------------------------------------------------------------------
@@ -703,38 +674,11 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
              f"{max_new_tokens} does not fit --max-context {max_context}")
 
 
-def target_names(target_modules):
-    """--target-modules as a list of names: "q_proj, v_proj" -> ["q_proj", "v_proj"]."""
-    return [t.strip() for t in target_modules.split(",")]
-
-
-def check_target_modules(model_name, target_modules, trust_remote_code=False):
-    """Every name in --target-modules must name a layer of the model that LoRA adapts (peft takes
-    a name for the end of a module's dotted name, and skips without a word a name that matches
-    nothing when another one matches). Read off the model's skeleton, built from its config on the
-    meta device: no weights load and no random stream moves. Bad input: one line, exit 2."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.pytorch_utils import Conv1D
-
-    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
-    with random_streams_kept():
-        config = AutoConfig.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    layers = [name for name, m in skeleton.named_modules() if isinstance(m, kinds)]
-    for target in target_names(target_modules):
-        if not any(name == target or name.endswith("." + target) for name in layers):
-            ends = sorted({name.rsplit(".", 1)[-1] for name in layers})
-            fail(f"--target-modules {target_modules}: {target!r} is no layer of {model_name}; "
-                 f"its layers LoRA can adapt end in {', '.join(ends)}")
-
-
 def training_personas(args):
     """The personas of --split (all: the whole file) at --difficulty, each opening checked to fit
     --max-context; and, since this is the trainers' last check before the weights load,
     --target-modules against the model."""
-    personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split,
-                                     args.difficulty)
+    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
     check_target_modules(args.model, args.target_modules, args.trust_remote_code)
@@ -756,17 +700,13 @@ def sampling_settings(args):
                 static_cache=args.static_cache)
 
 
-DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
-            torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
-
-
 def dropout_active(model):
-    """True when the model drops anything in train mode: a dropout module with p > 0 (LoRA's
+    """True when the model drops anything in train mode: a dropout module of any kind with p > 0 (LoRA's
     lora_dropout is one), or a dropout probability above 0 in the model's config (Llama and Qwen2
-    apply attention_dropout inside their attention function, where no module shows it). Read from
-    the loaded model, once; any *dropout* or *pdrop* setting counts, whether or not this model's
-    code reads it, since a needless scoring pass costs time and a missed one costs correctness."""
-    if any(isinstance(m, DROPOUTS) and m.p > 0 for m in model.modules()):
+    apply attention_dropout inside their attention function, where no module shows it). Any
+    *dropout* or *pdrop* setting counts, whether or not this model's code reads it, since a
+    needless scoring pass costs time and a missed one costs correctness."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
         return True
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = inner.config.get_text_config().to_dict()
@@ -809,7 +749,6 @@ def adapter_params(model, name):
     return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Command line: play and save a few dialogues
 # ----------------------------------------------------------------------------------------------
@@ -822,17 +761,17 @@ class PlaySettings:
     samples: int = setting(1, "dialogues per persona", at_least(1))
 
 
+PLAY_DEFAULTS = dict(model="smollm2", max_turns=3, max_new_tokens=96, max_context=2048, out="runs/rollout")
+
+
 def main(argv=None):
     args = parse_settings([PolicySettings, SamplingSettings, SimulatorSettings, PlaySettings, OutputSettings],
-                          argv=argv, prog="rollout.py", defaults=dict(
-                              model="smollm2", max_turns=3, max_new_tokens=96, max_context=2048,
-                              out="runs/rollout"))
+                          argv, defaults=PLAY_DEFAULTS, prog="rollout.py")
     path = os.path.join(args.out, "rollouts.jsonl")
     if os.path.exists(path) and not args.overwrite:
         fail(f"--out {args.out} holds {path}: replace it with --overwrite, or pick another --out")
     set_seed(args.seed)
-    personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split,
-                                     args.difficulty)
+    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     personas = personas[:args.dialogues] if args.dialogues else personas
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
@@ -850,12 +789,11 @@ def main(argv=None):
     write_atomically(path, "".join(json.dumps(transcript_record(r), ensure_ascii=False) + "\n"
                                    for r in records))
     s = summarize(records, stats)
-    print(f"{len(records)} dialogues in {time.time() - t0:.0f} s -> {path}")
-    print(f"mean final emotion {s['final_emotion_mean']:.1f}; end reasons "
+    print(f"{len(records)} dialogues in {time.time() - t0:.0f} s -> {path}\nmean final emotion "
+          f"{s['final_emotion_mean']:.1f}; end reasons "
           + ", ".join(f"{k[4:]} {v}" for k, v in s.items() if k.startswith("end_") and v))
     print(f"policy {s['policy_tokens_per_s']:.1f} tok/s, simulator {s['simulator_tokens_per_s']:.1f} tok/s, "
-          f"think-format violations {s['think_violation_rate']:.0%} of turns, "
-          f"simulator fallbacks {s['simulator_fallbacks']}")
+          f"think-format violations {s['think_violation_rate']:.0%}, fallbacks {s['simulator_fallbacks']}")
 
 
 if __name__ == "__main__":

@@ -391,6 +391,32 @@ def four_bit_problem():
     return None
 
 
+def target_names(target_modules):
+    """--target-modules as a list of names: "q_proj, v_proj" -> ["q_proj", "v_proj"]."""
+    return [t.strip() for t in target_modules.split(",")]
+
+
+def check_target_modules(model_name, target_modules, trust_remote_code=False):
+    """Every name in --target-modules must name a layer of the model that LoRA adapts (peft takes
+    a name for the end of a module's dotted name, and skips without a word a name that matches
+    nothing when another one matches). Read off the model's skeleton, built from its config on the
+    meta device: no weights load and no random stream moves. Bad input: one line, exit 2."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
+    with random_streams_kept():
+        config = AutoConfig.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    layers = [name for name, m in skeleton.named_modules() if isinstance(m, kinds)]
+    for target in target_names(target_modules):
+        if not any(name == target or name.endswith("." + target) for name in layers):
+            ends = sorted({name.rsplit(".", 1)[-1] for name in layers})
+            fail(f"--target-modules {target_modules}: {target!r} is no layer of {model_name}; "
+                 f"its layers LoRA can adapt end in {', '.join(ends)}")
+
+
 def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=None, max_memory=None,
                trust_remote_code=False):
     """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token).
@@ -439,6 +465,15 @@ def load_tokenizer(model_name, trust_remote_code=False):
 
 def default_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compiled_graphs():
+    """How many graphs torch.compile (dynamo) has built in this process so far, recompilations
+    included: a count that grows after a run's first rollout means the decode step was compiled
+    again (for a new shape or guard)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def peak_memory_gb():
@@ -933,6 +968,19 @@ def log_to_trackers(accelerator, metrics, records, step):
             tracker.log_table("dialogues", columns=["persona", "final_emotion", "end_reason", "dialogue"],
                               data=[[r["persona_id"], r["final_emotion"], r["end_reason"],
                                      dialogue_markdown(r)] for r in shown], step=step)
+
+
+@torch.no_grad()
+def append_means(logs, terms, mask, first):
+    """The update's per-token terms (b, T) as their means over the agent tokens, appended to logs
+    (name -> list); metrics.jsonl has the means of those. `ratio` counts only on the first
+    micro-batch of an iteration (first): those weights scored the rollout, so it is 1 (exactly, in
+    float32); a term that is None (no reference pass) is left out."""
+    for key, x in terms.items():
+        if key == "ratio":
+            key, x = "ratio_first", x if first else None
+        if x is not None:
+            logs[key].append(((x * mask).sum() / mask.sum().clamp(min=1)).item())
 
 
 def transcript_record(r, **extra):

@@ -236,9 +236,10 @@ def with_difficulty(personas, level):
 
 def load_personas_or_exit(path, split=None, difficulty="all"):
     """The command-line form: a bad file prints one line and exits with code 2, no traceback.
-    difficulty other than 'all' makes every persona play at that level (see with_difficulty)."""
+    split 'all' (or None) takes the whole file; difficulty other than 'all' makes every persona
+    play at that level (see with_difficulty)."""
     try:
-        return with_difficulty(load_personas(path, split), difficulty)
+        return with_difficulty(load_personas(path, None if split == "all" else split), difficulty)
     except PersonaError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -1589,7 +1590,7 @@ def main(argv=None):
     if args.write_openings:
         return openings_command(args)
 
-    personas = load_personas_or_exit(args.personas, None if args.split == "all" else args.split)
+    personas = load_personas_or_exit(args.personas, args.split)
     if args.dialogues:
         personas = personas[:args.dialogues]
     agent = SCRIPTED_AGENT

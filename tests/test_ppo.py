@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -422,3 +423,30 @@ def test_kl_coef_keeps_the_scoring_and_reference_passes(tiny_model_dir, personas
                        "--kl-coef", "0.1", "--log-kl-every", "5"))
     m = read_metrics(tmp_path / "run")
     assert m[1]["kl_ref"] > 1e-6 and m[1]["ratio_first"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_policy_objective_matches_a_hand_computation_and_is_the_same_in_both_trainers():
+    # two tokens of one dialogue: ratio e^0.5 (clipped at 1.2 for a positive advantage) and e^-0.1
+    from functools import partial
+    from types import SimpleNamespace
+
+    import grpo
+
+    logprobs = torch.tensor([[-1.0, -2.1]], requires_grad=True)
+    old, adv = torch.tensor([[-1.5, -2.0]]), torch.tensor([[1.0, -2.0]])
+    entropy, ref = torch.tensor([[0.5, 1.5]]), torch.tensor([[-1.0, -2.0]])
+    mask = torch.ones(1, 2)
+    args = SimpleNamespace(clip_low=0.2, clip_high=0.2, ent_coef=0.1, kl_loss_coef=0.5)
+    agg = partial(ppo.aggregate, mask=mask, mode="token-mean", total_tokens=2.0, total_seqs=1.0)
+    loss, terms = ppo.policy_objective(logprobs, entropy, old, adv, ref, agg, args)
+    r2 = np.exp(-0.1)
+    pg = [-1.0 * 1.2, max(2.0 * r2, 2.0 * 0.8)]              # max(-A r, -A clip(r))
+    kl = [0.0, np.exp(0.1) - 0.1 - 1]                          # k3 with ref - lp = 0 and 0.1
+    expected = np.mean(pg) - 0.1 * np.mean([0.5, 1.5]) + 0.5 * np.mean(kl)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert terms["clip_frac"].tolist() == [[1.0, 0.0]]
+    loss.backward()  # token 0 is clipped and at the reference: no gradient; token 1 gets both terms
+    assert logprobs.grad[0, 0].item() == pytest.approx(0.0, abs=1e-7)
+    assert logprobs.grad[0, 1].item() == pytest.approx(r2 - 0.25 * (np.exp(0.1) - 1), abs=1e-6)
+    again, _ = grpo.policy_objective(logprobs, entropy, old, adv, ref, agg, args)
+    assert again.item() == loss.item()

@@ -3,12 +3,12 @@ the issue's cases, named by its number in the docstring, as decided case by case
 grouped as the issue groups them. Everything goes through the command line and the files a run
 writes, never through the functions behind it.
 
-How a command runs. Where the process itself is the case (a run that loads a model, an injected
-fault, two processes and a lock, a signal, an exit status), as a real subprocess (cli()). A command
-that must end before any model loads runs, as tests/test_bad_input.py runs its settings cases,
-through the script's main(argv) in this process (command()): the same code `python SCRIPT ARGV`
-runs, without the 3 s each new Python spends importing torch and transformers, which would make
-this file take minutes. RLVER_TEST_SUBPROCESS=1 runs those as subprocesses too.
+How a command runs. Where the process is part of the case (a run under test, an injected fault,
+the process that owns a run folder, a signal, bench.py's exit status), as a real subprocess (cli()).
+A command that should end with one line runs, as tests/test_bad_input.py runs its settings cases,
+through the script's main(argv) in this process (command()): the code `python SCRIPT ARGV` runs,
+without the 3 s each new Python spends importing torch and transformers (about 30 such commands
+would add minutes). RLVER_TEST_SUBPROCESS=1 runs every command as a subprocess instead.
 
 Two tools make the cases cheap and exact:
 - `unloadable`: a --model folder whose config and tokenizer load but whose weights do not. A check
@@ -319,7 +319,7 @@ def test_overwrite_then_a_failing_persona_check_leaves_the_old_run(ppo_run, unlo
 
 
 def test_a_second_command_on_a_running_runs_folder_is_refused(server, model, unloadable, personas_file,
-                                                              tmp_path):
+                                                              tmp_path, capsys):
     """Case 4: while a trainer runs, a second trainer (--overwrite) and evaluate.py (--overwrite) on
     its --out each get one line naming the owner's pid and write nothing; the first run finishes with
     only its own lines. The first run is held deterministically in its first rollout: its simulated
@@ -332,9 +332,9 @@ def test_a_second_command_on_a_running_runs_folder_is_refused(server, model, unl
     try:
         wait_for(lambda: s.count >= 1, first, log)  # in its first rollout: the folder is taken
         assert str(first.pid) in (out / ".lock").read_text()
-        code, _, err, _ = cli("ppo.py", *tiny(unloadable, personas_file, out, "--overwrite"))
+        code, _, err, _ = command(capsys, "ppo.py", *tiny(unloadable, personas_file, out, "--overwrite"))
         assert_one_line(code, err, str(first.pid))
-        code, _, err, _ = cli(*ev(unloadable, personas_file, out, "--overwrite"))
+        code, _, err, _ = command(capsys, *ev(unloadable, personas_file, out, "--overwrite"))
         assert_one_line(code, err, str(first.pid))
         gate.set()
         assert first.wait(300) == 0, log.read_text()[-2000:]
@@ -591,7 +591,7 @@ def test_a_key_typed_as_the_key_variable_is_refused_without_echoing_it(unloadabl
 # ----------------------------------------------------------------------------------------------
 # Unclear messages (cases 26-32)
 # ----------------------------------------------------------------------------------------------
-def test_an_adapter_for_another_model_width_says_why(model, personas_file, tmp_path):
+def test_an_adapter_for_another_model_width_says_why(model, personas_file, tmp_path, capsys):
     """Case 26: an adapter made for a 48-wide model on the 64-wide tiny model: the line says why (a
     weight's shape against the model's), not just "Error(s) in loading state_dict"."""
     from peft import LoraConfig, get_peft_model
@@ -602,7 +602,7 @@ def test_an_adapter_for_another_model_width_says_why(model, personas_file, tmp_p
     adapter = tmp_path / "adapter"
     lora = LoraConfig(r=2, target_modules=["q_proj"])
     get_peft_model(LlamaForCausalLM(config), lora).save_pretrained(adapter)
-    code, _, err, _ = cli(*ev(model, personas_file, tmp_path / "eval", "--adapter", str(adapter)))
+    code, _, err, _ = command(capsys, *ev(model, personas_file, tmp_path / "eval", "--adapter", str(adapter)))
     assert_one_line(code, err, str(adapter))
     why = error_lines(err)[0].replace(str(adapter), "").replace(model, "")
     assert re.search(r"\b48\b", why) and re.search(r"\b64\b", why), why

@@ -537,14 +537,16 @@ def write_atomically(path, text):
 # and only of the names below); the lock says which process writes in it now: an flock on .lock,
 # which the kernel drops when that process ends, however it ends.
 MARKER, LOCK = "rlver-run.json", ".lock"
+# What the project writes in a run folder, the only names --overwrite deletes: these files, the
+# TensorBoard folder rlver/, and in checkpoints/ its checkpoint folders (is_checkpoint_name).
 PROJECT_FILES = ("config.json", "metrics.jsonl", "rollouts.jsonl", "results.json", "results.md",
-                 "transcripts.jsonl", "appraisals.jsonl")  # and *.png, rlver/ (TensorBoard), checkpoints/
+                 "transcripts.jsonl", "appraisals.jsonl", "scores.png", "trajectories.png", "agreement.png")
 TRAINERS = ("ppo.py", "grpo.py")
 _HELD = {}  # folder (absolute) -> (lock descriptor, whether this process made the folder, the lock file)
 
 
 def is_project_name(name):
-    return name in PROJECT_FILES or name in ("checkpoints", "rlver") or name.endswith(".png") \
+    return name in PROJECT_FILES or name in ("checkpoints", "rlver") \
         or re.search(r"\.tmp\d+$", name) is not None  # write_atomically's leftovers of a killed write
 
 
@@ -636,9 +638,8 @@ def claim_folder(out, script, overwrite=False, resume=False, reuse=None):
         if marker is None and not (os.path.isfile(os.path.join(out, "config.json")) and made):
             fail(f"--resume {out}: not a run of this project (no {MARKER}, no checkpoints/)")
         if made not in (None, script):
-            fail(f"--resume {out}: this run was made by {made}; " + (f"continue it with python {made} "
-                                                                     f"--resume {out}" if made in TRAINERS
-                                                                     else "it is not a training run"))
+            how = f"continue it with python {made} --resume {out}" if made in TRAINERS else "not training"
+            fail(f"--resume {out}: this run was made by {made}; {how}")
     elif entries and marker is None and not (reuse == "agreement" and "appraisals.jsonl" in entries
                                              and all(map(is_project_name, entries))):
         fail(f"--out {out} holds files this project did not write ({entries[0]}; no {MARKER}): nothing there "
@@ -646,6 +647,10 @@ def claim_folder(out, script, overwrite=False, resume=False, reuse=None):
     elif marker is not None and not overwrite and not (reuse and marker.get("kind") == reuse):
         go_on = f"continue it with --resume {out}, " if made in TRAINERS and script in TRAINERS else ""
         fail(f"--out {out} holds a run of {made}: {go_on}replace it with --overwrite, or pick another --out")
+    elif marker is not None and (made in TRAINERS) != (script in TRAINERS):
+        # evaluate.py --overwrite never deletes a training run (the adapters it may be evaluating)
+        fail(f"--out {out} holds a run of {made}, which {script} --overwrite does not replace: pick "
+             f"another --out")
     elif marker is not None:  # --overwrite: nothing may be deleted through a link
         inside = [os.path.join("checkpoints", n) for n in os.listdir(os.path.join(out, "checkpoints"))] \
             if os.path.isdir(os.path.join(out, "checkpoints")) else []
@@ -1389,7 +1394,7 @@ class Run:
         from safetensors import SafetensorError
 
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        finite = name is not None or all(bool(torch.isfinite(p).all()) for p in params)
+        finite = name is not None or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
         name = name if finite else f"partial_iter_{iteration:06d}"
         rngs = gather_objects([rng_state()], self.accelerator)
         path = None

@@ -638,7 +638,8 @@ def claim_folder(out, script, overwrite=False, resume=False, reuse=None):
         if marker is None and not (os.path.isfile(os.path.join(out, "config.json")) and made):
             fail(f"--resume {out}: not a run of this project (no {MARKER}, no checkpoints/)")
         if made not in (None, script):
-            how = f"continue it with python {made} --resume {out}" if made in TRAINERS else "not training"
+            how = (f"continue it with python {made} --resume {out}" if made in TRAINERS
+                   else "an evaluation is not resumed")
             fail(f"--resume {out}: this run was made by {made}; {how}")
     elif entries and marker is None and not (reuse == "agreement" and "appraisals.jsonl" in entries
                                              and all(map(is_project_name, entries))):

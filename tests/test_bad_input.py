@@ -27,10 +27,10 @@ from simulator import OpenAIBackend, PersonaError, RulesBackend, Simulator, Simu
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def cli(*argv, timeout=300, env=None):
+def cli(*argv, timeout=300, env=None, cwd=ROOT):
     """Run a script as a user would; returns (returncode, stdout, the error lines of stderr, elapsed)."""
     t0 = time.time()
-    done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    done = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env=env or ENV)
     return done.returncode, done.stdout, done.stderr, time.time() - t0
 

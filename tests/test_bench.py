@@ -89,9 +89,10 @@ def test_incomplete_runs_are_named_not_averaged(fake_runs):
     assert "no complete run" in bench.learning_table(rows, 2)
 
 
-def test_window_must_not_overlap(fake_runs):
-    with pytest.raises(SystemExit, match="--window 4"):
+def test_window_must_not_overlap(fake_runs, capsys):
+    with pytest.raises(SystemExit) as stop:  # bad input: one line, exit code 2 (issue 26)
         bench.learning_summary(fake_runs, ["ppo"], [0], iterations=6, window=4)
+    assert stop.value.code == 2 and "error: --window 4" in capsys.readouterr().err
 
 
 def test_learning_driver_skips_resumes_and_passes_flags(fake_runs, monkeypatch, capsys):
@@ -143,7 +144,7 @@ def test_minutes_per_run_from_the_logged_iteration_times(fake_runs):
     assert bench.learning_table(rows, 2).splitlines()[2].endswith("| yes | 9 |")
 
 
-def test_jobs_run_side_by_side_on_separate_cores(fake_runs, monkeypatch):
+def test_jobs_run_side_by_side_on_separate_cores(fake_runs, monkeypatch, capsys):
     """--jobs 2 on 4 usable cores: two runs at a time, each on its own 2 cores, output to a log."""
     import threading
 
@@ -173,8 +174,9 @@ def test_jobs_run_side_by_side_on_separate_cores(fake_runs, monkeypatch):
     assert sorted(seed for seed, _, _ in calls) == [0, 1, 2]
     assert all(len(cores) == 2 and set(cores) <= {0, 1, 2, 3} for _, cores, _ in calls)
     assert {log for _, _, log in calls} == {os.path.join(fake_runs, f"grpo-seed{s}.log") for s in range(3)}
-    with pytest.raises(SystemExit, match="--jobs 5"):
+    with pytest.raises(SystemExit) as stop:  # bad input: one line, exit code 2 (issue 26)
         bench.main(["learning", "--out", fake_runs, "--jobs", "5"])
+    assert stop.value.code == 2 and "error: --jobs 5" in capsys.readouterr().err
 
 
 def test_a_pinned_trainer_sees_only_its_cores(tmp_path):
@@ -254,7 +256,7 @@ def test_gpu_without_cuda_says_so_in_one_line():
         pytest.skip("this machine has CUDA")
     proc = subprocess.run([sys.executable, "bench.py", "gpu"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # as every command's refusals (issue 26)
     assert proc.stderr.strip().count("\n") == 0 and "needs a CUDA GPU" in proc.stderr
 
 

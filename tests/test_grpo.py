@@ -317,7 +317,7 @@ def test_resume_gives_the_same_second_iteration(script_run, tiny_model_dir, pers
     split = tmp_path / "split"
     shutil.copytree(script_run, split)
     shutil.rmtree(split / "checkpoints" / "iter_000002")
-    grpo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "ignored", *E2E, "--resume", str(split)))
+    grpo.main(tiny_args(tiny_model_dir, personas_file, split, *E2E, "--resume", str(split)))
     a, b = read_metrics(script_run), read_metrics(split)
     assert [m["iteration"] for m in b] == [1, 2]
     timing = ("time_", "_per_s", "_seconds", "peak_memory")

@@ -33,4 +33,5 @@ def test_the_trainers_share_one_name_per_idea(script):
     assert not flags & set(old)
     stop = subprocess.run([sys.executable, script, "--ppo-epochs", "2"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
-    assert stop.returncode == 2 and stop.stderr.strip() == "error: --ppo-epochs is now --update-epochs"
+    assert stop.returncode == 2 and stop.stderr.strip() == \
+        "error: unknown flag --ppo-epochs (renamed); did you mean --update-epochs?"

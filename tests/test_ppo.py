@@ -336,10 +336,10 @@ def test_value_of_a_token_does_not_see_that_token(tiny_model_dir):
                          [("final", 30, 0.30), ("final", 40, 0.40), ("turn", 30, 0.0)])
 def test_untrained_critic_predicts_the_return_of_an_unmoved_emotion(tiny_model_dir, personas_file, tmp_path,
                                                                     reward, start, expected):
-    # The critic as built: one iteration whose learning rates are 0 (--iterations 0 is refused).
-    # Every position after the first reads the prior.
+    # The critic as built: one iteration whose learning rates are too small to move a weight (0 and
+    # --iterations 0 are refused). Every position after the first reads the prior.
     model, head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "1",
-                                     "--lr", "0", "--critic-lr", "0",
+                                     "--lr", "1e-30", "--critic-lr", "1e-30",
                                      "--reward", reward, "--start-emotion", str(start)))
     ids = torch.randint(5, 500, (2, 9))
     with torch.no_grad(), ppo.adapter_active(model, "critic"):

@@ -1,0 +1,775 @@
+"""A run folder nothing can clobber, and every bad input a line (issue 26). Each test holds one of
+the issue's cases, named by its number in the docstring, as decided case by case for issue 26;
+grouped as the issue groups them. Everything goes through the command line and the files a run
+writes, never through the functions behind it.
+
+How a command runs. Where the process is part of the case (a run under test, an injected fault,
+the process that owns a run folder, a signal, bench.py's exit status), as a real subprocess (cli()).
+A command that should end with one line runs, as tests/test_bad_input.py runs its settings cases,
+through the script's main(argv) in this process (command()): the code `python SCRIPT ARGV` runs,
+without the 3 s each new Python spends importing torch and transformers (about 30 such commands
+would add minutes). RLVER_TEST_SUBPROCESS=1 runs every command as a subprocess instead.
+
+Two tools make the cases cheap and exact:
+- `unloadable`: a --model folder whose config and tokenizer load but whose weights do not. A check
+  that must come before the weights ends the command with its own line; a command that reaches the
+  weights ends in the loader's traceback instead. So a test that gets its one line with it has also
+  shown that the check ran before any model loaded (and today's failures take seconds, not minutes).
+- tests/faults.py: runs a script with a read-only folder, a full disk or NaN weights injected (the
+  tests run as root, whom chmod does not stop; its docstring says how, and the last test here holds
+  its faults against real tmpfs mounts where mounting is allowed).
+"""
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+
+from conftest import ROOT, read_metrics, reply
+from test_bad_input import ENV, assert_one_line, chat, cli, error_lines, tiny
+
+TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+MARKER = "rlver-run.json"  # what every run folder the project creates holds (the spec of issue 26)
+NOT_A_WEIGHTS_FILE = b"not a safetensors file"
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers and shared runs
+# ----------------------------------------------------------------------------------------------
+def faulty(*argv):
+    """cli() through tests/faults.py: faulty(FAULT FLAGS..., "--", SCRIPT, ARGS...)."""
+    return cli(os.path.join("tests", "faults.py"), *argv)
+
+
+SUBPROCESS = os.environ.get("RLVER_TEST_SUBPROCESS") == "1"
+
+
+def command(capsys, script, *argv, cwd=None):
+    """`python SCRIPT ARGV` (in the folder cwd) through the script's main(argv) in this process, or as
+    a subprocess with RLVER_TEST_SUBPROCESS=1; returns what cli() does. An exception that would reach
+    the interpreter comes back as it would print it: exit code 1 and a traceback on stderr."""
+    if SUBPROCESS:
+        return cli(os.path.join(ROOT, script), *argv, cwd=cwd or ROOT)
+    main = importlib.import_module(script[:-len(".py")]).main
+    here, threads = os.getcwd(), torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    capsys.readouterr()
+    t0 = time.time()
+    try:
+        os.chdir(cwd or here)
+        main(list(argv))
+        code = 0
+    except SystemExit as e:  # sys.exit("text"): the interpreter prints the text and exits 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    finally:  # what the command may have changed in this process
+        os.chdir(here)
+        torch.set_num_threads(threads)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    out, err = capsys.readouterr()
+    return code, out, err, time.time() - t0
+
+
+def produce(script, *argv):
+    """A run that tests then work on (not itself a case): in this process unless RLVER_TEST_SUBPROCESS=1."""
+    if SUBPROCESS:
+        run_ok(script, *argv)
+    else:
+        importlib.import_module(script[:-len(".py")]).main(list(argv))
+
+
+def ev(model, personas, out, *extra):
+    """The smallest evaluate.py command: one persona, one turn of four tokens, the rules user."""
+    return ["evaluate.py", "--model", model, "--personas", personas, "--split", "test",
+            "--simulator", "rules", "--dialogues", "1", "--max-turns", "1", "--max-new-tokens", "4",
+            "--bootstrap", "20", "--out", str(out), *extra]
+
+
+def snapshot(folder):
+    """Every entry under folder, links not followed: relative path -> content digest, link target or
+    'dir'. The lock file is left out: a lock is not part of a run's record."""
+    seen = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if name == ".lock":
+                continue
+            if os.path.islink(path):
+                seen[rel] = "-> " + os.readlink(path)
+            elif os.path.isdir(path):
+                seen[rel] = "dir"
+            else:
+                with open(path, "rb") as f:
+                    seen[rel] = hashlib.sha256(f.read()).hexdigest()
+    return seen
+
+
+def size(folder):
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
+
+
+def copy_run(run, tmp_path, name="run"):
+    shutil.copytree(run, tmp_path / name, symlinks=True)
+    return tmp_path / name
+
+
+def complete_checkpoints(run):
+    folder = os.path.join(run, "checkpoints")
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted(d for d in names if re.fullmatch(r"iter_\d{6}", d))
+
+
+def newest_checkpoint(run):
+    """The iteration of a run's newest complete checkpoint (0: none)."""
+    done = complete_checkpoints(run)
+    return int(done[-1][len("iter_"):]) if done else 0
+
+
+def stops_with_one_line(code, stderr, *words):
+    """A run that stops (not bad input: exit code 1 or 2) with exactly one error line, no traceback."""
+    assert code in (1, 2), (code, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr[-2000:]
+    lines = error_lines(stderr)
+    assert len(lines) == 1, stderr[-2000:]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def scalars(run, tag):
+    """(step, value) of a TensorBoard scalar in a run's rlver/ folder, every event file read."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "rlver"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def background(argv, log):
+    """A script started as a user would, its stderr to the file `log` (a pipe could fill and stall it)."""
+    with open(log, "w") as err:
+        return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=err)
+
+
+def wait_for(condition, proc, log, timeout=240):
+    t0 = time.time()
+    while not condition():
+        assert proc.poll() is None, f"exited {proc.returncode} first: {log.read_text()[-2000:]}"
+        assert time.time() - t0 < timeout, f"waited {timeout} s: {log.read_text()[-2000:]}"
+        time.sleep(0.05)
+
+
+def stop(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(60)
+
+
+@contextlib.contextmanager
+def weights_unloadable(model_dir):
+    """For the time of a with-block, model_dir's weights (a link to the tiny model's) do not load."""
+    path = os.path.join(model_dir, "model.safetensors")
+    target = os.readlink(path)
+    os.remove(path)
+    with open(path, "wb") as f:
+        f.write(NOT_A_WEIGHTS_FILE)
+    try:
+        yield
+    finally:
+        os.remove(path)
+        os.symlink(target, path)
+
+
+def run_ok(*argv):
+    code, _, err, _ = cli(*argv)
+    assert code == 0, err[-3000:]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir, tmp_path_factory):
+    """The tiny random Llama as a folder of links to tiny_model_dir's files: the module's runs are
+    made with it, and case 14 makes its weights unloadable for a moment (weights_unloadable)."""
+    folder = tmp_path_factory.mktemp("model")
+    for name in os.listdir(tiny_model_dir):
+        os.symlink(os.path.join(tiny_model_dir, name), folder / name)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def unloadable(tiny_model_dir, tmp_path_factory):
+    """A --model folder that passes every settings check (the config and the tokenizer are the tiny
+    model's) but whose weights do not load (see the module docstring)."""
+    folder = tmp_path_factory.mktemp("unloadable")
+    for name in os.listdir(tiny_model_dir):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(tiny_model_dir, name), folder / name)
+    (folder / "model.safetensors").write_bytes(NOT_A_WEIGHTS_FILE)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def ppo_run(model, personas_file, tmp_path_factory):
+    """A finished PPO run of 2 iterations, a checkpoint after each, TensorBoard events when the
+    package is there. Tests copy it (copy_run) before they change anything."""
+    out = tmp_path_factory.mktemp("ppo") / "run"
+    produce("ppo.py", *tiny(model, personas_file, out, "--iterations", "2", "--save-every", "1",
+                            *(["--report-to", "tensorboard"] if TENSORBOARD else [])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def grpo_run(model, personas_file, tmp_path_factory):
+    """A finished GRPO run of 1 iteration, with its checkpoint."""
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    produce("grpo.py", *tiny(model, personas_file, out, "--iterations", "1", "--save-every", "1",
+                             script="grpo"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(ppo_run, tmp_path_factory):
+    """The PPO run, copied, with the whole-file copies a kill during a resume's trim leaves
+    (NAME.tmp<pid>), resumed as a user types it: `ppo.py --resume RUN --iterations 3`, without
+    --preset cpu (case 31). Cases 6, 31 and the leftovers read what it did: (run, exit code, stderr)."""
+    run = copy_run(ppo_run, tmp_path_factory.mktemp("resumed"))
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        shutil.copy(run / name, run / f"{name}.tmp999999")
+    code, _, err, _ = cli("ppo.py", "--resume", str(run), "--iterations", "3")
+    return run, code, err
+
+
+def answer_as_the_user(gate=None):
+    """A fake OpenAI server's handler: every reply is a user message that is also an appraisal; with
+    a gate, each request waits until the gate opens."""
+    def respond(handler, n, body):
+        if gate is not None:
+            gate.wait(300)
+        reply(handler, 200, chat("It helps.\nChange: +2"))
+    return respond
+
+
+# ----------------------------------------------------------------------------------------------
+# Data loss (cases 1-5)
+# ----------------------------------------------------------------------------------------------
+def test_overwrite_refuses_a_folder_that_is_not_a_run(unloadable, personas_file, tmp_path, capsys):
+    """Case 1: --overwrite on a folder holding a model (config.json, model.safetensors,
+    checkpoints/epoch_10/model.bin), not a run of this project: one line naming the folder and a file
+    found there, nothing deleted. A non-empty folder without the run marker is refused without
+    --overwrite too."""
+    out = tmp_path / "model"
+    (out / "checkpoints" / "epoch_10").mkdir(parents=True)
+    (out / "config.json").write_text('{"model_type": "llama"}')
+    (out / "model.safetensors").write_bytes(b"\0" * 64)
+    (out / "checkpoints" / "epoch_10" / "model.bin").write_bytes(b"\1" * 64)
+    before = snapshot(out)
+    code, _, err, _ = command(capsys, "ppo.py", *tiny(unloadable, personas_file, out, "--iterations", "1",
+                                                      "--overwrite"))
+    assert_one_line(code, err, str(out))
+    assert re.search(r"config\.json|model\.safetensors|checkpoints", error_lines(err)[0]), err
+    assert snapshot(out) == before
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    code, _, err, _ = command(capsys, "ppo.py", *tiny(unloadable, personas_file, notes, "--iterations", "1"))
+    assert_one_line(code, err, str(notes), "notes.txt")
+    assert os.listdir(notes) == ["notes.txt"]
+
+
+def test_overwrite_then_a_failing_batch_check_leaves_the_old_run(ppo_run, unloadable, personas_file,
+                                                                 tmp_path, capsys):
+    """Case 2: --overwrite with a batch of 3 dialogues and minibatches of 4: one line, and every file
+    of the old run is still there, unchanged (clearing comes after every check that can fail)."""
+    run = copy_run(ppo_run, tmp_path)
+    before = snapshot(run)
+    argv = tiny(unloadable, personas_file, run, "--overwrite", "--dialogues-per-iteration", "3",
+                "--minibatch-size", "4")
+    code, _, err, _ = command(capsys, "ppo.py", *argv)
+    assert_one_line(code, err, "--minibatch-size")
+    assert snapshot(run) == before
+
+
+def test_overwrite_then_a_failing_persona_check_leaves_the_old_run(ppo_run, unloadable, tmp_path,
+                                                                   persona_entry, write_personas, capsys):
+    """Case 3: --overwrite with a persona file holding an id twice: one line, the old run unchanged."""
+    run = copy_run(ppo_run, tmp_path)
+    before = snapshot(run)
+    path = write_personas([persona_entry(id="twice"), persona_entry(id="twice")])
+    code, _, err, _ = command(capsys, "ppo.py", *tiny(unloadable, path, run, "--overwrite"))
+    assert_one_line(code, err, path, "twice")
+    assert snapshot(run) == before
+
+
+def test_a_second_command_on_a_running_runs_folder_is_refused(server, model, unloadable, personas_file,
+                                                              tmp_path, capsys):
+    """Case 4: while a trainer runs, a second trainer (--overwrite) and evaluate.py (--overwrite) on
+    its --out each get one line naming the owner's pid and write nothing; the first run finishes with
+    only its own lines. The first run is held deterministically in its first rollout: its simulated
+    user is a local server that answers only when the test opens the gate."""
+    gate = threading.Event()
+    s = server(answer_as_the_user(gate))
+    out, log = tmp_path / "run", tmp_path / "first.txt"
+    first = background(["ppo.py", *tiny(model, personas_file, out, "--iterations", "2", "--simulator", s.url,
+                                        "--api-timeout", "300")], log)
+    try:
+        wait_for(lambda: s.count >= 1, first, log)  # in its first rollout: the folder is taken
+        assert str(first.pid) in (out / ".lock").read_text()
+        code, _, err, _ = command(capsys, "ppo.py", *tiny(unloadable, personas_file, out, "--overwrite"))
+        assert_one_line(code, err, str(first.pid))
+        code, _, err, _ = command(capsys, *ev(unloadable, personas_file, out, "--overwrite"))
+        assert_one_line(code, err, str(first.pid))
+        gate.set()
+        assert first.wait(300) == 0, log.read_text()[-2000:]
+    finally:
+        gate.set()
+        stop(first)
+    assert [m["iteration"] for m in read_metrics(out)] == [1, 2]
+    assert json.loads((out / "config.json").read_text())["simulator"] == s.url
+
+
+def test_evaluate_does_not_replace_an_earlier_evaluation(model, unloadable, personas_file, tmp_path, capsys):
+    """Case 5: evaluate.py --out on an earlier evaluation: one line pointing to --overwrite, before
+    any model loads, and the earlier transcripts and results unchanged."""
+    out = tmp_path / "eval"
+    code, _, err, _ = command(capsys, *ev(model, personas_file, out))
+    assert code == 0, err[-2000:]
+    before = snapshot(out)
+    code, _, err, _ = command(capsys, *ev(unloadable, personas_file, out))
+    assert_one_line(code, err, str(out), "--overwrite")
+    assert snapshot(out) == before
+    assert json.loads((out / MARKER).read_text())["script"] == "evaluate.py"
+
+
+# ----------------------------------------------------------------------------------------------
+# Silent wrong results (cases 6-11)
+# ----------------------------------------------------------------------------------------------
+def test_resume_keeps_logging_to_tensorboard(resumed):
+    """Case 6: a run made with --report-to tensorboard, resumed without the flag, logs its new
+    iteration to TensorBoard (the run's settings hold it), once, with metrics.jsonl's value."""
+    if not TENSORBOARD:
+        pytest.skip("tensorboard is not installed")
+    run, code, err = resumed
+    rewards = [(m["iteration"], pytest.approx(m["reward_mean"], rel=1e-6)) for m in read_metrics(run)]
+    assert scalars(run, "reward_mean") == rewards and len(rewards) == 3, err[-2000:]
+
+
+def test_overwrite_clears_the_old_tensorboard_events_and_nothing_but_the_projects_files(
+        ppo_run, model, personas_file, tmp_path):
+    """Case 7: --overwrite with --report-to tensorboard on a run that logged to TensorBoard: step 1
+    holds the new run's reward only. And (the rule of case 1) a file the project did not write stays."""
+    if not TENSORBOARD:
+        pytest.skip("tensorboard is not installed")
+    run = copy_run(ppo_run, tmp_path)
+    (run / "notes.txt").write_text("mine")
+    run_ok("ppo.py", *tiny(model, personas_file, run, "--overwrite", "--iterations", "1", "--report-to",
+                           "tensorboard"))
+    assert scalars(run, "reward_mean") == [(1, pytest.approx(read_metrics(run)[0]["reward_mean"], rel=1e-6))]
+    assert (run / "notes.txt").read_text() == "mine"
+    assert complete_checkpoints(run) == ["iter_000001"]
+    assert json.loads((run / MARKER).read_text())["script"] == "ppo.py"
+
+
+def test_a_simulator_url_with_a_query_keeps_it_after_the_path(server, personas_file, capsys):
+    """Case 8: --simulator http://HOST/v1?api_key=X posts to /v1/chat/completions?api_key=X."""
+    paths = []
+    respond = answer_as_the_user()
+    s = server(lambda handler, n, body: (paths.append(handler.path), respond(handler, n, body)))
+    code, _, err, _ = command(capsys, "simulator.py", "--model", s.url + "?api_key=X", "--personas",
+                              personas_file, "--dialogues", "1", "--max-turns", "1", "--api-retries", "0")
+    assert paths and set(paths) == {"/v1/chat/completions?api_key=X"}, (paths, err[-2000:])
+    assert code == 0, err[-2000:]
+
+
+def test_evaluate_picks_the_policy_adapter_of_a_checkpoint_or_a_run(ppo_run, model, unloadable, personas_file,
+                                                                     tmp_path, capsys):
+    """Cases 9 and 29: --adapter RUN/checkpoints/iter_000001/critic is PPO's critic (a value model):
+    one line saying so, before any model loads. --adapter RUN/checkpoints/iter_000001 evaluates its
+    policy adapter (default), --adapter RUN the newest complete checkpoint's; results.json's label
+    names the checkpoint picked and its adapter field is the folder loaded."""
+    checkpoint = ppo_run / "checkpoints" / "iter_000001"
+    code, _, err, _ = command(capsys, *ev(unloadable, personas_file, tmp_path / "critic",
+                                          "--adapter", str(checkpoint / "critic")))
+    assert_one_line(code, err, "critic", "policy")
+
+    out = tmp_path / "eval"
+    run_ok(*ev(model, personas_file, out, "--adapter", str(checkpoint), str(ppo_run)))
+    base, first, newest = json.loads((out / "results.json").read_text())["models"]
+    for m, picked in ((first, "iter_000001"), (newest, "iter_000002")):
+        assert picked in m["label"], m["label"]
+        assert os.path.normpath(m["adapter"]).endswith(os.path.join(picked, "default")), m["adapter"]
+
+
+def test_bench_rollout_refuses_zero_turns(unloadable, capsys):
+    """Case 10: bench.py rollout --max-turns 0: one line, exit 2, before any model loads."""
+    code, _, err, _ = command(capsys, "bench.py", "rollout", "--max-turns", "0", "--model", unloadable)
+    assert_one_line(code, err, "--max-turns", "0")
+
+
+@pytest.mark.parametrize("script", ["ppo", "grpo", "evaluate"])
+def test_an_empty_out_is_refused(script, unloadable, personas_file, tmp_path, capsys):
+    """Case 11: --out "" (which today writes the run into the current folder): one line, before any
+    model loads, and nothing written where the command ran."""
+    here = tmp_path / "here"
+    here.mkdir()
+    argv = ev(unloadable, personas_file, "") if script == "evaluate" else \
+        [f"{script}.py", *tiny(unloadable, personas_file, "", "--iterations", "1", script=script)]
+    code, _, err, _ = command(capsys, *argv, cwd=here)
+    assert_one_line(code, err, "--out")
+    assert os.listdir(here) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Tracebacks instead of one line (cases 12-24)
+# ----------------------------------------------------------------------------------------------
+def test_ppo_with_a_read_only_out(unloadable, personas_file, tmp_path):
+    """Case 12: ppo.py --out on a read-only folder: one line before any model loads."""
+    out = tmp_path / "run"
+    out.mkdir()
+    code, _, err, _ = faulty("--read-only", str(out), "--", "ppo.py",
+                             *tiny(unloadable, personas_file, out, "--iterations", "1"))
+    assert_one_line(code, err, str(out), "not writable")
+
+
+def test_grpo_with_an_out_in_a_read_only_folder(unloadable, personas_file, tmp_path):
+    """Case 13: grpo.py --out in a read-only folder (the run folder cannot be made): one line before
+    any model loads."""
+    parent = tmp_path / "read_only"
+    parent.mkdir()
+    out = parent / "run"
+    code, _, err, _ = faulty("--read-only", str(parent), "--", "grpo.py",
+                             *tiny(unloadable, personas_file, out, "--iterations", "1", script="grpo"))
+    assert_one_line(code, err, str(out), "not writable")
+    assert not out.exists()
+
+
+def test_resuming_a_read_only_run(ppo_run, model, tmp_path):
+    """Case 14: --resume of a run on a read-only file system: one line before any model loads (the
+    run's model, which resume takes from its settings, has unloadable weights meanwhile)."""
+    run = copy_run(ppo_run, tmp_path)
+    with weights_unloadable(model):
+        code, _, err, _ = faulty("--read-only", str(run), "--", "ppo.py", "--resume", str(run),
+                                 "--preset", "cpu", "--iterations", "3")
+    assert_one_line(code, err, str(run), "not writable")
+
+
+def test_out_is_a_file(unloadable, personas_file, tmp_path, capsys):
+    """Case 15: --out names a regular file: one line before any model loads, the file unchanged."""
+    out = tmp_path / "run.txt"
+    out.write_text("not a folder")
+    code, _, err, _ = command(capsys, "ppo.py", *tiny(unloadable, personas_file, out, "--iterations", "1"))
+    assert_one_line(code, err, str(out))
+    assert out.read_text() == "not a folder"
+
+
+def test_a_full_disk_at_a_checkpoint(ppo_run, model, personas_file, tmp_path):
+    """Cases 16 and 17: the disk fills while the checkpoint of iteration 2 is written (the free space
+    is 1.5 checkpoints beyond the logs, measured on the shared run of the same settings): one line
+    saying the disk is full at iteration 2, the partial checkpoint removed, the checkpoint of
+    iteration 1 intact, and --resume continues from it."""
+    checkpoint = size(ppo_run / "checkpoints" / "iter_000001")
+    logs = size(ppo_run) - size(ppo_run / "checkpoints") - (size(ppo_run / "rlver") if TENSORBOARD else 0)
+    out = tmp_path / "run"
+    free = logs + checkpoint + checkpoint // 2
+    code, _, err, _ = faulty("--disk-full", str(out), "--free", str(free), "--", "ppo.py",
+                             *tiny(model, personas_file, out, "--iterations", "2", "--save-every", "1"))
+    line = stops_with_one_line(code, err)
+    assert re.search(r"iteration 2\b|iter_000002", line) and re.search(r"full|no space", line, re.I), line
+    assert os.listdir(out / "checkpoints") == ["iter_000001"]
+    run_ok("ppo.py", "--resume", str(out), "--preset", "cpu", "--iterations", "2")
+    assert [m["iteration"] for m in read_metrics(out)] == [1, 2]
+
+
+def test_a_symlinked_checkpoints_folder_is_refused_before_anything_is_deleted(
+        ppo_run, unloadable, personas_file, tmp_path, capsys):
+    """Case 18: --overwrite on a run whose checkpoints/ is a symbolic link: one line, and nothing is
+    deleted, in the run or where the link points."""
+    run = copy_run(ppo_run, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.rename(run / "checkpoints", elsewhere / "checkpoints")
+    os.symlink(elsewhere / "checkpoints", run / "checkpoints")
+    before, kept = snapshot(run), snapshot(elsewhere)
+    code, _, err, _ = command(capsys, "ppo.py", *tiny(unloadable, personas_file, run, "--overwrite"))
+    assert_one_line(code, err, "checkpoints", "link")
+    assert snapshot(run) == before and snapshot(elsewhere) == kept
+
+
+def test_a_run_resumed_by_the_other_trainer(ppo_run, grpo_run, tmp_path, capsys):
+    """Cases 19 and 28: grpo.py --resume of a PPO run, and ppo.py --resume of a GRPO run: one line
+    saying which script made the run (not a ValueError, not "critic/... is missing")."""
+    code, _, err, _ = command(capsys, "grpo.py", "--resume", str(copy_run(ppo_run, tmp_path, "ppo")),
+                              "--preset", "cpu")
+    assert_one_line(code, err, "ppo.py")
+    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(copy_run(grpo_run, tmp_path, "grpo")),
+                              "--preset", "cpu")
+    assert_one_line(code, err, "grpo.py")
+    assert "missing" not in err
+
+
+def test_a_huge_persona_field_is_refused_when_the_file_loads(unloadable, tmp_path, persona_entry,
+                                                             write_personas, capsys):
+    """Case 20: a persona whose background is 1 MB long, with --simulator same: one line naming the
+    file, the entry and the field, before any model loads."""
+    path = write_personas([persona_entry(id="big1", background="she waited. " * 90_000)])
+    argv = tiny(unloadable, path, tmp_path / "run", "--simulator", "same")
+    code, _, err, _ = command(capsys, "ppo.py", *argv)
+    assert_one_line(code, err, path, "big1", "background")
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--lr", "nan"), ("--critic-lr", "inf")])
+def test_learning_rates_must_be_finite(flag, value, unloadable, personas_file, tmp_path, capsys):
+    """Case 21: --lr inf (accepted today: it saved a checkpoint of non-finite weights), --lr nan,
+    --critic-lr inf: one line saying the rate must be finite, before any model loads."""
+    argv = tiny(unloadable, personas_file, tmp_path / "run", flag, value)
+    code, _, err, _ = command(capsys, "ppo.py", *argv)
+    assert_one_line(code, err, flag, value, "finite")
+
+
+def test_non_finite_weights_are_never_saved_as_a_complete_checkpoint(model, personas_file, tmp_path):
+    """Case 21: the update of iteration 2 leaves NaN in the weights (tests/faults.py --nan-after: no
+    flag can do it once rates must be finite): the run stops with one line, and its newest complete
+    checkpoint is still iteration 1's, with finite adapters."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    code, _, err, _ = faulty("--nan-after", str(out / "checkpoints" / "iter_000001"), "--", "ppo.py",
+                             *tiny(model, personas_file, out, "--iterations", "2", "--save-every", "1"))
+    stops_with_one_line(code, err, "non-finite")
+    assert complete_checkpoints(out) == ["iter_000001"]
+    for adapter in ("default", "critic"):
+        weights = load_file(out / "checkpoints" / "iter_000001" / adapter / "adapter_model.safetensors")
+        assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.parametrize("case", ["22 rollout --dialogues 0", "23 rollout --threads -1",
+                                  "24 learning --seeds a,b"])
+def test_bench_flags_are_checked_like_the_trainers(case, unloadable, tmp_path, capsys):
+    """Cases 22-24: bench.py rollout --dialogues 0, rollout --threads -1, learning --seeds a,b: one
+    line naming the flag and the value, exit 2, before any model loads (or any run starts)."""
+    _, sub, flag, value = case.split()
+    where = ["--model", unloadable] if sub == "rollout" else ["--out", str(tmp_path / "bench")]
+    code, _, err, _ = command(capsys, "bench.py", sub, flag, value, *where)
+    assert_one_line(code, err, flag, value)
+    assert not (tmp_path / "bench").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A secret written (case 25)
+# ----------------------------------------------------------------------------------------------
+def test_a_key_typed_as_the_key_variable_is_refused_without_echoing_it(unloadable, personas_file, tmp_path,
+                                                                        capsys):
+    """Case 25: --api-key-env gsk_abc123SECRET (a key, not a variable of the environment; the name is
+    valid) and gsk-abc.123SECRET (not a valid name): one line that does not hold the value, exit 2,
+    nothing written."""
+    for i, value in enumerate(["gsk_abc123SECRET", "gsk-abc.123SECRET"]):
+        out = tmp_path / f"run{i}"
+        code, stdout, err, _ = command(capsys, "ppo.py", *tiny(unloadable, personas_file, out,
+                                                               "--api-key-env", value))
+        assert_one_line(code, err, "--api-key-env")
+        assert "123SECRET" not in stdout + err
+        assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Unclear messages (cases 26-32)
+# ----------------------------------------------------------------------------------------------
+def test_an_adapter_for_another_model_width_says_why(model, personas_file, tmp_path, capsys):
+    """Case 26: an adapter made for a 48-wide model on the 64-wide tiny model: the line says why (a
+    weight's shape against the model's), not just "Error(s) in loading state_dict"."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**LlamaConfig.from_pretrained(model).to_dict(), "hidden_size": 48,
+                            "intermediate_size": 96, "head_dim": 12})
+    adapter = tmp_path / "adapter"
+    lora = LoraConfig(r=2, target_modules=["q_proj"])
+    get_peft_model(LlamaForCausalLM(config), lora).save_pretrained(adapter)
+    code, _, err, _ = command(capsys, *ev(model, personas_file, tmp_path / "eval", "--adapter", str(adapter)))
+    assert_one_line(code, err, str(adapter))
+    why = error_lines(err)[0].replace(str(adapter), "").replace(model, "")
+    assert re.search(r"\b48\b", why) and re.search(r"\b64\b", why), why
+
+
+@pytest.mark.parametrize("script", ["ppo", "grpo"])
+def test_the_batch_shape_error_names_both_values(script, unloadable, personas_file, tmp_path, capsys):
+    """Case 27: "must be a multiple of --minibatch-size" names both values (GRPO: the batch of
+    --personas-per-iteration x --group-size, and --minibatch-size). GRPO's already did."""
+    if script == "ppo":
+        flags, words = ["--dialogues-per-iteration", "3", "--minibatch-size", "4"], \
+            ["--dialogues-per-iteration 3", "--minibatch-size 4"]
+    else:
+        flags, words = ["--personas-per-iteration", "3", "--group-size", "2", "--minibatch-size", "4"], \
+            ["--minibatch-size 4", "6"]
+    argv = tiny(unloadable, personas_file, tmp_path / "run", *flags, script=script)
+    code, _, err, _ = command(capsys, f"{script}.py", *argv)
+    assert_one_line(code, err, *words)
+
+
+@pytest.mark.parametrize("script, flag, value, meant", [
+    ("ppo", "--learning-rate", "1e-4", "--lr"),
+    ("ppo", "--critic-learning-rate", "1e-4", "--critic-lr"),
+    ("ppo", "--ppo-epochs", "2", "--update-epochs"),
+    ("grpo", "--batch-size", "2", "--personas-per-iteration"),
+])
+def test_a_synonym_of_a_flag_names_the_flag(script, flag, value, meant, unloadable, personas_file, tmp_path,
+                                            capsys):
+    """Case 30: --learning-rate 1e-4 says "did you mean --lr?"; so do the other common names of the
+    trainers' flags."""
+    code, _, err, _ = command(capsys, f"{script}.py", *tiny(unloadable, personas_file, tmp_path / "run", flag,
+                                                            value, script=script))
+    assert_one_line(code, err, flag, f"did you mean {meant}")
+
+
+def test_resume_takes_the_runs_preset_from_its_settings(resumed):
+    """Case 31: `ppo.py --resume RUN` without --preset cpu, on a machine without CUDA, resumes a run
+    made with --preset cpu (its saved settings say which model and where), no "needs CUDA"."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    run, code, err = resumed
+    assert code == 0 and "CUDA" not in err, err[-2000:]
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
+
+
+def test_grpo_resume_with_another_out_is_refused(grpo_run, tmp_path, capsys):
+    """Case 32: grpo.py --resume A --out B: one line (a resume continues in A; drop --out); nothing
+    written in A or B."""
+    run = copy_run(grpo_run, tmp_path)
+    before = snapshot(run)
+    other = tmp_path / "other"
+    code, _, err, _ = command(capsys, "grpo.py", "--resume", str(run), "--out", str(other), "--preset", "cpu")
+    assert_one_line(code, err, "--out", "--resume")
+    assert not other.exists() and snapshot(run) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# Also: Ctrl-C and SIGTERM, a killed trim's leftovers, bench.py's exit codes
+# ----------------------------------------------------------------------------------------------
+def test_ctrl_c_and_sigterm_say_where_the_run_stopped_and_it_resumes(model, personas_file, tmp_path):
+    """Also: Ctrl-C (SIGINT) during a run, sent once its first checkpoint is complete (so in the next
+    iteration): one line saying in which iteration it stopped and how to resume (--resume DIR), no
+    traceback, exit code 130. The resume runs on; SIGTERM, once it has saved a newer checkpoint, stops
+    it the same way with exit code 143; and a last resume completes the run from where it stopped."""
+    out, newest = tmp_path / "run", 0
+    start = tiny(model, personas_file, out, "--iterations", "200")
+    resume = ["--resume", str(out), "--preset", "cpu", "--iterations", "200"]
+    for name, exit_code, argv in (("SIGINT", 130, start), ("SIGTERM", 143, resume)):
+        log = tmp_path / f"{name}.txt"
+        proc = background(["ppo.py", *argv], log)
+        try:
+            wait_for(lambda: newest_checkpoint(out) > newest, proc, log)
+            sent = log.stat().st_size
+            proc.send_signal(getattr(signal, name))
+            code = proc.wait(120)
+        finally:
+            stop(proc)
+        err = log.read_bytes()
+        assert code == exit_code, err[-2000:]
+        assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err[-2000:]
+        said = [line for line in re.split(r"[\r\n]", err[sent:].decode()) if "--resume" in line]
+        assert len(said) == 1 and str(out) in said[0] and re.search(r"iteration \d+", said[0]), err[-2000:]
+        newest = newest_checkpoint(out)
+    run_ok("ppo.py", "--resume", str(out), "--preset", "cpu", "--iterations", str(newest + 1))
+    assert [m["iteration"] for m in read_metrics(out)] == list(range(1, newest + 2))
+
+
+def test_resume_removes_what_a_killed_trim_left(resumed):
+    """Also: a kill during a resume's trim leaves NAME.tmp<pid> beside the file; the next resume (the
+    lock says nobody else writes there) removes it."""
+    run, code, err = resumed
+    assert [n for n in os.listdir(run) if re.search(r"\.tmp\d+$", n)] == [], err[-2000:]
+
+
+def test_bench_own_checks_exit_2_with_one_line(tmp_path):
+    """Also: bench.py's own checks (here --jobs, and `bench.py gpu` on a machine without CUDA) end
+    with one error line and exit code 2, as every other command's."""
+    code, _, err, _ = cli("bench.py", "learning", "--jobs", "99", "--out", str(tmp_path / "bench"))
+    assert_one_line(code, err, "--jobs", "99")
+    if not torch.cuda.is_available():
+        code, _, err, _ = cli("bench.py", "gpu")
+        assert_one_line(code, err, "CUDA")
+
+
+# ----------------------------------------------------------------------------------------------
+# The fault launcher against the real thing
+# ----------------------------------------------------------------------------------------------
+PROBE = """
+import json, os, shutil, sys
+import torch
+from safetensors.torch import save_file
+
+
+def outcome(f):
+    try:
+        f()
+        return "ok"
+    except Exception as e:
+        return f"{type(e).__name__} {getattr(e, 'errno', None) or ''}".strip()
+
+
+def probe(d):
+    t = {"w": torch.zeros(50_000)}  # 200 KB: more than the full disk's free space
+    seen = {"open": outcome(lambda: open(f"{d}/a.txt", "w").write("x" * 300_000)),
+            "makedirs": outcome(lambda: os.makedirs(f"{d}/sub/deeper")),
+            "makedirs existing": outcome(lambda: os.makedirs(d, exist_ok=True)),
+            "safetensors": outcome(lambda: save_file(t, f"{d}/w.safetensors")),
+            "torch.save": outcome(lambda: torch.save(t, f"{d}/s.pt")),
+            "replace": outcome(lambda: os.replace(f"{d}/old", f"{d}/new")),
+            "remove": outcome(lambda: os.remove(f"{d}/old")),
+            "rmtree": outcome(lambda: shutil.rmtree(f"{d}/tree")),
+            "writable": os.access(d, os.W_OK),
+            "read-only flag": bool(os.statvfs(d).f_flag & os.ST_RDONLY),
+            "under 100 KB free": os.statvfs(d).f_bavail * os.statvfs(d).f_frsize < 100_000}
+    seen["left"] = sorted(os.listdir(d))
+    return seen
+
+
+print(json.dumps({d: probe(d) for d in sys.argv[1:]}))
+"""
+
+
+def test_the_fault_launcher_fails_as_a_real_mount_does(tmp_path):
+    """tests/faults.py against a real read-only tmpfs and a full 64 KB one: the same outcome (error
+    type and errno, or success; files left; os.access, statvfs) for each way the project writes.
+    Needs mount privileges (root with CAP_SYS_ADMIN); skipped where mounting is not allowed."""
+    real_ro, real_full, fake_ro, fake_full = (tmp_path / n for n in ("real_ro", "real_full", "ro", "full"))
+    mounted = []
+    try:
+        for folder, limit in ((real_ro, "1m"), (real_full, "64k")):
+            folder.mkdir()
+            mount = ["mount", "-t", "tmpfs", "-o", f"size={limit}", "tmpfs", str(folder)]
+            if not shutil.which("mount") or subprocess.run(mount, capture_output=True).returncode:
+                pytest.skip("mounting a tmpfs is not allowed here")
+            mounted.append(folder)
+        for folder in (real_ro, real_full, fake_ro, fake_full):
+            (folder / "tree" / "x").mkdir(parents=True)
+            (folder / "old").touch()
+        subprocess.run(["mount", "-o", "remount,ro", str(real_ro)], check=True)
+        (tmp_path / "probe.py").write_text(PROBE)
+        folders = [str(f) for f in (real_ro, fake_ro, real_full, fake_full)]
+        code, out, err, _ = faulty("--read-only", str(fake_ro), "--disk-full", str(fake_full), "--free",
+                                   "65536", "--", str(tmp_path / "probe.py"), *folders)
+        assert code == 0, err[-2000:]
+        seen = json.loads(out)
+        assert seen[str(fake_ro)] == seen[str(real_ro)]
+        assert seen[str(fake_full)] == seen[str(real_full)]
+    finally:
+        for folder in reversed(mounted):
+            subprocess.run(["umount", str(folder)], capture_output=True)

@@ -184,9 +184,8 @@ def _sage_persona(path, i, entry, need_opening=True):
     return persona
 
 
-def read_profile_lines(path):
-    """[(line index, object)] of a JSON-lines profile file; PersonaError (one line) when the file
-    cannot be read or a line is not JSON."""
+def read_text(path):
+    """A persona file's text; PersonaError (one line) when it cannot be read or is not UTF-8."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -196,6 +195,13 @@ def read_profile_lines(path):
         line = e.object[:e.start].count(b"\n") + 1
         raise PersonaError(f"{path}: line {line}: not UTF-8 text "
                            f"(byte 0x{e.object[e.start]:02x} at offset {e.start})")
+    return text
+
+
+def read_profile_lines(path):
+    """[(line index, object)] of a JSON-lines profile file; PersonaError (one line) when the file
+    cannot be read or a line is not JSON."""
+    text = read_text(path)
     entries = []
     for i, line in enumerate(text.splitlines()):
         if not line.strip():
@@ -212,15 +218,7 @@ def load_personas(path, split=None):
     entry. split: keep that split; a JSON-lines entry without a split of its own belongs to any
     split asked for (labelled 'test' when none is). Ids stay the file's own.
     Raises PersonaError with a one-line message naming the file, the entry and the field."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise PersonaError(f"{path}: cannot read: {e.strerror}")
-    except UnicodeDecodeError as e:
-        line = e.object[:e.start].count(b"\n") + 1
-        raise PersonaError(f"{path}: line {line}: not UTF-8 text "
-                           f"(byte 0x{e.object[e.start]:02x} at offset {e.start})")
+    text = read_text(path)
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:

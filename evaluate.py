@@ -45,10 +45,10 @@ from tqdm import tqdm
 
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
                      eos_ids, load_policy, play_dialogues)
-from run import (OutputSettings, TrackerSettings, at_least, claim_folder, default_device, fail,
-                 latest_checkpoint, log_to_trackers, one_of, parse_settings, public_config, redact,
-                 release_run, set_seed, setting, start_trackers, start_writing, summarize, tracker_settings,
-                 transcript_record)
+from run import (OutputSettings, TrackerSettings, append_lines, at_least, claim_folder, default_device, fail,
+                 latest_checkpoint, log_to_trackers, one_of, parse_settings, public_config, read_json_lines,
+                 redact, release_run, rows_with, set_seed, setting, start_trackers, start_writing, summarize,
+                 tracker_settings, transcript_record)
 from simulator import (SimulatorError, SimulatorSettings, UserState, apply_change, auto_readout,
                        build_simulator, load_personas_or_exit, simulator_kind)
 
@@ -310,23 +310,11 @@ def answers_match(predicted, reference):
 
 def read_jsonl_or_exit(path):
     """(line index, object) for each non-empty line of a JSON-lines file; an unreadable file or a
-    bad line prints one error line naming the file and the line, and exits with code 2."""
+    bad line ends the program with one line naming the file and the line, exit code 2."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        print(f"error: {path}: cannot read: {e.strerror}", file=sys.stderr)
-        sys.exit(2)
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            out.append((i, json.loads(line)))
-        except json.JSONDecodeError as e:
-            print(f"error: {path}: line {i + 1}: not valid JSON: {e.msg}", file=sys.stderr)
-            sys.exit(2)
-    return out
+        return read_json_lines(path)
+    except ValueError as e:
+        fail(e)
 
 
 def load_math_or_exit(path):
@@ -633,14 +621,6 @@ def plot_curves(run_dirs, out):
 # ----------------------------------------------------------------------------------------------
 # The evaluation loop
 # ----------------------------------------------------------------------------------------------
-def _append_lines(path, rows):
-    """Whole lines, flushed and synced: a crash in the next model leaves these on disk."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _write_results(out, results):
     with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1, ensure_ascii=False)
@@ -682,7 +662,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
             if problems is not None:
                 answers = answer_questions(policy, tokenizer, problems, args.math_max_new_tokens,
                                            args.math_batch_size, desc=f"{m['label']}: math")
-        _append_lines(transcripts, [transcript_record(r, model=m["label"]) for r in records])
+        append_lines(transcripts, [transcript_record(r, model=m["label"]) for r in records])
         summary = model_summary(records, persona_ids, args.bootstrap, args.seed)
         speed = summarize(records, stats)
         summary.update(label=m["label"], adapter=m["adapter_path"], seconds=time.time() - t0,
@@ -1075,19 +1055,9 @@ def _key(value):
 
 
 def finished_appraisals(path, settings_key):
-    """{dialogue key: row} of appraisals.jsonl rows made with these settings; rows of other settings
-    stay in the file and are never mixed in; a line cut short by a crash is ignored."""
-    done = {}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(row, dict) and row.get("settings") == settings_key:
-                    done[row["dialogue"]] = row
-    return done
+    """{dialogue key: row} of appraisals.jsonl rows made with these settings (run.rows_with: other
+    settings' rows are never mixed in, a line cut short by a crash is skipped)."""
+    return {row["dialogue"]: row for row in rows_with(path, settings_key)}
 
 
 def appraise_dialogues(simulator, dialogues, personas, store, settings_key, batch_dialogues=4, progress=True):
@@ -1109,7 +1079,7 @@ def appraise_dialogues(simulator, dialogues, personas, store, settings_key, batc
             rows.append({"settings": settings_key, "dialogue": d["key"], "file": d["file"], "line": d["line"],
                          "id": d["id"], "changes": [c for c, _, _ in mine], "parsed": [p for _, _, p in mine],
                          "appraisals": [t for _, t, _ in mine]})
-        _append_lines(store, rows)
+        append_lines(store, rows)
         done.update((row["dialogue"], row) for row in rows)
         bar.update(len(part))
     bar.close()

@@ -611,6 +611,61 @@ def write_atomically(path, text):
         os.close(folder)
 
 
+def append_lines(path, rows, **dumps):
+    """Append rows to a JSON-lines file as whole lines, flushed and synced: a crash afterwards
+    leaves them on disk, and a kill during the write at most one torn last line (which every reader
+    here skips). dumps: json.dumps keywords (allow_nan=False for the run's logs)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(row, ensure_ascii=False, **dumps) + "\n" for row in rows))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def rows_with(path, settings):
+    """The rows of a JSON-lines file kept across runs (OUT.partial of the openings, appraisals.jsonl)
+    that were made with these settings; rows of other settings stay in the file and are never mixed
+    in, and a line cut short by a crash is skipped (its work is done again). [] without the file."""
+    rows = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict) and row.get("settings") == settings:
+                    rows.append(row)
+    return rows
+
+
+def read_text(path, error=ValueError):
+    """A text file given on the command line; `error` (one line naming the file, and the line of a
+    byte that is not UTF-8) when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror}")
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise error(f"{path}: line {line}: not UTF-8 text "
+                    f"(byte 0x{e.object[e.start]:02x} at offset {e.start})")
+
+
+def read_json_lines(path, error=ValueError):
+    """[(line index, object)] for each non-empty line of a JSON-lines file; `error` (one line naming
+    the file and the line) when it cannot be read or a line is not JSON."""
+    entries = []
+    for i, line in enumerate(read_text(path, error).splitlines()):
+        if not line.strip():
+            continue
+        try:
+            entries.append((i, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise error(f"{path}: line {i + 1}: not valid JSON: {e.msg}")
+    return entries
+
+
 # Who owns a run folder. The marker says this project made it (only then may --overwrite clear it,
 # and only of the names below); the lock says which process writes in it now: an flock on .lock,
 # which the kernel drops when that process ends, however it ends.
@@ -862,17 +917,14 @@ class RunFolder:
         says how many of its values were (nonfinite_metrics)."""
         if not self.enabled:
             return
-        lines = []
+        clean = []
         for row in rows:
             row, count = finite_row(row)
             if name == "metrics.jsonl":
                 row["nonfinite_metrics"] = count
-            lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
+            clean.append(row)
         try:
-            with open(os.path.join(self.path, name), "a", encoding="utf-8") as f:
-                f.write("".join(lines))
-                f.flush()
-                os.fsync(f.fileno())
+            append_lines(os.path.join(self.path, name), clean, allow_nan=False)
         except OSError as e:
             fail(f"cannot append to {os.path.join(self.path, name)} ({write_failure(e, self.path)}); the "
                  f"run stopped: --resume {self.path} continues from its newest checkpoint", code=1)
@@ -1332,6 +1384,7 @@ class Run:
         iteration to start from."""
         args, rank = self.args, self.rank
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.trained = [p for group in optimizer.param_groups for p in group["params"]]  # what the steps move
         self.modules = modules or {}
         start = 0
         if args.resume:
@@ -1452,8 +1505,7 @@ class Run:
         (`update_logs`: name -> list), the rollout summary, the timings (`times`: name -> this
         process's seconds), peak memory, and whether every process holds the same trained
         parameters; then every dialogue to rollouts.jsonl and the trackers. Returns the metrics."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        digests = gather_objects([fingerprint(params)], self.accelerator)  # data parallel: bit-identical
+        digests = gather_objects([fingerprint(self.trained)], self.accelerator)  # replicas bit-identical?
         summary = summarize(all_records, global_stats(rollout_stats, self.accelerator))
         metrics = {"iteration": iteration + 1, **method, **summary,
                    **{k: global_mean(v, self.accelerator) for k, v in update_logs.items()},
@@ -1493,8 +1545,7 @@ class Run:
         fails (a full disk) removes what it wrote and stops the run with one line."""
         from safetensors import SafetensorError
 
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        finite = name is not None or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+        finite = name is not None or bool(torch.stack([torch.isfinite(p).all() for p in self.trained]).all())
         name = name if finite else f"partial_iter_{iteration:06d}"
         rngs = gather_objects([rng_state()], self.accelerator)
         path = None

@@ -37,7 +37,6 @@ import os
 import re
 import socket
 import sys
-import tempfile
 import threading
 import time
 import unicodedata
@@ -47,8 +46,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from run import (EMBEDDED, above, at_least, check_rules, env_name, fail, load_model, model_problem,
-                 one_line_errors, one_of, redact, setting, within)
+from run import (EMBEDDED, above, append_lines, at_least, check_rules, env_name, fail, load_model,
+                 model_problem, one_line_errors, one_of, read_json_lines, read_text, redact, rows_with,
+                 setting, within, write_atomically)
 
 # ----------------------------------------------------------------------------------------------
 # Personas
@@ -184,33 +184,19 @@ def _sage_persona(path, i, entry, need_opening=True):
     return persona
 
 
-def read_text(path):
-    """A persona file's text; PersonaError (one line) when it cannot be read or is not UTF-8."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise PersonaError(f"{path}: cannot read: {e.strerror}")
-    except UnicodeDecodeError as e:
-        line = e.object[:e.start].count(b"\n") + 1
-        raise PersonaError(f"{path}: line {line}: not UTF-8 text "
-                           f"(byte 0x{e.object[e.start]:02x} at offset {e.start})")
-    return text
-
-
 def read_profile_lines(path):
     """[(line index, object)] of a JSON-lines profile file; PersonaError (one line) when the file
     cannot be read or a line is not JSON."""
-    text = read_text(path)
-    entries = []
-    for i, line in enumerate(text.splitlines()):
-        if not line.strip():
-            continue
-        try:
-            entries.append((i, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise PersonaError(f"{path}: line {i + 1}: not valid JSON: {e.msg}")
-    return entries
+    return read_json_lines(path, PersonaError)
+
+
+def check_unique_ids(path, personas):
+    """PersonaError naming the first id that two entries share."""
+    seen = set()
+    for p in personas:
+        if p.id in seen:
+            raise PersonaError(f"{path}: entry {p.id}: field 'id' is a duplicate")
+        seen.add(p.id)
 
 
 def load_personas(path, split=None):
@@ -218,7 +204,7 @@ def load_personas(path, split=None):
     entry. split: keep that split; a JSON-lines entry without a split of its own belongs to any
     split asked for (labelled 'test' when none is). Ids stay the file's own.
     Raises PersonaError with a one-line message naming the file, the entry and the field."""
-    text = read_text(path)
+    text = read_text(path, PersonaError)
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
@@ -228,11 +214,7 @@ def load_personas(path, split=None):
         personas = [_project_persona(path, i, e) for i, e in enumerate(entries)]
     else:  # SAGE / RLVER: one JSON object per line
         personas = [_sage_persona(path, i, entry) for i, entry in read_profile_lines(path)]
-    seen = set()
-    for p in personas:
-        if p.id in seen:
-            raise PersonaError(f"{path}: entry {p.id}: field 'id' is a duplicate")
-        seen.add(p.id)
+    check_unique_ids(path, personas)
     if split is not None:  # an entry with no split of its own belongs to the split asked for
         personas = [p for p in personas if p.split in (split, None)]
     personas = [p if p.split else dataclasses.replace(p, split=split or "test") for p in personas]
@@ -1446,38 +1428,22 @@ def openings_command(args):
     try:
         lines = read_profile_lines(source)
         personas = [_sage_persona(source, i, entry, need_opening=False) for i, entry in lines]
+        check_unique_ids(source, personas)
     except PersonaError as e:
         fail(e)
-    ids = [p.id for p in personas]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        fail(f"{source}: entry {dup}: field 'id' is a duplicate")
     if not personas:
         fail(f"{source}: no profiles")
     settings = {"personas": os.path.abspath(source), "model": redact(args.model), "api_model": args.api_model,
                 "start_emotion": args.start_emotion}
     partial = out + ".partial"
-    kept = {}
-    if os.path.exists(partial):
-        with open(partial, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short by a crash: ask for that one again
-                    continue
-                if isinstance(row, dict) and row.get("settings") == settings:
-                    kept[row["id"]] = row["first_talk"]
+    kept = {row["id"]: row["first_talk"] for row in rows_with(partial, settings)}  # a torn line: asked again
     todo = [p for p, (_, entry) in zip(personas, lines) if not has_opening(entry) and p.id not in kept]
     print(f"{len(personas)} profiles in {source}: {len(personas) - len(todo) - len(kept)} have openings, "
           f"{len(kept)} written before (in {partial}), {len(todo)} to write with {redact(args.model)}",
           file=sys.stderr)
 
     def keep(persona_id, text):
-        with open(partial, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"settings": settings, "id": persona_id, "first_talk": text},
-                               ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_lines(partial, [{"settings": settings, "id": persona_id, "first_talk": text}])
 
     failed = {}
     if todo:
@@ -1493,20 +1459,10 @@ def openings_command(args):
                        f"'first_talk' could not be written: {why}", file=sys.stderr)
         fail(f"{len(failed)} of {len(personas)} openings not written; {out} not written; the {len(kept)} "
              f"written are kept in {partial}, and the same command again asks only for the rest")
-    folder = os.path.dirname(os.path.abspath(out))
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=folder, prefix=".openings-",
-                                     delete=False) as f:
-        try:
-            for p, (_, entry) in zip(personas, lines):
-                if not has_opening(entry):
-                    entry = {**entry, "first_talk": kept[p.id]}
-                f.write(json.dumps(entry, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        except BaseException:  # a full disk or Ctrl-C: no temporary file left behind
-            os.remove(f.name)
-            raise
-    os.replace(f.name, out)  # atomic: OUT is whole or absent
+    filled = [entry if has_opening(entry) else {**entry, "first_talk": kept[p.id]}
+              for p, (_, entry) in zip(personas, lines)]
+    # atomic: OUT is whole or absent, and a full disk or Ctrl-C leaves no temporary file behind
+    write_atomically(out, "".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in filled))
     if os.path.exists(partial):
         os.remove(partial)
     print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)

@@ -1181,7 +1181,8 @@ def main(argv=None):
                                   **tracker_settings(args.report_to, args.out))
     policy, tokenizer, models = load_models(args)
     try:
-        simulator, device_map = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge)
+        simulator, device_map = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge,
+                                                goodbye="sage")
     except ValueError as e:
         fail(e)
     start_writing(args.out, "evaluate.py", args.overwrite)  # every check passed: --overwrite clears now

@@ -259,7 +259,18 @@ DIFFICULTY_TEXT = {
     "hard": "You are sharp and sceptical: only a reply that hits your real, unspoken need helps; "
             "generic sympathy or advice makes things worse.",
 }
-GOODBYE = re.compile(r"\b(good\s*-?\s*bye|bye|farewell)\b|再见|拜拜", re.IGNORECASE)
+# When the user's message ends the dialogue. SAGE's rule (evaluate.py's protocol): 再见 or 拜拜 anywhere,
+# and here the English words too. Training's rule: the message closes with a farewell, that is its last
+# clause (after a sentence mark, a comma or an emoticon) holds a farewell word among pleasantries only
+# ("Thanks, bye.", "ok bye for now", "谢谢，再见！"), so that "I never got to say goodbye to him" or
+# 我不想再见到他 goes on.
+FAREWELL = r"good\s*-?\s*bye|bye|farewell|再见|拜拜"
+PLEASANTRY = (r"ok(?:ay)?|alright|well|so|anyway|and|then|now|for now|thanks|thank you|take care|cheers|cya|"
+              r"see you|好的?|谢谢你?|嗯|那就?")
+WORDS = rf"(?:{PLEASANTRY}|{FAREWELL})"
+GOODBYE = {"sage": re.compile(r"\b(good\s*-?\s*bye|bye|farewell)\b|再见|拜拜", re.IGNORECASE),
+           "closing": re.compile(rf"(?:^|[^\w\s']|<3)(?=.*(?:{FAREWELL}))\W*(?:{WORDS}\W*)+(?:[啦吧]\W*)?$",
+                                 re.IGNORECASE)}
 
 
 def band(emotion):
@@ -283,8 +294,8 @@ def apply_change(emotion, change, max_change):
     return new, new - emotion
 
 
-def says_goodbye(text):
-    return GOODBYE.search(text) is not None
+def says_goodbye(text, rule="closing"):
+    return GOODBYE[rule].search(text) is not None
 
 
 @dataclass
@@ -1066,14 +1077,15 @@ class Simulator:
 
     def __init__(self, backend, readout="auto", start_emotion=40, max_change=10, max_turns=8,
                  leave_below=10, reply_tokens=64, appraisal_tokens=300, likelihood_scale=2.5,
-                 judge="training", retry_tokens=24):
+                 judge="training", retry_tokens=24, goodbye="closing"):
         problem = readout_problem(readout, backend.name)
         if problem:
             raise ValueError(f"--readout {readout}: {problem}")
         if readout == "auto":  # logits exist only for local models; see docs/simulator.md "Read-outs"
             readout = auto_readout(backend.name)
-        if judge not in JUDGES:
-            raise ValueError(f"judge must be one of {JUDGES}, got '{judge}'")
+        if judge not in JUDGES or goodbye not in GOODBYE:
+            raise ValueError(f"judge must be one of {JUDGES} and goodbye of {tuple(GOODBYE)}, got '{judge}', "
+                             f"'{goodbye}'")
         if judge == "heldout" and readout != "reasoned":
             raise ValueError(f"judge 'heldout' is an appraisal prompt: it needs --readout reasoned, "
                              f"not '{readout}'")
@@ -1085,6 +1097,7 @@ class Simulator:
         self.leave_below, self.reply_tokens, self.appraisal_tokens = (leave_below, reply_tokens,
                                                                       appraisal_tokens)
         self.likelihood_scale, self.judge, self.retry_tokens = likelihood_scale, judge, retry_tokens
+        self.goodbye = goodbye  # which rule ends a dialogue on the user's farewell (GOODBYE)
         self.seconds = 0.0  # wall time spent inside the simulator, for tokens/s metrics
 
     def start(self, persona):
@@ -1176,7 +1189,7 @@ class Simulator:
         talking = [s for s in states if not s.done]
         for s, text in zip(talking, self._user_messages(talking) if talking else []):
             s.history.append({"role": "user", "text": text})
-            if says_goodbye(text):
+            if says_goodbye(text, self.goodbye):
                 s.end_reason = "goodbye"
         for s in states:
             if s.done:
@@ -1323,9 +1336,9 @@ def gpus_after_the_first():
     return {0: 0, **{i: int(torch.cuda.get_device_properties(i).total_memory * 0.9) for i in range(1, n)}}
 
 
-def build_simulator(args, policy, tokenizer, device, world=1, judge="training"):
-    """The simulated user of a script's SimulatorSettings, placed as simulator_placement says.
-    Returns (simulator, device_map)."""
+def build_simulator(args, policy, tokenizer, device, world=1, judge="training", goodbye="closing"):
+    """The simulated user of a script's SimulatorSettings, placed as simulator_placement says
+    (goodbye: the rule that ends a dialogue on a farewell, GOODBYE). Returns (simulator, device_map)."""
     device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map, world)
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, api_model=args.api_model,
                            api_key_env=args.api_key_env, device=device, device_map=device_map,
@@ -1334,7 +1347,7 @@ def build_simulator(args, policy, tokenizer, device, world=1, judge="training"):
                            api_concurrency=args.api_concurrency)
     simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
                           max_change=args.max_change, max_turns=args.max_turns,
-                          reply_tokens=args.user_reply_tokens, judge=judge)
+                          reply_tokens=args.user_reply_tokens, judge=judge, goodbye=goodbye)
     return simulator, device_map
 
 

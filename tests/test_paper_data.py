@@ -197,6 +197,19 @@ def test_evaluate_judges_as_many_replies_as_sage_does():
     assert sim.leave_below == evaluate.SAGE_LEAVE_BELOW == 10
 
 
+def test_evaluate_ends_a_dialogue_on_a_farewell_word_anywhere_as_sage_does(tiny_model_dir, persona_entry,
+                                                                         write_personas, tmp_path):
+    # issue 30, item 1: training goes on after this line (tests/test_simulator.py); SAGE's rule ends it
+    about = "He just said bye and left me there."
+    path = write_personas([persona_entry(id="t1", band_lines={b: about for b in "ABCF"})])
+    out = tmp_path / "eval"
+    evaluate.main(["--model", tiny_model_dir, "--simulator", "rules", "--personas", path, "--max-turns", "3",
+                   "--max-new-tokens", "4", "--bootstrap", "20", "--out", str(out)])
+    played = json.load(open(out / "results.json"))["models"][0]["dialogue_results"][0]
+    assert (played["end_reason"], played["turns"]) == ("goodbye", 1)
+    assert not simulator.says_goodbye(about) and simulator.says_goodbye(about, "sage")
+
+
 def test_average_ranks_share_ties():
     assert evaluate.average_ranks([10, 20, 20, 30]).tolist() == [1, 2.5, 2.5, 4]
     assert evaluate.average_ranks([3, 1, 3, 3]).tolist() == [3, 1, 3, 3]

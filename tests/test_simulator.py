@@ -373,6 +373,32 @@ def test_goodbye_in_user_message(persona):
         sim.step([s], ["another reply"])
 
 
+# Issue 30, item 1: sentences about a goodbye, which must not end a training dialogue, and closing
+# farewells, which must. SAGE's rule (evaluate.py's protocol) ends on a farewell word anywhere.
+ABOUT_A_GOODBYE = ["The worst part is that I never got to say goodbye to him",
+                   "We had a little farewell for Biscuit", "He just said bye and left me there",
+                   "我再也不想再见到他了"]
+CLOSING_FAREWELLS = ["Goodbye.", "Bye for now!", "Thanks, bye.", "take care, bye", "ok bye",
+                     "I think I can talk to Karim tonight. Thank you for listening, goodbye.",
+                     "好的，再见", "谢谢你，拜拜！", "那我先走了。再见。"]
+
+
+@pytest.mark.parametrize("rule", ["closing", "sage"])
+@pytest.mark.parametrize("text", ABOUT_A_GOODBYE + CLOSING_FAREWELLS)
+def test_a_user_leaves_on_a_closing_farewell_and_sage_on_any_farewell_word(persona, rule, text):
+    chosen = {"goodbye": rule} if rule == "sage" else {}  # the closing rule is the default (training's)
+    sim = Simulator(ScriptedBackend(["Change: +1"], [text]), **chosen)
+    s = sim.start(persona)
+    sim.step([s], ["reply"])
+    ends = rule == "sage" or text in CLOSING_FAREWELLS
+    assert s.history[-1]["text"] == text and s.end_reason == ("goodbye" if ends else None)
+
+
+def test_every_farewell_line_of_the_personas_closes_the_dialogue():
+    lines = [p.band_lines["S"] for p in load_personas(os.path.join(ROOT, "personas.json"))]
+    assert len(lines) == 65 and [t for t in lines if not says_goodbye(t)] == []
+
+
 def test_max_turns_and_precedence(persona):
     sim = Simulator(ScriptedBackend(["Change: 0"]), max_turns=3)
     s = sim.start(persona)

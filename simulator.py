@@ -261,7 +261,7 @@ DIFFICULTY_TEXT = {
 }
 # When the user's message ends the dialogue. SAGE's rule (evaluate.py's protocol): 再见 or 拜拜 anywhere,
 # and here the English words too. Training's rule: the message closes with a farewell, that is its last
-# clause (after a sentence mark, a comma or an emoticon) holds a farewell word among pleasantries only
+# clause (after its last punctuation mark or symbol) holds a farewell word among pleasantries only
 # ("Thanks, bye.", "ok bye for now", "谢谢，再见！"), so that "I never got to say goodbye to him" or
 # 我不想再见到他 goes on.
 FAREWELL = r"good\s*-?\s*bye|bye|farewell|再见|拜拜"
@@ -1073,16 +1073,18 @@ class RulesBackend:
 class Simulator:
     """judge: 'training' appraises as the persona itself (what the agent trains against);
     'heldout' appraises as an outside observer with the same fields and scale, a prompt training
-    never used, for evaluation (reasoned read-out only)."""
+    never used, for evaluation (reasoned read-out only). model_name: the user's model as the command
+    line named it (user_model), which readout='auto' goes by (auto_readout); without it, the backend's
+    name (a local model of no known name is not the one the likelihood read-out was calibrated on)."""
 
     def __init__(self, backend, readout="auto", start_emotion=40, max_change=10, max_turns=8,
                  leave_below=10, reply_tokens=64, appraisal_tokens=300, likelihood_scale=2.5,
-                 judge="training", retry_tokens=24, goodbye="closing"):
+                 judge="training", retry_tokens=24, goodbye="closing", model_name=None):
         problem = readout_problem(readout, backend.name)
         if problem:
             raise ValueError(f"--readout {readout}: {problem}")
-        if readout == "auto":  # logits exist only for local models; see docs/simulator.md "Read-outs"
-            readout = auto_readout(backend.name)
+        readout, self.readout_why = (auto_readout(model_name or backend.name) if readout == "auto"
+                                     else (readout, "given by --readout"))
         if judge not in JUDGES or goodbye not in GOODBYE:
             raise ValueError(f"judge must be one of {JUDGES} and goodbye of {tuple(GOODBYE)}, got '{judge}', "
                              f"'{goodbye}'")
@@ -1265,10 +1267,22 @@ def simulator_problem(value):
             f"a hub id org/name" + (f"; did you mean {guess[0]}?" if guess else ""))
 
 
-def auto_readout(kind):
-    """What --readout auto means for a simulator kind (simulator_kind, or a backend's name): the
-    likelihood read-out needs a local model's log-probabilities."""
-    return {"url": "reasoned", "rules": "rules"}.get(kind, "likelihood")
+def auto_readout(user):
+    """(read-out, why) that --readout auto picks for the model that plays the user (user_model(args), or
+    a backend's name). The likelihood read-out's offsets and tanh scale were set on the embedded 135M
+    model's contrasts, which mean something else on another model: any other model writes the paper's
+    reasoned appraisal."""
+    if user == "rules":
+        return "rules", "auto: the rules user"
+    if user in EMBEDDED:
+        return "likelihood", "auto: its offsets and scale were set on this embedded model"
+    return "reasoned", ("auto: the embedded 135M model is the only one the likelihood read-out is "
+                        "calibrated on")
+
+
+def user_model(args):
+    """The name of the model that plays the user: --simulator, or the policy's --model for `same`."""
+    return args.model if args.simulator == "same" else args.simulator
 
 
 def readout_problem(readout, kind):
@@ -1347,7 +1361,8 @@ def build_simulator(args, policy, tokenizer, device, world=1, judge="training", 
                            api_concurrency=args.api_concurrency)
     simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
                           max_change=args.max_change, max_turns=args.max_turns,
-                          reply_tokens=args.user_reply_tokens, judge=judge, goodbye=goodbye)
+                          reply_tokens=args.user_reply_tokens, judge=judge, goodbye=goodbye,
+                          model_name=user_model(args))
     return simulator, device_map
 
 
@@ -1358,7 +1373,8 @@ def make_simulator(args, policy, tokenizer, run, note=""):
         simulator_kind(args.simulator), "spread over GPUs 1.." if device_map else f"on {run.device}")
     if run.is_main:
         print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
-              f"{redact(args.simulator)} ({where}), read-out {simulator.readout}{note}")
+              f"{redact(args.simulator)} ({where}), read-out {simulator.readout} "
+              f"({simulator.readout_why}){note}")
     return simulator
 
 # ----------------------------------------------------------------------------------------------
@@ -1603,11 +1619,12 @@ def main(argv=None):
                            api_concurrency=args.api_concurrency)
     try:
         sim = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
-                        max_change=args.max_change, max_turns=args.max_turns, judge=args.judge)
+                        max_change=args.max_change, max_turns=args.max_turns, judge=args.judge,
+                        model_name=args.model)
     except ValueError as e:
         fail(e)
-    print(f"simulator: {redact(args.model)}, read-out: {sim.readout}, judge: {sim.judge}, "
-          f"{len(personas)} personas x {len(agent)} styles")
+    print(f"simulator: {redact(args.model)}, read-out: {sim.readout} ({sim.readout_why}), "
+          f"judge: {sim.judge}, {len(personas)} personas x {len(agent)} styles")
     t0 = time.time()
     try:
         results = play_scripted(sim, personas, agent)

@@ -1375,6 +1375,16 @@ def make_simulator(args, policy, tokenizer, run, note=""):
         print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
               f"{redact(args.simulator)} ({where}), read-out {simulator.readout} "
               f"({simulator.readout_why}){note}")
+    try:  # the moods --write-openings wrote this file's openings at (a JSON list, personas.json, has none)
+        moods = {e.get("first_talk_emotion") for _, e in read_profile_lines(args.personas)
+                 if isinstance(e, dict)}
+    except PersonaError:
+        moods = set()
+    moods -= {None, args.start_emotion}
+    if moods and run.is_main:
+        print(f"warning: {args.personas}: its openings were written at mood "
+              f"{', '.join(sorted(map(str, moods)))}, and the dialogues start at {args.start_emotion} "
+              f"(--start-emotion)", file=sys.stderr)
     return simulator
 
 # ----------------------------------------------------------------------------------------------
@@ -1394,14 +1404,15 @@ RULES_OPENING = {"en": "There is something on my mind that I would like to talk 
 OPENING_TOKENS = 64
 
 
-def opening_messages(persona, emotion=40):
+def opening_messages(persona, emotion=SimulatorSettings.start_emotion):
     """The chat that asks the persona for its first message, in its language."""
     lang = persona_language(persona)
     return [{"role": "system", "content": persona_card(persona) + USER_RULES[lang]},
             {"role": "user", "content": mood_note(emotion, lang) + "\n" + OPENING_ASK[lang]}]
 
 
-def write_openings(backend, personas, emotion=40, batch_size=8, keep=None, progress=True):
+def write_openings(backend, personas, emotion=SimulatorSettings.start_emotion, batch_size=8, keep=None,
+                   progress=True):
     """({id: opening}, {id: why it has none}) for the personas, asked batch_size at a time.
     keep(id, text) is called for each opening as its batch finishes (the command line appends it
     to a file, so that a rerun after a failure does not ask again). A batch the backend fails on is
@@ -1468,8 +1479,8 @@ def openings_command(args):
     kept = {row["id"]: row["first_talk"] for row in rows_with(partial, settings)}  # a torn line: asked again
     todo = [p for p, (_, entry) in zip(personas, lines) if not has_opening(entry) and p.id not in kept]
     print(f"{len(personas)} profiles in {source}: {len(personas) - len(todo) - len(kept)} have openings, "
-          f"{len(kept)} written before (in {partial}), {len(todo)} to write with {redact(args.model)}",
-          file=sys.stderr)
+          f"{len(kept)} written before (in {partial}), {len(todo)} to write with {redact(args.model)} at "
+          f"mood {args.start_emotion}", file=sys.stderr)
 
     def keep(persona_id, text):
         append_lines(partial, [{"settings": settings, "id": persona_id, "first_talk": text}])
@@ -1488,7 +1499,9 @@ def openings_command(args):
                        f"'first_talk' could not be written: {why}", file=sys.stderr)
         fail(f"{len(failed)} of {len(personas)} openings not written; {out} not written; the {len(kept)} "
              f"written are kept in {partial}, and the same command again asks only for the rest")
-    filled = [entry if has_opening(entry) else {**entry, "first_talk": kept[p.id]}
+    # the mood each opening was written at goes with it: training from another one says so (make_simulator)
+    filled = [entry if has_opening(entry) else {**entry, "first_talk": kept[p.id],
+                                                "first_talk_emotion": args.start_emotion}
               for p, (_, entry) in zip(personas, lines)]
     # atomic: OUT is whole or absent, and a full disk or Ctrl-C leaves no temporary file behind
     write_atomically(out, "".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in filled))
@@ -1569,7 +1582,9 @@ def main(argv=None):
     ap.add_argument("--judge", default="training", choices=JUDGES,
                     help="appraisal prompt of the reasoned read-out: the persona itself (training) or an "
                          "outside observer (heldout)")
-    ap.add_argument("--start-emotion", type=int, default=40)
+    ap.add_argument("--start-emotion", type=int,
+                    help="the users' first mood: 40 (SAGE's) for the check, the trainers' start "
+                         f"({SimulatorSettings.start_emotion}) for --write-openings")
     ap.add_argument("--max-change", type=int, default=10)
     ap.add_argument("--max-turns", type=int, default=8)
     ap.add_argument("--api-model", default="default", help="model name sent to a URL simulator")
@@ -1583,6 +1598,8 @@ def main(argv=None):
                     help="write the missing first_talk of a JSON-lines profile file (--personas; RLVER's "
                          "training profiles have none) with --model, into NEW_FILE, and stop")
     args = ap.parse_args(argv)
+    if args.start_emotion is None:  # openings are written at the mood the trainers start from
+        args.start_emotion = SimulatorSettings.start_emotion if args.write_openings else 40
     check_rules(vars(args), {
         "model": lambda v: "no policy here to share: use rules, a model or a URL" if v == "same"
         else simulator_problem(v),

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -48,7 +49,7 @@ from tqdm import tqdm
 
 from run import (EMBEDDED, above, append_lines, at_least, check_rules, env_name, fail, load_model,
                  model_problem, one_line_errors, one_of, read_json_lines, read_text, redact, rows_with,
-                 setting, within, write_atomically)
+                 setting, within, writable_problem, write_atomically, write_failure)
 
 # ----------------------------------------------------------------------------------------------
 # Personas
@@ -1453,10 +1454,16 @@ def openings_command(args):
     """python simulator.py --write-openings OUT --personas FILE --model ...: FILE's lines with
     first_talk filled (lines that have one keep it), everything else unchanged, written to OUT at
     once (a temporary file renamed), never half. Finished openings are kept in OUT.partial until
-    then, and a rerun with the same settings asks only for the rest. Bad input: one line, exit 2."""
+    then, and a rerun with the same settings asks only for the rest. Bad input, and OUT's folder
+    missing or read-only, before any model loads: one line, exit 2; so is a disk that fills or turns
+    read-only while writing; Ctrl-C and SIGTERM: one line, exit 130 / 143. OUT.partial stays."""
     source, out = args.personas, args.write_openings
     if os.path.exists(out):
         fail(f"--write-openings {out}: the file exists; give a new file (the profiles are never overwritten)")
+    folder = os.path.dirname(os.path.abspath(out))
+    problem = writable_problem(folder) if os.path.isdir(folder) else "no such folder"
+    if problem:
+        fail(f"--write-openings {out}: cannot write in {folder} ({problem})")
     try:
         with open(source, encoding="utf-8") as f:
             is_list = f.read(4096).lstrip().startswith("[")
@@ -1481,30 +1488,48 @@ def openings_command(args):
     print(f"{len(personas)} profiles in {source}: {len(personas) - len(todo) - len(kept)} have openings, "
           f"{len(kept)} written before (in {partial}), {len(todo)} to write with {redact(args.model)} at "
           f"mood {args.start_emotion}", file=sys.stderr)
+    again = f"kept in {partial}, and the same command again asks only for the rest"
+
+    def write(how, *what):  # a full or read-only disk: what is kept stays kept, and OUT is whole or absent
+        try:
+            how(*what)
+        except OSError as e:
+            fail(f"--write-openings {out}: {write_failure(e, folder)}; {out} not written; the openings "
+                 f"written so far are {again}")
 
     def keep(persona_id, text):
-        append_lines(partial, [{"settings": settings, "id": persona_id, "first_talk": text}])
+        write(append_lines, partial, [{"settings": settings, "id": persona_id, "first_talk": text}])
 
-    failed = {}
-    if todo:
-        backend = make_backend(args.model, api_model=args.api_model, api_key_env=args.api_key_env,
-                               api_timeout=args.api_timeout, api_retries=args.api_retries,
-                               api_concurrency=args.api_concurrency)
+    def stopped(number, frame):  # at once: a request in flight may take minutes to time out
+        tqdm.write(f"stopped by {signal.Signals(number).name}; {out} not written; the openings written so "
+                   f"far are {again}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(128 + number)  # 130 / 143, as a shell reports a killed command
+
+    previous = {number: signal.signal(number, stopped) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        backend = None  # no model when no opening is missing
+        if todo:
+            backend = make_backend(args.model, api_model=args.api_model, api_key_env=args.api_key_env,
+                                   api_timeout=args.api_timeout, api_retries=args.api_retries,
+                                   api_concurrency=args.api_concurrency)
         written, failed = write_openings(backend, todo, args.start_emotion, keep=keep)
         kept.update(written)
-    if failed:
-        line_of = {p.id: i for p, (i, _) in zip(personas, lines)}
-        for persona_id, why in failed.items():
-            tqdm.write(f"error: {source}: line {line_of[persona_id] + 1} (id {persona_id}): field "
-                       f"'first_talk' could not be written: {why}", file=sys.stderr)
-        fail(f"{len(failed)} of {len(personas)} openings not written; {out} not written; the {len(kept)} "
-             f"written are kept in {partial}, and the same command again asks only for the rest")
-    # the mood each opening was written at goes with it: training from another one says so (make_simulator)
-    filled = [entry if has_opening(entry) else {**entry, "first_talk": kept[p.id],
-                                                "first_talk_emotion": args.start_emotion}
-              for p, (_, entry) in zip(personas, lines)]
-    # atomic: OUT is whole or absent, and a full disk or Ctrl-C leaves no temporary file behind
-    write_atomically(out, "".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in filled))
+        if failed:
+            line_of = {p.id: i for p, (i, _) in zip(personas, lines)}
+            for persona_id, why in failed.items():
+                tqdm.write(f"error: {source}: line {line_of[persona_id] + 1} (id {persona_id}): field "
+                           f"'first_talk' could not be written: {why}", file=sys.stderr)
+            fail(f"{len(failed)} of {len(personas)} openings not written; {out} not written; the {len(kept)} "
+                 f"written are {again}")
+        # the mood each opening was written at goes with it: training from another says so (make_simulator)
+        filled = [entry if has_opening(entry) else {**entry, "first_talk": kept[p.id],
+                                                    "first_talk_emotion": args.start_emotion}
+                  for p, (_, entry) in zip(personas, lines)]
+        write(write_atomically, out, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in filled))
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     if os.path.exists(partial):
         os.remove(partial)
     print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)

@@ -50,7 +50,7 @@ from run import (OutputSettings, TrackerSettings, append_lines, at_least, claim_
                  redact, release_run, rows_with, set_seed, setting, start_trackers, start_writing, summarize,
                  tracker_settings, transcript_record)
 from simulator import (SimulatorError, SimulatorSettings, UserState, apply_change, auto_readout,
-                       build_simulator, load_personas_or_exit, simulator_kind)
+                       build_simulator, load_personas_or_exit, simulator_kind, user_model)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ class EvalSettings:
         if args.samples > 1 and not args.sample:
             fail("--samples: greedy decoding plays the same dialogue every time; add --sample for "
                  "--samples > 1")
-        readout = args.readout if args.readout != "auto" else auto_readout(simulator_kind(args.simulator))
+        readout = args.readout if args.readout != "auto" else auto_readout(user_model(args))[0]
         if args.judge == "heldout" and readout != "reasoned":
             fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
                  f"{redact(args.simulator)} reads out '{readout}'")
@@ -1107,7 +1107,7 @@ def agreement_main(args):
     if not any(judged_replies(d) for d in dialogues):
         fail(f"--agreement: no agent reply in {', '.join(args.agreement)} is followed by a judged user "
              f"message (one with an emotion-point)")
-    readout = args.readout if args.readout != "auto" else auto_readout(simulator_kind(args.simulator))
+    readout = args.readout if args.readout != "auto" else auto_readout(user_model(args))[0]
     settings = {"simulator": redact(args.simulator), "readout": readout, "judge": args.judge,
                 "model": args.model if args.simulator == "same" else None, "max_change": args.max_change,
                 "api_model": args.api_model if simulator_kind(args.simulator) == "url" else None}
@@ -1124,7 +1124,8 @@ def agreement_main(args):
     start_writing(args.out, "evaluate.py", args.overwrite, kind="agreement")
     store = os.path.join(args.out, "appraisals.jsonl")
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
-          f"{redact(args.simulator)} (read-out {simulator.readout}, judge {simulator.judge}); appraisals "
+          f"{redact(args.simulator)} (read-out {simulator.readout}, {simulator.readout_why}; judge "
+          f"{simulator.judge}); appraisals "
           f"kept in {store}", file=sys.stderr)
     try:
         done = appraise_dialogues(simulator, dialogues, personas, store, _key(settings), args.batch_dialogues)
@@ -1181,7 +1182,8 @@ def main(argv=None):
                                   **tracker_settings(args.report_to, args.out))
     policy, tokenizer, models = load_models(args)
     try:
-        simulator, device_map = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge)
+        simulator, device_map = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge,
+                                                goodbye="sage")
     except ValueError as e:
         fail(e)
     start_writing(args.out, "evaluate.py", args.overwrite)  # every check passed: --overwrite clears now
@@ -1189,7 +1191,7 @@ def main(argv=None):
         start_trackers(args, accelerator)
     print(f"{len(models)} models x {len(personas)} personas x {args.samples} "
           f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
-          f"(read-out {simulator.readout}, judge {simulator.judge}"
+          f"(read-out {simulator.readout}, {simulator.readout_why}; judge {simulator.judge}"
           f"{', spread over GPUs 1..' if device_map else ''})"
           + (f"; {len(problems)} math questions" if problems else ""),
           file=sys.stderr)

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -21,11 +22,16 @@ import evaluate
 import ppo
 import simulator
 from conftest import ROOT, read_metrics, reply
+from run import parse_settings
 
 DATA = os.path.join(ROOT, "tests", "data")
 RLVER = os.path.join(DATA, "rlver_sample.jsonl")
 SAGE = os.path.join(DATA, "sage_sample.jsonl")
 RESULTS = [os.path.join(DATA, "sage_results", f"{name}_result.jsonl") for name in ("warm", "cold", "mixed")]
+
+
+def run_settings(argv):
+    return parse_settings(ppo.SETTINGS, ppo.PRESETS, argv)
 
 
 def read_lines(path):
@@ -114,8 +120,10 @@ def test_write_openings_with_a_server_names_failures_keeps_the_rest_and_never_wr
     personas = [simulator._sage_persona(RLVER, i, e, need_opening=False) for i, e in
                 simulator.read_profile_lines(RLVER)]
     zh = [a for a in asked if "韩小北" in a[0]][0]
-    assert list(zh) == [m["content"] for m in simulator.opening_messages(personas[2], 40)]
-    assert simulator.USER_RULES["zh"] in zh[0] and "你的心情：40/100" in zh[1]
+    assert list(zh) == [m["content"] for m in simulator.opening_messages(personas[2], 30)]
+    # at the mood training starts from (issue 30, item 6), declared once, with the trainers' settings
+    assert simulator.SimulatorSettings.start_emotion == 30
+    assert simulator.USER_RULES["zh"] in zh[0] and "你的心情：30/100" in zh[1]
     # a rerun asks only for the one that failed
     ok_now, before = True, len(asked)
     done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", srv.url)
@@ -124,7 +132,8 @@ def test_write_openings_with_a_server_names_failures_keeps_the_rest_and_never_wr
     written, source = read_lines(out), read_lines(RLVER)
     english = "Long week, honestly. Can I just talk for a minute?"  # cleaned as the user's turns are
     assert [w["first_talk"] for w in written] == [english, english, "唉……有件事一直堵在心里。"]
-    assert [{k: v for k, v in w.items() if k != "first_talk"} for w in written] == source  # the rest as is
+    assert [w["first_talk_emotion"] for w in written] == [30, 30, 30]  # the mood they were written at
+    assert [{k: v for k, v in w.items() if not k.startswith("first_talk")} for w in written] == source
     assert not os.path.exists(str(out) + ".partial")
     again = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", "rules")
     assert again.returncode == 2 and "the file exists" in again.stderr  # nothing is overwritten
@@ -140,6 +149,24 @@ def test_write_openings_keeps_existing_ones_and_rules_write_fixed_lines(tmp_path
     assert done.returncode == 0, done.stderr
     en, zh = simulator.RULES_OPENING["en"], simulator.RULES_OPENING["zh"]
     assert [e["first_talk"] for e in read_lines(out)] == ["Long shift. Can we talk?", en, zh]
+
+
+def test_training_on_openings_written_at_another_mood_says_so_at_start_up(tmp_path, capsys):
+    """Issue 30, item 6: openings written at --start-emotion 40 (SAGE's) for a run that starts at 30: one
+    warning line when the simulated user is made, and the run goes on."""
+    for mood in (40, 30):
+        out = tmp_path / f"openings_{mood}.jsonl"
+        done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", "rules",
+                   "--start-emotion", mood)
+        assert done.returncode == 0, done.stderr
+        args = run_settings(["--preset", "cpu", "--simulator", "rules", "--personas", str(out)])
+        capsys.readouterr()
+        simulator.make_simulator(args, None, None, types.SimpleNamespace(device="cpu", world=1, is_main=True))
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+        if mood == 30:
+            assert said == []
+        else:
+            assert len(said) == 1 and str(out) in said[0] and "40" in said[0] and "30" in said[0], said
 
 
 # The done-when of issue 24: an RLVER-format file without openings, through the openings command
@@ -195,6 +222,19 @@ def test_evaluate_judges_as_many_replies_as_sage_does():
     assert (defaults.start_emotion, defaults.max_change) == (evaluate.SAGE_START, 10) == (40, 10)
     sim = simulator.Simulator(simulator.RulesBackend())
     assert sim.leave_below == evaluate.SAGE_LEAVE_BELOW == 10
+
+
+def test_evaluate_ends_a_dialogue_on_a_farewell_word_anywhere_as_sage_does(tiny_model_dir, persona_entry,
+                                                                         write_personas, tmp_path):
+    # issue 30, item 1: training goes on after this line (tests/test_simulator.py); SAGE's rule ends it
+    about = "He just said bye and left me there."
+    path = write_personas([persona_entry(id="t1", band_lines={b: about for b in "ABCF"})])
+    out = tmp_path / "eval"
+    evaluate.main(["--model", tiny_model_dir, "--simulator", "rules", "--personas", path, "--max-turns", "3",
+                   "--max-new-tokens", "4", "--bootstrap", "20", "--out", str(out)])
+    played = json.load(open(out / "results.json"))["models"][0]["dialogue_results"][0]
+    assert (played["end_reason"], played["turns"]) == ("goodbye", 1)
+    assert not simulator.says_goodbye(about) and simulator.says_goodbye(about, "sage")
 
 
 def test_average_ranks_share_ties():

@@ -1112,7 +1112,7 @@ def gpu_check(args):
     import datetime
     import importlib.util
 
-    from run import fail, write_atomically
+    from run import fail, writable_problem, write_atomically
 
     steps = args.steps.split(",") if args.steps else list(CHECK_STEPS)
     unknown = [s for s in steps if s not in CHECK_STEPS]
@@ -1124,6 +1124,9 @@ def gpu_check(args):
         fail("bench.py gpu --check: needs a CUDA GPU and none is visible; --dry-run runs its steps on CPU at "
              "tiny sizes")
     folder = os.path.dirname(os.path.abspath(args.out))
+    problem = writable_problem(folder)  # every step writes its log there, and the results after it
+    if problem:
+        fail(f"--out {args.out}: its folder {folder} is not writable ({problem})")
     os.makedirs(folder, exist_ok=True)
     # The steps see the built tokenizer (as on the GPU machine, where the embedded model's wheel is
     # missing) and, in the dry run, no CUDA at all.

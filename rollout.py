@@ -676,8 +676,8 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
 
 def training_personas(args):
     """The personas of --split (all: the whole file) at --difficulty, each opening checked to fit
-    --max-context; and, since this is the trainers' last check before the weights load,
-    --target-modules against the model."""
+    --max-context; and, since this is the trainers' last check before the weights load, the model's
+    config: --target-modules against its layers, and no change to its logits after lm_head."""
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 from collections import Counter
@@ -46,9 +47,10 @@ from tqdm import tqdm
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
                      eos_ids, load_policy, play_dialogues)
 from run import (OutputSettings, TrackerSettings, append_lines, at_least, claim_folder, default_device, fail,
-                 latest_checkpoint, log_to_trackers, one_of, parse_settings, public_config, read_json_lines,
-                 redact, release_run, rows_with, set_seed, setting, start_trackers, start_writing, summarize,
-                 tracker_settings, transcript_record)
+                 finite_row, latest_checkpoint, log_to_trackers, one_of, parse_settings, public_config,
+                 read_json_lines, redact, release_run, rows_with, set_seed, setting, start_trackers,
+                 start_writing, summarize, tracker_settings, transcript_record, write_atomically,
+                 write_failure)
 from simulator import (SimulatorError, SimulatorSettings, UserState, apply_change, auto_readout,
                        build_simulator, load_personas_or_exit, simulator_kind)
 
@@ -509,6 +511,23 @@ def _pyplot():
     return plt
 
 
+def save_figure(fig, path):
+    """Lay out, save and close a figure, written whole or not at all (as run.write_atomically: a
+    temporary file renamed over), so that a full disk or a kill never leaves half a PNG. Returns it."""
+    import matplotlib.pyplot as plt
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    fig.tight_layout()
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return fig
+
+
 def plot_scores(models, path):
     """One bar per model: the score with its 95% interval."""
     plt = _pyplot()
@@ -524,9 +543,7 @@ def plot_scores(models, path):
     ax.set_ylim(0, 100)
     ax.set_ylabel("score: mean final emotion")
     ax.set_title("Score per model\n(bars: 95% bootstrap interval)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -555,9 +572,7 @@ def plot_trajectories(runs, start_emotion, leave_below, path):
     ax.set_title("Emotion per turn: thin lines one dialogue each, thick the mean per model\n"
                  "(a dialogue that ended early keeps its final emotion in the mean)", fontsize=9)
     ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -605,10 +620,8 @@ def plot_curves(run_dirs, out):
         ax.set_title(key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
         path = os.path.join(out, f"curves_{key}.png")
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, path)
         written.append(path)
     if not written:
         found = sorted({k for _, rows in runs for r in rows for k in r} - {"iteration"})
@@ -621,11 +634,12 @@ def plot_curves(run_dirs, out):
 # ----------------------------------------------------------------------------------------------
 # The evaluation loop
 # ----------------------------------------------------------------------------------------------
-def _write_results(out, results):
-    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1, ensure_ascii=False)
-    with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
-        f.write(results_table(results))
+def write_results(out, results, table):
+    """results.json and results.md, each replaced whole (run.write_atomically). results.json is strict
+    JSON: a statistic that is undefined (NaN) is written as null."""
+    write_atomically(os.path.join(out, "results.json"),
+                     json.dumps(finite_row(results)[0], indent=1, ensure_ascii=False, allow_nan=False))
+    write_atomically(os.path.join(out, "results.md"), table)
 
 
 def run_evaluation(args, policy, tokenizer, simulator, personas, models, problems=None, accelerator=None):
@@ -692,7 +706,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
                 results["math"]["paired"].append({"model": m["label"], "vs": "base", **paired_difference(
                     correct, base_correct, args.bootstrap, args.seed)})
         played.append((m["label"], records))
-        _write_results(args.out, results)
+        write_results(args.out, results, results_table(results))
         numbers = dict(summary)
         if answers is not None:
             numbers["math_accuracy"] = results["math"]["models"][m["label"]]["accuracy"]
@@ -705,7 +719,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
             line += f", math {results['math']['models'][m['label']]['accuracy']:.1%}"
         print(line, file=sys.stderr)
     results["complete"] = True
-    _write_results(args.out, results)
+    write_results(args.out, results, results_table(results))
     plot_scores(results["models"], os.path.join(args.out, "scores.png"))
     plot_trajectories(played, simulator.start_emotion, simulator.leave_below,
                       os.path.join(args.out, "trajectories.png"))
@@ -809,33 +823,31 @@ def with_interval(groups, statistic, n_boot, seed):
     return {"value": value, "low": low, "high": high}
 
 
-def kendall_with_interval(per_file_finals, n_boot=2000, seed=0, level=0.95):
-    """Kendall's tau-b between the files' (models') mean recorded and mean simulated final
-    emotions, with an interval from resampling each file's dialogues. per_file_finals: one
-    (dialogues, 2) array of (recorded, simulated) finals per file. None for fewer than 2 files."""
-    if len(per_file_finals) < 2:
+def kendall_with_interval(finals, n_boot=2000, seed=0):
+    """Kendall's tau-b between the files' (models') mean recorded and mean simulated final emotions
+    over the same scenarios, with an interval from resampling scenarios: one draw for every file, so
+    the comparison stays paired (SAGE's models all played the same 100 scenarios, and a scenario's
+    difficulty moves every model alike). finals: (files, scenarios, 2) of (recorded, simulated).
+    None for fewer than 2 files or no scenario."""
+    if len(finals) < 2 or finals.shape[1] == 0:
         return None
-    means = np.array([f.mean(0) for f in per_file_finals])  # (files, 2)
-    rng = np.random.default_rng(seed)
-    values = []
-    for _ in range(n_boot):
-        resampled = np.array([f[rng.integers(0, len(f), len(f))].mean(0) for f in per_file_finals])
-        values.append(kendall_tau_b(resampled[:, 0], resampled[:, 1]))
-    values = np.array(values)
-    values = values[np.isfinite(values)]
-    low, high = (np.percentile(values, [50 * (1 - level), 50 * (1 + level)]) if len(values)
-                 else (float("nan"), float("nan")))
-    return {"value": kendall_tau_b(means[:, 0], means[:, 1]), "low": float(low), "high": float(high)}
+    tau = lambda rows: kendall_tau_b(*rows.mean(0).T)  # noqa: E731  rows (draws, files, 2) -> files' means
+    return with_interval(list(finals.transpose(1, 0, 2)[:, None]), tau, n_boot, seed)
 
 
 # Reading SAGE's recorded dialogues: one JSON object per line with id, emo_point (the final
 # emotion) and history, a list of {role: user|assistant, content}; each user message carries the
 # judge's `emotion-point` when it was written (the first: 40).
+def is_emotion(value):
+    """A recorded emotion: a number in [0, 100] (NaN and infinity fail the comparison)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 100
+
+
 def read_sage_dialogues(path):
     """[{file, line, id, final, history: [{role: user|agent, text}], points: {message index:
-    emotion}, key}] for each line. Bad input: one line naming the file, the line and the field,
-    exit 2."""
-    dialogues = []
+    emotion}, key}] for each line. Bad input (as strict as a persona file: an emotion outside 0-100
+    or not finite, an id twice): one line naming the file, the line and the field, exit 2."""
+    dialogues, lines = [], {}
     for i, record in read_jsonl_or_exit(path):
         where = f"{path}: line {i + 1}"
         if not isinstance(record, dict):
@@ -843,9 +855,13 @@ def read_sage_dialogues(path):
         if not isinstance(record.get("id"), (str, int)) or isinstance(record.get("id"), bool):
             fail(f"{where}: field 'id' is {'missing' if 'id' not in record else 'not a string'}")
         where += f" (id {record['id']})"
+        if str(record["id"]) in lines:  # a second "model" or a repeated line would count its replies twice
+            fail(f"{where}: field 'id' is on line {lines[str(record['id'])]} too: one dialogue per scenario")
+        lines[str(record["id"])] = i + 1
         final = record.get("emo_point")
-        if not isinstance(final, (int, float)) or isinstance(final, bool):
-            fail(f"{where}: field 'emo_point' must be a number (the final emotion)")
+        if not is_emotion(final):
+            fail(f"{where}: field 'emo_point' must be a number from 0 to 100 (the final emotion), "
+                 f"not {final!r}")
         history = record.get("history")
         if not isinstance(history, list) or not history:
             fail(f"{where}: field 'history' must be a non-empty list of messages")
@@ -860,9 +876,11 @@ def read_sage_dialogues(path):
                 fail(f"{where}: field 'history[{k}].content' must be a string")
             if role == "user":
                 point = m.get("emotion-point")
-                if not isinstance(point, (int, float)) or isinstance(point, bool):
-                    fail(f"{where}: field 'history[{k}].emotion-point' is "
-                         f"{'missing' if 'emotion-point' not in m else 'not a number'}")
+                if "emotion-point" not in m:
+                    fail(f"{where}: field 'history[{k}].emotion-point' is missing")
+                if not is_emotion(point):
+                    fail(f"{where}: field 'history[{k}].emotion-point' must be a number from 0 to 100, "
+                         f"not {point!r}")
                 points[k] = point
             messages.append({"role": "user" if role == "user" else "agent", "text": m["content"]})
         text = json.dumps(record, sort_keys=True, ensure_ascii=False)
@@ -899,9 +917,12 @@ def recorded_state(persona, dialogue, k):
 
 def simulated_final(start, changes, max_change=10):
     """The final emotion from adding the simulator's changes along a recorded dialogue, each
-    clamped as the simulator clamps it (apply_change): to +-max_change, the mood to [0, 100]."""
+    clamped as the simulator clamps it (apply_change): to +-max_change, the mood to [0, 100]; it
+    stops where SAGE and Simulator.step stop, at 100 (a success) or below 10 (a failure)."""
     emotion = start
     for change in changes:
+        if sage_outcome(emotion):
+            break
         emotion, _ = apply_change(emotion, change, max_change)
     return emotion
 
@@ -940,8 +961,11 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
             "simulated_score": float(sim.mean()), "simulated_ci": bootstrap_interval(sim, n_boot, seed),
             "recorded_successes_failures": sage_counts(rec), "simulated_successes_failures": sage_counts(sim),
             "fallbacks": int(sum(fallbacks[k] for k in mine))})
-    by_file = [finals[[k for k, d in enumerate(dialogues) if d["label"] == f["label"]]] for f in files]
-    tau = kendall_with_interval(by_file, n_boot, seed)
+    # the models are ranked on the scenarios every file holds (ids are unique within a file)
+    by_file = [{d["id"]: f for d, f in zip(dialogues, finals) if d["label"] == m["label"]} for m in files]
+    shared = [i for i in by_file[0] if all(i in f for f in by_file)]
+    shared_finals = np.array([[f[i] for i in shared] for f in by_file]).reshape(len(files), -1, 2)
+    tau = kendall_with_interval(shared_finals, n_boot, seed)
     return {
         "replies": {
             "n": int(len(rows)), "dialogues": len(dialogues),
@@ -963,7 +987,7 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
             "pearson": with_interval(final_groups, lambda r: pearson(r[:, 0], r[:, 1]), n_boot, seed),
         },
         "files": files,
-        "models": {"kendall_tau_b": tau,
+        "models": {"kendall_tau_b": tau, "scenarios": len(shared),
                    "recorded_order": [m["label"] for m in sorted(files, key=lambda m: -m["recorded_score"])],
                    "simulated_order": [m["label"]
                                        for m in sorted(files, key=lambda m: -m["simulated_score"])]},
@@ -972,7 +996,7 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
 
 def _interval(x, digits=2):
     if x is None:
-        return "- (needs 2 files or more)"
+        return "- (needs 2 files or more that share scenarios)"
     if not np.isfinite(x["value"]):
         return "undefined (one side never varies)"
     return f"{x['value']:.{digits}f} [{x['low']:.{digits}f}, {x['high']:.{digits}f}]"
@@ -1021,31 +1045,38 @@ def agreement_table(report, settings):
                      f"[{m['simulated_ci'][0]:.1f}, {m['simulated_ci'][1]:.1f}] | {rs} / {rf} "
                      f"| {ss} / {sf} |")
     tau = _interval(report["models"]["kendall_tau_b"])
-    lines += ["", f"Rank order of the models, Kendall's tau-b: {tau}; "
+    lines += ["", f"Rank order of the models, Kendall's tau-b over the {report['models']['scenarios']} "
+              f"scenarios every file holds: {tau}; "
               f"recorded {_ranking(report['files'], 'recorded_score')}, simulated "
               f"{_ranking(report['files'], 'simulated_score')}."]
     return "\n".join(lines) + "\n"
 
 
-def plot_agreement(report_rows, path, title=""):
-    """Recorded vs simulated change per reply: one dot per (recorded, simulated) pair, its area the
-    number of replies there (the changes are whole numbers, so dots would hide each other)."""
+def plot_agreement(rows, path, title="", max_change=10):
+    """Recorded against simulated change per reply as a heat map: one cell per pair of whole changes,
+    coloured by how many replies fall there (log scale; empty cells blank). It reads the same at 20
+    replies and at 20,000, where dots sized by their count cover the plot. Returns the figure."""
+    from matplotlib.colors import LogNorm
+    from matplotlib.ticker import MaxNLocator
+
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    pairs = Counter(map(tuple, report_rows.tolist()))
-    if pairs:
-        xs, ys = zip(*pairs)
-        ax.scatter(xs, ys, s=[30 * n for n in pairs.values()], alpha=0.6, color="C0", edgecolor="none")
-    ax.plot([-10, 10], [-10, 10], color="grey", ls="--", lw=0.8)
-    ax.axhline(0, color="grey", lw=0.5)
-    ax.axvline(0, color="grey", lw=0.5)
+    rho = spearman(rows[:, 0], rows[:, 1])
+    rows = np.rint(rows).astype(int)                         # (replies, 2): recorded, simulated
+    m = max(max_change, int(np.abs(rows).max(initial=0)))   # cells -m..m on both axes
+    counts = np.zeros((2 * m + 1, 2 * m + 1))                 # (simulated, recorded)
+    np.add.at(counts, (rows[:, 1] + m, rows[:, 0] + m), 1)
+    fig, ax = plt.subplots(figsize=(6, 5))
+    image = ax.imshow(np.ma.masked_equal(counts, 0), origin="lower", extent=(-m - 0.5, m + 0.5) * 2,
+                      norm=LogNorm(vmin=1, vmax=max(2, counts.max())), cmap="viridis")
+    fig.colorbar(image, ax=ax, label="replies")
+    ax.plot([-m, m], [-m, m], color="red", ls="--", lw=0.8)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True))  # the cells are whole changes
     ax.set_xlabel("recorded change (SAGE's judge)")
     ax.set_ylabel("simulated change (this simulator)")
-    ax.set_title(title + "\n(dot area: number of replies; dashed: perfect agreement)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    ax.set_title(f"{title}\nSpearman {rho:.2f}; dashed: perfect agreement",
+                 fontsize=9)
+    return save_figure(fig, path)
 
 
 def _key(value):
@@ -1086,12 +1117,34 @@ def appraise_dialogues(simulator, dialogues, personas, store, settings_key, batc
     return done
 
 
+@contextlib.contextmanager
+def one_line_on_signals(kept):
+    """Ctrl-C and SIGTERM end the command at once with one line saying what is kept, and exit code
+    130 / 143 (as a shell reports a killed command; the run's Run.interrupted does the same); the
+    handlers from before are back afterwards. Every appraisal line is written whole (a torn last line
+    is skipped on reading) and every result file is renamed into place, so nothing is half written."""
+    def stop(number, frame):
+        tqdm.write(f"stopped by {signal.Signals(number).name}; {kept}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(128 + number)
+    before = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
 def agreement_main(args):
     """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--limit N]."""
     from run import load_model
 
     # everything is read and checked before any model loads
     personas = {p.id: p for p in load_personas_or_exit(args.personas)}
+    real = [os.path.realpath(path) for path in args.agreement]
+    for k, path in enumerate(args.agreement):
+        if real[k] in real[:k]:  # it would count as a second model that agrees with the first
+            fail(f"--agreement {path}: the file {args.agreement[real.index(real[k])]} again; give each once")
     labels = [re.sub(r"(_result)?\.jsonl?$", "", name) for name in unique_labels(args.agreement, reserved=())]
     dialogues = []
     for path, label in zip(args.agreement, labels):
@@ -1126,25 +1179,28 @@ def agreement_main(args):
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
           f"{redact(args.simulator)} (read-out {simulator.readout}, judge {simulator.judge}); appraisals "
           f"kept in {store}", file=sys.stderr)
-    try:
-        done = appraise_dialogues(simulator, dialogues, personas, store, _key(settings), args.batch_dialogues)
-    except SimulatorError as e:
-        fail(f"{e}; the dialogues finished so far are kept in {store}: the same command continues from them")
-    rows = [done[d["key"]] for d in dialogues]
-    report = agreement_report(dialogues, [r["changes"] for r in rows],
-                              [len(r["parsed"]) - sum(r["parsed"]) for r in rows], args.max_change,
-                              args.bootstrap, args.seed)
-    results = {"complete": True, "settings": {**public_config(args), "readout": simulator.readout}, **report}
-    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1, ensure_ascii=False)
-    table = agreement_table(report, results["settings"])
-    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
-        f.write(table)
-    pairs = np.concatenate([agreement_rows(d, r["changes"], args.max_change)
-                            for d, r in zip(dialogues, rows)])
-    plot_agreement(pairs, os.path.join(args.out, "agreement.png"),
-                   f"{redact(args.simulator)} ({simulator.readout}) vs SAGE's judge: {len(pairs)} replies, "
-                   f"Spearman {report['replies']['spearman']['value']:.2f}")
+    kept = f"the dialogues finished so far are kept in {store}: the same command continues from them"
+    with one_line_on_signals(kept):
+        try:
+            done = appraise_dialogues(simulator, dialogues, personas, store, _key(settings),
+                                      args.batch_dialogues)
+            rows = [done[d["key"]] for d in dialogues]
+            report = agreement_report(dialogues, [r["changes"] for r in rows],
+                                      [len(r["parsed"]) - sum(r["parsed"]) for r in rows], args.max_change,
+                                      args.bootstrap, args.seed)
+            results = {"complete": True, "settings": {**public_config(args), "readout": simulator.readout},
+                       **report}
+            table = agreement_table(report, results["settings"])
+            write_results(args.out, results, table)
+            pairs = np.concatenate([agreement_rows(d, r["changes"], args.max_change)
+                                    for d, r in zip(dialogues, rows)])
+            plot_agreement(pairs, os.path.join(args.out, "agreement.png"),
+                           f"{redact(args.simulator)} ({simulator.readout}) vs SAGE's judge: "
+                           f"{len(pairs)} replies", args.max_change)
+        except SimulatorError as e:
+            fail(f"{e}; {kept}")
+        except OSError as e:  # a full disk: the appraisal lines written whole stay, no result is half written
+            fail(f"cannot write in {args.out} ({write_failure(e, args.out)}); {kept}")
     print(table)
     print(f"-> {args.out}/results.json, results.md, agreement.png, appraisals.jsonl")
     release_run()

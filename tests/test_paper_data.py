@@ -19,6 +19,7 @@ import pytest
 
 import evaluate
 import ppo
+import run as run_module
 import simulator
 from conftest import ROOT, read_metrics, reply
 
@@ -228,9 +229,53 @@ def test_the_interval_resamples_dialogues_not_replies():
 
 
 def test_simulated_final_clamps_as_the_simulator_does():
-    assert evaluate.simulated_final(95, [8, 15, -30]) == 90  # 100 (ceiling), 100, 90 (-30 -> -10)
-    assert evaluate.simulated_final(40, [-10] * 5) == 0
+    assert evaluate.simulated_final(95, [8, 15, -30]) == 100  # 100 (ceiling): a success, SAGE stops there
+    assert evaluate.simulated_final(60, [15, -30, 4]) == 64  # +15 -> +10, -30 -> -10
+    assert evaluate.simulated_final(40, [-10] * 5) == 0  # 30, 20, 10, 0: below 10, the user leaves
     assert evaluate.simulated_final(40, [7, 7], max_change=5) == 50
+
+
+def recorded(id, points, label="a", final=None):
+    """A recorded dialogue as read_sage_dialogues gives it, tagged with its file's label: a user message
+    with each emotion-point in turn, an agent reply after each (the last one never judged)."""
+    history = [m for k in range(len(points)) for m in ({"role": "user", "text": f"user {k}"},
+                                                       {"role": "agent", "text": f"agent {k}"})]
+    return {"file": f"{label}_result.jsonl", "line": 1, "id": id, "label": label, "text": "",
+            "final": points[-1] if final is None else final, "history": history,
+            "points": {2 * k: p for k, p in enumerate(points)}}
+
+
+def test_simulated_finals_stop_at_sages_exits_and_models_are_ranked_on_shared_scenarios():
+    # Issue 30 item 3. Simulated along the whole recorded dialogue, s1 and s2 of file a would end at
+    # 95 and 20 (no success, no failure, score 57.5); SAGE stops at 100 and below 10: 100 (a success)
+    # and 5 (a failure), score 52.5.
+    up, down, flat = [10] * 6 + [-5], [-10] * 3 + [-5] + [5] * 3, [0] * 7
+    assert evaluate.simulated_final(40, up) == 100 and evaluate.simulated_final(40, down) == 5
+    points = [40] * 7
+    dialogues = [recorded("s1", points + [60]), recorded("s2", points + [50]),
+                 recorded("s1", points + [30], "b"), recorded("s2", points + [20], "b"),
+                 recorded("s1", points + [45], "c"), recorded("s3", points + [95], "c")]
+    changes = [up, down, flat, [-1] * 7, [-2] * 7, flat]
+    report = evaluate.agreement_report(dialogues, changes, [0] * 6, n_boot=50)
+    a, b, c = report["files"]
+    assert (a["simulated_score"], a["simulated_successes_failures"]) == (52.5, (1, 1))
+    assert (b["simulated_score"], c["simulated_score"]) == ((40 + 33) / 2, (26 + 40) / 2)
+    assert report["final"]["mae"]["value"] == (40 + 45 + 10 + 13 + 19 + 55) / 6
+    # Kendall's tau-b compares the files on the scenarios all of them hold: s1 alone. Recorded
+    # a 60 > c 45 > b 30, simulated a 100 > b 40 > c 26: (a, b) and (a, c) concordant, (b, c)
+    # discordant, so (2 - 1) / 3. (On whole files it would be -1/3: c's s3 lifts its recorded score.)
+    models = report["models"]
+    assert models["scenarios"] == 1 and models["kendall_tau_b"]["value"] == pytest.approx(1 / 3, abs=1e-12)
+
+
+def test_kendall_interval_draws_the_same_scenarios_for_every_file():
+    # (recorded, simulated) final per scenario s1, s2: file A (10, 20), (90, 80); file B (15, 15),
+    # (95, 75). On each scenario B is above A in the record and below it in the simulation, so every
+    # paired resample gives tau -1. Resampling each file on its own would often give +1 (A's s2 twice
+    # against B's s1 twice: 90 > 15 and 80 > 15), and the interval would reach +1.
+    finals = np.array([[[10, 20], [90, 80]], [[15, 15], [95, 75]]], dtype=float)  # (files, scenarios, 2)
+    tau = evaluate.kendall_with_interval(finals, n_boot=500)
+    assert (tau["value"], tau["low"], tau["high"]) == (-1.0, -1.0, -1.0)
 
 
 def test_recorded_state_sees_the_recorded_moods():
@@ -334,14 +379,15 @@ def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server):
     assert scores == [(50, 46), (26.5, 36), (52, 32)]
     assert files["mixed"]["recorded_successes_failures"] == (1, 1)
     assert files["mixed"]["simulated_successes_failures"] == (0, 0)
-    # models: recorded mixed 52 > warm 50 > cold 26.5; simulated warm 46 > cold 36 > mixed 32:
-    # (warm, cold) concordant, (warm, mixed) and (cold, mixed) discordant: (1 - 2) / 3
-    assert results["models"]["kendall_tau_b"]["value"] == pytest.approx(-1 / 3, abs=1e-12)
+    # models: recorded mixed 52 > warm 50 > cold 26.5; simulated warm 46 > cold 36 > mixed 32. Kendall's
+    # tau compares the models on the scenarios every file holds, and these share none (warm holds
+    # sage-001 and -004, cold -002 and -003, mixed -001 and -002): no tau
+    assert results["models"]["kendall_tau_b"] is None and results["models"]["scenarios"] == 0
     assert results["models"]["recorded_order"] == ["mixed", "warm", "cold"]
     assert results["models"]["simulated_order"] == ["warm", "cold", "mixed"]
     for name in ("results.json", "results.md", "agreement.png", "appraisals.jsonl"):
         assert (tmp_path / name).stat().st_size > 0
-    assert "Kendall's tau-b: -0.33" in (tmp_path / "results.md").read_text()
+    assert "over the 0 scenarios every file holds: - (needs 2 files" in (tmp_path / "results.md").read_text()
 
     # a rerun with the same settings asks for nothing and gives the same numbers
     again = agreement(tmp_path, srv.url, "--readout", "reasoned")
@@ -405,10 +451,19 @@ def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
     (lambda lines: lines[:1] + ["{not json"], "line 2: not valid JSON"),
     (lambda lines: [{**lines[0], "emo_point": "high"}],
      "line 1 (id sage-001): field 'emo_point' must be a number"),
+    # issue 30 item 10: points outside 0-100 or not finite, a dialogue given twice in one file
+    (lambda lines: [{**lines[0], "emo_point": 150}],
+     "line 1 (id sage-001): field 'emo_point' must be a number from 0 to 100"),
+    (lambda lines: [with_point(lines[0], 2, -5)],
+     "line 1 (id sage-001): field 'history[2].emotion-point' must be a number from 0 to 100"),
+    (lambda lines: [with_point(lines[0], 2, float("nan"))],
+     "line 1 (id sage-001): field 'history[2].emotion-point' must be a number from 0 to 100"),
+    (lambda lines: lines[:2] + lines[:1], "line 3 (id sage-001): field 'id' is on line 1 too"),
 ])
 def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, monkeypatch, capsys, broken,
                                                       message):
-    monkeypatch.setattr(simulator, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    for module in (simulator, run_module):
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     lines = broken(read_lines(RESULTS[0]))
     path = tmp_path / "bad_result.jsonl"
     text = [x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in lines]
@@ -419,6 +474,54 @@ def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {path}: ") and message in err, err
+
+
+def with_point(line, k, point):
+    """A recorded line whose message k carries another emotion-point."""
+    history = [dict(m) for m in line["history"]]
+    history[k]["emotion-point"] = point
+    return {**line, "history": history}
+
+
+def test_a_recorded_file_given_twice_is_refused(tmp_path, capsys):
+    again = os.path.join(DATA, "sage_results", ".", "warm_result.jsonl")  # the same file, another spelling
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["--agreement", RESULTS[0], RESULTS[1], again, "--personas", SAGE,
+                       "--simulator", "rules", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: --agreement {again}: ") and RESULTS[0] in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_agreement_results_are_strict_json_when_a_statistic_is_undefined(tmp_path, server):
+    # a simulator that never moves: every correlation is undefined (NaN), which JSON cannot hold
+    srv = server(lambda handler, n, body: reply(handler, 200, chat_completion("Change: 0")))
+    results = agreement(tmp_path, srv.url, "--readout", "reasoned", "--limit", "1")
+    assert np.isnan(results["replies"]["spearman"]["value"])
+
+    def refuse(name):
+        raise ValueError(f"{name} in results.json")
+    saved = json.loads((tmp_path / "results.json").read_text(), parse_constant=refuse)
+    assert saved["replies"]["spearman"]["value"] is None and saved["replies"]["mae"]["value"] > 0
+    assert "undefined" in (tmp_path / "results.md").read_text()
+
+
+def test_the_agreement_picture_is_a_heat_map_of_counts(tmp_path):
+    # issue 30 item 4: 21,000 replies, 500 on the diagonal cell of each recorded change r and 500 at
+    # (r, 0); a cell per whole change, coloured by its count, the diagonal drawn, Spearman in the title
+    rows = np.array([[r, s] for r in range(-10, 11) for s in (r, 0)] * 500, dtype=float)
+    fig = evaluate.plot_agreement(rows, tmp_path / "agreement.png", "title")
+    ax = fig.axes[0]
+    (image,) = ax.images
+    counts = image.get_array()  # rows: simulated change -10..10, columns: recorded change -10..10
+    assert counts.shape == (21, 21) and counts.sum() == 21_000
+    assert counts[10 + 3, 10 + 3] == counts[10, 10 - 7] == 500 and counts[10, 10] == 1000
+    assert counts[10 + 3, 10 - 7] is np.ma.masked or counts[10 + 3, 10 - 7] == 0
+    assert len(fig.axes) == 2  # the colour bar of counts
+    diagonal = [line for line in ax.lines if list(line.get_xdata()) == list(line.get_ydata())]
+    assert diagonal and f"Spearman {evaluate.spearman(rows[:, 0], rows[:, 1]):.2f}" in ax.get_title()
+    assert (tmp_path / "agreement.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_agreement_help_lists_its_own_settings():

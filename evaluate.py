@@ -48,9 +48,9 @@ from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSetting
                      eos_ids, load_policy, play_dialogues)
 from run import (OutputSettings, TrackerSettings, append_lines, at_least, claim_folder, default_device, fail,
                  finite_row, latest_checkpoint, log_to_trackers, one_of, parse_settings, public_config,
-                 read_json_lines, redact, release_run, rows_with, set_seed, setting, start_trackers,
-                 start_writing, summarize, tracker_settings, transcript_record, write_atomically,
-                 write_failure)
+                 read_json_lines, read_text, redact, release_run, rows_with, set_seed, setting,
+                 start_trackers, start_writing, summarize, tracker_settings, transcript_record,
+                 write_atomically, write_failure)
 from simulator import (SimulatorError, SimulatorSettings, UserState, apply_change, auto_readout,
                        build_simulator, load_personas_or_exit, simulator_kind)
 
@@ -95,6 +95,44 @@ class EvalSettings:
             fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
                  f"{redact(args.simulator)} reads out '{readout}'")
         args.adapter = [policy_adapter(path) for path in args.adapter]
+        take_run_settings(args)
+
+
+# What an adapter from a training run is evaluated with, unless given: the run's (config.json)
+RUN_SETTINGS = ("model", "thinking", "max_new_tokens", "max_context")
+
+
+def take_run_settings(args):
+    """An adapter of a trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it was trained:
+    the base model, thinking (and with it the system prompt), tokens a reply and context come from
+    the run's config.json unless given here. With evaluate.py's own defaults a think-then-say agent
+    trained with 512 tokens would be cut at 128, mid-thought, and the user would hear silence. Runs
+    that disagree: one line (which to take is not guessed); fewer tokens a reply than in training: a
+    warning. An adapter folder outside a run keeps the defaults."""
+    runs = {}
+    for path in args.adapter:
+        checkpoints = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        config = os.path.join(os.path.dirname(checkpoints), "config.json")
+        if os.path.basename(checkpoints) == "checkpoints" and os.path.isfile(config):
+            try:
+                runs[path] = json.loads(read_text(config))
+            except ValueError as e:
+                fail(f"--adapter {path}: its run's settings do not read ({e})")
+    for name in RUN_SETTINGS:
+        saved = {path: run[name] for path, run in runs.items() if run.get(name) is not None}
+        flag = f"--{name.replace('_', '-')}"
+        if name in args.given_flags:
+            trained = max([v for v in saved.values() if name == "max_new_tokens"], default=0)
+            if args.max_new_tokens < trained:
+                print(f"warning: {flag} {args.max_new_tokens} is less than the {trained} tokens a reply the "
+                      f"adapter trained with: cut replies are counted in results.md", file=sys.stderr)
+        elif len({json.dumps(v) for v in saved.values()}) > 1:
+            fail(f"--adapter: the runs were trained with different {flag} ("
+                 + ", ".join(f"{v} in {p}" for p, v in saved.items()) + f"): give {flag} to evaluate "
+                 "them alike")
+        elif saved:
+            setattr(args, name, next(iter(saved.values())))
+    SamplingSettings.check(args)  # the context taken must still hold a whole reply
 
 
 def policy_adapter(path):
@@ -192,6 +230,8 @@ def model_summary(records, persona_ids, n_boot=2000, seed=0):
         "failures": sum(r["end_reason"] == "left" for r in records),
         "end_reasons": dict(Counter(r["end_reason"] for r in records)),
         "turns_mean": agent_turns / len(records),
+        # replies that ran into --max-new-tokens unfinished: a cut thought reaches the user as "..."
+        "cut_replies": sum(r["cut_replies"] for r in records),
         "reply_tokens_mean": sum(r["policy_tokens"] for r in records) / max(1, agent_turns),
         "think_violations": violations,
         "think_violation_rate": violations / max(1, agent_turns),
@@ -476,19 +516,21 @@ def results_table(results):
         f"Score = mean final emotion (0-100); "
         f"[95% bootstrap interval over personas, {s['bootstrap']} resamples]; "
         "vs base = mean paired difference over the same personas; "
+        f"cut replies = agent turns that reached --max-new-tokens {s['max_new_tokens']} unfinished; "
         "reply tokens = policy tokens per agent turn, "
         "thought included.",
         "",
-        "| model | score | vs base | successes | failures | turns | reply tokens | think violations "
-        "| sim. fallbacks |"
+        "| model | score | cut replies | vs base | successes | failures | turns | reply tokens "
+        "| think violations | sim. fallbacks |"
         + (" math acc. | math vs base |" if has_math else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if has_math else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if has_math else ""),
     ]
     for m in results["models"]:
         n = m["dialogues"]
         p = paired.get(m["label"])
         vs = f"{_signed(p['mean'])} [{_signed(p['low'])}, {_signed(p['high'])}]" if p else "-"
-        row = (f"| {m['label']} | {m['score']:.1f} [{m['ci_low']:.1f}, {m['ci_high']:.1f}] | {vs} "
+        row = (f"| {m['label']} | {m['score']:.1f} [{m['ci_low']:.1f}, {m['ci_high']:.1f}] "
+               f"| {m['cut_replies']} ({m['cut_replies'] / max(1, m['turns_mean'] * n):.0%}) | {vs} "
                f"| {m['successes']}/{n} | {m['failures']}/{n} | {m['turns_mean']:.1f} "
                f"| {m['reply_tokens_mean']:.0f} "
                f"| {m['think_violations']} ({m['think_violation_rate']:.0%}) | {m['simulator_fallbacks']} |")
@@ -684,7 +726,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
                        simulator_tokens_per_s=speed["simulator_tokens_per_s"],
                        dialogue_results=[{k: r[k] for k in ("persona_id", "sample", "final_emotion",
                                                             "end_reason", "emotions", "violations",
-                                                            "fallbacks", "policy_tokens")}
+                                                            "fallbacks", "policy_tokens", "cut_replies")}
                                          | {"turns": len(r["turn_ends"])} for r in records])
         results["models"].append(summary)
         if m["adapter_name"] is not None:
@@ -714,6 +756,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
         line = (f"{m['label']}: score {summary['score']:.1f} "
                 f"[{summary['ci_low']:.1f}, {summary['ci_high']:.1f}], "
                 f"{summary['successes']} successes, {summary['failures']} failures, "
+                f"{summary['cut_replies']} cut replies, "
                 f"{summary['seconds']:.0f} s")
         if answers is not None:
             line += f", math {results['math']['models'][m['label']]['accuracy']:.1%}"

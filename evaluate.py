@@ -30,6 +30,7 @@ dialogues against the recorded ones (its own settings: python evaluate.py --agre
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -47,12 +48,14 @@ from tqdm import tqdm
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
                      eos_ids, load_policy, play_dialogues)
 from run import (OutputSettings, TrackerSettings, append_lines, at_least, claim_folder, default_device, fail,
-                 finite_row, latest_checkpoint, log_to_trackers, one_of, parse_settings, public_config,
-                 read_json_lines, read_text, redact, release_run, rows_with, set_seed, setting,
-                 start_trackers, start_writing, summarize, tracker_settings, transcript_record,
-                 write_atomically, write_failure)
-from simulator import (SimulatorError, SimulatorSettings, UserState, apply_change, auto_readout,
-                       build_simulator, load_personas_or_exit, simulator_kind)
+                 finite_row, latest_checkpoint, load_tokenizer, log_to_trackers, one_of, parse_settings,
+                 public_config, read_json_lines, read_text, redact, release_run, resolve_model, rows_with,
+                 set_seed, setting, start_trackers, start_writing, summarize, tracker_settings,
+                 transcript_record, write_atomically, write_failure)
+from simulator import (NEGATIVE_REACTIONS, POSITIVE_REACTIONS, Simulator, SimulatorError, SimulatorSettings,
+                       UserState, appraisal_messages, apply_change, auto_readout, build_simulator,
+                       load_personas_or_exit, persona_language, retry_messages, simulator_kind,
+                       user_turn_messages)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,10 +101,6 @@ class EvalSettings:
         take_run_settings(args)
 
 
-# What an adapter from a training run is evaluated with, unless given: the run's (config.json)
-RUN_SETTINGS = ("model", "thinking", "max_new_tokens", "max_context")
-
-
 def take_run_settings(args):
     """An adapter of a trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it was trained:
     the base model, thinking (and with it the system prompt), tokens a reply and context come from
@@ -118,20 +117,19 @@ def take_run_settings(args):
                 runs[path] = json.loads(read_text(config))
             except ValueError as e:
                 fail(f"--adapter {path}: its run's settings do not read ({e})")
-    for name in RUN_SETTINGS:
+    for name in ("model", "thinking", "max_new_tokens", "max_context"):
         saved = {path: run[name] for path, run in runs.items() if run.get(name) is not None}
-        flag = f"--{name.replace('_', '-')}"
-        if name in args.given_flags:
-            trained = max([v for v in saved.values() if name == "max_new_tokens"], default=0)
-            if args.max_new_tokens < trained:
-                print(f"warning: {flag} {args.max_new_tokens} is less than the {trained} tokens a reply the "
-                      f"adapter trained with: cut replies are counted in results.md", file=sys.stderr)
-        elif len({json.dumps(v) for v in saved.values()}) > 1:
+        if len(set(saved.values())) > 1 and name not in args.given_flags:
+            flag = f"--{name.replace('_', '-')}"
             fail(f"--adapter: the runs were trained with different {flag} ("
                  + ", ".join(f"{v} in {p}" for p, v in saved.items()) + f"): give {flag} to evaluate "
                  "them alike")
-        elif saved:
+        if saved and name not in args.given_flags:
             setattr(args, name, next(iter(saved.values())))
+    trained = max((run.get("max_new_tokens") or 0 for run in runs.values()), default=0)
+    if args.max_new_tokens < trained:
+        print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} tokens a reply "
+              f"the adapter trained with: cut replies are counted in results.md", file=sys.stderr)
     SamplingSettings.check(args)  # the context taken must still hold a whole reply
 
 
@@ -1140,8 +1138,9 @@ def appraise_dialogues(simulator, dialogues, personas, store, settings_key, batc
     dialogue is appended to `store` at once, so an interrupted run keeps it and a rerun skips it."""
     done = finished_appraisals(store, settings_key)
     todo = [d for d in dialogues if d["key"] not in done]
-    bar = tqdm(total=len(dialogues), initial=len(dialogues) - len(todo), desc="agreement: dialogues",
-               disable=not progress)
+    replies = [len(judged_replies(d)) for d in dialogues]  # the bar counts replies: one can take minutes
+    bar = tqdm(total=sum(replies), initial=sum(replies) - sum(len(judged_replies(d)) for d in todo),
+               desc="agreement: replies", disable=not progress)
     for start in range(0, len(todo), batch_dialogues):
         part = todo[start:start + batch_dialogues]
         jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
@@ -1155,7 +1154,7 @@ def appraise_dialogues(simulator, dialogues, personas, store, settings_key, batc
                          "appraisals": [t for _, t, _ in mine]})
         append_lines(store, rows)
         done.update((row["dialogue"], row) for row in rows)
-        bar.update(len(part))
+        bar.update(len(jobs))
     bar.close()
     return done
 
@@ -1176,6 +1175,41 @@ def one_line_on_signals(kept):
     finally:
         for number, handler in before.items():
             signal.signal(number, handler)
+
+
+def check_appraisals_fit(args, dialogues, personas, readout):
+    """A local simulator (same, or a model for transformers) must hold every appraisal in
+    min(--max-context, its window: max_position_embeddings), or its answers past the window are
+    noise. Checked before any model loads, with the tokenizer only, on each dialogue's longest
+    appraisal: the prompt for its last judged reply and what the read-out adds to it (reasoned: the
+    answer, and the re-asking in case it is unread; likelihood: the longest reaction scored). One that
+    does not fit: one line naming it. Nothing is cut to fit: a cut history is another dialogue."""
+    from transformers import AutoConfig
+
+    name = args.model if args.simulator == "same" else args.simulator
+    tokenizer = load_tokenizer(name, args.trust_remote_code)
+    window = AutoConfig.from_pretrained(resolve_model(name), trust_remote_code=args.trust_remote_code)
+    window = getattr(window, "max_position_embeddings", None) or args.max_context
+    limit = min(args.max_context, window)
+    asked = inspect.signature(Simulator).parameters  # the appraisal's tokens, as build_simulator leaves them
+    for d, (k, _, _) in [(d, judged_replies(d)[-1]) for d in dialogues if judged_replies(d)]:
+        state, reply = recorded_state(personas[d["id"]], d, k), d["history"][k]["text"]
+        if readout == "reasoned":
+            messages = retry_messages(appraisal_messages(state, reply, args.judge, args.max_change), "",
+                                      persona_language(state.persona), args.max_change)
+            added = asked["appraisal_tokens"].default + asked["retry_tokens"].default
+        else:
+            messages = user_turn_messages(dataclasses.replace(state, history=state.history + [
+                {"role": "agent", "text": reply}]))
+            added = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
+                        for t in POSITIVE_REACTIONS + NEGATIVE_REACTIONS)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        needed = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + added
+        if needed > limit:
+            why = f"the window of {name}" if limit < args.max_context else f"--max-context {limit}"
+            fail(f"{d['file']}: line {d['line']} (id {d['id']}): its longest appraisal needs {needed} tokens "
+                 f"and {limit} fit ({why}): raise --max-context (up to the model's window, {window}), or use "
+                 f"a simulator with a longer window, such as a URL")
 
 
 def agreement_main(args):
@@ -1204,6 +1238,8 @@ def agreement_main(args):
         fail(f"--agreement: no agent reply in {', '.join(args.agreement)} is followed by a judged user "
              f"message (one with an emotion-point)")
     readout = args.readout if args.readout != "auto" else auto_readout(simulator_kind(args.simulator))
+    if simulator_kind(args.simulator) in ("same", "local"):
+        check_appraisals_fit(args, dialogues, personas, readout)
     settings = {"simulator": redact(args.simulator), "readout": readout, "judge": args.judge,
                 "model": args.model if args.simulator == "same" else None, "max_change": args.max_change,
                 "api_model": args.api_model if simulator_kind(args.simulator) == "url" else None}

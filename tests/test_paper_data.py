@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import evaluate
 import ppo
@@ -421,7 +422,7 @@ def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
     done = run("evaluate.py", "--agreement", *RESULTS, "--personas", SAGE, "--simulator", "rules",
                "--bootstrap", "200", "--limit", "1", "--out", tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "agreement: dialogues: 100%" in done.stderr  # the progress bar
+    assert "agreement: replies: 100%" in done.stderr  # the progress bar
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["settings"]["readout"] == "rules"
     assert results["replies"]["dialogues"] == 3  # --limit 1: one per file
@@ -528,3 +529,112 @@ def test_agreement_help_lists_its_own_settings():
     done = run("evaluate.py", "--help", timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("usage:")
     assert "--limit" in done.stdout and "--batch-dialogues" in done.stdout.replace("_", "-")
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 30 item 14: the agreement check with a local model on SAGE-sized dialogues
+# ----------------------------------------------------------------------------------------------
+def sage_sized(folder, tokenizer, profile_tokens=3500, message_tokens=450):
+    """An invented SAGE-sized scenario (a profile of about profile_tokens tokens, as SAGE's are in
+    SmolLM2's tokenizer) and its recorded dialogue: 9 messages of about message_tokens each, 4 judged
+    replies. Made-up syllables, so that the profile stays within a persona field's 20,000 characters."""
+    syllables = [a + b for a in "bcdfgklmnprstvz" for b in "aeiou"]
+    rng = np.random.default_rng(0)
+
+    def text(n):
+        words = []
+        while len(tokenizer(" ".join(words))["input_ids"]) < n:
+            words += ["".join(rng.choice(syllables, 2)) for _ in range(40)]
+        return " ".join(words)
+    profile = {"id": "big-1", "player": text(profile_tokens), "scene": "An invented scene.",
+               "main_cha": "X", "topic": "work", "task": "to talk", "first_talk": "hello. i am tired."}
+    history = [{"role": "user", "content": text(message_tokens), "emotion-point": 40 + k} if k % 2 == 0 else
+               {"role": "assistant", "content": text(message_tokens)} for k in range(9)]
+    (folder / "profiles.jsonl").write_text(json.dumps(profile) + "\n")
+    recorded = {"id": "big-1", "emo_point": 48, "history": history}
+    (folder / "big_result.jsonl").write_text(json.dumps(recorded) + "\n")
+    return str(folder / "big_result.jsonl"), str(folder / "profiles.jsonl")
+
+
+def with_window(model_dir, folder, window):
+    """The tiny model as a folder of links, its config saying another window (max_position_embeddings)."""
+    folder.mkdir()
+    for name in os.listdir(model_dir):
+        if name != "config.json":
+            os.symlink(os.path.join(model_dir, name), folder / name)
+    config = json.loads(open(os.path.join(model_dir, "config.json")).read())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": window}))
+    return str(folder)
+
+
+# Peak memory of evaluate.py in a process of its own, less what the process holds once its modules
+# are imported (torch, transformers): what the command itself needs.
+GROWTH = """import resource, sys
+import evaluate
+with open("/proc/self/status") as f:
+    start = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+try:
+    evaluate.main(sys.argv[1:])
+finally:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(f"grew {(peak - start) // 1024} MB", file=sys.stderr)
+"""
+
+
+def test_a_sage_sized_dialogue_is_appraised_in_memory_linear_in_its_context(tiny_model_dir, tmp_path):
+    # Issue 30 item 14. Appraisal prompts of 3,800 to 7,700 tokens (a 3,500-token profile, a 4,000-token
+    # history), 4 judged replies, the tiny model as the likelihood read-out: one pass over a whole prompt
+    # builds (4, T, T) masks, 0.9 GB in float32 alone and more than 1.5 GB in all; chunked prefill needs
+    # (4, 1024, T) at most.
+    model = with_window(tiny_model_dir, tmp_path / "model", 16384)
+    recorded_file, profiles = sage_sized(tmp_path, run_module.load_tokenizer(model))
+    done = subprocess.run([sys.executable, "-c", GROWTH, "--agreement", recorded_file, "--personas", profiles,
+                           "--simulator", "same", "--model", model, "--max-context", "16384", "--bootstrap",
+                           "20", "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    grew = int(re.search(r"grew (\d+) MB", done.stderr)[1])
+    assert grew < 900, done.stderr[-3000:]  # chunked: about 430 MB (290 for 2 short replies); one pass: 1,960
+    assert "agreement: replies: 100%" in done.stderr and "4/4" in done.stderr  # the bar counts replies
+    assert len(read_lines(tmp_path / "out" / "appraisals.jsonl")[0]["changes"]) == 4
+
+
+def test_a_dialogue_longer_than_the_simulators_context_is_refused_before_a_model_loads(
+        tiny_model_dir, tmp_path, monkeypatch, capsys):
+    for module in (simulator, run_module):
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    recorded_file, profiles = sage_sized(tmp_path, run_module.load_tokenizer(tiny_model_dir))
+    model = with_window(tiny_model_dir, tmp_path / "model", 16384)
+    # the tiny model's own window is 4096 tokens (--max-context 8192 would let more through); a copy
+    # that says 16384 is held to --max-context 4096
+    for model_dir, limit, why in ((tiny_model_dir, 8192, "the window of"),
+                                  (model, 4096, "--max-context 4096")):
+        with pytest.raises(SystemExit) as stop:
+            evaluate.main(["--agreement", recorded_file, "--personas", profiles, "--simulator", "same",
+                           "--model", model_dir, "--max-context", str(limit), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+        needed = int(re.search(r"needs (\d+) tokens", err)[1])
+        assert err.startswith(f"error: {recorded_file}: line 1 (id big-1): ") and 7500 < needed < 8500, err
+        assert "4096 fit" in err and why in err and "URL" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_chunked_prefill_scores_and_answers_as_one_pass_does(tiny_model):
+    # the conversations of different lengths (padding), the second round reusing the first's caches
+    model, tokenizer = tiny_model
+    conversations = [[{"role": "user", "content": "word " * n}] for n in (40, 7, 23)]
+    longer = [c + [{"role": "assistant", "content": "yes"}, {"role": "user", "content": "and then " * 9}]
+              for c in conversations]
+    answers = []
+    for chunk in (1024, 5):
+        backend = simulator.LocalBackend(model, tokenizer)
+        backend.prefill_chunk = chunk
+        slots = [{} for _ in conversations]
+        scores = [backend.score(c, ["Thank you.", "No, that is wrong."], slots)
+                  for c in (conversations, longer)]
+        answers.append((scores, backend.chat(longer, 6, slots), backend.chat(conversations, 6)))
+    (scores, chats, fresh), (chunked_scores, chunked_chats, chunked_fresh) = answers
+    for one, other in zip(scores, chunked_scores):
+        torch.testing.assert_close(one, other, atol=1e-5, rtol=0)
+    assert chats == chunked_chats and fresh == chunked_fresh

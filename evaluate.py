@@ -947,13 +947,14 @@ def judged_replies(dialogue):
 def recorded_state(persona, dialogue, k):
     """The simulated user as it was when agent message k arrived: the recorded conversation before
     it, the recorded emotion, and one appraisal per earlier reply whose move is the recorded change,
-    so that the mood notes (user_turn_messages) and the likelihood read-out see the recorded moods."""
+    so that the mood notes (user_turn_messages) and the likelihood read-out see the recorded moods.
+    It is appraised once, so it keeps no KV cache (cache None: a local simulator stores none)."""
     history = [dict(m) for m in dialogue["history"][:k]]
     moods = [dialogue["points"][j] for j in range(k) if history[j]["role"] == "user"]  # e_0 .. e_m
     appraisals = [{"change": after - before, "emotion": after, "appraisal": "", "parsed": True}
                   for before, after in zip(moods, moods[1:])]
     return UserState(persona=persona, emotion=moods[-1], history=history, turns=len(appraisals),
-                     appraisals=appraisals)
+                     appraisals=appraisals, cache=None)
 
 
 def simulated_final(start, changes, max_change=10):

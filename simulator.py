@@ -750,8 +750,9 @@ class LocalBackend:
 
     def _slots(self, slots, n):
         """(slots, keep): the callers' per-dialogue cache slots and True, or, when reuse is off or
-        the caller has none, empty throwaway slots and False (nothing is stored in them)."""
-        if self.reuse_cache and slots is not None:
+        the caller has none (None, or a None for a state appraised once), empty throwaway slots and
+        False: nothing is stored in them, which spares a copy of every row's keys and values."""
+        if self.reuse_cache and slots is not None and None not in slots:
             return slots, True
         return [{} for _ in range(n)], False
 

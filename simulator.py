@@ -739,6 +739,7 @@ class LocalBackend:
     """A transformers model plays the user, greedily. With use_base=True (--simulator same) the
     policy's own PeftModel is handed in and run with its adapters disabled: the frozen base."""
     name = "local"
+    prefill_chunk = 1024  # prompt tokens a forward pass takes into the KV cache (see _prefill)
 
     def __init__(self, model, tokenizer, use_base=False, micro_batch_size=16, reuse_cache=True):
         self.model, self.tokenizer = model, tokenizer
@@ -761,8 +762,9 @@ class LocalBackend:
 
     def _slots(self, slots, n):
         """(slots, keep): the callers' per-dialogue cache slots and True, or, when reuse is off or
-        the caller has none, empty throwaway slots and False (nothing is stored in them)."""
-        if self.reuse_cache and slots is not None:
+        the caller has none (None, or a None for a state appraised once), empty throwaway slots and
+        False: nothing is stored in them, which spares a copy of every row's keys and values."""
+        if self.reuse_cache and slots is not None and None not in slots:
             return slots, True
         return [{} for _ in range(n)], False
 
@@ -770,6 +772,19 @@ class LocalBackend:
         prompt, reused = prompt_counts(mask, cache)
         self.prompt_tokens += prompt
         self.reused_tokens += reused
+
+    def _prefill(self, ids, mask, cache):
+        """Run a cached_batch's new tokens, all but the last, into its cache, prefill_chunk at a time,
+        so that each pass's attention mask is (batch, chunk, context), linear in the context: one pass
+        over a whole prompt builds (batch, T, T) masks, 0.9 GB a row in float32 at the 15,000 tokens of
+        an appraisal on SAGE's recordings. generate() or the scoring pass then runs the last token.
+        Positions follow the attention mask, as generate() computes them, so the holes shift nothing."""
+        position = mask.cumsum(1) - 1                                                   # (B, W)
+        for start in range(cache.get_seq_length(), ids.shape[1] - 1, self.prefill_chunk):
+            end = min(start + self.prefill_chunk, ids.shape[1] - 1)
+            self.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
+                       position_ids=position[:, start:end], **{cache_keyword(self.model): cache},
+                       use_cache=True, logits_to_keep=1)
 
     @torch.no_grad()
     def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=1.2):
@@ -787,6 +802,7 @@ class LocalBackend:
                     part = slice(i, i + self.micro_batch_size)
                     ids, mask, cache = cached_batch(rows[part], slots[part], pad, self.model.device)
                     self._count(mask, cache)
+                    self._prefill(ids, mask, cache)
                     gen = self.model.generate(input_ids=ids, attention_mask=mask,
                                               **{cache_keyword(self.model): cache}, do_sample=False,
                                               max_new_tokens=max_new_tokens,
@@ -804,11 +820,13 @@ class LocalBackend:
     def score(self, conversations, continuations, slots=None):
         """Mean per-token log-likelihood of each continuation as the start of the assistant's next
         message, for every conversation: a (len(conversations), len(continuations)) tensor.
-        One forward pass per micro-batch runs each conversation's new tokens and, after them, all
-        the continuations one after another (a 'tree' row): a 4D mask lets each continuation token
-        see its conversation and its own earlier tokens only, and its positions restart where the
-        conversation ends, so the conversation is run once for all continuations and no cache is
-        copied. Exact: equal to scoring every pair with its own full forward pass (tested).
+        Each conversation's new tokens but the last go into its KV cache (_prefill, in chunks);
+        then one forward pass per micro-batch runs its last token and, after it, all the
+        continuations one after another (a 'tree' row): a 4D mask of (batch, 1 + C, context + C)
+        lets each continuation token see its conversation and its own earlier tokens only, and its
+        positions restart where the conversation ends, so the conversation is run once for all
+        continuations and no cache is copied. Exact: equal to scoring every pair with its own full
+        forward pass (tested).
         The mask is additive (0 or the dtype's minimum), which both the 'sdpa' and 'eager'
         attention implementations read; flash-attention kernels take no such mask."""
         was_training = self.model.training
@@ -831,26 +849,21 @@ class LocalBackend:
                     part = slice(i, i + self.micro_batch_size)
                     ids, mask, cache = cached_batch(rows[part], slots[part], pad, device)
                     self._count(mask, cache)
-                    B, P = ids.shape[0], cache.get_seq_length()
-                    S = ids.shape[1] - P                                # new conversation columns
-                    real = mask.bool()                                  # (B, P + S)
-                    causal = torch.ones(S, P + S, dtype=torch.bool, device=device).tril(P)
-                    sees_conv = real[:, None, :] & causal               # (B, S, P + S)
-                    # a padding column sees itself, so that no query row is masked whole
-                    sees_conv[:, torch.arange(S), P + torch.arange(S)] = True
-                    sees = torch.cat([
-                        torch.cat([sees_conv, sees_conv.new_zeros(B, S, C)], 2),
-                        torch.cat([real[:, None, :].expand(B, C, P + S), in_block.expand(B, C, C)], 2),
-                    ], 1)                                               # (B, S + C, P + S + C)
+                    self._prefill(ids, mask, cache)  # the cache now holds all but the last column
+                    B, W = mask.shape
+                    # the last conversation token, then the continuations: each sees the conversation's
+                    # real tokens (up to itself); a continuation token also its own earlier tokens
+                    sees = torch.cat([mask.bool()[:, None, :].expand(B, 1 + C, W),
+                                      torch.cat([in_block.new_zeros(1, C), in_block]).expand(B, 1 + C, C)],
+                                     2)                                 # (B, 1 + C, W + C)
                     bias = torch.zeros(sees.shape, dtype=dtype, device=device)
                     bias.masked_fill_(~sees, torch.finfo(dtype).min)
-                    position = mask.cumsum(1) - 1                       # (B, P + S)
-                    position = torch.cat([position[:, P:].clamp(min=0),
-                                          position[:, -1:] + 1 + offset[None]], 1)  # (B, S + C)
+                    # positions: the last conversation token's, then a continuation's restart after it
+                    position = mask.sum(1, keepdim=True) - 1 + torch.cat([offset.new_zeros(1), 1 + offset])
                     # the logits that predict each continuation token: its first from the last
-                    # conversation column, the others from the token before it in the block
-                    before = torch.where(offset == 0, S - 1, S + torch.arange(C, device=device) - 1)
-                    logits = self.model(input_ids=torch.cat([ids[:, P:], block.expand(B, C)], 1),
+                    # conversation token, the others from the token before it in the block
+                    before = torch.where(offset == 0, 0, torch.arange(C, device=device))
+                    logits = self.model(input_ids=torch.cat([ids[:, -1:], block.expand(B, C)], 1),
                                         attention_mask=bias[:, None], position_ids=position,
                                         **{cache_keyword(self.model): cache}, use_cache=True,
                                         logits_to_keep=before).logits                # (B, C, V)

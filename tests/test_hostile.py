@@ -856,3 +856,71 @@ def test_the_fault_launcher_fails_as_a_real_mount_does(tmp_path):
     finally:
         for folder in reversed(mounted):
             subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 30 item 12: evaluate.py --agreement on a full disk, on Ctrl-C and on SIGTERM
+# ----------------------------------------------------------------------------------------------
+DATA = os.path.join(ROOT, "tests", "data")
+RECORDED = [os.path.join(DATA, "sage_results", f"{name}_result.jsonl") for name in ("warm", "cold", "mixed")]
+RESULT_FILES = ("results.json", "results.md", "agreement.png")
+
+
+def agreement_argv(out, *extra):
+    return ["evaluate.py", "--agreement", *RECORDED, "--personas", os.path.join(DATA, "sage_sample.jsonl"),
+            "--bootstrap", "20", "--out", str(out), *extra]
+
+
+def test_agreement_on_a_full_disk_keeps_its_appraisals_and_half_writes_nothing(tmp_path):
+    """Issue 30 item 12: the disk fills once the appraisals (the rules user's) are in
+    appraisals.jsonl, as the results are written: one line, exit code 2; appraisals.jsonl whole, no
+    result file at all (not a 0-byte results.md); the same command, given room, goes on from the
+    kept appraisals (it appends none) and writes what an undisturbed run writes."""
+    reference = tmp_path / "reference"
+    run_ok(*agreement_argv(reference, "--simulator", "rules"))
+    out = tmp_path / "full"
+    out.mkdir()
+    room = sum((reference / name).stat().st_size for name in (MARKER, "appraisals.jsonl")) + 64
+    code, _, err, _ = faulty("--disk-full", str(out), "--free", str(room), "--",
+                             *agreement_argv(out, "--simulator", "rules"))
+    assert_one_line(code, err, "the disk is full", "appraisals.jsonl", "continues")
+    kept = (out / "appraisals.jsonl").read_bytes()
+    assert kept == (reference / "appraisals.jsonl").read_bytes()
+    assert not [n for n in os.listdir(out) if n in RESULT_FILES or ".tmp" in n], os.listdir(out)
+    run_ok(*agreement_argv(out, "--simulator", "rules"))
+    assert (out / "appraisals.jsonl").read_bytes() == kept
+    same = [{k: v for k, v in json.loads((folder / "results.json").read_text()).items() if k != "settings"}
+            for folder in (reference, out)]
+    assert same[0] == same[1]
+
+
+@pytest.mark.parametrize("name,exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_agreement_stopped_by_a_signal_says_so_in_one_line_and_keeps_its_appraisals(server, tmp_path, name,
+                                                                                   exit_code):
+    """Issue 30 item 12: Ctrl-C (SIGINT) or SIGTERM while the simulator server appraises the second
+    dialogue: one line saying what is kept, exit code 130 / 143, no traceback; the first dialogue's
+    appraisals are in appraisals.jsonl and no result file is written."""
+    gate = threading.Event()
+
+    def handle(handler, n, body):
+        if n > 2:  # the first dialogue's two judged replies are answered; the next wait for the signal
+            gate.wait(300)
+        reply(handler, 200, chat("Change: +2"))
+    srv = server(handle)
+    out, log = tmp_path / "out", tmp_path / "stderr.txt"
+    store = out / "appraisals.jsonl"
+    proc = background(agreement_argv(out, "--simulator", srv.url, "--batch-dialogues", "1"), log)
+    try:
+        wait_for(lambda: store.exists() and store.read_text().count("\n") == 1, proc, log)
+        proc.send_signal(getattr(signal, name))
+        code = proc.wait(60)
+    finally:
+        gate.set()
+        stop(proc)
+    err = log.read_text()
+    assert code == exit_code, (code, err[-2000:])
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    said = [line for line in re.split(r"[\r\n]", err) if name in line]
+    assert len(said) == 1 and str(store) in said[0], err[-2000:]
+    assert [json.loads(line)["id"] for line in store.read_text().splitlines()] == ["sage-001"]
+    assert not [n for n in os.listdir(out) if n in RESULT_FILES], os.listdir(out)

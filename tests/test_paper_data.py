@@ -628,9 +628,10 @@ def test_a_sage_sized_dialogue_is_appraised_in_memory_linear_in_its_context(tiny
     # (4, 1024, T) at most.
     model = with_window(tiny_model_dir, tmp_path / "model", 16384)
     recorded_file, profiles = sage_sized(tmp_path, run_module.load_tokenizer(model))
-    done = subprocess.run([sys.executable, "-c", GROWTH, "--agreement", recorded_file, "--personas", profiles,
-                           "--simulator", "same", "--model", model, "--max-context", "16384", "--bootstrap",
-                           "20", "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+    command = ["--agreement", recorded_file, "--personas", profiles, "--simulator", "same", "--model", model,
+               "--readout", "likelihood", "--max-context", "16384", "--bootstrap", "20",
+               "--out", str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, "-c", GROWTH, *command], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     grew = int(re.search(r"grew (\d+) MB", done.stderr)[1])

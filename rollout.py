@@ -26,11 +26,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from run import (OutputSettings, above, at_least, check_target_modules, compiled_graphs, default_device,
-                 fail, four_bit_problem, load_model, load_tokenizer, model_problem, one_of, parse_settings,
-                 set_seed, setting, summarize, target_names, transcript_record, within, write_atomically)
-from simulator import (SimulatorError, SimulatorSettings, build_simulator, cache_keyword, cached_batch,
-                       keep_cache, load_personas_or_exit, prompt_counts, transcript_turns)
+from run import (above, at_least, check_model, compiled_graphs, default_device, fail, four_bit_problem, load_model,
+                 load_tokenizer, model_problem, one_of, setting, target_names, within)
+from simulator import cache_keyword, cached_batch, keep_cache, load_personas_or_exit, prompt_counts, transcript_turns
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project; --system-prompt-file replaces them)
@@ -119,7 +117,7 @@ class AdapterSettings:
     lora_dropout: float = setting(0.0, "LoRA dropout; 0 keeps the first importance ratio exactly 1",
                                   within(0, 1, high_open=True))
     target_modules: str = setting(DEFAULT_TARGETS, "comma-separated module names that get LoRA")
-    gradient_checkpointing: bool = setting(True, "recompute activations in the backward pass")
+    gradient_checkpointing: bool = setting(True, "recompute activations in the backward pass", operational=True)
 
 
 def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=0.0,
@@ -359,9 +357,10 @@ class SamplingSettings:
                                at_least(2))
     merged_sampling: bool = setting(True, "sample from the adapter merged into a copy of the weights: "
                                           "faster, the update stays exact (off: less memory; 4-bit bases "
-                                          "never merge)")
+                                          "never merge)", operational=True)
     static_cache: bool = setting(False, "decode into a fixed-size KV cache, which transformers compiles on "
-                                        "a GPU (CUDA graphs); turn caches off. Not yet measured on a GPU")
+                                        "a GPU (CUDA graphs); turn caches off. Not yet measured on a GPU",
+                                  operational=True)
 
     @staticmethod
     def check(args):
@@ -560,15 +559,6 @@ def pad_records(records, pad_id, device):
 LOGITS_CHUNK_TOKENS = 1024  # rows x positions projected onto the vocabulary at once (token_logprobs)
 
 
-def one_step_per_batch(passes, minibatch_size, batch_size):
-    """True when an iteration takes exactly one optimizer step on its batch (one pass, the whole
-    batch as one minibatch). Then the weights that would score the rollout are the ones the
-    update's forward pass runs, so the old log-probs are that pass's own, detached, and a separate
-    scoring pass would only repeat it (TRL takes them the same way). The tests replace this
-    function to force the scoring pass and compare the two paths."""
-    return passes == 1 and minibatch_size == batch_size
-
-
 def length_sorted(attention_mask, micro_batch_size):
     """Micro-batches for passes where the order of dialogues does not matter (scoring): a list of
     (rows, width), the rows sorted by length, longest first, and width their longest row, so that
@@ -681,7 +671,7 @@ def training_personas(args):
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
-    check_target_modules(args.model, args.target_modules, args.trust_remote_code)
+    check_model(args.model, args.target_modules, args.trust_remote_code)
     return personas
 
 
@@ -714,19 +704,13 @@ def dropout_active(model):
                and ("dropout" in k or k.endswith("pdrop")) for k, v in config.items())
 
 
-def passes_to_run(args, iteration, batch_size, model, old_first=False):
-    """(old log-probs from the update, reference pass): the scoring passes an iteration needs.
-    With one optimizer step per batch (one epoch, one minibatch) the old log-probs are the update's
-    own forward pass, detached, so a scoring pass would compute the same numbers once more; unless
-    something reads them before the update (old_first), or the update's pass drops (the model's
-    dropout_active): in train mode its log-probs carry dropout noise, not the sampling policy's,
-    so the scoring pass, in eval mode as the sampling was, gives them. The reference pass runs when
-    a KL term reads it or kl_ref is logged (every --log-kl-every iterations). TRL skips the same
-    passes."""
-    one_step = one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size)
-    old_from_update = one_step and not old_first and not dropout_active(model)
-    kl_term = getattr(args, "kl_coef", 0) > 0 or args.kl_loss_coef > 0
-    return old_from_update, kl_term or iteration % args.log_kl_every == 0
+def old_logprobs_from_update(args, batch_size, model):
+    """True when the update's own forward pass can give the old log-probs: one optimizer step per batch
+    (one pass, the whole batch one minibatch), so the weights that would score the rollout are the ones
+    the update runs, and no dropout (the model's dropout_active), since in train mode its log-probs carry
+    dropout noise, not the sampling policy's. A scoring pass would then compute the same numbers again
+    (TRL skips it too). The trainers also run it when something reads the old log-probs before the update."""
+    return args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout_active(model)
 
 
 def pick_personas(personas, n, seed, iteration):
@@ -747,54 +731,3 @@ def use_adapter(model, name):
 def adapter_params(model, name):
     """The LoRA parameters of one adapter."""
     return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line: play and save a few dialogues
-# ----------------------------------------------------------------------------------------------
-@dataclass
-class PlaySettings:
-    """What `python rollout.py` plays."""
-    group = "rollout.py"
-    adapter: str = setting("", "a saved LoRA adapter folder to play with (default: the base model)")
-    dialogues: int = setting(4, "personas to play (0 = all of the split)", at_least(0))
-    samples: int = setting(1, "dialogues per persona", at_least(1))
-
-
-PLAY_DEFAULTS = dict(model="smollm2", max_turns=3, max_new_tokens=96, max_context=2048, out="runs/rollout")
-
-
-def main(argv=None):
-    args = parse_settings([PolicySettings, SamplingSettings, SimulatorSettings, PlaySettings, OutputSettings],
-                          argv, defaults=PLAY_DEFAULTS, prog="rollout.py")
-    path = os.path.join(args.out, "rollouts.jsonl")
-    if os.path.exists(path) and not args.overwrite:
-        fail(f"--out {args.out} holds {path}: replace it with --overwrite, or pick another --out")
-    set_seed(args.seed)
-    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
-    personas = personas[:args.dialogues] if args.dialogues else personas
-    check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
-                       args.max_context, args.max_new_tokens, args.trust_remote_code)
-    policy, tokenizer = load_policy(args.model, adapter=args.adapter or None, trainable=False,
-                                    dtype=args.dtype, load_in_4bit=args.load_in_4bit,
-                                    trust_remote_code=args.trust_remote_code)
-    simulator, _ = build_simulator(args, policy, tokenizer, default_device())
-    t0 = time.time()
-    try:
-        records, stats = play_dialogues(policy, tokenizer, simulator, personas, args.samples,
-                                        **sampling_settings(args))
-    except SimulatorError as e:
-        fail(e)
-    os.makedirs(args.out, exist_ok=True)
-    write_atomically(path, "".join(json.dumps(transcript_record(r), ensure_ascii=False) + "\n"
-                                   for r in records))
-    s = summarize(records, stats)
-    print(f"{len(records)} dialogues in {time.time() - t0:.0f} s -> {path}\nmean final emotion "
-          f"{s['final_emotion_mean']:.1f}; end reasons "
-          + ", ".join(f"{k[4:]} {v}" for k, v in s.items() if k.startswith("end_") and v))
-    print(f"policy {s['policy_tokens_per_s']:.1f} tok/s, simulator {s['simulator_tokens_per_s']:.1f} tok/s, "
-          f"think-format violations {s['think_violation_rate']:.0%}, fallbacks {s['simulator_fallbacks']}")
-
-
-if __name__ == "__main__":
-    main()

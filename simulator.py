@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from run import (EMBEDDED, above, append_lines, at_least, check_rules, env_name, fail, load_model,
-                 model_problem, one_line_errors, one_of, read_json_lines, read_text, redact, rows_with,
+from run import (EMBEDDED, above, append_lines, at_least, env_name, fail, load_model,
+                 model_problem, one_of, read_json_lines, read_text, redact, rows_with,
                  setting, within, write_atomically)
 
 # ----------------------------------------------------------------------------------------------
@@ -1302,7 +1302,7 @@ class SimulatorSettings:
         problem = readout_problem(args.readout, simulator_kind(args.simulator))
         if problem:
             fail(f"--readout {args.readout} with --simulator {redact(args.simulator)}: {problem}")
-        if "api_key_env" in getattr(args, "given_flags", ()) and args.api_key_env not in os.environ:
+        if "api_key_env" in args.given and args.api_key_env not in os.environ:
             fail("--api-key-env <redacted>: no environment variable of that name is set; give the name of "
                  "the variable that holds the key (exported), never the key itself")
 

@@ -176,6 +176,7 @@ class RolloutSettings:
 
 
 def bench_rollout(args):
+    """One rollout against plain generate's speed, timed before and after it."""
     set_seed(0)  # the same dialogues every run
     policy, tokenizer = rollout.load_policy(args.model, trainable=False)
     personas = load_personas_or_exit(args.personas, "train")[:args.dialogues]
@@ -264,11 +265,15 @@ def bench_step(args):
         system_prompt = rollout.THINK_PROMPT if kwargs["thinking"] else rollout.PLAIN_PROMPT
         chat = rollout.ChatTokens(tokenizer, system_prompt)
         prompts = [chat.prompt(p.opening) for p in personas for _ in range(samples_per_persona)]
-        value_head = torch.nn.LazyLinear(1).to(policy.device) if args.algo == "ppo" else None  # the critic's
+        # PPO's floor has the critic's pass too: a value head on the critic adapter (LazyLinear takes
+        # the model's hidden size at its first call)
+        value_head = torch.nn.LazyLinear(1).to(policy.device) if args.algo == "ppo" else None
         floors.append(step_floor(policy, tokenizer, prompts, kwargs["max_new_tokens"], args.micro_batch_size,
                                  value_head))
         return rollout.play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona, **kwargs)
 
+    # The trainer calls play_dialogues by its own module's name: there the floor goes in before each
+    # rollout. The run goes into a new folder inside a temporary one.
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp, \
             mock.patch.object(trainer, "play_dialogues", play_after_the_floor):
         out = os.path.join(tmp, "run")
@@ -279,7 +284,7 @@ def bench_step(args):
     # iterations they are left out of the medians.
     timed = [(m["time_iteration"] - f, f, m["policy_tokens"] / (m["time_rollout"] - f), generate)
              for m, (f, generate) in zip(metrics, floors)][len(metrics) >= 3:]
-    iteration, floor, sampling, generate = np.median(timed, 0)  # each column's median
+    iteration, floor, sampling, generate = np.median(timed, 0)  # each column's median over iterations
     plain = args.dialogues * args.max_new_tokens / generate
     result = {"iteration_seconds": iteration, "floor_seconds": floor, "ratio": iteration / floor,
               "sampling_tokens_per_s": sampling, "floor_sampling_tokens_per_s": plain,
@@ -452,6 +457,7 @@ def plot_learning(curves, path, title):
 
 
 def bench_learning(args):
+    """The runs (train_runs), then learning.md and learning.png from every complete one."""
     os.makedirs(args.out, exist_ok=True)  # the benchmark's folder; each run creates its own inside
     failed = train_runs(args)
     table, curves, incomplete = learning_table(args)
@@ -559,6 +565,7 @@ class GPUSettings:
 
 
 def bench_gpu(args):
+    """One ppo.main() iteration on a random Qwen2 built in memory, then the plain-generate baseline."""
     if not args.tiny and not torch.cuda.is_available():
         fail("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` runs its code "
              "path with the paper preset's settings on CPU, with a 2-layer model in float32")

@@ -219,7 +219,7 @@ def resume_settings(args, fields):
     saved = read_run(args.resume)
     if saved is None:
         fail(f"--resume {args.resume}: not a run folder (no config.json written by a trainer)")
-    if "out" in args.given:
+    if "out" in args.given and os.path.abspath(args.out) != os.path.abspath(args.resume):
         fail(f"--out {args.out} with --resume {args.resume}: a resume continues in the run's own folder; drop --out")
     for f in fields:
         if f.name not in saved or f.name in ("resume", "out", "trust_remote_code"):
@@ -661,27 +661,21 @@ def summarize(records, stats):
     and timings (with several processes: every process's records and merged stats)."""
     reasons = Counter(r["end_reason"] for r in records)
     agent_turns = sum(len(r["turn_ends"]) for r in records)
-
-    def rate(tokens, seconds):
-        return stats.get(tokens, 0) / max(1e-9, stats.get(seconds, 0))
-    out = {
-        "final_emotion_mean": float(np.mean([r["final_emotion"] for r in records])),
-        "success_rate": reasons["success"] / len(records), "failure_rate": reasons["left"] / len(records),
-        "turns_mean": agent_turns / len(records),
-        "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
-        "simulator_fallbacks": sum(r["fallbacks"] for r in records),
-        "policy_tokens": int(stats.get("policy_tokens", 0)),
-        "policy_tokens_per_s": rate("policy_tokens", "policy_seconds"),
-        "simulator_tokens_per_s": rate("simulator_tokens", "simulator_seconds"),
-        "policy_seconds": stats.get("policy_seconds", 0.0), "simulator_seconds": stats.get("simulator_seconds", 0.0),
+    out = {"final_emotion_mean": float(np.mean([r["final_emotion"] for r in records])),
+           "success_rate": reasons["success"] / len(records), "failure_rate": reasons["left"] / len(records),
+           "turns_mean": agent_turns / len(records),
+           "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
+           "cut_reply_rate": sum(r.get("cut_replies", 0) for r in records) / max(1, agent_turns),
+           "simulator_fallbacks": sum(r["fallbacks"] for r in records),
+           "policy_tokens": int(stats.get("policy_tokens", 0)),
+           "decode_compilations": int(stats.get("decode_compilations", 0))}
+    for who in ("policy", "simulator"):
+        out[f"{who}_seconds"] = stats.get(f"{who}_seconds", 0.0)
+        out[f"{who}_tokens_per_s"] = stats.get(f"{who}_tokens", 0) / max(1e-9, out[f"{who}_seconds"])
         # the share of prompt tokens read from a dialogue's KV cache instead of being run again
-        "policy_cache_hit": stats.get("policy_reused_tokens", 0) / max(1, stats.get("policy_prompt_tokens", 0)),
-        "simulator_cache_hit": (stats.get("simulator_reused_tokens", 0)
-                                / max(1, stats.get("simulator_prompt_tokens", 0))),
-        "decode_compilations": int(stats.get("decode_compilations", 0)),
-    }
-    return {**out, **{f"end_{reason}": reasons[reason] for reason in
-                      ("success", "left", "goodbye", "max_turns", "context")}}
+        out[f"{who}_cache_hit"] = stats.get(f"{who}_reused_tokens", 0) / max(1, stats.get(f"{who}_prompt_tokens", 0))
+    return {**out, **{f"end_{reason}": reasons[reason] for reason in ("success", "left", "goodbye", "max_turns",
+                                                                      "context")}}
 
 
 # ----------------------------------------------------------------------------------------------

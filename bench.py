@@ -758,7 +758,11 @@ def gpu_check(args):
         fail("bench.py gpu --check: needs a CUDA GPU and none is visible; --dry-run runs its steps on CPU at "
              "tiny sizes")
     folder = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(folder, exist_ok=True)
+    try:  # every step writes its log there, and the results after it
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        fail(f"--out {args.out}: its folder {folder} cannot be written ({e.strerror})")
     # The steps see the built tokenizer (as on the GPU machine, where the embedded model's wheel is
     # missing) and, in the dry run, no CUDA at all.
     env = {**os.environ, "RLVER_TEST_TOKENIZER": "built", "TOKENIZERS_PARALLELISM": "false",

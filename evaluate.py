@@ -30,9 +30,11 @@ dialogues against the recorded ones (its own settings: python evaluate.py --agre
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import re
+import signal
 import sys
 import time
 from collections import Counter
@@ -46,11 +48,14 @@ from tqdm import tqdm
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
                      eos_ids, load_policy, play_dialogues)
 from run import (OutputSettings, TrackerSettings, append_lines, at_least, claim_folder, default_device, fail,
-                 latest_checkpoint, log_to_trackers, one_of, parse_settings, public_config, read_json_lines,
-                 redact, release_run, rows_with, set_seed, setting, start_trackers, start_writing, summarize,
-                 tracker_settings, transcript_record)
-from simulator import (SimulatorError, SimulatorSettings, UserState, apply_change, auto_readout,
-                       build_simulator, load_personas_or_exit, simulator_kind)
+                 finite_row, latest_checkpoint, load_tokenizer, log_to_trackers, one_of, parse_settings,
+                 public_config, read_json_lines, read_text, redact, release_run, resolve_model, rows_with,
+                 set_seed, setting, start_trackers, start_writing, summarize, tracker_settings,
+                 transcript_record, write_atomically, write_failure)
+from simulator import (NEGATIVE_REACTIONS, POSITIVE_REACTIONS, Simulator, SimulatorError, SimulatorSettings,
+                       UserState, appraisal_messages, apply_change, auto_readout, build_simulator,
+                       load_personas_or_exit, persona_language, retry_messages, simulator_kind,
+                       user_model, user_turn_messages)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,11 +93,44 @@ class EvalSettings:
         if args.samples > 1 and not args.sample:
             fail("--samples: greedy decoding plays the same dialogue every time; add --sample for "
                  "--samples > 1")
-        readout = args.readout if args.readout != "auto" else auto_readout(simulator_kind(args.simulator))
+        readout = args.readout if args.readout != "auto" else auto_readout(user_model(args))[0]
         if args.judge == "heldout" and readout != "reasoned":
             fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
                  f"{redact(args.simulator)} reads out '{readout}'")
         args.adapter = [policy_adapter(path) for path in args.adapter]
+        take_run_settings(args)
+
+
+def take_run_settings(args):
+    """An adapter of a trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it was trained:
+    the base model, thinking (and with it the system prompt), tokens a reply and context come from
+    the run's config.json unless given here. With evaluate.py's own defaults a think-then-say agent
+    trained with 512 tokens would be cut at 128, mid-thought, and the user would hear silence. Runs
+    that disagree: one line (which to take is not guessed); fewer tokens a reply than in training: a
+    warning. An adapter folder outside a run keeps the defaults."""
+    runs = {}
+    for path in args.adapter:
+        checkpoints = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        config = os.path.join(os.path.dirname(checkpoints), "config.json")
+        if os.path.basename(checkpoints) == "checkpoints" and os.path.isfile(config):
+            try:
+                runs[path] = json.loads(read_text(config))
+            except ValueError as e:
+                fail(f"--adapter {path}: its run's settings do not read ({e})")
+    for name in ("model", "thinking", "max_new_tokens", "max_context"):
+        saved = {path: run[name] for path, run in runs.items() if run.get(name) is not None}
+        if len(set(saved.values())) > 1 and name not in args.given_flags:
+            flag = f"--{name.replace('_', '-')}"
+            fail(f"--adapter: the runs were trained with different {flag} ("
+                 + ", ".join(f"{v} in {p}" for p, v in saved.items()) + f"): give {flag} to evaluate "
+                 "them alike")
+        if saved and name not in args.given_flags:
+            setattr(args, name, next(iter(saved.values())))
+    trained = max((run.get("max_new_tokens") or 0 for run in runs.values()), default=0)
+    if args.max_new_tokens < trained:
+        print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} tokens a reply "
+              f"the adapter trained with: cut replies are counted in results.md", file=sys.stderr)
+    SamplingSettings.check(args)  # the context taken must still hold a whole reply
 
 
 def policy_adapter(path):
@@ -190,6 +228,8 @@ def model_summary(records, persona_ids, n_boot=2000, seed=0):
         "failures": sum(r["end_reason"] == "left" for r in records),
         "end_reasons": dict(Counter(r["end_reason"] for r in records)),
         "turns_mean": agent_turns / len(records),
+        # replies that ran into --max-new-tokens unfinished: a cut thought reaches the user as "..."
+        "cut_replies": sum(r["cut_replies"] for r in records),
         "reply_tokens_mean": sum(r["policy_tokens"] for r in records) / max(1, agent_turns),
         "think_violations": violations,
         "think_violation_rate": violations / max(1, agent_turns),
@@ -474,19 +514,21 @@ def results_table(results):
         f"Score = mean final emotion (0-100); "
         f"[95% bootstrap interval over personas, {s['bootstrap']} resamples]; "
         "vs base = mean paired difference over the same personas; "
+        f"cut replies = agent turns that reached --max-new-tokens {s['max_new_tokens']} unfinished; "
         "reply tokens = policy tokens per agent turn, "
         "thought included.",
         "",
-        "| model | score | vs base | successes | failures | turns | reply tokens | think violations "
-        "| sim. fallbacks |"
+        "| model | score | cut replies | vs base | successes | failures | turns | reply tokens "
+        "| think violations | sim. fallbacks |"
         + (" math acc. | math vs base |" if has_math else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if has_math else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if has_math else ""),
     ]
     for m in results["models"]:
         n = m["dialogues"]
         p = paired.get(m["label"])
         vs = f"{_signed(p['mean'])} [{_signed(p['low'])}, {_signed(p['high'])}]" if p else "-"
-        row = (f"| {m['label']} | {m['score']:.1f} [{m['ci_low']:.1f}, {m['ci_high']:.1f}] | {vs} "
+        row = (f"| {m['label']} | {m['score']:.1f} [{m['ci_low']:.1f}, {m['ci_high']:.1f}] "
+               f"| {m['cut_replies']} ({m['cut_replies'] / max(1, m['turns_mean'] * n):.0%}) | {vs} "
                f"| {m['successes']}/{n} | {m['failures']}/{n} | {m['turns_mean']:.1f} "
                f"| {m['reply_tokens_mean']:.0f} "
                f"| {m['think_violations']} ({m['think_violation_rate']:.0%}) | {m['simulator_fallbacks']} |")
@@ -509,6 +551,23 @@ def _pyplot():
     return plt
 
 
+def save_figure(fig, path):
+    """Lay out, save and close a figure, written whole or not at all (as run.write_atomically: a
+    temporary file renamed over), so that a full disk or a kill never leaves half a PNG. Returns it."""
+    import matplotlib.pyplot as plt
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    fig.tight_layout()
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return fig
+
+
 def plot_scores(models, path):
     """One bar per model: the score with its 95% interval."""
     plt = _pyplot()
@@ -524,9 +583,7 @@ def plot_scores(models, path):
     ax.set_ylim(0, 100)
     ax.set_ylabel("score: mean final emotion")
     ax.set_title("Score per model\n(bars: 95% bootstrap interval)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -555,9 +612,7 @@ def plot_trajectories(runs, start_emotion, leave_below, path):
     ax.set_title("Emotion per turn: thin lines one dialogue each, thick the mean per model\n"
                  "(a dialogue that ended early keeps its final emotion in the mean)", fontsize=9)
     ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -605,10 +660,8 @@ def plot_curves(run_dirs, out):
         ax.set_title(key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
         path = os.path.join(out, f"curves_{key}.png")
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, path)
         written.append(path)
     if not written:
         found = sorted({k for _, rows in runs for r in rows for k in r} - {"iteration"})
@@ -621,11 +674,12 @@ def plot_curves(run_dirs, out):
 # ----------------------------------------------------------------------------------------------
 # The evaluation loop
 # ----------------------------------------------------------------------------------------------
-def _write_results(out, results):
-    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1, ensure_ascii=False)
-    with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
-        f.write(results_table(results))
+def write_results(out, results, table):
+    """results.json and results.md, each replaced whole (run.write_atomically). results.json is strict
+    JSON: a statistic that is undefined (NaN) is written as null."""
+    write_atomically(os.path.join(out, "results.json"),
+                     json.dumps(finite_row(results)[0], indent=1, ensure_ascii=False, allow_nan=False))
+    write_atomically(os.path.join(out, "results.md"), table)
 
 
 def run_evaluation(args, policy, tokenizer, simulator, personas, models, problems=None, accelerator=None):
@@ -670,7 +724,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
                        simulator_tokens_per_s=speed["simulator_tokens_per_s"],
                        dialogue_results=[{k: r[k] for k in ("persona_id", "sample", "final_emotion",
                                                             "end_reason", "emotions", "violations",
-                                                            "fallbacks", "policy_tokens")}
+                                                            "fallbacks", "policy_tokens", "cut_replies")}
                                          | {"turns": len(r["turn_ends"])} for r in records])
         results["models"].append(summary)
         if m["adapter_name"] is not None:
@@ -692,7 +746,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
                 results["math"]["paired"].append({"model": m["label"], "vs": "base", **paired_difference(
                     correct, base_correct, args.bootstrap, args.seed)})
         played.append((m["label"], records))
-        _write_results(args.out, results)
+        write_results(args.out, results, results_table(results))
         numbers = dict(summary)
         if answers is not None:
             numbers["math_accuracy"] = results["math"]["models"][m["label"]]["accuracy"]
@@ -700,12 +754,13 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
         line = (f"{m['label']}: score {summary['score']:.1f} "
                 f"[{summary['ci_low']:.1f}, {summary['ci_high']:.1f}], "
                 f"{summary['successes']} successes, {summary['failures']} failures, "
+                f"{summary['cut_replies']} cut replies, "
                 f"{summary['seconds']:.0f} s")
         if answers is not None:
             line += f", math {results['math']['models'][m['label']]['accuracy']:.1%}"
         print(line, file=sys.stderr)
     results["complete"] = True
-    _write_results(args.out, results)
+    write_results(args.out, results, results_table(results))
     plot_scores(results["models"], os.path.join(args.out, "scores.png"))
     plot_trajectories(played, simulator.start_emotion, simulator.leave_below,
                       os.path.join(args.out, "trajectories.png"))
@@ -809,33 +864,31 @@ def with_interval(groups, statistic, n_boot, seed):
     return {"value": value, "low": low, "high": high}
 
 
-def kendall_with_interval(per_file_finals, n_boot=2000, seed=0, level=0.95):
-    """Kendall's tau-b between the files' (models') mean recorded and mean simulated final
-    emotions, with an interval from resampling each file's dialogues. per_file_finals: one
-    (dialogues, 2) array of (recorded, simulated) finals per file. None for fewer than 2 files."""
-    if len(per_file_finals) < 2:
+def kendall_with_interval(finals, n_boot=2000, seed=0):
+    """Kendall's tau-b between the files' (models') mean recorded and mean simulated final emotions
+    over the same scenarios, with an interval from resampling scenarios: one draw for every file, so
+    the comparison stays paired (SAGE's models all played the same 100 scenarios, and a scenario's
+    difficulty moves every model alike). finals: (files, scenarios, 2) of (recorded, simulated).
+    None for fewer than 2 files or no scenario."""
+    if len(finals) < 2 or finals.shape[1] == 0:
         return None
-    means = np.array([f.mean(0) for f in per_file_finals])  # (files, 2)
-    rng = np.random.default_rng(seed)
-    values = []
-    for _ in range(n_boot):
-        resampled = np.array([f[rng.integers(0, len(f), len(f))].mean(0) for f in per_file_finals])
-        values.append(kendall_tau_b(resampled[:, 0], resampled[:, 1]))
-    values = np.array(values)
-    values = values[np.isfinite(values)]
-    low, high = (np.percentile(values, [50 * (1 - level), 50 * (1 + level)]) if len(values)
-                 else (float("nan"), float("nan")))
-    return {"value": kendall_tau_b(means[:, 0], means[:, 1]), "low": float(low), "high": float(high)}
+    tau = lambda rows: kendall_tau_b(*rows.mean(0).T)  # noqa: E731  rows (draws, files, 2) -> files' means
+    return with_interval(list(finals.transpose(1, 0, 2)[:, None]), tau, n_boot, seed)
 
 
 # Reading SAGE's recorded dialogues: one JSON object per line with id, emo_point (the final
 # emotion) and history, a list of {role: user|assistant, content}; each user message carries the
 # judge's `emotion-point` when it was written (the first: 40).
+def is_emotion(value):
+    """A recorded emotion: a number in [0, 100] (NaN and infinity fail the comparison)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 100
+
+
 def read_sage_dialogues(path):
     """[{file, line, id, final, history: [{role: user|agent, text}], points: {message index:
-    emotion}, key}] for each line. Bad input: one line naming the file, the line and the field,
-    exit 2."""
-    dialogues = []
+    emotion}, key}] for each line. Bad input (as strict as a persona file: an emotion outside 0-100
+    or not finite, an id twice): one line naming the file, the line and the field, exit 2."""
+    dialogues, lines = [], {}
     for i, record in read_jsonl_or_exit(path):
         where = f"{path}: line {i + 1}"
         if not isinstance(record, dict):
@@ -843,9 +896,13 @@ def read_sage_dialogues(path):
         if not isinstance(record.get("id"), (str, int)) or isinstance(record.get("id"), bool):
             fail(f"{where}: field 'id' is {'missing' if 'id' not in record else 'not a string'}")
         where += f" (id {record['id']})"
+        if str(record["id"]) in lines:  # a second "model" or a repeated line would count its replies twice
+            fail(f"{where}: field 'id' is on line {lines[str(record['id'])]} too: one dialogue per scenario")
+        lines[str(record["id"])] = i + 1
         final = record.get("emo_point")
-        if not isinstance(final, (int, float)) or isinstance(final, bool):
-            fail(f"{where}: field 'emo_point' must be a number (the final emotion)")
+        if not is_emotion(final):
+            fail(f"{where}: field 'emo_point' must be a number from 0 to 100 (the final emotion), "
+                 f"not {final!r}")
         history = record.get("history")
         if not isinstance(history, list) or not history:
             fail(f"{where}: field 'history' must be a non-empty list of messages")
@@ -860,9 +917,11 @@ def read_sage_dialogues(path):
                 fail(f"{where}: field 'history[{k}].content' must be a string")
             if role == "user":
                 point = m.get("emotion-point")
-                if not isinstance(point, (int, float)) or isinstance(point, bool):
-                    fail(f"{where}: field 'history[{k}].emotion-point' is "
-                         f"{'missing' if 'emotion-point' not in m else 'not a number'}")
+                if "emotion-point" not in m:
+                    fail(f"{where}: field 'history[{k}].emotion-point' is missing")
+                if not is_emotion(point):
+                    fail(f"{where}: field 'history[{k}].emotion-point' must be a number from 0 to 100, "
+                         f"not {point!r}")
                 points[k] = point
             messages.append({"role": "user" if role == "user" else "agent", "text": m["content"]})
         text = json.dumps(record, sort_keys=True, ensure_ascii=False)
@@ -888,20 +947,24 @@ def judged_replies(dialogue):
 def recorded_state(persona, dialogue, k):
     """The simulated user as it was when agent message k arrived: the recorded conversation before
     it, the recorded emotion, and one appraisal per earlier reply whose move is the recorded change,
-    so that the mood notes (user_turn_messages) and the likelihood read-out see the recorded moods."""
+    so that the mood notes (user_turn_messages) and the likelihood read-out see the recorded moods.
+    It is appraised once, so it keeps no KV cache (cache None: a local simulator stores none)."""
     history = [dict(m) for m in dialogue["history"][:k]]
     moods = [dialogue["points"][j] for j in range(k) if history[j]["role"] == "user"]  # e_0 .. e_m
     appraisals = [{"change": after - before, "emotion": after, "appraisal": "", "parsed": True}
                   for before, after in zip(moods, moods[1:])]
     return UserState(persona=persona, emotion=moods[-1], history=history, turns=len(appraisals),
-                     appraisals=appraisals)
+                     appraisals=appraisals, cache=None)
 
 
 def simulated_final(start, changes, max_change=10):
     """The final emotion from adding the simulator's changes along a recorded dialogue, each
-    clamped as the simulator clamps it (apply_change): to +-max_change, the mood to [0, 100]."""
+    clamped as the simulator clamps it (apply_change): to +-max_change, the mood to [0, 100]; it
+    stops where SAGE and Simulator.step stop, at 100 (a success) or below 10 (a failure)."""
     emotion = start
     for change in changes:
+        if sage_outcome(emotion):
+            break
         emotion, _ = apply_change(emotion, change, max_change)
     return emotion
 
@@ -940,8 +1003,11 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
             "simulated_score": float(sim.mean()), "simulated_ci": bootstrap_interval(sim, n_boot, seed),
             "recorded_successes_failures": sage_counts(rec), "simulated_successes_failures": sage_counts(sim),
             "fallbacks": int(sum(fallbacks[k] for k in mine))})
-    by_file = [finals[[k for k, d in enumerate(dialogues) if d["label"] == f["label"]]] for f in files]
-    tau = kendall_with_interval(by_file, n_boot, seed)
+    # the models are ranked on the scenarios every file holds (ids are unique within a file)
+    by_file = [{d["id"]: f for d, f in zip(dialogues, finals) if d["label"] == m["label"]} for m in files]
+    shared = [i for i in by_file[0] if all(i in f for f in by_file)]
+    shared_finals = np.array([[f[i] for i in shared] for f in by_file]).reshape(len(files), -1, 2)
+    tau = kendall_with_interval(shared_finals, n_boot, seed)
     return {
         "replies": {
             "n": int(len(rows)), "dialogues": len(dialogues),
@@ -963,7 +1029,7 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
             "pearson": with_interval(final_groups, lambda r: pearson(r[:, 0], r[:, 1]), n_boot, seed),
         },
         "files": files,
-        "models": {"kendall_tau_b": tau,
+        "models": {"kendall_tau_b": tau, "scenarios": len(shared),
                    "recorded_order": [m["label"] for m in sorted(files, key=lambda m: -m["recorded_score"])],
                    "simulated_order": [m["label"]
                                        for m in sorted(files, key=lambda m: -m["simulated_score"])]},
@@ -972,7 +1038,7 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
 
 def _interval(x, digits=2):
     if x is None:
-        return "- (needs 2 files or more)"
+        return "- (needs 2 files or more that share scenarios)"
     if not np.isfinite(x["value"]):
         return "undefined (one side never varies)"
     return f"{x['value']:.{digits}f} [{x['low']:.{digits}f}, {x['high']:.{digits}f}]"
@@ -1021,31 +1087,38 @@ def agreement_table(report, settings):
                      f"[{m['simulated_ci'][0]:.1f}, {m['simulated_ci'][1]:.1f}] | {rs} / {rf} "
                      f"| {ss} / {sf} |")
     tau = _interval(report["models"]["kendall_tau_b"])
-    lines += ["", f"Rank order of the models, Kendall's tau-b: {tau}; "
+    lines += ["", f"Rank order of the models, Kendall's tau-b over the {report['models']['scenarios']} "
+              f"scenarios every file holds: {tau}; "
               f"recorded {_ranking(report['files'], 'recorded_score')}, simulated "
               f"{_ranking(report['files'], 'simulated_score')}."]
     return "\n".join(lines) + "\n"
 
 
-def plot_agreement(report_rows, path, title=""):
-    """Recorded vs simulated change per reply: one dot per (recorded, simulated) pair, its area the
-    number of replies there (the changes are whole numbers, so dots would hide each other)."""
+def plot_agreement(rows, path, title="", max_change=10):
+    """Recorded against simulated change per reply as a heat map: one cell per pair of whole changes,
+    coloured by how many replies fall there (log scale; empty cells blank). It reads the same at 20
+    replies and at 20,000, where dots sized by their count cover the plot. Returns the figure."""
+    from matplotlib.colors import LogNorm
+    from matplotlib.ticker import MaxNLocator
+
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    pairs = Counter(map(tuple, report_rows.tolist()))
-    if pairs:
-        xs, ys = zip(*pairs)
-        ax.scatter(xs, ys, s=[30 * n for n in pairs.values()], alpha=0.6, color="C0", edgecolor="none")
-    ax.plot([-10, 10], [-10, 10], color="grey", ls="--", lw=0.8)
-    ax.axhline(0, color="grey", lw=0.5)
-    ax.axvline(0, color="grey", lw=0.5)
+    rho = spearman(rows[:, 0], rows[:, 1])
+    rows = np.rint(rows).astype(int)                         # (replies, 2): recorded, simulated
+    m = max(max_change, int(np.abs(rows).max(initial=0)))   # cells -m..m on both axes
+    counts = np.zeros((2 * m + 1, 2 * m + 1))                 # (simulated, recorded)
+    np.add.at(counts, (rows[:, 1] + m, rows[:, 0] + m), 1)
+    fig, ax = plt.subplots(figsize=(6, 5))
+    image = ax.imshow(np.ma.masked_equal(counts, 0), origin="lower", extent=(-m - 0.5, m + 0.5) * 2,
+                      norm=LogNorm(vmin=1, vmax=max(2, counts.max())), cmap="viridis")
+    fig.colorbar(image, ax=ax, label="replies")
+    ax.plot([-m, m], [-m, m], color="red", ls="--", lw=0.8)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True))  # the cells are whole changes
     ax.set_xlabel("recorded change (SAGE's judge)")
     ax.set_ylabel("simulated change (this simulator)")
-    ax.set_title(title + "\n(dot area: number of replies; dashed: perfect agreement)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    ax.set_title(f"{title}\nSpearman {rho:.2f}; dashed: perfect agreement",
+                 fontsize=9)
+    return save_figure(fig, path)
 
 
 def _key(value):
@@ -1066,8 +1139,9 @@ def appraise_dialogues(simulator, dialogues, personas, store, settings_key, batc
     dialogue is appended to `store` at once, so an interrupted run keeps it and a rerun skips it."""
     done = finished_appraisals(store, settings_key)
     todo = [d for d in dialogues if d["key"] not in done]
-    bar = tqdm(total=len(dialogues), initial=len(dialogues) - len(todo), desc="agreement: dialogues",
-               disable=not progress)
+    replies = [len(judged_replies(d)) for d in dialogues]  # the bar counts replies: one can take minutes
+    bar = tqdm(total=sum(replies), initial=sum(replies) - sum(len(judged_replies(d)) for d in todo),
+               desc="agreement: replies", disable=not progress)
     for start in range(0, len(todo), batch_dialogues):
         part = todo[start:start + batch_dialogues]
         jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
@@ -1081,9 +1155,62 @@ def appraise_dialogues(simulator, dialogues, personas, store, settings_key, batc
                          "appraisals": [t for _, t, _ in mine]})
         append_lines(store, rows)
         done.update((row["dialogue"], row) for row in rows)
-        bar.update(len(part))
+        bar.update(len(jobs))
     bar.close()
     return done
+
+
+@contextlib.contextmanager
+def one_line_on_signals(kept):
+    """Ctrl-C and SIGTERM end the command at once with one line saying what is kept, and exit code
+    130 / 143 (as a shell reports a killed command; the run's Run.interrupted does the same); the
+    handlers from before are back afterwards. Every appraisal line is written whole (a torn last line
+    is skipped on reading) and every result file is renamed into place, so nothing is half written."""
+    def stop(number, frame):
+        tqdm.write(f"stopped by {signal.Signals(number).name}; {kept}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(128 + number)
+    before = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
+def check_appraisals_fit(args, dialogues, personas, readout):
+    """A local simulator (same, or a model for transformers) must hold every appraisal in
+    min(--max-context, its window: max_position_embeddings), or its answers past the window are
+    noise. Checked before any model loads, with the tokenizer only, on each dialogue's longest
+    appraisal: the prompt for its last judged reply and what the read-out adds to it (reasoned: the
+    answer, and the re-asking in case it is unread; likelihood: the longest reaction scored). One that
+    does not fit: one line naming it. Nothing is cut to fit: a cut history is another dialogue."""
+    from transformers import AutoConfig
+
+    name = args.model if args.simulator == "same" else args.simulator
+    tokenizer = load_tokenizer(name, args.trust_remote_code)
+    window = AutoConfig.from_pretrained(resolve_model(name), trust_remote_code=args.trust_remote_code)
+    window = getattr(window, "max_position_embeddings", None) or args.max_context
+    limit = min(args.max_context, window)
+    asked = inspect.signature(Simulator).parameters  # the appraisal's tokens, as build_simulator leaves them
+    for d, (k, _, _) in [(d, judged_replies(d)[-1]) for d in dialogues if judged_replies(d)]:
+        state, reply = recorded_state(personas[d["id"]], d, k), d["history"][k]["text"]
+        if readout == "reasoned":
+            messages = retry_messages(appraisal_messages(state, reply, args.judge, args.max_change), "",
+                                      persona_language(state.persona), args.max_change)
+            added = asked["appraisal_tokens"].default + asked["retry_tokens"].default
+        else:
+            messages = user_turn_messages(dataclasses.replace(state, history=state.history + [
+                {"role": "agent", "text": reply}]))
+            added = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
+                        for t in POSITIVE_REACTIONS + NEGATIVE_REACTIONS)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        needed = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + added
+        if needed > limit:
+            why = f"the window of {name}" if limit < args.max_context else f"--max-context {limit}"
+            fail(f"{d['file']}: line {d['line']} (id {d['id']}): its longest appraisal needs {needed} tokens "
+                 f"and {limit} fit ({why}): raise --max-context (up to the model's window, {window}), or use "
+                 f"a simulator with a longer window, such as a URL")
 
 
 def agreement_main(args):
@@ -1092,6 +1219,10 @@ def agreement_main(args):
 
     # everything is read and checked before any model loads
     personas = {p.id: p for p in load_personas_or_exit(args.personas)}
+    real = [os.path.realpath(path) for path in args.agreement]
+    for k, path in enumerate(args.agreement):
+        if real[k] in real[:k]:  # it would count as a second model that agrees with the first
+            fail(f"--agreement {path}: the file {args.agreement[real.index(real[k])]} again; give each once")
     labels = [re.sub(r"(_result)?\.jsonl?$", "", name) for name in unique_labels(args.agreement, reserved=())]
     dialogues = []
     for path, label in zip(args.agreement, labels):
@@ -1107,7 +1238,9 @@ def agreement_main(args):
     if not any(judged_replies(d) for d in dialogues):
         fail(f"--agreement: no agent reply in {', '.join(args.agreement)} is followed by a judged user "
              f"message (one with an emotion-point)")
-    readout = args.readout if args.readout != "auto" else auto_readout(simulator_kind(args.simulator))
+    readout = args.readout if args.readout != "auto" else auto_readout(user_model(args))[0]
+    if simulator_kind(args.simulator) in ("same", "local"):
+        check_appraisals_fit(args, dialogues, personas, readout)
     settings = {"simulator": redact(args.simulator), "readout": readout, "judge": args.judge,
                 "model": args.model if args.simulator == "same" else None, "max_change": args.max_change,
                 "api_model": args.api_model if simulator_kind(args.simulator) == "url" else None}
@@ -1124,27 +1257,31 @@ def agreement_main(args):
     start_writing(args.out, "evaluate.py", args.overwrite, kind="agreement")
     store = os.path.join(args.out, "appraisals.jsonl")
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
-          f"{redact(args.simulator)} (read-out {simulator.readout}, judge {simulator.judge}); appraisals "
+          f"{redact(args.simulator)} (read-out {simulator.readout}, {simulator.readout_why}; judge "
+          f"{simulator.judge}); appraisals "
           f"kept in {store}", file=sys.stderr)
-    try:
-        done = appraise_dialogues(simulator, dialogues, personas, store, _key(settings), args.batch_dialogues)
-    except SimulatorError as e:
-        fail(f"{e}; the dialogues finished so far are kept in {store}: the same command continues from them")
-    rows = [done[d["key"]] for d in dialogues]
-    report = agreement_report(dialogues, [r["changes"] for r in rows],
-                              [len(r["parsed"]) - sum(r["parsed"]) for r in rows], args.max_change,
-                              args.bootstrap, args.seed)
-    results = {"complete": True, "settings": {**public_config(args), "readout": simulator.readout}, **report}
-    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1, ensure_ascii=False)
-    table = agreement_table(report, results["settings"])
-    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
-        f.write(table)
-    pairs = np.concatenate([agreement_rows(d, r["changes"], args.max_change)
-                            for d, r in zip(dialogues, rows)])
-    plot_agreement(pairs, os.path.join(args.out, "agreement.png"),
-                   f"{redact(args.simulator)} ({simulator.readout}) vs SAGE's judge: {len(pairs)} replies, "
-                   f"Spearman {report['replies']['spearman']['value']:.2f}")
+    kept = f"the dialogues finished so far are kept in {store}: the same command continues from them"
+    with one_line_on_signals(kept):
+        try:
+            done = appraise_dialogues(simulator, dialogues, personas, store, _key(settings),
+                                      args.batch_dialogues)
+            rows = [done[d["key"]] for d in dialogues]
+            report = agreement_report(dialogues, [r["changes"] for r in rows],
+                                      [len(r["parsed"]) - sum(r["parsed"]) for r in rows], args.max_change,
+                                      args.bootstrap, args.seed)
+            results = {"complete": True, "settings": {**public_config(args), "readout": simulator.readout},
+                       **report}
+            table = agreement_table(report, results["settings"])
+            write_results(args.out, results, table)
+            pairs = np.concatenate([agreement_rows(d, r["changes"], args.max_change)
+                                    for d, r in zip(dialogues, rows)])
+            plot_agreement(pairs, os.path.join(args.out, "agreement.png"),
+                           f"{redact(args.simulator)} ({simulator.readout}) vs SAGE's judge: "
+                           f"{len(pairs)} replies", args.max_change)
+        except SimulatorError as e:
+            fail(f"{e}; {kept}")
+        except OSError as e:  # a full disk: the appraisal lines written whole stay, no result is half written
+            fail(f"cannot write in {args.out} ({write_failure(e, args.out)}); {kept}")
     print(table)
     print(f"-> {args.out}/results.json, results.md, agreement.png, appraisals.jsonl")
     release_run()
@@ -1181,7 +1318,8 @@ def main(argv=None):
                                   **tracker_settings(args.report_to, args.out))
     policy, tokenizer, models = load_models(args)
     try:
-        simulator, device_map = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge)
+        simulator, device_map = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge,
+                                                goodbye="sage")
     except ValueError as e:
         fail(e)
     start_writing(args.out, "evaluate.py", args.overwrite)  # every check passed: --overwrite clears now
@@ -1189,7 +1327,7 @@ def main(argv=None):
         start_trackers(args, accelerator)
     print(f"{len(models)} models x {len(personas)} personas x {args.samples} "
           f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
-          f"(read-out {simulator.readout}, judge {simulator.judge}"
+          f"(read-out {simulator.readout}, {simulator.readout_why}; judge {simulator.judge}"
           f"{', spread over GPUs 1..' if device_map else ''})"
           + (f"; {len(problems)} math questions" if problems else ""),
           file=sys.stderr)

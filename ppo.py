@@ -288,12 +288,13 @@ def actor_and_critic(args, model, device):
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW([{"params": actor_params, "lr": args.lr},
                                    {"params": critic_params, "lr": args.critic_lr}], weight_decay=0.0)
-
-    # AdamW counts each parameter's steps and skips a parameter without a gradient, so the actor's
-    # count starts when the actor starts to learn (after --critic-warmup) and skips no step that was
-    # skipped: the warm-up counts the steps each part really took, and resumes with the optimizer.
+    # Linear warm-up over --warmup-steps optimizer steps, each group's counted from the steps it really
+    # took: AdamW's own step count of the group's first parameter. AdamW passes over a parameter with no
+    # gradient (the actor's during --critic-warmup) and a skipped non-finite step steps nothing, so no
+    # count set in advance can drift from the truth, and --resume restores it with the optimizer.
     def warm(params):
-        return lambda _: min(1.0, (float(optimizer.state[params[0]].get("step", 0)) + 1) / max(1, args.warmup_steps))
+        return lambda _: min(1.0, (float(optimizer.state.get(params[0], {}).get("step", 0)) + 1)
+                             / max(1, args.warmup_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [warm(actor_params), warm(critic_params)])
     return value_head, actor_params, critic_params, optimizer, scheduler
 

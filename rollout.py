@@ -341,7 +341,7 @@ class Dialogue:
     action_mask: list = field(default_factory=list)  # 1 on sampled policy tokens, else 0
     logprobs: list = field(default_factory=list)     # sampling log-prob of each action token, else 0
     turn_ends: list = field(default_factory=list)    # index of the last token of each agent turn
-    agent_turns: list = field(default_factory=list)  # {"raw", "thought", "reply", "violation", "tokens"}
+    agent_turns: list = field(default_factory=list)  # {raw, thought, reply, violation, tokens, cut}
     cache: dict = field(default_factory=dict, repr=False)  # the policy's KV cache between turns
 
 
@@ -482,8 +482,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
             thought, reply, violation = split_thought(raw, thinking)
             stats[violation or "format_ok"] += 1
             stats["policy_tokens"] += n
-            d.agent_turns.append({"raw": raw, "thought": thought, "reply": reply,
-                                  "violation": violation, "tokens": n})
+            # cut: the reply reached max_new_tokens unfinished (a thought cut there reaches the user as "...")
+            d.agent_turns.append({"raw": raw, "thought": thought, "reply": reply, "violation": violation,
+                                  "tokens": n, "cut": n == max_new_tokens and tokens[-1] not in chat.eos_ids})
             replies.append(reply or SILENCE)
         simulator.step([d.state for d in active], replies)
         turns_played += len(active)
@@ -521,7 +522,8 @@ def to_record(d):
     for t in turns:
         if t["role"] == "agent":
             a = next(agent)
-            t.update(thought=a["thought"], raw=a["raw"], violation=a["violation"], tokens=a["tokens"])
+            t.update(thought=a["thought"], raw=a["raw"], violation=a["violation"], tokens=a["tokens"],
+                     cut=a["cut"])
     return {
         "persona_id": s.persona.id, "group": d.group, "sample": d.sample,
         "token_ids": d.ids, "action_mask": d.action_mask, "logprobs": d.logprobs,
@@ -531,6 +533,7 @@ def to_record(d):
         "final_emotion": s.emotion, "end_reason": s.end_reason,
         "fallbacks": s.fallbacks,
         "violations": sum(a["violation"] is not None for a in d.agent_turns),
+        "cut_replies": sum(a["cut"] for a in d.agent_turns),
         "policy_tokens": sum(d.action_mask),
         "turns": turns,
     }
@@ -666,8 +669,8 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
 
 def training_personas(args):
     """The personas of --split (all: the whole file) at --difficulty, each opening checked to fit
-    --max-context; and, since this is the trainers' last check before the weights load,
-    --target-modules against the model."""
+    --max-context; and, since this is the trainers' last check before the weights load, the model's
+    config: --target-modules against its layers, and no change to its logits after lm_head."""
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)

@@ -349,14 +349,26 @@ def target_names(target_modules):
 
 
 def check_model(model_name, target_modules, trust_remote_code=False):
-    """Before the weights load, on the model's skeleton (built from its config on the meta device: no
-    weights, no random draws): every --target-modules name must name a layer LoRA can adapt (peft
-    skips a name that matches nothing without a word when another one matches). Bad: one line, exit 2."""
+    """The trainers' check of the model, before its weights load: every name in --target-modules must
+    name a layer of the model that LoRA adapts (peft takes a name for the end of a module's dotted
+    name, and skips without a word a name that matches nothing when another one matches), read off
+    the model's skeleton, built from its config on the meta device (no weights load, no random
+    stream moves); and the model's forward must not change the logits after lm_head, which
+    token_logprobs (decoder, then output embedding) would skip, so the update would train on
+    log-probs other than those the tokens were sampled with. Bad input: one line, exit 2."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
     with random_streams_kept():
         config = AutoConfig.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+        # Gemma-2 and -3 soft-cap the logits, Cohere and Falcon-H1 multiply them, Granite divides them;
+        # None is plain in all (MPT's config has a logit_scale of None that its forward never reads)
+        for field, plain in (("final_logit_softcapping", None), ("logit_scale", 1), ("logits_scaling", 1),
+                             ("lm_head_multiplier", 1)):
+            value = getattr(config.get_text_config(), field, None)
+            if value not in (None, plain):
+                fail(f"--model {model_name}: its config's {field} {value} changes the logits after "
+                     "lm_head, which the trainers' log-probs skip: they would not be the sampler's")
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, Conv1D)

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -48,7 +49,7 @@ from tqdm import tqdm
 
 from run import (EMBEDDED, above, append_lines, at_least, env_name, fail, load_model,
                  model_problem, one_of, read_json_lines, read_text, redact, rows_with,
-                 setting, within, write_atomically)
+                 setting, within, write_atomically, write_failure)
 
 # ----------------------------------------------------------------------------------------------
 # Personas
@@ -259,7 +260,18 @@ DIFFICULTY_TEXT = {
     "hard": "You are sharp and sceptical: only a reply that hits your real, unspoken need helps; "
             "generic sympathy or advice makes things worse.",
 }
-GOODBYE = re.compile(r"\b(good\s*-?\s*bye|bye|farewell)\b|再见|拜拜", re.IGNORECASE)
+# When the user's message ends the dialogue. SAGE's rule (evaluate.py's protocol): 再见 or 拜拜 anywhere,
+# and here the English words too. Training's rule: the message closes with a farewell, that is its last
+# clause (after its last punctuation mark or symbol) holds a farewell word among pleasantries only
+# ("Thanks, bye.", "ok bye for now", "谢谢，再见！"), so that "I never got to say goodbye to him" or
+# 我不想再见到他 goes on.
+FAREWELL = r"good\s*-?\s*bye|bye|farewell|再见|拜拜"
+PLEASANTRY = (r"ok(?:ay)?|alright|well|so|anyway|and|then|now|for now|thanks|thank you|take care|cheers|cya|"
+              r"see you|好的?|谢谢你?|嗯|那就?")
+WORDS = rf"(?:{PLEASANTRY}|{FAREWELL})"
+GOODBYE = {"sage": re.compile(r"\b(good\s*-?\s*bye|bye|farewell)\b|再见|拜拜", re.IGNORECASE),
+           "closing": re.compile(rf"(?:^|[^\w\s']|<3)(?=.*(?:{FAREWELL}))\W*(?:{WORDS}\W*)+(?:[啦吧]\W*)?$",
+                                 re.IGNORECASE)}
 
 
 def band(emotion):
@@ -283,8 +295,8 @@ def apply_change(emotion, change, max_change):
     return new, new - emotion
 
 
-def says_goodbye(text):
-    return GOODBYE.search(text) is not None
+def says_goodbye(text, rule="closing"):
+    return GOODBYE[rule].search(text) is not None
 
 
 @dataclass
@@ -727,6 +739,7 @@ class LocalBackend:
     """A transformers model plays the user, greedily. With use_base=True (--simulator same) the
     policy's own PeftModel is handed in and run with its adapters disabled: the frozen base."""
     name = "local"
+    prefill_chunk = 1024  # prompt tokens a forward pass takes into the KV cache (see _prefill)
 
     def __init__(self, model, tokenizer, use_base=False, micro_batch_size=16, reuse_cache=True):
         self.model, self.tokenizer = model, tokenizer
@@ -749,8 +762,9 @@ class LocalBackend:
 
     def _slots(self, slots, n):
         """(slots, keep): the callers' per-dialogue cache slots and True, or, when reuse is off or
-        the caller has none, empty throwaway slots and False (nothing is stored in them)."""
-        if self.reuse_cache and slots is not None:
+        the caller has none (None, or a None for a state appraised once), empty throwaway slots and
+        False: nothing is stored in them, which spares a copy of every row's keys and values."""
+        if self.reuse_cache and slots is not None and None not in slots:
             return slots, True
         return [{} for _ in range(n)], False
 
@@ -758,6 +772,19 @@ class LocalBackend:
         prompt, reused = prompt_counts(mask, cache)
         self.prompt_tokens += prompt
         self.reused_tokens += reused
+
+    def _prefill(self, ids, mask, cache):
+        """Run a cached_batch's new tokens, all but the last, into its cache, prefill_chunk at a time,
+        so that each pass's attention mask is (batch, chunk, context), linear in the context: one pass
+        over a whole prompt builds (batch, T, T) masks, 0.9 GB a row in float32 at the 15,000 tokens of
+        an appraisal on SAGE's recordings. generate() or the scoring pass then runs the last token.
+        Positions follow the attention mask, as generate() computes them, so the holes shift nothing."""
+        position = mask.cumsum(1) - 1                                                   # (B, W)
+        for start in range(cache.get_seq_length(), ids.shape[1] - 1, self.prefill_chunk):
+            end = min(start + self.prefill_chunk, ids.shape[1] - 1)
+            self.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
+                       position_ids=position[:, start:end], **{cache_keyword(self.model): cache},
+                       use_cache=True, logits_to_keep=1)
 
     @torch.no_grad()
     def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=1.2):
@@ -775,6 +802,7 @@ class LocalBackend:
                     part = slice(i, i + self.micro_batch_size)
                     ids, mask, cache = cached_batch(rows[part], slots[part], pad, self.model.device)
                     self._count(mask, cache)
+                    self._prefill(ids, mask, cache)
                     gen = self.model.generate(input_ids=ids, attention_mask=mask,
                                               **{cache_keyword(self.model): cache}, do_sample=False,
                                               max_new_tokens=max_new_tokens,
@@ -792,11 +820,13 @@ class LocalBackend:
     def score(self, conversations, continuations, slots=None):
         """Mean per-token log-likelihood of each continuation as the start of the assistant's next
         message, for every conversation: a (len(conversations), len(continuations)) tensor.
-        One forward pass per micro-batch runs each conversation's new tokens and, after them, all
-        the continuations one after another (a 'tree' row): a 4D mask lets each continuation token
-        see its conversation and its own earlier tokens only, and its positions restart where the
-        conversation ends, so the conversation is run once for all continuations and no cache is
-        copied. Exact: equal to scoring every pair with its own full forward pass (tested).
+        Each conversation's new tokens but the last go into its KV cache (_prefill, in chunks);
+        then one forward pass per micro-batch runs its last token and, after it, all the
+        continuations one after another (a 'tree' row): a 4D mask of (batch, 1 + C, context + C)
+        lets each continuation token see its conversation and its own earlier tokens only, and its
+        positions restart where the conversation ends, so the conversation is run once for all
+        continuations and no cache is copied. Exact: equal to scoring every pair with its own full
+        forward pass (tested).
         The mask is additive (0 or the dtype's minimum), which both the 'sdpa' and 'eager'
         attention implementations read; flash-attention kernels take no such mask."""
         was_training = self.model.training
@@ -819,26 +849,21 @@ class LocalBackend:
                     part = slice(i, i + self.micro_batch_size)
                     ids, mask, cache = cached_batch(rows[part], slots[part], pad, device)
                     self._count(mask, cache)
-                    B, P = ids.shape[0], cache.get_seq_length()
-                    S = ids.shape[1] - P                                # new conversation columns
-                    real = mask.bool()                                  # (B, P + S)
-                    causal = torch.ones(S, P + S, dtype=torch.bool, device=device).tril(P)
-                    sees_conv = real[:, None, :] & causal               # (B, S, P + S)
-                    # a padding column sees itself, so that no query row is masked whole
-                    sees_conv[:, torch.arange(S), P + torch.arange(S)] = True
-                    sees = torch.cat([
-                        torch.cat([sees_conv, sees_conv.new_zeros(B, S, C)], 2),
-                        torch.cat([real[:, None, :].expand(B, C, P + S), in_block.expand(B, C, C)], 2),
-                    ], 1)                                               # (B, S + C, P + S + C)
+                    self._prefill(ids, mask, cache)  # the cache now holds all but the last column
+                    B, W = mask.shape
+                    # the last conversation token, then the continuations: each sees the conversation's
+                    # real tokens (up to itself); a continuation token also its own earlier tokens
+                    sees = torch.cat([mask.bool()[:, None, :].expand(B, 1 + C, W),
+                                      torch.cat([in_block.new_zeros(1, C), in_block]).expand(B, 1 + C, C)],
+                                     2)                                 # (B, 1 + C, W + C)
                     bias = torch.zeros(sees.shape, dtype=dtype, device=device)
                     bias.masked_fill_(~sees, torch.finfo(dtype).min)
-                    position = mask.cumsum(1) - 1                       # (B, P + S)
-                    position = torch.cat([position[:, P:].clamp(min=0),
-                                          position[:, -1:] + 1 + offset[None]], 1)  # (B, S + C)
+                    # positions: the last conversation token's, then a continuation's restart after it
+                    position = mask.sum(1, keepdim=True) - 1 + torch.cat([offset.new_zeros(1), 1 + offset])
                     # the logits that predict each continuation token: its first from the last
-                    # conversation column, the others from the token before it in the block
-                    before = torch.where(offset == 0, S - 1, S + torch.arange(C, device=device) - 1)
-                    logits = self.model(input_ids=torch.cat([ids[:, P:], block.expand(B, C)], 1),
+                    # conversation token, the others from the token before it in the block
+                    before = torch.where(offset == 0, 0, torch.arange(C, device=device))
+                    logits = self.model(input_ids=torch.cat([ids[:, -1:], block.expand(B, C)], 1),
                                         attention_mask=bias[:, None], position_ids=position,
                                         **{cache_keyword(self.model): cache}, use_cache=True,
                                         logits_to_keep=before).logits                # (B, C, V)
@@ -1062,18 +1087,21 @@ class RulesBackend:
 class Simulator:
     """judge: 'training' appraises as the persona itself (what the agent trains against);
     'heldout' appraises as an outside observer with the same fields and scale, a prompt training
-    never used, for evaluation (reasoned read-out only)."""
+    never used, for evaluation (reasoned read-out only). model_name: the user's model as the command
+    line named it (user_model), which readout='auto' goes by (auto_readout); without it, the backend's
+    name (a local model of no known name is not the one the likelihood read-out was calibrated on)."""
 
     def __init__(self, backend, readout="auto", start_emotion=40, max_change=10, max_turns=8,
                  leave_below=10, reply_tokens=64, appraisal_tokens=300, likelihood_scale=2.5,
-                 judge="training", retry_tokens=24):
+                 judge="training", retry_tokens=24, goodbye="closing", model_name=None):
         problem = readout_problem(readout, backend.name)
         if problem:
             raise ValueError(f"--readout {readout}: {problem}")
-        if readout == "auto":  # logits exist only for local models; see docs/simulator.md "Read-outs"
-            readout = auto_readout(backend.name)
-        if judge not in JUDGES:
-            raise ValueError(f"judge must be one of {JUDGES}, got '{judge}'")
+        readout, self.readout_why = (auto_readout(model_name or backend.name) if readout == "auto"
+                                     else (readout, "given by --readout"))
+        if judge not in JUDGES or goodbye not in GOODBYE:
+            raise ValueError(f"judge must be one of {JUDGES} and goodbye of {tuple(GOODBYE)}, got '{judge}', "
+                             f"'{goodbye}'")
         if judge == "heldout" and readout != "reasoned":
             raise ValueError(f"judge 'heldout' is an appraisal prompt: it needs --readout reasoned, "
                              f"not '{readout}'")
@@ -1085,6 +1113,7 @@ class Simulator:
         self.leave_below, self.reply_tokens, self.appraisal_tokens = (leave_below, reply_tokens,
                                                                       appraisal_tokens)
         self.likelihood_scale, self.judge, self.retry_tokens = likelihood_scale, judge, retry_tokens
+        self.goodbye = goodbye  # which rule ends a dialogue on the user's farewell (GOODBYE)
         self.seconds = 0.0  # wall time spent inside the simulator, for tokens/s metrics
 
     def start(self, persona):
@@ -1176,7 +1205,7 @@ class Simulator:
         talking = [s for s in states if not s.done]
         for s, text in zip(talking, self._user_messages(talking) if talking else []):
             s.history.append({"role": "user", "text": text})
-            if says_goodbye(text):
+            if says_goodbye(text, self.goodbye):
                 s.end_reason = "goodbye"
         for s in states:
             if s.done:
@@ -1252,10 +1281,22 @@ def simulator_problem(value):
             f"a hub id org/name" + (f"; did you mean {guess[0]}?" if guess else ""))
 
 
-def auto_readout(kind):
-    """What --readout auto means for a simulator kind (simulator_kind, or a backend's name): the
-    likelihood read-out needs a local model's log-probabilities."""
-    return {"url": "reasoned", "rules": "rules"}.get(kind, "likelihood")
+def auto_readout(user):
+    """(read-out, why) that --readout auto picks for the model that plays the user (user_model(args), or
+    a backend's name). The likelihood read-out's offsets and tanh scale were set on the embedded 135M
+    model's contrasts, which mean something else on another model: any other model writes the paper's
+    reasoned appraisal."""
+    if user == "rules":
+        return "rules", "auto: the rules user"
+    if user in EMBEDDED:
+        return "likelihood", "auto: its offsets and scale were set on this embedded model"
+    return "reasoned", ("auto: the embedded 135M model is the only one the likelihood read-out is "
+                        "calibrated on")
+
+
+def user_model(args):
+    """The name of the model that plays the user: --simulator, or the policy's --model for `same`."""
+    return args.model if args.simulator == "same" else args.simulator
 
 
 def readout_problem(readout, kind):
@@ -1323,9 +1364,9 @@ def gpus_after_the_first():
     return {0: 0, **{i: int(torch.cuda.get_device_properties(i).total_memory * 0.9) for i in range(1, n)}}
 
 
-def build_simulator(args, policy, tokenizer, device, world=1, judge="training"):
-    """The simulated user of a script's SimulatorSettings, placed as simulator_placement says.
-    Returns (simulator, device_map)."""
+def build_simulator(args, policy, tokenizer, device, world=1, judge="training", goodbye="closing"):
+    """The simulated user of a script's SimulatorSettings, placed as simulator_placement says
+    (goodbye: the rule that ends a dialogue on a farewell, GOODBYE). Returns (simulator, device_map)."""
     device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map, world)
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, api_model=args.api_model,
                            api_key_env=args.api_key_env, device=device, device_map=device_map,
@@ -1334,7 +1375,8 @@ def build_simulator(args, policy, tokenizer, device, world=1, judge="training"):
                            api_concurrency=args.api_concurrency)
     simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
                           max_change=args.max_change, max_turns=args.max_turns,
-                          reply_tokens=args.user_reply_tokens, judge=judge)
+                          reply_tokens=args.user_reply_tokens, judge=judge, goodbye=goodbye,
+                          model_name=user_model(args))
     return simulator, device_map
 
 
@@ -1345,7 +1387,18 @@ def make_simulator(args, policy, tokenizer, run, note=""):
         simulator_kind(args.simulator), "spread over GPUs 1.." if device_map else f"on {run.device}")
     if run.is_main:
         print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
-              f"{redact(args.simulator)} ({where}), read-out {simulator.readout}{note}")
+              f"{redact(args.simulator)} ({where}), read-out {simulator.readout} "
+              f"({simulator.readout_why}){note}")
+    try:  # the moods --write-openings wrote this file's openings at (a JSON list, personas.json, has none)
+        moods = {e.get("first_talk_emotion") for _, e in read_profile_lines(args.personas)
+                 if isinstance(e, dict)}
+    except PersonaError:
+        moods = set()
+    moods -= {None, args.start_emotion}
+    if moods and run.is_main:
+        print(f"warning: {args.personas}: its openings were written at mood "
+              f"{', '.join(sorted(map(str, moods)))}, and the dialogues start at {args.start_emotion} "
+              f"(--start-emotion)", file=sys.stderr)
     return simulator
 
 # ----------------------------------------------------------------------------------------------
@@ -1365,14 +1418,15 @@ RULES_OPENING = {"en": "There is something on my mind that I would like to talk 
 OPENING_TOKENS = 64
 
 
-def opening_messages(persona, emotion=40):
+def opening_messages(persona, emotion=SimulatorSettings.start_emotion):
     """The chat that asks the persona for its first message, in its language."""
     lang = persona_language(persona)
     return [{"role": "system", "content": persona_card(persona) + USER_RULES[lang]},
             {"role": "user", "content": mood_note(emotion, lang) + "\n" + OPENING_ASK[lang]}]
 
 
-def write_openings(backend, personas, emotion=40, batch_size=8, keep=None, progress=True):
+def write_openings(backend, personas, emotion=SimulatorSettings.start_emotion, batch_size=8, keep=None,
+                   progress=True):
     """({id: opening}, {id: why it has none}) for the personas, asked batch_size at a time.
     keep(id, text) is called for each opening as its batch finishes (the command line appends it
     to a file, so that a rerun after a failure does not ask again). A batch the backend fails on is
@@ -1413,10 +1467,16 @@ def openings_command(args):
     """python simulator.py --write-openings OUT --personas FILE --model ...: FILE's lines with
     first_talk filled (lines that have one keep it), everything else unchanged, written to OUT at
     once (a temporary file renamed), never half. Finished openings are kept in OUT.partial until
-    then, and a rerun with the same settings asks only for the rest. Bad input: one line, exit 2."""
+    then, and a rerun with the same settings asks only for the rest. Bad input, and OUT's folder
+    missing or read-only, before any model loads: one line, exit 2; so is a disk that fills or turns
+    read-only while writing; Ctrl-C and SIGTERM: one line, exit 130 / 143. OUT.partial stays."""
     source, out = args.personas, args.write_openings
     if os.path.exists(out):
         fail(f"--write-openings {out}: the file exists; give a new file (the profiles are never overwritten)")
+    folder = os.path.dirname(os.path.abspath(out))
+    problem = writable_problem(folder) if os.path.isdir(folder) else "no such folder"
+    if problem:
+        fail(f"--write-openings {out}: cannot write in {folder} ({problem})")
     try:
         with open(source, encoding="utf-8") as f:
             is_list = f.read(4096).lstrip().startswith("[")
@@ -1439,30 +1499,50 @@ def openings_command(args):
     kept = {row["id"]: row["first_talk"] for row in rows_with(partial, settings)}  # a torn line: asked again
     todo = [p for p, (_, entry) in zip(personas, lines) if not has_opening(entry) and p.id not in kept]
     print(f"{len(personas)} profiles in {source}: {len(personas) - len(todo) - len(kept)} have openings, "
-          f"{len(kept)} written before (in {partial}), {len(todo)} to write with {redact(args.model)}",
-          file=sys.stderr)
+          f"{len(kept)} written before (in {partial}), {len(todo)} to write with {redact(args.model)} at "
+          f"mood {args.start_emotion}", file=sys.stderr)
+    again = f"kept in {partial}, and the same command again asks only for the rest"
+
+    def write(how, *what):  # a full or read-only disk: what is kept stays kept, and OUT is whole or absent
+        try:
+            how(*what)
+        except OSError as e:
+            fail(f"--write-openings {out}: {write_failure(e, folder)}; {out} not written; the openings "
+                 f"written so far are {again}")
 
     def keep(persona_id, text):
-        append_lines(partial, [{"settings": settings, "id": persona_id, "first_talk": text}])
+        write(append_lines, partial, [{"settings": settings, "id": persona_id, "first_talk": text}])
 
-    failed = {}
-    if todo:
-        backend = make_backend(args.model, api_model=args.api_model, api_key_env=args.api_key_env,
-                               api_timeout=args.api_timeout, api_retries=args.api_retries,
-                               api_concurrency=args.api_concurrency)
+    def stopped(number, frame):  # at once: a request in flight may take minutes to time out
+        tqdm.write(f"stopped by {signal.Signals(number).name}; {out} not written; the openings written so "
+                   f"far are {again}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(128 + number)  # 130 / 143, as a shell reports a killed command
+
+    previous = {number: signal.signal(number, stopped) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        backend = None  # no model when no opening is missing
+        if todo:
+            backend = make_backend(args.model, api_model=args.api_model, api_key_env=args.api_key_env,
+                                   api_timeout=args.api_timeout, api_retries=args.api_retries,
+                                   api_concurrency=args.api_concurrency)
         written, failed = write_openings(backend, todo, args.start_emotion, keep=keep)
         kept.update(written)
-    if failed:
-        line_of = {p.id: i for p, (i, _) in zip(personas, lines)}
-        for persona_id, why in failed.items():
-            tqdm.write(f"error: {source}: line {line_of[persona_id] + 1} (id {persona_id}): field "
-                       f"'first_talk' could not be written: {why}", file=sys.stderr)
-        fail(f"{len(failed)} of {len(personas)} openings not written; {out} not written; the {len(kept)} "
-             f"written are kept in {partial}, and the same command again asks only for the rest")
-    filled = [entry if has_opening(entry) else {**entry, "first_talk": kept[p.id]}
-              for p, (_, entry) in zip(personas, lines)]
-    # atomic: OUT is whole or absent, and a full disk or Ctrl-C leaves no temporary file behind
-    write_atomically(out, "".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in filled))
+        if failed:
+            line_of = {p.id: i for p, (i, _) in zip(personas, lines)}
+            for persona_id, why in failed.items():
+                tqdm.write(f"error: {source}: line {line_of[persona_id] + 1} (id {persona_id}): field "
+                           f"'first_talk' could not be written: {why}", file=sys.stderr)
+            fail(f"{len(failed)} of {len(personas)} openings not written; {out} not written; the {len(kept)} "
+                 f"written are {again}")
+        # the mood each opening was written at goes with it: training from another says so (make_simulator)
+        filled = [entry if has_opening(entry) else {**entry, "first_talk": kept[p.id],
+                                                    "first_talk_emotion": args.start_emotion}
+                  for p, (_, entry) in zip(personas, lines)]
+        write(write_atomically, out, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in filled))
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     if os.path.exists(partial):
         os.remove(partial)
     print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)
@@ -1540,7 +1620,9 @@ def main(argv=None):
     ap.add_argument("--judge", default="training", choices=JUDGES,
                     help="appraisal prompt of the reasoned read-out: the persona itself (training) or an "
                          "outside observer (heldout)")
-    ap.add_argument("--start-emotion", type=int, default=40)
+    ap.add_argument("--start-emotion", type=int,
+                    help="the users' first mood: 40 (SAGE's) for the check, the trainers' start "
+                         f"({SimulatorSettings.start_emotion}) for --write-openings")
     ap.add_argument("--max-change", type=int, default=10)
     ap.add_argument("--max-turns", type=int, default=8)
     ap.add_argument("--api-model", default="default", help="model name sent to a URL simulator")
@@ -1554,6 +1636,8 @@ def main(argv=None):
                     help="write the missing first_talk of a JSON-lines profile file (--personas; RLVER's "
                          "training profiles have none) with --model, into NEW_FILE, and stop")
     args = ap.parse_args(argv)
+    if args.start_emotion is None:  # openings are written at the mood the trainers start from
+        args.start_emotion = SimulatorSettings.start_emotion if args.write_openings else 40
     check_rules(vars(args), {
         "model": lambda v: "no policy here to share: use rules, a model or a URL" if v == "same"
         else simulator_problem(v),
@@ -1590,11 +1674,12 @@ def main(argv=None):
                            api_concurrency=args.api_concurrency)
     try:
         sim = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
-                        max_change=args.max_change, max_turns=args.max_turns, judge=args.judge)
+                        max_change=args.max_change, max_turns=args.max_turns, judge=args.judge,
+                        model_name=args.model)
     except ValueError as e:
         fail(e)
-    print(f"simulator: {redact(args.model)}, read-out: {sim.readout}, judge: {sim.judge}, "
-          f"{len(personas)} personas x {len(agent)} styles")
+    print(f"simulator: {redact(args.model)}, read-out: {sim.readout} ({sim.readout_why}), "
+          f"judge: {sim.judge}, {len(personas)} personas x {len(agent)} styles")
     t0 = time.time()
     try:
         results = play_scripted(sim, personas, agent)

@@ -341,6 +341,21 @@ def test_gpu_check_flags_are_checked(argv, words, capsys):
     assert stop.value.code == 2 and words in err and err.strip().count("\n") == 0, err
 
 
+@pytest.mark.parametrize("inside", ["", "check"], ids=["its folder", "a folder to make in it"])
+def test_gpu_check_with_a_read_only_out_is_one_line_before_any_step(tmp_path, inside):
+    # through tests/faults.py, which makes the folder read-only for the script (root writes through chmod)
+    from test_bad_input import assert_one_line, cli
+
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    out = read_only / inside / "check.json"
+    check = ["gpu", "--check", "--dry-run", "--steps", "versions", "--out", str(out)]
+    code, stdout, err, _ = cli(os.path.join("tests", "faults.py"), "--read-only", str(read_only), "--",
+                               "bench.py", *check)
+    assert_one_line(code, err, str(out.parent), "not writable")
+    assert stdout == "" and os.listdir(read_only) == []  # no step ran, nothing was written
+
+
 def test_gpu_check_goes_on_after_a_failed_or_hung_step(tmp_path, monkeypatch, capsys):
     """A step that fails, or runs past its time limit (killed with its process group), is reported
     and the next one still runs; the results file is whole after each step; a step that no longer

@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -43,10 +44,10 @@ def assert_png(path):
 
 
 def fake_record(persona_id, final, end_reason="max_turns", turns=2, tokens=20, violations=0, fallbacks=0,
-                sample=0):
+                sample=0, cut=0):
     return {"persona_id": persona_id, "sample": sample, "final_emotion": final, "end_reason": end_reason,
             "turn_ends": list(range(turns)), "emotions": [final] * turns, "policy_tokens": tokens,
-            "violations": violations, "fallbacks": fallbacks}
+            "violations": violations, "fallbacks": fallbacks, "cut_replies": cut}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def test_mean_trajectory_carries_final_emotion_forward():
 def test_results_table(tmp_path):
     ids = ["p1", "p2"]
     base = model_summary([fake_record("p1", 40), fake_record("p2", 60)], ids, n_boot=100)
-    ppo = model_summary([fake_record("p1", 45, tokens=40), fake_record("p2", 100, "success")], ids,
+    ppo = model_summary([fake_record("p1", 45, tokens=40, cut=1), fake_record("p2", 100, "success")], ids,
                         n_boot=100)
     base["label"], ppo["label"] = "base", "ppo"
     args = eval_args(personas="/x/personas.json", out=str(tmp_path), bootstrap=100)
@@ -133,9 +134,10 @@ def test_results_table(tmp_path):
     table = results_table(results)
     lines = table.splitlines()
     assert "2 personas from `personas.json` (split test)" in lines[0] and "start emotion 40" in lines[0]
-    assert lines[2].startswith("| model | score | vs base | successes | failures |")
-    assert lines[4] == "| base | 50.0 [40.0, 60.0] | - | 0/2 | 0/2 | 2.0 | 10 | 0 (0%) | 0 |"
-    assert lines[5].startswith("| ppo | 72.5 [45.0, 100.0] | +22.5 [+5.0, +40.0] | 1/2 | 0/2 | 2.0 | 15 |")
+    assert lines[2].startswith("| model | score | cut replies | vs base | successes | failures |")
+    assert lines[4] == "| base | 50.0 [40.0, 60.0] | 0 (0%) | - | 0/2 | 0/2 | 2.0 | 10 | 0 (0%) | 0 |"
+    assert lines[5].startswith("| ppo | 72.5 [45.0, 100.0] | 1 (25%) | +22.5 [+5.0, +40.0] | 1/2 | 0/2 | 2.0 "
+                               "| 15 |")
     results["math"] = {"models": {"base": {"accuracy": 0.5}, "ppo": {"accuracy": 0.25}},
                        "paired": [{"model": "ppo", "mean": -0.25, "low": -0.5, "high": 0.0}]}
     table = results_table(results).splitlines()
@@ -462,6 +464,81 @@ def test_curves_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         evaluate.main(["--curves", str(tmp_path / "missing"), "--out", str(tmp_path / "c")])
     assert info.value.code == 2 and "metrics.jsonl: cannot read" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# An adapter from a training run is evaluated with the run's settings (issue 30 item 2)
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny_model_dir, tmp_path_factory):
+    """A LoRA adapter folder (rank 4) for the tiny model, saved by peft."""
+    from rollout import load_policy
+
+    policy, _ = load_policy(tiny_model_dir, lora_r=4, device="cpu")
+    folder = tmp_path_factory.mktemp("adapter") / "default"
+    policy.save_pretrained(str(folder))
+    return folder
+
+
+def run_folder(folder, adapter, **settings):
+    """A trainer's run folder as run.RunFolder and Run.save leave it, made by hand: config.json with
+    the run's settings, and checkpoints/iter_000001 with state.pt and the policy adapter default/."""
+    checkpoint = folder / "checkpoints" / "iter_000001"
+    shutil.copytree(adapter, checkpoint / "default")
+    config = {"model": "smollm2", "thinking": True, "max_new_tokens": 512, "max_context": 6144, "lora_r": 4,
+              **settings}
+    torch.save({"args": config, "iteration": 1}, checkpoint / "state.pt")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def test_an_adapter_from_a_run_is_evaluated_with_its_settings_and_cut_replies_are_counted(
+        tiny_model_dir, tiny_adapter, personas_file, tmp_path, capsys):
+    # the run trained a think-then-say agent on the tiny model with 24 tokens a reply; evaluate.py's
+    # own defaults (the embedded model, 128 tokens, 4096 of context) would not even load its adapter
+    run = run_folder(tmp_path / "run", tiny_adapter, model=tiny_model_dir, max_new_tokens=24, max_context=900)
+    out = tmp_path / "eval"
+    evaluate.main(["--adapter", str(run), "--personas", personas_file, "--split", "test", "--simulator",
+                   "rules", "--dialogues", "2", "--max-turns", "2", "--bootstrap", "20", "--out", str(out)])
+    err = capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    s = results["settings"]
+    assert (s["model"], s["thinking"], s["max_new_tokens"], s["max_context"]) == (tiny_model_dir, True, 24,
+                                                                                   900)
+    # the random model never ends a reply (no end-of-turn token): every one is cut at the run's 24 tokens
+    transcripts = [json.loads(line) for line in (out / "transcripts.jsonl").read_text().splitlines()]
+    for m in results["models"]:
+        turns = [t for x in transcripts if x["model"] == m["label"]
+                 for t in x["turns"] if t["role"] == "agent"]
+        assert turns and all(t["tokens"] == 24 and t["cut"] for t in turns)
+        assert m["cut_replies"] == len(turns) == sum(r["cut_replies"] for r in m["dialogue_results"])
+        assert f"{len(turns)} cut replies" in err
+    assert f"| {len(turns)} (100%) |" in (out / "results.md").read_text()
+
+
+def test_the_runs_settings_unless_given_and_runs_that_disagree(tiny_model_dir, tiny_adapter, tmp_path,
+                                                               capsys):
+    run = run_folder(tmp_path / "a", tiny_adapter, model=tiny_model_dir, thinking=False, max_new_tokens=24)
+    args = evaluate.parse_args(["--adapter", str(run)])
+    assert (args.model, args.thinking, args.max_new_tokens, args.max_context) == (tiny_model_dir, False, 24,
+                                                                                    6144)
+    assert capsys.readouterr().err == ""
+    # a flag given wins; fewer tokens a reply than the run trained with: one warning line, not an error
+    args = evaluate.parse_args(["--adapter", str(run), "--max-new-tokens", "8", "--thinking", "true"])
+    assert (args.max_new_tokens, args.thinking, args.max_context) == (8, True, 6144)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: --max-new-tokens 8") and "24" in err[0], err
+    # an adapter folder outside a run keeps evaluate.py's own defaults
+    args = evaluate.parse_args(["--adapter", str(tiny_adapter)])
+    assert (args.model, args.thinking, args.max_new_tokens, args.max_context) == ("smollm2", True, 128, 4096)
+    # two runs trained with different budgets: which one to evaluate with is not guessed
+    other = run_folder(tmp_path / "b", tiny_adapter, model=tiny_model_dir, thinking=False, max_new_tokens=32)
+    with pytest.raises(SystemExit) as stop:
+        evaluate.parse_args(["--adapter", str(run), str(other)])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and "--max-new-tokens" in err, err
+    both = evaluate.parse_args(["--adapter", str(run), str(other), "--max-new-tokens", "32"])
+    assert both.max_new_tokens == 32
 
 
 # ----------------------------------------------------------------------------------------------

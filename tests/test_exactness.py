@@ -17,7 +17,7 @@ import ppo
 import rollout
 import run
 import simulator
-from conftest import read_metrics
+from conftest import read_metrics, tiny_tokenizer
 
 # What differs between two runs of the same computation: the clock and the memory it took.
 UNTIMED = ("time_", "_seconds", "_per_s", "peak_memory_gb")
@@ -224,6 +224,61 @@ def test_a_target_module_the_model_lacks_is_one_line_before_the_weights_load(scr
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1, err
     assert "--target-modules" in err and "qkv_proj" in err and "q_proj, " in err  # it lists the model's
+
+
+# Model classes whose forward changes the logits after lm_head, which token_logprobs (the decoder's
+# hidden states times the output embedding) does not do: (class prefix, config extras, field, value).
+# Gemma-2's weights are drawn large enough that its logits reach the cap, as a trained model's do.
+AFTER_HEAD = {"gemma2": ("Gemma2", dict(head_dim=16, initializer_range=1.0), "final_logit_softcapping", 30.0),
+              "cohere": ("Cohere", {}, "logit_scale", 0.0625)}
+
+
+@pytest.fixture(scope="module", params=list(AFTER_HEAD))
+def after_head_model(request, tmp_path_factory):
+    """(kind, folder, model, tokenizer): a tiny random model of such a class, saved with the test
+    tokenizer."""
+    import transformers
+
+    prefix, extras, _, _ = AFTER_HEAD[request.param]
+    tokenizer = tiny_tokenizer()
+    config = getattr(transformers, prefix + "Config")(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=4096,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, **extras)
+    torch.manual_seed(0)
+    model = getattr(transformers, prefix + "ForCausalLM")(config).eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return request.param, str(folder), model, tokenizer
+
+
+def test_the_trainers_logprobs_skip_what_these_models_apply_after_lm_head(after_head_model):
+    # the gap the refusal below guards: the model's own logits (what generate samples from) against
+    # the trainer's log-probs of the same tokens
+    kind, _, model, tokenizer = after_head_model
+    ids = torch.tensor([tokenizer("i feel so stupid for hoping. they gave it to the new guy.")["input_ids"]])
+    with torch.no_grad():
+        trainer, _ = rollout.token_logprobs(model, ids, torch.ones_like(ids))                # (1, T)
+        own = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)             # (T-1, V)
+    gap = (trainer[0, 1:] - own.gather(-1, ids[0, 1:, None])[:, 0]).abs().max()
+    assert gap > 0.1, (kind, gap)
+
+
+def test_a_model_that_changes_its_logits_after_lm_head_is_one_line_before_the_weights_load(
+        after_head_model, personas_file, tmp_path, capsys, monkeypatch):
+    kind, folder, _, _ = after_head_model
+    _, _, field, value = AFTER_HEAD[kind]
+
+    def no_weights(*a, **k):
+        raise AssertionError("the weights loaded")
+    monkeypatch.setattr(rollout, "load_model", no_weights)
+    with pytest.raises(SystemExit) as stop:
+        ppo.main(tiny_run(ppo, folder, personas_file, tmp_path / "run"))
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert folder in err and f"{field} {value}" in err and "sampler" in err, err
 
 
 # ----------------------------------------------------------------------------------------------

@@ -708,6 +708,89 @@ def test_bench_own_checks_exit_2_with_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# simulator.py --write-openings: its folder, a full disk, Ctrl-C and SIGTERM (issue 30, item 12)
+# ----------------------------------------------------------------------------------------------
+RLVER = os.path.join(ROOT, "tests", "data", "rlver_sample.jsonl")
+
+
+def openings(out, model, personas=RLVER):
+    return ["simulator.py", "--write-openings", str(out), "--personas", str(personas), "--model", model]
+
+
+def openings_server(server, hang_from=None):
+    """A chat server whose openings come at once; with hang_from, request N >= hang_from is answered only
+    when the test ends. A persona 'Leila' (rl-002) fails (HTTP 400) while failing[0] is true."""
+    failing = [True]
+
+    def handle(handler, n, body):
+        if hang_from and n >= hang_from:
+            srv.stop.wait(120)
+            return
+        bad = failing[0] and "Leila" in body["messages"][0]["content"]
+        reply(handler, 400, b"{}") if bad else reply(handler, 200, chat("Long week. Can I just talk?"))
+    srv = server(handle)
+    return srv, failing
+
+
+def test_write_openings_checks_its_folder_before_a_model_loads(unloadable, tmp_path, capsys):
+    """A folder for the openings that does not exist, and a read-only one: one line each, exit 2,
+    before any model loads (the unloadable model would end in the loader's traceback)."""
+    missing = tmp_path / "no" / "such" / "openings.jsonl"
+    code, _, err, _ = command(capsys, *openings(missing, unloadable))
+    assert_one_line(code, err, str(missing.parent))
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    code, _, err, _ = faulty("--read-only", str(read_only), "--", *openings(read_only / "o", unloadable))
+    assert_one_line(code, err, str(read_only), "Read-only")
+    assert os.listdir(read_only) == []
+
+
+def test_write_openings_on_a_full_disk_keeps_its_progress_and_writes_no_half_file(tmp_path, server):
+    """A disk that fills while the openings are kept, then while the file is written: one line each,
+    exit 2, the openings finished so far kept in OUT.partial, no OUT (nor a temporary file); the same
+    command on a disk with room asks only for what is missing."""
+    srv, failing = openings_server(server)
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    out, partial = folder / "openings.jsonl", folder / "openings.jsonl.partial"
+    code, _, err, _ = cli(*openings(out, srv.url))  # rl-002 fails: two openings kept
+    assert code == 2 and len(partial.read_text().splitlines()) == 2, err[-2000:]
+    failing[0] = False
+    for free, kept in (("0", 2), ("1000", 3)):  # no room for rl-002's line; room for it, not for OUT
+        code, _, err, _ = faulty("--disk-full", str(folder), "--free", free, "--", *openings(out, srv.url))
+        assert_one_line(code, err, str(partial), "disk is full")
+        assert len(partial.read_text().splitlines()) == kept and sorted(os.listdir(folder)) == [partial.name]
+    asked = srv.count
+    code, _, err, _ = cli(*openings(out, srv.url))
+    assert code == 0 and srv.count == asked, err[-2000:]  # nothing asked again
+    assert len(out.read_text().splitlines()) == 3 and not partial.exists()
+
+
+@pytest.mark.parametrize("name, exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_write_openings_stopped_by_a_signal_says_so_and_keeps_its_progress(name, exit_code, tmp_path, server):
+    """Ctrl-C or SIGTERM while the second batch of openings is asked: one line saying where the
+    finished ones are kept, no traceback, exit code 130 / 143, the first batch's 8 kept, no OUT."""
+    first = json.loads(open(RLVER, encoding="utf-8").readline())
+    profiles = tmp_path / "nine.jsonl"
+    profiles.write_text("".join(json.dumps({**first, "id": f"p{i}"}) + "\n" for i in range(9)))
+    srv, _ = openings_server(server, hang_from=9)  # write_openings asks 8 at a time
+    out, partial = tmp_path / "openings.jsonl", tmp_path / "openings.jsonl.partial"
+    log = tmp_path / "err.txt"
+    proc = background(openings(out, srv.url, profiles), log)
+    try:
+        wait_for(lambda: srv.count >= 9, proc, log)
+        proc.send_signal(getattr(signal, name))
+        code = proc.wait(60)
+    finally:
+        stop(proc)
+    err = log.read_text()
+    assert code == exit_code and "Traceback" not in err, err[-2000:]
+    said = [line for line in re.split(r"[\r\n]", err) if name in line]
+    assert len(said) == 1 and str(partial) in said[0], err[-2000:]
+    assert len(partial.read_text().splitlines()) == 8 and not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
 # The fault launcher against the real thing
 # ----------------------------------------------------------------------------------------------
 PROBE = """
@@ -773,3 +856,71 @@ def test_the_fault_launcher_fails_as_a_real_mount_does(tmp_path):
     finally:
         for folder in reversed(mounted):
             subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 30 item 12: evaluate.py --agreement on a full disk, on Ctrl-C and on SIGTERM
+# ----------------------------------------------------------------------------------------------
+DATA = os.path.join(ROOT, "tests", "data")
+RECORDED = [os.path.join(DATA, "sage_results", f"{name}_result.jsonl") for name in ("warm", "cold", "mixed")]
+RESULT_FILES = ("results.json", "results.md", "agreement.png")
+
+
+def agreement_argv(out, *extra):
+    return ["evaluate.py", "--agreement", *RECORDED, "--personas", os.path.join(DATA, "sage_sample.jsonl"),
+            "--bootstrap", "20", "--out", str(out), *extra]
+
+
+def test_agreement_on_a_full_disk_keeps_its_appraisals_and_half_writes_nothing(tmp_path):
+    """Issue 30 item 12: the disk fills once the appraisals (the rules user's) are in
+    appraisals.jsonl, as the results are written: one line, exit code 2; appraisals.jsonl whole, no
+    result file at all (not a 0-byte results.md); the same command, given room, goes on from the
+    kept appraisals (it appends none) and writes what an undisturbed run writes."""
+    reference = tmp_path / "reference"
+    run_ok(*agreement_argv(reference, "--simulator", "rules"))
+    out = tmp_path / "full"
+    out.mkdir()
+    room = sum((reference / name).stat().st_size for name in (MARKER, "appraisals.jsonl")) + 64
+    code, _, err, _ = faulty("--disk-full", str(out), "--free", str(room), "--",
+                             *agreement_argv(out, "--simulator", "rules"))
+    assert_one_line(code, err, "the disk is full", "appraisals.jsonl", "continues")
+    kept = (out / "appraisals.jsonl").read_bytes()
+    assert kept == (reference / "appraisals.jsonl").read_bytes()
+    assert not [n for n in os.listdir(out) if n in RESULT_FILES or ".tmp" in n], os.listdir(out)
+    run_ok(*agreement_argv(out, "--simulator", "rules"))
+    assert (out / "appraisals.jsonl").read_bytes() == kept
+    same = [{k: v for k, v in json.loads((folder / "results.json").read_text()).items() if k != "settings"}
+            for folder in (reference, out)]
+    assert same[0] == same[1]
+
+
+@pytest.mark.parametrize("name,exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_agreement_stopped_by_a_signal_says_so_in_one_line_and_keeps_its_appraisals(server, tmp_path, name,
+                                                                                   exit_code):
+    """Issue 30 item 12: Ctrl-C (SIGINT) or SIGTERM while the simulator server appraises the second
+    dialogue: one line saying what is kept, exit code 130 / 143, no traceback; the first dialogue's
+    appraisals are in appraisals.jsonl and no result file is written."""
+    gate = threading.Event()
+
+    def handle(handler, n, body):
+        if n > 2:  # the first dialogue's two judged replies are answered; the next wait for the signal
+            gate.wait(300)
+        reply(handler, 200, chat("Change: +2"))
+    srv = server(handle)
+    out, log = tmp_path / "out", tmp_path / "stderr.txt"
+    store = out / "appraisals.jsonl"
+    proc = background(agreement_argv(out, "--simulator", srv.url, "--batch-dialogues", "1"), log)
+    try:
+        wait_for(lambda: store.exists() and store.read_text().count("\n") == 1, proc, log)
+        proc.send_signal(getattr(signal, name))
+        code = proc.wait(60)
+    finally:
+        gate.set()
+        stop(proc)
+    err = log.read_text()
+    assert code == exit_code, (code, err[-2000:])
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    said = [line for line in re.split(r"[\r\n]", err) if name in line]
+    assert len(said) == 1 and str(store) in said[0], err[-2000:]
+    assert [json.loads(line)["id"] for line in store.read_text().splitlines()] == ["sage-001"]
+    assert not [n for n in os.listdir(out) if n in RESULT_FILES], os.listdir(out)

@@ -13,19 +13,27 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
+import torch
 
 import evaluate
 import ppo
+import run as run_module
 import simulator
 from conftest import ROOT, read_metrics, reply
+from run import parse_settings
 
 DATA = os.path.join(ROOT, "tests", "data")
 RLVER = os.path.join(DATA, "rlver_sample.jsonl")
 SAGE = os.path.join(DATA, "sage_sample.jsonl")
 RESULTS = [os.path.join(DATA, "sage_results", f"{name}_result.jsonl") for name in ("warm", "cold", "mixed")]
+
+
+def run_settings(argv):
+    return parse_settings(ppo.SETTINGS, ppo.PRESETS, argv)
 
 
 def read_lines(path):
@@ -114,8 +122,10 @@ def test_write_openings_with_a_server_names_failures_keeps_the_rest_and_never_wr
     personas = [simulator._sage_persona(RLVER, i, e, need_opening=False) for i, e in
                 simulator.read_profile_lines(RLVER)]
     zh = [a for a in asked if "韩小北" in a[0]][0]
-    assert list(zh) == [m["content"] for m in simulator.opening_messages(personas[2], 40)]
-    assert simulator.USER_RULES["zh"] in zh[0] and "你的心情：40/100" in zh[1]
+    assert list(zh) == [m["content"] for m in simulator.opening_messages(personas[2], 30)]
+    # at the mood training starts from (issue 30, item 6), declared once, with the trainers' settings
+    assert simulator.SimulatorSettings.start_emotion == 30
+    assert simulator.USER_RULES["zh"] in zh[0] and "你的心情：30/100" in zh[1]
     # a rerun asks only for the one that failed
     ok_now, before = True, len(asked)
     done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", srv.url)
@@ -124,7 +134,8 @@ def test_write_openings_with_a_server_names_failures_keeps_the_rest_and_never_wr
     written, source = read_lines(out), read_lines(RLVER)
     english = "Long week, honestly. Can I just talk for a minute?"  # cleaned as the user's turns are
     assert [w["first_talk"] for w in written] == [english, english, "唉……有件事一直堵在心里。"]
-    assert [{k: v for k, v in w.items() if k != "first_talk"} for w in written] == source  # the rest as is
+    assert [w["first_talk_emotion"] for w in written] == [30, 30, 30]  # the mood they were written at
+    assert [{k: v for k, v in w.items() if not k.startswith("first_talk")} for w in written] == source
     assert not os.path.exists(str(out) + ".partial")
     again = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", "rules")
     assert again.returncode == 2 and "the file exists" in again.stderr  # nothing is overwritten
@@ -140,6 +151,24 @@ def test_write_openings_keeps_existing_ones_and_rules_write_fixed_lines(tmp_path
     assert done.returncode == 0, done.stderr
     en, zh = simulator.RULES_OPENING["en"], simulator.RULES_OPENING["zh"]
     assert [e["first_talk"] for e in read_lines(out)] == ["Long shift. Can we talk?", en, zh]
+
+
+def test_training_on_openings_written_at_another_mood_says_so_at_start_up(tmp_path, capsys):
+    """Issue 30, item 6: openings written at --start-emotion 40 (SAGE's) for a run that starts at 30: one
+    warning line when the simulated user is made, and the run goes on."""
+    for mood in (40, 30):
+        out = tmp_path / f"openings_{mood}.jsonl"
+        done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", "rules",
+                   "--start-emotion", mood)
+        assert done.returncode == 0, done.stderr
+        args = run_settings(["--preset", "cpu", "--simulator", "rules", "--personas", str(out)])
+        capsys.readouterr()
+        simulator.make_simulator(args, None, None, types.SimpleNamespace(device="cpu", world=1, is_main=True))
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+        if mood == 30:
+            assert said == []
+        else:
+            assert len(said) == 1 and str(out) in said[0] and "40" in said[0] and "30" in said[0], said
 
 
 # The done-when of issue 24: an RLVER-format file without openings, through the openings command
@@ -197,6 +226,19 @@ def test_evaluate_judges_as_many_replies_as_sage_does():
     assert sim.leave_below == evaluate.SAGE_LEAVE_BELOW == 10
 
 
+def test_evaluate_ends_a_dialogue_on_a_farewell_word_anywhere_as_sage_does(tiny_model_dir, persona_entry,
+                                                                         write_personas, tmp_path):
+    # issue 30, item 1: training goes on after this line (tests/test_simulator.py); SAGE's rule ends it
+    about = "He just said bye and left me there."
+    path = write_personas([persona_entry(id="t1", band_lines={b: about for b in "ABCF"})])
+    out = tmp_path / "eval"
+    evaluate.main(["--model", tiny_model_dir, "--simulator", "rules", "--personas", path, "--max-turns", "3",
+                   "--max-new-tokens", "4", "--bootstrap", "20", "--out", str(out)])
+    played = json.load(open(out / "results.json"))["models"][0]["dialogue_results"][0]
+    assert (played["end_reason"], played["turns"]) == ("goodbye", 1)
+    assert not simulator.says_goodbye(about) and simulator.says_goodbye(about, "sage")
+
+
 def test_average_ranks_share_ties():
     assert evaluate.average_ranks([10, 20, 20, 30]).tolist() == [1, 2.5, 2.5, 4]
     assert evaluate.average_ranks([3, 1, 3, 3]).tolist() == [3, 1, 3, 3]
@@ -228,9 +270,53 @@ def test_the_interval_resamples_dialogues_not_replies():
 
 
 def test_simulated_final_clamps_as_the_simulator_does():
-    assert evaluate.simulated_final(95, [8, 15, -30]) == 90  # 100 (ceiling), 100, 90 (-30 -> -10)
-    assert evaluate.simulated_final(40, [-10] * 5) == 0
+    assert evaluate.simulated_final(95, [8, 15, -30]) == 100  # 100 (ceiling): a success, SAGE stops there
+    assert evaluate.simulated_final(60, [15, -30, 4]) == 64  # +15 -> +10, -30 -> -10
+    assert evaluate.simulated_final(40, [-10] * 5) == 0  # 30, 20, 10, 0: below 10, the user leaves
     assert evaluate.simulated_final(40, [7, 7], max_change=5) == 50
+
+
+def recorded(id, points, label="a", final=None):
+    """A recorded dialogue as read_sage_dialogues gives it, tagged with its file's label: a user message
+    with each emotion-point in turn, an agent reply after each (the last one never judged)."""
+    history = [m for k in range(len(points)) for m in ({"role": "user", "text": f"user {k}"},
+                                                       {"role": "agent", "text": f"agent {k}"})]
+    return {"file": f"{label}_result.jsonl", "line": 1, "id": id, "label": label, "text": "",
+            "final": points[-1] if final is None else final, "history": history,
+            "points": {2 * k: p for k, p in enumerate(points)}}
+
+
+def test_simulated_finals_stop_at_sages_exits_and_models_are_ranked_on_shared_scenarios():
+    # Issue 30 item 3. Simulated along the whole recorded dialogue, s1 and s2 of file a would end at
+    # 95 and 20 (no success, no failure, score 57.5); SAGE stops at 100 and below 10: 100 (a success)
+    # and 5 (a failure), score 52.5.
+    up, down, flat = [10] * 6 + [-5], [-10] * 3 + [-5] + [5] * 3, [0] * 7
+    assert evaluate.simulated_final(40, up) == 100 and evaluate.simulated_final(40, down) == 5
+    points = [40] * 7
+    dialogues = [recorded("s1", points + [60]), recorded("s2", points + [50]),
+                 recorded("s1", points + [30], "b"), recorded("s2", points + [20], "b"),
+                 recorded("s1", points + [45], "c"), recorded("s3", points + [95], "c")]
+    changes = [up, down, flat, [-1] * 7, [-2] * 7, flat]
+    report = evaluate.agreement_report(dialogues, changes, [0] * 6, n_boot=50)
+    a, b, c = report["files"]
+    assert (a["simulated_score"], a["simulated_successes_failures"]) == (52.5, (1, 1))
+    assert (b["simulated_score"], c["simulated_score"]) == ((40 + 33) / 2, (26 + 40) / 2)
+    assert report["final"]["mae"]["value"] == (40 + 45 + 10 + 13 + 19 + 55) / 6
+    # Kendall's tau-b compares the files on the scenarios all of them hold: s1 alone. Recorded
+    # a 60 > c 45 > b 30, simulated a 100 > b 40 > c 26: (a, b) and (a, c) concordant, (b, c)
+    # discordant, so (2 - 1) / 3. (On whole files it would be -1/3: c's s3 lifts its recorded score.)
+    models = report["models"]
+    assert models["scenarios"] == 1 and models["kendall_tau_b"]["value"] == pytest.approx(1 / 3, abs=1e-12)
+
+
+def test_kendall_interval_draws_the_same_scenarios_for_every_file():
+    # (recorded, simulated) final per scenario s1, s2: file A (10, 20), (90, 80); file B (15, 15),
+    # (95, 75). On each scenario B is above A in the record and below it in the simulation, so every
+    # paired resample gives tau -1. Resampling each file on its own would often give +1 (A's s2 twice
+    # against B's s1 twice: 90 > 15 and 80 > 15), and the interval would reach +1.
+    finals = np.array([[[10, 20], [90, 80]], [[15, 15], [95, 75]]], dtype=float)  # (files, scenarios, 2)
+    tau = evaluate.kendall_with_interval(finals, n_boot=500)
+    assert (tau["value"], tau["low"], tau["high"]) == (-1.0, -1.0, -1.0)
 
 
 def test_recorded_state_sees_the_recorded_moods():
@@ -334,14 +420,15 @@ def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server):
     assert scores == [(50, 46), (26.5, 36), (52, 32)]
     assert files["mixed"]["recorded_successes_failures"] == (1, 1)
     assert files["mixed"]["simulated_successes_failures"] == (0, 0)
-    # models: recorded mixed 52 > warm 50 > cold 26.5; simulated warm 46 > cold 36 > mixed 32:
-    # (warm, cold) concordant, (warm, mixed) and (cold, mixed) discordant: (1 - 2) / 3
-    assert results["models"]["kendall_tau_b"]["value"] == pytest.approx(-1 / 3, abs=1e-12)
+    # models: recorded mixed 52 > warm 50 > cold 26.5; simulated warm 46 > cold 36 > mixed 32. Kendall's
+    # tau compares the models on the scenarios every file holds, and these share none (warm holds
+    # sage-001 and -004, cold -002 and -003, mixed -001 and -002): no tau
+    assert results["models"]["kendall_tau_b"] is None and results["models"]["scenarios"] == 0
     assert results["models"]["recorded_order"] == ["mixed", "warm", "cold"]
     assert results["models"]["simulated_order"] == ["warm", "cold", "mixed"]
     for name in ("results.json", "results.md", "agreement.png", "appraisals.jsonl"):
         assert (tmp_path / name).stat().st_size > 0
-    assert "Kendall's tau-b: -0.33" in (tmp_path / "results.md").read_text()
+    assert "over the 0 scenarios every file holds: - (needs 2 files" in (tmp_path / "results.md").read_text()
 
     # a rerun with the same settings asks for nothing and gives the same numbers
     again = agreement(tmp_path, srv.url, "--readout", "reasoned")
@@ -375,7 +462,7 @@ def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
     done = run("evaluate.py", "--agreement", *RESULTS, "--personas", SAGE, "--simulator", "rules",
                "--bootstrap", "200", "--limit", "1", "--out", tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "agreement: dialogues: 100%" in done.stderr  # the progress bar
+    assert "agreement: replies: 100%" in done.stderr  # the progress bar
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["settings"]["readout"] == "rules"
     assert results["replies"]["dialogues"] == 3  # --limit 1: one per file
@@ -405,10 +492,19 @@ def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
     (lambda lines: lines[:1] + ["{not json"], "line 2: not valid JSON"),
     (lambda lines: [{**lines[0], "emo_point": "high"}],
      "line 1 (id sage-001): field 'emo_point' must be a number"),
+    # issue 30 item 10: points outside 0-100 or not finite, a dialogue given twice in one file
+    (lambda lines: [{**lines[0], "emo_point": 150}],
+     "line 1 (id sage-001): field 'emo_point' must be a number from 0 to 100"),
+    (lambda lines: [with_point(lines[0], 2, -5)],
+     "line 1 (id sage-001): field 'history[2].emotion-point' must be a number from 0 to 100"),
+    (lambda lines: [with_point(lines[0], 2, float("nan"))],
+     "line 1 (id sage-001): field 'history[2].emotion-point' must be a number from 0 to 100"),
+    (lambda lines: lines[:2] + lines[:1], "line 3 (id sage-001): field 'id' is on line 1 too"),
 ])
 def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, monkeypatch, capsys, broken,
                                                       message):
-    monkeypatch.setattr(simulator, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    for module in (simulator, run_module):
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     lines = broken(read_lines(RESULTS[0]))
     path = tmp_path / "bad_result.jsonl"
     text = [x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in lines]
@@ -421,7 +517,164 @@ def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, 
     assert err.startswith(f"error: {path}: ") and message in err, err
 
 
+def with_point(line, k, point):
+    """A recorded line whose message k carries another emotion-point."""
+    history = [dict(m) for m in line["history"]]
+    history[k]["emotion-point"] = point
+    return {**line, "history": history}
+
+
+def test_a_recorded_file_given_twice_is_refused(tmp_path, capsys):
+    again = os.path.join(DATA, "sage_results", ".", "warm_result.jsonl")  # the same file, another spelling
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["--agreement", RESULTS[0], RESULTS[1], again, "--personas", SAGE,
+                       "--simulator", "rules", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: --agreement {again}: ") and RESULTS[0] in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_agreement_results_are_strict_json_when_a_statistic_is_undefined(tmp_path, server):
+    # a simulator that never moves: every correlation is undefined (NaN), which JSON cannot hold
+    srv = server(lambda handler, n, body: reply(handler, 200, chat_completion("Change: 0")))
+    results = agreement(tmp_path, srv.url, "--readout", "reasoned", "--limit", "1")
+    assert np.isnan(results["replies"]["spearman"]["value"])
+
+    def refuse(name):
+        raise ValueError(f"{name} in results.json")
+    saved = json.loads((tmp_path / "results.json").read_text(), parse_constant=refuse)
+    assert saved["replies"]["spearman"]["value"] is None and saved["replies"]["mae"]["value"] > 0
+    assert "undefined" in (tmp_path / "results.md").read_text()
+
+
+def test_the_agreement_picture_is_a_heat_map_of_counts(tmp_path):
+    # issue 30 item 4: 21,000 replies, 500 on the diagonal cell of each recorded change r and 500 at
+    # (r, 0); a cell per whole change, coloured by its count, the diagonal drawn, Spearman in the title
+    rows = np.array([[r, s] for r in range(-10, 11) for s in (r, 0)] * 500, dtype=float)
+    fig = evaluate.plot_agreement(rows, tmp_path / "agreement.png", "title")
+    ax = fig.axes[0]
+    (image,) = ax.images
+    counts = image.get_array()  # rows: simulated change -10..10, columns: recorded change -10..10
+    assert counts.shape == (21, 21) and counts.sum() == 21_000
+    assert counts[10 + 3, 10 + 3] == counts[10, 10 - 7] == 500 and counts[10, 10] == 1000
+    assert counts[10 + 3, 10 - 7] is np.ma.masked or counts[10 + 3, 10 - 7] == 0
+    assert len(fig.axes) == 2  # the colour bar of counts
+    diagonal = [line for line in ax.lines if list(line.get_xdata()) == list(line.get_ydata())]
+    assert diagonal and f"Spearman {evaluate.spearman(rows[:, 0], rows[:, 1]):.2f}" in ax.get_title()
+    assert (tmp_path / "agreement.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_agreement_help_lists_its_own_settings():
     done = run("evaluate.py", "--help", timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("usage:")
     assert "--limit" in done.stdout and "--batch-dialogues" in done.stdout.replace("_", "-")
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 30 item 14: the agreement check with a local model on SAGE-sized dialogues
+# ----------------------------------------------------------------------------------------------
+def sage_sized(folder, tokenizer, profile_tokens=3500, message_tokens=450):
+    """An invented SAGE-sized scenario (a profile of about profile_tokens tokens, as SAGE's are in
+    SmolLM2's tokenizer) and its recorded dialogue: 9 messages of about message_tokens each, 4 judged
+    replies. Made-up syllables, so that the profile stays within a persona field's 20,000 characters."""
+    syllables = [a + b for a in "bcdfgklmnprstvz" for b in "aeiou"]
+    rng = np.random.default_rng(0)
+
+    def text(n):
+        words = []
+        while len(tokenizer(" ".join(words))["input_ids"]) < n:
+            words += ["".join(rng.choice(syllables, 2)) for _ in range(40)]
+        return " ".join(words)
+    profile = {"id": "big-1", "player": text(profile_tokens), "scene": "An invented scene.",
+               "main_cha": "X", "topic": "work", "task": "to talk", "first_talk": "hello. i am tired."}
+    history = [{"role": "user", "content": text(message_tokens), "emotion-point": 40 + k} if k % 2 == 0 else
+               {"role": "assistant", "content": text(message_tokens)} for k in range(9)]
+    (folder / "profiles.jsonl").write_text(json.dumps(profile) + "\n")
+    recorded = {"id": "big-1", "emo_point": 48, "history": history}
+    (folder / "big_result.jsonl").write_text(json.dumps(recorded) + "\n")
+    return str(folder / "big_result.jsonl"), str(folder / "profiles.jsonl")
+
+
+def with_window(model_dir, folder, window):
+    """The tiny model as a folder of links, its config saying another window (max_position_embeddings)."""
+    folder.mkdir()
+    for name in os.listdir(model_dir):
+        if name != "config.json":
+            os.symlink(os.path.join(model_dir, name), folder / name)
+    config = json.loads(open(os.path.join(model_dir, "config.json")).read())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": window}))
+    return str(folder)
+
+
+# Peak memory of evaluate.py in a process of its own, less what the process holds once its modules
+# are imported (torch, transformers): what the command itself needs.
+GROWTH = """import resource, sys
+import evaluate
+with open("/proc/self/status") as f:
+    start = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+try:
+    evaluate.main(sys.argv[1:])
+finally:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(f"grew {(peak - start) // 1024} MB", file=sys.stderr)
+"""
+
+
+def test_a_sage_sized_dialogue_is_appraised_in_memory_linear_in_its_context(tiny_model_dir, tmp_path):
+    # Issue 30 item 14. Appraisal prompts of 3,800 to 7,700 tokens (a 3,500-token profile, a 4,000-token
+    # history), 4 judged replies, the tiny model as the likelihood read-out: one pass over a whole prompt
+    # builds (4, T, T) masks, 0.9 GB in float32 alone and more than 1.5 GB in all; chunked prefill needs
+    # (4, 1024, T) at most.
+    model = with_window(tiny_model_dir, tmp_path / "model", 16384)
+    recorded_file, profiles = sage_sized(tmp_path, run_module.load_tokenizer(model))
+    done = subprocess.run([sys.executable, "-c", GROWTH, "--agreement", recorded_file, "--personas", profiles,
+                           "--simulator", "same", "--model", model, "--max-context", "16384", "--bootstrap",
+                           "20", "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    grew = int(re.search(r"grew (\d+) MB", done.stderr)[1])
+    assert grew < 900, done.stderr[-3000:]  # chunked: about 430 MB (290 for 2 short replies); one pass: 1,960
+    assert "agreement: replies: 100%" in done.stderr and "4/4" in done.stderr  # the bar counts replies
+    assert len(read_lines(tmp_path / "out" / "appraisals.jsonl")[0]["changes"]) == 4
+
+
+def test_a_dialogue_longer_than_the_simulators_context_is_refused_before_a_model_loads(
+        tiny_model_dir, tmp_path, monkeypatch, capsys):
+    for module in (simulator, run_module):
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    recorded_file, profiles = sage_sized(tmp_path, run_module.load_tokenizer(tiny_model_dir))
+    model = with_window(tiny_model_dir, tmp_path / "model", 16384)
+    # the tiny model's own window is 4096 tokens (--max-context 8192 would let more through); a copy
+    # that says 16384 is held to --max-context 4096
+    for model_dir, limit, why in ((tiny_model_dir, 8192, "the window of"),
+                                  (model, 4096, "--max-context 4096")):
+        with pytest.raises(SystemExit) as stop:
+            evaluate.main(["--agreement", recorded_file, "--personas", profiles, "--simulator", "same",
+                           "--model", model_dir, "--max-context", str(limit), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+        needed = int(re.search(r"needs (\d+) tokens", err)[1])
+        assert err.startswith(f"error: {recorded_file}: line 1 (id big-1): ") and 7500 < needed < 8500, err
+        assert "4096 fit" in err and why in err and "URL" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_chunked_prefill_scores_and_answers_as_one_pass_does(tiny_model):
+    # the conversations of different lengths (padding), the second round reusing the first's caches
+    model, tokenizer = tiny_model
+    conversations = [[{"role": "user", "content": "word " * n}] for n in (40, 7, 23)]
+    longer = [c + [{"role": "assistant", "content": "yes"}, {"role": "user", "content": "and then " * 9}]
+              for c in conversations]
+    answers = []
+    for chunk in (1024, 5):
+        backend = simulator.LocalBackend(model, tokenizer)
+        backend.prefill_chunk = chunk
+        slots = [{} for _ in conversations]
+        scores = [backend.score(c, ["Thank you.", "No, that is wrong."], slots)
+                  for c in (conversations, longer)]
+        answers.append((scores, backend.chat(longer, 6, slots), backend.chat(conversations, 6)))
+    (scores, chats, fresh), (chunked_scores, chunked_chats, chunked_fresh) = answers
+    for one, other in zip(scores, chunked_scores):
+        torch.testing.assert_close(one, other, atol=1e-5, rtol=0)
+    assert chats == chunked_chats and fresh == chunked_fresh

@@ -358,6 +358,25 @@ def test_actor_warmup_of_the_learning_rate_starts_after_the_critic_warmup(tiny_m
     assert m[1]["actor_lr"] == pytest.approx(1e-3)
 
 
+def test_a_skipped_step_in_the_critic_warmup_does_not_shift_the_actors_warmup(tiny_model_dir, personas_file,
+                                                                             tmp_path, monkeypatch):
+    # As above, but iteration 1's only step is non-finite and skipped: neither part has taken a step,
+    # so the actor's first step (iteration 2) still gets the first warm-up rate, not 0.
+    real, calls = ppo.clipped_value_loss, []
+
+    def poisoned(*args, **kwargs):
+        calls.append(1)
+        loss, clipped = real(*args, **kwargs)
+        return (loss * float("nan") if len(calls) == 1 else loss), clipped
+    monkeypatch.setattr(ppo, "clipped_value_loss", poisoned)
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2",
+                       "--critic-warmup", "1", "--warmup-steps", "2", "--lr", "1e-3", "--critic-lr", "4e-3"))
+    m = read_metrics(tmp_path / "run")
+    assert m[0]["critic_grad_norm"] is None  # the one step of iteration 1 was skipped, none logged
+    assert [r["actor_lr"] for r in m] == pytest.approx([0.5e-3, 1e-3])
+    assert [r["critic_lr"] for r in m] == pytest.approx([2e-3, 4e-3])
+
+
 def test_paper_preset_takes_rlvers_update_settings():
     # RLVER's verl config: value clip 0.5, entropy coefficient 0.001, PPO minibatches of 32 of its
     # 32 dialogues. The cpu preset keeps its earlier values, so its measured results still hold.

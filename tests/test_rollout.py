@@ -354,8 +354,8 @@ def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_mo
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in policy.named_parameters()}
     runs = []
     for merged in (True, False):
-        sim = Simulator(simulator.LocalBackend(policy, tokenizer, use_base=True), max_turns=3,
-                        reply_tokens=6, leave_below=0)
+        sim = Simulator(simulator.LocalBackend(policy, tokenizer, use_base=True), readout="likelihood",
+                        max_turns=3, reply_tokens=6, leave_below=0)
         runs.append(play_dialogues(policy, tokenizer, sim, personas(3), greedy=True, max_new_tokens=8,
                                    merged_sampling=merged, progress=False)[0])
     assert_same_dialogues(runs, policy, tokenizer, dtype)
@@ -640,8 +640,8 @@ def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, p
     group = load_personas(write_personas([persona_entry(id=f"c{i}") for i in range(2)]))
     chat = ChatTokens(tokenizer, rollout.PLAIN_PROMPT)
     max_context = len(chat.prompt(group[0].opening)) + 8 + 10  # one reply; no room for a user turn and more
-    sim = Simulator(simulator.make_backend("same", policy=policy, tokenizer=tokenizer), max_turns=5,
-                    reply_tokens=6, leave_below=0)
+    sim = Simulator(simulator.make_backend("same", policy=policy, tokenizer=tokenizer), readout="likelihood",
+                    max_turns=5, reply_tokens=6, leave_below=0)
     states, start = [], sim.start
     sim.start = lambda persona: states.append(start(persona)) or states[-1]
     filled, step = [], sim.step

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -373,6 +374,32 @@ def test_goodbye_in_user_message(persona):
         sim.step([s], ["another reply"])
 
 
+# Issue 30, item 1: sentences about a goodbye, which must not end a training dialogue, and closing
+# farewells, which must. SAGE's rule (evaluate.py's protocol) ends on a farewell word anywhere.
+ABOUT_A_GOODBYE = ["The worst part is that I never got to say goodbye to him",
+                   "We had a little farewell for Biscuit", "He just said bye and left me there",
+                   "我再也不想再见到他了"]
+CLOSING_FAREWELLS = ["Goodbye.", "Bye for now!", "Thanks, bye.", "take care, bye", "ok bye",
+                     "I think I can talk to Karim tonight. Thank you for listening, goodbye.",
+                     "好的，再见", "谢谢你，拜拜！", "那我先走了。再见。"]
+
+
+@pytest.mark.parametrize("rule", ["closing", "sage"])
+@pytest.mark.parametrize("text", ABOUT_A_GOODBYE + CLOSING_FAREWELLS)
+def test_a_user_leaves_on_a_closing_farewell_and_sage_on_any_farewell_word(persona, rule, text):
+    chosen = {"goodbye": rule} if rule == "sage" else {}  # the closing rule is the default (training's)
+    sim = Simulator(ScriptedBackend(["Change: +1"], [text]), **chosen)
+    s = sim.start(persona)
+    sim.step([s], ["reply"])
+    ends = rule == "sage" or text in CLOSING_FAREWELLS
+    assert s.history[-1]["text"] == text and s.end_reason == ("goodbye" if ends else None)
+
+
+def test_every_farewell_line_of_the_personas_closes_the_dialogue():
+    lines = [p.band_lines["S"] for p in load_personas(os.path.join(ROOT, "personas.json"))]
+    assert len(lines) == 65 and [t for t in lines if not says_goodbye(t)] == []
+
+
 def test_max_turns_and_precedence(persona):
     sim = Simulator(ScriptedBackend(["Change: 0"]), max_turns=3)
     s = sim.start(persona)
@@ -460,6 +487,26 @@ def test_readout_choice_and_checks():
         Simulator(RulesBackend(), readout="reasoned")
     with pytest.raises(ValueError, match="rules"):
         Simulator(ScriptedBackend([], name="url"), readout="rules")
+
+
+def test_auto_is_the_likelihood_readout_only_for_the_embedded_model(tiny_model, capsys):
+    """Issue 30, item 5: the likelihood read-out's offsets and tanh scale were set on SmolLM2-135M, so
+    the paper preset (Qwen2.5-7B as its own user) appraises in writing, and its start-up line says why."""
+    import ppo
+
+    args = run.parse_settings(ppo.SETTINGS, argv=[])  # the paper preset
+    assert (args.simulator, args.readout) == ("same", "auto") and args.model not in run.EMBEDDED
+    on_cpu = types.SimpleNamespace(device="cpu", world=1, is_main=True)  # the Run fields make_simulator reads
+    capsys.readouterr()
+    assert simulator.make_simulator(args, *tiny_model, on_cpu).readout == "reasoned"
+    said = capsys.readouterr().out
+    assert "read-out reasoned (auto: the embedded 135M model is the only one" in said, said
+    args.model = "smollm2"  # the CPU preset's policy, which `same` shares
+    assert simulator.make_simulator(args, *tiny_model, on_cpu).readout == "likelihood"
+    local = LocalBackend(*tiny_model)
+    assert Simulator(local, model_name="smollm2").readout == "likelihood"  # --simulator smollm2
+    assert Simulator(local, model_name="Qwen/Qwen2.5-72B-Instruct").readout == "reasoned"
+    assert Simulator(local).readout == "reasoned"  # a model of no known name is not the calibrated one
 
 
 # ----------------------------------------------------------------------------------------------
@@ -682,7 +729,7 @@ def test_rules_simulator_band_lines_and_goodbye(persona_entry, write_personas):
 # Local backend on the embedded model
 # ----------------------------------------------------------------------------------------------
 def test_likelihood_warm_beats_rude(smollm2, persona, capsys):
-    sim = Simulator(LocalBackend(*smollm2))
+    sim = Simulator(LocalBackend(*smollm2), model_name="smollm2")
     assert sim.readout == "likelihood"
     state = sim.start(persona)
     (warm, warm_text, ok1), (rude, rude_text, ok2) = sim._appraise([state, state], [WARM, RUDE])
@@ -696,7 +743,7 @@ def test_likelihood_warm_beats_rude(smollm2, persona, capsys):
 
 
 def test_likelihood_readout_is_deterministic(smollm2, persona):
-    sim = Simulator(LocalBackend(*smollm2), reply_tokens=8)
+    sim = Simulator(LocalBackend(*smollm2), reply_tokens=8, model_name="smollm2")
     runs = []
     for _ in range(2):
         s = sim.start(persona)
@@ -727,7 +774,7 @@ def test_batched_step_matches_one_by_one(smollm2, persona_entry, write_personas)
                              "wedding and i found out from instagram. i keep refreshing the photos.")]
     personas = load_personas(write_personas(entries))
     replies = [WARM, RUDE, "I see. Tell me more about that?"]
-    sim = Simulator(LocalBackend(*smollm2), reply_tokens=10)
+    sim = Simulator(LocalBackend(*smollm2), reply_tokens=10, model_name="smollm2")
     together = [sim.start(p) for p in personas]
     sim.step(together, replies)
     alone = []
@@ -1137,7 +1184,7 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_
     runs = []
     for reuse in (True, False):
         backend = LocalBackend(*tiny_model, micro_batch_size=3, reuse_cache=reuse)
-        sim = Simulator(backend, max_turns=4, reply_tokens=6, leave_below=0)
+        sim = Simulator(backend, readout="likelihood", max_turns=4, reply_tokens=6, leave_below=0)
         results = simulator.play_scripted(sim, [persona] * 3, simulator.SCRIPTED_AGENT, progress=False)
         runs.append((results, backend.reused_tokens / backend.prompt_tokens))
     (cached, hit), (plain, no_hit) = runs
@@ -1219,7 +1266,7 @@ def test_turn_cache_with_layers_on_two_devices(tiny_model, persona, dtype):
     conversation += [{"role": "assistant", "content": first[0]}, {"role": "user", "content": "tell me more"}]
     backend.chat([conversation], 6, slots=[slot])  # the second turn reads the kept cache
     assert backend.reused_tokens > 0
-    sim = Simulator(backend, max_turns=3, reply_tokens=6, leave_below=0)  # likelihood read-out: score() too
+    sim = Simulator(backend, readout="likelihood", max_turns=3, reply_tokens=6, leave_below=0)  # score() too
     results = simulator.play_scripted(sim, [persona] * 2, simulator.SCRIPTED_AGENT, progress=False)
     assert sum(len(r["turns"]) for r in results) >= 4 * 6
     assert backend.reused_tokens / backend.prompt_tokens > 0.3

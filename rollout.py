@@ -8,13 +8,8 @@ log-probabilities. The run's plumbing (settings parsing, folders, checkpoints) i
 Token in, token out: the ids the policy sampled are kept exactly as sampled (never decoded and
 re-tokenised), and each user turn is appended as the chat template's token delta for that
 message. The action mask is 1 exactly on the policy's sampled tokens.
-
-    python rollout.py --model smollm2 --simulator same --personas personas.json --split train \\
-        --dialogues 4 --max-turns 3 --out runs/rollout
 """
 import contextlib
-import json
-import os
 import random
 import re
 import sys
@@ -135,11 +130,8 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
     dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 (the base weights)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    device = device or default_device()
-    dtypes = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
-    if dtype not in dtypes:
-        raise ValueError(f"dtype must be one of {' | '.join(dtypes)}, got '{dtype}'")
-    base, tokenizer = load_model(model_name, device=device, load_in_4bit=load_in_4bit, dtype=dtypes[dtype],
+    base, tokenizer = load_model(model_name, device=device or default_device(), load_in_4bit=load_in_4bit,
+                                 dtype=None if dtype == "auto" else getattr(torch, dtype),
                                  trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -416,9 +408,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     stats = Counter()
     graphs_before = compiled_graphs()
     t_policy = 0.0
-    sim_seconds_before, sim_tokens_before = simulator.seconds, simulator.backend.generated_tokens
-    sim_prompt_before = (getattr(simulator.backend, "prompt_tokens", 0),
-                         getattr(simulator.backend, "reused_tokens", 0))
+    sim_before = simulator_counts(simulator)
     # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
     bar = tqdm(total=len(dialogues), desc=desc, disable=not progress, leave=False, file=sys.stderr)
     turns_played = 0
@@ -483,8 +473,8 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
             stats[violation or "format_ok"] += 1
             stats["policy_tokens"] += n
             # cut: the reply reached max_new_tokens unfinished (a thought cut there reaches the user as "...")
-            d.agent_turns.append({"raw": raw, "thought": thought, "reply": reply, "violation": violation,
-                                  "tokens": n, "cut": n == max_new_tokens and tokens[-1] not in chat.eos_ids})
+            d.agent_turns.append({"thought": thought, "raw": raw, "violation": violation, "tokens": n,
+                                  "cut": n == max_new_tokens and tokens[-1] not in chat.eos_ids})
             replies.append(reply or SILENCE)
         simulator.step([d.state for d in active], replies)
         turns_played += len(active)
@@ -507,11 +497,16 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     policy.train(was_training)
     stats["decode_compilations"] = compiled_graphs() - graphs_before
     stats["policy_seconds"] = t_policy
-    stats["simulator_seconds"] = simulator.seconds - sim_seconds_before
-    stats["simulator_tokens"] = simulator.backend.generated_tokens - sim_tokens_before
-    stats["simulator_prompt_tokens"] = getattr(simulator.backend, "prompt_tokens", 0) - sim_prompt_before[0]
-    stats["simulator_reused_tokens"] = getattr(simulator.backend, "reused_tokens", 0) - sim_prompt_before[1]
+    stats.update({k: v - sim_before[k] for k, v in simulator_counts(simulator).items()})
     return [to_record(d) for d in dialogues], dict(stats)
+
+
+def simulator_counts(simulator):
+    """The simulator's running totals, which a rollout reports the growth of."""
+    backend = simulator.backend
+    return {"simulator_seconds": simulator.seconds, "simulator_tokens": backend.generated_tokens,
+            "simulator_prompt_tokens": getattr(backend, "prompt_tokens", 0),
+            "simulator_reused_tokens": getattr(backend, "reused_tokens", 0)}
 
 
 def to_record(d):
@@ -521,9 +516,7 @@ def to_record(d):
     agent = iter(d.agent_turns)
     for t in turns:
         if t["role"] == "agent":
-            a = next(agent)
-            t.update(thought=a["thought"], raw=a["raw"], violation=a["violation"], tokens=a["tokens"],
-                     cut=a["cut"])
+            t.update(next(agent))
     return {
         "persona_id": s.persona.id, "group": d.group, "sample": d.sample,
         "token_ids": d.ids, "action_mask": d.action_mask, "logprobs": d.logprobs,
@@ -671,6 +664,8 @@ def training_personas(args):
     """The personas of --split (all: the whole file) at --difficulty, each opening checked to fit
     --max-context; and, since this is the trainers' last check before the weights load, the model's
     config: --target-modules against its layers, and no change to its logits after lm_head."""
+    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
+        fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)

@@ -708,8 +708,6 @@ class Run:
     def __init__(self, args, script, adapters, per_process=()):
         from accelerate import Accelerator
 
-        if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
-            fail(f"the paper's setup needs CUDA; on this machine run `python {script} --preset cpu`")
         args.out = args.out or os.path.join("runs", f"{script[:-3]}__{args.seed}__{int(time.time())}")
         self.args, self.script, self.adapters = args, script, adapters
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), **tracker_settings(args.report_to, args.out))

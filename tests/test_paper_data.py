@@ -33,7 +33,7 @@ RESULTS = [os.path.join(DATA, "sage_results", f"{name}_result.jsonl") for name i
 
 
 def run_settings(argv):
-    return parse_settings(ppo.SETTINGS, ppo.PRESETS, argv)
+    return parse_settings(ppo.SETTINGS, presets=ppo.PRESETS, argv=argv)
 
 
 def read_lines(path):

@@ -162,7 +162,7 @@ SWITCHES = {
 
 @pytest.mark.parametrize("trainer", [ppo, grpo])
 def test_every_switch_of_the_cpu_preset_is_covered_here(trainer):
-    defaults = run.parse_settings(trainer.SETTINGS, argv=[]).values()
+    defaults = vars(run.parse_settings(trainer.SETTINGS, argv=['--preset', 'paper']))
     assert trainer.PRESETS["paper"] == {}  # the paper preset is the dataclass defaults
     turned = {k for k, v in trainer.PRESETS["cpu"].items() if v != defaults[k]}
     uncovered = turned - SIZES - set(SWITCHES)
@@ -173,7 +173,7 @@ def test_every_switch_of_the_cpu_preset_is_covered_here(trainer):
 
 
 def paper_path_args(trainer, model_dir, personas, out):
-    names = run.parse_settings(trainer.SETTINGS, argv=[]).values().keys()
+    names = vars(run.parse_settings(trainer.SETTINGS, argv=['--preset', 'paper'])).keys()
     switches = sum((flags for name, flags in SWITCHES.items() if name in names), [])
     # 2 minibatches x 2 micro-batches. The likelihood read-out: the paper preset's own (reasoned, for a
     # model that is not the embedded one) would read no change from a random model's appraisals, and
@@ -196,7 +196,7 @@ def test_the_paper_preset_paths_run_on_a_tiny_model(trainer, tiny_model_dir, per
     trainer.main(paper_path_args(trainer, tiny_model_dir, personas_file, out))
     metrics = read_metrics(out)
     config = json.load(open(out / "config.json"))
-    defaults = run.parse_settings(trainer.SETTINGS, argv=[]).values()
+    defaults = vars(run.parse_settings(trainer.SETTINGS, argv=['--preset', 'paper']))
     assert config["loss_agg"] == defaults["loss_agg"] and config["dtype"] == "bfloat16"
     assert [m["iteration"] for m in metrics] == [1, 2]
     for m in metrics:

@@ -731,16 +731,16 @@ PRESETS = {"paper": {}, "tiny": {"lr": 1e-4, "max_turns": 2, "thinking": True}}
     (["--preset", "tiny", "--thinking", "false"], (1e-4, 2, False)),
 ])
 def test_parse_settings_explicit_flags_win_over_presets(argv, expected):
-    args = run.parse_settings(PresetArgs, PRESETS, argv)
+    args = run.parse_settings(PresetArgs, presets=PRESETS, argv=argv)
     assert (args.lr, args.max_turns, args.thinking) == expected
 
 
 def test_parse_settings_rejects_unknown_preset_and_abbreviations(capsys):
     with pytest.raises(SystemExit) as stop:
-        run.parse_settings(PresetArgs, PRESETS, ["--preset", "huge"])
+        run.parse_settings(PresetArgs, presets=PRESETS, argv=["--preset", "huge"])
     assert stop.value.code == 2 and "--preset" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:  # "--max_t" would otherwise set max_turns unseen
-        run.parse_settings(PresetArgs, PRESETS, ["--preset", "tiny", "--max_t", "5"])
+        run.parse_settings(PresetArgs, presets=PRESETS, argv=["--preset", "tiny", "--max_t", "5"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "unknown flag --max_t; did you mean --max-turns?" in err
 

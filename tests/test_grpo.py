@@ -39,8 +39,6 @@ def test_dialogue_rewards_final_turn_and_format_penalty():
     assert final.tolist() == pytest.approx([0.70, 0.40])
     assert turn.tolist() == pytest.approx([0.10, 0.10])
     assert penalised.tolist() == pytest.approx([0.70 - 2 * 0.1, 0.40])  # two violating turns
-    with pytest.raises(ValueError, match="--reward"):
-        grpo.dialogue_rewards(records, "last")
 
 
 # Group 0 has a spread, group 1 is flat (every dialogue ended the same). Interleaved on purpose:
@@ -81,8 +79,6 @@ def test_group_stats_and_errors():
     assert flat.tolist() == [False, True, False, True, False, True]
     with pytest.raises(ValueError, match="group-size"):
         grpo.group_advantages(torch.tensor([0.3, 0.4, 0.5]), torch.tensor([0, 0, 1]))  # group 1 alone
-    with pytest.raises(ValueError, match="--scale-rewards"):
-        grpo.group_advantages(REWARDS, GROUPS, "rank")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,13 +102,6 @@ def test_loss_aggregation_by_hand(mode, expected):
     parts = (grpo.aggregate(LOSS[:1], MASK[:1], mode, MASK.sum(), 3, BUDGET)
              + grpo.aggregate(LOSS[1:], MASK[1:], mode, MASK.sum(), 3, BUDGET))
     assert parts.item() == pytest.approx(expected)
-
-
-def test_loss_aggregation_errors():
-    with pytest.raises(ValueError, match="budget"):
-        grpo.aggregate(LOSS, MASK, "dr-grpo", MASK.sum(), 3)
-    with pytest.raises(ValueError, match="--loss-agg"):
-        grpo.aggregate(LOSS, MASK, "seq-mean-token-sum", MASK.sum(), 3)
 
 
 def test_clipped_policy_loss_and_k3_by_hand():
@@ -236,7 +225,7 @@ def test_base_frozen_adapter_moves_and_loads(warm_run, warm_model_dir):
         if "lora_" in k:
             torch.testing.assert_close(v, trained[k], atol=0, rtol=0)
     state = torch.load(os.path.join(out, "checkpoints", "iter_000001", "state.pt"), weights_only=False)
-    assert state["iteration"] == 1 and {"optimizer", "scheduler", "rng", "args"} <= set(state)
+    assert state["iteration"] == 1 and {"optimizer", "scheduler", "rng", "written"} <= set(state)
 
 
 def test_drop_zero_spread_takes_flat_groups_out_of_the_loss(tiny_model_dir, personas_file, tmp_path):

@@ -136,16 +136,6 @@ def to_bool(text):
     raise argparse.ArgumentTypeError("must be true or false")
 
 
-def flag_value(argv, name):
-    """The value given to --name (or --name=value) in argv, or None."""
-    for i, a in enumerate(argv):
-        if a == f"--{name}" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(f"--{name}="):
-            return a.split("=", 1)[1]
-    return None
-
-
 # What --resume lets a command line change: how long and how often, and where to log; besides these,
 # every operational setting. Anything else (the model, the adapters, the method, the data, the seed)
 # is the run's own, taken from its config.json.
@@ -164,11 +154,11 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     parser.error = fail
     defaults = dict(defaults or {})
-    if presets:
-        chosen = flag_value(argv, "preset") or "paper"
-        if chosen not in presets:
-            fail(f"--preset {chosen}: must be one of {' | '.join(presets)}")
-        defaults.update(presets[chosen])
+    if presets:  # the preset's defaults first, so that every flag given wins over them
+        first = argparse.ArgumentParser(add_help=False)
+        first.add_argument("--preset", default="paper", choices=presets)
+        first.error = fail
+        defaults.update(presets[first.parse_known_args(argv)[0].preset])
     groups, fields = {}, []
     for cls in classes:
         groups.setdefault(cls.group, parser.add_argument_group(cls.group))
@@ -833,10 +823,8 @@ class Run:
     def mean(self, values):
         """The mean of a logged quantity over the processes that logged it (each one's own mean, averaged),
         or None where none did (a collective call, made by every process, with values or without)."""
-        local = torch.tensor([float(np.mean(values)) if values else 0.0, float(len(values) > 0)],
-                             device=self.device)
-        total, logged = self.sum(local).tolist()
-        return total / logged if logged else None
+        means = self.gather([float(np.mean(values))] if values else [])
+        return float(np.mean(means)) if means else None
 
     def gather(self, items):
         """Every process's list items, in rank order (a collective call)."""

@@ -377,6 +377,7 @@ def plot_trajectories(runs, start_emotion, leave_below, path):
     ax.axhline(100, color="grey", ls="--", lw=0.8)             # success
     ax.axhline(leave_below, color="grey", ls=":", lw=0.8)      # the user leaves below it
     ax.set(ylim=(-2, 102), xlabel="agent turn (0 = the opening)", ylabel="user emotion")
+    ax.locator_params(axis="x", integer=True)
     ax.set_title("Emotion per turn: thin lines one dialogue each, thick the mean per model (a dialogue that\n"
                  "ended early keeps its final emotion in the mean); dashed: success, dotted: the user leaves",
                  fontsize=9)

@@ -17,7 +17,6 @@ import torch
 from conftest import ROOT, reply
 
 import run  # noqa: E402
-import evaluate  # noqa: E402
 import grpo  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
@@ -122,12 +121,6 @@ def test_grpo_refuses_bad_settings(flags, words, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("main, flags, words", [
-    (evaluate.main, ["--readout", "reasond"], ["--readout", "reasond"]),
-    (evaluate.main, ["--samples", "0"], ["--samples", "0"]),
-    (evaluate.main, ["--split", "dev"], ["--split", "dev"]),
-    (evaluate.main, ["--max-turns", "0"], ["--max-turns", "0"]),
-    (evaluate.main, ["--bootstap", "5"], ["--bootstap", "did you mean --bootstrap"]),
-    (evaluate.main, ["--model", "smollm3"], ["--model", "smollm3", "hub id"]),
     (rollout.main, ["--temperature", "-1"], ["--temperature"]),
     (rollout.main, ["--simulator", "rulez"], ["--simulator", "rulez"]),
     (simulator.main, ["--max-change", "-5"], ["--max-change", "-5"]),
@@ -141,7 +134,6 @@ def test_other_commands_refuse_bad_settings(main, flags, words, capsys):
 @pytest.mark.parametrize("script, flags, words", [
     ("ppo.py", ["--preset", "cpu", "--lerning-rate", "1"], ["unknown flag --lerning-rate"]),
     ("grpo.py", ["--preset", "cpu", "--simulator", "rulez"], ["--simulator", "rulez"]),
-    ("evaluate.py", ["--readout", "reasond"], ["--readout", "reasond"]),
     ("rollout.py", ["--max-turns", "0"], ["--max-turns", "0"]),
     ("simulator.py", ["--model", "rulez"], ["--model", "rulez"]),
 ])
@@ -406,16 +398,6 @@ def test_a_simulator_error_mid_run_saves_the_last_iteration_then_one_line(server
     assert done >= 1 and ckpts == [f"iter_{done:06d}"]  # the last complete iteration is not lost
 
 
-def test_evaluate_ends_on_a_simulator_error_with_one_line(server, tiny_model_dir, persona_entry,
-                                                          write_personas, tmp_path):
-    s = server(lambda h, n, body: reply(h, 200, b'[{"not": "a completion"}]'))
-    path = write_personas([persona_entry(id="t1")])
-    code, _, err, _ = cli("evaluate.py", "--model", tiny_model_dir, "--personas", path, "--simulator", s.url,
-                          "--max-turns", "1", "--max-new-tokens", "4", "--api-retries", "1", "--out",
-                          str(tmp_path / "eval"))
-    assert_one_line(code, err, s.url, "malformed response", "2 tries")
-
-
 # ----------------------------------------------------------------------------------------------
 # Case 6: secrets are redacted whatever the setting is called
 # ----------------------------------------------------------------------------------------------
@@ -479,32 +461,6 @@ def test_an_opening_that_cannot_fit_the_context_is_refused_before_the_weights(
                                     "--personas", path, "--split", "test", "--max-context", "512",
                                     "--out", str(tmp_path / "run")],
                         capsys, "persona long1", "--max-context 512", "--max-new-tokens 32")
-
-
-# ----------------------------------------------------------------------------------------------
-# Case 5: evaluate.py refuses an adapter made for another base
-# ----------------------------------------------------------------------------------------------
-def test_evaluate_refuses_an_adapter_for_another_base(tiny_model_dir, tmp_path, persona_entry,
-                                                      write_personas):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # 2 layers
-    adapter = tmp_path / "adapter"
-    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
-    bigger = tmp_path / "three_layers"  # the same model with a third layer
-    config = base.config
-    config.num_hidden_layers = 3
-    AutoModelForCausalLM.from_config(config).save_pretrained(bigger)
-    for name in os.listdir(tiny_model_dir):  # the tokenizer's files
-        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(os.path.join(tiny_model_dir, name), bigger)
-    path = write_personas([persona_entry(id="t1")])
-    code, _, err, _ = cli("evaluate.py", "--model", str(bigger), "--adapter", str(adapter),
-                          "--personas", path, "--simulator", "rules", "--max-turns", "1",
-                          "--out", str(tmp_path / "eval"))
-    assert_one_line(code, err, str(adapter), str(bigger), "missing")
-    assert not os.path.exists(tmp_path / "eval" / "results.json")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -94,13 +94,6 @@ def produce(script, *argv):
         importlib.import_module(script[:-len(".py")]).main(list(argv))
 
 
-def ev(model, personas, out, *extra):
-    """The smallest evaluate.py command: one persona, one turn of four tokens, the rules user."""
-    return ["evaluate.py", "--model", model, "--personas", personas, "--split", "test",
-            "--simulator", "rules", "--dialogues", "1", "--max-turns", "1", "--max-new-tokens", "4",
-            "--bootstrap", "20", "--out", str(out), *extra]
-
-
 def snapshot(folder):
     """Every entry under folder, links not followed: relative path -> content digest, link target or
     'dir'. The lock file is left out: a lock is not part of a run's record."""
@@ -320,8 +313,8 @@ def test_overwrite_then_a_failing_persona_check_leaves_the_old_run(ppo_run, unlo
 
 def test_a_second_command_on_a_running_runs_folder_is_refused(server, model, unloadable, personas_file,
                                                               tmp_path, capsys):
-    """Case 4: while a trainer runs, a second trainer (--overwrite) and evaluate.py (--overwrite) on
-    its --out each get one line naming the owner's pid and write nothing; the first run finishes with
+    """Case 4: while a trainer runs, a second trainer (--overwrite) on
+    its --out gets one line naming the owner's pid and write nothing; the first run finishes with
     only its own lines. The first run is held deterministically in its first rollout: its simulated
     user is a local server that answers only when the test opens the gate."""
     gate = threading.Event()
@@ -334,8 +327,6 @@ def test_a_second_command_on_a_running_runs_folder_is_refused(server, model, unl
         assert str(first.pid) in (out / ".lock").read_text()
         code, _, err, _ = command(capsys, "ppo.py", *tiny(unloadable, personas_file, out, "--overwrite"))
         assert_one_line(code, err, str(first.pid))
-        code, _, err, _ = command(capsys, *ev(unloadable, personas_file, out, "--overwrite"))
-        assert_one_line(code, err, str(first.pid))
         gate.set()
         assert first.wait(300) == 0, log.read_text()[-2000:]
     finally:
@@ -343,19 +334,6 @@ def test_a_second_command_on_a_running_runs_folder_is_refused(server, model, unl
         stop(first)
     assert [m["iteration"] for m in read_metrics(out)] == [1, 2]
     assert json.loads((out / "config.json").read_text())["simulator"] == s.url
-
-
-def test_evaluate_does_not_replace_an_earlier_evaluation(model, unloadable, personas_file, tmp_path, capsys):
-    """Case 5: evaluate.py --out on an earlier evaluation: one line pointing to --overwrite, before
-    any model loads, and the earlier transcripts and results unchanged."""
-    out = tmp_path / "eval"
-    code, _, err, _ = command(capsys, *ev(model, personas_file, out))
-    assert code == 0, err[-2000:]
-    before = snapshot(out)
-    code, _, err, _ = command(capsys, *ev(unloadable, personas_file, out))
-    assert_one_line(code, err, str(out), "--overwrite")
-    assert snapshot(out) == before
-    assert json.loads((out / MARKER).read_text())["script"] == "evaluate.py"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -398,39 +376,19 @@ def test_a_simulator_url_with_a_query_keeps_it_after_the_path(server, personas_f
     assert code == 0, err[-2000:]
 
 
-def test_evaluate_picks_the_policy_adapter_of_a_checkpoint_or_a_run(ppo_run, model, unloadable, personas_file,
-                                                                     tmp_path, capsys):
-    """Cases 9 and 29: --adapter RUN/checkpoints/iter_000001/critic is PPO's critic (a value model):
-    one line saying so, before any model loads. --adapter RUN/checkpoints/iter_000001 evaluates its
-    policy adapter (default), --adapter RUN the newest complete checkpoint's; results.json's label
-    names the checkpoint picked and its adapter field is the folder loaded."""
-    checkpoint = ppo_run / "checkpoints" / "iter_000001"
-    code, _, err, _ = command(capsys, *ev(unloadable, personas_file, tmp_path / "critic",
-                                          "--adapter", str(checkpoint / "critic")))
-    assert_one_line(code, err, "critic", "policy")
-
-    out = tmp_path / "eval"
-    run_ok(*ev(model, personas_file, out, "--adapter", str(checkpoint), str(ppo_run)))
-    base, first, newest = json.loads((out / "results.json").read_text())["models"]
-    for m, picked in ((first, "iter_000001"), (newest, "iter_000002")):
-        assert picked in m["label"], m["label"]
-        assert os.path.normpath(m["adapter"]).endswith(os.path.join(picked, "default")), m["adapter"]
-
-
 def test_bench_rollout_refuses_zero_turns(unloadable, capsys):
     """Case 10: bench.py rollout --max-turns 0: one line, exit 2, before any model loads."""
     code, _, err, _ = command(capsys, "bench.py", "rollout", "--max-turns", "0", "--model", unloadable)
     assert_one_line(code, err, "--max-turns", "0")
 
 
-@pytest.mark.parametrize("script", ["ppo", "grpo", "evaluate"])
+@pytest.mark.parametrize("script", ["ppo", "grpo"])
 def test_an_empty_out_is_refused(script, unloadable, personas_file, tmp_path, capsys):
     """Case 11: --out "" (which today writes the run into the current folder): one line, before any
     model loads, and nothing written where the command ran."""
     here = tmp_path / "here"
     here.mkdir()
-    argv = ev(unloadable, personas_file, "") if script == "evaluate" else \
-        [f"{script}.py", *tiny(unloadable, personas_file, "", "--iterations", "1", script=script)]
+    argv = [f"{script}.py", *tiny(unloadable, personas_file, "", "--iterations", "1", script=script)]
     code, _, err, _ = command(capsys, *argv, cwd=here)
     assert_one_line(code, err, "--out")
     assert os.listdir(here) == []
@@ -591,23 +549,6 @@ def test_a_key_typed_as_the_key_variable_is_refused_without_echoing_it(unloadabl
 # ----------------------------------------------------------------------------------------------
 # Unclear messages (cases 26-32)
 # ----------------------------------------------------------------------------------------------
-def test_an_adapter_for_another_model_width_says_why(model, personas_file, tmp_path, capsys):
-    """Case 26: an adapter made for a 48-wide model on the 64-wide tiny model: the line says why (a
-    weight's shape against the model's), not just "Error(s) in loading state_dict"."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**{**LlamaConfig.from_pretrained(model).to_dict(), "hidden_size": 48,
-                            "intermediate_size": 96, "head_dim": 12})
-    adapter = tmp_path / "adapter"
-    lora = LoraConfig(r=2, target_modules=["q_proj"])
-    get_peft_model(LlamaForCausalLM(config), lora).save_pretrained(adapter)
-    code, _, err, _ = command(capsys, *ev(model, personas_file, tmp_path / "eval", "--adapter", str(adapter)))
-    assert_one_line(code, err, str(adapter))
-    why = error_lines(err)[0].replace(str(adapter), "").replace(model, "")
-    assert re.search(r"\b48\b", why) and re.search(r"\b64\b", why), why
-
-
 @pytest.mark.parametrize("script", ["ppo", "grpo"])
 def test_the_batch_shape_error_names_both_values(script, unloadable, personas_file, tmp_path, capsys):
     """Case 27: "must be a multiple of --minibatch-size" names both values (GRPO: the batch of
@@ -856,71 +797,3 @@ def test_the_fault_launcher_fails_as_a_real_mount_does(tmp_path):
     finally:
         for folder in reversed(mounted):
             subprocess.run(["umount", str(folder)], capture_output=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Issue 30 item 12: evaluate.py --agreement on a full disk, on Ctrl-C and on SIGTERM
-# ----------------------------------------------------------------------------------------------
-DATA = os.path.join(ROOT, "tests", "data")
-RECORDED = [os.path.join(DATA, "sage_results", f"{name}_result.jsonl") for name in ("warm", "cold", "mixed")]
-RESULT_FILES = ("results.json", "results.md", "agreement.png")
-
-
-def agreement_argv(out, *extra):
-    return ["evaluate.py", "--agreement", *RECORDED, "--personas", os.path.join(DATA, "sage_sample.jsonl"),
-            "--bootstrap", "20", "--out", str(out), *extra]
-
-
-def test_agreement_on_a_full_disk_keeps_its_appraisals_and_half_writes_nothing(tmp_path):
-    """Issue 30 item 12: the disk fills once the appraisals (the rules user's) are in
-    appraisals.jsonl, as the results are written: one line, exit code 2; appraisals.jsonl whole, no
-    result file at all (not a 0-byte results.md); the same command, given room, goes on from the
-    kept appraisals (it appends none) and writes what an undisturbed run writes."""
-    reference = tmp_path / "reference"
-    run_ok(*agreement_argv(reference, "--simulator", "rules"))
-    out = tmp_path / "full"
-    out.mkdir()
-    room = sum((reference / name).stat().st_size for name in (MARKER, "appraisals.jsonl")) + 64
-    code, _, err, _ = faulty("--disk-full", str(out), "--free", str(room), "--",
-                             *agreement_argv(out, "--simulator", "rules"))
-    assert_one_line(code, err, "the disk is full", "appraisals.jsonl", "continues")
-    kept = (out / "appraisals.jsonl").read_bytes()
-    assert kept == (reference / "appraisals.jsonl").read_bytes()
-    assert not [n for n in os.listdir(out) if n in RESULT_FILES or ".tmp" in n], os.listdir(out)
-    run_ok(*agreement_argv(out, "--simulator", "rules"))
-    assert (out / "appraisals.jsonl").read_bytes() == kept
-    same = [{k: v for k, v in json.loads((folder / "results.json").read_text()).items() if k != "settings"}
-            for folder in (reference, out)]
-    assert same[0] == same[1]
-
-
-@pytest.mark.parametrize("name,exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_agreement_stopped_by_a_signal_says_so_in_one_line_and_keeps_its_appraisals(server, tmp_path, name,
-                                                                                   exit_code):
-    """Issue 30 item 12: Ctrl-C (SIGINT) or SIGTERM while the simulator server appraises the second
-    dialogue: one line saying what is kept, exit code 130 / 143, no traceback; the first dialogue's
-    appraisals are in appraisals.jsonl and no result file is written."""
-    gate = threading.Event()
-
-    def handle(handler, n, body):
-        if n > 2:  # the first dialogue's two judged replies are answered; the next wait for the signal
-            gate.wait(300)
-        reply(handler, 200, chat("Change: +2"))
-    srv = server(handle)
-    out, log = tmp_path / "out", tmp_path / "stderr.txt"
-    store = out / "appraisals.jsonl"
-    proc = background(agreement_argv(out, "--simulator", srv.url, "--batch-dialogues", "1"), log)
-    try:
-        wait_for(lambda: store.exists() and store.read_text().count("\n") == 1, proc, log)
-        proc.send_signal(getattr(signal, name))
-        code = proc.wait(60)
-    finally:
-        gate.set()
-        stop(proc)
-    err = log.read_text()
-    assert code == exit_code, (code, err[-2000:])
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
-    said = [line for line in re.split(r"[\r\n]", err) if name in line]
-    assert len(said) == 1 and str(store) in said[0], err[-2000:]
-    assert [json.loads(line)["id"] for line in store.read_text().splitlines()] == ["sage-001"]
-    assert not [n for n in os.listdir(out) if n in RESULT_FILES], os.listdir(out)

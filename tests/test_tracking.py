@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import run  # noqa: E402
-import evaluate
 import grpo
 import ppo
 import rollout
@@ -81,24 +80,7 @@ def test_resume_replaces_what_a_killed_run_logged_after_its_checkpoint(tiny_mode
     events_matching_metrics(out)
 
 
-def test_evaluate_reports_each_model_at_its_place_in_the_table(tiny_model_dir, personas_file, tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = tmp_path / "eval"
-    evaluate.main(["--model", tiny_model_dir, "--simulator", "rules", "--personas", personas_file,
-                   "--split", "test", "--dialogues", "2", "--max-turns", "2", "--max-new-tokens", "6",
-                   "--bootstrap", "50",
-                   "--report-to", "tensorboard", "--out", str(out)])
-    results = json.load(open(out / "results.json"))
-    events = EventAccumulator(str(out / "rlver"))
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("score")] == [
-        (0, pytest.approx(results["models"][0]["score"], rel=1e-6))]
-    assert [t.step for t in events.Tensors("dialogues/text_summary")] == [0]
-
-
-@pytest.mark.parametrize("script", [ppo, grpo, evaluate], ids=["ppo", "grpo", "evaluate"])
+@pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
 def test_report_to_a_missing_tracker_is_one_line_before_any_model_loads(script, tiny_model_dir, personas_file,
                                                                          tmp_path, monkeypatch, capsys):
     if importlib.util.find_spec("wandb") is not None:
@@ -109,7 +91,7 @@ def test_report_to_a_missing_tracker_is_one_line_before_any_model_loads(script, 
     monkeypatch.setattr(rollout, "load_model", no_loading)
     args = ["--model", tiny_model_dir, "--simulator", "rules", "--personas", personas_file,
             "--out", str(tmp_path)]
-    args = args if script is evaluate else ["--preset", "cpu", *args]
+    args = ["--preset", "cpu", *args]
     for value, message in (("wandb", "error: --report-to wandb needs the wandb package: pip install wandb"),
                            ("mlflow", "error: argument --report_to/--report-to: invalid choice: 'mlflow' "
                                       "(choose from 'tensorboard', 'wandb', 'trackio', 'all', 'none')")):

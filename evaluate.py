@@ -764,7 +764,7 @@ def agreement_main(args):
     if args.simulator == "same":  # the base model alone: no policy, no adapters
         model, tokenizer = load_model(args.model, default_device(), trust_remote_code=args.trust_remote_code)
     try:
-        simulator, _ = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
+        simulator = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
     except ValueError as e:
         fail(e)
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
@@ -815,7 +815,7 @@ def main(argv=None):
     new_folder(args.out)  # before any model loads
     policy, tokenizer, models = load_models(args)
     try:
-        simulator, _ = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge,
+        simulator = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge,
                                        goodbye="sage")
     except ValueError as e:
         fail(e)

@@ -365,15 +365,6 @@ def test_overwrite_clears_the_old_tensorboard_events_and_nothing_but_the_project
     assert json.loads((run / MARKER).read_text())["script"] == "ppo.py"
 
 
-def test_a_simulator_url_with_a_query_keeps_it_after_the_path(server, personas_file, capsys):
-    """Case 8: --simulator http://HOST/v1?api_key=X posts to /v1/chat/completions?api_key=X."""
-    paths = []
-    respond = answer_as_the_user()
-    s = server(lambda handler, n, body: (paths.append(handler.path), respond(handler, n, body)))
-    code, _, err, _ = command(capsys, "simulator.py", "--model", s.url + "?api_key=X", "--personas",
-                              personas_file, "--dialogues", "1", "--max-turns", "1", "--api-retries", "0")
-    assert paths and set(paths) == {"/v1/chat/completions?api_key=X"}, (paths, err[-2000:])
-    assert code == 0, err[-2000:]
 
 
 def test_bench_rollout_refuses_zero_turns(unloadable, capsys):
@@ -482,16 +473,6 @@ def test_a_run_resumed_by_the_other_trainer(ppo_run, grpo_run, tmp_path, capsys)
     assert "missing" not in err
 
 
-def test_a_huge_persona_field_is_refused_when_the_file_loads(unloadable, tmp_path, persona_entry,
-                                                             write_personas, capsys):
-    """Case 20: a persona whose background is 1 MB long, with --simulator same: one line naming the
-    file, the entry and the field, before any model loads."""
-    path = write_personas([persona_entry(id="big1", background="she waited. " * 90_000)])
-    argv = tiny(unloadable, path, tmp_path / "run", "--simulator", "same")
-    code, _, err, _ = command(capsys, "ppo.py", *argv)
-    assert_one_line(code, err, path, "big1", "background")
-
-
 @pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--lr", "nan"), ("--critic-lr", "inf")])
 def test_learning_rates_must_be_finite(flag, value, unloadable, personas_file, tmp_path, capsys):
     """Case 21: --lr inf (accepted today: it saved a checkpoint of non-finite weights), --lr nan,
@@ -530,24 +511,7 @@ def test_bench_flags_are_checked_like_the_trainers(case, unloadable, tmp_path, c
 
 
 # ----------------------------------------------------------------------------------------------
-# A secret written (case 25)
-# ----------------------------------------------------------------------------------------------
-def test_a_key_typed_as_the_key_variable_is_refused_without_echoing_it(unloadable, personas_file, tmp_path,
-                                                                        capsys):
-    """Case 25: --api-key-env gsk_abc123SECRET (a key, not a variable of the environment; the name is
-    valid) and gsk-abc.123SECRET (not a valid name): one line that does not hold the value, exit 2,
-    nothing written."""
-    for i, value in enumerate(["gsk_abc123SECRET", "gsk-abc.123SECRET"]):
-        out = tmp_path / f"run{i}"
-        code, stdout, err, _ = command(capsys, "ppo.py", *tiny(unloadable, personas_file, out,
-                                                               "--api-key-env", value))
-        assert_one_line(code, err, "--api-key-env")
-        assert "123SECRET" not in stdout + err
-        assert not out.exists()
-
-
-# ----------------------------------------------------------------------------------------------
-# Unclear messages (cases 26-32)
+# Unclear messages (cases 26-32; case 25, a key typed as its variable: tests/test_simulator.py)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("script", ["ppo", "grpo"])
 def test_the_batch_shape_error_names_both_values(script, unloadable, personas_file, tmp_path, capsys):
@@ -646,89 +610,6 @@ def test_bench_own_checks_exit_2_with_one_line(tmp_path):
     if not torch.cuda.is_available():
         code, _, err, _ = cli("bench.py", "gpu")
         assert_one_line(code, err, "CUDA")
-
-
-# ----------------------------------------------------------------------------------------------
-# simulator.py --write-openings: its folder, a full disk, Ctrl-C and SIGTERM (issue 30, item 12)
-# ----------------------------------------------------------------------------------------------
-RLVER = os.path.join(ROOT, "tests", "data", "rlver_sample.jsonl")
-
-
-def openings(out, model, personas=RLVER):
-    return ["simulator.py", "--write-openings", str(out), "--personas", str(personas), "--model", model]
-
-
-def openings_server(server, hang_from=None):
-    """A chat server whose openings come at once; with hang_from, request N >= hang_from is answered only
-    when the test ends. A persona 'Leila' (rl-002) fails (HTTP 400) while failing[0] is true."""
-    failing = [True]
-
-    def handle(handler, n, body):
-        if hang_from and n >= hang_from:
-            srv.stop.wait(120)
-            return
-        bad = failing[0] and "Leila" in body["messages"][0]["content"]
-        reply(handler, 400, b"{}") if bad else reply(handler, 200, chat("Long week. Can I just talk?"))
-    srv = server(handle)
-    return srv, failing
-
-
-def test_write_openings_checks_its_folder_before_a_model_loads(unloadable, tmp_path, capsys):
-    """A folder for the openings that does not exist, and a read-only one: one line each, exit 2,
-    before any model loads (the unloadable model would end in the loader's traceback)."""
-    missing = tmp_path / "no" / "such" / "openings.jsonl"
-    code, _, err, _ = command(capsys, *openings(missing, unloadable))
-    assert_one_line(code, err, str(missing.parent))
-    read_only = tmp_path / "read_only"
-    read_only.mkdir()
-    code, _, err, _ = faulty("--read-only", str(read_only), "--", *openings(read_only / "o", unloadable))
-    assert_one_line(code, err, str(read_only), "Read-only")
-    assert os.listdir(read_only) == []
-
-
-def test_write_openings_on_a_full_disk_keeps_its_progress_and_writes_no_half_file(tmp_path, server):
-    """A disk that fills while the openings are kept, then while the file is written: one line each,
-    exit 2, the openings finished so far kept in OUT.partial, no OUT (nor a temporary file); the same
-    command on a disk with room asks only for what is missing."""
-    srv, failing = openings_server(server)
-    folder = tmp_path / "disk"
-    folder.mkdir()
-    out, partial = folder / "openings.jsonl", folder / "openings.jsonl.partial"
-    code, _, err, _ = cli(*openings(out, srv.url))  # rl-002 fails: two openings kept
-    assert code == 2 and len(partial.read_text().splitlines()) == 2, err[-2000:]
-    failing[0] = False
-    for free, kept in (("0", 2), ("1000", 3)):  # no room for rl-002's line; room for it, not for OUT
-        code, _, err, _ = faulty("--disk-full", str(folder), "--free", free, "--", *openings(out, srv.url))
-        assert_one_line(code, err, str(partial), "disk is full")
-        assert len(partial.read_text().splitlines()) == kept and sorted(os.listdir(folder)) == [partial.name]
-    asked = srv.count
-    code, _, err, _ = cli(*openings(out, srv.url))
-    assert code == 0 and srv.count == asked, err[-2000:]  # nothing asked again
-    assert len(out.read_text().splitlines()) == 3 and not partial.exists()
-
-
-@pytest.mark.parametrize("name, exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_write_openings_stopped_by_a_signal_says_so_and_keeps_its_progress(name, exit_code, tmp_path, server):
-    """Ctrl-C or SIGTERM while the second batch of openings is asked: one line saying where the
-    finished ones are kept, no traceback, exit code 130 / 143, the first batch's 8 kept, no OUT."""
-    first = json.loads(open(RLVER, encoding="utf-8").readline())
-    profiles = tmp_path / "nine.jsonl"
-    profiles.write_text("".join(json.dumps({**first, "id": f"p{i}"}) + "\n" for i in range(9)))
-    srv, _ = openings_server(server, hang_from=9)  # write_openings asks 8 at a time
-    out, partial = tmp_path / "openings.jsonl", tmp_path / "openings.jsonl.partial"
-    log = tmp_path / "err.txt"
-    proc = background(openings(out, srv.url, profiles), log)
-    try:
-        wait_for(lambda: srv.count >= 9, proc, log)
-        proc.send_signal(getattr(signal, name))
-        code = proc.wait(60)
-    finally:
-        stop(proc)
-    err = log.read_text()
-    assert code == exit_code and "Traceback" not in err, err[-2000:]
-    said = [line for line in re.split(r"[\r\n]", err) if name in line]
-    assert len(said) == 1 and str(partial) in said[0], err[-2000:]
-    assert len(partial.read_text().splitlines()) == 8 and not out.exists()
 
 
 # ----------------------------------------------------------------------------------------------

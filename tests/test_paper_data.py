@@ -4,27 +4,23 @@
   tests/data/sage_sample.jsonl           SAGE-format profiles with first_talk (sage-004 is Chinese)
   tests/data/sage_results/*_result.jsonl SAGE-format recorded dialogues of three invented "models"
 
-Openings for profiles without them (simulator.py --write-openings), profile files without split
-fields, and the simulator-agreement check (evaluate.py --agreement), whose numbers are asserted
-against hand computations with a fake OpenAI-compatible server that answers known changes.
+The simulator-agreement check (evaluate.py --agreement), whose numbers are asserted against hand
+computations with a fake OpenAI-compatible server that answers known changes. (The openings writer and
+the profile files' own tests are in tests/test_simulator.py.)
 """
 import json
 import os
 import re
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
-import torch
 
 import evaluate
-import ppo
 import run as run_module
 import simulator
-from conftest import ROOT, read_metrics, reply
-from run import parse_settings
+from conftest import ROOT, reply
 
 DATA = os.path.join(ROOT, "tests", "data")
 RLVER = os.path.join(DATA, "rlver_sample.jsonl")
@@ -48,156 +44,6 @@ def run(script, *args, timeout=600):
 
 def chat_completion(text):
     return json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
-
-
-# ----------------------------------------------------------------------------------------------
-# Profile files: no openings, no split fields
-# ----------------------------------------------------------------------------------------------
-def test_profiles_without_openings_name_the_command(tmp_path):
-    with pytest.raises(simulator.PersonaError) as info:
-        simulator.load_personas(RLVER)
-    message = str(info.value)
-    assert message.startswith(f"{RLVER}: line 1 (id rl-001): field 'first_talk' is missing")
-    assert "python simulator.py --write-openings NEW_FILE --personas " + RLVER in message
-    assert "\n" not in message
-
-
-def test_profiles_without_split_fields_belong_to_the_split_asked_for(tmp_path):
-    lines = read_lines(SAGE)
-    lines[1]["split"] = "test"  # one entry says where it belongs; the others do not
-    path = tmp_path / "profiles.jsonl"
-    path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
-    train = simulator.load_personas(str(path), "train")
-    test = simulator.load_personas(str(path), "test")
-    assert [p.id for p in train] == ["sage-001", "sage-003", "sage-004"]  # the file's own ids
-    assert [p.id for p in test] == ["sage-001", "sage-002", "sage-003", "sage-004"]
-    assert {p.split for p in train} == {"train"} and {p.split for p in test} == {"test"}
-    lines[1]["split"] = "dev"
-    path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
-    with pytest.raises(simulator.PersonaError, match=r"line 2 \(id sage-002\): field 'split' must be one of"):
-        simulator.load_personas(str(path))
-
-
-def test_rlver_fields_reach_the_card_in_the_personas_language(tmp_path):
-    entries = [{**e, "first_talk": "hi"} for e in read_lines(RLVER)]
-    path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in entries), encoding="utf-8")
-    owen, _, han = simulator.load_personas(str(path))
-    assert owen.profile == {"character": "passive", "description": entries[0]["player"],
-                            "traits": "dry, proud, tired"}
-    card = simulator.persona_card(han)
-    assert simulator.persona_language(han) == "zh"
-    assert "回避型" in card and "温和, 敏感, 固执" in card
-    assert not re.search(r"[A-Za-z]{3,}", card), card  # no English words around a Chinese profile
-
-
-# ----------------------------------------------------------------------------------------------
-# Writing the openings
-# ----------------------------------------------------------------------------------------------
-def test_write_openings_with_a_server_names_failures_keeps_the_rest_and_never_writes_half(tmp_path, server):
-    asked = []
-
-    def handle(handler, n, body):
-        system, ask = body["messages"][0]["content"], body["messages"][1]["content"]
-        asked.append((system, ask))
-        if "Leila" in system and not ok_now:
-            reply(handler, 400, b"{}")  # a client error: not retried
-        elif "韩小北" in system:
-            reply(handler, 200, chat_completion("【我的心情不好】唉……有件事一直堵在心里。\n\n机器人：你好"))
-        else:
-            reply(handler, 200, chat_completion("[note] Long week, honestly. Can I just talk for a minute?"))
-    ok_now = False
-    srv = server(handle)
-    out = tmp_path / "with_openings.jsonl"
-    done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", srv.url)
-    assert done.returncode == 2
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert errors[0] == (f"error: {RLVER}: line 2 (id rl-002): field 'first_talk' could not be written: "
-                         f"simulator server {srv.url}/chat/completions: HTTP 400 after 1 tries")
-    assert "1 of 3 openings not written" in errors[1] and len(errors) == 2
-    assert not out.exists()  # never half-written
-    kept = read_lines(str(out) + ".partial")
-    assert [k["id"] for k in kept] == ["rl-001", "rl-003"]
-    # the user's own prompt family, in the persona's language
-    personas = [simulator._sage_persona(RLVER, i, e, need_opening=False) for i, e in
-                simulator.read_profile_lines(RLVER)]
-    zh = [a for a in asked if "韩小北" in a[0]][0]
-    assert list(zh) == [m["content"] for m in simulator.opening_messages(personas[2], 30)]
-    # at the mood training starts from (issue 30, item 6), declared once, with the trainers' settings
-    assert simulator.SimulatorSettings.start_emotion == 30
-    assert simulator.USER_RULES["zh"] in zh[0] and "你的心情：30/100" in zh[1]
-    # a rerun asks only for the one that failed
-    ok_now, before = True, len(asked)
-    done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", srv.url)
-    assert done.returncode == 0, done.stderr
-    assert [a[0] for a in asked[before:]] == [simulator.opening_messages(personas[1])[0]["content"]]
-    written, source = read_lines(out), read_lines(RLVER)
-    english = "Long week, honestly. Can I just talk for a minute?"  # cleaned as the user's turns are
-    assert [w["first_talk"] for w in written] == [english, english, "唉……有件事一直堵在心里。"]
-    assert [w["first_talk_emotion"] for w in written] == [30, 30, 30]  # the mood they were written at
-    assert [{k: v for k, v in w.items() if not k.startswith("first_talk")} for w in written] == source
-    assert not os.path.exists(str(out) + ".partial")
-    again = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", "rules")
-    assert again.returncode == 2 and "the file exists" in again.stderr  # nothing is overwritten
-
-
-def test_write_openings_keeps_existing_ones_and_rules_write_fixed_lines(tmp_path):
-    entries = read_lines(RLVER)
-    entries[0]["first_talk"] = "Long shift. Can we talk?"
-    src = tmp_path / "some.jsonl"
-    src.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in entries), encoding="utf-8")
-    out = tmp_path / "all.jsonl"
-    done = run("simulator.py", "--write-openings", out, "--personas", src, "--model", "rules")
-    assert done.returncode == 0, done.stderr
-    en, zh = simulator.RULES_OPENING["en"], simulator.RULES_OPENING["zh"]
-    assert [e["first_talk"] for e in read_lines(out)] == ["Long shift. Can we talk?", en, zh]
-
-
-def test_training_on_openings_written_at_another_mood_says_so_at_start_up(tmp_path, capsys):
-    """Issue 30, item 6: openings written at --start-emotion 40 (SAGE's) for a run that starts at 30: one
-    warning line when the simulated user is made, and the run goes on."""
-    for mood in (40, 30):
-        out = tmp_path / f"openings_{mood}.jsonl"
-        done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", "rules",
-                   "--start-emotion", mood)
-        assert done.returncode == 0, done.stderr
-        args = run_settings(["--preset", "cpu", "--simulator", "rules", "--personas", str(out)])
-        capsys.readouterr()
-        simulator.make_simulator(args, None, None, types.SimpleNamespace(device="cpu", world=1, is_main=True))
-        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-        if mood == 30:
-            assert said == []
-        else:
-            assert len(said) == 1 and str(out) in said[0] and "40" in said[0] and "30" in said[0], said
-
-
-# The done-when of issue 24: an RLVER-format file without openings, through the openings command
-# with a real model, loads in ppo.py --preset cpu and trains one iteration. The tiny random model
-# stands in for the embedded one here (the same code path; docs/evaluate.md has the smollm2 run).
-def test_rlver_profiles_get_openings_then_train_one_ppo_iteration(tiny_model_dir, tmp_path, monkeypatch,
-                                                                   capsys):
-    def no_model(*a, **k):
-        raise AssertionError("a model was loaded before the profile file was checked")
-    monkeypatch.setattr(ppo, "load_policy", no_model)
-    args = ["--preset", "cpu", "--model", tiny_model_dir, "--simulator", "rules", "--split", "train",
-            "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--micro-batch-size", "1",
-            "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "1024", "--lora-r", "4",
-            "--lora-alpha", "8", "--iterations", "1"]
-    with pytest.raises(SystemExit) as stop:
-        ppo.main([*args, "--personas", RLVER, "--out", str(tmp_path / "refused")])
-    assert stop.value.code == 2
-    assert "--write-openings NEW_FILE --personas " + RLVER in capsys.readouterr().err
-    monkeypatch.undo()
-
-    out = tmp_path / "rlver_with_openings.jsonl"
-    done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", tiny_model_dir)
-    assert done.returncode == 0, done.stderr
-    written = read_lines(out)
-    assert all(w["first_talk"].strip() and w["first_talk"] != "..." for w in written)
-    assert [w["id"] for w in written] == ["rl-001", "rl-002", "rl-003"]
-    ppo.main([*args, "--personas", str(out), "--out", str(tmp_path / "run")])
-    metrics = read_metrics(tmp_path / "run")
-    assert [m["iteration"] for m in metrics] == [1] and np.isfinite(metrics[0]["reward_mean"])
 
 
 def test_evaluate_refuses_profiles_without_openings_before_a_model_loads(monkeypatch, capsys):
@@ -656,23 +502,3 @@ def test_a_dialogue_longer_than_the_simulators_context_is_refused_before_a_model
         assert err.startswith(f"error: {recorded_file}: line 1 (id big-1): ") and 7500 < needed < 8500, err
         assert "4096 fit" in err and why in err and "URL" in err, err
     assert not (tmp_path / "out").exists()
-
-
-def test_chunked_prefill_scores_and_answers_as_one_pass_does(tiny_model):
-    # the conversations of different lengths (padding), the second round reusing the first's caches
-    model, tokenizer = tiny_model
-    conversations = [[{"role": "user", "content": "word " * n}] for n in (40, 7, 23)]
-    longer = [c + [{"role": "assistant", "content": "yes"}, {"role": "user", "content": "and then " * 9}]
-              for c in conversations]
-    answers = []
-    for chunk in (1024, 5):
-        backend = simulator.LocalBackend(model, tokenizer)
-        backend.prefill_chunk = chunk
-        slots = [{} for _ in conversations]
-        scores = [backend.score(c, ["Thank you.", "No, that is wrong."], slots)
-                  for c in (conversations, longer)]
-        answers.append((scores, backend.chat(longer, 6, slots), backend.chat(conversations, 6)))
-    (scores, chats, fresh), (chunked_scores, chunked_chats, chunked_fresh) = answers
-    for one, other in zip(scores, chunked_scores):
-        torch.testing.assert_close(one, other, atol=1e-5, rtol=0)
-    assert chats == chunked_chats and fresh == chunked_fresh

@@ -28,10 +28,6 @@ SAGE = os.path.join(DATA, "sage_sample.jsonl")
 RESULTS = [os.path.join(DATA, "sage_results", f"{name}_result.jsonl") for name in ("warm", "cold", "mixed")]
 
 
-def run_settings(argv):
-    return parse_settings(ppo.SETTINGS, presets=ppo.PRESETS, argv=argv)
-
-
 def read_lines(path):
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

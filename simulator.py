@@ -380,7 +380,7 @@ def persona_card(persona, temper=None, card=CARD):
     return card[lang].format(
         profile="\n".join(f"- {k.replace('_', ' ')}: {v}" for k, v in persona.profile.items()),
         background=persona.background, goal=persona.goal, hidden=persona.hidden_intention,
-        good=persona.reactions.get("good", ""), bad=persona.reactions.get("bad", ""),
+        good=persona.reactions["good"], bad=persona.reactions["bad"],
         temper=temper or DIFFICULTY_TEXT[lang][persona.difficulty])
 
 
@@ -552,24 +552,24 @@ def user_turn_messages(state):
     and, with the reasoned read-out, the appraisal's private reaction, for the user's next message;
     before that (the likelihood read-out) the reply comes last."""
     lang = persona_language(state.persona)
-    moods = [a["emotion"] - a["change"] for a in state.appraisals] + [state.emotion]  # before each agent turn
+    # the mood before each agent turn: the appraisals' moods before their turns, then the present one
+    moods = iter([a["emotion"] - a["change"] for a in state.appraisals] + [state.emotion])
     messages = [{"role": "system", "content": persona_card(state.persona) + USER_RULES[lang]}]
-    agents = 0
     for m in state.history:
         if m["role"] == "user":
             messages.append({"role": "assistant", "content": m["text"]})
         else:
-            note = mood_note(moods[agents], lang)
-            messages.append({"role": "user", "content": note + "\n" + escape_agent(m["text"])})
-            agents += 1
+            note = mood_note(next(moods), lang)
+            messages.append({"role": "user", "content": f"{note}\n{escape_agent(m['text'])}"})
     # the latest appraisal's one-line reaction (its last 'Inner reaction:' line), for the user's own
     # private note only, never for anything the agent reads
     found = REACTION_LINE.findall(state.appraisals[-1]["appraisal"]) if state.appraisals else []
     reaction = escape_agent(found[-1].strip()[:240]) if found else None
+    note = mood_note(state.emotion, lang, reaction)
     if messages[-1]["role"] == "assistant":
-        messages.append({"role": "user", "content": mood_note(state.emotion, lang, reaction)})
-    elif agents == len(state.appraisals):  # the latest agent message has been appraised
-        messages[-1]["content"] += "\n\n" + mood_note(state.emotion, lang, reaction)
+        messages.append({"role": "user", "content": note})
+    elif next(moods, None) is not None:  # a mood is left: the latest agent message has been appraised
+        messages[-1]["content"] += f"\n\n{note}"
     return messages
 
 

@@ -1174,7 +1174,10 @@ def make_backend(simulator, policy=None, tokenizer=None, device="cpu", reuse_cac
         policy, tokenizer = load_model(simulator, device=device,
                                        trust_remote_code=getattr(args, "trust_remote_code", False))
         policy.requires_grad_(False)
-    return LocalBackend(policy, tokenizer, use_base=kind == "same", reuse_cache=reuse_cache)
+    # `same` is the policy's frozen base: a PeftModel's with its adapters off; a plain model (evaluate.py
+    # --agreement loads the base alone) is its own base
+    return LocalBackend(policy, tokenizer, use_base=kind == "same" and hasattr(policy, "disable_adapter"),
+                        reuse_cache=reuse_cache)
 
 
 def build_simulator(args, policy, tokenizer, device, judge="training", goodbye="closing"):

@@ -1314,7 +1314,7 @@ def write_openings(args):
 
 @dataclass
 class OpeningsSettings:
-    """python simulator.py --write-openings NEW_FILE: the settings of the openings writer's own."""
+    """python simulator.py --write-openings NEW_FILE: the openings writer's own settings."""
     group = "the openings writer"
     write_openings: str = setting("", "a new file: the JSON-lines profiles of --personas with the first_talk "
                                       "they lack, written by the simulated user",

@@ -16,13 +16,9 @@ holds everything on the user's side of the table:
                 --simulator same), OpenAIBackend (any /v1/chat/completions server), RulesBackend
                 (a written-here lexicon check, only for testing the RL loop)
 
-Check that a simulator tells a warm agent from a dismissive one before training against it: the user
-the trainers get from the same flags (--simulator same is the --model here) plays each persona against
-a warm and a dismissive scripted agent; the dialogues go to stdout as JSON lines, a summary to stderr.
-
-    python simulator.py --simulator smollm2 --personas personas.json --split test --dialogues 3
-
-Write the first messages of profiles that have none (RLVER's training profiles), once, into a new file:
+evaluate.py --agreement checks a simulator against SAGE's recorded judgements before training on it.
+This file's command line writes the first messages of profiles that have none (RLVER's training
+profiles), once, into a new file:
 
     python simulator.py --write-openings NEW_FILE --personas train_profile.jsonl --simulator MODEL_OR_URL
 """
@@ -47,9 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from run import (EMBEDDED, HELD, above, append_lines, at_least, default_device, env_name, fail, load_model,
-                 model_problem, one_of, parse_settings, read_json_lines, read_text, redact, release,
-                 rows_with, setting, within, write_atomically, write_failure)
+from run import (EMBEDDED, HELD, above, append_lines, at_least, env_name, fail, load_model, model_problem,
+                 one_of, parse_settings, read_json_lines, read_text, redact, release, rows_with, setting,
+                 within, write_atomically, write_failure)
 
 # ----------------------------------------------------------------------------------------------
 # Personas
@@ -57,18 +53,7 @@ from run import (EMBEDDED, HELD, above, append_lines, at_least, default_device, 
 SPLITS = ("train", "test")
 DIFFICULTIES = ("easy", "normal", "hard")
 BANDS = ("S", "A", "B", "C", "F")
-CHOICES = {"split": SPLITS, "difficulty": DIFFICULTIES}  # in either format, where an entry has the field
-PERSONA_FIELDS = {  # field -> type
-    "id": str, "split": str, "difficulty": str, "profile": dict, "background": str, "goal": str,
-    "hidden_intention": str, "opening": str, "reactions": dict,
-}
-NESTED_FIELDS = {"profile": {"name": str, "age": int, "job": str, "personality": str, "speaking_style": str},
-                 "reactions": {"good": str, "bad": str}}
-SAGE_FIELDS = {"id": (str, int), "player": str, "scene": (str, dict)}  # and first_talk, the opening
 MAX_FIELD_CHARS = 20_000  # a persona field longer than this is a file pasted in by mistake
-# Profiles without openings (RLVER's training profiles): their `first_talk` is written once (write_openings).
-OPENINGS_HINT = ("profiles without openings (as RLVER's) need them written once: python simulator.py "
-                 "--write-openings NEW_FILE --personas {path} --simulator MODEL_OR_URL")
 
 
 class PersonaError(ValueError):
@@ -90,44 +75,59 @@ class Persona:
     band_lines: dict = field(default_factory=dict)  # optional one line per band, for --simulator rules
 
 
-def _check(path, where, entry, fields):
+def band_lines_problem(lines):
+    fits = isinstance(lines, dict) and set(lines) <= set(BANDS) and all(
+        isinstance(line, str) and line.strip() for line in lines.values())
+    return None if fits else f"must map bands {BANDS} to non-empty lines"
+
+
+# What a persona file's entries hold, one rule a field: a type (a tuple: one of them), a check of the
+# value as the settings have (None when it is allowed, else what is), or the table of a nested object.
+PERSONA_FIELDS = {
+    "id": str, "split": one_of(*SPLITS), "difficulty": one_of(*DIFFICULTIES),
+    "profile": {"name": str, "age": int, "job": str, "personality": str, "speaking_style": str},
+    "background": str, "goal": str, "hidden_intention": str, "opening": str,
+    "reactions": {"good": str, "bad": str}, "band_lines": band_lines_problem,
+}
+# SAGE and RLVER profile lines; first_talk is the opening, which RLVER's training profiles lack
+SAGE_FIELDS = {"id": (str, int), "player": str, "scene": (str, dict), "first_talk": str,
+               "split": PERSONA_FIELDS["split"], "difficulty": PERSONA_FIELDS["difficulty"]}
+
+
+def _check(path, where, entry, fields, optional=()):
     """PersonaError (one line naming the file, the entry and the field) for the first field of `entry`
-    that is missing, of another type, not among its CHOICES, or longer than MAX_FIELD_CHARS with all
-    it holds: a megabyte background would go into every prompt and ask the model for more memory
-    than any machine has."""
+    that is longer than MAX_FIELD_CHARS with all it holds (a megabyte background would go into every
+    prompt and ask the model for more memory than any machine has), missing (unless optional) or not
+    what its rule in `fields` allows. A bool is no int here, though Python's isinstance says it is."""
     if not isinstance(entry, dict):
         raise PersonaError(f"{path}: {where}: must be a JSON object")
     for name, value in entry.items():
         if len(str(value)) > MAX_FIELD_CHARS:
             raise PersonaError(f"{path}: {where}: field '{name}' is {len(str(value)):,} characters long; at "
                                f"most {MAX_FIELD_CHARS:,} are allowed")
-    for name, kind in fields.items():
+    for name, rule in fields.items():
+        value, kind = entry.get(name), dict if isinstance(rule, dict) else rule
         if name not in entry:
-            raise PersonaError(f"{path}: {where}: field '{name}' is missing")
-        if not isinstance(entry[name], kind) or isinstance(entry[name], bool):
-            want = "/".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
-            raise PersonaError(f"{path}: {where}: field '{name}' must be {want}, got "
-                               f"{type(entry[name]).__name__}")
-    for name, allowed in CHOICES.items():
-        if entry.get(name, allowed[0]) not in allowed:
-            raise PersonaError(f"{path}: {where}: field '{name}' must be one of {allowed}, got "
-                               f"{entry[name]!r}")
+            problem = None if name in optional else "is missing"
+        elif isinstance(kind, (type, tuple)):
+            names = "/".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            problem = None if isinstance(value, kind) and not isinstance(value, bool) else (
+                f"must be {names}, got {type(value).__name__}")
+        else:
+            problem = kind(value) and f"{kind(value)}, got {value!r}"
+        if problem:
+            raise PersonaError(f"{path}: {where}: field '{name}' {problem}")
+        if isinstance(rule, dict):
+            _check(path, f"{where}: {name}", value, rule)
 
 
 def _project_persona(path, i, entry):
     where = f"entry {entry.get('id', i) if isinstance(entry, dict) else i}"
-    _check(path, where, entry, PERSONA_FIELDS)
-    for name, fields in NESTED_FIELDS.items():
-        _check(path, f"{where}: {name}", entry[name], fields)
+    _check(path, where, entry, PERSONA_FIELDS, optional=("band_lines",))
     for name in ("opening", "goal"):
         if not entry[name].strip():
             raise PersonaError(f"{path}: {where}: field '{name}' is empty")
-    lines = entry.get("band_lines", {})
-    if not isinstance(lines, dict) or set(lines) - set(BANDS) or not all(
-            isinstance(line, str) and line.strip() for line in lines.values()):
-        raise PersonaError(f"{path}: {where}: field 'band_lines' must map bands {BANDS} to non-empty lines")
-    return Persona(topic=str(entry.get("topic", "")), band_lines=lines,
-                   **{k: entry[k] for k in PERSONA_FIELDS})
+    return Persona(topic=str(entry.get("topic", "")), **{k: entry.get(k, {}) for k in PERSONA_FIELDS})
 
 
 def _sage_persona(path, i, entry, need_opening):
@@ -136,13 +136,13 @@ def _sage_persona(path, i, entry, need_opening):
     main_cha is a character type in both (负面型, 被动型, ...), cha_group (RLVER) three traits.
     need_opening=False: a missing first_talk is the empty opening the openings writer fills."""
     where = f"line {i + 1}" + (f" (id {entry['id']})" if isinstance(entry, dict) and "id" in entry else "")
-    _check(path, where, entry, SAGE_FIELDS)
-    _check(path, where, {"first_talk": "", **entry}, {"first_talk": str})
-    if need_opening and not entry.get("first_talk", "").strip():
+    _check(path, where, entry, SAGE_FIELDS, optional=("first_talk", "split", "difficulty"))
+    opening, scene = entry.get("first_talk", ""), entry["scene"]
+    if need_opening and not opening.strip():
         state = "empty" if "first_talk" in entry else "missing"
-        raise PersonaError(f"{path}: {where}: field 'first_talk' is {state}; "
-                           f"{OPENINGS_HINT.format(path=path)}")
-    scene = entry["scene"]
+        raise PersonaError(f"{path}: {where}: field 'first_talk' is {state}; profiles without openings (as "
+                           f"RLVER's) need them written once: python simulator.py --write-openings NEW_FILE "
+                           f"--personas {path} --simulator MODEL_OR_URL")
     profile = {"character": str(entry.get("main_cha") or "-"), "description": entry["player"]}
     if isinstance(entry.get("cha_group"), list):
         profile["traits"] = ", ".join(map(str, entry["cha_group"]))
@@ -150,9 +150,8 @@ def _sage_persona(path, i, entry, need_opening):
         id=str(entry["id"]), split=entry.get("split"), difficulty="normal", profile=profile,
         background=scene if isinstance(scene, str) else "\n".join(f"{k}: {v}" for k, v in scene.items()),
         goal=str(entry.get("task") or entry.get("topic") or "to talk it through"),
-        hidden_intention="(the hidden theme is part of the background above)",
-        opening=entry.get("first_talk", ""), reactions={"good": "opens up", "bad": "withdraws"},
-        topic=str(entry.get("topic", "")))
+        hidden_intention="(the hidden theme is part of the background above)", opening=opening,
+        reactions={"good": "opens up", "bad": "withdraws"}, topic=str(entry.get("topic", "")))
     if persona_language(persona) == "zh":  # the card around a Chinese profile is Chinese: no English in it
         keys = {"character": "性格类型", "description": "人物画像", "traits": "性格特点"}
         persona = dataclasses.replace(persona, hidden_intention="（隐藏主题写在上面的背景里）",
@@ -282,14 +281,21 @@ class UserState:
     fallbacks: int = 0                               # appraisals that could not be read
     end_reason: str | None = None                    # success | left | goodbye | max_turns | context
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # the backend's KV slot
-    retries: int = 0                                 # appraisals re-asked once for an unread change
 
     @property
     def done(self):
         return self.end_reason is not None
 
 
-# What models write in place of ASCII signs and colons. NFKC (in normalise_marks) already maps the
+def transcript_turns(state):
+    """The dialogue as a list of turns; agent turns carry their appraisal: the change, the emotion after
+    it, the appraisal's text and whether its change was read."""
+    appraisals = iter(state.appraisals)
+    return [{"role": m["role"], "text": m["text"], **(next(appraisals) if m["role"] == "agent" else {})}
+            for m in state.history]
+
+
+# What models write in place of ASCII signs and colons. NFKC (in parse_change) already maps the
 # full-width forms (：＋－０-９); these are the dashes and minus signs it leaves alone.
 DASHES = str.maketrans({c: "-" for c in "\u2212\u2010\u2011\u2012\u2013\u2014\u2015\ufe63"})
 # "Change" in the languages the prompts are written in, then what may stand between it and the
@@ -374,7 +380,7 @@ def persona_card(persona, temper=None, card=CARD):
     return card[lang].format(
         profile="\n".join(f"- {k.replace('_', ' ')}: {v}" for k, v in persona.profile.items()),
         background=persona.background, goal=persona.goal, hidden=persona.hidden_intention,
-        good=persona.reactions.get("good", ""), bad=persona.reactions.get("bad", ""),
+        good=persona.reactions["good"], bad=persona.reactions["bad"],
         temper=temper or DIFFICULTY_TEXT[lang][persona.difficulty])
 
 
@@ -412,9 +418,6 @@ SPEAKERS = {("en", "training"): ("You", "Chatbot"), ("zh", "training"): ("你", 
             ("en", "heldout"): ("Person", "Chatbot"), ("zh", "heldout"): ("当事人", "机器人")}
 
 
-def transcript_text(history, lang="en", judge="training"):
-    user, agent = SPEAKERS[lang, judge]
-    return "\n".join((user if m["role"] == "user" else agent) + ": " + quoted(m["text"]) for m in history)
 
 
 # The anchored appraisal. The simulator writes what the reply got right, what it missed and how
@@ -521,7 +524,10 @@ def appraisal_messages(state, reply, judge="training", max_change=10):
     the system message; the agent's words only inside their quotes."""
     persona, lang = state.persona, persona_language(state.persona)
     card, forgiveness = JUDGES[judge]
-    ask = (f"{TRANSCRIPT_INTRO[lang]}\n\n{transcript_text(state.history, lang, judge)}\n\n"
+    user, agent = SPEAKERS[lang, judge]
+    transcript = "\n".join(f"{user if m['role'] == 'user' else agent}: {quoted(m['text'])}"
+                           for m in state.history)
+    ask = (f"{TRANSCRIPT_INTRO[lang]}\n\n{transcript}\n\n"
            f"{FEELING[lang, judge].format(feeling=FEELINGS[lang][band(state.emotion)])}\n"
            f"{NEWEST[lang]}\n{quoted(reply)}\n\n"
            f"{APPRAISE[judge, lang]}\n\n{SCALE[lang].format(m=max_change)}")
@@ -529,21 +535,8 @@ def appraisal_messages(state, reply, judge="training", max_change=10):
             {"role": "user", "content": ask}]
 
 
-def retry_messages(messages, answer, lang="en", max_change=10):
-    """The one follow-up for an appraisal whose change line could not be read."""
-    return messages + [{"role": "assistant", "content": answer},
-                       {"role": "user", "content": RETRY[lang].format(m=max_change)}]
-
-
 REACTION_LINE = re.compile(r"^\W*(?:inner reaction|their reaction|内心反应|当事人的反应)\s*[:：]\s*(.+)$",
                            re.IGNORECASE | re.MULTILINE)
-
-
-def inner_reaction(appraisal):
-    """The appraisal's one-line reaction (its last 'Inner reaction:' line), or None. It goes only
-    into the user's own private note, never into anything the agent reads."""
-    found = REACTION_LINE.findall(appraisal or "")
-    return escape_agent(found[-1].strip()[:240]) if found else None
 
 
 USER_RULES = {"en": "\nWrite only your next message: one to three short sentences in your speaking style. "
@@ -559,21 +552,24 @@ def user_turn_messages(state):
     and, with the reasoned read-out, the appraisal's private reaction, for the user's next message;
     before that (the likelihood read-out) the reply comes last."""
     lang = persona_language(state.persona)
-    moods = [a["emotion"] - a["change"] for a in state.appraisals] + [state.emotion]  # before each agent turn
+    # the mood before each agent turn: the appraisals' moods before their turns, then the present one
+    moods = iter([a["emotion"] - a["change"] for a in state.appraisals] + [state.emotion])
     messages = [{"role": "system", "content": persona_card(state.persona) + USER_RULES[lang]}]
-    agents = 0
     for m in state.history:
         if m["role"] == "user":
             messages.append({"role": "assistant", "content": m["text"]})
         else:
-            note = mood_note(moods[agents], lang)
-            messages.append({"role": "user", "content": note + "\n" + escape_agent(m["text"])})
-            agents += 1
-    reaction = inner_reaction(state.appraisals[-1]["appraisal"]) if state.appraisals else None
+            note = mood_note(next(moods), lang)
+            messages.append({"role": "user", "content": f"{note}\n{escape_agent(m['text'])}"})
+    # the latest appraisal's one-line reaction (its last 'Inner reaction:' line), for the user's own
+    # private note only, never for anything the agent reads
+    found = REACTION_LINE.findall(state.appraisals[-1]["appraisal"]) if state.appraisals else []
+    reaction = escape_agent(found[-1].strip()[:240]) if found else None
+    note = mood_note(state.emotion, lang, reaction)
     if messages[-1]["role"] == "assistant":
-        messages.append({"role": "user", "content": mood_note(state.emotion, lang, reaction)})
-    elif agents == len(state.appraisals):  # the latest agent message has been appraised
-        messages[-1]["content"] += "\n\n" + mood_note(state.emotion, lang, reaction)
+        messages.append({"role": "user", "content": note})
+    elif next(moods, None) is not None:  # a mood is left: the latest agent message has been appraised
+        messages[-1]["content"] += f"\n\n{note}"
     return messages
 
 
@@ -781,6 +777,7 @@ class ReplyError(ValueError):
     """A server reply that is not a usable chat completion."""
 
 
+@dataclass
 class OpenAIBackend:
     """Any OpenAI-compatible /v1/chat/completions server (vLLM, SGLang, llama.cpp, a hosted API).
     The key comes from an environment variable and is never logged or saved.
@@ -791,61 +788,54 @@ class OpenAIBackend:
     max_reply_bytes; on 429 or 503 it waits what Retry-After asks, at most max_wait seconds. A reply
     whose choices[0].message.content is not a string is a malformed response and is retried.
     Errors name the server (any password in its URL redacted), never the key."""
+    base_url: str
+    model: str = "default"
+    api_key_env: str = "OPENAI_API_KEY"
+    timeout: float = 60.0
+    max_retries: int = 4
+    backoff: float = 1.0
+    concurrency: int = 8
+    max_reply_bytes: int = 1_000_000
+    max_wait: float = 30.0
+    generated_tokens: int = 0
     name = "url"
 
-    def __init__(self, base_url, model="default", api_key_env="OPENAI_API_KEY", timeout=60.0,
-                 max_retries=4, backoff=1.0, concurrency=8, max_reply_bytes=1_000_000, max_wait=30.0):
-        parts = urllib.parse.urlsplit(base_url)  # the path grows; a query (?api_key=...) stays after it
+    def __post_init__(self):
+        parts = urllib.parse.urlsplit(self.base_url)  # the path grows; a query (?api_key=...) stays after it
         self.url = parts._replace(path=parts.path.rstrip("/") + "/chat/completions")
-        self.model, self.api_key_env, self.timeout = model, api_key_env, timeout
-        self.max_retries, self.backoff, self.concurrency = max_retries, backoff, concurrency
-        self.max_reply_bytes, self.max_wait = max_reply_bytes, max_wait
-        self.generated_tokens = 0
-
-    def _request(self, body, headers, seconds):
-        """One POST that takes at most `seconds` in all: (status, headers, body bytes). The socket
-        timeout bounds each read; a timer that shuts the socket down bounds their sum, which a
-        server sending one byte at a time would otherwise stretch forever. The connection hands its
-        socket to the response, so the timer keeps its own reference."""
-        kind = http.client.HTTPSConnection if self.url.scheme == "https" else http.client.HTTPConnection
-        connection = kind(self.url.hostname, self.url.port, timeout=seconds)
-        end = time.monotonic() + seconds
-        timer = None
-        try:
-            connection.connect()
-            # shutting the socket down wakes a blocked read; the timer holds the socket itself, which the
-            # connection hands over to the response
-            timer = threading.Timer(end - time.monotonic(), connection.sock.shutdown, [socket.SHUT_RDWR])
-            timer.start()
-            connection.request("POST", self.url._replace(scheme="", netloc="").geturl(), body, headers)
-            response = connection.getresponse()
-            data = response.read(self.max_reply_bytes + 1)
-        except (OSError, http.client.HTTPException):
-            if time.monotonic() < end:
-                raise
-            raise TimeoutError from None
-        finally:
-            if timer:
-                timer.cancel()
-            connection.close()
-        if time.monotonic() >= end:  # a read the timer cut short
-            raise TimeoutError
-        if len(data) > self.max_reply_bytes:
-            raise ReplyError(f"reply longer than the {self.max_reply_bytes} bytes allowed")
-        return response.status, response.headers, data
 
     def _post(self, messages, max_new_tokens):
-        """(reply text, completion tokens the server counted), every type on the way checked."""
+        """(reply text, completion tokens the server counted), every type on the way checked. Each try
+        takes at most its `seconds` in all: the socket timeout bounds each read, and a timer that shuts
+        the socket down bounds their sum, which a server sending one byte at a time would otherwise
+        stretch forever (shutting a socket down wakes a read blocked on it; the timer holds the socket
+        itself, which the connection hands over to the response)."""
         body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_new_tokens,
                            "temperature": 0.0}).encode()
         key = os.environ.get(self.api_key_env)
-        headers = {"Content-Type": "application/json", **({"Authorization": "Bearer " + key} if key else {})}
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        kind = http.client.HTTPSConnection if self.url.scheme == "https" else http.client.HTTPConnection
         deadline = time.monotonic() + self.timeout * (self.max_retries + 1)
         for attempt in range(self.max_retries + 1):
             seconds = min(self.timeout, deadline - time.monotonic())
-            status, reply_headers = None, {}
+            end, status = time.monotonic() + seconds, None
+            connection = kind(self.url.hostname, self.url.port, timeout=seconds)
             try:
-                status, reply_headers, data = self._request(body, headers, seconds)
+                connection.connect()
+                timer = threading.Timer(end - time.monotonic(), connection.sock.shutdown, [socket.SHUT_RDWR])
+                timer.start()
+                try:
+                    connection.request("POST", self.url._replace(scheme="", netloc="").geturl(), body,
+                                       headers)
+                    response = connection.getresponse()
+                    status, data = response.status, response.read(self.max_reply_bytes + 1)
+                finally:
+                    timer.cancel()
+                    connection.close()
+                if time.monotonic() >= end:  # a read the timer cut short
+                    raise TimeoutError
+                if len(data) > self.max_reply_bytes:
+                    raise ReplyError(f"reply longer than the {self.max_reply_bytes} bytes allowed")
                 if status == 200:
                     try:
                         payload = json.loads(data)
@@ -864,12 +854,14 @@ class OpenAIBackend:
                     break
             except ReplyError as e:
                 problem = f"malformed response ({e})"
-            except TimeoutError:
-                problem = f"no complete reply within {seconds:.3g} s"
-            except (OSError, http.client.HTTPException) as e:
-                problem = f"connection failed ({getattr(e, 'reason', None) or e or type(e).__name__})"
+            except (OSError, http.client.HTTPException) as e:  # a timeout, or any error past the deadline
+                late = isinstance(e, TimeoutError) or time.monotonic() >= end
+                why = getattr(e, "reason", None) or e or type(e).__name__
+                problem = (f"no complete reply within {seconds:.3g} s" if late
+                           else f"connection failed ({why})")
+
             # the next try after what a 429/503's Retry-After asks (bounded), else an exponential backoff
-            asked = (reply_headers.get("Retry-After") or "").strip() if status in (429, 503) else ""
+            asked = (response.headers.get("Retry-After") or "").strip() if status in (429, 503) else ""
             pause = min(float(asked) if re.fullmatch(r"\d+(\.\d+)?", asked) else self.backoff * 2 ** attempt,
                         self.max_wait)
             if attempt == self.max_retries or time.monotonic() + pause >= deadline:
@@ -993,11 +985,13 @@ class Simulator:
         changes = [parse_change(t, self.max_change) for t in texts]
         unread = [k for k, c in enumerate(changes) if c is None]
         if unread:  # one bounded retry: ask for the change line alone, once
-            again = self.backend.chat(
-                [retry_messages(asked[k], texts[k], persona_language(states[k].persona), self.max_change)
-                 for k in unread], self.retry_tokens, [states[k].cache for k in unread], 1.0)
+            retry = []
+            for k in unread:
+                ask = RETRY[persona_language(states[k].persona)].format(m=self.max_change)
+                retry.append(asked[k] + [{"role": "assistant", "content": texts[k]},
+                                         {"role": "user", "content": ask}])
+            again = self.backend.chat(retry, self.retry_tokens, [states[k].cache for k in unread], 1.0)
             for k, text in zip(unread, again):
-                states[k].retries += 1
                 texts[k] += "\n\n(re-asked for the change) " + text
                 changes[k] = parse_change(text, self.max_change)
         # still None -> the deterministic fallback: no change, counted in `fallbacks`
@@ -1006,13 +1000,13 @@ class Simulator:
     def _likelihood(self, states, replies):
         """The user's next message, scored as positive vs negative reactions (the mean log-likelihood
         of each kind), the contrast shifted by the difficulty's offset and squashed by a tanh."""
-        probes = [dataclasses.replace(s, history=s.history + [{"role": "agent", "text": r}])
+        probes = [dataclasses.replace(s, history=[*s.history, {"role": "agent", "text": r}])
                   for s, r in zip(states, replies)]
-        reactions = POSITIVE_REACTIONS + NEGATIVE_REACTIONS
         asked = [user_turn_messages(p) for p in probes]
-        scores = self.backend.score(asked, reactions, [s.cache for s in states])  # (N, 6)
+        scores = self.backend.score(asked, POSITIVE_REACTIONS + NEGATIVE_REACTIONS,
+                                    [s.cache for s in states])                               # (N, 6)
         k, out = len(POSITIVE_REACTIONS), []
-        for s, row in zip(states, scores):
+        for s, row in zip(states, scores):                                                   # row: (6,)
             positive, negative = row[:k].mean().item(), row[k:].mean().item()
             shifted = positive - negative - LIKELIHOOD_OFFSET[s.persona.difficulty]
             out.append((round(self.max_change * math.tanh(LIKELIHOOD_SCALE * shifted)),
@@ -1020,25 +1014,17 @@ class Simulator:
                         f"{positive - negative:+.3f}", True))
         return out
 
-    def _user_messages(self, states):
-        if self.readout == "rules":
-            return [s.persona.band_lines.get(band(s.emotion), GENERIC_LINES[band(s.emotion)]) for s in states]
-        asked = [user_turn_messages(s) for s in states]
-        texts = self.backend.chat(asked, self.reply_tokens, [s.cache for s in states])
-        return [clean_user_text(t) for t in texts]
-
     def appraise(self, states, replies):
         """The change each reply would make in its state, with nothing moved or stored: a list of
         (change, appraisal text, parsed), the change clamped to +-max_change (apply_change then
         clamps the mood). evaluate.py --agreement appraises recorded replies in recorded states."""
-        if len(states) != len(replies):
-            raise ValueError(f"{len(states)} simulated users but {len(replies)} replies")
         return [(max(-self.max_change, min(self.max_change, int(change))), text, parsed)
                 for change, text, parsed in (self._read_out(states, replies) if states else [])]
 
     def step(self, states, replies):
         """Appraise each state's agent reply, update emotion, end or write the next user message.
-        states[k] gets replies[k]; every state must still be active."""
+        states[k] gets replies[k]; every state must still be active. The rules user speaks its
+        persona's line for the band it is in (GENERIC_LINES where it has none)."""
         if any(s.done for s in states):
             raise ValueError("a finished dialogue was handed to the simulator")
         t0 = time.time()
@@ -1051,7 +1037,14 @@ class Simulator:
             s.end_reason = ("success" if s.emotion >= 100 else "left" if s.emotion < self.leave_below
                             else "max_turns" if s.turns >= self.max_turns else None)
         talking = [s for s in states if not s.done]
-        for s, text in zip(talking, self._user_messages(talking) if talking else []):
+        if self.readout == "rules":
+            texts = [s.persona.band_lines.get(band(s.emotion), GENERIC_LINES[band(s.emotion)])
+                     for s in talking]
+        else:
+            asked = [user_turn_messages(s) for s in talking]
+            texts = self.backend.chat(asked, self.reply_tokens, [s.cache for s in talking]) if talking else []
+            texts = [clean_user_text(t) for t in texts]
+        for s, text in zip(talking, texts):
             s.history.append({"role": "user", "text": text})
             if says_goodbye(text, self.goodbye):
                 s.end_reason = "goodbye"
@@ -1108,7 +1101,6 @@ def simulator_problem(value):
     if kind == "local" and model_problem(value):
         return (f"must be same | rules | http(s)://host:port/v1 | {' | '.join(EMBEDDED)} | an existing "
                 f"folder | a hub id org/name")
-    return None
 
 
 def auto_readout(user):
@@ -1159,7 +1151,7 @@ class SimulatorSettings:
         allowed = READOUTS[simulator_kind(args.simulator)]
         if args.readout not in allowed:
             fail(f"--readout {args.readout} with --simulator {redact(args.simulator)}: use --readout "
-                 + " or --readout ".join(allowed))
+                 f"{' or --readout '.join(allowed)}")
         if "api_key_env" in args.given and args.api_key_env not in os.environ:
             fail("--api-key-env <redacted>: no environment variable of that name is set; give the name of "
                  "the variable that holds the key (exported), never the key itself")
@@ -1182,7 +1174,10 @@ def make_backend(simulator, policy=None, tokenizer=None, device="cpu", reuse_cac
         policy, tokenizer = load_model(simulator, device=device,
                                        trust_remote_code=getattr(args, "trust_remote_code", False))
         policy.requires_grad_(False)
-    return LocalBackend(policy, tokenizer, use_base=kind == "same", reuse_cache=reuse_cache)
+    # `same` is the policy's frozen base: a PeftModel's with its adapters off; a plain model (evaluate.py
+    # --agreement loads the base alone) is its own base
+    return LocalBackend(policy, tokenizer, use_base=kind == "same" and hasattr(policy, "disable_adapter"),
+                        reuse_cache=reuse_cache)
 
 
 def build_simulator(args, policy, tokenizer, device, judge="training", goodbye="closing"):
@@ -1229,25 +1224,26 @@ OPENING_TOKENS = 64
 
 
 def opening_messages(persona, emotion=SimulatorSettings.start_emotion):
-    """The chat that asks the persona for its first message, in its language."""
-    lang = persona_language(persona)
-    return [{"role": "system", "content": persona_card(persona) + USER_RULES[lang]},
-            {"role": "user", "content": mood_note(emotion, lang) + "\n" + OPENING_ASK[lang]}]
+    """The chat that asks the persona for its first message, in its language: the user's own chat,
+    with the request where an agent's first message would be."""
+    ask = {"role": "agent", "text": OPENING_ASK[persona_language(persona)]}
+    return user_turn_messages(UserState(persona, emotion, [ask]))
 
 
 def ask_openings(backend, personas, emotion):
-    """Each persona's first message, cleaned as the user's turns are ("..." when nothing usable is
-    left), or the SimulatorError it failed with: a batch the backend fails on is asked again one
-    persona at a time, so that only the personas that fail are named."""
+    """Each persona's first message, cleaned as the user's turns are, or the SimulatorError it failed
+    with (nothing usable left after cleaning is one too): a batch the backend fails on is asked again
+    one persona at a time, so that only the personas that fail are named."""
     if backend.name == "rules":
         return [RULES_OPENING[persona_language(p)] for p in personas]
     try:
-        return [clean_user_text(t) for t in backend.chat([opening_messages(p, emotion) for p in personas],
-                                                         OPENING_TOKENS)]
+        texts = backend.chat([opening_messages(p, emotion) for p in personas], OPENING_TOKENS)
     except SimulatorError as e:
         if len(personas) == 1:
             return [e]
         return [text for p in personas for text in ask_openings(backend, [p], emotion)]
+    texts = [clean_user_text(t) for t in texts]
+    return [SimulatorError("the simulator wrote nothing usable") if t == "..." else t for t in texts]
 
 
 def write_openings(args):
@@ -1292,11 +1288,10 @@ def write_openings(args):
         for start in range(0, len(todo), 8):
             part = todo[start:start + 8]
             for (i, p), text in zip(part, ask_openings(backend, [p for _, p in part], args.start_emotion)):
-                if text == "..." or isinstance(text, SimulatorError):
+                if isinstance(text, SimulatorError):
                     failed += 1
-                    why = "the simulator wrote nothing usable" if text == "..." else text
                     print(f"error: {source}: line {i + 1} (id {p.id}): field 'first_talk' could not be "
-                          f"written: {why}", file=sys.stderr)
+                          f"written: {text}", file=sys.stderr)
                 else:
                     kept[p.id] = text
                     append_lines(partial, [{"settings": settings, "id": p.id, "first_talk": text}])
@@ -1317,83 +1312,21 @@ def write_openings(args):
     print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)
 
 
-# ----------------------------------------------------------------------------------------------
-# A runnable check: a scripted agent against the simulator
-# ----------------------------------------------------------------------------------------------
-SCRIPTED_AGENT = {
-    "warm": [
-        "That sounds really hard, and it makes sense that it is weighing on you. "
-        "What has been the heaviest part?",
-        "I hear you. Feeling that way after everything you described is understandable. "
-        "How are you holding up today?",
-        "Thank you for telling me this. You do not have to sort it all out at once. "
-        "What would help most right now?",
-        "It sounds like you have been carrying this alone for a while. I'm glad you said it out loud.",
-    ],
-    "dismissive": [
-        "Everyone has problems. Just get over it.",
-        "That's not a big deal. You're overreacting.",
-        "Whatever. Cheer up, it could be worse.",
-        "I don't really see why this matters so much.",
-    ],
-}
-
-
-def play_scripted(simulator, personas, agent_replies):
-    """Each persona once per style; the agent says its style's lines turn by turn (the last one again
-    once they run out). A record per dialogue, as rollouts.jsonl holds them."""
-    jobs = [(style, simulator.start(p)) for style in agent_replies for p in personas]
-    while active := [(style, s) for style, s in jobs if not s.done]:
-        lines = [agent_replies[style] for style, _ in active]
-        replies = [said[min(s.turns, len(said) - 1)] for said, (_, s) in zip(lines, active)]
-        simulator.step([s for _, s in active], replies)
-    return [{"persona_id": s.persona.id, "style": style, "end_reason": s.end_reason,
-             "final_emotion": s.emotion, "fallbacks": s.fallbacks, "retries": s.retries,
-             "turns": transcript_turns(s)}
-            for style, s in jobs]
-
-
-def transcript_turns(state):
-    """The dialogue as a list of turns; agent turns carry their appraisal: the change, the emotion after
-    it, the appraisal's text and whether its change was read."""
-    appraisals = iter(state.appraisals)
-    return [{"role": m["role"], "text": m["text"], **(next(appraisals) if m["role"] == "agent" else {})}
-            for m in state.history]
-
-
 @dataclass
-class CheckSettings:
-    """python simulator.py: scripted agents against the simulated user of these settings."""
-    group = "the scripted check"
+class OpeningsSettings:
+    """python simulator.py --write-openings NEW_FILE: the openings writer's own settings."""
+    group = "the openings writer"
+    write_openings: str = setting("", "a new file: the JSON-lines profiles of --personas with the first_talk "
+                                      "they lack, written by the simulated user",
+                                  lambda value: None if value else "give a new file to write the openings to")
     model: str = setting("smollm2", "the model --simulator same stands for (a trainer's --model)",
                          model_problem)
-    dialogues: int = setting(3, "personas to play, each once per agent style (0: all)", at_least(0))
-    write_openings: str = setting("", "a new file: the JSON-lines profiles of --personas with the first_talk "
-                                      "they lack, written by the simulated user; nothing else runs")
 
 
 def main(argv=None):
-    args = parse_settings([SimulatorSettings, CheckSettings], argv, defaults={"split": "test"},
-                          prog="simulator.py")
+    args = parse_settings([SimulatorSettings, OpeningsSettings], argv, prog="simulator.py")
     args.simulator = user_model(args)  # no policy here: `same` is the --model
-    if args.write_openings:
-        return write_openings(args)
-    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)[:args.dialogues or None]
-    simulator = build_simulator(args, None, None, default_device())
-    print(f"simulator {redact(args.simulator)}, read-out {simulator.readout} ({simulator.readout_why})",
-          file=sys.stderr)
-    t0 = time.time()
-    try:
-        results = play_scripted(simulator, personas, SCRIPTED_AGENT)
-    except SimulatorError as e:
-        fail(e)
-    for r in results:
-        print(json.dumps(r, ensure_ascii=False))
-    for style in SCRIPTED_AGENT:
-        mine = [r for r in results if r["style"] == style]
-        print(f"{style}: mean final emotion {sum(r['final_emotion'] for r in mine) / len(mine):.1f} over "
-              f"{len(mine)} dialogues, appraisal fallbacks {sum(r['fallbacks'] for r in mine)}, retries "
-              f"{sum(r['retries'] for r in mine)} ({time.time() - t0:.0f} s)", file=sys.stderr)
+    write_openings(args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Tests for simulator.py: persona files, emotion arithmetic and endings, the read-outs, the three
-backends (a local transformers model, an OpenAI-compatible server, the rules user) and the command.
+backends (a local transformers model, an OpenAI-compatible server, the rules user) and the openings
+command.
 
     python -m pytest tests/test_simulator.py -q      # prints the warm-vs-rude separation
 """
@@ -131,9 +132,9 @@ def test_valid_file_and_split_filter(persona_entry, write_personas):
         load_personas(only_train, split="test")
 
 
-def test_cli_bad_personas_exits_2_with_one_line(persona_entry, write_personas):
+def test_cli_bad_personas_exits_2_with_one_line(persona_entry, write_personas, tmp_path):
     path = write_personas([persona_entry(id="p1", profile={**persona_entry()["profile"], "age": "29"})])
-    done = run_cli("--personas", path, "--simulator", "rules", "--dialogues", "1")
+    done = run_cli("--write-openings", str(tmp_path / "o.jsonl"), "--personas", path, "--simulator", "rules")
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -418,7 +419,7 @@ def test_max_turns_and_precedence(persona):
         assert s.end_reason == reason
 
 
-def test_step_refuses_finished_and_mismatched(persona):
+def test_step_refuses_finished(persona):
     backend = ScriptedBackend(["Change: +10"])
     sim = Simulator(backend, start_emotion=95)
     done, active = sim.start(persona), sim.start(persona)
@@ -427,8 +428,6 @@ def test_step_refuses_finished_and_mismatched(persona):
     calls = len(backend.calls)
     with pytest.raises(ValueError, match="finished"):
         sim.step([active, done], ["a", "b"])
-    with pytest.raises(ValueError, match="2 simulated users but 1 replies"):
-        sim.step([active, sim.start(persona)], ["a"])
     assert len(backend.calls) == calls and len(active.history) == 1 and active.turns == 0
     sim.step([], [])  # nothing to do, nothing asked
     assert len(backend.calls) == calls
@@ -455,7 +454,7 @@ def test_reasoned_retries_once_then_falls_back(persona):
     sim = Simulator(backend, readout="reasoned")
     s = sim.start(persona)
     sim.step([s], ["first"])
-    assert (s.emotion, s.fallbacks, s.retries) == (37, 0, 1)
+    assert (s.emotion, s.fallbacks) == (37, 0)
     assert s.appraisals[-1]["parsed"] is True
     text = s.appraisals[-1]["appraisal"]
     assert text.startswith("I am not sure") and text.endswith("(re-asked for the change) Change: -3")
@@ -464,11 +463,11 @@ def test_reasoned_retries_once_then_falls_back(persona):
     assert retry[2] == {"role": "assistant", "content": "I am not sure what to make of this."}
     assert "could not be read" in retry[3]["content"] and backend.calls[1][1] == sim.retry_tokens
     sim.step([s], ["second"])
-    assert (s.emotion, s.fallbacks, s.retries) == (37, 1, 2)
+    assert (s.emotion, s.fallbacks) == (37, 1)
     assert s.appraisals[-1]["parsed"] is False and s.appraisals[-1]["change"] == 0
     calls = len(backend.calls)
     sim.step([s], ["third"])
-    assert (s.emotion, s.fallbacks, s.retries) == (41, 1, 2)
+    assert (s.emotion, s.fallbacks) == (41, 1)
     assert len(backend.calls) == calls + 2  # the appraisal and the user's reply, no retry
     transcript = simulator.transcript_turns(s)
     assert [t["role"] for t in transcript] == ["user", "agent", "user", "agent", "user", "agent", "user"]
@@ -1053,31 +1052,6 @@ def test_simulator_over_url_backend(serve, persona):
 # ----------------------------------------------------------------------------------------------
 # The command line
 # ----------------------------------------------------------------------------------------------
-def test_cli_rules_run(persona_entry, write_personas):
-    entries = [persona_entry(id="t1"), persona_entry(id="tr", split="train"),
-               persona_entry(id="t2", difficulty="easy"), persona_entry(id="t3", difficulty="hard")]
-    path = write_personas(entries)
-    done = run_cli("--simulator", "rules", "--personas", path, "--split", "test", "--dialogues", "2")
-    assert done.returncode == 0, done.stderr
-    results = [json.loads(line) for line in done.stdout.splitlines()]  # the dialogues, as JSON lines
-    assert len(results) == 2 * len(simulator.SCRIPTED_AGENT)
-    assert {r["persona_id"] for r in results} == {"t1", "t2"}
-    for r in results:
-        assert r["end_reason"] in ("success", "left", "goodbye", "max_turns")
-        assert r["turns"][0] == {"role": "user",
-                                 "text": next(e["opening"] for e in entries if e["id"] == r["persona_id"])}
-        agent_turns = [t for t in r["turns"] if t["role"] == "agent"]
-        assert agent_turns and all({"role", "text", "emotion", "appraisal"} <= set(t) for t in agent_turns)
-        assert all(t["appraisal"].startswith("rules:") for t in agent_turns)
-        assert r["final_emotion"] == agent_turns[-1]["emotion"]
-        assert len(agent_turns) <= 8
-    mean = {style: sum(r["final_emotion"] for r in results if r["style"] == style) / 2
-            for style in simulator.SCRIPTED_AGENT}
-    assert mean["warm"] > mean["dismissive"]
-    printed = dict(re.findall(r"(\w+): mean final emotion ([\d.]+) over 2 dialogues", done.stderr))
-    assert {k: float(v) for k, v in printed.items()} == pytest.approx(mean, abs=0.05)
-
-
 # (appraisal the server writes, its answer to the one retry or None, the change expected)
 SERVER_CASES = [
     ("Got right: it named the promotion.\nMissed: my hurt.\nInner reaction: R0.\nChange: \u22123", None, -3),
@@ -1091,9 +1065,9 @@ SERVER_CASES = [
 ]
 
 
-def test_scripted_agent_reasoned_against_a_fake_server(serve, persona):
-    """A scripted agent against a URL simulator with the reasoned read-out, end to end: the server
-    reads which scripted reply is being appraised from the prompt and answers in one of the formats
+def test_reasoned_readout_against_a_fake_server(serve, persona):
+    """Numbered agent replies against a URL simulator with the reasoned read-out, end to end: the
+    server reads which reply is being appraised from the prompt and answers in one of the formats
     above."""
     seen = []
 
@@ -1114,15 +1088,17 @@ def test_scripted_agent_reasoned_against_a_fake_server(serve, persona):
     server = serve(respond)
     sim = Simulator(simulator.make_backend(server.url), readout="reasoned", start_emotion=50,
                     max_turns=len(SERVER_CASES))
-    agent = {"probe": [f"Reply number {k}. How are you holding up?" for k in range(len(SERVER_CASES))]}
-    (record,) = simulator.play_scripted(sim, [persona], agent)
-    agent = [t for t in record["turns"] if t["role"] == "agent"]
+    state = sim.start(persona)
+    while not state.done:
+        sim.step([state], [f"Reply number {state.turns}. How are you holding up?"])
+    turns = simulator.transcript_turns(state)
+    agent = [t for t in turns if t["role"] == "agent"]
     assert [t["change"] for t in agent] == [c for _, _, c in SERVER_CASES]
     assert [t["parsed"] for t in agent] == [k != 6 for k in range(len(SERVER_CASES))]
-    assert record["fallbacks"] == 1 and record["retries"] == 2
-    assert record["final_emotion"] == 50 + sum(c for _, _, c in SERVER_CASES)
+    assert state.fallbacks == 1 and sum("(re-asked for the change)" in t["appraisal"] for t in agent) == 2
+    assert state.emotion == 50 + sum(c for _, _, c in SERVER_CASES)
     assert 10 not in [t["change"] for t in agent]  # never the largest rise read off a mood
-    users = [t["text"] for t in record["turns"] if t["role"] == "user"][1:]
+    users = [t["text"] for t in turns if t["role"] == "user"][1:]
     assert users == ["I hear you. Go on."] * (len(SERVER_CASES) - 1)
     # each user reply was written from the reaction of the appraisal just before it, in a note
     replies_asked = [m for m in seen if "Change: N" not in m[-1]["content"]
@@ -1142,6 +1118,28 @@ def test_difficulty_override(write_personas, persona_entry):
 # ----------------------------------------------------------------------------------------------
 # Turn caches
 # ----------------------------------------------------------------------------------------------
+AGENT_LINES = {  # a warm and a dismissive agent, each saying its lines turn by turn (the last again)
+    "warm": ["That sounds really hard, and it makes sense that it is weighing on you. "
+             "What has been the heaviest part?",
+             "I hear you. Feeling that way after everything you described is understandable. "
+             "How are you holding up today?",
+             "Thank you for telling me this. You do not have to sort it all out at once. "
+             "What would help most right now?",
+             "It sounds like you have been carrying this alone for a while. I'm glad you said it out loud."],
+    "dismissive": ["Everyone has problems. Just get over it.", "That's not a big deal. You're overreacting.",
+                   "Whatever. Cheer up, it could be worse.", "I don't really see why this matters so much."],
+}
+
+
+def play_both_agents(sim, personas):
+    """Each persona once against each agent of AGENT_LINES, all dialogues stepped together: the
+    transcripts."""
+    jobs = [(lines, sim.start(p)) for lines in AGENT_LINES.values() for p in personas]
+    while active := [(lines, s) for lines, s in jobs if not s.done]:
+        sim.step([s for _, s in active], [lines[min(s.turns, len(lines) - 1)] for lines, s in active])
+    return [simulator.transcript_turns(s) for _, s in jobs]
+
+
 def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_model, persona):
     """The simulated user keeps its KV cache between turns and between the read-out and its reply;
     greedy dialogues (emotions, read-outs, user messages) must not change, only get cheaper."""
@@ -1149,10 +1147,9 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_
     for reuse in (True, False):
         backend = LocalBackend(*tiny_model, micro_batch_size=3, reuse_cache=reuse)
         sim = Simulator(backend, readout="likelihood", max_turns=4, reply_tokens=6, leave_below=0)
-        results = simulator.play_scripted(sim, [persona] * 3, simulator.SCRIPTED_AGENT)
-        runs.append((results, backend.reused_tokens / backend.prompt_tokens))
+        runs.append((play_both_agents(sim, [persona] * 3), backend.reused_tokens / backend.prompt_tokens))
     (cached, hit), (plain, no_hit) = runs
-    assert sum(len(r["turns"]) for r in cached) >= 6 * 8  # 6 dialogues, 4 turns each, two lines a turn
+    assert sum(map(len, cached)) >= 6 * 8  # 6 dialogues, 4 turns each, two lines a turn
     assert cached == plain
     assert hit > 0.5 and no_hit == 0
 
@@ -1319,10 +1316,13 @@ def test_the_simulated_users_settings_are_checked_in_one_line(flags, words, caps
     (["--simulator", "rules", "--readout", "likelihood"], ["--readout rules"]),
     (["--model", "rules", "--readout", "likelihood"], ["--model", "rules"]),  # --model is a model
     (["--dialogs", "2"], ["--dialogs"]),                                      # no synonyms, no guesses
+    (["--write-openings", ""], ["--write-openings", "a new file"]),           # the command's one job
 ])
-def test_the_scripted_check_refuses_bad_settings(flags, words, capsys):
-    code, _, err = in_process(simulator.main, flags, capsys)
+def test_the_openings_command_refuses_bad_settings(flags, words, tmp_path, capsys):
+    argv = ["--write-openings", tmp_path / "out.jsonl", "--personas", RLVER, "--simulator", "rules", *flags]
+    code, _, err = in_process(simulator.main, argv, capsys)
     assert_one_line(code, err, *words)
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_bad_settings_through_the_real_command_line():
@@ -1423,21 +1423,21 @@ def test_a_wrong_json_type_is_a_retried_malformed_response(server, data, words):
     assert words in str(info.value) and s.url in str(info.value) and s.count == 3
 
 
-def test_a_401_ends_the_command_with_one_line_without_the_key(server, persona_entry, write_personas):
+def test_a_401_names_the_keys_variable_never_the_key(server, tmp_path):
     s = server(lambda h, n, body: reply(h, 401, b'{"error": "bad key"}'))
-    path = write_personas([persona_entry(id="t1")])
-    code, _, err, _ = cli("simulator.py", "--simulator", s.url, "--personas", path, "--dialogues", "1",
-                          "--api-key-env", "RLVER_TEST_KEY", timeout=120,
-                          env={**ENV, "RLVER_TEST_KEY": "sk-live-secret-999"})
-    assert_one_line(code, err, "HTTP 401", s.url, "1 tries", "$RLVER_TEST_KEY")
-    assert "sk-live-secret-999" not in err and s.count == 2  # one per dialogue, none retried
+    code, _, err, _ = cli(*openings(tmp_path / "out.jsonl", s.url), "--api-key-env", "RLVER_TEST_KEY",
+                          timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret-999"})
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 4 and "3 of 3 openings not written" in lines[-1], err[-2000:]
+    for line in lines[:3]:  # one a profile, each request tried once
+        assert "HTTP 401" in line and s.url in line and "1 tries" in line and "$RLVER_TEST_KEY" in line
+    assert "sk-live-secret-999" not in err
 
 
-def test_a_simulator_url_with_a_query_keeps_it_after_the_path(serve, personas_file, capsys):
+def test_a_simulator_url_with_a_query_keeps_it_after_the_path(serve, tmp_path, capsys):
     """Case 8: --simulator http://HOST/v1?api_key=X posts to /v1/chat/completions?api_key=X."""
-    s = serve(lambda n, body: completion("It helps.\nChange: +2"))
-    argv = ["--simulator", s.url + "?api_key=X", "--personas", personas_file, "--dialogues", "1",
-            "--max-turns", "1", "--api-retries", "0"]
+    s = serve(lambda n, body: completion("Long week. Can I just talk?"))
+    argv = [*openings(tmp_path / "out.jsonl", s.url + "?api_key=X")[1:], "--api-retries", "0"]
     code, _, err = in_process(simulator.main, argv, capsys)
     paths = {r["path"] for r in s.requests}
     assert code == 0 and paths == {"/v1/chat/completions?api_key=X"}, (paths, err[-2000:])

@@ -812,7 +812,7 @@ class OpenAIBackend:
         itself, which the connection hands over to the response)."""
         body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_new_tokens,
                            "temperature": 0.0}).encode()
-        key = os.environ.get(self.api_key_env)
+        key = os.environ.get(self.api_key_env, "").strip()  # a key pasted with its newline still works
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         kind = http.client.HTTPSConnection if self.url.scheme == "https" else http.client.HTTPConnection
         deadline = time.monotonic() + self.timeout * (self.max_retries + 1)
@@ -1155,6 +1155,9 @@ class SimulatorSettings:
         if "api_key_env" in args.given and args.api_key_env not in os.environ:
             fail("--api-key-env <redacted>: no environment variable of that name is set; give the name of "
                  "the variable that holds the key (exported), never the key itself")
+        # http.client would refuse such a header with an error that quotes it, key and all
+        if not os.environ.get(args.api_key_env, "").strip().isprintable():
+            fail(f"${args.api_key_env} holds a line break or another control character inside the key")
 
 
 def make_backend(simulator, policy=None, tokenizer=None, device="cpu", reuse_cache=True, args=None):

@@ -1434,6 +1434,22 @@ def test_a_401_names_the_keys_variable_never_the_key(server, tmp_path):
     assert "sk-live-secret-999" not in err
 
 
+def test_a_key_with_a_line_break_is_refused_unshown_and_its_trailing_newline_is_dropped(server, tmp_path):
+    seen = []
+
+    def respond(h, n, body):
+        seen.append(h.headers["Authorization"])
+        reply(h, 200, json.dumps({"choices": [{"message": {"content": "Long week."}}]}).encode())
+    s = server(respond)
+    argv = [*openings(tmp_path / "bad.jsonl", s.url), "--api-key-env", "RLVER_TEST_KEY"]
+    code, _, err, _ = cli(*argv, timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret\n999"})
+    assert code == 2 and len(error_lines(err)) == 1 and "$RLVER_TEST_KEY" in err, err[-2000:]
+    assert "secret" not in err and "999" not in err and not seen
+    argv = [*openings(tmp_path / "good.jsonl", s.url), "--api-key-env", "RLVER_TEST_KEY"]
+    code, _, err, _ = cli(*argv, timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret-999\n"})
+    assert code == 0 and seen and set(seen) == {"Bearer sk-live-secret-999"}, err[-2000:]
+
+
 def test_a_simulator_url_with_a_query_keeps_it_after_the_path(serve, tmp_path, capsys):
     """Case 8: --simulator http://HOST/v1?api_key=X posts to /v1/chat/completions?api_key=X."""
     s = serve(lambda n, body: completion("Long week. Can I just talk?"))

@@ -9,15 +9,14 @@ The models under test are the base (every adapter disabled) and each --adapter o
 weights are loaded once. With --simulator same the simulated user is the frozen base for all of them.
 
     python evaluate.py --model smollm2 --personas personas.json --split test
-    python evaluate.py --adapter runs/ppo__0__1700000000 [another adapter ...] \\
-        --math tests/data/math_problems.jsonl --out runs/eval_ppo
+    python evaluate.py --adapter runs/ppo__0__1700000000 [another adapter ...] --out runs/eval_ppo
 
 Each run writes into a folder of its own (--out, created; default runs/eval__<time>): results.json
-(every number, per persona), results.md (the table for a README), transcripts.jsonl (one dialogue a
-line, tagged with its model; appended as each model finishes) and trajectories.png.
+(every number, per persona), results.md (the table for a README) and transcripts.jsonl (one dialogue a
+line, tagged with its model; appended as each model finishes).
 
-Capability retention (RLVER reports that math and code stay intact): --math FILE asks every model
-every question of a JSON-lines file {id, question, answer} and reports exact-match accuracy.
+Capability retention (RLVER reports that math and code stay intact) is for a standard harness such as
+lm-evaluation-harness, run on the adapter folder (docs/evaluate.md).
 
 Does a simulated user agree with the judge behind SAGE's numbers? Its changes on SAGE's recorded
 dialogues against the recorded ones; `--resume OUT` continues a check that was stopped:
@@ -27,7 +26,6 @@ dialogues against the recorded ones; `--resume OUT` continues a check that was s
 """
 import contextlib
 import hashlib
-import inspect
 import json
 import os
 import re
@@ -36,14 +34,12 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
-from fractions import Fraction
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
-                     eos_ids, load_policy, play_dialogues, sampling_settings)
+                     load_policy, play_dialogues, sampling_settings)
 from run import (HELD, append_lines, at_least, checkpoints, default_device, fail, finite, load_model,
                  load_tokenizer, lock, new_folder, one_of, parse_settings, public_config, read_json_lines,
                  read_run, redact, release, resolve_model, rows_with, set_seed, setting, transcript_record,
@@ -68,11 +64,11 @@ class EvalSettings:
                                      "read-out)", one_of("training", "heldout"))
     dialogues: int = setting(0, "the first N personas of the split; with --agreement the first N dialogues "
                                 "of each file (0 = all)", at_least(0))
-    sample: bool = setting(False, "sample the agent's replies instead of greedy decoding")
-    samples: int = setting(1, "dialogues per persona (needs --sample when > 1)", at_least(1))
+    # one setting for both, so that K greedy dialogues (the same one K times) cannot be asked for
+    samples: int = setting(0, "dialogues per persona with sampled replies (0: one with greedy decoding, "
+                              "SAGE's)", at_least(0))
     bootstrap: int = setting(2000, "bootstrap resamples for the 95%% intervals", at_least(1))
     seed: int = setting(0, "random seed of the sampled replies and of the bootstrap")
-    math: str = setting("", "JSON lines {id, question, answer}: capability check, 256 tokens an answer")
     agreement: list[str] = setting([], "SAGE result files (JSON lines: id, emo_point, history), one per "
                                        "evaluated model: check the simulator against their judge instead of "
                                        "evaluating (docs/evaluate.md)")
@@ -85,15 +81,16 @@ class EvalSettings:
 
     @staticmethod
     def check(args):
-        if args.samples > 1 and not args.sample:
-            fail("--samples: greedy decoding plays the same dialogue every time; add --sample for "
-                 "--samples > 1")
         take_run_settings(args)
-        readout = args.readout if args.readout != "auto" else auto_readout(user_model(args))[0]
-        if args.judge == "heldout" and readout != "reasoned":
+        if args.judge == "heldout" and readout_in_use(args) != "reasoned":
             fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
-                 f"{redact(args.simulator)} reads out '{readout}'")
-        args.out = args.out or os.path.join("runs", f"eval__{int(time.time())}")
+                 f"{redact(args.simulator)} reads out '{readout_in_use(args)}'")
+        args.out = args.out or f"runs/eval__{int(time.time())}"
+
+
+def readout_in_use(args):
+    """The read-out --readout names, or the one auto picks for the model that plays the user."""
+    return auto_readout(user_model(args))[0] if args.readout == "auto" else args.readout
 
 
 def take_run_settings(args):
@@ -106,14 +103,15 @@ def take_run_settings(args):
     not guessed); fewer tokens a reply than in training: a warning."""
     runs = []
     for i, path in enumerate(args.adapter):
-        path = os.path.normpath(checkpoints(path)[-1] if checkpoints(path) else path)
-        path = os.path.join(path, "default") if os.path.isdir(os.path.join(path, "default")) else path
-        if path.endswith("critic") or not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        path = os.path.normpath((checkpoints(path) or [path])[-1])
+        if os.path.isdir(f"{path}/default"):
+            path = f"{path}/default"
+        if path.endswith("critic") or not os.path.isfile(f"{path}/adapter_config.json"):
             fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; PPO's critic "
                  "is a value model)")
         args.adapter[i] = path
-        in_a_run = path.split(os.sep)[-3:-2] == ["checkpoints"]  # RUN/checkpoints/iter_N/default
-        runs.append(read_run(os.path.join(path, "..", "..", "..")) if in_a_run else None)
+        if path.split(os.sep)[-3:-2] == ["checkpoints"]:  # RUN/checkpoints/iter_N/default
+            runs.append(read_run(f"{path}/../../.."))
     runs = [run for run in runs if run]  # the saved settings of the runs the adapters come from
     for name in ("model", "thinking", "max_new_tokens", "max_context"):
         values = {run[name] for run in runs}
@@ -193,80 +191,6 @@ def model_summary(records, persona_ids, n_boot=2000, seed=0):
             "per_persona": dict(zip(persona_ids, per_persona))}
 
 
-def mean_trajectory(trajectories):
-    """Mean emotion per turn. A dialogue that has ended keeps its final emotion, so the curve
-    ends at the score (the mean final emotion) instead of at the mean of the longest talks."""
-    width = max(len(t) for t in trajectories)
-    padded = np.array([t + t[-1:] * (width - len(t)) for t in trajectories], dtype=float)  # (D, T)
-    return padded.mean(0).tolist()
-
-
-# ----------------------------------------------------------------------------------------------
-# Math answers: a deliberately small rule (tested on its cases)
-# ----------------------------------------------------------------------------------------------
-MATH_PROMPT = ("Solve the problem step by step, briefly. End with a last line of the form "
-               "'Answer: <number>' holding only the final number.")
-NUMBER = re.compile(r"-?\d*\.?\d+(?:/\d*\.?\d+)?")  # 12, -3.5, .5, 3/4
-
-
-def extract_answer(text):
-    """The last number in the last \\boxed{...}, or in the whole text when there is none; '' without
-    a number. Thousands separators go ('1,200' is 1200) and \\frac{a}{b} is a/b. Answers that are
-    not numbers (2\\sqrt{3}, intervals) are beyond this check."""
-    text = re.sub(r"\\d?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", r"\1/\2", text.replace("\u2212", "-"))
-    text = re.sub(r"(?<=\d),(?=\d{3})", "", text)
-    boxed = re.findall(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}", text)
-    numbers = NUMBER.findall(boxed[-1] if boxed else text)
-    return numbers[-1] if numbers else ""
-
-
-def answers_match(predicted, reference):
-    """Exact match as fractions: '0.5' == '1/2' == '0.50'; what is not a number matches nothing."""
-    try:
-        return Fraction(predicted) == Fraction(reference)
-    except (ValueError, ZeroDivisionError):
-        return False
-
-
-def graded(problem, output):
-    """A model's answer to a problem, with what was read from it and whether it is right."""
-    extracted = extract_answer(output)
-    return {**problem, "output": output, "extracted": extracted,
-            "correct": answers_match(extracted, problem["answer"])}
-
-
-def load_math(path):
-    """A JSON-lines file of {id, question, answer}; a bad line: one line naming it, exit 2."""
-    problems = []
-    for i, entry in read_json_lines(path, fail):
-        if not isinstance(entry, dict) or not {"id", "question", "answer"} <= entry.keys():
-            fail(f"{path}: line {i + 1}: must be an object with the fields id, question and answer")
-        problems.append({k: str(entry[k]) for k in ("id", "question", "answer")})
-    return problems or fail(f"{path}: no questions")
-
-
-@torch.no_grad()
-def answer_questions(policy, tokenizer, problems, desc="math"):
-    """Greedy answers of 256 tokens at most to each question, with a plain system prompt (no thinking
-    scaffold), 8 at a time, left-padded so that every row's answer starts at the same column."""
-    policy.eval()
-    outputs = []
-    for i in tqdm(range(0, len(problems), 8), desc=desc, leave=False):
-        # enable_thinking=False switches off Qwen3-style templates' own thinking; others ignore it.
-        chats = [[{"role": "system", "content": MATH_PROMPT}, {"role": "user", "content": p["question"]}]
-                 for p in problems[i:i + 8]]
-        enc = tokenizer.apply_chat_template(chats, add_generation_prompt=True, enable_thinking=False,
-                                            padding=True, return_dict=True, return_tensors="pt")
-        ids = enc["input_ids"].to(policy.device)                                 # (8, prompt)
-        # every sampling setting given, so that no model default (Qwen2.5's repetition_penalty) applies
-        out = policy.generate(ids, attention_mask=enc["attention_mask"].to(ids.device), do_sample=False,
-                              temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,
-                              max_new_tokens=256, eos_token_id=eos_ids(tokenizer),
-                              pad_token_id=tokenizer.pad_token_id)
-        outputs += tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
-    return [o.strip() for o in outputs]
-
-
 # ----------------------------------------------------------------------------------------------
 # Models under test: the base and each adapter, one set of weights
 # ----------------------------------------------------------------------------------------------
@@ -309,13 +233,12 @@ def use_model(policy, adapter_name):
 
 
 # ----------------------------------------------------------------------------------------------
-# Outputs: results.md, plots
+# The evaluation loop
 # ----------------------------------------------------------------------------------------------
 def results_table(results):
     """The markdown table of results.json, with a line saying what was measured."""
     s = results["settings"]
-    math = "math_accuracy" in results["models"][0]
-    decoding = f"{s['samples']} sampled (T={s['temperature']})" if s["sample"] else "1 greedy"
+    decoding = f"{s['samples']} sampled (T={s['temperature']})" if s["samples"] else "1 greedy"
     lines = [
         f"{len(results['persona_ids'])} personas from `{os.path.basename(s['personas'])}` "
         f"(split {s['split']}), {decoding} dialogue(s) each; simulator `{s['simulator']}` (read-out "
@@ -327,8 +250,8 @@ def results_table(results):
         "agent turn, thought included.",
         "",
         "| model | score | cut replies | vs base | successes | failures | turns | reply tokens "
-        "| think violations | sim. fallbacks |" + (" math acc. |" if math else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if math else ""),
+        "| think violations | sim. fallbacks |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in results["models"]:
         n, p = m["dialogues"], m.get("vs_base")
@@ -337,57 +260,10 @@ def results_table(results):
                      f"| {m['cut_replies']} ({m['cut_replies'] / max(1, m['turns_mean'] * n):.0%}) | {vs} "
                      f"| {m['successes']}/{n} | {m['failures']}/{n} | {m['turns_mean']:.1f} "
                      f"| {m['reply_tokens_mean']:.0f} | {m['violations']} ({m['violation_rate']:.0%}) "
-                     f"| {m['fallbacks']} |" + (f" {m['math_accuracy']:.1%} |" if math else ""))
+                     f"| {m['fallbacks']} |")
     return "\n".join(lines) + "\n"
 
 
-def save_figure(fig, path):
-    """Lay out, save and close a figure, written whole or not at all (a temporary file renamed over, as
-    run.write_atomically), so that a full disk or a kill never leaves half a PNG. Returns it."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    fig.tight_layout()
-    try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
-    finally:
-        pyplot().close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return fig
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers and CI
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_trajectories(runs, start_emotion, leave_below, path):
-    """Emotion before the first reply and after each: a thin line per dialogue, a thick mean line per
-    model. runs: a list of (label, records)."""
-    fig, ax = pyplot().subplots(figsize=(8, 4.5))
-    for i, (label, records) in enumerate(runs):
-        paths = [[start_emotion] + r["emotions"] for r in records]
-        for p in paths:
-            ax.plot(p, color=f"C{i}", lw=0.9, alpha=0.45)
-        ax.plot(mean_trajectory(paths), color=f"C{i}", lw=3, label=f"{label} (mean)")
-    ax.axhline(100, color="grey", ls="--", lw=0.8)             # success
-    ax.axhline(leave_below, color="grey", ls=":", lw=0.8)      # the user leaves below it
-    ax.set(ylim=(-2, 102), xlabel="agent turn (0 = the opening)", ylabel="user emotion")
-    ax.locator_params(axis="x", integer=True)
-    ax.set_title("Emotion per turn: thin lines one dialogue each, thick the mean per model (a dialogue that\n"
-                 "ended early keeps its final emotion in the mean); dashed: success, dotted: the user leaves",
-                 fontsize=9)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
-
-
-# ----------------------------------------------------------------------------------------------
-# The evaluation loop
-# ----------------------------------------------------------------------------------------------
 def write_results(out, results, table):
     """results.json and results.md, each replaced whole (run.write_atomically). results.json is strict
     JSON: a statistic that is undefined (NaN) is written as null."""
@@ -396,22 +272,20 @@ def write_results(out, results, table):
     write_atomically(os.path.join(out, "results.md"), table)
 
 
-def run_evaluation(args, policy, tokenizer, simulator, personas, models, problems=None):
-    """Every model plays every persona (and answers the math questions); writes into args.out and
-    returns the results dict. results.json and results.md are rewritten after each model, so a
+def run_evaluation(args, policy, tokenizer, simulator, personas, models):
+    """Every model plays every persona; writes into args.out and returns the results dict.
+    results.json and results.md are rewritten after each model (complete after the last), so a
     failure half way leaves the finished models' numbers and transcripts on disk."""
     ids = [p.id for p in personas]
     results = {"complete": False, "settings": public_config(args, "evaluate.py"),
                "readout": simulator.readout, "persona_ids": ids, "models": []}
-    played = []
     for m in models:
         set_seed(args.seed)  # the same random stream for every model when sampling
         t0 = time.time()
         with use_model(policy, m["adapter_name"]):
-            records, _ = play_dialogues(policy, tokenizer, simulator, personas, args.samples,
-                                        **{**sampling_settings(args), "greedy": not args.sample},
+            records, _ = play_dialogues(policy, tokenizer, simulator, personas, args.samples or 1,
+                                        **{**sampling_settings(args), "greedy": not args.samples},
                                         desc=f"{m['label']}: dialogues")
-            answers = answer_questions(policy, tokenizer, problems, f"{m['label']}: math") if problems else []
         append_lines(os.path.join(args.out, "transcripts.jsonl"),
                      [transcript_record(r, model=m["label"]) for r in records])
         summary = {"label": m["label"], "adapter": m["adapter_path"],
@@ -420,20 +294,9 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models, problem
             summary["vs_base"] = paired_difference(list(summary["per_persona"].values()),
                                                    list(results["models"][0]["per_persona"].values()),
                                                    args.bootstrap, args.seed)
-        if answers:
-            summary["math_answers"] = [graded(q, a) for q, a in zip(problems, answers)]
-            summary["math_accuracy"] = np.mean([g["correct"] for g in summary["math_answers"]])
         results["models"].append(summary)
-        played.append((m["label"], records))
+        results["complete"] = m is models[-1]
         write_results(args.out, results, results_table(results))
-        math = f", math {summary['math_accuracy']:.1%}" if answers else ""
-        print(f"{m['label']}: score {summary['score']:.1f} [{summary['ci_low']:.1f}, "
-              f"{summary['ci_high']:.1f}], {summary['successes']} successes, {summary['failures']} failures, "
-              f"{summary['cut_replies']} cut replies, {summary['seconds']:.0f} s{math}", file=sys.stderr)
-    results["complete"] = True
-    write_results(args.out, results, results_table(results))
-    plot_trajectories(played, simulator.start_emotion, simulator.leave_below,
-                      os.path.join(args.out, "trajectories.png"))
     return results
 
 
@@ -666,12 +529,18 @@ def agreement_table(report, settings):
 def plot_agreement(rows, path, title="", max_change=10):
     """Recorded against simulated change per reply as a heat map: one cell per pair of whole changes,
     coloured by how many replies fall there (log scale; empty cells blank). It reads the same at 20
-    replies and at 20,000, where dots sized by their count cover the plot. Returns the figure."""
+    replies and at 20,000, where dots sized by their count cover the plot. Written whole or not at
+    all (a temporary file renamed over, as run.write_atomically), so that a full disk or a kill never
+    leaves half a PNG. Returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
     m = max(max_change, int(np.abs(rows).max()))  # cells -m..m on both axes
     edges = np.arange(-m - 0.5, m + 1)
-    fig, ax = pyplot().subplots(figsize=(6, 5))
+    fig, ax = plt.subplots(figsize=(6, 5))
     # counts under 1 (cmin) are NaN: an empty cell is blank
     *_, cells = ax.hist2d(*np.rint(rows).T, bins=[edges, edges], cmin=1, norm=LogNorm())
     fig.colorbar(cells, ax=ax, label="replies")
@@ -680,7 +549,16 @@ def plot_agreement(rows, path, title="", max_change=10):
     ax.locator_params(integer=True)  # the cells are whole changes
     ax.set_title(f"{title}\nSpearman {STATISTICS['spearman'](rows):.2f}; dashed: perfect agreement",
                  fontsize=9)
-    return save_figure(fig, path)
+    fig.tight_layout()
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return fig
 
 
 def appraise_dialogues(simulator, dialogues, personas, store, batch_dialogues=4):
@@ -722,14 +600,13 @@ def check_appraisals_fit(args, dialogues, personas):
     config = AutoConfig.from_pretrained(resolve_model(name), trust_remote_code=args.trust_remote_code)
     window = getattr(config, "max_position_embeddings", None) or args.max_context
     limit = min(args.max_context, window)
-    asked = inspect.signature(Simulator).parameters  # the appraisal's tokens, as build_simulator leaves them
-    reasoned = (args.readout if args.readout != "auto" else auto_readout(name)[0]) == "reasoned"
     for d in dialogues:
         k = judged_replies(d)[-1][0]
         state, reply = recorded_state(personas[d["id"]], d, k), d["history"][k]["text"]
-        if reasoned:
+        if readout_in_use(args) == "reasoned":
             messages = appraisal_messages(state, reply, args.judge, args.max_change)
-            added = asked["appraisal_tokens"].default + asked["retry_tokens"].default
+            # the answer's and the re-asking's tokens, as build_simulator leaves them (the defaults)
+            added = Simulator.appraisal_tokens + Simulator.retry_tokens
         else:
             messages = user_turn_messages(replace(state, history=[*state.history, {"role": "agent",
                                                                                   "text": reply}]))
@@ -760,13 +637,10 @@ def agreement_main(args):
     kept = (f"the dialogues finished so far are kept in {store}: `python evaluate.py --resume {args.out}` "
             "goes on")
     lock(args.out, "--resume") if args.resume else new_folder(args.out)
-    model = tokenizer = None
+    model, tokenizer = None, None
     if args.simulator == "same":  # the base model alone: no policy, no adapters
         model, tokenizer = load_model(args.model, default_device(), trust_remote_code=args.trust_remote_code)
-    try:
-        simulator = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
-    except ValueError as e:
-        fail(e)
+    simulator = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
           f"{redact(args.simulator)} (read-out {simulator.readout}, {simulator.readout_why}; judge "
           f"{simulator.judge}); appraisals kept in {store}", file=sys.stderr)
@@ -780,15 +654,15 @@ def agreement_main(args):
         os._exit(128 + number)
     for number in (signal.SIGINT, signal.SIGTERM):
         HELD.append((number, signal.signal(number, stop)))  # run.release() puts the handlers back
+    config = public_config(args, "evaluate.py")
     try:  # config.json: the settings, the folder's mark, which --resume reads back
-        write_atomically(os.path.join(args.out, "config.json"),
-                         json.dumps(public_config(args, "evaluate.py")))
+        write_atomically(os.path.join(args.out, "config.json"), json.dumps(config))
         done = appraise_dialogues(simulator, dialogues, personas, store, args.batch_dialogues)
         answers = [done[d["key"]]["appraisals"] for d in dialogues]  # (change, appraisal, parsed) per reply
         changes = [[change for change, _, _ in mine] for mine in answers]
         report = agreement_report(dialogues, changes, [sum(not p for _, _, p in mine) for mine in answers],
                                   args.max_change, args.bootstrap, args.seed)
-        results = {"settings": {**public_config(args, "evaluate.py"), "readout": simulator.readout}, **report}
+        results = {"settings": {**config, "readout": simulator.readout}, **report}
         table = agreement_table(report, results["settings"])
         write_results(args.out, results, table)
         rows = np.concatenate([agreement_rows(d, c, args.max_change) for d, c in zip(dialogues, changes)])
@@ -809,27 +683,22 @@ def main(argv=None):
     if args.agreement:  # the simulator checked against SAGE's recorded judgments
         return agreement_main(args)
     personas = load_personas_or_exit(args.personas, args.split)[:args.dialogues or None]
-    problems = load_math(args.math) if args.math else None
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
     new_folder(args.out)  # before any model loads
     policy, tokenizer, models = load_models(args)
+    simulator = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge, goodbye="sage")
+    print(f"{len(models)} models x {len(personas)} personas x {args.samples or 1} "
+          f"{'sampled' if args.samples else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
+          f"(read-out {simulator.readout}, {simulator.readout_why}; judge {simulator.judge})",
+          file=sys.stderr)
     try:
-        simulator = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge,
-                                       goodbye="sage")
-    except ValueError as e:
-        fail(e)
-    print(f"{len(models)} models x {len(personas)} personas x {args.samples} "
-          f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
-          f"(read-out {simulator.readout}, {simulator.readout_why}; judge {simulator.judge})"
-          + (f"; {len(problems)} math questions" if problems else ""), file=sys.stderr)
-    try:
-        results = run_evaluation(args, policy, tokenizer, simulator, personas, models, problems)
+        results = run_evaluation(args, policy, tokenizer, simulator, personas, models)
     except SimulatorError as e:  # the models finished before it are in transcripts.jsonl
         fail(e)
     release()
     print(results_table(results))
-    print(f"-> {args.out}/results.json, results.md, transcripts.jsonl, trajectories.png")
+    print(f"-> {args.out}/results.json, results.md, transcripts.jsonl")
     return results
 
 

@@ -149,7 +149,8 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------
 def with_interval(groups, statistic=np.mean, n_boot=2000, seed=0):
     """{value, low, high}: statistic(rows) of all groups' rows, and its 95% percentile bootstrap
-    interval when whole groups are resampled with replacement. A group is what is independent: a
+    interval when whole groups are resampled with replacement (groups: a list of arrays, or an array
+    whose first axis is the groups). A group is what is independent: a
     persona's score, or a dialogue's (replies, 2) rows, since its replies share a persona and a
     history (resampling them one by one would make the interval too narrow). Resamples where the
     statistic is undefined (NaN) are dropped."""
@@ -166,7 +167,7 @@ def paired_difference(treated, base, n_boot=2000, seed=0):
     personas (pairs), not the two lists separately: persona difficulty, which moves both scores
     alike, then cancels out, and the interval is much tighter than from two independent ones."""
     diff = np.asarray(treated, dtype=float) - np.asarray(base, dtype=float)
-    return {**with_interval(list(diff[:, None]), np.mean, n_boot, seed), "n": len(diff)}
+    return {**with_interval(diff[:, None], np.mean, n_boot, seed), "n": len(diff)}
 
 
 def model_summary(records, persona_ids, n_boot=2000, seed=0):
@@ -178,16 +179,15 @@ def model_summary(records, persona_ids, n_boot=2000, seed=0):
     violations, simulator fallbacks."""
     per_persona = np.array([np.mean([r["final_emotion"] for r in records if r["persona_id"] == p])
                             for p in persona_ids])
-    score = with_interval(list(per_persona[:, None]), np.mean, n_boot, seed)
-    turns = sum(len(r["turn_ends"]) for r in records)
+    score = with_interval(per_persona[:, None], np.mean, n_boot, seed)
+    turns = sum(len(r["turn_ends"]) for r in records)  # at least one a dialogue (check_openings_fit)
     total = {k: sum(r[k] for r in records)
              for k in ("cut_replies", "policy_tokens", "violations", "fallbacks")}
     reasons = Counter(r["end_reason"] for r in records)
     return {"score": score["value"], "ci_low": score["low"], "ci_high": score["high"],
             "dialogues": len(records), "successes": reasons["success"], "failures": reasons["left"],
-            "turns_mean": turns / len(records), **total,
-            "reply_tokens_mean": total["policy_tokens"] / max(1, turns),
-            "violation_rate": total["violations"] / max(1, turns),
+            "turns_mean": turns / len(records), **total, "reply_tokens_mean": total["policy_tokens"] / turns,
+            "violation_rate": total["violations"] / turns,
             "per_persona": dict(zip(persona_ids, per_persona))}
 
 
@@ -200,7 +200,7 @@ def load_models(args):
     is labelled by its folder (a checkpoint's policy by the checkpoint). An adapter whose weights do
     not all load into the base (made for another model) ends the program with one line naming
     both, instead of being scored half-loaded."""
-    path = args.adapter[0] if args.adapter else None
+    path = (args.adapter or [None])[0]
     models = [{"label": "base", "adapter_name": None, "adapter_path": None}]
     try:
         policy, tokenizer = load_policy(args.model, adapter=path, trainable=False, device=default_device(),
@@ -214,7 +214,7 @@ def load_models(args):
             if missing or result.unexpected_keys:
                 raise RuntimeError(f"{len(missing)} of its weights missing (e.g. {(missing or ['-'])[0]}), "
                                    f"{len(result.unexpected_keys)} unexpected")
-            label = os.path.basename(os.path.dirname(path) if path.endswith(os.sep + "default") else path)
+            label = os.path.basename(path.removesuffix("/default"))  # a checkpoint's policy: the checkpoint
             models.append({"label": label, "adapter_name": name, "adapter_path": path})
     except RuntimeError as e:  # torch's size mismatches (another hidden size): the first says why, in shapes
         why = [line.strip() for line in str(e).splitlines() if "size mismatch" in line] + str(e).splitlines()
@@ -257,7 +257,7 @@ def results_table(results):
         n, p = m["dialogues"], m.get("vs_base")
         vs = f"{p['value']:+.1f} [{p['low']:+.1f}, {p['high']:+.1f}]" if p else "-"
         lines.append(f"| {m['label']} | {m['score']:.1f} [{m['ci_low']:.1f}, {m['ci_high']:.1f}] "
-                     f"| {m['cut_replies']} ({m['cut_replies'] / max(1, m['turns_mean'] * n):.0%}) | {vs} "
+                     f"| {m['cut_replies']} ({m['cut_replies'] / (m['turns_mean'] * n):.0%}) | {vs} "
                      f"| {m['successes']}/{n} | {m['failures']}/{n} | {m['turns_mean']:.1f} "
                      f"| {m['reply_tokens_mean']:.0f} | {m['violations']} ({m['violation_rate']:.0%}) "
                      f"| {m['fallbacks']} |")
@@ -331,8 +331,8 @@ def kendall_tau_b(x, y):
 
 
 # What is compared, each a function of (replies, 2) rows of (recorded, simulated) changes.
-STATISTICS = {"spearman": lambda r: spearman(r[:, 0], r[:, 1]),
-              "pearson": lambda r: pearson(r[:, 0], r[:, 1]),
+STATISTICS = {"spearman": lambda r: spearman(*r.T),
+              "pearson": lambda r: pearson(*r.T),
               "direction_agreement": lambda r: np.mean(np.sign(r[:, 0]) == np.sign(r[:, 1])),
               "mae": lambda r: np.mean(np.abs(r[:, 0] - r[:, 1]))}
 
@@ -346,7 +346,7 @@ def kendall_with_interval(finals, n_boot=2000, seed=0):
     if len(finals) < 2 or finals.shape[1] == 0:
         return None
     tau = lambda rows: kendall_tau_b(*rows.mean(0).T)  # noqa: E731  rows (draws, files, 2) -> files' means
-    return with_interval(list(finals.transpose(1, 0, 2)[:, None]), tau, n_boot, seed)
+    return with_interval(finals.transpose(1, 0, 2)[:, None], tau, n_boot, seed)
 
 
 def is_emotion(value):
@@ -365,12 +365,13 @@ def read_sage_dialogues(path, personas):
     dialogues, lines = [], {}
     for i, record in read_json_lines(path, fail):
         where = f"{path}: line {i + 1}"
-        if not isinstance(record, dict) or str(record.get("id")) not in personas:
+        name = str(record.get("id")) if isinstance(record, dict) else None
+        if name not in personas:
             fail(f"{where}: must be an object whose field 'id' names a persona of the --personas file")
-        where += f" (id {record['id']})"
-        if str(record["id"]) in lines:  # a second "model" or a repeated line would count its replies twice
-            fail(f"{where}: field 'id' is on line {lines[str(record['id'])]} too: one dialogue per scenario")
-        lines[str(record["id"])] = i + 1
+        where += f" (id {name})"
+        if name in lines:  # a second "model" or a repeated line would count its replies twice
+            fail(f"{where}: field 'id' is on line {lines[name]} too: one dialogue per scenario")
+        lines[name] = i + 1
         if not is_emotion(record.get("emo_point")):
             fail(f"{where}: field 'emo_point' must be a number from 0 to 100 (the final emotion), "
                  f"not {record.get('emo_point')!r}")
@@ -386,9 +387,8 @@ def read_sage_dialogues(path, personas):
             if role == "user" and not is_emotion(m.get("emotion-point")):
                 fail(f"{where}: field 'history[{k}].emotion-point' must be a number from 0 to 100, "
                      f"not {m.get('emotion-point')!r}")
-        text = json.dumps([record, asdict(personas[str(record["id"])])], sort_keys=True, ensure_ascii=False,
-                          default=str)
-        dialogues.append({"file": path, "line": i + 1, "id": str(record["id"]), "final": record["emo_point"],
+        text = json.dumps([record, asdict(personas[name])], sort_keys=True, ensure_ascii=False, default=str)
+        dialogues.append({"file": path, "line": i + 1, "id": name, "final": record["emo_point"],
                           "history": [{"role": "agent" if k % 2 else "user", "text": m["content"]}
                                       for k, m in enumerate(history)],
                           "points": {k: m["emotion-point"] for k, m in enumerate(history) if k % 2 == 0},
@@ -440,6 +440,7 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
     file is one evaluated model) and the ranking of the files."""
     groups = [agreement_rows(d, c, max_change) for d, c in zip(dialogues, changes)]
     rows = np.concatenate(groups)                                          # (replies, 2)
+    recorded, simulated = rows.T                                           # (replies,) each
     finals = np.array([(d["final"], simulated_final(d["points"][0], c, max_change))
                        for d, c in zip(dialogues, changes)], dtype=float)  # (dialogues, 2)
     by_file = {}  # file -> {id: (recorded, simulated) final}; ids are unique within a file
@@ -450,7 +451,7 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
         files.append({"label": re.sub(r"(_result)?\.jsonl?$", "", os.path.basename(path)), "file": path,
                       "dialogues": len(mine)})
         for side, column in zip(("recorded", "simulated"), np.array([*mine.values()]).T):
-            files[-1][side] = {**with_interval(list(column[:, None]), np.mean, n_boot, seed),
+            files[-1][side] = {**with_interval(column[:, None], np.mean, n_boot, seed),
                                "successes": int((column >= SAGE_SUCCESS).sum()),
                                "failures": int((column < SAGE_LEAVE_BELOW).sum())}
     # the models are ranked on the scenarios every file holds
@@ -462,11 +463,11 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
                     **{name: with_interval(groups, statistic, n_boot, seed)
                        for name, statistic in STATISTICS.items()},
                     # what a simulator that knows nothing gets: the commonest recorded direction; never moving
-                    "direction_baseline": max(np.mean(np.sign(rows[:, 0]) == d) for d in (-1, 0, 1)),
-                    "mae_of_no_change": np.abs(rows[:, 0]).mean(),
-                    "recorded_mean_change": rows[:, 0].mean(), "simulated_mean_change": rows[:, 1].mean()},
+                    "direction_baseline": max(np.mean(np.sign(recorded) == d) for d in (-1, 0, 1)),
+                    "mae_of_no_change": np.abs(recorded).mean(),
+                    "recorded_mean_change": recorded.mean(), "simulated_mean_change": simulated.mean()},
         "final": {"simulated_minus_recorded": paired_difference(finals[:, 1], finals[:, 0], n_boot, seed),
-                  **{name: with_interval(list(finals[:, None]), STATISTICS[name], n_boot, seed)
+                  **{name: with_interval(finals[:, None], STATISTICS[name], n_boot, seed)
                      for name in ("mae", "spearman", "pearson")}},
         "files": files,
         "models": {"scenarios": len(shared),
@@ -490,9 +491,9 @@ def ranking(files, side):
                                          + m["label"] for before, m in zip(ordered, ordered[1:]))
 
 
-def agreement_table(report, settings):
-    """results.md of an agreement run."""
-    r, f = report["replies"], report["final"]
+def agreement_table(report):
+    """results.md of an agreement run (its results.json: the report and the settings)."""
+    r, f, settings = report["replies"], report["final"], report["settings"]
     model = f" (model `{settings['model']}`)" if settings["simulator"] == "same" else ""
     lines = [
         f"Simulator `{settings['simulator']}`{model}, read-out {settings['readout']}, judge "
@@ -562,16 +563,14 @@ def plot_agreement(rows, path, title="", max_change=10):
 
 
 def appraise_dialogues(simulator, dialogues, personas, store, batch_dialogues=4):
-    """The simulator's (change, appraisal, parsed) for every judged reply of every dialogue: {dialogue key:
-    row}. Each batch of dialogues is one call to simulator.appraise (all their replies at once); each
-    finished dialogue is appended to `store` at once, so a stopped check keeps it and --resume skips it
-    (a line cut short by a crash is skipped). --resume keeps every setting that changes an appraisal,
-    so the rows kept are this check's."""
+    """The simulator's [(change, appraisal, parsed) per judged reply] of each dialogue, in order. Each
+    batch of dialogues is one call to simulator.appraise (all their replies at once); each finished
+    dialogue is appended to `store` at once, so a stopped check keeps it and --resume skips it (a line
+    cut short by a crash is skipped; the progress bar counts the replies left). --resume keeps every
+    setting that changes an appraisal, so the rows kept are this check's."""
     done = {row["key"]: row for row in rows_with(store, None)}
     todo = [d for d in dialogues if d["key"] not in done]
-    replies = lambda part: sum(len(judged_replies(d)) for d in part)  # noqa: E731  the bar counts replies
-    bar = tqdm(total=replies(dialogues), initial=replies(dialogues) - replies(todo),
-               desc="agreement: replies")
+    bar = tqdm(total=sum(len(judged_replies(d)) for d in todo), desc="agreement: replies")  # those left
     for start in range(0, len(todo), batch_dialogues):
         part = todo[start:start + batch_dialogues]
         jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
@@ -583,7 +582,7 @@ def appraise_dialogues(simulator, dialogues, personas, store, batch_dialogues=4)
         done.update((row["key"], row) for row in rows)
         bar.update(len(jobs))
     bar.close()
-    return done
+    return [done[d["key"]]["appraisals"] for d in dialogues]
 
 
 def check_appraisals_fit(args, dialogues, personas):
@@ -612,8 +611,9 @@ def check_appraisals_fit(args, dialogues, personas):
                                                                                   "text": reply}]))
             added = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
                         for t in POSITIVE_REACTIONS + NEGATIVE_REACTIONS)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        needed = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + added
+        # tokenized as the simulator tokenizes it (LocalBackend)
+        needed = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+                     ["input_ids"]) + added
         if needed > limit:
             why = f"the window of {name}" if limit < args.max_context else f"--max-context {limit}"
             fail(f"{d['file']}: line {d['line']} (id {d['id']}): its longest appraisal needs {needed} tokens "
@@ -624,7 +624,7 @@ def check_appraisals_fit(args, dialogues, personas):
 def agreement_main(args):
     """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--dialogues N], or
     --resume OUT; everything is read and checked before any model loads."""
-    personas = {p.id: p for p in load_personas_or_exit(args.personas)}
+    personas = {p.id: p for p in load_personas_or_exit(args.personas, difficulty=args.difficulty)}
     real = [os.path.realpath(path) for path in args.agreement]
     dialogues = []
     for k, path in enumerate(args.agreement):
@@ -657,13 +657,12 @@ def agreement_main(args):
     config = public_config(args, "evaluate.py")
     try:  # config.json: the settings, the folder's mark, which --resume reads back
         write_atomically(os.path.join(args.out, "config.json"), json.dumps(config))
-        done = appraise_dialogues(simulator, dialogues, personas, store, args.batch_dialogues)
-        answers = [done[d["key"]]["appraisals"] for d in dialogues]  # (change, appraisal, parsed) per reply
+        answers = appraise_dialogues(simulator, dialogues, personas, store, args.batch_dialogues)
         changes = [[change for change, _, _ in mine] for mine in answers]
         report = agreement_report(dialogues, changes, [sum(not p for _, _, p in mine) for mine in answers],
                                   args.max_change, args.bootstrap, args.seed)
         results = {"settings": {**config, "readout": simulator.readout}, **report}
-        table = agreement_table(report, results["settings"])
+        table = agreement_table(results)
         write_results(args.out, results, table)
         rows = np.concatenate([agreement_rows(d, c, args.max_change) for d, c in zip(dialogues, changes)])
         plot_agreement(rows, os.path.join(args.out, "agreement.png"), f"{redact(args.simulator)} "
@@ -682,7 +681,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.agreement:  # the simulator checked against SAGE's recorded judgments
         return agreement_main(args)
-    personas = load_personas_or_exit(args.personas, args.split)[:args.dialogues or None]
+    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)[:args.dialogues or None]
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
     new_folder(args.out)  # before any model loads

@@ -81,7 +81,38 @@ class EvalSettings:
 
     @staticmethod
     def check(args):
-        take_run_settings(args)
+        """--adapter as policy adapter folders, and the settings they were trained with. A run folder
+        gives its newest complete checkpoint, a checkpoint its policy (default/); PPO's critic is a
+        value model. An adapter of a trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it
+        was trained: the base model, thinking, tokens a reply and context come from the run's
+        config.json unless given here. With evaluate.py's own defaults a think-then-say agent trained
+        with 512 tokens would be cut at 128, mid-thought, and the user would hear silence. Runs that
+        disagree: one line (which to take is not guessed); fewer tokens a reply than in training: a
+        warning. The held-out judge needs the reasoned read-out."""
+        runs = []
+        for i, path in enumerate(args.adapter):
+            path = os.path.normpath((checkpoints(path) or [path])[-1])
+            if os.path.isdir(f"{path}/default"):
+                path = f"{path}/default"
+            if path.endswith("critic") or not os.path.isfile(f"{path}/adapter_config.json"):
+                fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; PPO's "
+                     "critic is a value model)")
+            args.adapter[i] = path
+            if path.split(os.sep)[-3:-2] == ["checkpoints"]:  # RUN/checkpoints/iter_N/default
+                runs.append(read_run(f"{path}/../../.."))
+        runs = [run for run in runs if run]  # the saved settings of the runs the adapters come from
+        for name in ("model", "thinking", "max_new_tokens", "max_context"):
+            values = {run[name] for run in runs}
+            if values and name not in args.given:
+                if len(values) > 1:
+                    fail(f"--adapter: the runs were trained with different --{name.replace('_', '-')} "
+                         f"({sorted(values)}): give it to evaluate them alike")
+                setattr(args, name, values.pop())
+        trained = max([run["max_new_tokens"] for run in runs], default=0)
+        if args.max_new_tokens < trained:
+            print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} tokens a "
+                  f"reply the adapter trained with: cut replies are counted in results.md", file=sys.stderr)
+        SamplingSettings.check(args)  # the context taken must still hold a whole reply
         if args.judge == "heldout" and readout_in_use(args) != "reasoned":
             fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
                  f"{redact(args.simulator)} reads out '{readout_in_use(args)}'")
@@ -91,40 +122,6 @@ class EvalSettings:
 def readout_in_use(args):
     """The read-out --readout names, or the one auto picks for the model that plays the user."""
     return auto_readout(user_model(args))[0] if args.readout == "auto" else args.readout
-
-
-def take_run_settings(args):
-    """--adapter as policy adapter folders, and the settings they were trained with. A run folder gives
-    its newest complete checkpoint, a checkpoint its policy (default/); PPO's critic is a value model.
-    An adapter of a trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it was trained: the
-    base model, thinking, tokens a reply and context come from the run's config.json unless given here.
-    With evaluate.py's own defaults a think-then-say agent trained with 512 tokens would be cut at
-    128, mid-thought, and the user would hear silence. Runs that disagree: one line (which to take is
-    not guessed); fewer tokens a reply than in training: a warning."""
-    runs = []
-    for i, path in enumerate(args.adapter):
-        path = os.path.normpath((checkpoints(path) or [path])[-1])
-        if os.path.isdir(f"{path}/default"):
-            path = f"{path}/default"
-        if path.endswith("critic") or not os.path.isfile(f"{path}/adapter_config.json"):
-            fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; PPO's critic "
-                 "is a value model)")
-        args.adapter[i] = path
-        if path.split(os.sep)[-3:-2] == ["checkpoints"]:  # RUN/checkpoints/iter_N/default
-            runs.append(read_run(f"{path}/../../.."))
-    runs = [run for run in runs if run]  # the saved settings of the runs the adapters come from
-    for name in ("model", "thinking", "max_new_tokens", "max_context"):
-        values = {run[name] for run in runs}
-        if values and name not in args.given:
-            if len(values) > 1:
-                fail(f"--adapter: the runs were trained with different --{name.replace('_', '-')} "
-                     f"({sorted(values)}): give it to evaluate them alike")
-            setattr(args, name, values.pop())
-    trained = max([run["max_new_tokens"] for run in runs], default=0)
-    if args.max_new_tokens < trained:
-        print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} tokens a reply "
-              f"the adapter trained with: cut replies are counted in results.md", file=sys.stderr)
-    SamplingSettings.check(args)  # the context taken must still hold a whole reply
 
 
 # SAGE (github.com/Tencent/digitalhuman, SAGE/test_npc.py and simulator_response.py) starts every
@@ -166,7 +163,7 @@ def paired_difference(treated, base, n_boot=2000, seed=0):
     """Mean of treated - base over the same personas, with a bootstrap interval that resamples
     personas (pairs), not the two lists separately: persona difficulty, which moves both scores
     alike, then cancels out, and the interval is much tighter than from two independent ones."""
-    diff = np.asarray(treated, dtype=float) - np.asarray(base, dtype=float)
+    diff = np.subtract(treated, base, dtype=float)
     return {**with_interval(diff[:, None], np.mean, n_boot, seed), "n": len(diff)}
 
 
@@ -196,12 +193,12 @@ def model_summary(records, persona_ids, n_boot=2000, seed=0):
 # ----------------------------------------------------------------------------------------------
 def load_models(args):
     """One PeftModel: the first adapter as 'default' (or a fresh LoRA, the identity since B = 0),
-    further adapters by name. Returns (policy, tokenizer, models); models[0] is the base. Each one
-    is labelled by its folder (a checkpoint's policy by the checkpoint). An adapter whose weights do
-    not all load into the base (made for another model) ends the program with one line naming
-    both, instead of being scored half-loaded."""
+    further adapters by name. Returns (policy, tokenizer, models): (label, adapter name, adapter
+    folder) each, models[0] the base (None, None). Each one is labelled by its folder (a checkpoint's
+    policy by the checkpoint). An adapter whose weights do not all load into the base (made for
+    another model) ends the program with one line naming both, instead of being scored half-loaded."""
     path = (args.adapter or [None])[0]
-    models = [{"label": "base", "adapter_name": None, "adapter_path": None}]
+    models = [("base", None, None)]
     try:
         policy, tokenizer = load_policy(args.model, adapter=path, trainable=False, device=default_device(),
                                         load_in_4bit=args.load_in_4bit, dtype=args.dtype,
@@ -215,7 +212,7 @@ def load_models(args):
                 raise RuntimeError(f"{len(missing)} of its weights missing (e.g. {(missing or ['-'])[0]}), "
                                    f"{len(result.unexpected_keys)} unexpected")
             label = os.path.basename(path.removesuffix("/default"))  # a checkpoint's policy: the checkpoint
-            models.append({"label": label, "adapter_name": name, "adapter_path": path})
+            models.append((label, name, path))
     except RuntimeError as e:  # torch's size mismatches (another hidden size): the first says why, in shapes
         why = [line.strip() for line in str(e).splitlines() if "size mismatch" in line] + str(e).splitlines()
         fail(f"--adapter {path} does not fit --model {args.model}: {why[0][:300]}")
@@ -267,9 +264,9 @@ def results_table(results):
 def write_results(out, results, table):
     """results.json and results.md, each replaced whole (run.write_atomically). results.json is strict
     JSON: a statistic that is undefined (NaN) is written as null."""
-    write_atomically(os.path.join(out, "results.json"),
-                     json.dumps(finite(results), indent=1, ensure_ascii=False, allow_nan=False))
-    write_atomically(os.path.join(out, "results.md"), table)
+    write_atomically(f"{out}/results.json", json.dumps(finite(results), indent=1, ensure_ascii=False,
+                                                       allow_nan=False))
+    write_atomically(f"{out}/results.md", table)
 
 
 def run_evaluation(args, policy, tokenizer, simulator, personas, models):
@@ -279,23 +276,22 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models):
     ids = [p.id for p in personas]
     results = {"complete": False, "settings": public_config(args, "evaluate.py"),
                "readout": simulator.readout, "persona_ids": ids, "models": []}
-    for m in models:
+    for done, (label, adapter_name, path) in enumerate(models, 1):
         set_seed(args.seed)  # the same random stream for every model when sampling
         t0 = time.time()
-        with use_model(policy, m["adapter_name"]):
+        with use_model(policy, adapter_name):
             records, _ = play_dialogues(policy, tokenizer, simulator, personas, args.samples or 1,
                                         **{**sampling_settings(args), "greedy": not args.samples},
-                                        desc=f"{m['label']}: dialogues")
-        append_lines(os.path.join(args.out, "transcripts.jsonl"),
-                     [transcript_record(r, model=m["label"]) for r in records])
-        summary = {"label": m["label"], "adapter": m["adapter_path"],
+                                        desc=f"{label}: dialogues")
+        append_lines(f"{args.out}/transcripts.jsonl", [transcript_record(r, model=label) for r in records])
+        summary = {"label": label, "adapter": path,
                    **model_summary(records, ids, args.bootstrap, args.seed), "seconds": time.time() - t0}
-        if m["adapter_name"]:
+        if adapter_name:
             summary["vs_base"] = paired_difference(list(summary["per_persona"].values()),
                                                    list(results["models"][0]["per_persona"].values()),
                                                    args.bootstrap, args.seed)
         results["models"].append(summary)
-        results["complete"] = m is models[-1]
+        results["complete"] = done == len(models)
         write_results(args.out, results, results_table(results))
     return results
 
@@ -633,7 +629,7 @@ def agreement_main(args):
         dialogues += read_sage_dialogues(path, personas)[:args.dialogues or None]
     if simulator_kind(args.simulator) in ("same", "local"):
         check_appraisals_fit(args, dialogues, personas)
-    store = os.path.join(args.out, "appraisals.jsonl")
+    store = f"{args.out}/appraisals.jsonl"
     kept = (f"the dialogues finished so far are kept in {store}: `python evaluate.py --resume {args.out}` "
             "goes on")
     lock(args.out, "--resume") if args.resume else new_folder(args.out)
@@ -656,7 +652,7 @@ def agreement_main(args):
         HELD.append((number, signal.signal(number, stop)))  # run.release() puts the handlers back
     config = public_config(args, "evaluate.py")
     try:  # config.json: the settings, the folder's mark, which --resume reads back
-        write_atomically(os.path.join(args.out, "config.json"), json.dumps(config))
+        write_atomically(f"{args.out}/config.json", json.dumps(config))
         answers = appraise_dialogues(simulator, dialogues, personas, store, args.batch_dialogues)
         changes = [[change for change, _, _ in mine] for mine in answers]
         report = agreement_report(dialogues, changes, [sum(not p for _, _, p in mine) for mine in answers],
@@ -665,8 +661,8 @@ def agreement_main(args):
         table = agreement_table(results)
         write_results(args.out, results, table)
         rows = np.concatenate([agreement_rows(d, c, args.max_change) for d, c in zip(dialogues, changes)])
-        plot_agreement(rows, os.path.join(args.out, "agreement.png"), f"{redact(args.simulator)} "
-                       f"({simulator.readout}) vs SAGE's judge: {len(rows)} replies", args.max_change)
+        plot_agreement(rows, f"{args.out}/agreement.png", f"{redact(args.simulator)} ({simulator.readout}) "
+                       f"vs SAGE's judge: {len(rows)} replies", args.max_change)
     except SimulatorError as e:
         fail(f"{e}; {kept}")
     except OSError as e:  # a full disk: the appraisal lines written whole stay, no result is half written

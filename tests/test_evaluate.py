@@ -227,9 +227,7 @@ def test_base_context_nests_with_the_same_simulator(tiny_peft):
 # ----------------------------------------------------------------------------------------------
 # The evaluation loop on the tiny model with the rules user (seconds)
 # ----------------------------------------------------------------------------------------------
-MODELS = [{"label": "base", "adapter_name": None, "adapter_path": None},
-          {"label": "one", "adapter_name": "default", "adapter_path": "x/one"},
-          {"label": "two", "adapter_name": "adapter_1", "adapter_path": "x/two"}]
+MODELS = [("base", None, None), ("one", "default", "x/one"), ("two", "adapter_1", "x/two")]
 
 
 def tiny_run(tiny_peft, tmp_path, personas_file, n=2):

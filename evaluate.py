@@ -33,7 +33,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -184,7 +184,6 @@ def model_summary(records, persona_ids, n_boot=2000, seed=0):
     return {"score": score["value"], "ci_low": score["low"], "ci_high": score["high"],
             "dialogues": len(records), "successes": reasons["success"], "failures": reasons["left"],
             "turns_mean": turns / len(records), **total, "reply_tokens_mean": total["policy_tokens"] / turns,
-            "violation_rate": total["violations"] / turns,
             "per_persona": dict(zip(persona_ids, per_persona))}
 
 
@@ -256,8 +255,8 @@ def results_table(results):
         lines.append(f"| {m['label']} | {m['score']:.1f} [{m['ci_low']:.1f}, {m['ci_high']:.1f}] "
                      f"| {m['cut_replies']} ({m['cut_replies'] / (m['turns_mean'] * n):.0%}) | {vs} "
                      f"| {m['successes']}/{n} | {m['failures']}/{n} | {m['turns_mean']:.1f} "
-                     f"| {m['reply_tokens_mean']:.0f} | {m['violations']} ({m['violation_rate']:.0%}) "
-                     f"| {m['fallbacks']} |")
+                     f"| {m['reply_tokens_mean']:.0f} | {m['violations']} "
+                     f"({m['violations'] / (m['turns_mean'] * n):.0%}) | {m['fallbacks']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -375,19 +374,21 @@ def read_sage_dialogues(path, personas):
         if not isinstance(history, list) or len(history) < 3:
             fail(f"{where}: field 'history' must be a list of messages with a judged reply "
                  "(user, agent, user)")
+        messages, points = [], {}
         for k, m in enumerate(history):
             role = "assistant" if k % 2 else "user"
             if not isinstance(m, dict) or m.get("role") != role or not isinstance(m.get("content"), str):
                 fail(f"{where}: field 'history[{k}]' must be {{role: {role}, content: text}} (messages "
                      "alternate, the user's first)")
-            if role == "user" and not is_emotion(m.get("emotion-point")):
-                fail(f"{where}: field 'history[{k}].emotion-point' must be a number from 0 to 100, "
-                     f"not {m.get('emotion-point')!r}")
+            messages.append({"role": "agent" if k % 2 else "user", "text": m["content"]})
+            if role == "user":
+                points[k] = m.get("emotion-point")
+                if not is_emotion(points[k]):
+                    fail(f"{where}: field 'history[{k}].emotion-point' must be a number from 0 to 100, "
+                         f"not {points[k]!r}")
         text = json.dumps([record, asdict(personas[name])], sort_keys=True, ensure_ascii=False, default=str)
         dialogues.append({"file": path, "line": i + 1, "id": name, "final": record["emo_point"],
-                          "history": [{"role": "agent" if k % 2 else "user", "text": m["content"]}
-                                      for k, m in enumerate(history)],
-                          "points": {k: m["emotion-point"] for k, m in enumerate(history) if k % 2 == 0},
+                          "history": messages, "points": points,
                           "key": hashlib.sha256(text.encode()).hexdigest()[:16]})
     return dialogues or fail(f"{path}: no dialogues")
 
@@ -451,7 +452,8 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
                                "successes": int((column >= SAGE_SUCCESS).sum()),
                                "failures": int((column < SAGE_LEAVE_BELOW).sum())}
     # the models are ranked on the scenarios every file holds
-    shared = [i for i in by_file[dialogues[0]["file"]] if all(i in mine for mine in by_file.values())]
+    first, *others = by_file.values()
+    shared = [i for i in first if all(i in mine for mine in others)]
     shared_finals = np.array([[mine[i] for i in shared] for mine in by_file.values()])
     shared_finals = shared_finals.reshape(len(files), len(shared), 2)  # (files, shared, 2), also with none
     return {
@@ -597,14 +599,13 @@ def check_appraisals_fit(args, dialogues, personas):
     limit = min(args.max_context, window)
     for d in dialogues:
         k = judged_replies(d)[-1][0]
-        state, reply = recorded_state(personas[d["id"]], d, k), d["history"][k]["text"]
         if readout_in_use(args) == "reasoned":
-            messages = appraisal_messages(state, reply, args.judge, args.max_change)
+            messages = appraisal_messages(recorded_state(personas[d["id"]], d, k), d["history"][k]["text"],
+                                          args.judge, args.max_change)
             # the answer's and the re-asking's tokens, as build_simulator leaves them (the defaults)
             added = Simulator.appraisal_tokens + Simulator.retry_tokens
-        else:
-            messages = user_turn_messages(replace(state, history=[*state.history, {"role": "agent",
-                                                                                  "text": reply}]))
+        else:  # the user's next message, asked with the reply in the history (k + 1 messages)
+            messages = user_turn_messages(recorded_state(personas[d["id"]], d, k + 1))
             added = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
                         for t in POSITIVE_REACTIONS + NEGATIVE_REACTIONS)
         # tokenized as the simulator tokenizes it (LocalBackend)

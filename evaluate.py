@@ -231,6 +231,15 @@ def use_model(policy, adapter_name):
 # ----------------------------------------------------------------------------------------------
 # The evaluation loop
 # ----------------------------------------------------------------------------------------------
+def shown(x, digits=2, sign=""):
+    """A statistic and its interval in results.md (the benchmark's and the agreement check's)."""
+    if x is None:
+        return "- (needs 2 files or more that share scenarios)"
+    if not np.isfinite(x["value"]):
+        return "undefined (one side never varies)"
+    return f"{x['value']:{sign}.{digits}f} [{x['low']:{sign}.{digits}f}, {x['high']:{sign}.{digits}f}]"
+
+
 def results_table(results):
     """The markdown table of results.json, with a line saying what was measured."""
     s = results["settings"]
@@ -251,9 +260,9 @@ def results_table(results):
     ]
     for m in results["models"]:
         n, p = m["dialogues"], m.get("vs_base")
-        vs = f"{p['value']:+.1f} [{p['low']:+.1f}, {p['high']:+.1f}]" if p else "-"
         lines.append(f"| {m['label']} | {m['score']:.1f} [{m['ci_low']:.1f}, {m['ci_high']:.1f}] "
-                     f"| {m['cut_replies']} ({m['cut_replies'] / (m['turns_mean'] * n):.0%}) | {vs} "
+                     f"| {m['cut_replies']} ({m['cut_replies'] / (m['turns_mean'] * n):.0%}) "
+                     f"| {shown(p, 1, '+') if p else '-'} "
                      f"| {m['successes']}/{n} | {m['failures']}/{n} | {m['turns_mean']:.1f} "
                      f"| {m['reply_tokens_mean']:.0f} | {m['violations']} "
                      f"({m['violations'] / (m['turns_mean'] * n):.0%}) | {m['fallbacks']} |")
@@ -473,15 +482,6 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
     }
 
 
-def shown(x, digits=2, sign=""):
-    """A statistic and its interval in results.md."""
-    if x is None:
-        return "- (needs 2 files or more that share scenarios)"
-    if not np.isfinite(x["value"]):
-        return "undefined (one side never varies)"
-    return f"{x['value']:{sign}.{digits}f} [{x['low']:{sign}.{digits}f}, {x['high']:{sign}.{digits}f}]"
-
-
 def ranking(files, side):
     """'a > b = c': the files in order of their recorded or simulated score, ties shown as ties."""
     ordered = sorted(files, key=lambda m: -m[side]["value"])
@@ -516,8 +516,7 @@ def agreement_table(report):
         "| simulated successes / failures |", "|---|---|---|---|---|---|"]
     for m in report["files"]:
         rec, sim = m["recorded"], m["simulated"]
-        lines.append(f"| {m['label']} | {m['dialogues']} | {rec['value']:.1f} [{rec['low']:.1f}, "
-                     f"{rec['high']:.1f}] | {sim['value']:.1f} [{sim['low']:.1f}, {sim['high']:.1f}] "
+        lines.append(f"| {m['label']} | {m['dialogues']} | {shown(rec, 1)} | {shown(sim, 1)} "
                      f"| {rec['successes']} / {rec['failures']} | {sim['successes']} / {sim['failures']} |")
     lines += ["", f"Rank order of the models, Kendall's tau-b over the {report['models']['scenarios']} "
               f"scenarios every file holds: {shown(report['models']['kendall_tau_b'])}; recorded "
@@ -541,7 +540,7 @@ def plot_agreement(rows, path, title="", max_change=10):
     edges = np.arange(-m - 0.5, m + 1)
     fig, ax = plt.subplots(figsize=(6, 5))
     # counts under 1 (cmin) are NaN: an empty cell is blank
-    *_, cells = ax.hist2d(*np.rint(rows).T, bins=[edges, edges], cmin=1, norm=LogNorm())
+    *_, cells = ax.hist2d(*np.rint(rows).T, bins=edges, cmin=1, norm=LogNorm())  # the same edges on x and y
     fig.colorbar(cells, ax=ax, label="replies")
     ax.plot([-m, m], [-m, m], color="red", ls="--", lw=0.8)
     ax.set(xlabel="recorded change (SAGE's judge)", ylabel="simulated change (this simulator)")

@@ -34,6 +34,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from itertools import groupby
 
 import numpy as np
 from tqdm import tqdm
@@ -334,11 +335,12 @@ def kendall_tau_b(x, y):
     return (sx * sy).sum() / denominator if denominator > 0 else np.nan
 
 
-# What is compared, each a function of (replies, 2) rows of (recorded, simulated) changes.
+# What is compared, each a function of (replies, 2) rows of (recorded, simulated) changes: r.T is
+# the recorded column, then the simulated one.
 STATISTICS = {"spearman": lambda r: spearman(*r.T),
               "pearson": lambda r: pearson(*r.T),
-              "direction_agreement": lambda r: np.mean(np.sign(r[:, 0]) == np.sign(r[:, 1])),
-              "mae": lambda r: np.mean(np.abs(r[:, 0] - r[:, 1]))}
+              "direction_agreement": lambda r: np.mean(np.equal(*np.sign(r.T))),
+              "mae": lambda r: np.mean(np.abs(np.subtract(*r.T)))}
 
 
 def kendall_with_interval(finals, n_boot=2000, seed=0):
@@ -484,9 +486,9 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
 
 def ranking(files, side):
     """'a > b = c': the files in order of their recorded or simulated score, ties shown as ties."""
-    ordered = sorted(files, key=lambda m: -m[side]["value"])
-    return ordered[0]["label"] + "".join((" = " if m[side]["value"] == before[side]["value"] else " > ")
-                                         + m["label"] for before, m in zip(ordered, ordered[1:]))
+    ordered = sorted(files, key=lambda m: -m[side]["value"])  # stable: ties keep the files' order
+    return " > ".join(" = ".join(m["label"] for m in tied)
+                      for _, tied in groupby(ordered, key=lambda m: m[side]["value"]))
 
 
 def agreement_table(report):
@@ -557,29 +559,6 @@ def plot_agreement(rows, path, title="", max_change=10):
         if os.path.exists(tmp):
             os.remove(tmp)
     return fig
-
-
-def appraise_dialogues(simulator, dialogues, personas, store, batch_dialogues=4):
-    """The simulator's [(change, appraisal, parsed) per judged reply] of each dialogue, in order. Each
-    batch of dialogues is one call to simulator.appraise (all their replies at once); each finished
-    dialogue is appended to `store` at once, so a stopped check keeps it and --resume skips it (a line
-    cut short by a crash is skipped; the progress bar counts the replies left). --resume keeps every
-    setting that changes an appraisal, so the rows kept are this check's."""
-    done = {row["key"]: row for row in rows_with(store, None)}
-    todo = [d for d in dialogues if d["key"] not in done]
-    bar = tqdm(total=sum(len(judged_replies(d)) for d in todo), desc="agreement: replies")  # those left
-    for start in range(0, len(todo), batch_dialogues):
-        part = todo[start:start + batch_dialogues]
-        jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
-        answers = iter(simulator.appraise([recorded_state(personas[d["id"]], d, k) for d, k in jobs],
-                                          [d["history"][k]["text"] for d, k in jobs]))
-        rows = [{"key": d["key"], "id": d["id"], "appraisals": [next(answers) for _ in judged_replies(d)]}
-                for d in part]
-        append_lines(store, rows)
-        done.update((row["key"], row) for row in rows)
-        bar.update(len(jobs))
-    bar.close()
-    return [done[d["key"]]["appraisals"] for d in dialogues]
 
 
 def check_appraisals_fit(args, dialogues, personas):
@@ -653,7 +632,26 @@ def agreement_main(args):
     config = public_config(args, "evaluate.py")
     try:  # config.json: the settings, the folder's mark, which --resume reads back
         write_atomically(f"{args.out}/config.json", json.dumps(config))
-        answers = appraise_dialogues(simulator, dialogues, personas, store, args.batch_dialogues)
+        # The simulator's (change, appraisal, parsed) for every judged reply: each batch of dialogues is
+        # one call to simulator.appraise (all their replies at once), and each finished dialogue is
+        # appended to the store at once, so a stopped check keeps it and --resume skips it (a line cut
+        # short by a crash is skipped). --resume keeps every setting that changes an appraisal, so the
+        # rows kept are this check's. The progress bar counts the replies left to ask.
+        done = {row["key"]: row["appraisals"] for row in rows_with(store, None)}
+        todo = [d for d in dialogues if d["key"] not in done]
+        bar = tqdm(total=sum(len(judged_replies(d)) for d in todo), desc="agreement: replies")
+        for start in range(0, len(todo), args.batch_dialogues):
+            part = todo[start:start + args.batch_dialogues]
+            jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
+            answers = iter(simulator.appraise([recorded_state(personas[d["id"]], d, k) for d, k in jobs],
+                                              [d["history"][k]["text"] for d, k in jobs]))
+            rows = [{"key": d["key"], "id": d["id"], "appraisals": [next(answers) for _ in judged_replies(d)]}
+                    for d in part]
+            append_lines(store, rows)
+            done.update((row["key"], row["appraisals"]) for row in rows)
+            bar.update(len(jobs))
+        bar.close()
+        answers = [done[d["key"]] for d in dialogues]  # (change, appraisal, parsed) per judged reply
         changes = [[change for change, _, _ in mine] for mine in answers]
         report = agreement_report(dialogues, changes, [sum(not p for _, _, p in mine) for mine in answers],
                                   args.max_change, args.bootstrap, args.seed)

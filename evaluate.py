@@ -15,8 +15,8 @@ Each run writes into a folder of its own (--out, created; default runs/eval__<ti
 (every number, per persona), results.md (the table for a README) and transcripts.jsonl (one dialogue a
 line, tagged with its model; appended as each model finishes).
 
-Capability retention (RLVER reports that math and code stay intact) is for a standard harness such as
-lm-evaluation-harness, run on the adapter folder (docs/evaluate.md).
+Capability retention (RLVER reports that math and code stay intact) is for a standard harness, such as
+lm-evaluation-harness on the base with the adapter (`--model hf --model_args pretrained=BASE,peft=ADAPTER`).
 
 Does a simulated user agree with the judge behind SAGE's numbers? Its changes on SAGE's recorded
 dialogues against the recorded ones; `--resume OUT` continues a check that was stopped:

@@ -9,15 +9,14 @@ The models under test are the base (every adapter disabled) and each --adapter o
 weights are loaded once. With --simulator same the simulated user is the frozen base for all of them.
 
     python evaluate.py --model smollm2 --personas personas.json --split test
-    python evaluate.py --adapter runs/ppo__0__1700000000 [another adapter ...] \\
-        --math tests/data/math_problems.jsonl --out runs/eval_ppo
+    python evaluate.py --adapter runs/ppo__0__1700000000 [another adapter ...] --out runs/eval_ppo
 
 Each run writes into a folder of its own (--out, created; default runs/eval__<time>): results.json
-(every number, per persona), results.md (the table for a README), transcripts.jsonl (one dialogue a
-line, tagged with its model; appended as each model finishes) and trajectories.png.
+(every number, per persona), results.md (the table for a README) and transcripts.jsonl (one dialogue a
+line, tagged with its model; appended as each model finishes).
 
-Capability retention (RLVER reports that math and code stay intact): --math FILE asks every model
-every question of a JSON-lines file {id, question, answer} and reports exact-match accuracy.
+Capability retention (RLVER reports that math and code stay intact) is for a standard harness, such as
+lm-evaluation-harness on the base with the adapter (`--model hf --model_args pretrained=BASE,peft=ADAPTER`).
 
 Does a simulated user agree with the judge behind SAGE's numbers? Its changes on SAGE's recorded
 dialogues against the recorded ones; `--resume OUT` continues a check that was stopped:
@@ -27,7 +26,6 @@ dialogues against the recorded ones; `--resume OUT` continues a check that was s
 """
 import contextlib
 import hashlib
-import inspect
 import json
 import os
 import re
@@ -35,15 +33,14 @@ import signal
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
-from fractions import Fraction
+from dataclasses import asdict, dataclass
+from itertools import groupby
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
-                     eos_ids, load_policy, play_dialogues, sampling_settings)
+                     load_policy, play_dialogues, sampling_settings)
 from run import (HELD, append_lines, at_least, checkpoints, default_device, fail, finite, load_model,
                  load_tokenizer, lock, new_folder, one_of, parse_settings, public_config, read_json_lines,
                  read_run, redact, release, resolve_model, rows_with, set_seed, setting, transcript_record,
@@ -68,11 +65,11 @@ class EvalSettings:
                                      "read-out)", one_of("training", "heldout"))
     dialogues: int = setting(0, "the first N personas of the split; with --agreement the first N dialogues "
                                 "of each file (0 = all)", at_least(0))
-    sample: bool = setting(False, "sample the agent's replies instead of greedy decoding")
-    samples: int = setting(1, "dialogues per persona (needs --sample when > 1)", at_least(1))
+    # one setting for both, so that K greedy dialogues (the same one K times) cannot be asked for
+    samples: int = setting(0, "dialogues per persona with sampled replies (0: one with greedy decoding, "
+                              "SAGE's)", at_least(0))
     bootstrap: int = setting(2000, "bootstrap resamples for the 95%% intervals", at_least(1))
     seed: int = setting(0, "random seed of the sampled replies and of the bootstrap")
-    math: str = setting("", "JSON lines {id, question, answer}: capability check, 256 tokens an answer")
     agreement: list[str] = setting([], "SAGE result files (JSON lines: id, emo_point, history), one per "
                                        "evaluated model: check the simulator against their judge instead of "
                                        "evaluating (docs/evaluate.md)")
@@ -85,48 +82,47 @@ class EvalSettings:
 
     @staticmethod
     def check(args):
-        if args.samples > 1 and not args.sample:
-            fail("--samples: greedy decoding plays the same dialogue every time; add --sample for "
-                 "--samples > 1")
-        take_run_settings(args)
-        readout = args.readout if args.readout != "auto" else auto_readout(user_model(args))[0]
-        if args.judge == "heldout" and readout != "reasoned":
+        """--adapter as policy adapter folders, and the settings they were trained with. A run folder
+        gives its newest complete checkpoint, a checkpoint its policy (default/); PPO's critic is a
+        value model. An adapter of a trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it
+        was trained: the base model, thinking, tokens a reply and context come from the run's
+        config.json unless given here. With evaluate.py's own defaults a think-then-say agent trained
+        with 512 tokens would be cut at 128, mid-thought, and the user would hear silence. Runs that
+        disagree: one line (which to take is not guessed); fewer tokens a reply than in training: a
+        warning. The held-out judge needs the reasoned read-out."""
+        runs = []
+        for i, path in enumerate(args.adapter):
+            path = os.path.normpath((checkpoints(path) or [path])[-1])
+            if os.path.isdir(f"{path}/default"):
+                path = f"{path}/default"
+            if path.endswith("critic") or not os.path.isfile(f"{path}/adapter_config.json"):
+                fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; PPO's "
+                     "critic is a value model)")
+            args.adapter[i] = path
+            if path.split(os.sep)[-3:-2] == ["checkpoints"]:  # RUN/checkpoints/iter_N/default
+                runs.append(read_run(f"{path}/../../.."))
+        runs = [run for run in runs if run]  # the saved settings of the runs the adapters come from
+        for name in ("model", "thinking", "max_new_tokens", "max_context"):
+            values = {run[name] for run in runs}
+            if values and name not in args.given:
+                if len(values) > 1:
+                    fail(f"--adapter: the runs were trained with different --{name.replace('_', '-')} "
+                         f"({sorted(values)}): give it to evaluate them alike")
+                setattr(args, name, values.pop())
+        trained = max([run["max_new_tokens"] for run in runs], default=0)
+        if args.max_new_tokens < trained:
+            print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} tokens a "
+                  f"reply the adapter trained with: cut replies are counted in results.md", file=sys.stderr)
+        SamplingSettings.check(args)  # the context taken must still hold a whole reply
+        if args.judge == "heldout" and readout_in_use(args) != "reasoned":
             fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
-                 f"{redact(args.simulator)} reads out '{readout}'")
-        args.out = args.out or os.path.join("runs", f"eval__{int(time.time())}")
+                 f"{redact(args.simulator)} reads out '{readout_in_use(args)}'")
+        args.out = args.out or f"runs/eval__{int(time.time())}"
 
 
-def take_run_settings(args):
-    """--adapter as policy adapter folders, and the settings they were trained with. A run folder gives
-    its newest complete checkpoint, a checkpoint its policy (default/); PPO's critic is a value model.
-    An adapter of a trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it was trained: the
-    base model, thinking, tokens a reply and context come from the run's config.json unless given here.
-    With evaluate.py's own defaults a think-then-say agent trained with 512 tokens would be cut at
-    128, mid-thought, and the user would hear silence. Runs that disagree: one line (which to take is
-    not guessed); fewer tokens a reply than in training: a warning."""
-    runs = []
-    for i, path in enumerate(args.adapter):
-        path = os.path.normpath(checkpoints(path)[-1] if checkpoints(path) else path)
-        path = os.path.join(path, "default") if os.path.isdir(os.path.join(path, "default")) else path
-        if path.endswith("critic") or not os.path.isfile(os.path.join(path, "adapter_config.json")):
-            fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; PPO's critic "
-                 "is a value model)")
-        args.adapter[i] = path
-        in_a_run = path.split(os.sep)[-3:-2] == ["checkpoints"]  # RUN/checkpoints/iter_N/default
-        runs.append(read_run(os.path.join(path, "..", "..", "..")) if in_a_run else None)
-    runs = [run for run in runs if run]  # the saved settings of the runs the adapters come from
-    for name in ("model", "thinking", "max_new_tokens", "max_context"):
-        values = {run[name] for run in runs}
-        if values and name not in args.given:
-            if len(values) > 1:
-                fail(f"--adapter: the runs were trained with different --{name.replace('_', '-')} "
-                     f"({sorted(values)}): give it to evaluate them alike")
-            setattr(args, name, values.pop())
-    trained = max([run["max_new_tokens"] for run in runs], default=0)
-    if args.max_new_tokens < trained:
-        print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} tokens a reply "
-              f"the adapter trained with: cut replies are counted in results.md", file=sys.stderr)
-    SamplingSettings.check(args)  # the context taken must still hold a whole reply
+def readout_in_use(args):
+    """The read-out --readout names, or the one auto picks for the model that plays the user."""
+    return auto_readout(user_model(args))[0] if args.readout == "auto" else args.readout
 
 
 # SAGE (github.com/Tencent/digitalhuman, SAGE/test_npc.py and simulator_response.py) starts every
@@ -151,7 +147,8 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------
 def with_interval(groups, statistic=np.mean, n_boot=2000, seed=0):
     """{value, low, high}: statistic(rows) of all groups' rows, and its 95% percentile bootstrap
-    interval when whole groups are resampled with replacement. A group is what is independent: a
+    interval when whole groups are resampled with replacement (groups: a list of arrays, or an array
+    whose first axis is the groups). A group is what is independent: a
     persona's score, or a dialogue's (replies, 2) rows, since its replies share a persona and a
     history (resampling them one by one would make the interval too narrow). Resamples where the
     statistic is undefined (NaN) are dropped."""
@@ -167,8 +164,8 @@ def paired_difference(treated, base, n_boot=2000, seed=0):
     """Mean of treated - base over the same personas, with a bootstrap interval that resamples
     personas (pairs), not the two lists separately: persona difficulty, which moves both scores
     alike, then cancels out, and the interval is much tighter than from two independent ones."""
-    diff = np.asarray(treated, dtype=float) - np.asarray(base, dtype=float)
-    return {**with_interval(list(diff[:, None]), np.mean, n_boot, seed), "n": len(diff)}
+    diff = np.subtract(treated, base, dtype=float)
+    return {**with_interval(diff[:, None], np.mean, n_boot, seed), "n": len(diff)}
 
 
 def model_summary(records, persona_ids, n_boot=2000, seed=0):
@@ -180,91 +177,15 @@ def model_summary(records, persona_ids, n_boot=2000, seed=0):
     violations, simulator fallbacks."""
     per_persona = np.array([np.mean([r["final_emotion"] for r in records if r["persona_id"] == p])
                             for p in persona_ids])
-    score = with_interval(list(per_persona[:, None]), np.mean, n_boot, seed)
-    turns = sum(len(r["turn_ends"]) for r in records)
+    score = with_interval(per_persona[:, None], np.mean, n_boot, seed)
+    turns = sum(len(r["turn_ends"]) for r in records)  # at least one a dialogue (check_openings_fit)
     total = {k: sum(r[k] for r in records)
              for k in ("cut_replies", "policy_tokens", "violations", "fallbacks")}
     reasons = Counter(r["end_reason"] for r in records)
     return {"score": score["value"], "ci_low": score["low"], "ci_high": score["high"],
             "dialogues": len(records), "successes": reasons["success"], "failures": reasons["left"],
-            "turns_mean": turns / len(records), **total,
-            "reply_tokens_mean": total["policy_tokens"] / max(1, turns),
-            "violation_rate": total["violations"] / max(1, turns),
+            "turns_mean": turns / len(records), **total, "reply_tokens_mean": total["policy_tokens"] / turns,
             "per_persona": dict(zip(persona_ids, per_persona))}
-
-
-def mean_trajectory(trajectories):
-    """Mean emotion per turn. A dialogue that has ended keeps its final emotion, so the curve
-    ends at the score (the mean final emotion) instead of at the mean of the longest talks."""
-    width = max(len(t) for t in trajectories)
-    padded = np.array([t + t[-1:] * (width - len(t)) for t in trajectories], dtype=float)  # (D, T)
-    return padded.mean(0).tolist()
-
-
-# ----------------------------------------------------------------------------------------------
-# Math answers: a deliberately small rule (tested on its cases)
-# ----------------------------------------------------------------------------------------------
-MATH_PROMPT = ("Solve the problem step by step, briefly. End with a last line of the form "
-               "'Answer: <number>' holding only the final number.")
-NUMBER = re.compile(r"-?\d*\.?\d+(?:/\d*\.?\d+)?")  # 12, -3.5, .5, 3/4
-
-
-def extract_answer(text):
-    """The last number in the last \\boxed{...}, or in the whole text when there is none; '' without
-    a number. Thousands separators go ('1,200' is 1200) and \\frac{a}{b} is a/b. Answers that are
-    not numbers (2\\sqrt{3}, intervals) are beyond this check."""
-    text = re.sub(r"\\d?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", r"\1/\2", text.replace("\u2212", "-"))
-    text = re.sub(r"(?<=\d),(?=\d{3})", "", text)
-    boxed = re.findall(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}", text)
-    numbers = NUMBER.findall(boxed[-1] if boxed else text)
-    return numbers[-1] if numbers else ""
-
-
-def answers_match(predicted, reference):
-    """Exact match as fractions: '0.5' == '1/2' == '0.50'; what is not a number matches nothing."""
-    try:
-        return Fraction(predicted) == Fraction(reference)
-    except (ValueError, ZeroDivisionError):
-        return False
-
-
-def graded(problem, output):
-    """A model's answer to a problem, with what was read from it and whether it is right."""
-    extracted = extract_answer(output)
-    return {**problem, "output": output, "extracted": extracted,
-            "correct": answers_match(extracted, problem["answer"])}
-
-
-def load_math(path):
-    """A JSON-lines file of {id, question, answer}; a bad line: one line naming it, exit 2."""
-    problems = []
-    for i, entry in read_json_lines(path, fail):
-        if not isinstance(entry, dict) or not {"id", "question", "answer"} <= entry.keys():
-            fail(f"{path}: line {i + 1}: must be an object with the fields id, question and answer")
-        problems.append({k: str(entry[k]) for k in ("id", "question", "answer")})
-    return problems or fail(f"{path}: no questions")
-
-
-@torch.no_grad()
-def answer_questions(policy, tokenizer, problems, desc="math"):
-    """Greedy answers of 256 tokens at most to each question, with a plain system prompt (no thinking
-    scaffold), 8 at a time, left-padded so that every row's answer starts at the same column."""
-    policy.eval()
-    outputs = []
-    for i in tqdm(range(0, len(problems), 8), desc=desc, leave=False):
-        # enable_thinking=False switches off Qwen3-style templates' own thinking; others ignore it.
-        chats = [[{"role": "system", "content": MATH_PROMPT}, {"role": "user", "content": p["question"]}]
-                 for p in problems[i:i + 8]]
-        enc = tokenizer.apply_chat_template(chats, add_generation_prompt=True, enable_thinking=False,
-                                            padding=True, return_dict=True, return_tensors="pt")
-        ids = enc["input_ids"].to(policy.device)                                 # (8, prompt)
-        # every sampling setting given, so that no model default (Qwen2.5's repetition_penalty) applies
-        out = policy.generate(ids, attention_mask=enc["attention_mask"].to(ids.device), do_sample=False,
-                              temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,
-                              max_new_tokens=256, eos_token_id=eos_ids(tokenizer),
-                              pad_token_id=tokenizer.pad_token_id)
-        outputs += tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
-    return [o.strip() for o in outputs]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,12 +193,12 @@ def answer_questions(policy, tokenizer, problems, desc="math"):
 # ----------------------------------------------------------------------------------------------
 def load_models(args):
     """One PeftModel: the first adapter as 'default' (or a fresh LoRA, the identity since B = 0),
-    further adapters by name. Returns (policy, tokenizer, models); models[0] is the base. Each one
-    is labelled by its folder (a checkpoint's policy by the checkpoint). An adapter whose weights do
-    not all load into the base (made for another model) ends the program with one line naming
-    both, instead of being scored half-loaded."""
-    path = args.adapter[0] if args.adapter else None
-    models = [{"label": "base", "adapter_name": None, "adapter_path": None}]
+    further adapters by name. Returns (policy, tokenizer, models): (label, adapter name, adapter
+    folder) each, models[0] the base (None, None). Each one is labelled by its folder (a checkpoint's
+    policy by the checkpoint). An adapter whose weights do not all load into the base (made for
+    another model) ends the program with one line naming both, instead of being scored half-loaded."""
+    path = (args.adapter or [None])[0]
+    models = [("base", None, None)]
     try:
         policy, tokenizer = load_policy(args.model, adapter=path, trainable=False, device=default_device(),
                                         load_in_4bit=args.load_in_4bit, dtype=args.dtype,
@@ -290,8 +211,8 @@ def load_models(args):
             if missing or result.unexpected_keys:
                 raise RuntimeError(f"{len(missing)} of its weights missing (e.g. {(missing or ['-'])[0]}), "
                                    f"{len(result.unexpected_keys)} unexpected")
-            label = os.path.basename(os.path.dirname(path) if path.endswith(os.sep + "default") else path)
-            models.append({"label": label, "adapter_name": name, "adapter_path": path})
+            label = os.path.basename(path.removesuffix("/default"))  # a checkpoint's policy: the checkpoint
+            models.append((label, name, path))
     except RuntimeError as e:  # torch's size mismatches (another hidden size): the first says why, in shapes
         why = [line.strip() for line in str(e).splitlines() if "size mismatch" in line] + str(e).splitlines()
         fail(f"--adapter {path} does not fit --model {args.model}: {why[0][:300]}")
@@ -309,13 +230,21 @@ def use_model(policy, adapter_name):
 
 
 # ----------------------------------------------------------------------------------------------
-# Outputs: results.md, plots
+# The evaluation loop
 # ----------------------------------------------------------------------------------------------
+def shown(x, digits=2, sign=""):
+    """A statistic and its interval in results.md (the benchmark's and the agreement check's)."""
+    if x is None:
+        return "- (needs 2 files or more that share scenarios)"
+    if not np.isfinite(x["value"]):
+        return "undefined (one side never varies)"
+    return f"{x['value']:{sign}.{digits}f} [{x['low']:{sign}.{digits}f}, {x['high']:{sign}.{digits}f}]"
+
+
 def results_table(results):
     """The markdown table of results.json, with a line saying what was measured."""
     s = results["settings"]
-    math = "math_accuracy" in results["models"][0]
-    decoding = f"{s['samples']} sampled (T={s['temperature']})" if s["sample"] else "1 greedy"
+    decoding = f"{s['samples']} sampled (T={s['temperature']})" if s["samples"] else "1 greedy"
     lines = [
         f"{len(results['persona_ids'])} personas from `{os.path.basename(s['personas'])}` "
         f"(split {s['split']}), {decoding} dialogue(s) each; simulator `{s['simulator']}` (read-out "
@@ -327,113 +256,52 @@ def results_table(results):
         "agent turn, thought included.",
         "",
         "| model | score | cut replies | vs base | successes | failures | turns | reply tokens "
-        "| think violations | sim. fallbacks |" + (" math acc. |" if math else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if math else ""),
+        "| think violations | sim. fallbacks |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in results["models"]:
         n, p = m["dialogues"], m.get("vs_base")
-        vs = f"{p['value']:+.1f} [{p['low']:+.1f}, {p['high']:+.1f}]" if p else "-"
         lines.append(f"| {m['label']} | {m['score']:.1f} [{m['ci_low']:.1f}, {m['ci_high']:.1f}] "
-                     f"| {m['cut_replies']} ({m['cut_replies'] / max(1, m['turns_mean'] * n):.0%}) | {vs} "
+                     f"| {m['cut_replies']} ({m['cut_replies'] / (m['turns_mean'] * n):.0%}) "
+                     f"| {shown(p, 1, '+') if p else '-'} "
                      f"| {m['successes']}/{n} | {m['failures']}/{n} | {m['turns_mean']:.1f} "
-                     f"| {m['reply_tokens_mean']:.0f} | {m['violations']} ({m['violation_rate']:.0%}) "
-                     f"| {m['fallbacks']} |" + (f" {m['math_accuracy']:.1%} |" if math else ""))
+                     f"| {m['reply_tokens_mean']:.0f} | {m['violations']} "
+                     f"({m['violations'] / (m['turns_mean'] * n):.0%}) | {m['fallbacks']} |")
     return "\n".join(lines) + "\n"
 
 
-def save_figure(fig, path):
-    """Lay out, save and close a figure, written whole or not at all (a temporary file renamed over, as
-    run.write_atomically), so that a full disk or a kill never leaves half a PNG. Returns it."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    fig.tight_layout()
-    try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
-    finally:
-        pyplot().close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return fig
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers and CI
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_trajectories(runs, start_emotion, leave_below, path):
-    """Emotion before the first reply and after each: a thin line per dialogue, a thick mean line per
-    model. runs: a list of (label, records)."""
-    fig, ax = pyplot().subplots(figsize=(8, 4.5))
-    for i, (label, records) in enumerate(runs):
-        paths = [[start_emotion] + r["emotions"] for r in records]
-        for p in paths:
-            ax.plot(p, color=f"C{i}", lw=0.9, alpha=0.45)
-        ax.plot(mean_trajectory(paths), color=f"C{i}", lw=3, label=f"{label} (mean)")
-    ax.axhline(100, color="grey", ls="--", lw=0.8)             # success
-    ax.axhline(leave_below, color="grey", ls=":", lw=0.8)      # the user leaves below it
-    ax.set(ylim=(-2, 102), xlabel="agent turn (0 = the opening)", ylabel="user emotion")
-    ax.locator_params(axis="x", integer=True)
-    ax.set_title("Emotion per turn: thin lines one dialogue each, thick the mean per model (a dialogue that\n"
-                 "ended early keeps its final emotion in the mean); dashed: success, dotted: the user leaves",
-                 fontsize=9)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
-
-
-# ----------------------------------------------------------------------------------------------
-# The evaluation loop
-# ----------------------------------------------------------------------------------------------
 def write_results(out, results, table):
     """results.json and results.md, each replaced whole (run.write_atomically). results.json is strict
     JSON: a statistic that is undefined (NaN) is written as null."""
-    write_atomically(os.path.join(out, "results.json"),
-                     json.dumps(finite(results), indent=1, ensure_ascii=False, allow_nan=False))
-    write_atomically(os.path.join(out, "results.md"), table)
+    write_atomically(f"{out}/results.json", json.dumps(finite(results), indent=1, ensure_ascii=False,
+                                                       allow_nan=False))
+    write_atomically(f"{out}/results.md", table)
 
 
-def run_evaluation(args, policy, tokenizer, simulator, personas, models, problems=None):
-    """Every model plays every persona (and answers the math questions); writes into args.out and
-    returns the results dict. results.json and results.md are rewritten after each model, so a
+def run_evaluation(args, policy, tokenizer, simulator, personas, models):
+    """Every model plays every persona; writes into args.out and returns the results dict.
+    results.json and results.md are rewritten after each model (complete after the last), so a
     failure half way leaves the finished models' numbers and transcripts on disk."""
     ids = [p.id for p in personas]
     results = {"complete": False, "settings": public_config(args, "evaluate.py"),
                "readout": simulator.readout, "persona_ids": ids, "models": []}
-    played = []
-    for m in models:
+    for done, (label, adapter_name, path) in enumerate(models, 1):
         set_seed(args.seed)  # the same random stream for every model when sampling
         t0 = time.time()
-        with use_model(policy, m["adapter_name"]):
-            records, _ = play_dialogues(policy, tokenizer, simulator, personas, args.samples,
-                                        **{**sampling_settings(args), "greedy": not args.sample},
-                                        desc=f"{m['label']}: dialogues")
-            answers = answer_questions(policy, tokenizer, problems, f"{m['label']}: math") if problems else []
-        append_lines(os.path.join(args.out, "transcripts.jsonl"),
-                     [transcript_record(r, model=m["label"]) for r in records])
-        summary = {"label": m["label"], "adapter": m["adapter_path"],
+        with use_model(policy, adapter_name):
+            records, _ = play_dialogues(policy, tokenizer, simulator, personas, args.samples or 1,
+                                        **{**sampling_settings(args), "greedy": not args.samples},
+                                        desc=f"{label}: dialogues")
+        append_lines(f"{args.out}/transcripts.jsonl", [transcript_record(r, model=label) for r in records])
+        summary = {"label": label, "adapter": path,
                    **model_summary(records, ids, args.bootstrap, args.seed), "seconds": time.time() - t0}
-        if m["adapter_name"]:
+        if adapter_name:
             summary["vs_base"] = paired_difference(list(summary["per_persona"].values()),
                                                    list(results["models"][0]["per_persona"].values()),
                                                    args.bootstrap, args.seed)
-        if answers:
-            summary["math_answers"] = [graded(q, a) for q, a in zip(problems, answers)]
-            summary["math_accuracy"] = np.mean([g["correct"] for g in summary["math_answers"]])
         results["models"].append(summary)
-        played.append((m["label"], records))
+        results["complete"] = done == len(models)
         write_results(args.out, results, results_table(results))
-        math = f", math {summary['math_accuracy']:.1%}" if answers else ""
-        print(f"{m['label']}: score {summary['score']:.1f} [{summary['ci_low']:.1f}, "
-              f"{summary['ci_high']:.1f}], {summary['successes']} successes, {summary['failures']} failures, "
-              f"{summary['cut_replies']} cut replies, {summary['seconds']:.0f} s{math}", file=sys.stderr)
-    results["complete"] = True
-    write_results(args.out, results, results_table(results))
-    plot_trajectories(played, simulator.start_emotion, simulator.leave_below,
-                      os.path.join(args.out, "trajectories.png"))
     return results
 
 
@@ -467,11 +335,12 @@ def kendall_tau_b(x, y):
     return (sx * sy).sum() / denominator if denominator > 0 else np.nan
 
 
-# What is compared, each a function of (replies, 2) rows of (recorded, simulated) changes.
-STATISTICS = {"spearman": lambda r: spearman(r[:, 0], r[:, 1]),
-              "pearson": lambda r: pearson(r[:, 0], r[:, 1]),
-              "direction_agreement": lambda r: np.mean(np.sign(r[:, 0]) == np.sign(r[:, 1])),
-              "mae": lambda r: np.mean(np.abs(r[:, 0] - r[:, 1]))}
+# What is compared, each a function of (replies, 2) rows of (recorded, simulated) changes: r.T is
+# the recorded column, then the simulated one.
+STATISTICS = {"spearman": lambda r: spearman(*r.T),
+              "pearson": lambda r: pearson(*r.T),
+              "direction_agreement": lambda r: np.mean(np.equal(*np.sign(r.T))),
+              "mae": lambda r: np.mean(np.abs(np.subtract(*r.T)))}
 
 
 def kendall_with_interval(finals, n_boot=2000, seed=0):
@@ -483,7 +352,7 @@ def kendall_with_interval(finals, n_boot=2000, seed=0):
     if len(finals) < 2 or finals.shape[1] == 0:
         return None
     tau = lambda rows: kendall_tau_b(*rows.mean(0).T)  # noqa: E731  rows (draws, files, 2) -> files' means
-    return with_interval(list(finals.transpose(1, 0, 2)[:, None]), tau, n_boot, seed)
+    return with_interval(finals.transpose(1, 0, 2)[:, None], tau, n_boot, seed)
 
 
 def is_emotion(value):
@@ -502,12 +371,13 @@ def read_sage_dialogues(path, personas):
     dialogues, lines = [], {}
     for i, record in read_json_lines(path, fail):
         where = f"{path}: line {i + 1}"
-        if not isinstance(record, dict) or str(record.get("id")) not in personas:
+        name = str(record.get("id")) if isinstance(record, dict) else None
+        if name not in personas:
             fail(f"{where}: must be an object whose field 'id' names a persona of the --personas file")
-        where += f" (id {record['id']})"
-        if str(record["id"]) in lines:  # a second "model" or a repeated line would count its replies twice
-            fail(f"{where}: field 'id' is on line {lines[str(record['id'])]} too: one dialogue per scenario")
-        lines[str(record["id"])] = i + 1
+        where += f" (id {name})"
+        if name in lines:  # a second "model" or a repeated line would count its replies twice
+            fail(f"{where}: field 'id' is on line {lines[name]} too: one dialogue per scenario")
+        lines[name] = i + 1
         if not is_emotion(record.get("emo_point")):
             fail(f"{where}: field 'emo_point' must be a number from 0 to 100 (the final emotion), "
                  f"not {record.get('emo_point')!r}")
@@ -515,20 +385,21 @@ def read_sage_dialogues(path, personas):
         if not isinstance(history, list) or len(history) < 3:
             fail(f"{where}: field 'history' must be a list of messages with a judged reply "
                  "(user, agent, user)")
+        messages, points = [], {}
         for k, m in enumerate(history):
             role = "assistant" if k % 2 else "user"
             if not isinstance(m, dict) or m.get("role") != role or not isinstance(m.get("content"), str):
                 fail(f"{where}: field 'history[{k}]' must be {{role: {role}, content: text}} (messages "
                      "alternate, the user's first)")
-            if role == "user" and not is_emotion(m.get("emotion-point")):
-                fail(f"{where}: field 'history[{k}].emotion-point' must be a number from 0 to 100, "
-                     f"not {m.get('emotion-point')!r}")
-        text = json.dumps([record, asdict(personas[str(record["id"])])], sort_keys=True, ensure_ascii=False,
-                          default=str)
-        dialogues.append({"file": path, "line": i + 1, "id": str(record["id"]), "final": record["emo_point"],
-                          "history": [{"role": "agent" if k % 2 else "user", "text": m["content"]}
-                                      for k, m in enumerate(history)],
-                          "points": {k: m["emotion-point"] for k, m in enumerate(history) if k % 2 == 0},
+            messages.append({"role": "agent" if k % 2 else "user", "text": m["content"]})
+            if role == "user":
+                points[k] = m.get("emotion-point")
+                if not is_emotion(points[k]):
+                    fail(f"{where}: field 'history[{k}].emotion-point' must be a number from 0 to 100, "
+                         f"not {points[k]!r}")
+        text = json.dumps([record, asdict(personas[name])], sort_keys=True, ensure_ascii=False, default=str)
+        dialogues.append({"file": path, "line": i + 1, "id": name, "final": record["emo_point"],
+                          "history": messages, "points": points,
                           "key": hashlib.sha256(text.encode()).hexdigest()[:16]})
     return dialogues or fail(f"{path}: no dialogues")
 
@@ -577,6 +448,7 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
     file is one evaluated model) and the ranking of the files."""
     groups = [agreement_rows(d, c, max_change) for d, c in zip(dialogues, changes)]
     rows = np.concatenate(groups)                                          # (replies, 2)
+    recorded, simulated = rows.T                                           # (replies,) each
     finals = np.array([(d["final"], simulated_final(d["points"][0], c, max_change))
                        for d, c in zip(dialogues, changes)], dtype=float)  # (dialogues, 2)
     by_file = {}  # file -> {id: (recorded, simulated) final}; ids are unique within a file
@@ -587,11 +459,12 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
         files.append({"label": re.sub(r"(_result)?\.jsonl?$", "", os.path.basename(path)), "file": path,
                       "dialogues": len(mine)})
         for side, column in zip(("recorded", "simulated"), np.array([*mine.values()]).T):
-            files[-1][side] = {**with_interval(list(column[:, None]), np.mean, n_boot, seed),
+            files[-1][side] = {**with_interval(column[:, None], np.mean, n_boot, seed),
                                "successes": int((column >= SAGE_SUCCESS).sum()),
                                "failures": int((column < SAGE_LEAVE_BELOW).sum())}
     # the models are ranked on the scenarios every file holds
-    shared = [i for i in by_file[dialogues[0]["file"]] if all(i in mine for mine in by_file.values())]
+    first, *others = by_file.values()
+    shared = [i for i in first if all(i in mine for mine in others)]
     shared_finals = np.array([[mine[i] for i in shared] for mine in by_file.values()])
     shared_finals = shared_finals.reshape(len(files), len(shared), 2)  # (files, shared, 2), also with none
     return {
@@ -599,11 +472,11 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
                     **{name: with_interval(groups, statistic, n_boot, seed)
                        for name, statistic in STATISTICS.items()},
                     # what a simulator that knows nothing gets: the commonest recorded direction; never moving
-                    "direction_baseline": max(np.mean(np.sign(rows[:, 0]) == d) for d in (-1, 0, 1)),
-                    "mae_of_no_change": np.abs(rows[:, 0]).mean(),
-                    "recorded_mean_change": rows[:, 0].mean(), "simulated_mean_change": rows[:, 1].mean()},
+                    "direction_baseline": max(np.mean(np.sign(recorded) == d) for d in (-1, 0, 1)),
+                    "mae_of_no_change": np.abs(recorded).mean(),
+                    "recorded_mean_change": recorded.mean(), "simulated_mean_change": simulated.mean()},
         "final": {"simulated_minus_recorded": paired_difference(finals[:, 1], finals[:, 0], n_boot, seed),
-                  **{name: with_interval(list(finals[:, None]), STATISTICS[name], n_boot, seed)
+                  **{name: with_interval(finals[:, None], STATISTICS[name], n_boot, seed)
                      for name in ("mae", "spearman", "pearson")}},
         "files": files,
         "models": {"scenarios": len(shared),
@@ -611,25 +484,16 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
     }
 
 
-def shown(x, digits=2, sign=""):
-    """A statistic and its interval in results.md."""
-    if x is None:
-        return "- (needs 2 files or more that share scenarios)"
-    if not np.isfinite(x["value"]):
-        return "undefined (one side never varies)"
-    return f"{x['value']:{sign}.{digits}f} [{x['low']:{sign}.{digits}f}, {x['high']:{sign}.{digits}f}]"
-
-
 def ranking(files, side):
     """'a > b = c': the files in order of their recorded or simulated score, ties shown as ties."""
-    ordered = sorted(files, key=lambda m: -m[side]["value"])
-    return ordered[0]["label"] + "".join((" = " if m[side]["value"] == before[side]["value"] else " > ")
-                                         + m["label"] for before, m in zip(ordered, ordered[1:]))
+    ordered = sorted(files, key=lambda m: -m[side]["value"])  # stable: ties keep the files' order
+    return " > ".join(" = ".join(m["label"] for m in tied)
+                      for _, tied in groupby(ordered, key=lambda m: m[side]["value"]))
 
 
-def agreement_table(report, settings):
-    """results.md of an agreement run."""
-    r, f = report["replies"], report["final"]
+def agreement_table(report):
+    """results.md of an agreement run (its results.json: the report and the settings)."""
+    r, f, settings = report["replies"], report["final"], report["settings"]
     model = f" (model `{settings['model']}`)" if settings["simulator"] == "same" else ""
     lines = [
         f"Simulator `{settings['simulator']}`{model}, read-out {settings['readout']}, judge "
@@ -654,8 +518,7 @@ def agreement_table(report, settings):
         "| simulated successes / failures |", "|---|---|---|---|---|---|"]
     for m in report["files"]:
         rec, sim = m["recorded"], m["simulated"]
-        lines.append(f"| {m['label']} | {m['dialogues']} | {rec['value']:.1f} [{rec['low']:.1f}, "
-                     f"{rec['high']:.1f}] | {sim['value']:.1f} [{sim['low']:.1f}, {sim['high']:.1f}] "
+        lines.append(f"| {m['label']} | {m['dialogues']} | {shown(rec, 1)} | {shown(sim, 1)} "
                      f"| {rec['successes']} / {rec['failures']} | {sim['successes']} / {sim['failures']} |")
     lines += ["", f"Rank order of the models, Kendall's tau-b over the {report['models']['scenarios']} "
               f"scenarios every file holds: {shown(report['models']['kendall_tau_b'])}; recorded "
@@ -666,46 +529,36 @@ def agreement_table(report, settings):
 def plot_agreement(rows, path, title="", max_change=10):
     """Recorded against simulated change per reply as a heat map: one cell per pair of whole changes,
     coloured by how many replies fall there (log scale; empty cells blank). It reads the same at 20
-    replies and at 20,000, where dots sized by their count cover the plot. Returns the figure."""
+    replies and at 20,000, where dots sized by their count cover the plot. Written whole or not at
+    all (a temporary file renamed over, as run.write_atomically), so that a full disk or a kill never
+    leaves half a PNG. Returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
     m = max(max_change, int(np.abs(rows).max()))  # cells -m..m on both axes
     edges = np.arange(-m - 0.5, m + 1)
-    fig, ax = pyplot().subplots(figsize=(6, 5))
+    fig, ax = plt.subplots(figsize=(6, 5))
     # counts under 1 (cmin) are NaN: an empty cell is blank
-    *_, cells = ax.hist2d(*np.rint(rows).T, bins=[edges, edges], cmin=1, norm=LogNorm())
+    *_, cells = ax.hist2d(*np.rint(rows).T, bins=edges, cmin=1, norm=LogNorm())  # the same edges on x and y
     fig.colorbar(cells, ax=ax, label="replies")
     ax.plot([-m, m], [-m, m], color="red", ls="--", lw=0.8)
     ax.set(xlabel="recorded change (SAGE's judge)", ylabel="simulated change (this simulator)")
     ax.locator_params(integer=True)  # the cells are whole changes
     ax.set_title(f"{title}\nSpearman {STATISTICS['spearman'](rows):.2f}; dashed: perfect agreement",
                  fontsize=9)
-    return save_figure(fig, path)
-
-
-def appraise_dialogues(simulator, dialogues, personas, store, batch_dialogues=4):
-    """The simulator's (change, appraisal, parsed) for every judged reply of every dialogue: {dialogue key:
-    row}. Each batch of dialogues is one call to simulator.appraise (all their replies at once); each
-    finished dialogue is appended to `store` at once, so a stopped check keeps it and --resume skips it
-    (a line cut short by a crash is skipped). --resume keeps every setting that changes an appraisal,
-    so the rows kept are this check's."""
-    done = {row["key"]: row for row in rows_with(store, None)}
-    todo = [d for d in dialogues if d["key"] not in done]
-    replies = lambda part: sum(len(judged_replies(d)) for d in part)  # noqa: E731  the bar counts replies
-    bar = tqdm(total=replies(dialogues), initial=replies(dialogues) - replies(todo),
-               desc="agreement: replies")
-    for start in range(0, len(todo), batch_dialogues):
-        part = todo[start:start + batch_dialogues]
-        jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
-        answers = iter(simulator.appraise([recorded_state(personas[d["id"]], d, k) for d, k in jobs],
-                                          [d["history"][k]["text"] for d, k in jobs]))
-        rows = [{"key": d["key"], "id": d["id"], "appraisals": [next(answers) for _ in judged_replies(d)]}
-                for d in part]
-        append_lines(store, rows)
-        done.update((row["key"], row) for row in rows)
-        bar.update(len(jobs))
-    bar.close()
-    return done
+    fig.tight_layout()
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return fig
 
 
 def check_appraisals_fit(args, dialogues, personas):
@@ -722,21 +575,20 @@ def check_appraisals_fit(args, dialogues, personas):
     config = AutoConfig.from_pretrained(resolve_model(name), trust_remote_code=args.trust_remote_code)
     window = getattr(config, "max_position_embeddings", None) or args.max_context
     limit = min(args.max_context, window)
-    asked = inspect.signature(Simulator).parameters  # the appraisal's tokens, as build_simulator leaves them
-    reasoned = (args.readout if args.readout != "auto" else auto_readout(name)[0]) == "reasoned"
     for d in dialogues:
         k = judged_replies(d)[-1][0]
-        state, reply = recorded_state(personas[d["id"]], d, k), d["history"][k]["text"]
-        if reasoned:
-            messages = appraisal_messages(state, reply, args.judge, args.max_change)
-            added = asked["appraisal_tokens"].default + asked["retry_tokens"].default
-        else:
-            messages = user_turn_messages(replace(state, history=[*state.history, {"role": "agent",
-                                                                                  "text": reply}]))
+        if readout_in_use(args) == "reasoned":
+            messages = appraisal_messages(recorded_state(personas[d["id"]], d, k), d["history"][k]["text"],
+                                          args.judge, args.max_change)
+            # the answer's and the re-asking's tokens, as build_simulator leaves them (the defaults)
+            added = Simulator.appraisal_tokens + Simulator.retry_tokens
+        else:  # the user's next message, asked with the reply in the history (k + 1 messages)
+            messages = user_turn_messages(recorded_state(personas[d["id"]], d, k + 1))
             added = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
                         for t in POSITIVE_REACTIONS + NEGATIVE_REACTIONS)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        needed = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + added
+        # tokenized as the simulator tokenizes it (LocalBackend)
+        needed = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+                     ["input_ids"]) + added
         if needed > limit:
             why = f"the window of {name}" if limit < args.max_context else f"--max-context {limit}"
             fail(f"{d['file']}: line {d['line']} (id {d['id']}): its longest appraisal needs {needed} tokens "
@@ -747,7 +599,7 @@ def check_appraisals_fit(args, dialogues, personas):
 def agreement_main(args):
     """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--dialogues N], or
     --resume OUT; everything is read and checked before any model loads."""
-    personas = {p.id: p for p in load_personas_or_exit(args.personas)}
+    personas = {p.id: p for p in load_personas_or_exit(args.personas, difficulty=args.difficulty)}
     real = [os.path.realpath(path) for path in args.agreement]
     dialogues = []
     for k, path in enumerate(args.agreement):
@@ -756,17 +608,14 @@ def agreement_main(args):
         dialogues += read_sage_dialogues(path, personas)[:args.dialogues or None]
     if simulator_kind(args.simulator) in ("same", "local"):
         check_appraisals_fit(args, dialogues, personas)
-    store = os.path.join(args.out, "appraisals.jsonl")
+    store = f"{args.out}/appraisals.jsonl"
     kept = (f"the dialogues finished so far are kept in {store}: `python evaluate.py --resume {args.out}` "
             "goes on")
     lock(args.out, "--resume") if args.resume else new_folder(args.out)
-    model = tokenizer = None
+    model, tokenizer = None, None
     if args.simulator == "same":  # the base model alone: no policy, no adapters
         model, tokenizer = load_model(args.model, default_device(), trust_remote_code=args.trust_remote_code)
-    try:
-        simulator = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
-    except ValueError as e:
-        fail(e)
+    simulator = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
           f"{redact(args.simulator)} (read-out {simulator.readout}, {simulator.readout_why}; judge "
           f"{simulator.judge}); appraisals kept in {store}", file=sys.stderr)
@@ -780,20 +629,38 @@ def agreement_main(args):
         os._exit(128 + number)
     for number in (signal.SIGINT, signal.SIGTERM):
         HELD.append((number, signal.signal(number, stop)))  # run.release() puts the handlers back
+    config = public_config(args, "evaluate.py")
     try:  # config.json: the settings, the folder's mark, which --resume reads back
-        write_atomically(os.path.join(args.out, "config.json"),
-                         json.dumps(public_config(args, "evaluate.py")))
-        done = appraise_dialogues(simulator, dialogues, personas, store, args.batch_dialogues)
-        answers = [done[d["key"]]["appraisals"] for d in dialogues]  # (change, appraisal, parsed) per reply
+        write_atomically(f"{args.out}/config.json", json.dumps(config))
+        # The simulator's (change, appraisal, parsed) for every judged reply: each batch of dialogues is
+        # one call to simulator.appraise (all their replies at once), and each finished dialogue is
+        # appended to the store at once, so a stopped check keeps it and --resume skips it (a line cut
+        # short by a crash is skipped). --resume keeps every setting that changes an appraisal, so the
+        # rows kept are this check's. The progress bar counts the replies left to ask.
+        done = {row["key"]: row["appraisals"] for row in rows_with(store, None)}
+        todo = [d for d in dialogues if d["key"] not in done]
+        bar = tqdm(total=sum(len(judged_replies(d)) for d in todo), desc="agreement: replies")
+        for start in range(0, len(todo), args.batch_dialogues):
+            part = todo[start:start + args.batch_dialogues]
+            jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
+            answers = iter(simulator.appraise([recorded_state(personas[d["id"]], d, k) for d, k in jobs],
+                                              [d["history"][k]["text"] for d, k in jobs]))
+            rows = [{"key": d["key"], "id": d["id"], "appraisals": [next(answers) for _ in judged_replies(d)]}
+                    for d in part]
+            append_lines(store, rows)
+            done.update((row["key"], row["appraisals"]) for row in rows)
+            bar.update(len(jobs))
+        bar.close()
+        answers = [done[d["key"]] for d in dialogues]  # (change, appraisal, parsed) per judged reply
         changes = [[change for change, _, _ in mine] for mine in answers]
         report = agreement_report(dialogues, changes, [sum(not p for _, _, p in mine) for mine in answers],
                                   args.max_change, args.bootstrap, args.seed)
-        results = {"settings": {**public_config(args, "evaluate.py"), "readout": simulator.readout}, **report}
-        table = agreement_table(report, results["settings"])
+        results = {"settings": {**config, "readout": simulator.readout}, **report}
+        table = agreement_table(results)
         write_results(args.out, results, table)
         rows = np.concatenate([agreement_rows(d, c, args.max_change) for d, c in zip(dialogues, changes)])
-        plot_agreement(rows, os.path.join(args.out, "agreement.png"), f"{redact(args.simulator)} "
-                       f"({simulator.readout}) vs SAGE's judge: {len(rows)} replies", args.max_change)
+        plot_agreement(rows, f"{args.out}/agreement.png", f"{redact(args.simulator)} ({simulator.readout}) "
+                       f"vs SAGE's judge: {len(rows)} replies", args.max_change)
     except SimulatorError as e:
         fail(f"{e}; {kept}")
     except OSError as e:  # a full disk: the appraisal lines written whole stay, no result is half written
@@ -808,28 +675,23 @@ def main(argv=None):
     args = parse_args(argv)
     if args.agreement:  # the simulator checked against SAGE's recorded judgments
         return agreement_main(args)
-    personas = load_personas_or_exit(args.personas, args.split)[:args.dialogues or None]
-    problems = load_math(args.math) if args.math else None
+    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)[:args.dialogues or None]
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
     new_folder(args.out)  # before any model loads
     policy, tokenizer, models = load_models(args)
+    simulator = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge, goodbye="sage")
+    print(f"{len(models)} models x {len(personas)} personas x {args.samples or 1} "
+          f"{'sampled' if args.samples else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
+          f"(read-out {simulator.readout}, {simulator.readout_why}; judge {simulator.judge})",
+          file=sys.stderr)
     try:
-        simulator = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge,
-                                       goodbye="sage")
-    except ValueError as e:
-        fail(e)
-    print(f"{len(models)} models x {len(personas)} personas x {args.samples} "
-          f"{'sampled' if args.sample else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
-          f"(read-out {simulator.readout}, {simulator.readout_why}; judge {simulator.judge})"
-          + (f"; {len(problems)} math questions" if problems else ""), file=sys.stderr)
-    try:
-        results = run_evaluation(args, policy, tokenizer, simulator, personas, models, problems)
+        results = run_evaluation(args, policy, tokenizer, simulator, personas, models)
     except SimulatorError as e:  # the models finished before it are in transcripts.jsonl
         fail(e)
     release()
     print(results_table(results))
-    print(f"-> {args.out}/results.json, results.md, transcripts.jsonl, trajectories.png")
+    print(f"-> {args.out}/results.json, results.md, transcripts.jsonl")
     return results
 
 

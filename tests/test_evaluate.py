@@ -1,5 +1,5 @@
-"""Tests for evaluate.py: the statistics against hand computation, answer extraction, adapter
-switching, the output folder on a tiny model, the settings an adapter from a run brings, bad input
+"""Tests for evaluate.py: the statistics against hand computation, adapter switching, the output
+folder on a tiny model, the settings an adapter from a run brings, bad input
 (one line, exit code 2, before any model loads), the folder it writes into, and the command end to
 end on the embedded model (base vs a perturbed LoRA adapter). The agreement check's numbers are in
 tests/test_paper_data.py; its full disk and signals are here.
@@ -24,12 +24,10 @@ import torch
 import evaluate
 import simulator
 from conftest import ROOT, reply
-from evaluate import (answers_match, extract_answer, mean_trajectory, model_summary, paired_difference,
-                      results_table, run_evaluation, use_model, with_interval)
+from evaluate import model_summary, paired_difference, results_table, run_evaluation, use_model, with_interval
 from simulator import RulesBackend, Simulator, load_personas
 
 DATA = os.path.join(ROOT, "tests", "data")
-PNG_HEADER = b"\x89PNG\r\n\x1a\n"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
@@ -40,12 +38,6 @@ def eval_args(**values):
         assert hasattr(args, name), name
         setattr(args, name, value)
     return args
-
-
-def assert_png(path):
-    assert os.path.getsize(path) > 1000, path
-    with open(path, "rb") as f:
-        assert f.read(8) == PNG_HEADER, path
 
 
 def cli(*argv, timeout=300):
@@ -78,7 +70,7 @@ def one_line(argv, capsys, *words):
 def fake_record(persona_id, final, end_reason="max_turns", turns=2, tokens=20, violations=0, fallbacks=0,
                 cut=0):
     return {"persona_id": persona_id, "final_emotion": final, "end_reason": end_reason,
-            "turn_ends": list(range(turns)), "emotions": [final] * turns, "policy_tokens": tokens,
+            "turn_ends": list(range(turns)), "policy_tokens": tokens,
             "violations": violations, "fallbacks": fallbacks, "cut_replies": cut}
 
 
@@ -176,12 +168,7 @@ def test_summary_counts_successes_violations_and_fallbacks():
     s = model_summary(records, ["a", "b", "c"], n_boot=100)
     assert s["score"] == 55.0
     counts = (s["successes"], s["failures"], s["violations"], s["fallbacks"], s["cut_replies"])
-    assert counts == (1, 1, 3, 3, 1)
-    assert s["violation_rate"] == 3 / 6
-
-
-def test_mean_trajectory_carries_final_emotion_forward():
-    assert mean_trajectory([[40, 45], [40, 50, 60]]) == [40.0, 47.5, 52.5]
+    assert counts == (1, 1, 3, 3, 1) and s["turns_mean"] == 6 / 3
 
 
 def test_results_table(tmp_path):
@@ -198,64 +185,6 @@ def test_results_table(tmp_path):
     assert lines[4] == "| base | 50.0 [40.0, 60.0] | 0 (0%) | - | 0/2 | 0/2 | 2.0 | 10 | 0 (0%) | 0 |"
     assert lines[5].startswith("| ppo | 72.5 [45.0, 100.0] | 1 (25%) | +22.5 [+5.0, +40.0] | 1/2 | 0/2 | 2.0 "
                                "| 15 |")
-    base["math_accuracy"], ppo["math_accuracy"] = 0.5, 0.25
-    lines = results_table(results).splitlines()
-    assert lines[2].endswith("| math acc. |")
-    assert lines[4].endswith("| 50.0% |") and lines[5].endswith("| 25.0% |")
-
-
-# ----------------------------------------------------------------------------------------------
-# Math answers: the last \boxed{} or the last number, compared as exact fractions
-# ----------------------------------------------------------------------------------------------
-EXTRACT = [
-    ("The workshop builds 1,200 chairs.", "1200"),
-    ("Answer: 1,234,567", "1234567"),
-    ("She sells 3/4 of them, so 12 are left.", "12"),
-    ("So the share is 3/4", "3/4"),
-    (r"The result is $\boxed{\frac{3}{4}}$.", "3/4"),
-    (r"\boxed{-\dfrac{1}{2}}", "-1/2"),
-    (r"First \boxed{5}, corrected: \boxed{6} and then 7 more words 8", "6"),
-    (r"\boxed{12 \text{ apples}}", "12"),
-    ("48 - 36 = 12\nAnswer: 12 apples", "12"),
-    ("Answer: $3.50", "3.50"),
-    ("Answer: \u22127", "-7"),
-    ("The answer is: 0.50.", "0.50"),
-    ("**Answer:** 72 km/h", "72"),
-    ("Answer: 15%", "15"),
-    ("no numbers at all", ""),
-]
-
-
-@pytest.mark.parametrize("text,expected", EXTRACT, ids=[t for t, _ in EXTRACT])
-def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
-
-
-MATCH = [("0.50", "0.5", True), ("0.5", "1/2", True), ("7", "7.0", True), ("-7", "7", False),
-         ("11/12", "11/12", True), ("22/3", "7.33", False), ("", "0", False), ("12", "13", False),
-         ("x", "x", False)]
-
-
-@pytest.mark.parametrize("predicted,reference,same", MATCH)
-def test_answers_match(predicted, reference, same):
-    assert answers_match(predicted, reference) is same
-
-
-def test_shipped_math_answers_are_read_back():
-    problems = evaluate.load_math(os.path.join(DATA, "math_problems.jsonl"))
-    assert len(problems) == 30
-    for p in problems:
-        assert answers_match(extract_answer(f"Some steps.\nAnswer: {p['answer']}"), p["answer"]), p
-        assert answers_match(extract_answer(f"so it is \\boxed{{{p['answer']}}}."), p["answer"]), p
-        assert not answers_match(extract_answer(f"Answer: {p['answer']}1"), p["answer"]), p
-
-
-def test_a_bad_math_file_is_one_line(tmp_path, personas_file, tiny_model_dir, monkeypatch, capsys):
-    no_model_loads(monkeypatch)
-    bad = tmp_path / "math.jsonl"
-    bad.write_text('{"id": "a", "question": "1 + 1?", "answer": "2"}\n{"id": "b", "question": "2 + 2?"}\n')
-    one_line(ev(tiny_model_dir, personas_file, tmp_path / "out", "--math", str(bad)), capsys,
-             "math.jsonl: line 2", "answer")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,19 +226,17 @@ def test_base_context_nests_with_the_same_simulator(tiny_peft):
 # ----------------------------------------------------------------------------------------------
 # The evaluation loop on the tiny model with the rules user (seconds)
 # ----------------------------------------------------------------------------------------------
-MODELS = [{"label": "base", "adapter_name": None, "adapter_path": None},
-          {"label": "one", "adapter_name": "default", "adapter_path": "x/one"},
-          {"label": "two", "adapter_name": "adapter_1", "adapter_path": "x/two"}]
+MODELS = [("base", None, None), ("one", "default", "x/one"), ("two", "adapter_1", "x/two")]
 
 
-def tiny_run(tiny_peft, tmp_path, personas_file, n=2, problems=None):
+def tiny_run(tiny_peft, tmp_path, personas_file, n=2):
     peft, tokenizer, _ = tiny_peft
     args = eval_args(personas=personas_file, out=str(tmp_path / "eval"), simulator="rules", max_turns=2,
                      max_new_tokens=6, bootstrap=200)
     os.makedirs(args.out)
     personas = load_personas(personas_file, "test")[:n]
     sim = Simulator(RulesBackend(), start_emotion=args.start_emotion, max_turns=args.max_turns)
-    return args, run_evaluation(args, peft, tokenizer, sim, personas, MODELS, problems)
+    return args, run_evaluation(args, peft, tokenizer, sim, personas, MODELS)
 
 
 def transcripts(out):
@@ -338,8 +265,6 @@ def check_output_folder(out, labels, personas_played):
     assert all("token_ids" not in x and x["turns"][0]["role"] == "user" for x in lines)
     table = open(os.path.join(out, "results.md")).read()
     assert all(f"| {lab} |" in table for lab in labels)
-    assert_png(os.path.join(out, "trajectories.png"))
-    assert not os.path.exists(os.path.join(out, "scores.png"))  # its numbers are the table's
     return results
 
 
@@ -349,17 +274,9 @@ def test_sage_file_evaluates(tiny_peft, tmp_path):
     assert results["persona_ids"] == ["sage-001", "sage-002", "sage-003"]
 
 
-def test_project_file_evaluates_with_math(tiny_peft, tmp_path):
-    problems = evaluate.load_math(os.path.join(DATA, "math_problems.jsonl"))[:3]
-    args, results = tiny_run(tiny_peft, tmp_path, os.path.join(ROOT, "personas.json"), problems=problems)
+def test_project_file_evaluates(tiny_peft, tmp_path):
+    args, _ = tiny_run(tiny_peft, tmp_path, os.path.join(ROOT, "personas.json"))
     check_output_folder(args.out, ["base", "one", "two"], 2)
-    for m in results["models"]:  # accuracy = correct / questions, each answer graded again here
-        answers = m["math_answers"]
-        assert [a["id"] for a in answers] == [p["id"] for p in problems]
-        assert all(a["extracted"] == extract_answer(a["output"]) for a in answers)
-        assert all(a["correct"] == answers_match(a["extracted"], a["answer"]) for a in answers)
-        assert m["math_accuracy"] == sum(a["correct"] for a in answers) / 3
-    assert "math acc." in open(os.path.join(args.out, "results.md")).read()
 
 
 def test_failure_half_way_leaves_finished_transcripts(tiny_peft, tmp_path, monkeypatch):
@@ -386,8 +303,7 @@ def test_failure_half_way_leaves_finished_transcripts(tiny_peft, tmp_path, monke
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags, words", [
     (["--readout", "reasond"], ["--readout", "reasond"]),
-    (["--samples", "0"], ["--samples", "0"]),
-    (["--samples", "3"], ["--samples", "--sample"]),
+    (["--samples", "-1"], ["--samples", "-1"]),
     (["--split", "dev"], ["--split", "dev"]),
     (["--max-turns", "0"], ["--max-turns", "0"]),
     (["--bootstap", "5"], ["--bootstap"]),
@@ -412,7 +328,7 @@ def test_bad_settings_through_the_real_command_line():
 
 def test_the_defaults_are_sages_protocol():
     args = evaluate.parse_args(["--no-thinking", "--max-turns", "3"])
-    assert (args.thinking, args.max_turns, args.start_emotion, args.sample) == (False, 3, 40, False)
+    assert (args.thinking, args.max_turns, args.start_emotion, args.samples) == (False, 3, 40, 0)  # greedy
     assert args.judge == "training"
     assert re.fullmatch(r"runs/eval__\d+", args.out)  # a new folder of its own
     heldout = evaluate.parse_args(["--judge", "heldout", "--simulator", "http://127.0.0.1:9/v1"])
@@ -492,7 +408,7 @@ def test_an_adapter_from_a_run_is_evaluated_with_its_settings_and_cut_replies_ar
     out = tmp_path / "eval"
     evaluate.main(["--adapter", str(run), "--personas", personas_file, "--split", "test", "--simulator",
                    "rules", "--dialogues", "2", "--max-turns", "2", "--bootstrap", "20", "--out", str(out)])
-    err = capsys.readouterr().err
+    shown = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     s = results["settings"]
     assert (s["model"], s["thinking"], s["max_new_tokens"], s["max_context"]) == (tiny_model_dir, True, 24,
@@ -503,8 +419,8 @@ def test_an_adapter_from_a_run_is_evaluated_with_its_settings_and_cut_replies_ar
                  for t in x["turns"] if t["role"] == "agent"]
         assert turns and all(t["tokens"] == 24 and t["cut"] for t in turns)
         assert m["cut_replies"] == len(turns)
-        assert f"{len(turns)} cut replies" in err
     assert f"| {len(turns)} (100%) |" in (out / "results.md").read_text()
+    assert f"| {len(turns)} (100%) |" in shown  # the table, printed
 
 
 def test_the_runs_settings_unless_given_and_runs_that_disagree(tiny_model_dir, tiny_adapter, tmp_path,
@@ -746,18 +662,14 @@ def trained_adapter(tmp_path_factory):
 
 @pytest.mark.smollm2
 def test_cli_base_vs_adapter_end_to_end(trained_adapter, tmp_path):
-    math_file = tmp_path / "math.jsonl"
-    math_file.write_text("".join(open(os.path.join(DATA, "math_problems.jsonl")).readlines()[:2]))
     out = tmp_path / "eval"
     code, stdout, err = cli("evaluate.py", "--model", "smollm2", "--adapter", trained_adapter, "--personas",
                             "personas.json", "--split", "test", "--dialogues", "2", "--max-turns", "2",
                             "--max-new-tokens", "12", "--user-reply-tokens", "16", "--simulator", "same",
-                            "--math", str(math_file), "--bootstrap", "200", "--out", str(out))
+                            "--bootstrap", "200", "--out", str(out))
     assert code == 0, err[-3000:]
     results = check_output_folder(str(out), ["base", "trained"], 2)
     assert results["readout"] == "likelihood"
-    for m in results["models"]:
-        assert m["math_accuracy"] == sum(a["correct"] for a in m["math_answers"]) / 2
     lines = transcripts(out)
     base_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "base"]
     trained_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "trained"]

@@ -351,7 +351,7 @@ def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(warm
     argv = ["--group-size", "4", "--minibatch-size", "8", "--micro-batch-size", "4", "--iterations", "2",
             "--seed", "1", "--lr", "5e-2", "--ent-coef", "0.01"]
     grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "skip", *argv))
-    monkeypatch.setattr(grpo, "old_logprobs_from_update", lambda *a: False)
+    monkeypatch.setattr(rollout, "old_logprobs_from_update", lambda *a: False)
     grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "pass", *argv))
     skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")
     assert full[1]["kl_ref"] > 1e-6 and full[0]["grad_norm"] > 0  # the policy moved: a real comparison

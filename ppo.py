@@ -27,7 +27,8 @@ from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_wi
                      aggregate, kl_k3, length_sorted, load_policy, logged_figures, old_and_reference_logprobs,
                      pad_records, pick_personas, play_dialogues, policy_settings, sampling_settings,
                      token_logprobs, training_personas, use_adapter)
-from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
+from run import (Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting,
+                 target_names, within)
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 
@@ -258,7 +259,7 @@ def actor_and_critic(args, model, device):
 
     model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
                                            lora_dropout=args.lora_dropout,
-                                           target_modules=args.target_modules.split(","),
+                                           target_modules=target_names(args.target_modules),
                                            task_type="CAUSAL_LM"))
     use_adapter(model, "default")
     value_head = torch.nn.Linear(model.get_base_model().config.get_text_config().hidden_size, 1).to(device)

@@ -96,13 +96,9 @@ class PolicySettings:
                          model_problem)
     dtype: str = setting("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16",
                          one_of("auto", "float32", "bfloat16"))
-    load_in_4bit: bool = setting(False, "QLoRA: NF4 base weights via bitsandbytes (CUDA only)")
+    load_in_4bit: bool = setting(False, "QLoRA: NF4 base weights via bitsandbytes (CUDA only)",
+                                 lambda on: on and four_bit_problem() or None)
     trust_remote_code: bool = setting(False, "allow model code from the hub (off unless you trust it)")
-
-    @staticmethod
-    def check(args):
-        if args.load_in_4bit and four_bit_problem():
-            fail(f"--load-in-4bit {four_bit_problem()}")
 
 
 @dataclass
@@ -282,22 +278,18 @@ class MergedAdapter:
         # rollout, it goes back to the system. As ~200 separate tensors they stayed in the CPU heap,
         # fragmented, and PPO's peak memory in the update grew by 0.5-1.1 GiB (SmolLM2, 2 cores).
         # With keep, the run's buffers are refilled instead (the same sizes: the same adapter).
-        weights = [m.get_base_layer().weight for m in layers]
-        sizes = Counter()
-        for w in weights:
-            sizes[w.dtype, w.device] += w.numel()
-        buffers = KEPT_BUFFERS.get(model, {}) if keep else {}
-        if {key: b.numel() for key, b in buffers.items()} != sizes:
-            buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
-            if keep:
-                KEPT_BUFFERS[model] = buffers
-        used, swaps = dict.fromkeys(buffers, 0), []
-        for m, w in zip(layers, weights):
-            key = w.dtype, w.device
-            merged = buffers[key][used[key]:used[key] + w.numel()].view(w.shape)
-            used[key] += w.numel()
-            merged.copy_(w + m.get_delta_weight(adapter).to(w.dtype))
-            swaps.append((m.get_base_layer(), merged))
+        bases = [m.get_base_layer() for m in layers]
+        buffers = KEPT_BUFFERS.setdefault(model, {}) if keep else {}
+        swaps = []
+        for key in dict.fromkeys((b.weight.dtype, b.weight.device) for b in bases):
+            mine = [(m, b) for m, b in zip(layers, bases) if (b.weight.dtype, b.weight.device) == key]
+            sizes = [b.weight.numel() for _, b in mine]
+            if key not in buffers or len(buffers[key]) != sum(sizes):
+                buffers[key] = torch.empty(sum(sizes), dtype=key[0], device=key[1])
+            for (m, b), merged in zip(mine, buffers[key].split(sizes)):
+                merged = merged.view(b.weight.shape)
+                merged.copy_(b.weight + m.get_delta_weight(adapter).to(b.weight.dtype))
+                swaps.append((b, merged))
         return cls(model, swaps)
 
     def __enter__(self):
@@ -356,12 +348,7 @@ class SamplingSettings:
     static_cache: bool = setting(False, "decode into a fixed-size KV cache, which transformers compiles on "
                                         "a GPU (CUDA graphs); turn caches off. Not yet measured on a GPU",
                                   operational=True)
-
-    @staticmethod
-    def check(args):
-        if args.max_context <= args.max_new_tokens:
-            fail(f"--max-context {args.max_context}: must be more than --max-new-tokens "
-                 f"{args.max_new_tokens} (a prompt and a whole reply must fit)")
+    # that a first prompt and a whole reply fit --max-context is checked per persona (check_openings_fit)
 
 
 @torch.no_grad()
@@ -602,12 +589,13 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
             parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
             parts.append(_chunk_logprobs(*args))
-    picked = torch.cat([p for p, _ in parts], 1) if parts else hidden.new_zeros(B, 0).float()  # (B, K)
+    picked = torch.cat([p for p, _ in parts], 1)                    # (B, K); K > 0: a dialogue's first prompt
+    # fits with a whole reply (check_openings_fit), so every dialogue holds an agent token
     logp = torch.zeros(B, T, dtype=picked.dtype, device=picked.device)
     logp = logp.index_copy(1, keep + 1, picked)                                               # (B, T)
     entropy = None
     if with_entropy:
-        ent = torch.cat([e for _, e in parts], 1) if parts else picked                        # (B, K)
+        ent = torch.cat([e for _, e in parts], 1)                                             # (B, K)
         entropy = torch.zeros_like(logp).index_copy(1, keep + 1, ent)                         # (B, T)
     return logp, entropy
 

@@ -354,7 +354,7 @@ class SamplingSettings:
 @torch.no_grad()
 def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1, *, thinking=True,
                    temperature=1.0, top_p=1.0, max_new_tokens=256, max_context=4096, greedy=False,
-                   reuse_cache=True, merged_sampling=True, static_cache=False, progress=True):
+                   reuse_cache=True, merged_sampling=True, static_cache=False, progress=True, desc="dialogues"):
     """Play len(personas) x samples_per_persona dialogues in lockstep: one batched generate for all
     active agents, then one batched simulator step; finished dialogues leave the batch.
     With reuse_cache each dialogue keeps its KV cache between turns, so a turn runs only the tokens
@@ -399,7 +399,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     t_policy = 0.0
     sim_before = simulator_counts(simulator)
     # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
-    bar = tqdm(total=len(dialogues), initial=sum(d.state.done for d in dialogues), desc="dialogues",
+    bar = tqdm(total=len(dialogues), initial=sum(d.state.done for d in dialogues), desc=desc,
                disable=not progress, leave=False, file=sys.stderr)
     turns_played = 0
     while True:

@@ -354,7 +354,8 @@ class SamplingSettings:
 @torch.no_grad()
 def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1, *, thinking=True,
                    temperature=1.0, top_p=1.0, max_new_tokens=256, max_context=4096, greedy=False,
-                   reuse_cache=True, merged_sampling=True, static_cache=False, progress=True, desc="dialogues"):
+                   reuse_cache=True, merged_sampling=True, static_cache=False, progress=True,
+                   desc="dialogues"):
     """Play len(personas) x samples_per_persona dialogues in lockstep: one batched generate for all
     active agents, then one batched simulator step; finished dialogues leave the batch.
     With reuse_cache each dialogue keeps its KV cache between turns, so a turn runs only the tokens

@@ -8,8 +8,10 @@ model: the group mean is the baseline. One copy of the weights serves three role
 (adapter 'default'), the reference (adapter disabled) and, with --simulator same, the user.
 
 This is ppo.py with the critic taken out and the group advantage put in, in the same order,
-so `diff ppo.py grpo.py` shows the methods' differences. In the loop every `run.` call is plumbing
-(run.py); what is left is the method.
+so `diff ppo.py grpo.py` shows the methods' differences. What both do alike (the old and reference
+log-probs, the loss aggregations, the k3 KL, AdamW with its warm-up, the figures both log) is in
+rollout.py, once. In the loop the `run.` calls are the processes and the run folder (run.py);
+run.sum sets the loss denominators over every process.
 
     python grpo.py                      # the paper's GRPO setup on a CUDA machine (Qwen2.5-7B-Instruct)
     python grpo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores

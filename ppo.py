@@ -8,8 +8,10 @@ value head), the reference policy (adapters disabled) and, with --simulator same
 (adapters disabled too). TRL's PPO holds four models.
 
 grpo.py is this file with the critic taken out and the group advantage put in, in the same order, so
-`diff ppo.py grpo.py` shows the methods' differences. In the loop every `run.` call is plumbing
-(run.py); what is left is the method.
+`diff ppo.py grpo.py` shows the methods' differences. What both do alike (the old and reference
+log-probs, the loss aggregations, the k3 KL, AdamW with its warm-up, the figures both log) is in
+rollout.py, once. In the loop the `run.` calls are the processes and the run folder (run.py);
+run.sum sets the loss denominators over every process.
 
     python ppo.py                      # the paper's setup on a CUDA machine (Qwen2.5-7B-Instruct)
     python ppo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores

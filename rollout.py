@@ -3,7 +3,9 @@
 This is the one place where the agent meets the simulated user; ppo.py, grpo.py and evaluate.py
 all call play_dialogues(). It holds the LoRA policy and its settings, the chat template's token
 deltas, the dialogues and their records, padding dialogues into a batch, and per-token
-log-probabilities. The run's plumbing (settings parsing, folders, checkpoints) is in run.py.
+log-probabilities; and what ppo.py and grpo.py both do, once: their old and reference log-probs,
+the k3 KL, the loss aggregations, AdamW with its warm-up and the figures both log. The run's
+plumbing (settings parsing, folders, checkpoints) is in run.py.
 
 Token in, token out: the ids the policy sampled are kept exactly as sampled (never decoded and
 re-tokenised), and each user turn is appended as the chat template's token delta for that
@@ -28,7 +30,7 @@ from simulator import (cache_keyword, cached_batch, keep_cache, load_personas_or
                        transcript_turns)
 
 # ----------------------------------------------------------------------------------------------
-# System prompts (written for this project; --system-prompt-file replaces them)
+# System prompts (written for this project)
 # ----------------------------------------------------------------------------------------------
 THINK_PROMPT = (
     "You are a caring, perceptive companion talking with someone who is going through something "
@@ -621,7 +623,7 @@ def batched_logprobs(model, batch, temperature=1.0, micro_batch_size=4, referenc
 
 
 # ----------------------------------------------------------------------------------------------
-# What the trainers take from here: their personas, the passes of an iteration
+# What the trainers take from here: their personas, and the pieces of an iteration both run alike
 # ----------------------------------------------------------------------------------------------
 def check_openings_fit(model_name, personas, system_prompt, max_context, max_new_tokens,
                        trust_remote_code=False):

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
-                     aggregate, kl_k3, length_sorted, load_policy, logged_figures, old_and_reference_logprobs,
+                     aggregate, batched, kl_k3, load_policy, logged_figures, old_and_reference_logprobs,
                      pad_records, pick_personas, play_dialogues, policy_settings, sampling_settings,
                      token_logprobs, training_personas, use_adapter)
 from run import (Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting,
@@ -238,18 +238,11 @@ def critic_values(model, value_head, input_ids, attention_mask):
     return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
 
 
-@torch.no_grad()
 def batched_values(model, value_head, batch, micro_batch_size):
     """critic_values over a padded batch (B, T), in length-sorted micro-batches, without gradients."""
-    values = torch.zeros_like(batch["attention_mask"], dtype=torch.float32)                # (B, T)
-    was_training = model.training
-    model.eval()
     with adapter_active(model, "critic"):
-        for rows, w in length_sorted(batch["attention_mask"], micro_batch_size):
-            values[rows, :w] = critic_values(model, value_head, batch["input_ids"][rows, :w],
-                                             batch["attention_mask"][rows, :w]).float()
-    model.train(was_training)
-    return values
+        return batched(model, batch, micro_batch_size,
+                       lambda ids, att, _: critic_values(model, value_head, ids, att).float())
 
 
 def actor_and_critic(args, model, device):

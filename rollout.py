@@ -604,22 +604,26 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch, temperature=1.0, micro_batch_size=4, reference=False):
-    """token_logprobs over a padded batch (B, T) in micro-batches, without gradients, each
-    micro-batch of dialogues of similar length at its own width (length_sorted). reference=True
-    runs the base weights with every adapter disabled: the reference policy, no second copy."""
-    ctx = model.disable_adapter() if reference else contextlib.nullcontext()
+def batched(model, batch, micro_batch_size, score):
+    """score(input_ids, attention_mask, action_mask) -> (b, w) over a padded batch (B, T), in eval mode
+    and without gradients, in micro-batches of dialogues of similar length, each at its own width
+    (length_sorted): the scoring passes of both trainers. Returns (B, T) float32."""
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device)
     was_training = model.training
     model.eval()
-    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device)
-    with ctx:
-        for rows, width in length_sorted(batch["attention_mask"], micro_batch_size):
-            lp, _ = token_logprobs(model, batch["input_ids"][rows, :width],
-                                   batch["attention_mask"][rows, :width], temperature,
-                                   action_mask=batch["action_mask"][rows, :width])
-            out[rows, :width] = lp
+    for rows, width in length_sorted(batch["attention_mask"], micro_batch_size):
+        out[rows, :width] = score(batch["input_ids"][rows, :width], batch["attention_mask"][rows, :width],
+                                  batch["action_mask"][rows, :width])
     model.train(was_training)
     return out
+
+
+def batched_logprobs(model, batch, temperature=1.0, micro_batch_size=4, reference=False):
+    """token_logprobs over a padded batch (B, T), without gradients (batched). reference=True runs the
+    base weights with every adapter disabled: the reference policy, no second copy."""
+    with model.disable_adapter() if reference else contextlib.nullcontext():
+        return batched(model, batch, micro_batch_size,
+                       lambda ids, att, m: token_logprobs(model, ids, att, temperature, action_mask=m)[0])
 
 
 # ----------------------------------------------------------------------------------------------

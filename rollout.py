@@ -350,7 +350,12 @@ class SamplingSettings:
     static_cache: bool = setting(False, "decode into a fixed-size KV cache, which transformers compiles on "
                                         "a GPU (CUDA graphs); turn caches off. Not yet measured on a GPU",
                                   operational=True)
-    # that a first prompt and a whole reply fit --max-context is checked per persona (check_openings_fit)
+
+    @staticmethod
+    def check(args):
+        if args.max_context <= args.max_new_tokens:
+            fail(f"--max-context {args.max_context}: must be more than --max-new-tokens "
+                 f"{args.max_new_tokens} (a prompt and a whole reply must fit)")
 
 
 @torch.no_grad()

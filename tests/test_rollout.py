@@ -703,3 +703,22 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_b
     fresh = batched_logprobs(model, batch, micro_batch_size=2)
     mask = batch["action_mask"].bool()
     torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=1e-4, rtol=1e-4)
+
+
+def test_rollout_rates_and_cache_hits_come_from_every_process():
+    # Two processes' counts add up; their seconds overlap, so a rate is the whole job's tokens over
+    # the longest process's seconds, and a cache hit share is reused over prompt tokens of both.
+    first = {"policy_tokens": 30, "policy_seconds": 2.0, "simulator_tokens": 10, "simulator_seconds": 1.0,
+             "policy_prompt_tokens": 100, "policy_reused_tokens": 60, "format_ok": 3}
+    second = {"policy_tokens": 50, "policy_seconds": 4.0, "simulator_tokens": 14, "simulator_seconds": 0.5,
+              "policy_prompt_tokens": 300, "policy_reused_tokens": 60, "format_ok": 4, "no_think": 1}
+    merged = run.merge_stats([first, second])
+    assert merged["policy_tokens"] == 80 and merged["format_ok"] == 7 and merged["no_think"] == 1
+    assert merged["policy_seconds"] == 4.0 and merged["simulator_seconds"] == 1.0
+    records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0,
+                "fallbacks": 0}]
+    s = run.summarize(records, merged)
+    assert s["policy_tokens"] == 80 and s["policy_tokens_per_s"] == 80 / 4.0
+    assert s["simulator_tokens_per_s"] == 24 / 1.0
+    assert s["policy_cache_hit"] == 120 / 400
+    assert run.merge_stats([first]) == first  # one process: its own stats, unchanged

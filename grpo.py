@@ -8,8 +8,10 @@ model: the group mean is the baseline. One copy of the weights serves three role
 (adapter 'default'), the reference (adapter disabled) and, with --simulator same, the user.
 
 This is ppo.py with the critic taken out and the group advantage put in, in the same order,
-so `diff ppo.py grpo.py` shows the methods' differences. In the loop every `run.` call is plumbing
-(run.py); what is left is the method.
+so `diff ppo.py grpo.py` shows the methods' differences. What both do alike (the old and reference
+log-probs, the loss aggregations, the k3 KL, AdamW with its warm-up, the figures both log) is in
+rollout.py, once. In the loop the `run.` calls are the processes and the run folder (run.py);
+run.sum sets the loss denominators over every process.
 
     python grpo.py                      # the paper's GRPO setup on a CUDA machine (Qwen2.5-7B-Instruct)
     python grpo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
@@ -21,9 +23,10 @@ from functools import partial
 
 import torch
 
-from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_params, batched_logprobs,
-                     load_policy, old_logprobs_from_update, pad_records, pick_personas, play_dialogues,
-                     policy_settings, sampling_settings, token_logprobs, training_personas)
+from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
+                     aggregate, kl_k3, load_policy, logged_figures, old_and_reference_logprobs, pad_records,
+                     pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
+                     training_personas)
 from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
@@ -54,7 +57,8 @@ class GRPOSettings:
     lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
     warmup_steps: int = setting(0, "optimizer steps of linear learning-rate warm-up", at_least(0))
     max_grad_norm: float = setting(1.0, "gradient norm clipping", above(0))
-    greedy: bool = setting(False, "decode greedily: for tests and debugging (a group's dialogues would be equal)")
+    greedy: bool = setting(False, "decode greedily: for tests and debugging (a group's dialogues would be "
+                                  "equal)")
     micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1),
                                     operational=True)
     log_kl_every: int = setting(1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
@@ -104,14 +108,12 @@ def dialogue_rewards(records, mode="final", format_penalty=0.0):
 
 def group_stats(rewards, group_ids):
     """Per dialogue (B,): its group's mean reward, std (with Bessel's correction, as torch.std,
-    TRL and verl use) and whether every reward in the group is the same (zero spread)."""
+    TRL and verl use) and whether every reward in the group is the same (zero spread). Every group holds
+    --group-size >= 2 dialogues (its declared check), all in one process."""
     mean, std = torch.zeros_like(rewards), torch.zeros_like(rewards)
     flat = torch.zeros(len(rewards), dtype=torch.bool)
     for g in group_ids.unique():
         members = group_ids == g
-        if members.sum() < 2:
-            raise ValueError(f"group {int(g)} has {int(members.sum())} dialogue(s); GRPO needs at least 2 "
-                             f"per group (--group-size >= 2)")
         r = rewards[members]
         mean[members], std[members] = r.mean(), r.std()
         flat[members] = bool(r.max() == r.min())
@@ -138,22 +140,6 @@ def group_advantages(rewards, group_ids, scale="group", eps=1e-4):
     return torch.where(flat, torch.zeros_like(advantages), advantages)
 
 
-def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
-    """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so
-    that summing the micro-batches gives the minibatch loss whatever the split.
-    seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice); a token of a
-                         short dialogue weighs more than one of a long dialogue.
-    token-mean: every agent token weighs the same (DAPO); long dialogues weigh more.
-    dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget (Dr. GRPO):
-             no length-dependent normalisation at all. We take the budget as the most tokens a
-             dialogue can hold, max_turns x max_new_tokens."""
-    if mode == "seq-mean-token-mean":
-        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
-    if mode == "token-mean":
-        return (loss * mask).sum() / total_tokens
-    return (loss * mask).sum() / (total_seqs * token_budget)  # dr-grpo
-
-
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
     """Per-token PPO surrogate (Schulman et al. 2017) with an asymmetric clip (clip-higher, DAPO).
     Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high)).
@@ -164,13 +150,6 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
-
-
-def kl_k3(logprobs, ref_logprobs):
-    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
-    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1
 
 
 def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, agg, args):
@@ -195,17 +174,6 @@ LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ra
           "grad_norm")  # by the update; metrics.jsonl: their means
 
 
-def policy_and_optimizer(args, model):
-    """The policy adapter's parameters, AdamW on them, and a linear warm-up over --warmup-steps
-    optimizer steps."""
-    params = adapter_params(model, "default")
-    for p in params:
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    return params, optimizer, scheduler
-
-
 def main(argv=None):
     args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="grpo.py")  # --resume: the run's own settings
     personas = training_personas(args)  # checked before any weights load
@@ -214,7 +182,8 @@ def main(argv=None):
 
     # --- the model: policy adapter on a frozen base; no critic --------------------------------
     model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
-    params, optimizer, scheduler = policy_and_optimizer(args, model)
+    params = adapter_params(model, "default")  # trainable as get_peft_model made them
+    optimizer, scheduler = adamw_with_warmup([(params, args.lr)], args.warmup_steps)
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler)
     for iteration in range(first_iteration, args.iterations):
@@ -233,13 +202,9 @@ def main(argv=None):
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
         # With one optimizer step per batch, the old log-probs are the update's own forward pass: NaN until
-        # it fills them, so nothing can read them early. --drop-zero-spread skips dialogues in the update.
-        from_update = old_logprobs_from_update(args, len(records) * run.world, model) and not args.drop_zero_spread
-        old_logprobs = torch.full_like(mask, torch.nan) if from_update else \
-            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)
-        need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
-        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                        reference=True) if need_ref else None               # (B, T)
+        # it fills them, so nothing can read them early.
+        from_update, old_logprobs, ref_logprobs = old_and_reference_logprobs(
+            model, batch, args, len(records) * run.world, iteration)                         # (B, T)
         rewards = dialogue_rewards(records, args.reward, args.format_penalty)               # (B,)
         group_ids = torch.tensor([run.rank * len(chosen) + r["group"] for r in records])   # (B,)
 
@@ -303,16 +268,11 @@ def main(argv=None):
         all_records = run.gather(records)
         reward = dialogue_rewards(all_records, args.reward).numpy()  # as in ppo.py: no format penalty
         first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])
-        acted = batch["action_mask"]  # (B, T) every agent token, dropped groups' too
-        update_tokens = run.sum(mask.sum()).item() * args.update_epochs
-        method = {"reward_mean": float(reward.mean()), "reward_std": float(reward.std()),
-                  "kl_ref": None if ref_logprobs is None else run.masked_mean(kl_k3(old_logprobs, ref_logprobs), acted),
-                  "sample_logprob_gap": run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted),
+        method = {**logged_figures(run, reward, batch, mask, old_logprobs, ref_logprobs, args.update_epochs,
+                                   t_update),
                   "group_reward_std": float(all_std[first_of_group].mean()),
                   "zero_spread_groups": int(all_flat[first_of_group].sum()), "skipped_steps": skipped_steps,
-                  "lr": optimizer.param_groups[0]["lr"],
-                  "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
-                  "update_tokens_per_s": update_tokens / max(run.max(t_update), 1e-9)}
+                  "lr": optimizer.param_groups[0]["lr"]}
         times = {"time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
                  "time_iteration": time.time() - t_start}
         run.log(iteration, all_records, rstats, logs, method, times)

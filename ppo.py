@@ -8,8 +8,10 @@ value head), the reference policy (adapters disabled) and, with --simulator same
 (adapters disabled too). TRL's PPO holds four models.
 
 grpo.py is this file with the critic taken out and the group advantage put in, in the same order, so
-`diff ppo.py grpo.py` shows the methods' differences. In the loop every `run.` call is plumbing
-(run.py); what is left is the method.
+`diff ppo.py grpo.py` shows the methods' differences. What both do alike (the old and reference
+log-probs, the loss aggregations, the k3 KL, AdamW with its warm-up, the figures both log) is in
+rollout.py, once. In the loop the `run.` calls are the processes and the run folder (run.py);
+run.sum sets the loss denominators over every process.
 
     python ppo.py                      # the paper's setup on a CUDA machine (Qwen2.5-7B-Instruct)
     python ppo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
@@ -23,11 +25,12 @@ from functools import partial
 import numpy as np
 import torch
 
-from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_params, batched_logprobs,
-                     length_sorted, load_policy, old_logprobs_from_update, pad_records, pick_personas,
-                     play_dialogues, policy_settings, sampling_settings, token_logprobs,
-                     training_personas, use_adapter)
-from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
+from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
+                     aggregate, batched, kl_k3, load_policy, logged_figures, old_and_reference_logprobs,
+                     pad_records, pick_personas, play_dialogues, policy_settings, sampling_settings,
+                     token_logprobs, training_personas, use_adapter)
+from run import (Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting,
+                 target_names, within)
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 
@@ -37,8 +40,8 @@ class PPOSettings:
     group = "PPO"
     dialogues_per_iteration: int = setting(32, "dialogues per iteration, over all processes (RLVER: 32)",
                                            at_least(1))
-    reward: str = setting("final", "final: emotion/100 on the last agent token | turn: each change/100 on its "
-                                   "turn (REWARDS)", one_of("final", "turn"))
+    reward: str = setting("final", "final: emotion/100 on the last agent token | turn: each change/100 on "
+                                   "its turn (REWARDS)", one_of("final", "turn"))
     format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     kl_coef: float = setting(0.0, "k1 KL-to-reference penalty in the reward (RLVER: 0)", at_least(0))
     kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
@@ -143,19 +146,6 @@ def whiten(advantages, mask, total=lambda x: x):
     return (advantages - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
-def aggregate(loss, mask, mode, total_tokens, total_seqs):
-    """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so that
-    summing the micro-batches gives the minibatch loss whatever the split.
-    token-mean: every agent token weighs the same (long dialogues weigh more).
-    seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice).
-    seq-mean-token-sum: sum over a dialogue's tokens, mean over dialogues."""
-    if mode == "token-mean":
-        return (loss * mask).sum() / total_tokens
-    if mode == "seq-mean-token-mean":
-        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
-    return (loss * mask).sum() / total_seqs  # seq-mean-token-sum
-
-
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
     """Per-token PPO surrogate (Schulman et al. 2017) with an asymmetric clip (clip-higher, DAPO).
     Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high)).
@@ -168,19 +158,13 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
     return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
 
 
-def kl_k3(logprobs, ref_logprobs):
-    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
-    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1
-
-
 def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, agg, args):
     """The policy's loss on one micro-batch, from per-token (b, T) tensors to its share of the
     minibatch loss (agg: aggregate with the minibatch's counts): the clipped surrogate, minus
     --ent-coef x the entropy, plus --kl-loss-coef x the k3 KL to the reference (ref_logprobs,
     None when no reference pass ran). Returns (loss, the per-token terms the update logs)."""
-    pg, ratio, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low, args.clip_high)
+    pg, ratio, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low,
+                                             args.clip_high)
     kl_ref = None if ref_logprobs is None else kl_k3(logprobs, ref_logprobs)
     loss = agg(pg) - args.ent_coef * agg(entropy)
     if args.kl_loss_coef > 0:
@@ -254,18 +238,11 @@ def critic_values(model, value_head, input_ids, attention_mask):
     return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
 
 
-@torch.no_grad()
 def batched_values(model, value_head, batch, micro_batch_size):
     """critic_values over a padded batch (B, T), in length-sorted micro-batches, without gradients."""
-    values = torch.zeros_like(batch["attention_mask"], dtype=torch.float32)                # (B, T)
-    was_training = model.training
-    model.eval()
     with adapter_active(model, "critic"):
-        for rows, w in length_sorted(batch["attention_mask"], micro_batch_size):
-            values[rows, :w] = critic_values(model, value_head, batch["input_ids"][rows, :w],
-                                             batch["attention_mask"][rows, :w]).float()
-    model.train(was_training)
-    return values
+        return batched(model, batch, micro_batch_size,
+                       lambda ids, att, _: critic_values(model, value_head, ids, att).float())
 
 
 def actor_and_critic(args, model, device):
@@ -277,25 +254,16 @@ def actor_and_critic(args, model, device):
 
     model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
                                            lora_dropout=args.lora_dropout,
-                                           target_modules=args.target_modules.split(","), task_type="CAUSAL_LM"))
+                                           target_modules=target_names(args.target_modules),
+                                           task_type="CAUSAL_LM"))
     use_adapter(model, "default")
     value_head = torch.nn.Linear(model.get_base_model().config.get_text_config().hidden_size, 1).to(device)
     torch.nn.init.zeros_(value_head.weight)
     torch.nn.init.constant_(value_head.bias, REWARDS[args.reward]["unmoved"](args.start_emotion))
-    actor_params = adapter_params(model, "default")
+    actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
     critic_params = adapter_params(model, "critic") + list(value_head.parameters())
-    for p in actor_params + critic_params:
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW([{"params": actor_params, "lr": args.lr},
-                                   {"params": critic_params, "lr": args.critic_lr}], weight_decay=0.0)
-    # Linear warm-up over --warmup-steps optimizer steps, each group's counted from the steps it really
-    # took: AdamW's own step count of the group's first parameter. AdamW passes over a parameter with no
-    # gradient (the actor's during --critic-warmup) and a skipped non-finite step steps nothing, so no
-    # count set in advance can drift from the truth, and --resume restores it with the optimizer.
-    def warm(params):
-        return lambda _: min(1.0, (float(optimizer.state.get(params[0], {}).get("step", 0)) + 1)
-                             / max(1, args.warmup_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [warm(actor_params), warm(critic_params)])
+    optimizer, scheduler = adamw_with_warmup([(actor_params, args.lr), (critic_params, args.critic_lr)],
+                                             args.warmup_steps)
     return value_head, actor_params, critic_params, optimizer, scheduler
 
 
@@ -326,13 +294,9 @@ def main(argv=None):
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
         # With one optimizer step per batch, the old log-probs are the update's own forward pass: NaN until
-        # it fills them, so nothing can read them early. --kl-coef reads them before the update.
-        from_update = old_logprobs_from_update(args, len(records) * run.world, model) and args.kl_coef == 0
-        old_logprobs = torch.full_like(mask, torch.nan) if from_update else \
-            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)
-        need_ref = args.kl_coef > 0 or args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
-        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                        reference=True) if need_ref else None               # (B, T)
+        # it fills them, so nothing can read them early.
+        from_update, old_logprobs, ref_logprobs = old_and_reference_logprobs(
+            model, batch, args, len(records) * run.world, iteration)                         # (B, T)
         old_values = batched_values(model, value_head, batch, args.micro_batch_size) * mask  # (B, T)
         rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(run.device)
         if args.kl_coef > 0:  # the k1 estimate, per token, in the reward (both passes ran above)
@@ -364,8 +328,9 @@ def main(argv=None):
                     agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
                                   total_seqs=float(args.minibatch_size))  # its share of the minibatch loss
                     with torch.set_grad_enabled(train_actor):
-                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
-                                                             with_entropy=True, entropy_grad=args.ent_coef > 0)
+                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature,
+                                                             action_mask=m, with_entropy=True,
+                                                             entropy_grad=args.ent_coef > 0)
                         if from_update:
                             old_logprobs[idx, :w] = newlogprob.detach()
                         actor_loss, terms = policy_objective(
@@ -394,15 +359,11 @@ def main(argv=None):
         # --- 5. log: global figures over every process's dialogues -------------------------------
         all_records = run.gather(records)
         reward = np.array([sum(REWARDS[args.reward]["turns"](r)) for r in all_records])
-        ev = explained_variance(run.sum(variance_sums(old_values[mask > 0], returns[mask > 0])))
-        update_tokens = run.sum(mask.sum()).item() * args.update_epochs
-        method = {"reward_mean": float(reward.mean()), "reward_std": float(reward.std()),
-                  "kl_ref": None if ref_logprobs is None else run.masked_mean(kl_k3(old_logprobs, ref_logprobs), mask),
-                  "sample_logprob_gap": run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), mask),
-                  "explained_variance": ev,
-                  "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
-                  "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
-                  "update_tokens_per_s": update_tokens / max(run.max(t_update), 1e-9)}
+        method = {**logged_figures(run, reward, batch, mask, old_logprobs, ref_logprobs, args.update_epochs,
+                                   t_update),
+                  "explained_variance": explained_variance(run.sum(variance_sums(old_values[mask > 0],
+                                                                                 returns[mask > 0]))),
+                  "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"]}
         times = {"time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
                  "time_iteration": time.time() - t_start}
         run.log(iteration, all_records, rstats, logs, method, times)

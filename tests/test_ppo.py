@@ -419,7 +419,7 @@ def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny
     # Forcing the separate scoring pass (the code before the skip) must give the same run.
     argv = ["--iterations", "2", "--lr", "2e-2", "--ent-coef", "0.01", "--micro-batch-size", "2"]
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "skip", *argv))
-    monkeypatch.setattr(ppo, "old_logprobs_from_update", lambda *a: False)
+    monkeypatch.setattr(rollout, "old_logprobs_from_update", lambda *a: False)
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "pass", *argv))
     skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")
     assert full[1]["kl_ref"] > 1e-6 and full[0]["actor_grad_norm"] > 0  # the policy moved

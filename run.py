@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import glob
 import hashlib
 import importlib.util
 import json
@@ -75,13 +76,15 @@ def at_least(low):
 
 def above(low):
     """Finite and greater than low: a learning rate of inf or nan would turn every weight into NaN."""
-    return lambda value: None if math.isfinite(value) and value > low else f"must be a finite number above {low}"
+    return lambda value: (None if math.isfinite(value) and value > low
+                          else f"must be a finite number above {low}")
 
 
 def within(low, high, low_open=False, high_open=False):
     def check(value):
         fits = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-        return None if fits else f"must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        return None if fits else (f"must be in {'(' if low_open else '['}{low}, "
+                                  f"{high}{')' if high_open else ']'}")
     return check
 
 
@@ -105,8 +108,9 @@ def redact(value):
 
 def env_name(value):
     """--api-key-env takes the name of a variable; a key typed there instead is refused, unshown."""
-    ok = re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value)
-    return None if ok else "must be the name of an environment variable that holds the key, such as OPENAI_API_KEY"
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        return None
+    return "must be the name of an environment variable that holds the key, such as OPENAI_API_KEY"
 
 
 env_name.secret = True
@@ -146,9 +150,10 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     """One argparse parser over the fields of `classes` (one --help group per class's `group`, the
     operational settings in a last group), then every value against its field's check and each
     class's check(args) for settings that only work together. Flags are spelled with -, as --help
-    shows them; booleans read `--x`, `--x true|false` or `--no-x`. defaults: the script's own; presets: {name: defaults} picked
-    with --preset; a flag given on the command line wins. With --resume DIR the run's saved settings
-    come back (resume_settings). Bad input ends the program with one line, exit code 2."""
+    shows them; booleans read `--x`, `--x true|false` or `--no-x`. defaults: the script's own;
+    presets: {name: defaults} picked with --preset; a flag given on the command line wins. With
+    --resume DIR the run's saved settings come back (resume_settings). Bad input ends the program
+    with one line, exit code 2."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     parser.error = fail
@@ -165,14 +170,16 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
             group.add_argument(flag, dest=f.name, default=default, help=f.metadata["help"],
                                choices=getattr(f.metadata["check"], "choices", None), **kind)
             if isinstance(default, bool):  # added after the flag, whose default the namespace takes
-                group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=argparse.SUPPRESS)
+                group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false",
+                                   help=argparse.SUPPRESS)
     # set_defaults replaces the fields' defaults: the script's own, then the preset's (read by a first
     # pass; its flag's choices refuse an unknown one), so that every flag given wins over both
     parser.set_defaults(**(defaults or {}))
     if presets:
         parser.set_defaults(**presets[parser.parse_args(argv).preset])
     args = parser.parse_args(argv)
-    args.given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")}
+    args.given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_")
+                  for a in argv if a.startswith("--")}
     if getattr(args, "resume", ""):
         resume_settings(args, fields)
     for f in fields:
@@ -213,8 +220,8 @@ def resume_settings(args, fields):
                 fail(f"{flag}: the run saved it redacted (it held a secret); give it again")
             setattr(args, f.name, then)
         elif redact(now) != then and f.name not in RESUMABLE and not f.metadata["operational"]:
-            fail(f"{flag} {redact(now)!r}: the run in {args.resume} has {then!r}, and --resume keeps it (it may "
-                 f"change only {', '.join(RESUMABLE)} and the operational settings)")
+            fail(f"{flag} {redact(now)!r}: the run in {args.resume} has {then!r}, and --resume keeps it "
+                 f"(it may change only {', '.join(RESUMABLE)} and the operational settings)")
     args.out = args.resume
 
 
@@ -223,7 +230,8 @@ def public_config(args, script):
     anything that looks like a secret hidden. No setting holds a key (keys come only from environment
     variables, named by --api-key-env, whose check refuses a key typed there); redact catches one
     pasted into a URL or a path."""
-    return {"script": script, **{name: redact(value) for name, value in vars(args).items() if name != "given"}}
+    return {"script": script,
+            **{name: redact(value) for name, value in vars(args).items() if name != "given"}}
 
 
 @dataclasses.dataclass
@@ -359,12 +367,13 @@ def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=No
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     four_bit = None
     if load_in_4bit:  # NF4 weights are placed where they load: on the device unless a map is given
-        four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-                                      bnb_4bit_use_double_quant=True)
+        four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
         device_map = device_map or {"": device}
     with random_streams_kept():
         model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, device_map=device_map,
-                                                     quantization_config=four_bit, trust_remote_code=trust_remote_code)
+                                                     quantization_config=four_bit,
+                                                     trust_remote_code=trust_remote_code)
     if device_map is None:
         model.to(device)
     tokenizer = load_tokenizer(name, trust_remote_code)
@@ -542,8 +551,8 @@ def new_folder(out, flag="--out"):
         os.makedirs(out)
     except FileExistsError:
         if not os.path.isdir(out) or os.listdir(out):
-            fail(f"{flag} {out} exists and is not an empty folder: a command writes only into a folder it creates; "
-                 f"pick a new {flag}{' (or continue a run with --resume)' if read_run(out) else ''}")
+            fail(f"{flag} {out} exists and is not an empty folder: a command writes only into a folder it "
+                 f"creates; pick a new {flag}{' (or continue a run with --resume)' if read_run(out) else ''}")
     except OSError as e:
         fail(f"{flag} {out} cannot be made ({e.strerror})")
     lock(out, flag)
@@ -561,10 +570,9 @@ def lock(folder, flag):
 
 
 def checkpoints(run_dir):
-    """The complete checkpoint folders of a run, oldest first (a save cut short is still named *.tmp)."""
-    folder = os.path.join(run_dir, "checkpoints")
-    names = sorted(n for n in os.listdir(folder) if re.fullmatch(r"iter_\d+", n)) if os.path.isdir(folder) else []
-    return [os.path.join(folder, n) for n in names]
+    """The complete checkpoint folders of a run, oldest first: iter_ and six digits, as save() names
+    them (a save cut short is still named *.tmp)."""
+    return sorted(glob.glob(os.path.join(glob.escape(run_dir), "checkpoints", "iter_" + "[0-9]" * 6)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -609,14 +617,15 @@ def summarize(records, stats):
            "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
            "cut_reply_rate": sum(r.get("cut_replies", 0) for r in records) / max(1, agent_turns),
            "simulator_fallbacks": sum(r["fallbacks"] for r in records),
-           "policy_tokens": int(stats["policy_tokens"]), "decode_compilations": int(stats["decode_compilations"])}
+           "policy_tokens": int(stats["policy_tokens"]),
+           "decode_compilations": int(stats["decode_compilations"])}
     for who in ("policy", "simulator"):
         out[f"{who}_seconds"] = float(stats[f"{who}_seconds"])
         out[f"{who}_tokens_per_s"] = stats[f"{who}_tokens"] / max(1e-9, out[f"{who}_seconds"])
         # the share of prompt tokens read from a dialogue's KV cache instead of being run again
         out[f"{who}_cache_hit"] = stats[f"{who}_reused_tokens"] / max(1, stats[f"{who}_prompt_tokens"])
-    return {**out, **{f"end_{reason}": reasons[reason] for reason in ("success", "left", "goodbye", "max_turns",
-                                                                      "context")}}
+    ends = ("success", "left", "goodbye", "max_turns", "context")
+    return {**out, **{f"end_{reason}": reasons[reason] for reason in ends}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -647,19 +656,22 @@ class Run:
         # asked before any model loads: a missing tracker package is one line, not a crash after an hour
         # of loading (each tracker's pip package has its name)
         if args.report_to != "none" and importlib.util.find_spec(args.report_to) is None:
-            fail(f"--report-to {args.report_to} needs the {args.report_to} package: pip install {args.report_to}")
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), project_dir=args.out,  # TensorBoard's
+            fail(f"--report-to {args.report_to} needs the {args.report_to} package: "
+                 f"pip install {args.report_to}")
+        # project_dir: where TensorBoard writes (<run folder>/rlver/)
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), project_dir=args.out,
                                        log_with=None if args.report_to == "none" else [args.report_to])
         self.device, self.is_main = self.accelerator.device, self.accelerator.is_main_process
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         for name in per_process:  # counts that every process takes an equal share of
             if getattr(args, name) % self.world:
-                fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {self.world} processes")
+                fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the "
+                     f"{self.world} processes")
         if self.is_main:
             lock(args.out, "--resume") if args.resume else new_folder(args.out)
             try:
-                write_atomically(os.path.join(args.out, "config.json"), json.dumps(public_config(args, script),
-                                                                                   indent=1))
+                config = json.dumps(public_config(args, script), indent=1)
+                write_atomically(os.path.join(args.out, "config.json"), config)
             except OSError as e:
                 fail(f"--out {args.out} cannot be written ({write_failure(e, args.out)})")
         self.show_progress = self.is_main and sys.stderr.isatty()  # the rollout's own bar
@@ -682,14 +694,16 @@ class Run:
         if found:
             state = torch.load(os.path.join(found[-1], "state.pt"), map_location="cpu", weights_only=False)
             for name in self.adapters:
-                weights = load_file(os.path.join(found[-1], name, "adapter_model.safetensors"), device=str(self.device))
+                weights = load_file(os.path.join(found[-1], name, "adapter_model.safetensors"),
+                                    device=str(self.device))
                 set_peft_model_state_dict(model, weights, adapter_name=name)
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             for name, module in self.modules.items():
                 module.load_state_dict(state[name])
             start, self.written = state["iteration"], state["written"]
-        if found and len(state["rng"]) == self.world:  # as many processes as before: continue each one's stream
+        # as many processes as before: each one's stream continues; else each is seeded apart
+        if found and len(state["rng"]) == self.world:
             set_rng_state(state["rng"][self.rank])
         else:  # a new run (start 0), or a resume on another number of processes
             set_seed(args.seed + self.rank + 7919 * start)
@@ -713,7 +727,8 @@ class Run:
             torch.cuda.reset_peak_memory_stats()
         for number in (signal.SIGINT, signal.SIGTERM):
             HELD.append((number, signal.signal(number, self.interrupted)))
-        self.done, self.saved_at, self.saving, self.bad_in_a_row, self.time_is_up = start, start, None, 0, False
+        self.done, self.saved_at, self.saving = start, start, None
+        self.bad_in_a_row, self.time_is_up = 0, False
         self.t_start = time.time()  # --time-budget counts from here
         self.bar = tqdm(total=args.iterations, initial=start, desc=self.script[:-3], disable=not self.is_main)
         return start
@@ -743,7 +758,8 @@ class Run:
         process) with what to do, exit code 1, once every process is here."""
         self.accelerator.wait_for_everyone()
         if self.is_main:
-            fail(f"{message}; {self.resume_advice()}. Lower the learning rate or use --dtype float32 first.", code=1)
+            fail(f"{message}; {self.resume_advice()}. Lower the learning rate or use --dtype float32 first.",
+                 code=1)
         sys.exit(1)
 
     # --- the processes ---------------------------------------------------------------------------
@@ -796,8 +812,9 @@ class Run:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params if p.grad is not None]
         # dtypes in the order of params, the same on every process (a set's order follows the dtype
-        # objects' addresses, which may differ between processes, and the sums would pair wrongly)
-        for dtype in dict.fromkeys(g.dtype for g in grads):  # one flat buffer a dtype: 0.6 GB beside a 7B model
+        # objects' addresses, which may differ between processes, and the sums would pair wrongly);
+        # one flat buffer a dtype: 0.6 GB beside a 7B model
+        for dtype in dict.fromkeys(g.dtype for g in grads):
             mine = [g for g in grads if g.dtype == dtype]
             flat = self.sum(torch.cat([g.reshape(-1) for g in mine]))
             for g, part in zip(mine, flat.split([g.numel() for g in mine])):
@@ -813,7 +830,8 @@ class Run:
         tqdm.write(f"warning: iteration {iteration + 1}: non-finite gradient, update skipped "
                    f"({self.bad_in_a_row} in a row)", file=sys.stderr)
         if self.bad_in_a_row >= self.args.max_bad_updates:
-            self.halt(f"{self.bad_in_a_row} non-finite updates in a row; stopped in iteration {iteration + 1}")
+            self.halt(f"{self.bad_in_a_row} non-finite updates in a row; stopped in iteration "
+                      f"{iteration + 1}")
         return True
 
     # --- after an iteration ------------------------------------------------------------------------
@@ -831,8 +849,8 @@ class Run:
                    "replicas_identical": len(set(digests)) == 1}
         nonfinite = sum(isinstance(v, float) and not math.isfinite(v) for v in metrics.values())
         if self.is_main:
-            for name, rows in zip(LOGS, ([{**metrics, "nonfinite_metrics": nonfinite}],
-                                         [transcript_record(r, iteration=iteration + 1) for r in all_records])):
+            dialogues = [transcript_record(r, iteration=iteration + 1) for r in all_records]
+            for name, rows in zip(LOGS, ([{**metrics, "nonfinite_metrics": nonfinite}], dialogues)):
                 try:
                     append_lines(os.path.join(self.args.out, name), rows)
                 except OSError as e:
@@ -845,16 +863,19 @@ class Run:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # the next iteration's peak
         self.bar.update(1)
-        self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}")
+        self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                             emotion=f"{metrics['final_emotion_mean']:.1f}")
         return metrics
 
     def save_if_due(self, iteration):
         """(A collective call) after an iteration: a checkpoint every --save-every iterations, at the last
         one, and when --time-budget is used up; then run.time_is_up says whether to stop."""
         args = self.args
-        self.time_is_up = args.time_budget > 0 and self.max(time.time() - self.t_start >= 60 * args.time_budget) > 0
+        used_up = time.time() - self.t_start >= 60 * args.time_budget
+        self.time_is_up = args.time_budget > 0 and self.max(used_up) > 0  # the same on every process
         if self.time_is_up and self.is_main:
-            print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}", file=sys.stderr)
+            print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}",
+                  file=sys.stderr)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or self.time_is_up:
             self.save(iteration + 1)
         self.accelerator.wait_for_everyone()
@@ -871,7 +892,8 @@ class Run:
 
         rngs = self.gather([rng_state()])
         if not all(torch.isfinite(p).all() for p in self.trained):
-            self.halt(f"iteration {iteration}: the trained weights hold NaN or infinity, so they are no checkpoint")
+            self.halt(f"iteration {iteration}: the trained weights hold NaN or infinity, so they are no "
+                      "checkpoint")
         self.saving, self.saved_at, out = iteration, iteration, self.args.out
         if self.is_main:
             self.written.append(f"iter_{iteration:06d}")
@@ -884,16 +906,17 @@ class Run:
                     # of its name: either way each lands in tmp/<adapter>/
                     self.model.save_pretrained(os.path.join(tmp, "default") if adapter == "default" else tmp,
                                                selected_adapters=[adapter])
-                torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                            **{k: m.state_dict() for k, m in self.modules.items()},
-                            "rng": rngs, "iteration": iteration, "written": self.written,
-                            "log_sizes": {name: os.path.getsize(os.path.join(out, name)) for name in LOGS}},
-                           os.path.join(tmp, "state.pt"))
+                state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                         **{k: m.state_dict() for k, m in self.modules.items()},
+                         "rng": rngs, "iteration": iteration, "written": self.written,
+                         "log_sizes": {name: os.path.getsize(os.path.join(out, name)) for name in LOGS}}
+                torch.save(state, os.path.join(tmp, "state.pt"))
                 os.rename(tmp, final)
             except (OSError, RuntimeError, SafetensorError) as e:
                 shutil.rmtree(tmp, ignore_errors=True)
-                fail(f"iteration {iteration}: the checkpoint {final} could not be written ({write_failure(e, final)}); "
-                     f"what was written of it is removed; {self.resume_advice()}", code=1)
+                fail(f"iteration {iteration}: the checkpoint {final} could not be written "
+                     f"({write_failure(e, final)}); what was written of it is removed; "
+                     f"{self.resume_advice()}", code=1)
             while 0 < self.args.keep_checkpoints < len(self.written):  # the oldest of this run's own go
                 shutil.rmtree(os.path.join(out, "checkpoints", self.written.pop(0)), ignore_errors=True)
         self.saving = None

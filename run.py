@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -227,11 +228,14 @@ def resume_settings(args, fields):
 
 def public_config(args, script):
     """The settings as config.json holds them: the script that made the run, and every value with
-    anything that looks like a secret hidden. No setting holds a key (keys come only from environment
-    variables, named by --api-key-env, whose check refuses a key typed there); redact catches one
-    pasted into a URL or a path."""
-    return {"script": script,
-            **{name: redact(value) for name, value in vars(args).items() if name != "given"}}
+    anything that looks like a secret hidden (a setting named like one is hidden whole: a fork's
+    --hf-token would otherwise reach the file)."""
+    out = {"script": script}
+    for name, value in vars(args).items():
+        secret = {"key", "token", "secret", "password"} & set(name.split("_")) and not name.endswith("_env")
+        out[name] = REDACTED if secret else redact(value)
+    out.pop("given", None)  # which flags were typed: parse_settings' note, not a setting
+    return out
 
 
 @dataclasses.dataclass
@@ -542,11 +546,9 @@ def new_folder(out, flag="--out"):
     """A folder for this command only, held by a lock for the process's life: created here (its parents
     too), or taken while empty; never a folder that holds anything, and never one inside a run folder
     (whose checkpoints could take its name). Bad: one line, exit 2."""
-    parent = os.path.dirname(os.path.abspath(out))
-    while parent != os.path.dirname(parent):
+    for parent in Path(os.path.abspath(out)).parents:
         if read_run(parent):
             fail(f"{flag} {out} is inside the run folder {parent}: pick a folder outside it")
-        parent = os.path.dirname(parent)
     try:
         os.makedirs(out)
     except FileExistsError:
@@ -687,7 +689,8 @@ class Run:
         from safetensors.torch import load_file
 
         args = self.args
-        self.model, self.optimizer, self.scheduler, self.modules = model, optimizer, scheduler, modules or {}
+        # what state.pt holds besides the adapters, each under its name
+        self.model, self.parts = model, {"optimizer": optimizer, "scheduler": scheduler, **(modules or {})}
         self.trained = [p for group in optimizer.param_groups for p in group["params"]]
         found = checkpoints(args.out)  # none in a new run's folder: it was made empty
         start, self.written = 0, []  # written: the checkpoints of this run, the only ones pruning deletes
@@ -697,10 +700,8 @@ class Run:
                 weights = load_file(os.path.join(found[-1], name, "adapter_model.safetensors"),
                                     device=str(self.device))
                 set_peft_model_state_dict(model, weights, adapter_name=name)
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            for name, module in self.modules.items():
-                module.load_state_dict(state[name])
+            for name, part in self.parts.items():
+                part.load_state_dict(state[name])
             start, self.written = state["iteration"], state["written"]
         # as many processes as before: each one's stream continues; else each is seeded apart
         if found and len(state["rng"]) == self.world:
@@ -906,9 +907,8 @@ class Run:
                     # of its name: either way each lands in tmp/<adapter>/
                     self.model.save_pretrained(os.path.join(tmp, "default") if adapter == "default" else tmp,
                                                selected_adapters=[adapter])
-                state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                         **{k: m.state_dict() for k, m in self.modules.items()},
-                         "rng": rngs, "iteration": iteration, "written": self.written,
+                state = {**{name: part.state_dict() for name, part in self.parts.items()}, "rng": rngs,
+                         "iteration": iteration, "written": self.written,
                          "log_sizes": {name: os.path.getsize(os.path.join(out, name)) for name in LOGS}}
                 torch.save(state, os.path.join(tmp, "state.pt"))
                 os.rename(tmp, final)

@@ -653,7 +653,7 @@ class Run:
     def __init__(self, args, script, adapters, per_process=()):
         from accelerate import Accelerator
 
-        args.out = args.out or os.path.join("runs", f"{script[:-3]}__{args.seed}__{int(time.time())}")
+        args.out = args.out or f"runs/{script[:-3]}__{args.seed}__{int(time.time())}"
         self.args, self.script, self.adapters = args, script, adapters
         # asked before any model loads: a missing tracker package is one line, not a crash after an hour
         # of loading (each tracker's pip package has its name)
@@ -713,17 +713,18 @@ class Run:
             # came after belongs to iterations that run again, a torn last line included
             for name in LOGS:
                 with open(os.path.join(args.out, name), "a", encoding="utf-8") as f:
-                    f.truncate(state["log_sizes"][name] if found else 0)
+                    # never longer than it is (truncate would pad a file shortened since with NUL bytes)
+                    f.truncate(min(state["log_sizes"][name], f.tell()) if found else 0)
             print(f"{'resuming' if args.resume else 'run'} {args.out}"
                   + (f" from {os.path.basename(found[-1])}" if found else ""), file=sys.stderr)
         # the tracker's config: the settings, secrets hidden, as scalars and strings; on --resume
         # TensorBoard drops the steps a killed run logged after the checkpoint (purge_step), as
         # metrics.jsonl does. Without a tracker this does nothing.
-        name = os.path.basename(os.path.normpath(args.out))
         config = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in public_config(
             args, self.script).items()}
         self.accelerator.init_trackers("rlver", config=config, init_kwargs={
-            "tensorboard": {"purge_step": start + 1} if start else {}, "wandb": {"name": name}})
+            "tensorboard": {"purge_step": start + 1} if start else {},
+            "wandb": {"name": Path(args.out).name}})  # the run folder's name
         if torch.cuda.is_available():  # each iteration's peak_memory_gb counts from here
             torch.cuda.reset_peak_memory_stats()
         for number in (signal.SIGINT, signal.SIGTERM):

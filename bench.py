@@ -59,7 +59,7 @@ time limit, so that a failed or hung step ends only itself: versions (software, 
 tokenizer's fingerprint); tests-fp32 and tests-bf16 (the tests marked gpu in tests/test_rollout.py and
 tests/test_simulator.py with `--device cuda` in each dtype: stored vs fresh log-probs, merged vs
 adapter logits, the 'same' user with and without merged sampling, the one-pass read-out vs full
-forwards, static vs dynamic cache, and the CUDA-only turn-cache tests); bench-gpu (the quick shape
+forwards, static vs dynamic cache); bench-gpu (the quick shape
 above); learning (tests/test_learning.py on CUDA in bf16 with gradient checkpointing and thinking);
 rollout-rates (tokens/s of one 7B rollout through the adapter, merged, and merged with the static
 cache, each with its log-prob gap to a fresh pass); 4bit (one PPO iteration with --load-in-4bit where

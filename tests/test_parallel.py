@@ -1,4 +1,4 @@
-"""Data parallel on CPU: two processes (`accelerate launch --multi_gpu --num_processes 2`, gloo, CUDA hidden) against one."""
+"""Data parallel on CPU: two processes (`accelerate launch --multi_gpu`, gloo) against one."""
 import json
 import os
 import subprocess

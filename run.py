@@ -214,10 +214,13 @@ def resume_settings(args, fields, prog=None):
     if prog and saved["script"] != prog:  # the other trainer's checkpoints hold other parts
         fail(f"--resume {args.resume}: the run was made by {saved['script']}; resume it with "
              f"`python {saved['script']} --resume {args.resume}`")
+    if "out" in args.given and os.path.abspath(args.out) != os.path.abspath(args.resume):
+        fail(f"--out {args.out} with --resume {args.resume}: a resume continues in the run's own folder")
     for f in fields:
-        if f.name not in saved or f.name in ("resume", "trust_remote_code"):
-            continue  # a setting added since keeps today's default; consent to hub code is never inherited
-        # --out may be given only as the run has it: a resume continues in the run's own folder
+        # a setting added since keeps today's default; consent to hub code is never inherited; the folder
+        # is the one resumed (a run folder may have been moved or copied since it was made)
+        if f.name not in saved or f.name in ("resume", "out", "trust_remote_code"):
+            continue
         flag, now, then = f"--{f.name.replace('_', '-')}", getattr(args, f.name), saved[f.name]
         if f.name not in args.given:
             if REDACTED in str(then):

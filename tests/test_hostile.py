@@ -367,7 +367,7 @@ def test_grpo_resume_with_another_out_is_refused(grpo_run, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------------------------
-# Also: Ctrl-C and SIGTERM, a killed trim's leftovers, bench.py's exit codes
+# Also: bench.py's exit codes
 # ----------------------------------------------------------------------------------------------
 def test_bench_own_checks_exit_2_with_one_line(tmp_path):
     """Also: bench.py's own checks (here --jobs, and `bench.py gpu` on a machine without CUDA) end

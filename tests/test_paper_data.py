@@ -449,14 +449,17 @@ def with_window(model_dir, folder, window):
 
 # Peak memory of evaluate.py in a process of its own, less what the process holds once its modules
 # are imported (torch, transformers): what the command itself needs.
-GROWTH = """import resource, sys
+GROWTH = """import sys
 import evaluate
 with open("/proc/self/status") as f:
     start = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 try:
     evaluate.main(sys.argv[1:])
 finally:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # VmHWM, the peak of this process's own memory: ru_maxrss would also hold the peak of the parent
+    # it was forked from, which Linux carries across exec (a pytest process that has grown for minutes)
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     print(f"grew {(peak - start) // 1024} MB", file=sys.stderr)
 """
 

@@ -127,7 +127,7 @@ def test_resume_keeps_the_runs_settings_and_lets_only_some_change(tiny_model_dir
     line = refused(capsys, "--resume", str(out), "--lr", "1e-3")
     assert "--lr 0.001" in line and "keeps it" in line and "iterations" in line
     line = refused(capsys, "--resume", str(out), "--out", str(tmp_path / "elsewhere"))
-    assert line.startswith(f"error: --out '{tmp_path / 'elsewhere'}'") and "keeps it" in line  # its folder
+    assert line.startswith(f"error: --out {tmp_path / 'elsewhere'} with --resume") and "own folder" in line
     assert "not a run folder" in refused(capsys, "--resume", str(tmp_path))
     ppo.main(["--resume", str(out), "--iterations", "2"])  # every other setting is the run's own
     config = json.load(open(out / "config.json"))

@@ -182,7 +182,9 @@ def bench_rollout(args):
     personas = load_personas_or_exit(args.personas, "train")[:args.dialogues]
     backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, device=policy.device,
                            reuse_cache=args.reuse_cache)
-    simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns)
+    # the read-out a trainer's --readout auto gives this user (same: the policy's model plays it)
+    simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns,
+                          model_name=args.model if args.simulator == "same" else None)
     prompts = [rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT).prompt(p.opening) for p in personas]
     print(f"bench rollout: {args.model} on {policy.device} ({torch.get_num_threads()} threads), "
           f"{len(personas)} dialogues x {args.max_turns} turns x {args.max_new_tokens} new tokens, simulator "

@@ -8,8 +8,10 @@ model: the group mean is the baseline. One copy of the weights serves three role
 (adapter 'default'), the reference (adapter disabled) and, with --simulator same, the user.
 
 This is ppo.py with the critic taken out and the group advantage put in, in the same order,
-so `diff ppo.py grpo.py` shows the methods' differences. In the loop every `run.` call is plumbing
-(run.py); what is left is the method.
+so `diff ppo.py grpo.py` shows the methods' differences. What both do alike (the old and reference
+log-probs, the loss aggregations, the k3 KL, AdamW with its warm-up, the figures both log) is in
+rollout.py, once. In the loop the `run.` calls are the processes and the run folder (run.py);
+run.sum sets the loss denominators over every process.
 
     python grpo.py                      # the paper's GRPO setup on a CUDA machine (Qwen2.5-7B-Instruct)
     python grpo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
@@ -21,12 +23,11 @@ from functools import partial
 
 import torch
 
-from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_params,
-                     batched_logprobs, load_policy, pad_records, passes_to_run,
+from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
+                     aggregate, kl_k3, load_policy, logged_figures, old_and_reference_logprobs, pad_records,
                      pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
                      training_personas)
-from run import (OutputSettings, Run, RunSettings, TrackerSettings, above, append_means, at_least, fail,
-                 finite_above, one_of, parse_settings, setting, within)
+from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 
@@ -37,21 +38,15 @@ class GRPOSettings:
     personas_per_iteration: int = setting(8, "personas (groups) per iteration, over all processes (RLVER: 32 "
                                              "dialogues = 8 x 4)", at_least(1))
     group_size: int = setting(4, "dialogues per persona, all from its opening (RLVER: 4)", at_least(2))
-    greedy: bool = setting(False, "decode greedily: reproducible dialogues for tests and debugging, not for "
-                                  "training (GRPO: a group's dialogues would be identical)")
-    # rewards
-    reward: str = setting("final", "final: final emotion / 100 | turn: sum of the turns' changes / 100",
-                          one_of("final", "turn"))
+    reward: str = setting("final", "final: final emotion / 100 | turn: sum of the turns' changes / 100 "
+                                   "(REWARDS)", one_of("final", "turn"))
     format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
-    # advantages
     scale_rewards: str = setting("group", "group: (r - group mean) / group std | batch: / batch std | none: "
                                           "r - group mean (Dr. GRPO)", one_of("group", "batch", "none"))
     drop_zero_spread: bool = setting(False, "leave groups of equal rewards out of the loss (else: weight 0)")
-    # the update
     update_epochs: int = setting(1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
     minibatch_size: int = setting(32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
-    micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1))
     clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
                               within(0, 1, low_open=True, high_open=True))
     clip_high: float = setting(0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
@@ -59,11 +54,15 @@ class GRPOSettings:
     loss_agg: str = setting("seq-mean-token-mean", "seq-mean-token-mean (GRPO paper) | token-mean | dr-grpo "
                                                    "(token sum / fixed budget)",
                             one_of("seq-mean-token-mean", "token-mean", "dr-grpo"))
-    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", finite_above(0))
+    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
     warmup_steps: int = setting(0, "optimizer steps of linear learning-rate warm-up", at_least(0))
-    max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
+    max_grad_norm: float = setting(1.0, "gradient norm clipping", above(0))
+    greedy: bool = setting(False, "decode greedily: for tests and debugging (a group's dialogues would be "
+                                  "equal)")
+    micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1),
+                                    operational=True)
     log_kl_every: int = setting(1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
-                                   "reference pass in the others", at_least(1))
+                                   "reference pass in the others", at_least(1), operational=True)
 
     @staticmethod
     def check(args):
@@ -73,8 +72,7 @@ class GRPOSettings:
                  f"(--personas-per-iteration x --group-size)")
 
 
-SETTINGS = (PolicySettings, AdapterSettings, SamplingSettings, SimulatorSettings, GRPOSettings, RunSettings,
-            OutputSettings, TrackerSettings)
+SETTINGS = (GRPOSettings, SamplingSettings, SimulatorSettings, PolicySettings, AdapterSettings, RunSettings)
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
@@ -82,7 +80,7 @@ PRESETS = {
     "cpu": dict(model="smollm2", personas_per_iteration=2, group_size=2, max_turns=2, max_new_tokens=32,
                 user_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
                 gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
-                lr=5e-5, iterations=3, save_every=1, out="runs/grpo-cpu",
+                lr=5e-5, iterations=3, save_every=1,
                 # the value before the paper preset took RLVER's (0.001): the CPU results stand
                 ent_coef=0.0),
 }
@@ -91,38 +89,31 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_grpo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
+# --reward: what each agent turn earns; GRPO compares the sum, one scalar per dialogue
+REWARDS = {
+    "final": lambda r: [0.0] * (len(r["changes"]) - 1) + [r["final_emotion"] / 100],  # the paper
+    # GRPO has no per-token credit: this differs from final only by the constant start emotion / 100 (and
+    # where a clamp at 0 or 100 ate part of a change), which the group mean removes. Kept for parity.
+    "turn": lambda r: [change / 100 for change in r["changes"]],
+}
+
+
 def dialogue_rewards(records, mode="final", format_penalty=0.0):
-    """One reward per dialogue (B,), the scalar GRPO compares within a group.
-    final: final emotion / 100 (the paper).
-    turn:  sum of the turns' emotion changes / 100; GRPO has no per-token credit, so this differs
-           from final only by the constant start emotion / 100 (and where a clamp at 0 or 100 ate
-           part of a change), which the group mean removes anyway. Kept for parity with ppo.py.
-    The format penalty is subtracted once per violating agent turn."""
-    out = []
-    for r in records:
-        if mode == "final":
-            reward = r["final_emotion"] / 100.0
-        elif mode == "turn":
-            reward = sum(r["changes"]) / 100.0
-        else:
-            raise ValueError(f"--reward must be final or turn, got '{mode}'")
-        if format_penalty:
-            reward -= format_penalty * sum(t.get("violation") is not None for t in r["turns"]
-                                           if t["role"] == "agent")
-        out.append(reward)
-    return torch.tensor(out, dtype=torch.float64)
+    """One reward per dialogue (B,), the scalar GRPO compares within a group: the sum of REWARDS[mode]
+    over its turns, minus the format penalty once per violating agent turn."""
+    return torch.tensor([sum(REWARDS[mode](r)) - format_penalty * sum(
+        t.get("violation") is not None for t in r["turns"] if t["role"] == "agent") for r in records],
+        dtype=torch.float64)
 
 
 def group_stats(rewards, group_ids):
     """Per dialogue (B,): its group's mean reward, std (with Bessel's correction, as torch.std,
-    TRL and verl use) and whether every reward in the group is the same (zero spread)."""
+    TRL and verl use) and whether every reward in the group is the same (zero spread). Every group holds
+    --group-size >= 2 dialogues (its declared check), all in one process."""
     mean, std = torch.zeros_like(rewards), torch.zeros_like(rewards)
     flat = torch.zeros(len(rewards), dtype=torch.bool)
     for g in group_ids.unique():
         members = group_ids == g
-        if members.sum() < 2:
-            raise ValueError(f"group {int(g)} has {int(members.sum())} dialogue(s); GRPO needs at least 2 "
-                             f"per group (--group-size >= 2)")
         r = rewards[members]
         mean[members], std[members] = r.mean(), r.std()
         flat[members] = bool(r.max() == r.min())
@@ -144,31 +135,9 @@ def group_advantages(rewards, group_ids, scale="group", eps=1e-4):
         advantages = (rewards - mean) / (std + eps)
     elif scale == "batch":
         advantages = (rewards - mean) / (rewards.std() + eps)
-    elif scale == "none":
+    else:  # none
         advantages = rewards - mean
-    else:
-        raise ValueError(f"--scale-rewards must be group, batch or none, got '{scale}'")
     return torch.where(flat, torch.zeros_like(advantages), advantages)
-
-
-def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
-    """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so
-    that summing the micro-batches gives the minibatch loss whatever the split.
-    seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice); a token of a
-                         short dialogue weighs more than one of a long dialogue.
-    token-mean: every agent token weighs the same (DAPO); long dialogues weigh more.
-    dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget (Dr. GRPO):
-             no length-dependent normalisation at all. We take the budget as the most tokens a
-             dialogue can hold, max_turns x max_new_tokens."""
-    if mode == "seq-mean-token-mean":
-        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
-    if mode == "token-mean":
-        return (loss * mask).sum() / total_tokens
-    if mode == "dr-grpo":
-        if not token_budget:
-            raise ValueError("loss aggregation 'dr-grpo' needs a token budget")
-        return (loss * mask).sum() / (total_seqs * token_budget)
-    raise ValueError(f"--loss-agg must be seq-mean-token-mean, token-mean or dr-grpo, got '{mode}'")
 
 
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
@@ -181,13 +150,6 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
-
-
-def kl_k3(logprobs, ref_logprobs):
-    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
-    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1
 
 
 def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, agg, args):
@@ -212,27 +174,16 @@ LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ra
           "grad_norm")  # by the update; metrics.jsonl: their means
 
 
-def policy_and_optimizer(args, model):
-    """The policy adapter's parameters, AdamW on them, and a linear warm-up over --warmup-steps
-    optimizer steps."""
-    params = adapter_params(model, "default")
-    for p in params:
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                                  lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    return params, optimizer, scheduler
-
-
 def main(argv=None):
-    args = parse_settings(SETTINGS, PRESETS, argv, defaults={"out": "runs/grpo"}, prog="grpo.py")
-    run = Run(args, "grpo.py", adapters=["default"],  # --out checked, --resume's settings taken
-              per_process=["personas_per_iteration", "minibatch_size"])  # a group stays in one process
-    personas = training_personas(args)
+    args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="grpo.py")  # --resume: the run's own settings
+    personas = training_personas(args)  # checked before any weights load
+    run = Run(args, "grpo.py", adapters=["default"],  # a group stays in one process
+              per_process=["personas_per_iteration", "minibatch_size"])
 
     # --- the model: policy adapter on a frozen base; no critic --------------------------------
     model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
-    params, optimizer, scheduler = policy_and_optimizer(args, model)
+    params = adapter_params(model, "default")  # trainable as get_peft_model made them
+    optimizer, scheduler = adamw_with_warmup([(params, args.lr)], args.warmup_steps)
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler)
     for iteration in range(first_iteration, args.iterations):
@@ -250,13 +201,10 @@ def main(argv=None):
         t0 = time.time()
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # only passes whose result is not known yet; --drop-zero-spread trims the update's mask
-        old_from_update, need_ref = passes_to_run(args, iteration, len(records) * run.world, model,
-                                                  old_first=args.drop_zero_spread)
-        old_logprobs = torch.zeros_like(mask) if old_from_update else \
-            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)
-        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                        reference=True) if need_ref else None               # (B, T)
+        # With one optimizer step per batch, the old log-probs are the update's own forward pass: NaN until
+        # it fills them, so nothing can read them early.
+        from_update, old_logprobs, ref_logprobs = old_and_reference_logprobs(
+            model, batch, args, len(records) * run.world, iteration)                         # (B, T)
         rewards = dialogue_rewards(records, args.reward, args.format_penalty)               # (B,)
         group_ids = torch.tensor([run.rank * len(chosen) + r["group"] for r in records])   # (B,)
 
@@ -299,31 +247,32 @@ def main(argv=None):
                                   total_seqs=total_seqs, token_budget=args.max_turns * args.max_new_tokens)
                     newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
                                                          with_entropy=True, entropy_grad=args.ent_coef > 0)
-                    if old_from_update:
+                    if from_update:
                         old_logprobs[idx, :w] = newlogprob.detach()
                     loss, terms = policy_objective(
                         newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
                         None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)
                     loss.backward()
                     append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
-                run.step(optimizer, scheduler, {"grad_norm": params}, args.max_grad_norm, iteration, logs)
+                run.sum_gradients(params)  # over the processes
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                if run.skipped(grad_norm, iteration):  # not finite: no step
+                    optimizer.zero_grad(set_to_none=True)
+                    continue
+                optimizer.step()
+                scheduler.step()
+                logs["grad_norm"].append(grad_norm.item())
         t_update = time.time() - t0
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
         all_records = run.gather(records)
-        final = dialogue_rewards(all_records, args.reward).numpy()  # as in ppo.py: no format penalty
+        reward = dialogue_rewards(all_records, args.reward).numpy()  # as in ppo.py: no format penalty
         first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])
-        acted = batch["action_mask"]  # (B, T) every agent token, dropped groups' too
-        update_tokens = run.sum(mask.sum()).item() * args.update_epochs
-        kl_ref = None if ref_logprobs is None else \
-            run.masked_mean(kl_k3(old_logprobs, ref_logprobs), acted)  # null: no reference pass
-        gap = run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted)
-        method = {"reward_mean": float(final.mean()), "reward_std": float(final.std()), "kl_ref": kl_ref,
-                  "sample_logprob_gap": gap, "group_reward_std": float(all_std[first_of_group].mean()),
+        method = {**logged_figures(run, reward, batch, mask, old_logprobs, ref_logprobs, args.update_epochs,
+                                   t_update),
+                  "group_reward_std": float(all_std[first_of_group].mean()),
                   "zero_spread_groups": int(all_flat[first_of_group].sum()), "skipped_steps": skipped_steps,
-                  "lr": optimizer.param_groups[0]["lr"],
-                  "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
-                  "update_tokens_per_s": update_tokens / max(run.max(t_update), 1e-9)}
+                  "lr": optimizer.param_groups[0]["lr"]}
         times = {"time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
                  "time_iteration": time.time() - t_start}
         run.log(iteration, all_records, rstats, logs, method, times)

@@ -1,15 +1,17 @@
 """PPO with GAE for RLVER: a LoRA actor and a LoRA critic that share one frozen base model.
 
-Each iteration plays a batch of dialogues against the simulated user (rollout.py), puts the
-reward (final emotion / 100) on the last token of the agent's last turn, estimates advantages
-with GAE over the agent's own tokens, and takes clipped PPO steps on the actor and the critic.
-One copy of the weights serves four roles: the actor (adapter 'default'), the critic (adapter
-'critic' plus a scalar value head), the reference policy (adapters disabled) and, with
---simulator same, the simulated user (adapters disabled too). TRL's PPO holds four models.
+Each iteration plays a batch of dialogues against the simulated user (rollout.py), puts the reward
+(final emotion / 100) on the last token of the agent's last turn, estimates advantages with GAE over
+the agent's own tokens, and takes clipped PPO steps on the actor and the critic. One copy of the
+weights serves four roles: the actor (adapter 'default'), the critic (adapter 'critic' plus a scalar
+value head), the reference policy (adapters disabled) and, with --simulator same, the simulated user
+(adapters disabled too). TRL's PPO holds four models.
 
-grpo.py is this file with the critic taken out and the group advantage put in, in the same order,
-so `diff ppo.py grpo.py` shows the methods' differences. In the loop every `run.` call is plumbing
-(run.py); what is left is the method.
+grpo.py is this file with the critic taken out and the group advantage put in, in the same order, so
+`diff ppo.py grpo.py` shows the methods' differences. What both do alike (the old and reference
+log-probs, the loss aggregations, the k3 KL, AdamW with its warm-up, the figures both log) is in
+rollout.py, once. In the loop the `run.` calls are the processes and the run folder (run.py);
+run.sum sets the loss denominators over every process.
 
     python ppo.py                      # the paper's setup on a CUDA machine (Qwen2.5-7B-Instruct)
     python ppo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
@@ -23,12 +25,12 @@ from functools import partial
 import numpy as np
 import torch
 
-from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adapter_params,
-                     batched_logprobs, length_sorted, load_policy, pad_records, passes_to_run,
-                     pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
-                     training_personas, use_adapter)
-from run import (OutputSettings, Run, RunSettings, TrackerSettings, above, append_means, at_least, fail,
-                 finite_above, one_of, parse_settings, setting, target_names, within)
+from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
+                     aggregate, batched, kl_k3, load_policy, logged_figures, old_and_reference_logprobs,
+                     pad_records, pick_personas, play_dialogues, policy_settings, sampling_settings,
+                     token_logprobs, training_personas, use_adapter)
+from run import (Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting,
+                 target_names, within)
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 
@@ -38,22 +40,16 @@ class PPOSettings:
     group = "PPO"
     dialogues_per_iteration: int = setting(32, "dialogues per iteration, over all processes (RLVER: 32)",
                                            at_least(1))
-    greedy: bool = setting(False, "decode greedily: reproducible dialogues for tests and debugging, not for "
-                                  "training (GRPO: a group's dialogues would be identical)")
-    # rewards
     reward: str = setting("final", "final: emotion/100 on the last agent token | turn: each change/100 on "
-                                   "its turn", one_of("final", "turn"))
+                                   "its turn (REWARDS)", one_of("final", "turn"))
     format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     kl_coef: float = setting(0.0, "k1 KL-to-reference penalty in the reward (RLVER: 0)", at_least(0))
     kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
-    # advantages
     gamma: float = setting(1.0, "discount over agent tokens (RLVER's trainer: 1.0)", within(0, 1))
     lam: float = setting(1.0, "GAE lambda (RLVER's trainer: 1.0)", within(0, 1))
     whiten_advantages: bool = setting(True, "normalise advantages over the batch's agent tokens")
-    # the update
-    update_epochs: int = setting(1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
+    update_epochs: int = setting(1, "passes over each iteration's dialogues", at_least(1))
     minibatch_size: int = setting(32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
-    micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1))
     clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
                               within(0, 1, low_open=True, high_open=True))
     clip_high: float = setting(0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
@@ -62,13 +58,16 @@ class PPOSettings:
     ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
     loss_agg: str = setting("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum",
                             one_of("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
-    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", finite_above(0))
-    critic_lr: float = setting(5e-5, "critic adapter and value head learning rate (5x --lr)", finite_above(0))
+    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
+    critic_lr: float = setting(5e-5, "critic adapter and value head learning rate (5x --lr)", above(0))
     critic_warmup: int = setting(0, "first iterations in which only the critic learns (verl)", at_least(0))
     warmup_steps: int = setting(0, "optimizer steps of linear learning-rate warm-up", at_least(0))
     max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
+    greedy: bool = setting(False, "decode greedily: reproducible dialogues for tests and debugging")
+    micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1),
+                                    operational=True)
     log_kl_every: int = setting(1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
-                                   "reference pass in the others", at_least(1))
+                                   "reference pass in the others", at_least(1), operational=True)
 
     @staticmethod
     def check(args):
@@ -77,8 +76,7 @@ class PPOSettings:
                  f"--minibatch-size {args.minibatch_size}")
 
 
-SETTINGS = (PolicySettings, AdapterSettings, SamplingSettings, SimulatorSettings, PPOSettings, RunSettings,
-            OutputSettings, TrackerSettings)
+SETTINGS = (PPOSettings, SamplingSettings, SimulatorSettings, PolicySettings, AdapterSettings, RunSettings)
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
@@ -86,7 +84,7 @@ PRESETS = {
     "cpu": dict(model="smollm2", dialogues_per_iteration=4, max_turns=2, max_new_tokens=32,
                 user_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
                 gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
-                lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1, out="runs/ppo-cpu",
+                lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1,
                 # the values before the paper preset took RLVER's (0.5, 0.001): the CPU results stand
                 value_clip=0.2, ent_coef=0.0),
 }
@@ -95,28 +93,28 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_ppo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
+# --reward: what each agent turn earns (on its last token), and the return of a dialogue in which the
+# emotion never moves, which the untrained critic predicts (starting at 0 instead, a critic with a small
+# learning rate spends its first iterations climbing to the mean return). reward_mean logs the sum.
+REWARDS = {
+    # the paper: final emotion / 100 on the agent's last turn
+    "final": {"turns": lambda r: [0.0] * (len(r["changes"]) - 1) + [r["final_emotion"] / 100],
+              "unmoved": lambda start_emotion: start_emotion / 100},
+    # each turn's emotion change / 100 on that turn: with gamma = 1 the same return up to the constant
+    # start emotion / 100, with the credit nearer its cause
+    "turn": {"turns": lambda r: [change / 100 for change in r["changes"]],
+             "unmoved": lambda start_emotion: 0.0},
+}
+
+
 def place_rewards(records, shape, mode="final", format_penalty=0.0):
-    """Per-token rewards (B, T), zero except on the last token of agent turns.
-    final: final emotion / 100 on the last token of the agent's last turn (the paper).
-    turn:  each turn's emotion change / 100 on that turn's last token; with gamma = 1 the return
-           is the same up to the constant start emotion / 100, with credit nearer its cause.
-    The format penalty lands where the violating turn ends."""
+    """Per-token rewards (B, T): zero except on the last token of agent turns, which get REWARDS[mode]'s
+    value minus the format penalty where that turn broke the think format."""
     rewards = torch.zeros(shape)
     for b, r in enumerate(records):
-        ends = r["turn_ends"]
-        if not ends:
-            continue
-        if mode == "final":
-            rewards[b, ends[-1]] += r["final_emotion"] / 100.0
-        elif mode == "turn":
-            for end, change in zip(ends, r["changes"]):
-                rewards[b, end] += change / 100.0
-        else:
-            raise ValueError(f"--reward must be final or turn, got '{mode}'")
-        if format_penalty:
-            agent_turns = [t for t in r["turns"] if t["role"] == "agent"]
-            for end, turn in zip(ends, agent_turns):
-                rewards[b, end] -= format_penalty * (turn.get("violation") is not None)
+        agent_turns = [t for t in r["turns"] if t["role"] == "agent"]
+        for end, value, turn in zip(r["turn_ends"], REWARDS[mode]["turns"](r), agent_turns):
+            rewards[b, end] += value - format_penalty * (turn.get("violation") is not None)
     return rewards
 
 
@@ -139,20 +137,13 @@ def compute_gae(rewards, values, action_mask, gamma=1.0, lam=1.0):
     return advantages, returns
 
 
-def aggregate(loss, mask, mode, total_tokens, total_seqs):
-    """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so
-    that summing the micro-batches gives the minibatch loss whatever the split.
-    token-mean: every agent token weighs the same (long dialogues weigh more).
-    seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice).
-    seq-mean-token-sum: sum over a dialogue's tokens, mean over dialogues."""
-    if mode == "token-mean":
-        return (loss * mask).sum() / total_tokens
-    if mode == "seq-mean-token-mean":
-        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
-    if mode == "seq-mean-token-sum":
-        return (loss * mask).sum() / total_seqs
-    raise ValueError(f"--loss-agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum, got "
-                     f"'{mode}'")
+def whiten(advantages, mask, total=lambda x: x):
+    """Advantages (B, T) to zero mean and unit variance over the agent tokens; total sums a tensor over
+    the processes (run.sum), so the moments are every process's tokens'."""
+    n = total(mask.sum())
+    mean = total((advantages * mask).sum()) / n
+    var = total((((advantages - mean) * mask) ** 2).sum()) / n
+    return (advantages - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
@@ -165,13 +156,6 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
-
-
-def kl_k3(logprobs, ref_logprobs):
-    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
-    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1
 
 
 def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, agg, args):
@@ -200,8 +184,8 @@ def clipped_value_loss(values, old_values, returns, clip):
 
 
 def variance_sums(values, returns):
-    """(n, sum d, sum d^2, sum R, sum R^2) over the agent tokens (N,), d = R - V, in float64: the
-    sums that processes add up, so that explained_variance covers every process's tokens."""
+    """(n, sum d, sum d^2, sum R, sum R^2) over the agent tokens (N,), d = R - V, in float64: the sums
+    that processes add up, so that explained_variance covers every process's tokens."""
     d, r = (returns - values).double(), returns.double()
     n = torch.tensor(float(r.numel()), dtype=torch.float64, device=r.device)
     return torch.stack([n, d.sum(), (d * d).sum(), r.sum(), (r * r).sum()])
@@ -239,22 +223,6 @@ def adapter_active(model, name):
         use_adapter(model, "default")
 
 
-def value_prior(reward, start_emotion):
-    """What the critic predicts before it has learned anything: the return of a dialogue in which the
-    emotion never moves (--reward final: start_emotion / 100; turn: 0). Starting at 0 instead, a
-    critic with a small learning rate spends its first iterations climbing to the mean return."""
-    return start_emotion / 100.0 if reward == "final" else 0.0
-
-
-def whiten(advantages, mask, total=lambda x: x):
-    """Advantages (B, T) to zero mean and unit variance over the agent tokens; total sums a
-    tensor over the processes (run.sum), so the moments are every process's tokens'."""
-    n = total(mask.sum())
-    mean = total((advantages * mask).sum()) / n
-    var = total((((advantages - mean) * mask) ** 2).sum()) / n
-    return (advantages - mean) * torch.rsqrt(var + 1e-8) * mask
-
-
 def critic_values(model, value_head, input_ids, attention_mask):
     """V(s_t) for every position (B, T) under the 'critic' adapter, aligned with token_logprobs: the
     value at t is that of the state the token at t was sampled in, read from the hidden state at t - 1
@@ -265,62 +233,45 @@ def critic_values(model, value_head, input_ids, attention_mask):
         raise RuntimeError("critic_values runs under the 'critic' adapter: call it, and the backward pass "
                            "of its loss, inside `with adapter_active(model, 'critic'):`")
     decoder = model.get_base_model().get_decoder()
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
-                     use_cache=False).last_hidden_state                                   # (B, T, H)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     values = value_head(hidden[:, :-1].to(value_head.weight.dtype)).squeeze(-1)           # (B, T-1)
     return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
 
 
-@torch.no_grad()
 def batched_values(model, value_head, batch, micro_batch_size):
     """critic_values over a padded batch (B, T), in length-sorted micro-batches, without gradients."""
-    values = torch.zeros_like(batch["attention_mask"], dtype=torch.float32)                # (B, T)
-    was_training = model.training
-    model.eval()
     with adapter_active(model, "critic"):
-        for rows, w in length_sorted(batch["attention_mask"], micro_batch_size):
-            values[rows, :w] = critic_values(model, value_head, batch["input_ids"][rows, :w],
-                                             batch["attention_mask"][rows, :w]).float()
-    model.train(was_training)
-    return values
+        return batched(model, batch, micro_batch_size,
+                       lambda ids, att, _: critic_values(model, value_head, ids, att).float())
 
 
 def actor_and_critic(args, model, device):
     """The critic beside the actor on the shared base: a second LoRA adapter and a value head that
-    starts at value_prior; one AdamW with a parameter group each. Returns (value_head, actor
-    params, critic params, optimizer, scheduler)."""
+    starts at the return of an unmoved emotion; one AdamW with a parameter group each, and a linear
+    warm-up over --warmup-steps of each group's own optimizer steps. Returns (value_head, actor params,
+    critic params, optimizer, scheduler)."""
     from peft import LoraConfig  # here, not above: importing peft can print a bitsandbytes notice on CPU
 
-    model.add_adapter("critic", LoraConfig(
-        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        target_modules=target_names(args.target_modules), task_type="CAUSAL_LM"))
+    model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
+                                           lora_dropout=args.lora_dropout,
+                                           target_modules=target_names(args.target_modules),
+                                           task_type="CAUSAL_LM"))
     use_adapter(model, "default")
-    hidden_size = model.get_base_model().config.get_text_config().hidden_size
-    value_head = torch.nn.Linear(hidden_size, 1).to(device)
+    value_head = torch.nn.Linear(model.get_base_model().config.get_text_config().hidden_size, 1).to(device)
     torch.nn.init.zeros_(value_head.weight)
-    torch.nn.init.constant_(value_head.bias, value_prior(args.reward, args.start_emotion))
-    actor_params = adapter_params(model, "default")
+    torch.nn.init.constant_(value_head.bias, REWARDS[args.reward]["unmoved"](args.start_emotion))
+    actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
     critic_params = adapter_params(model, "critic") + list(value_head.parameters())
-    for p in actor_params + critic_params:
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW([{"params": actor_params, "lr": args.lr},
-                                   {"params": critic_params, "lr": args.critic_lr}], weight_decay=0.0)
-    # Linear warm-up over --warmup-steps optimizer steps, each group's counted from the steps it really
-    # took: AdamW's own step count of the group's first parameter. AdamW passes over a parameter with no
-    # gradient (the actor's during --critic-warmup) and a skipped non-finite step steps nothing, so no
-    # count set in advance can drift from the truth, and --resume restores it with the optimizer.
-    def warm(params):
-        return lambda _: min(1.0, (float(optimizer.state.get(params[0], {}).get("step", 0)) + 1)
-                             / max(1, args.warmup_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [warm(actor_params), warm(critic_params)])
+    optimizer, scheduler = adamw_with_warmup([(actor_params, args.lr), (critic_params, args.critic_lr)],
+                                             args.warmup_steps)
     return value_head, actor_params, critic_params, optimizer, scheduler
 
 
 def main(argv=None):
-    args = parse_settings(SETTINGS, PRESETS, argv, defaults={"out": "runs/ppo"}, prog="ppo.py")
-    run = Run(args, "ppo.py", adapters=["default", "critic"],  # --out checked, --resume's settings taken
-              per_process=["dialogues_per_iteration", "minibatch_size"])
-    personas = training_personas(args)
+    args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="ppo.py")  # --resume: the run's own settings
+    personas = training_personas(args)  # checked before any weights load
+    run = Run(args, "ppo.py", adapters=["default", "critic"], per_process=["dialogues_per_iteration",
+                                                                           "minibatch_size"])
 
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
     model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
@@ -342,13 +293,10 @@ def main(argv=None):
         t0 = time.time()
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # only passes whose result is not known yet; --kl-coef reads old log-probs before the update
-        old_from_update, need_ref = passes_to_run(args, iteration, len(records) * run.world, model,
-                                                  old_first=args.kl_coef > 0)
-        old_logprobs = torch.zeros_like(mask) if old_from_update else \
-            batched_logprobs(model, batch, args.temperature, args.micro_batch_size)         # (B, T)
-        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                        reference=True) if need_ref else None               # (B, T)
+        # With one optimizer step per batch, the old log-probs are the update's own forward pass: NaN until
+        # it fills them, so nothing can read them early.
+        from_update, old_logprobs, ref_logprobs = old_and_reference_logprobs(
+            model, batch, args, len(records) * run.world, iteration)                         # (B, T)
         old_values = batched_values(model, value_head, batch, args.micro_batch_size) * mask  # (B, T)
         rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(run.device)
         if args.kl_coef > 0:  # the k1 estimate, per token, in the reward (both passes ran above)
@@ -380,10 +328,10 @@ def main(argv=None):
                     agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
                                   total_seqs=float(args.minibatch_size))  # its share of the minibatch loss
                     with torch.set_grad_enabled(train_actor):
-                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
-                                                             with_entropy=True,
+                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature,
+                                                             action_mask=m, with_entropy=True,
                                                              entropy_grad=args.ent_coef > 0)
-                        if old_from_update:
+                        if from_update:
                             old_logprobs[idx, :w] = newlogprob.detach()
                         actor_loss, terms = policy_objective(
                             newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
@@ -396,24 +344,26 @@ def main(argv=None):
                             values, old_values[idx, :w], returns[idx, :w], args.value_clip)
                         (args.vf_coef * agg(terms["value_loss"])).backward()
                     append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
-                run.step(optimizer, scheduler, {"actor_grad_norm": actor_params, "critic_grad_norm":
-                                                critic_params}, args.max_grad_norm, iteration, logs)
+                run.sum_gradients(actor_params + critic_params)  # over the processes
+                actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)
+                critic_norm = torch.nn.utils.clip_grad_norm_(critic_params, args.max_grad_norm)
+                if run.skipped(actor_norm + critic_norm, iteration):  # not finite: no step
+                    optimizer.zero_grad(set_to_none=True)
+                    continue
+                optimizer.step()
+                scheduler.step()
+                logs["actor_grad_norm"].append(actor_norm.item())
+                logs["critic_grad_norm"].append(critic_norm.item())
         t_update = time.time() - t0
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
         all_records = run.gather(records)
-        final = np.array([r["final_emotion"] / 100.0 if args.reward == "final" else sum(r["changes"]) / 100.0
-                          for r in all_records])
-        ev = explained_variance(run.sum(variance_sums(old_values[mask > 0], returns[mask > 0])))
-        update_tokens = run.sum(mask.sum()).item() * args.update_epochs
-        kl_ref = None if ref_logprobs is None else \
-            run.masked_mean(kl_k3(old_logprobs, ref_logprobs), mask)  # null: no reference pass
-        gap = run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), mask)
-        method = {"reward_mean": float(final.mean()), "reward_std": float(final.std()), "kl_ref": kl_ref,
-                  "sample_logprob_gap": gap, "explained_variance": ev,
-                  "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"],
-                  "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
-                  "update_tokens_per_s": update_tokens / max(run.max(t_update), 1e-9)}
+        reward = np.array([sum(REWARDS[args.reward]["turns"](r)) for r in all_records])
+        method = {**logged_figures(run, reward, batch, mask, old_logprobs, ref_logprobs, args.update_epochs,
+                                   t_update),
+                  "explained_variance": explained_variance(run.sum(variance_sums(old_values[mask > 0],
+                                                                                 returns[mask > 0]))),
+                  "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"]}
         times = {"time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
                  "time_iteration": time.time() - t_start}
         run.log(iteration, all_records, rstats, logs, method, times)

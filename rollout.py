@@ -3,37 +3,34 @@
 This is the one place where the agent meets the simulated user; ppo.py, grpo.py and evaluate.py
 all call play_dialogues(). It holds the LoRA policy and its settings, the chat template's token
 deltas, the dialogues and their records, padding dialogues into a batch, and per-token
-log-probabilities. The run's plumbing (settings parsing, folders, checkpoints) is in run.py.
+log-probabilities; and what ppo.py and grpo.py both do, once: their old and reference log-probs,
+the k3 KL, the loss aggregations, AdamW with its warm-up and the figures both log. The run's
+plumbing (settings parsing, folders, checkpoints) is in run.py.
 
 Token in, token out: the ids the policy sampled are kept exactly as sampled (never decoded and
 re-tokenised), and each user turn is appended as the chat template's token delta for that
 message. The action mask is 1 exactly on the policy's sampled tokens.
-
-    python rollout.py --model smollm2 --simulator same --personas personas.json --split train \\
-        --dialogues 4 --max-turns 3 --out runs/rollout
 """
 import contextlib
-import json
-import os
 import random
 import re
 import sys
 import time
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import partial
 
 import torch
 from tqdm import tqdm
 
-from run import (OutputSettings, above, at_least, check_target_modules, compiled_graphs, default_device,
-                 fail, four_bit_problem, load_model, load_tokenizer, model_problem, one_of, parse_settings,
-                 set_seed, setting, summarize, target_names, transcript_record, within, write_atomically)
-from simulator import (SimulatorError, SimulatorSettings, build_simulator, cache_keyword, cached_batch,
-                       keep_cache, load_personas_or_exit, prompt_counts, transcript_turns)
+from run import (above, at_least, check_model, compiled_graphs, default_device, fail, four_bit_problem,
+                 load_model, load_tokenizer, model_problem, one_of, setting, target_names, within)
+from simulator import (cache_keyword, cached_batch, keep_cache, load_personas_or_exit, prompt_counts,
+                       transcript_turns)
 
 # ----------------------------------------------------------------------------------------------
-# System prompts (written for this project; --system-prompt-file replaces them)
+# System prompts (written for this project)
 # ----------------------------------------------------------------------------------------------
 THINK_PROMPT = (
     "You are a caring, perceptive companion talking with someone who is going through something "
@@ -101,13 +98,9 @@ class PolicySettings:
                          model_problem)
     dtype: str = setting("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16",
                          one_of("auto", "float32", "bfloat16"))
-    load_in_4bit: bool = setting(False, "QLoRA: NF4 base weights via bitsandbytes (CUDA only)")
+    load_in_4bit: bool = setting(False, "QLoRA: NF4 base weights via bitsandbytes (CUDA only)",
+                                 lambda on: on and four_bit_problem() or None)
     trust_remote_code: bool = setting(False, "allow model code from the hub (off unless you trust it)")
-
-    @staticmethod
-    def check(args):
-        if args.load_in_4bit and four_bit_problem():
-            fail(f"--load-in-4bit {four_bit_problem()}")
 
 
 @dataclass
@@ -119,7 +112,8 @@ class AdapterSettings:
     lora_dropout: float = setting(0.0, "LoRA dropout; 0 keeps the first importance ratio exactly 1",
                                   within(0, 1, high_open=True))
     target_modules: str = setting(DEFAULT_TARGETS, "comma-separated module names that get LoRA")
-    gradient_checkpointing: bool = setting(True, "recompute activations in the backward pass")
+    gradient_checkpointing: bool = setting(True, "recompute activations in the backward pass",
+                                           operational=True)
 
 
 def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=0.0,
@@ -137,11 +131,8 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
     dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 (the base weights)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    device = device or default_device()
-    dtypes = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
-    if dtype not in dtypes:
-        raise ValueError(f"dtype must be one of {' | '.join(dtypes)}, got '{dtype}'")
-    base, tokenizer = load_model(model_name, device=device, load_in_4bit=load_in_4bit, dtype=dtypes[dtype],
+    base, tokenizer = load_model(model_name, device=device or default_device(), load_in_4bit=load_in_4bit,
+                                 dtype=None if dtype == "auto" else getattr(torch, dtype),
                                  trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -289,22 +280,18 @@ class MergedAdapter:
         # rollout, it goes back to the system. As ~200 separate tensors they stayed in the CPU heap,
         # fragmented, and PPO's peak memory in the update grew by 0.5-1.1 GiB (SmolLM2, 2 cores).
         # With keep, the run's buffers are refilled instead (the same sizes: the same adapter).
-        weights = [m.get_base_layer().weight for m in layers]
-        sizes = Counter()
-        for w in weights:
-            sizes[w.dtype, w.device] += w.numel()
-        buffers = KEPT_BUFFERS.get(model, {}) if keep else {}
-        if {key: b.numel() for key, b in buffers.items()} != sizes:
-            buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
-            if keep:
-                KEPT_BUFFERS[model] = buffers
-        used, swaps = dict.fromkeys(buffers, 0), []
-        for m, w in zip(layers, weights):
-            key = w.dtype, w.device
-            merged = buffers[key][used[key]:used[key] + w.numel()].view(w.shape)
-            used[key] += w.numel()
-            merged.copy_(w + m.get_delta_weight(adapter).to(w.dtype))
-            swaps.append((m.get_base_layer(), merged))
+        bases = [m.get_base_layer() for m in layers]
+        buffers = KEPT_BUFFERS.setdefault(model, {}) if keep else {}
+        swaps = []
+        for key in dict.fromkeys((b.weight.dtype, b.weight.device) for b in bases):
+            mine = [(m, b) for m, b in zip(layers, bases) if (b.weight.dtype, b.weight.device) == key]
+            sizes = [b.weight.numel() for _, b in mine]
+            if key not in buffers or len(buffers[key]) != sum(sizes):
+                buffers[key] = torch.empty(sum(sizes), dtype=key[0], device=key[1])
+            for (m, b), merged in zip(mine, buffers[key].split(sizes)):
+                merged = merged.view(b.weight.shape)
+                merged.copy_(b.weight + m.get_delta_weight(adapter).to(b.weight.dtype))
+                swaps.append((b, merged))
         return cls(model, swaps)
 
     def __enter__(self):
@@ -326,12 +313,6 @@ class MergedAdapter:
 DECODE_COMPILE = None
 
 
-def rows_finished(done):
-    """A stopping criterion for generate(): the rows where done (B,) is True count as finished
-    from the first step, so generate fills them with padding and stops when the others end."""
-    return lambda input_ids, scores, **kwargs: done.to(input_ids.device)
-
-
 @dataclass
 class Dialogue:
     """One agent-user dialogue as it grows. ids/action_mask/logprobs stay aligned token by token."""
@@ -346,6 +327,12 @@ class Dialogue:
     agent_turns: list = field(default_factory=list)  # {raw, thought, reply, violation, tokens, cut}
     cache: dict = field(default_factory=dict, repr=False)  # the policy's KV cache between turns
 
+    def add(self, tokens, logprobs=None):
+        """Append tokens: the policy's sampled ones with their log-probs (action tokens), else others."""
+        self.ids += tokens
+        self.action_mask += [int(logprobs is not None)] * len(tokens)
+        self.logprobs += logprobs or [0.0] * len(tokens)
+
 
 @dataclass
 class SamplingSettings:
@@ -359,9 +346,10 @@ class SamplingSettings:
                                at_least(2))
     merged_sampling: bool = setting(True, "sample from the adapter merged into a copy of the weights: "
                                           "faster, the update stays exact (off: less memory; 4-bit bases "
-                                          "never merge)")
+                                          "never merge)", operational=True)
     static_cache: bool = setting(False, "decode into a fixed-size KV cache, which transformers compiles on "
-                                        "a GPU (CUDA graphs); turn caches off. Not yet measured on a GPU")
+                                        "a GPU (CUDA graphs); turn caches off. Not yet measured on a GPU",
+                                  operational=True)
 
     @staticmethod
     def check(args):
@@ -372,9 +360,9 @@ class SamplingSettings:
 
 @torch.no_grad()
 def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1, *, thinking=True,
-                   system_prompt=None, temperature=1.0, top_p=1.0, max_new_tokens=256,
-                   max_context=4096, greedy=False, reuse_cache=True, merged_sampling=True, static_cache=False,
-                   progress=True, desc="dialogues"):
+                   temperature=1.0, top_p=1.0, max_new_tokens=256, max_context=4096, greedy=False,
+                   reuse_cache=True, merged_sampling=True, static_cache=False, progress=True,
+                   desc="dialogues"):
     """Play len(personas) x samples_per_persona dialogues in lockstep: one batched generate for all
     active agents, then one batched simulator step; finished dialogues leave the batch.
     With reuse_cache each dialogue keeps its KV cache between turns, so a turn runs only the tokens
@@ -391,7 +379,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     Returns (records, stats): one flat dict per dialogue, and counts and timings."""
     from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-    chat = ChatTokens(tokenizer, system_prompt or (THINK_PROMPT if thinking else PLAIN_PROMPT))
+    chat = ChatTokens(tokenizer, THINK_PROMPT if thinking else PLAIN_PROMPT)
     device = next(policy.parameters()).device
     # An explicit config, so that a model's own defaults (top_k=20, repetition_penalty=1.05 in
     # Qwen2.5's generation_config) cannot change the sampling distribution. top_k must be 0, not
@@ -405,35 +393,25 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         **(dict(cache_implementation="static", max_cache_len=max_context, compile_config=DECODE_COMPILE)
            if static_cache else {}))
     reuse_cache = reuse_cache and not static_cache
-    dialogues = []
-    for g, persona in enumerate(personas):
-        for s in range(samples_per_persona):
-            ids = chat.prompt(persona.opening)
-            dialogues.append(Dialogue(persona=persona, group=g, sample=s, state=simulator.start(persona),
-                                      ids=ids, action_mask=[0] * len(ids), logprobs=[0.0] * len(ids)))
+    dialogues = [Dialogue(persona=persona, group=g, sample=s, state=simulator.start(persona))
+                 for g, persona in enumerate(personas) for s in range(samples_per_persona)]
+    for d in dialogues:
+        d.add(chat.prompt(d.persona.opening))
+        if len(d.ids) + max_new_tokens > max_context:  # the first prompt must leave room for a whole reply
+            d.state.end_reason = "context"
     was_training = policy.training
     policy.eval()
     merged = MergedAdapter.of(policy, keep=static_cache) if merged_sampling else None
     stats = Counter()
     graphs_before = compiled_graphs()
     t_policy = 0.0
-    sim_seconds_before, sim_tokens_before = simulator.seconds, simulator.backend.generated_tokens
-    sim_prompt_before = (getattr(simulator.backend, "prompt_tokens", 0),
-                         getattr(simulator.backend, "reused_tokens", 0))
+    sim_before = simulator_counts(simulator)
     # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
-    bar = tqdm(total=len(dialogues), desc=desc, disable=not progress, leave=False, file=sys.stderr)
+    bar = tqdm(total=len(dialogues), initial=sum(d.state.done for d in dialogues), desc=desc,
+               disable=not progress, leave=False, file=sys.stderr)
     turns_played = 0
     while True:
         active = [d for d in dialogues if not d.state.done]
-        for d in active:  # the next prompt must leave room for a full reply
-            if len(d.ids) + max_new_tokens > max_context:
-                d.state.end_reason = "context"
-                bar.update(1)
-        for d in dialogues:
-            if d.state.done:
-                d.cache.clear()        # free a finished dialogue's KV cache, and its simulator's: the
-                d.state.cache.clear()  # simulator frees it only for dialogues that end in its own step
-        active = [d for d in active if not d.state.done]
         if not active:
             break
         t0 = time.time()
@@ -448,9 +426,10 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         stats["policy_prompt_tokens"] += prompt
         stats["policy_reused_tokens"] += reused
         recorder = SampledLogprobs(1.0 if greedy else temperature)
-        # static: generate makes its own cache, and the padding rows are done from the first step
-        given = {"stopping_criteria": StoppingCriteriaList([rows_finished(~live)])} if static_cache \
-            else {cache_keyword(policy): cache}
+        # static: generate makes its own cache, and the padding rows count as finished from the first
+        # step (a stopping criterion), so generate fills them with padding and stops when the others end
+        finished = StoppingCriteriaList([lambda input_ids, scores, **kwargs: ~live.to(input_ids.device)])
+        given = {"stopping_criteria": finished} if static_cache else {cache_keyword(policy): cache}
         with merged or contextlib.nullcontext():  # the user's turns below run on the base's own weights
             sequences = policy.generate(input_ids=ids, attention_mask=mask, **given,
                                         generation_config=gen_config,
@@ -474,18 +453,16 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         replies = []
         for k, d in enumerate(active):
             row, n = new[k].tolist(), lengths[k]
-            tokens, lps = row[:n], new_logp[k, :n].tolist()
-            d.ids += tokens
-            d.action_mask += [1] * n
-            d.logprobs += lps
+            tokens = row[:n]
+            d.add(tokens, new_logp[k, :n].tolist())
             d.turn_ends.append(len(d.ids) - 1)
             raw = tokenizer.decode(tokens, skip_special_tokens=True)
             thought, reply, violation = split_thought(raw, thinking)
             stats[violation or "format_ok"] += 1
             stats["policy_tokens"] += n
             # cut: the reply reached max_new_tokens unfinished (a thought cut there reaches the user as "...")
-            d.agent_turns.append({"raw": raw, "thought": thought, "reply": reply, "violation": violation,
-                                  "tokens": n, "cut": n == max_new_tokens and tokens[-1] not in chat.eos_ids})
+            d.agent_turns.append({"thought": thought, "raw": raw, "violation": violation, "tokens": n,
+                                  "cut": n == max_new_tokens and tokens[-1] not in chat.eos_ids})
             replies.append(reply or SILENCE)
         simulator.step([d.state for d in active], replies)
         turns_played += len(active)
@@ -497,22 +474,27 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                     # sequence is longer than max_context and every one ends on an agent token.
                     d.state.end_reason = "context"
                 else:
-                    d.ids += delta
-                    d.action_mask += [0] * len(delta)
-                    d.logprobs += [0.0] * len(delta)
+                    d.add(delta)
             if d.state.done:
                 bar.update(1)
+                d.cache.clear()        # free a finished dialogue's KV cache, and its simulator's: the
+                d.state.cache.clear()  # simulator frees it only for dialogues that end in its own step
         bar.set_postfix(turns=turns_played)  # and redraw, once per turn
     bar.close()
     del merged
     policy.train(was_training)
     stats["decode_compilations"] = compiled_graphs() - graphs_before
     stats["policy_seconds"] = t_policy
-    stats["simulator_seconds"] = simulator.seconds - sim_seconds_before
-    stats["simulator_tokens"] = simulator.backend.generated_tokens - sim_tokens_before
-    stats["simulator_prompt_tokens"] = getattr(simulator.backend, "prompt_tokens", 0) - sim_prompt_before[0]
-    stats["simulator_reused_tokens"] = getattr(simulator.backend, "reused_tokens", 0) - sim_prompt_before[1]
+    stats.update({k: v - sim_before[k] for k, v in simulator_counts(simulator).items()})
     return [to_record(d) for d in dialogues], dict(stats)
+
+
+def simulator_counts(simulator):
+    """The simulator's running totals, which a rollout reports the growth of."""
+    backend = simulator.backend
+    return {"simulator_seconds": simulator.seconds, "simulator_tokens": backend.generated_tokens,
+            "simulator_prompt_tokens": getattr(backend, "prompt_tokens", 0),
+            "simulator_reused_tokens": getattr(backend, "reused_tokens", 0)}
 
 
 def to_record(d):
@@ -522,9 +504,7 @@ def to_record(d):
     agent = iter(d.agent_turns)
     for t in turns:
         if t["role"] == "agent":
-            a = next(agent)
-            t.update(thought=a["thought"], raw=a["raw"], violation=a["violation"], tokens=a["tokens"],
-                     cut=a["cut"])
+            t.update(next(agent))
     return {
         "persona_id": s.persona.id, "group": d.group, "sample": d.sample,
         "token_ids": d.ids, "action_mask": d.action_mask, "logprobs": d.logprobs,
@@ -545,7 +525,8 @@ def to_record(d):
 # ----------------------------------------------------------------------------------------------
 def pad_records(records, pad_id, device):
     """Right-pad dialogues into tensors: input_ids, attention_mask, action_mask, logprobs (B, T)."""
-    width = max(len(r["token_ids"]) for r in records)
+    lengths = torch.tensor([len(r["token_ids"]) for r in records], device=device)          # (B,)
+    width = int(lengths.max())
 
     def pad(key, value, dtype):
         return torch.tensor([r[key] + [value] * (width - len(r[key])) for r in records],
@@ -553,23 +534,13 @@ def pad_records(records, pad_id, device):
 
     return {
         "input_ids": pad("token_ids", pad_id, torch.long),                                  # (B, T)
-        "attention_mask": torch.tensor([[1] * len(r["token_ids"]) + [0] * (width - len(r["token_ids"]))
-                                        for r in records], device=device),                  # (B, T)
+        "attention_mask": (torch.arange(width, device=device) < lengths[:, None]).long(),   # (B, T)
         "action_mask": pad("action_mask", 0, torch.float32),                                # (B, T)
         "sample_logprobs": pad("logprobs", 0.0, torch.float32),                             # (B, T)
     }
 
 
 LOGITS_CHUNK_TOKENS = 1024  # rows x positions projected onto the vocabulary at once (token_logprobs)
-
-
-def one_step_per_batch(passes, minibatch_size, batch_size):
-    """True when an iteration takes exactly one optimizer step on its batch (one pass, the whole
-    batch as one minibatch). Then the weights that would score the rollout are the ones the
-    update's forward pass runs, so the old log-probs are that pass's own, detached, and a separate
-    scoring pass would only repeat it (TRL takes them the same way). The tests replace this
-    function to force the scoring pass and compare the two paths."""
-    return passes == 1 and minibatch_size == batch_size
 
 
 def length_sorted(attention_mask, micro_batch_size):
@@ -626,39 +597,42 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
             parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
             parts.append(_chunk_logprobs(*args))
-    picked = torch.cat([p for p, _ in parts], 1) if parts else hidden.new_zeros(B, 0).float()  # (B, K)
+    picked = torch.cat([p for p, _ in parts], 1)                    # (B, K); K > 0: a dialogue's first prompt
+    # fits with a whole reply (check_openings_fit), so every dialogue holds an agent token
     logp = torch.zeros(B, T, dtype=picked.dtype, device=picked.device)
     logp = logp.index_copy(1, keep + 1, picked)                                               # (B, T)
     entropy = None
     if with_entropy:
-        ent = torch.cat([e for _, e in parts], 1) if parts else picked                        # (B, K)
+        ent = torch.cat([e for _, e in parts], 1)                                             # (B, K)
         entropy = torch.zeros_like(logp).index_copy(1, keep + 1, ent)                         # (B, T)
     return logp, entropy
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch, temperature=1.0, micro_batch_size=4, reference=False):
-    """token_logprobs over a padded batch (B, T) in micro-batches, without gradients, each
-    micro-batch of dialogues of similar length at its own width (length_sorted). reference=True
-    runs the base weights with every adapter disabled: the reference policy, no second copy."""
-    import contextlib
-
-    ctx = model.disable_adapter() if reference else contextlib.nullcontext()
+def batched(model, batch, micro_batch_size, score):
+    """score(input_ids, attention_mask, action_mask) -> (b, w) over a padded batch (B, T), in eval mode
+    and without gradients, in micro-batches of dialogues of similar length, each at its own width
+    (length_sorted): the scoring passes of both trainers. Returns (B, T) float32."""
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device)
     was_training = model.training
     model.eval()
-    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device)
-    with ctx:
-        for rows, width in length_sorted(batch["attention_mask"], micro_batch_size):
-            lp, _ = token_logprobs(model, batch["input_ids"][rows, :width],
-                                   batch["attention_mask"][rows, :width], temperature,
-                                   action_mask=batch["action_mask"][rows, :width])
-            out[rows, :width] = lp
+    for rows, width in length_sorted(batch["attention_mask"], micro_batch_size):
+        out[rows, :width] = score(batch["input_ids"][rows, :width], batch["attention_mask"][rows, :width],
+                                  batch["action_mask"][rows, :width])
     model.train(was_training)
     return out
 
 
+def batched_logprobs(model, batch, temperature=1.0, micro_batch_size=4, reference=False):
+    """token_logprobs over a padded batch (B, T), without gradients (batched). reference=True runs the
+    base weights with every adapter disabled: the reference policy, no second copy."""
+    with model.disable_adapter() if reference else contextlib.nullcontext():
+        return batched(model, batch, micro_batch_size,
+                       lambda ids, att, m: token_logprobs(model, ids, att, temperature, action_mask=m)[0])
+
+
 # ----------------------------------------------------------------------------------------------
-# What the trainers take from here: their personas, the passes of an iteration
+# What the trainers take from here: their personas, and the pieces of an iteration both run alike
 # ----------------------------------------------------------------------------------------------
 def check_openings_fit(model_name, personas, system_prompt, max_context, max_new_tokens,
                        trust_remote_code=False):
@@ -681,26 +655,26 @@ def training_personas(args):
     """The personas of --split (all: the whole file) at --difficulty, each opening checked to fit
     --max-context; and, since this is the trainers' last check before the weights load, the model's
     config: --target-modules against its layers, and no change to its logits after lm_head."""
+    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
+        fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
-    check_target_modules(args.model, args.target_modules, args.trust_remote_code)
+    check_model(args.model, args.target_modules, args.trust_remote_code)
     return personas
 
 
 def policy_settings(args):
-    """load_policy's keyword arguments from a trainer's settings."""
-    return dict(lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                target_modules=args.target_modules, load_in_4bit=args.load_in_4bit, dtype=args.dtype,
-                gradient_checkpointing=args.gradient_checkpointing, trust_remote_code=args.trust_remote_code)
+    """load_policy's keyword arguments from a trainer's settings: every field of PolicySettings (but the
+    model, its first argument) and of AdapterSettings."""
+    return {f.name: getattr(args, f.name) for cls in (PolicySettings, AdapterSettings) for f in fields(cls)
+            if f.name != "model"}
 
 
 def sampling_settings(args):
     """play_dialogues' keyword arguments from a script's SamplingSettings (and a trainer's --greedy)."""
-    return dict(thinking=args.thinking, temperature=args.temperature, top_p=args.top_p,
-                max_new_tokens=args.max_new_tokens, max_context=args.max_context,
-                greedy=getattr(args, "greedy", False), merged_sampling=args.merged_sampling,
-                static_cache=args.static_cache)
+    return {**{f.name: getattr(args, f.name) for f in fields(SamplingSettings)},
+            "greedy": getattr(args, "greedy", False)}
 
 
 def dropout_active(model):
@@ -717,19 +691,82 @@ def dropout_active(model):
                and ("dropout" in k or k.endswith("pdrop")) for k, v in config.items())
 
 
-def passes_to_run(args, iteration, batch_size, model, old_first=False):
-    """(old log-probs from the update, reference pass): the scoring passes an iteration needs.
-    With one optimizer step per batch (one epoch, one minibatch) the old log-probs are the update's
-    own forward pass, detached, so a scoring pass would compute the same numbers once more; unless
-    something reads them before the update (old_first), or the update's pass drops (the model's
-    dropout_active): in train mode its log-probs carry dropout noise, not the sampling policy's,
-    so the scoring pass, in eval mode as the sampling was, gives them. The reference pass runs when
-    a KL term reads it or kl_ref is logged (every --log-kl-every iterations). TRL skips the same
-    passes."""
-    one_step = one_step_per_batch(args.update_epochs, args.minibatch_size, batch_size)
-    old_from_update = one_step and not old_first and not dropout_active(model)
-    kl_term = getattr(args, "kl_coef", 0) > 0 or args.kl_loss_coef > 0
-    return old_from_update, kl_term or iteration % args.log_kl_every == 0
+def old_logprobs_from_update(args, batch_size, model):
+    """True when the update's own forward pass can give the old log-probs: one optimizer step per batch
+    (one pass, the whole batch one minibatch), so the weights that would score the rollout are the ones
+    the update runs, and no dropout (the model's dropout_active), since in train mode its log-probs carry
+    dropout noise, not the sampling policy's. A scoring pass would then compute the same numbers again
+    (TRL skips it too). Not with PPO's --kl-coef, which reads them before the update, nor with GRPO's
+    --drop-zero-spread, which leaves dialogues out of the update."""
+    return (args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout_active(model)
+            and not getattr(args, "kl_coef", 0) and not getattr(args, "drop_zero_spread", False))
+
+
+def old_and_reference_logprobs(model, batch, args, batch_size, iteration):
+    """Step 2 of both trainers: the old log-probs (B, T) and the reference's (B, T) or None. Where the
+    update's own pass gives the old ones (old_logprobs_from_update) they are NaN until it fills them,
+    never zeros that read as log-probs, so nothing can read them early. The reference pass runs for a
+    KL term and every --log-kl-every iterations."""
+    scored = partial(batched_logprobs, model, batch, args.temperature, args.micro_batch_size)
+    from_update = old_logprobs_from_update(args, batch_size, model)
+    old = torch.full_like(batch["action_mask"], torch.nan) if from_update else scored()          # (B, T)
+    need_ref = getattr(args, "kl_coef", 0) > 0 or args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
+    return from_update, old, scored(reference=True) if need_ref else None                      # (B, T)
+
+
+def kl_k3(logprobs, ref_logprobs):
+    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
+    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1
+
+
+def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
+    """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so that
+    summing the micro-batches gives the minibatch loss whatever the split (each trainer offers some).
+    token-mean: every agent token weighs the same (DAPO); long dialogues weigh more.
+    seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice); a token of a
+                         short dialogue weighs more than one of a long dialogue.
+    seq-mean-token-sum: sum over a dialogue's tokens, mean over dialogues.
+    dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget (Dr. GRPO):
+             no length-dependent normalisation at all. GRPO takes the budget as the most tokens a
+             dialogue can hold, max_turns x max_new_tokens."""
+    if mode == "token-mean":
+        return (loss * mask).sum() / total_tokens
+    if mode == "seq-mean-token-mean":
+        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
+    if mode == "seq-mean-token-sum":
+        return (loss * mask).sum() / total_seqs
+    return (loss * mask).sum() / (total_seqs * token_budget)  # dr-grpo
+
+
+def adamw_with_warmup(groups, warmup_steps):
+    """AdamW over (parameters, learning rate) groups, and a linear warm-up over warmup_steps optimizer
+    steps, each group's counted from the steps it really took: AdamW's own step count of the group's
+    first parameter. AdamW passes over a parameter with no gradient (PPO's actor during --critic-warmup)
+    and a skipped non-finite step steps nothing, so no count set in advance can drift from the truth,
+    and --resume restores it with the optimizer."""
+    optimizer = torch.optim.AdamW([{"params": params, "lr": lr} for params, lr in groups], weight_decay=0.0)
+
+    def warm(params):
+        return lambda _: min(1.0, (float(optimizer.state.get(params[0], {}).get("step", 0)) + 1)
+                             / max(1, warmup_steps))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, [warm(params) for params, _ in groups])
+
+
+def logged_figures(run, rewards, batch, mask, old_logprobs, ref_logprobs, epochs, t_update):
+    """Step 5 of both trainers: the figures of an iteration they log alike, over every process: the
+    rewards' (N,) mean and std (a numpy array: the std without Bessel's correction), kl_ref and the
+    sampler-trainer gap over every agent token, and the update's tokens (mask: the agent tokens it
+    trained on, x epochs) and their rate."""
+    acted = batch["action_mask"]
+    update_tokens = run.sum(mask.sum()).item() * epochs
+    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "kl_ref": None if ref_logprobs is None else run.masked_mean(kl_k3(old_logprobs, ref_logprobs),
+                                                                          acted),
+            "sample_logprob_gap": run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted),
+            "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
+            "update_tokens_per_s": update_tokens / max(run.max(t_update), 1e-9)}
 
 
 def pick_personas(personas, n, seed, iteration):
@@ -750,54 +787,3 @@ def use_adapter(model, name):
 def adapter_params(model, name):
     """The LoRA parameters of one adapter."""
     return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line: play and save a few dialogues
-# ----------------------------------------------------------------------------------------------
-@dataclass
-class PlaySettings:
-    """What `python rollout.py` plays."""
-    group = "rollout.py"
-    adapter: str = setting("", "a saved LoRA adapter folder to play with (default: the base model)")
-    dialogues: int = setting(4, "personas to play (0 = all of the split)", at_least(0))
-    samples: int = setting(1, "dialogues per persona", at_least(1))
-
-
-PLAY_DEFAULTS = dict(model="smollm2", max_turns=3, max_new_tokens=96, max_context=2048, out="runs/rollout")
-
-
-def main(argv=None):
-    args = parse_settings([PolicySettings, SamplingSettings, SimulatorSettings, PlaySettings, OutputSettings],
-                          argv, defaults=PLAY_DEFAULTS, prog="rollout.py")
-    path = os.path.join(args.out, "rollouts.jsonl")
-    if os.path.exists(path) and not args.overwrite:
-        fail(f"--out {args.out} holds {path}: replace it with --overwrite, or pick another --out")
-    set_seed(args.seed)
-    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
-    personas = personas[:args.dialogues] if args.dialogues else personas
-    check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
-                       args.max_context, args.max_new_tokens, args.trust_remote_code)
-    policy, tokenizer = load_policy(args.model, adapter=args.adapter or None, trainable=False,
-                                    dtype=args.dtype, load_in_4bit=args.load_in_4bit,
-                                    trust_remote_code=args.trust_remote_code)
-    simulator, _ = build_simulator(args, policy, tokenizer, default_device())
-    t0 = time.time()
-    try:
-        records, stats = play_dialogues(policy, tokenizer, simulator, personas, args.samples,
-                                        **sampling_settings(args))
-    except SimulatorError as e:
-        fail(e)
-    os.makedirs(args.out, exist_ok=True)
-    write_atomically(path, "".join(json.dumps(transcript_record(r), ensure_ascii=False) + "\n"
-                                   for r in records))
-    s = summarize(records, stats)
-    print(f"{len(records)} dialogues in {time.time() - t0:.0f} s -> {path}\nmean final emotion "
-          f"{s['final_emotion_mean']:.1f}; end reasons "
-          + ", ".join(f"{k[4:]} {v}" for k, v in s.items() if k.startswith("end_") and v))
-    print(f"policy {s['policy_tokens_per_s']:.1f} tok/s, simulator {s['simulator_tokens_per_s']:.1f} tok/s, "
-          f"think-format violations {s['think_violation_rate']:.0%}, fallbacks {s['simulator_fallbacks']}")
-
-
-if __name__ == "__main__":
-    main()

@@ -6,7 +6,7 @@ the reply and moves an emotion score in [0, 100]; the final emotion / 100 is the
 holds everything on the user's side of the table:
 
   personas      load_personas() reads personas.json or a SAGE / RLVER profile file and validates it;
-                --write-openings writes the openings RLVER's profiles lack (openings_command)
+                --write-openings writes the openings RLVER's profiles lack (write_openings)
   emotion       band(), Simulator.step() (appraise -> clamp -> end rules -> next user message)
   read-outs     "reasoned" (the simulator writes an anchored appraisal ending in "Change: N",
                 parsed strictly, re-asked once if unread; judged by the persona itself or, with
@@ -16,19 +16,15 @@ holds everything on the user's side of the table:
                 --simulator same), OpenAIBackend (any /v1/chat/completions server), RulesBackend
                 (a written-here lexicon check, only for testing the RL loop)
 
-Check that a simulator tells a warm agent from a dismissive one before training against it:
+evaluate.py --agreement checks a simulator against SAGE's recorded judgements before training on it.
+This file's command line writes the first messages of profiles that have none (RLVER's training
+profiles), once, into a new file:
 
-    python simulator.py --model smollm2 --personas personas.json --split test --dialogues 3
-
-Write the first messages of profiles that have none (RLVER's training profiles), once, into a new file:
-
-    python simulator.py --write-openings NEW_FILE --personas train_profile.jsonl --model MODEL_OR_URL
+    python simulator.py --write-openings NEW_FILE --personas train_profile.jsonl --simulator MODEL_OR_URL
 """
-import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
-import functools
-import difflib
 import http.client
 import inspect
 import json
@@ -38,6 +34,7 @@ import re
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import unicodedata
@@ -45,11 +42,10 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
-from run import (EMBEDDED, above, append_lines, at_least, check_rules, env_name, fail, load_model,
-                 model_problem, one_line_errors, one_of, read_json_lines, read_text, redact, rows_with,
-                 setting, within, writable_problem, write_atomically, write_failure)
+from run import (EMBEDDED, HELD, above, append_lines, at_least, env_name, fail, load_model, model_problem,
+                 one_of, parse_settings, read_json_lines, read_text, redact, release, rows_with, setting,
+                 within, write_atomically, write_failure)
 
 # ----------------------------------------------------------------------------------------------
 # Personas
@@ -57,12 +53,7 @@ from run import (EMBEDDED, above, append_lines, at_least, check_rules, env_name,
 SPLITS = ("train", "test")
 DIFFICULTIES = ("easy", "normal", "hard")
 BANDS = ("S", "A", "B", "C", "F")
-PERSONA_FIELDS = {  # field -> type; nested dicts are checked below
-    "id": str, "split": str, "difficulty": str, "profile": dict, "background": str, "goal": str,
-    "hidden_intention": str, "opening": str, "reactions": dict,
-}
-PROFILE_FIELDS = {"name": str, "age": int, "job": str, "personality": str, "speaking_style": str}
-SAGE_FIELDS = {"id": (str, int), "player": str, "scene": (str, dict), "first_talk": str}
+MAX_FIELD_CHARS = 20_000  # a persona field longer than this is a file pasted in by mistake
 
 
 class PersonaError(ValueError):
@@ -84,99 +75,83 @@ class Persona:
     band_lines: dict = field(default_factory=dict)  # optional one line per band, for --simulator rules
 
 
-MAX_FIELD_CHARS = 20_000  # a persona text longer than this is a file pasted in by mistake
+def band_lines_problem(lines):
+    fits = isinstance(lines, dict) and set(lines) <= set(BANDS) and all(
+        isinstance(line, str) and line.strip() for line in lines.values())
+    return None if fits else f"must map bands {BANDS} to non-empty lines"
 
 
-def _check_lengths(path, where, entry, prefix=""):
-    """Every text of an entry (nested ones too) at most MAX_FIELD_CHARS long: a megabyte background
-    would go into every prompt and ask the model for more memory than any machine has."""
-    for key, value in entry.items():
-        name = f"{prefix}{key}"
-        texts = value if isinstance(value, list) else [value]
-        if any(isinstance(t, str) and len(t) > MAX_FIELD_CHARS for t in texts):
-            longest = max(len(t) for t in texts if isinstance(t, str))
-            raise PersonaError(f"{path}: {where}: field '{name}' is {longest:,} characters long; at most "
-                               f"{MAX_FIELD_CHARS:,} are allowed")
-        if isinstance(value, dict):
-            _check_lengths(path, where, value, f"{name}.")
+# What a persona file's entries hold, one rule a field: a type (a tuple: one of them), a check of the
+# value as the settings have (None when it is allowed, else what is), or the table of a nested object.
+PERSONA_FIELDS = {
+    "id": str, "split": one_of(*SPLITS), "difficulty": one_of(*DIFFICULTIES),
+    "profile": {"name": str, "age": int, "job": str, "personality": str, "speaking_style": str},
+    "background": str, "goal": str, "hidden_intention": str, "opening": str,
+    "reactions": {"good": str, "bad": str}, "band_lines": band_lines_problem,
+}
+# SAGE and RLVER profile lines; first_talk is the opening, which RLVER's training profiles lack
+SAGE_FIELDS = {"id": (str, int), "player": str, "scene": (str, dict), "first_talk": str,
+               "split": PERSONA_FIELDS["split"], "difficulty": PERSONA_FIELDS["difficulty"]}
 
 
-def _check(path, where, entry, fields):
-    for name, kind in fields.items():
+def _check(path, where, entry, fields, optional=()):
+    """PersonaError (one line naming the file, the entry and the field) for the first field of `entry`
+    that is longer than MAX_FIELD_CHARS with all it holds (a megabyte background would go into every
+    prompt and ask the model for more memory than any machine has), missing (unless optional) or not
+    what its rule in `fields` allows. A bool is no int here, though Python's isinstance says it is."""
+    if not isinstance(entry, dict):
+        raise PersonaError(f"{path}: {where}: must be a JSON object")
+    for name, value in entry.items():
+        if len(str(value)) > MAX_FIELD_CHARS:
+            raise PersonaError(f"{path}: {where}: field '{name}' is {len(str(value)):,} characters long; at "
+                               f"most {MAX_FIELD_CHARS:,} are allowed")
+    for name, rule in fields.items():
+        value, kind = entry.get(name), dict if isinstance(rule, dict) else rule
         if name not in entry:
-            raise PersonaError(f"{path}: {where}: field '{name}' is missing")
-        if not isinstance(entry[name], kind) or isinstance(entry[name], bool):
-            want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-            raise PersonaError(f"{path}: {where}: field '{name}' must be {want}, got "
-                               f"{type(entry[name]).__name__}")
+            problem = None if name in optional else "is missing"
+        elif isinstance(kind, (type, tuple)):
+            names = "/".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            problem = None if isinstance(value, kind) and not isinstance(value, bool) else (
+                f"must be {names}, got {type(value).__name__}")
+        else:
+            problem = kind(value) and f"{kind(value)}, got {value!r}"
+        if problem:
+            raise PersonaError(f"{path}: {where}: field '{name}' {problem}")
+        if isinstance(rule, dict):
+            _check(path, f"{where}: {name}", value, rule)
 
 
 def _project_persona(path, i, entry):
     where = f"entry {entry.get('id', i) if isinstance(entry, dict) else i}"
-    if not isinstance(entry, dict):
-        raise PersonaError(f"{path}: {where}: must be a JSON object")
-    _check_lengths(path, where, entry)
-    _check(path, where, entry, PERSONA_FIELDS)
-    if entry["split"] not in SPLITS:
-        raise PersonaError(f"{path}: {where}: field 'split' must be one of {SPLITS}, got '{entry['split']}'")
-    if entry["difficulty"] not in DIFFICULTIES:
-        raise PersonaError(f"{path}: {where}: field 'difficulty' must be one of {DIFFICULTIES}, got "
-                           f"'{entry['difficulty']}'")
-    _check(path, f"{where}: profile", entry["profile"], PROFILE_FIELDS)
-    _check(path, f"{where}: reactions", entry["reactions"], {"good": str, "bad": str})
+    _check(path, where, entry, PERSONA_FIELDS, optional=("band_lines",))
     for name in ("opening", "goal"):
         if not entry[name].strip():
             raise PersonaError(f"{path}: {where}: field '{name}' is empty")
-    band_lines = entry.get("band_lines", {})
-    if not isinstance(band_lines, dict) or set(band_lines) - set(BANDS):
-        raise PersonaError(f"{path}: {where}: field 'band_lines' must map bands {BANDS} to lines")
-    for key, line in band_lines.items():
-        if not isinstance(line, str) or not line.strip():
-            raise PersonaError(f"{path}: {where}: field 'band_lines' entry '{key}' must be a non-empty "
-                               f"string, got {type(line).__name__}")
-    return Persona(topic=str(entry.get("topic", "")), band_lines=band_lines,
-                   **{k: entry[k] for k in PERSONA_FIELDS})
+    return Persona(topic=str(entry.get("topic", "")), **{k: entry.get(k, {}) for k in PERSONA_FIELDS})
 
 
-# Profiles without openings (RLVER's training profiles): their `first_talk` is written once by
-# `python simulator.py --write-openings NEW_FILE --personas FILE --model ...` (write_openings below).
-OPENINGS_HINT = ("profiles without openings (as RLVER's) need them written once: python simulator.py "
-                 "--write-openings NEW_FILE --personas {path} --model MODEL")
-
-
-def has_opening(entry):
-    return isinstance(entry.get("first_talk"), str) and bool(entry["first_talk"].strip())
-
-
-def _sage_persona(path, i, entry, need_opening=True):
+def _sage_persona(path, i, entry, need_opening):
     """SAGE and RLVER profile lines carry free text and no difficulty (normal). A line may carry a
     `split`; one without belongs to whichever split the reading script asks for (load_personas).
-    main_cha is a character type in both (负面型, 被动型, ...), cha_group (RLVER) three traits."""
+    main_cha is a character type in both (负面型, 被动型, ...), cha_group (RLVER) three traits.
+    need_opening=False: a missing first_talk is the empty opening the openings writer fills."""
     where = f"line {i + 1}" + (f" (id {entry['id']})" if isinstance(entry, dict) and "id" in entry else "")
-    if not isinstance(entry, dict):
-        raise PersonaError(f"{path}: {where}: must be a JSON object")
-    _check_lengths(path, where, entry)
-    if not has_opening(entry):
-        if not need_opening:  # the openings command is about to write it
-            entry = {**entry, "first_talk": ""}
-        elif {"id", "player", "scene"} <= set(entry) and isinstance(entry.get("first_talk", ""), str):
-            state, hint = "empty" if "first_talk" in entry else "missing", OPENINGS_HINT.format(path=path)
-            raise PersonaError(f"{path}: {where}: field 'first_talk' is {state}; {hint}")
-    _check(path, where, entry, SAGE_FIELDS)
-    split = entry.get("split")
-    if split is not None and split not in SPLITS:
-        raise PersonaError(f"{path}: {where}: field 'split' must be one of {SPLITS}, got {split!r}")
-    scene = entry["scene"]
-    scene = scene if isinstance(scene, str) else "\n".join(f"{k}: {v}" for k, v in scene.items())
+    _check(path, where, entry, SAGE_FIELDS, optional=("first_talk", "split", "difficulty"))
+    opening, scene = entry.get("first_talk", ""), entry["scene"]
+    if need_opening and not opening.strip():
+        state = "empty" if "first_talk" in entry else "missing"
+        raise PersonaError(f"{path}: {where}: field 'first_talk' is {state}; profiles without openings (as "
+                           f"RLVER's) need them written once: python simulator.py --write-openings NEW_FILE "
+                           f"--personas {path} --simulator MODEL_OR_URL")
     profile = {"character": str(entry.get("main_cha") or "-"), "description": entry["player"]}
     if isinstance(entry.get("cha_group"), list):
         profile["traits"] = ", ".join(map(str, entry["cha_group"]))
     persona = Persona(
-        id=str(entry["id"]), split=split, difficulty="normal", profile=profile,
-        background=scene, goal=str(entry.get("task") or entry.get("topic") or "to talk it through"),
-        hidden_intention="(the hidden theme is part of the background above)",
-        opening=entry["first_talk"], reactions={"good": "opens up", "bad": "withdraws"},
-        topic=str(entry.get("topic", "")))
+        id=str(entry["id"]), split=entry.get("split"), difficulty="normal", profile=profile,
+        background=scene if isinstance(scene, str) else "\n".join(f"{k}: {v}" for k, v in scene.items()),
+        goal=str(entry.get("task") or entry.get("topic") or "to talk it through"),
+        hidden_intention="(the hidden theme is part of the background above)", opening=opening,
+        reactions={"good": "opens up", "bad": "withdraws"}, topic=str(entry.get("topic", "")))
     if persona_language(persona) == "zh":  # the card around a Chinese profile is Chinese: no English in it
         keys = {"character": "性格类型", "description": "人物画像", "traits": "性格特点"}
         persona = dataclasses.replace(persona, hidden_intention="（隐藏主题写在上面的背景里）",
@@ -185,80 +160,75 @@ def _sage_persona(path, i, entry, need_opening=True):
     return persona
 
 
-def read_profile_lines(path):
-    """[(line index, object)] of a JSON-lines profile file; PersonaError (one line) when the file
-    cannot be read or a line is not JSON."""
-    return read_json_lines(path, PersonaError)
-
-
-def check_unique_ids(path, personas):
-    """PersonaError naming the first id that two entries share."""
-    seen = set()
-    for p in personas:
-        if p.id in seen:
-            raise PersonaError(f"{path}: entry {p.id}: field 'id' is a duplicate")
-        seen.add(p.id)
-
-
-def load_personas(path, split=None):
+def load_personas(path, split=None, need_opening=True):
     """Read personas.json (a JSON list) or a SAGE / RLVER profile file (JSON lines); validate every
     entry. split: keep that split; a JSON-lines entry without a split of its own belongs to any
     split asked for (labelled 'test' when none is). Ids stay the file's own.
     Raises PersonaError with a one-line message naming the file, the entry and the field."""
     text = read_text(path, PersonaError)
-    stripped = text.lstrip()
-    if stripped.startswith("["):
+    if text.lstrip().startswith("["):
         try:
             entries = json.loads(text)
         except json.JSONDecodeError as e:
             raise PersonaError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}")
         personas = [_project_persona(path, i, e) for i, e in enumerate(entries)]
     else:  # SAGE / RLVER: one JSON object per line
-        personas = [_sage_persona(path, i, entry) for i, entry in read_profile_lines(path)]
-    check_unique_ids(path, personas)
-    if split is not None:  # an entry with no split of its own belongs to the split asked for
-        personas = [p for p in personas if p.split in (split, None)]
-    personas = [p if p.split else dataclasses.replace(p, split=split or "test") for p in personas]
+        personas = [_sage_persona(path, i, e, need_opening) for i, e in read_json_lines(path, PersonaError)]
+    seen = set()
+    for p in personas:
+        if p.id in seen:
+            raise PersonaError(f"{path}: entry {p.id}: field 'id' is a duplicate")
+        seen.add(p.id)
+    personas = [dataclasses.replace(p, split=p.split or split or "test") for p in personas
+                if split in (None, p.split) or p.split is None]
     if not personas:
         raise PersonaError(f"{path}: no personas" + (f" in split '{split}'" if split else ""))
     return personas
 
 
-def with_difficulty(personas, level):
-    """The simulator-difficulty ablation: every persona plays at `level` ('all' keeps each one's own).
-    RLVER found that moderate users train better agents than hard ones."""
-    if level == "all":
-        return personas
-    if level not in DIFFICULTIES:
-        raise PersonaError(f"--difficulty must be all or one of {DIFFICULTIES}, got '{level}'")
-    return [dataclasses.replace(p, difficulty=level) for p in personas]
-
-
 def load_personas_or_exit(path, split=None, difficulty="all"):
     """The command-line form: a bad file prints one line and exits with code 2, no traceback.
-    split 'all' (or None) takes the whole file; difficulty other than 'all' makes every persona
-    play at that level (see with_difficulty)."""
+    split 'all' (or None) takes the whole file. difficulty other than 'all' makes every persona play
+    at that level, the simulator-difficulty ablation: RLVER found that moderate users train better
+    agents than hard ones."""
     try:
-        return with_difficulty(load_personas(path, None if split == "all" else split), difficulty)
+        personas = load_personas(path, None if split == "all" else split)
     except PersonaError as e:
         fail(e)
+    return [p if difficulty == "all" else dataclasses.replace(p, difficulty=difficulty) for p in personas]
 
 
 # ----------------------------------------------------------------------------------------------
 # Emotion, bands and endings
 # ----------------------------------------------------------------------------------------------
 BAND_STYLE = {  # how the user talks in each band (SAGE's S/A/B/C/F)
-    "S": "You feel understood and relieved. Thank them warmly and say goodbye.",
-    "A": "You feel fairly good about this talk. Be open and share more of what is on your mind.",
-    "B": "You are neutral and still guarded. Answer, but do not open up much yet.",
-    "C": "You feel misunderstood and annoyed. Be short, push back, show your frustration.",
-    "F": "You have had enough. Say you are leaving the conversation.",
+    "en": {
+        "S": "You feel understood and relieved. Thank them warmly and say goodbye.",
+        "A": "You feel fairly good about this talk. Be open and share more of what is on your mind.",
+        "B": "You are neutral and still guarded. Answer, but do not open up much yet.",
+        "C": "You feel misunderstood and annoyed. Be short, push back, show your frustration.",
+        "F": "You have had enough. Say you are leaving the conversation.",
+    },
+    "zh": {
+        "S": "你感到被理解，如释重负。真诚地道谢并道别。",
+        "A": "你对这次谈话感觉不错。敞开一些，多说说心里的事。",
+        "B": "你情绪平平，仍有戒备。会回答，但还不太愿意敞开。",
+        "C": "你觉得被误解，有些烦躁。话说得简短，反驳，流露出不满。",
+        "F": "你受够了。说你要结束这次谈话。",
+    },
 }
 DIFFICULTY_TEXT = {
-    "easy": "You are easy to reach: any warm or positive remark lifts your mood.",
-    "normal": "You weigh each reply: sensible comfort or advice helps, empty phrases do not.",
-    "hard": "You are sharp and sceptical: only a reply that hits your real, unspoken need helps; "
-            "generic sympathy or advice makes things worse.",
+    "en": {
+        "easy": "You are easy to reach: any warm or positive remark lifts your mood.",
+        "normal": "You weigh each reply: sensible comfort or advice helps, empty phrases do not.",
+        "hard": "You are sharp and sceptical: only a reply that hits your real, unspoken need helps; "
+                "generic sympathy or advice makes things worse.",
+    },
+    "zh": {
+        "easy": "你很容易被打动：任何温暖或积极的话都会让你心情变好。",
+        "normal": "你会掂量每一句回复：合理的安慰或建议有帮助，空话没有。",
+        "hard": "你敏锐而多疑：只有触及你真实、未说出口的需要的回复才有帮助；泛泛的同情或建议只会更糟。",
+    },
 }
 # When the user's message ends the dialogue. SAGE's rule (evaluate.py's protocol): 再见 or 拜拜 anywhere,
 # and here the English words too. Training's rule: the message closes with a farewell, that is its last
@@ -311,14 +281,21 @@ class UserState:
     fallbacks: int = 0                               # appraisals that could not be read
     end_reason: str | None = None                    # success | left | goodbye | max_turns | context
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # the backend's KV slot
-    retries: int = 0                                 # appraisals re-asked once for an unread change
 
     @property
     def done(self):
         return self.end_reason is not None
 
 
-# What models write in place of ASCII signs and colons. NFKC (in normalise_marks) already maps the
+def transcript_turns(state):
+    """The dialogue as a list of turns; agent turns carry their appraisal: the change, the emotion after
+    it, the appraisal's text and whether its change was read."""
+    appraisals = iter(state.appraisals)
+    return [{"role": m["role"], "text": m["text"], **(next(appraisals) if m["role"] == "agent" else {})}
+            for m in state.history]
+
+
+# What models write in place of ASCII signs and colons. NFKC (in parse_change) already maps the
 # full-width forms (：＋－０-９); these are the dashes and minus signs it leaves alone.
 DASHES = str.maketrans({c: "-" for c in "\u2212\u2010\u2011\u2012\u2013\u2014\u2015\ufe63"})
 # "Change" in the languages the prompts are written in, then what may stand between it and the
@@ -331,31 +308,21 @@ ARROW = re.compile(r"->|=>|[\u2190-\u21ff\u27f0-\u27ff\u2900-\u297f]")  # ->, =>
 BARE_NUMBER = re.compile(r"^\**\s*([+-]?\s*\d+)\s*\**$")  # a last line holding only a number
 
 
-def normalise_marks(text):
-    """Full-width colons, signs and digits to ASCII (NFKC), Unicode minus signs and dashes to '-'."""
-    return unicodedata.normalize("NFKC", text).translate(DASHES)
-
-
 def parse_change(text, max_change=10):
     """The emotion change a reasoned appraisal ends with ("Change: +4", "变化：-3"), or None when it
     cannot be read. Only the last labelled line counts (models restate the scale, or write a draft
     line, before answering). That line must hold exactly one whole number within +-max_change and
     no arrow: "Change: 41 -> 38" or "Change: 45" is a mood written where a change was asked for, and
     clamping it would turn a drop into the largest rise, so it is unread instead. With no labelled
-    line, a last line holding only a number is read the same way."""
-    lines = [line.strip() for line in normalise_marks(text).splitlines() if line.strip()]
-    value = None
-    for line in lines:
-        found = CHANGE_LINE.search(line)
-        if found:
-            value = found.group(1)
-    if value is None:
-        bare = BARE_NUMBER.match(lines[-1]) if lines else None
-        value = bare.group(1) if bare else None
-    if value is None or ARROW.search(value):
-        return None
-    numbers = NUMBER.findall(value)
-    if len(numbers) != 1 or "." in numbers[0]:
+    line, a last line holding only a number is read the same way. NFKC maps full-width colons, signs
+    and digits to ASCII; DASHES the minus signs and dashes it leaves alone."""
+    lines = [line.strip() for line in unicodedata.normalize("NFKC", text).translate(DASHES).splitlines()
+             if line.strip()]
+    labelled = [found.group(1) for found in map(CHANGE_LINE.search, lines) if found]
+    bare = BARE_NUMBER.match(lines[-1]) if lines else None
+    value = labelled[-1] if labelled else bare and bare.group(1)
+    numbers = NUMBER.findall(value or "")
+    if not value or ARROW.search(value) or len(numbers) != 1 or "." in numbers[0]:
         return None
     change = int(numbers[0].replace(" ", ""))
     return change if abs(change) <= max_change else None
@@ -386,18 +353,6 @@ CARD = {
            "真正能帮到你的（永远不要直接说出来）：{hidden}\n"
            "谈话顺利时：{good} 谈话不顺时：{bad}\n{temper}"),
 }
-BAND_STYLE_ZH = {
-    "S": "你感到被理解，如释重负。真诚地道谢并道别。",
-    "A": "你对这次谈话感觉不错。敞开一些，多说说心里的事。",
-    "B": "你情绪平平，仍有戒备。会回答，但还不太愿意敞开。",
-    "C": "你觉得被误解，有些烦躁。话说得简短，反驳，流露出不满。",
-    "F": "你受够了。说你要结束这次谈话。",
-}
-DIFFICULTY_TEXT_ZH = {
-    "easy": "你很容易被打动：任何温暖或积极的话都会让你心情变好。",
-    "normal": "你会掂量每一句回复：合理的安慰或建议有帮助，空话没有。",
-    "hard": "你敏锐而多疑：只有触及你真实、未说出口的需要的回复才有帮助；泛泛的同情或建议只会更糟。",
-}
 # How much each difficulty forgives, for the appraisal. Every user is moved only by being
 # understood; the levels differ in the benefit of the doubt, not in being pleased by any warm word.
 FORGIVENESS = {
@@ -417,29 +372,29 @@ FORGIVENESS = {
 }
 
 
-def _profile_lines(persona):
-    return "\n".join(f"- {k.replace('_', ' ')}: {v}" for k, v in persona.profile.items())
-
-
-def persona_card(persona, temper=None):
+def persona_card(persona, temper=None, card=CARD):
     """Who the user is, in the persona's language. It never changes within a dialogue; the current
-    mood goes in mood_note(). temper replaces the difficulty line (the appraisal's forgiveness)."""
+    mood goes in mood_note(). temper replaces the difficulty line (the appraisal's forgiveness);
+    card=OBSERVER describes the same person to the held-out judge."""
     lang = persona_language(persona)
-    difficulty = (DIFFICULTY_TEXT if lang == "en" else DIFFICULTY_TEXT_ZH)[persona.difficulty]
-    return CARD[lang].format(
-        profile=_profile_lines(persona), background=persona.background, goal=persona.goal,
-        hidden=persona.hidden_intention, good=persona.reactions.get("good", ""),
-        bad=persona.reactions.get("bad", ""), temper=temper or difficulty)
+    return card[lang].format(
+        profile="\n".join(f"- {k.replace('_', ' ')}: {v}" for k, v in persona.profile.items()),
+        background=persona.background, goal=persona.goal, hidden=persona.hidden_intention,
+        good=persona.reactions["good"], bad=persona.reactions["bad"],
+        temper=temper or DIFFICULTY_TEXT[lang][persona.difficulty])
+
+
+MOOD_NOTE = {"en": ("[A note only you can see. Your mood: {} out of 100. {}",
+                    " Your private reaction to that reply: "),
+             "zh": ("[只有你能看到的备注。你的心情：{}/100。{}", " 你对刚才那句回复的内心反应：")}
 
 
 def mood_note(emotion, lang="en", reaction=None):
     """The private note the user's own messages are written from; reaction (from the appraisal of
     the latest reply) says how that reply landed, so the next message follows from it."""
-    if lang == "zh":
-        note = f"[只有你能看到的备注。你的心情：{emotion}/100。{BAND_STYLE_ZH[band(emotion)]}"
-        return note + (f" 你对刚才那句回复的内心反应：{reaction}]" if reaction else "]")
-    note = f"[A note only you can see. Your mood: {emotion} out of 100. {BAND_STYLE[band(emotion)]}"
-    return note + (f" Your private reaction to that reply: {reaction}]" if reaction else "]")
+    note, reacted = MOOD_NOTE[lang]
+    note = note.format(emotion, BAND_STYLE[lang][band(emotion)])
+    return note + (reacted + reaction if reaction else "") + "]"
 
 
 # Agent text reaches the simulator in two forms, and neither may let it speak for the user:
@@ -463,9 +418,6 @@ SPEAKERS = {("en", "training"): ("You", "Chatbot"), ("zh", "training"): ("你", 
             ("en", "heldout"): ("Person", "Chatbot"), ("zh", "heldout"): ("当事人", "机器人")}
 
 
-def transcript_text(history, lang="en", judge="training"):
-    user, agent = SPEAKERS[lang, judge]
-    return "\n".join((user if m["role"] == "user" else agent) + ": " + quoted(m["text"]) for m in history)
 
 
 # The anchored appraisal. The simulator writes what the reply got right, what it missed and how
@@ -562,7 +514,7 @@ RETRY = {
     "zh": ("无法读取你的最后一行。只写一行“变化：N”，N 是 -{m} 到 +{m} 之间的一个整数："
            "这句回复让心情变化了多少，而不是心情本身。"),
 }
-JUDGES = ("training", "heldout")
+JUDGES = {"training": (CARD, FORGIVENESS), "heldout": (OBSERVER, OBSERVER_FORGIVENESS)}  # system message
 
 
 def appraisal_messages(state, reply, judge="training", max_change=10):
@@ -571,35 +523,20 @@ def appraisal_messages(state, reply, judge="training", max_change=10):
     and scale, for evaluation with a prompt the agent never met. The hidden intention is only in
     the system message; the agent's words only inside their quotes."""
     persona, lang = state.persona, persona_language(state.persona)
-    if judge == "training":
-        system = persona_card(persona, temper=FORGIVENESS[lang][persona.difficulty])
-    else:
-        system = OBSERVER[lang].format(
-            profile=_profile_lines(persona), background=persona.background, goal=persona.goal,
-            hidden=persona.hidden_intention, good=persona.reactions.get("good", ""),
-            bad=persona.reactions.get("bad", ""), temper=OBSERVER_FORGIVENESS[lang][persona.difficulty])
-    ask = (f"{TRANSCRIPT_INTRO[lang]}\n\n{transcript_text(state.history, lang, judge)}\n\n"
+    card, forgiveness = JUDGES[judge]
+    user, agent = SPEAKERS[lang, judge]
+    transcript = "\n".join(f"{user if m['role'] == 'user' else agent}: {quoted(m['text'])}"
+                           for m in state.history)
+    ask = (f"{TRANSCRIPT_INTRO[lang]}\n\n{transcript}\n\n"
            f"{FEELING[lang, judge].format(feeling=FEELINGS[lang][band(state.emotion)])}\n"
            f"{NEWEST[lang]}\n{quoted(reply)}\n\n"
            f"{APPRAISE[judge, lang]}\n\n{SCALE[lang].format(m=max_change)}")
-    return [{"role": "system", "content": system}, {"role": "user", "content": ask}]
-
-
-def retry_messages(messages, answer, lang="en", max_change=10):
-    """The one follow-up for an appraisal whose change line could not be read."""
-    return messages + [{"role": "assistant", "content": answer},
-                       {"role": "user", "content": RETRY[lang].format(m=max_change)}]
+    return [{"role": "system", "content": persona_card(persona, forgiveness[lang][persona.difficulty], card)},
+            {"role": "user", "content": ask}]
 
 
 REACTION_LINE = re.compile(r"^\W*(?:inner reaction|their reaction|内心反应|当事人的反应)\s*[:：]\s*(.+)$",
                            re.IGNORECASE | re.MULTILINE)
-
-
-def inner_reaction(appraisal):
-    """The appraisal's one-line reaction (its last 'Inner reaction:' line), or None. It goes only
-    into the user's own private note, never into anything the agent reads."""
-    found = REACTION_LINE.findall(appraisal or "")
-    return escape_agent(found[-1].strip()[:240]) if found else None
 
 
 USER_RULES = {"en": "\nWrite only your next message: one to three short sentences in your speaking style. "
@@ -615,22 +552,24 @@ def user_turn_messages(state):
     and, with the reasoned read-out, the appraisal's private reaction, for the user's next message;
     before that (the likelihood read-out) the reply comes last."""
     lang = persona_language(state.persona)
+    # the mood before each agent turn: the appraisals' moods before their turns, then the present one
+    moods = iter([a["emotion"] - a["change"] for a in state.appraisals] + [state.emotion])
     messages = [{"role": "system", "content": persona_card(state.persona) + USER_RULES[lang]}]
-    moods = [a["emotion"] - a["change"] for a in state.appraisals] + [state.emotion]  # before each agent turn
-    k = 0
     for m in state.history:
         if m["role"] == "user":
             messages.append({"role": "assistant", "content": m["text"]})
         else:
-            note = mood_note(moods[k], lang)
-            messages.append({"role": "user", "content": note + "\n" + escape_agent(m["text"])})
-            k += 1
-    reaction = inner_reaction(state.appraisals[-1]["appraisal"]) if state.appraisals else None
+            note = mood_note(next(moods), lang)
+            messages.append({"role": "user", "content": f"{note}\n{escape_agent(m['text'])}"})
+    # the latest appraisal's one-line reaction (its last 'Inner reaction:' line), for the user's own
+    # private note only, never for anything the agent reads
+    found = REACTION_LINE.findall(state.appraisals[-1]["appraisal"]) if state.appraisals else []
+    reaction = escape_agent(found[-1].strip()[:240]) if found else None
+    note = mood_note(state.emotion, lang, reaction)
     if messages[-1]["role"] == "assistant":
-        messages.append({"role": "user", "content": mood_note(state.emotion, lang, reaction)})
-    elif k == len(state.appraisals):
-        last = messages[-1]["content"] + "\n\n" + mood_note(state.emotion, lang, reaction)
-        messages[-1] = {"role": "user", "content": last}
+        messages.append({"role": "user", "content": note})
+    elif next(moods, None) is not None:  # a mood is left: the latest agent message has been appraised
+        messages[-1]["content"] += f"\n\n{note}"
     return messages
 
 
@@ -643,6 +582,7 @@ NEGATIVE_REACTIONS = ("That does not help at all.", "You are not listening to me
 # Calibrated on the embedded model: dismissive replies score contrasts of about +0.15 to +0.65,
 # warm ones +0.4 to +1.4, so the neutral point sits near +0.5; harder users need more.
 LIKELIHOOD_OFFSET = {"easy": 0.35, "normal": 0.5, "hard": 0.65}
+LIKELIHOOD_SCALE = 2.5  # the tanh's slope: a contrast 0.4 past the offset is most of the largest change
 
 
 # ----------------------------------------------------------------------------------------------
@@ -678,34 +618,23 @@ def cached_batch(rows, slots, pad_id, device):
         new = row[n:]
         ids.append([pad_id] * (P - n) + row[:n] + [pad_id] * (S - len(new)) + new)
         mask.append([0] * (P - n) + [1] * n + [0] * (S - len(new)) + [1] * len(new))
-    ids, mask = torch.tensor(ids, device=device), torch.tensor(mask, device=device)
-    if P == 0:
-        return ids, mask, DynamicCache()
-    ref = slots[next(i for i, n in enumerate(reuse) if n)]["kv"]
     layers = []
-    for layer, (k0, v0) in enumerate(ref):
-        k = k0.new_zeros(len(rows), k0.shape[1], P, k0.shape[3])
-        v = v0.new_zeros(len(rows), v0.shape[1], P, v0.shape[3])
+    for layer, reference in enumerate(slots[reuse.index(P)]["kv"] if P else ()):
+        kv = [t.new_zeros(len(rows), t.shape[1], P, t.shape[3]) for t in reference]  # keys, values
         for b, (slot, n) in enumerate(zip(slots, reuse)):
-            if n:
-                k[b, :, P - n:], v[b, :, P - n:] = (slot["kv"][layer][0][0, :, :n],
-                                                    slot["kv"][layer][1][0, :, :n])
-        layers.append((k, v))
-    return ids, mask, DynamicCache(layers)
+            for part, kept in zip(kv, slot["kv"][layer] if n else ()):
+                part[b, :, P - n:] = kept[0, :, :n]
+        layers.append(kv)
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device), DynamicCache(layers or None)
 
 
 def cache_keyword(model):
     """The keyword the installed transformers takes a KV cache by in forward() and generate():
     `cache` where the model's forward names it (newer releases, 5.24 among them, where the old
     `past_key_values` still works but warns, and goes in 5.40), else `past_key_values` (5.17 and
-    earlier). A PeftModel is asked about its base model. Read once per model class."""
+    earlier). A PeftModel is asked about its base model."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return _cache_keyword(type(base))
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_keyword(model_class):
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
 
 
 def prompt_counts(mask, cache):
@@ -716,16 +645,13 @@ def prompt_counts(mask, cache):
 def keep_cache(slots, cache, ids, mask):
     """After running ids (B, W) with attention mask (B, W) into `cache`, store in each row's slot
     the row's real tokens that have keys/values in the cache (the last sampled token of a
-    generate() call has none yet) and those keys/values, without the padding.
-    With a model spread over devices (device_map="auto") each layer's cache lies on that layer's
-    device, and indices must be on the CPU or on the indexed tensor's device: the positions go to
-    each layer's device."""
+    generate() call has none yet) and those keys/values, without the padding."""
     length = cache.get_seq_length()
     layers = [(k, v) for k, v, *_ in cache]
     for b, slot in enumerate(slots):
         pos = mask[b, :length].nonzero()[:, 0]
         slot["ids"] = ids[b, pos].tolist()
-        slot["kv"] = [(k[b:b + 1, :, pos.to(k.device)], v[b:b + 1, :, pos.to(v.device)]) for k, v in layers]
+        slot["kv"] = [(k[b:b + 1, :, pos], v[b:b + 1, :, pos]) for k, v in layers]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -739,88 +665,73 @@ class LocalBackend:
     """A transformers model plays the user, greedily. With use_base=True (--simulator same) the
     policy's own PeftModel is handed in and run with its adapters disabled: the frozen base."""
     name = "local"
-    prefill_chunk = 1024  # prompt tokens a forward pass takes into the KV cache (see _prefill)
+    prefill_chunk = 1024  # prompt tokens a forward pass takes into the KV cache (see _batches)
 
     def __init__(self, model, tokenizer, use_base=False, micro_batch_size=16, reuse_cache=True):
-        self.model, self.tokenizer = model, tokenizer
-        self.use_base, self.micro_batch_size = use_base, micro_batch_size
+        self.model, self.tokenizer, self.use_base = model, tokenizer, use_base
+        self.micro_batch_size = micro_batch_size
         self.reuse_cache = reuse_cache  # keep each dialogue's KV cache between turns (see cached_batch)
         self.generated_tokens = 0
         self.prompt_tokens = self.reused_tokens = 0  # prompt tokens in all, and those read from a cache
 
-    def _context(self):
-        import contextlib
-
-        if self.use_base and hasattr(self.model, "disable_adapter"):
-            return self.model.disable_adapter()
-        return contextlib.nullcontext()
-
-    def _encode(self, conversations):
-        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
-                 for c in conversations]
-        return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-
-    def _slots(self, slots, n):
-        """(slots, keep): the callers' per-dialogue cache slots and True, or, when reuse is off or
-        the caller has none (None, or a None for a state appraised once), empty throwaway slots and
-        False: nothing is stored in them, which spares a copy of every row's keys and values."""
-        if self.reuse_cache and slots is not None and None not in slots:
-            return slots, True
-        return [{} for _ in range(n)], False
-
-    def _count(self, mask, cache):
-        prompt, reused = prompt_counts(mask, cache)
-        self.prompt_tokens += prompt
-        self.reused_tokens += reused
-
-    def _prefill(self, ids, mask, cache):
-        """Run a cached_batch's new tokens, all but the last, into its cache, prefill_chunk at a time,
-        so that each pass's attention mask is (batch, chunk, context), linear in the context: one pass
-        over a whole prompt builds (batch, T, T) masks, 0.9 GB a row in float32 at the 15,000 tokens of
-        an appraisal on SAGE's recordings. generate() or the scoring pass then runs the last token.
+    def _batches(self, conversations, slots):
+        """Each micro-batch of the conversations as a cached_batch on its dialogues' slots, with its new
+        tokens but the last already run into the cache: (the slots to keep into or None, ids, mask,
+        cache), while the model is in eval mode (no dropout) and, for `same`, its adapters are off.
+        The callers' slots are kept only when reuse is on and every conversation has one (a state
+        appraised once has None): throwaway slots spare a copy of every row's keys and values.
+        The prefill goes prefill_chunk tokens at a time, so that each pass's attention mask is (batch,
+        chunk, context), linear in the context: one pass over a whole prompt builds (batch, T, T)
+        masks, 0.9 GB a row in float32 at the 15,000 tokens of an appraisal on SAGE's recordings.
         Positions follow the attention mask, as generate() computes them, so the holes shift nothing."""
-        position = mask.cumsum(1) - 1                                                   # (B, W)
-        for start in range(cache.get_seq_length(), ids.shape[1] - 1, self.prefill_chunk):
-            end = min(start + self.prefill_chunk, ids.shape[1] - 1)
-            self.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
-                       position_ids=position[:, start:end], **{cache_keyword(self.model): cache},
-                       use_cache=True, logits_to_keep=1)
+        encoded = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)
+                   for c in conversations]
+        rows = [e["input_ids"] for e in encoded]
+        keep = self.reuse_cache and slots is not None and None not in slots
+        slots = slots if keep else [{} for _ in rows]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.model.disable_adapter() if self.use_base else contextlib.nullcontext():
+                for i in range(0, len(rows), self.micro_batch_size):
+                    part = slots[i:i + self.micro_batch_size]
+                    ids, mask, cache = cached_batch(rows[i:i + self.micro_batch_size], part,
+                                                    self.tokenizer.pad_token_id, self.model.device)
+                    prompt, reused = prompt_counts(mask, cache)
+                    self.prompt_tokens += prompt
+                    self.reused_tokens += reused
+                    position = mask.cumsum(1) - 1                                           # (B, W)
+                    for start in range(cache.get_seq_length(), ids.shape[1] - 1, self.prefill_chunk):
+                        end = min(start + self.prefill_chunk, ids.shape[1] - 1)
+                        self.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
+                                   position_ids=position[:, start:end], **{cache_keyword(self.model): cache},
+                                   use_cache=True, logits_to_keep=1)
+                    yield part if keep else None, ids, mask, cache
+        finally:
+            self.model.train(was_training)
 
     @torch.no_grad()
     def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=1.2):
         """Greedy replies. The repetition penalty keeps a small model from looping in the user's
         messages; appraisals pass 1.0, since it would also push the number away from digits the
         prompt already holds."""
-        was_training = self.model.training
-        self.model.eval()
-        rows, out = self._encode(conversations), []
-        slots, keep = self._slots(slots, len(rows))
-        pad = self.tokenizer.pad_token_id
-        try:
-            with self._context():
-                for i in range(0, len(rows), self.micro_batch_size):
-                    part = slice(i, i + self.micro_batch_size)
-                    ids, mask, cache = cached_batch(rows[part], slots[part], pad, self.model.device)
-                    self._count(mask, cache)
-                    self._prefill(ids, mask, cache)
-                    gen = self.model.generate(input_ids=ids, attention_mask=mask,
-                                              **{cache_keyword(self.model): cache}, do_sample=False,
-                                              max_new_tokens=max_new_tokens,
-                                              repetition_penalty=repetition_penalty, pad_token_id=pad)
-                    new = gen[:, ids.shape[1]:]
-                    self.generated_tokens += int((new != pad).sum())
-                    out += self.tokenizer.batch_decode(new, skip_special_tokens=True)
-                    if keep:
-                        keep_cache(slots[part], cache, gen, torch.cat([mask, (new != pad).long()], 1))
-        finally:
-            self.model.train(was_training)
-        return [t.strip() for t in out]
+        out, pad = [], self.tokenizer.pad_token_id
+        for part, ids, mask, cache in self._batches(conversations, slots):
+            gen = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                      max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
+                                      pad_token_id=pad, **{cache_keyword(self.model): cache})
+            new = gen[:, ids.shape[1]:]
+            self.generated_tokens += int((new != pad).sum())
+            out += [t.strip() for t in self.tokenizer.batch_decode(new, skip_special_tokens=True)]
+            if part:
+                keep_cache(part, cache, gen, torch.cat([mask, (new != pad).long()], 1))
+        return out
 
     @torch.no_grad()
     def score(self, conversations, continuations, slots=None):
         """Mean per-token log-likelihood of each continuation as the start of the assistant's next
         message, for every conversation: a (len(conversations), len(continuations)) tensor.
-        Each conversation's new tokens but the last go into its KV cache (_prefill, in chunks);
+        Each conversation's new tokens but the last go into its KV cache (_batches, in chunks);
         then one forward pass per micro-batch runs its last token and, after it, all the
         continuations one after another (a 'tree' row): a 4D mask of (batch, 1 + C, context + C)
         lets each continuation token see its conversation and its own earlier tokens only, and its
@@ -829,51 +740,36 @@ class LocalBackend:
         forward pass (tested).
         The mask is additive (0 or the dtype's minimum), which both the 'sdpa' and 'eager'
         attention implementations read; flash-attention kernels take no such mask."""
-        was_training = self.model.training
-        self.model.eval()
-        device = self.model.device
         conts = [self.tokenizer(c, add_special_tokens=False)["input_ids"] for c in continuations]
-        block = torch.tensor([t for c in conts for t in c], device=device)                # (C,)
-        owner = torch.tensor([i for i, c in enumerate(conts) for _ in c], device=device)  # (C,)
-        offset = torch.tensor([j for c in conts for j in range(len(c))], device=device)   # (C,)
-        lengths = torch.tensor([len(c) for c in conts], device=device)
-        # a continuation token sees the earlier tokens of its own continuation, and itself
-        in_block = (owner[:, None] == owner[None, :]) & (offset[None, :] <= offset[:, None])  # (C, C)
-        rows = self._encode(conversations)
-        slots, keep = self._slots(slots, len(rows))
-        C, pad, scores = len(block), self.tokenizer.pad_token_id, []
-        dtype = self.model.get_input_embeddings().weight.dtype  # of the additive attention mask
-        try:
-            with self._context():
-                for i in range(0, len(rows), self.micro_batch_size):
-                    part = slice(i, i + self.micro_batch_size)
-                    ids, mask, cache = cached_batch(rows[part], slots[part], pad, device)
-                    self._count(mask, cache)
-                    self._prefill(ids, mask, cache)  # the cache now holds all but the last column
-                    B, W = mask.shape
-                    # the last conversation token, then the continuations: each sees the conversation's
-                    # real tokens (up to itself); a continuation token also its own earlier tokens
-                    sees = torch.cat([mask.bool()[:, None, :].expand(B, 1 + C, W),
-                                      torch.cat([in_block.new_zeros(1, C), in_block]).expand(B, 1 + C, C)],
-                                     2)                                 # (B, 1 + C, W + C)
-                    bias = torch.zeros(sees.shape, dtype=dtype, device=device)
-                    bias.masked_fill_(~sees, torch.finfo(dtype).min)
-                    # positions: the last conversation token's, then a continuation's restart after it
-                    position = mask.sum(1, keepdim=True) - 1 + torch.cat([offset.new_zeros(1), 1 + offset])
-                    # the logits that predict each continuation token: its first from the last
-                    # conversation token, the others from the token before it in the block
-                    before = torch.where(offset == 0, 0, torch.arange(C, device=device))
-                    logits = self.model(input_ids=torch.cat([ids[:, -1:], block.expand(B, C)], 1),
-                                        attention_mask=bias[:, None], position_ids=position,
-                                        **{cache_keyword(self.model): cache}, use_cache=True,
-                                        logits_to_keep=before).logits                # (B, C, V)
-                    picked = torch.log_softmax(logits.float(), -1).gather(-1, block.expand(B, C)[..., None])
-                    total = picked[..., 0].new_zeros(B, len(conts)).index_add_(1, owner, picked[..., 0])
-                    scores.append((total / lengths).cpu())
-                    if keep:  # the conversation's keys and values only, not the continuations'
-                        keep_cache(slots[part], cache, ids, torch.cat([mask, mask.new_zeros(B, C)], 1))
-        finally:
-            self.model.train(was_training)
+        device, dtype = self.model.device, self.model.get_input_embeddings().weight.dtype
+        block = torch.tensor(sum(conts, []), device=device)                                   # (C,)
+        owner = torch.tensor([i for i, c in enumerate(conts) for _ in c], device=device)      # (C,)
+        offset = torch.tensor([j for c in conts for j in range(len(c))], device=device)       # (C,)
+        # what the last conversation token and each continuation token see of the block: the first
+        # nothing (no owner is below 0), a continuation token its own continuation's earlier tokens and itself
+        own = (owner[:, None] == owner) & (offset <= offset[:, None])                          # (C, C)
+        in_block = torch.cat([owner[None] < 0, own])                                          # (1 + C, C)
+        # positions after the conversation's: the last token's, then a continuation's restart after it
+        steps = torch.cat([offset.new_zeros(1), 1 + offset])                                      # (1 + C,)
+        # each continuation token's logits come from the token before it in the block, its first from
+        # the last conversation token
+        before = torch.where(offset == 0, 0, torch.arange(len(block), device=device))        # (C,)
+        scores = []
+        for part, ids, mask, cache in self._batches(conversations, slots):
+            B, W = mask.shape
+            seen = mask.bool()[:, None].expand(B, len(in_block), W)                         # (B, 1 + C, W)
+            sees = torch.cat([seen, in_block.expand(B, -1, -1)], 2)                     # (B, 1 + C, W + C)
+            bias = torch.zeros(sees.shape, dtype=dtype, device=device)
+            bias.masked_fill_(~sees, torch.finfo(dtype).min)
+            position = mask.sum(1, keepdim=True) - 1 + steps                                 # (B, 1 + C)
+            logits = self.model(input_ids=torch.cat([ids[:, -1:], block.expand(B, -1)], 1), use_cache=True,
+                                attention_mask=bias[:, None], position_ids=position, logits_to_keep=before,
+                                **{cache_keyword(self.model): cache}).logits                # (B, C, V)
+            logp = logits.float().log_softmax(-1).gather(-1, block.expand(B, -1)[..., None])[..., 0]  # (B, C)
+            total = logp.new_zeros(B, len(conts)).index_add(1, owner, logp)                  # (B, len(conts))
+            scores.append((total / torch.bincount(owner)).cpu())
+            if part:  # the conversation's keys and values only, not the continuations'
+                keep_cache(part, cache, ids, torch.cat([mask, mask.new_zeros(B, len(block))], 1))
         return torch.cat(scores)
 
 
@@ -881,6 +777,7 @@ class ReplyError(ValueError):
     """A server reply that is not a usable chat completion."""
 
 
+@dataclass
 class OpenAIBackend:
     """Any OpenAI-compatible /v1/chat/completions server (vLLM, SGLang, llama.cpp, a hosted API).
     The key comes from an environment variable and is never logged or saved.
@@ -891,132 +788,96 @@ class OpenAIBackend:
     max_reply_bytes; on 429 or 503 it waits what Retry-After asks, at most max_wait seconds. A reply
     whose choices[0].message.content is not a string is a malformed response and is retried.
     Errors name the server (any password in its URL redacted), never the key."""
+    base_url: str
+    model: str = "default"
+    api_key_env: str = "OPENAI_API_KEY"
+    timeout: float = 60.0
+    max_retries: int = 4
+    backoff: float = 1.0
+    concurrency: int = 8
+    max_reply_bytes: int = 1_000_000
+    max_wait: float = 30.0
+    generated_tokens: int = 0
     name = "url"
 
-    def __init__(self, base_url, model="default", api_key_env="OPENAI_API_KEY", timeout=60.0,
-                 max_retries=4, backoff=1.0, concurrency=8, max_reply_bytes=1_000_000, max_wait=30.0):
-        parts = urllib.parse.urlsplit(base_url)  # the path grows; a query (?api_key=...) stays after it
-        self.url = urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/chat/completions"))
-        self.server = redact(self.url)  # the server as error messages name it
-        self.model, self.api_key_env, self.timeout = model, api_key_env, timeout
-        self.max_retries, self.backoff, self.concurrency = max_retries, backoff, concurrency
-        self.max_reply_bytes, self.max_wait = max_reply_bytes, max_wait
-        self.generated_tokens = 0
-        self._lock = threading.Lock()  # the worker threads add to generated_tokens
-
-    def _request(self, body, headers, seconds):
-        """One POST that takes at most `seconds` in all: (status, headers, body bytes). The socket
-        timeout bounds each read; a timer that shuts the socket down bounds their sum, which a
-        server sending one byte at a time would otherwise stretch forever."""
-        parts = urllib.parse.urlsplit(self.url)
-        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        connection = kind(parts.hostname, parts.port, timeout=seconds)
-        expired, sockets = threading.Event(), []
-
-        def expire():
-            expired.set()
-            for sock in sockets:  # the connection hands its socket to the response: keep our own
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked read
-                except OSError:
-                    pass
-        timer = threading.Timer(seconds, expire)
-        timer.daemon = True
-        timer.start()
-        try:
-            connection.connect()
-            sockets.append(connection.sock)
-            if expired.is_set():
-                raise TimeoutError
-            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            connection.request("POST", path, body=body, headers=headers)
-            response = connection.getresponse()
-            length = response.getheader("Content-Length", "")
-            if length.isdigit() and int(length) > self.max_reply_bytes:
-                raise ReplyError(f"reply of {length} bytes, more than the {self.max_reply_bytes} allowed")
-            data = response.read(self.max_reply_bytes + 1)
-            if len(data) > self.max_reply_bytes:
-                raise ReplyError(f"reply longer than the {self.max_reply_bytes} bytes allowed")
-            if expired.is_set():
-                raise TimeoutError
-            return response.status, response.headers, data
-        except (OSError, http.client.HTTPException):
-            if expired.is_set():
-                raise TimeoutError from None
-            raise
-        finally:
-            timer.cancel()
-            connection.close()
-
-    def _content(self, data):
-        """The reply text of a chat completion, with every type on the way checked."""
-        try:
-            payload = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            raise ReplyError("not JSON") from None
-        try:
-            content = payload["choices"][0]["message"]["content"]
-        except (TypeError, KeyError, IndexError):
-            raise ReplyError("no choices[0].message.content") from None
-        if not isinstance(content, str):
-            raise ReplyError(f"choices[0].message.content is {type(content).__name__}, not a string")
-        usage = payload.get("usage")
-        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        if isinstance(tokens, int) and not isinstance(tokens, bool):
-            with self._lock:
-                self.generated_tokens += tokens
-        return content
-
-    def _wait(self, status, reply_headers, attempt):
-        """Seconds before the next try: what a 429/503's Retry-After asks (bounded), else backoff."""
-        asked = (reply_headers.get("Retry-After") or "").strip() if status in (429, 503) else ""
-        seconds = float(asked) if re.fullmatch(r"\d+(\.\d+)?", asked) else self.backoff * 2 ** attempt
-        return min(seconds, self.max_wait)
+    def __post_init__(self):
+        parts = urllib.parse.urlsplit(self.base_url)  # the path grows; a query (?api_key=...) stays after it
+        self.url = parts._replace(path=parts.path.rstrip("/") + "/chat/completions")
 
     def _post(self, messages, max_new_tokens):
+        """(reply text, completion tokens the server counted), every type on the way checked. Each try
+        takes at most its `seconds` in all: the socket timeout bounds each read, and a timer that shuts
+        the socket down bounds their sum, which a server sending one byte at a time would otherwise
+        stretch forever (shutting a socket down wakes a read blocked on it; the timer holds the socket
+        itself, which the connection hands over to the response)."""
         body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_new_tokens,
                            "temperature": 0.0}).encode()
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.api_key_env)
-        if key:
-            headers["Authorization"] = "Bearer " + key
+        key = os.environ.get(self.api_key_env, "").strip()  # a key pasted with its newline still works
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        kind = http.client.HTTPSConnection if self.url.scheme == "https" else http.client.HTTPConnection
         deadline = time.monotonic() + self.timeout * (self.max_retries + 1)
-        problem, tries = "no time left", 0
         for attempt in range(self.max_retries + 1):
             seconds = min(self.timeout, deadline - time.monotonic())
-            if seconds <= 0:
-                break
-            tries += 1
-            status, reply_headers = None, {}
+            end, status = time.monotonic() + seconds, None
+            connection = kind(self.url.hostname, self.url.port, timeout=seconds)
             try:
-                status, reply_headers, data = self._request(body, headers, seconds)
+                connection.connect()
+                timer = threading.Timer(end - time.monotonic(), connection.sock.shutdown, [socket.SHUT_RDWR])
+                timer.start()
+                try:
+                    connection.request("POST", self.url._replace(scheme="", netloc="").geturl(), body,
+                                       headers)
+                    response = connection.getresponse()
+                    status, data = response.status, response.read(self.max_reply_bytes + 1)
+                finally:
+                    timer.cancel()
+                    connection.close()
+                if time.monotonic() >= end:  # a read the timer cut short
+                    raise TimeoutError
+                if len(data) > self.max_reply_bytes:
+                    raise ReplyError(f"reply longer than the {self.max_reply_bytes} bytes allowed")
                 if status == 200:
-                    return self._content(data)
-                problem = f"HTTP {status}"
-                if status in (401, 403):  # retrying will not make a wrong key right
-                    problem += f" (is the key in ${self.api_key_env} right?)"
-                    break
-                if status != 429 and status < 500:  # a client error will not go away by retrying
+                    try:
+                        payload = json.loads(data)
+                        content = payload["choices"][0]["message"]["content"]
+                    except (ValueError, TypeError, KeyError, IndexError):  # not UTF-8 nor JSON: ValueErrors
+                        raise ReplyError("no choices[0].message.content in a JSON reply") from None
+                    if not isinstance(content, str):
+                        raise ReplyError(f"choices[0].message.content is {type(content).__name__}, not a "
+                                         f"string")
+                    usage = payload.get("usage")
+                    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else 0
+                    return content, tokens if type(tokens) is int else 0
+                problem = f"HTTP {status}" + (f" (is the key in ${self.api_key_env} right?)"
+                                              if status in (401, 403) else "")
+                if status != 429 and status < 500:  # a client error (a wrong key too) stays one
                     break
             except ReplyError as e:
                 problem = f"malformed response ({e})"
-            except TimeoutError:
-                problem = f"no complete reply within {seconds:.3g} s"
-            except (OSError, http.client.HTTPException) as e:
-                problem = f"connection failed ({getattr(e, 'reason', None) or e or type(e).__name__})"
-            if attempt < self.max_retries:
-                pause = self._wait(status, reply_headers, attempt)
-                if time.monotonic() + pause >= deadline:
-                    break
-                time.sleep(pause)
-        raise SimulatorError(f"simulator server {self.server}: {problem} after {tries} tries")
+            except (OSError, http.client.HTTPException) as e:  # a timeout, or any error past the deadline
+                late = isinstance(e, TimeoutError) or time.monotonic() >= end
+                why = getattr(e, "reason", None) or e or type(e).__name__
+                problem = (f"no complete reply within {seconds:.3g} s" if late
+                           else f"connection failed ({why})")
+
+            # the next try after what a 429/503's Retry-After asks (bounded), else an exponential backoff
+            asked = (response.headers.get("Retry-After") or "").strip() if status in (429, 503) else ""
+            pause = min(float(asked) if re.fullmatch(r"\d+(\.\d+)?", asked) else self.backoff * 2 ** attempt,
+                        self.max_wait)
+            if attempt == self.max_retries or time.monotonic() + pause >= deadline:
+                break
+            time.sleep(pause)
+        raise SimulatorError(f"simulator server {redact(self.url.geturl())}: {problem} after {attempt + 1} "
+                             f"tries")
 
     def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
         """slots is unused: a server keeps its own prefix cache (vLLM and SGLang do), and the
         prompts are built so that each turn's prompt extends the last one's. repetition_penalty is
         unused too: the request sends none, so the server applies none."""
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(lambda m: self._post(m, max_new_tokens).strip(), conversations))
+            answers = list(pool.map(lambda m: self._post(m, max_new_tokens), conversations))
+        self.generated_tokens += sum(tokens for _, tokens in answers)
+        return [text.strip() for text, _ in answers]
 
 
 # The rules user: a deterministic lexicon and form check, written here to test the RL loop on a
@@ -1033,19 +894,15 @@ STOPWORDS = set("about after again also been being could didn't doesn't don't ev
                 "while with would your yours".split())
 
 
-# The names rules_appraisal gives the parts of its verdict ("rules: acknowledges+3, off_topic-3").
-RULES_TAGS = ("acknowledges", "reflects", "asks", "dismissive", "lectures", "off_topic", "too_long", "empty")
-
-
 def content_words(text):
     return {w for w in re.findall(r"[a-z']+", text.lower()) if len(w) >= 5 and w not in STOPWORDS}
 
 
 def rules_appraisal(state, reply):
-    """Integer change and a line saying why. Raises the emotion for acknowledging feelings,
-    reflecting the user's own words and asking an open question; lowers it for dismissive phrases,
-    lists of advice, off-topic text and very long or empty replies. Harder users count the good
-    parts less and the bad parts more."""
+    """Integer change and a line saying why ("rules: acknowledges+3, off_topic-3"). Raises the emotion
+    for acknowledging feelings, reflecting the user's own words and asking an open question; lowers it
+    for dismissive phrases, lists of advice, off-topic text and very long or empty replies. Harder
+    users count the good parts less and the bad parts more."""
     text = reply.lower()
     words = len(reply.split())
     user_words = content_words(" ".join(m["text"] for m in state.history if m["role"] == "user"))
@@ -1084,126 +941,110 @@ class RulesBackend:
 # ----------------------------------------------------------------------------------------------
 # The simulator: appraise every active dialogue's latest reply, move emotion, reply or end
 # ----------------------------------------------------------------------------------------------
+@dataclass
 class Simulator:
     """judge: 'training' appraises as the persona itself (what the agent trains against);
     'heldout' appraises as an outside observer with the same fields and scale, a prompt training
-    never used, for evaluation (reasoned read-out only). model_name: the user's model as the command
-    line named it (user_model), which readout='auto' goes by (auto_readout); without it, the backend's
-    name (a local model of no known name is not the one the likelihood read-out was calibrated on)."""
+    never used, for evaluation (the reasoned read-out's). goodbye: the rule that ends a dialogue on
+    the user's farewell (GOODBYE). model_name: the user's model as the command line named it
+    (user_model), which readout='auto' goes by (auto_readout); without it, the backend's name (a
+    local model of no known name is not the one the likelihood read-out was calibrated on).
+    Which combinations work is the settings' check (SimulatorSettings.check); a read-out of no
+    known name fails here, at once."""
+    backend: object
+    readout: str = "auto"
+    start_emotion: int = 40
+    max_change: int = 10
+    max_turns: int = 8
+    leave_below: int = 10
+    reply_tokens: int = 64
+    appraisal_tokens: int = 300
+    judge: str = "training"
+    retry_tokens: int = 24
+    goodbye: str = "closing"
+    model_name: str = None
+    seconds: float = field(default=0.0, init=False)  # wall time spent inside the simulator, for tokens/s
 
-    def __init__(self, backend, readout="auto", start_emotion=40, max_change=10, max_turns=8,
-                 leave_below=10, reply_tokens=64, appraisal_tokens=300, likelihood_scale=2.5,
-                 judge="training", retry_tokens=24, goodbye="closing", model_name=None):
-        problem = readout_problem(readout, backend.name)
-        if problem:
-            raise ValueError(f"--readout {readout}: {problem}")
-        readout, self.readout_why = (auto_readout(model_name or backend.name) if readout == "auto"
-                                     else (readout, "given by --readout"))
-        if judge not in JUDGES or goodbye not in GOODBYE:
-            raise ValueError(f"judge must be one of {JUDGES} and goodbye of {tuple(GOODBYE)}, got '{judge}', "
-                             f"'{goodbye}'")
-        if judge == "heldout" and readout != "reasoned":
-            raise ValueError(f"judge 'heldout' is an appraisal prompt: it needs --readout reasoned, "
-                             f"not '{readout}'")
-        if readout == "likelihood" and not hasattr(backend, "score"):
-            raise ValueError(f"--readout likelihood needs log-probabilities; the {backend.name} backend "
-                             "has none: use --readout reasoned")
-        self.backend, self.readout = backend, readout
-        self.start_emotion, self.max_change, self.max_turns = start_emotion, max_change, max_turns
-        self.leave_below, self.reply_tokens, self.appraisal_tokens = (leave_below, reply_tokens,
-                                                                      appraisal_tokens)
-        self.likelihood_scale, self.judge, self.retry_tokens = likelihood_scale, judge, retry_tokens
-        self.goodbye = goodbye  # which rule ends a dialogue on the user's farewell (GOODBYE)
-        self.seconds = 0.0  # wall time spent inside the simulator, for tokens/s metrics
+    def __post_init__(self):
+        self.readout_why = "given by --readout"
+        if self.readout == "auto":
+            self.readout, self.readout_why = auto_readout(self.model_name or self.backend.name)
+        self._read_out = {"rules": self._rules, "reasoned": self._reasoned,
+                          "likelihood": self._likelihood}[self.readout]
 
     def start(self, persona):
         return UserState(persona=persona, emotion=self.start_emotion,
                          history=[{"role": "user", "text": persona.opening}])
 
-    def _appraise(self, states, replies):
-        """(change, appraisal text, parsed) for each reply, in order."""
-        if self.readout == "rules":
-            return [(*rules_appraisal(s, r), True) for s, r in zip(states, replies)]
-        if self.readout == "reasoned":
-            asked = [appraisal_messages(s, r, self.judge, self.max_change) for s, r in zip(states, replies)]
-            texts = self.backend.chat(asked, self.appraisal_tokens, slots=[s.cache for s in states],
-                                      repetition_penalty=1.0)
-            changes = [parse_change(t, self.max_change) for t in texts]
-            unread = [k for k, c in enumerate(changes) if c is None]
-            if unread:  # one bounded retry: ask for the change line alone, once
-                again = self.backend.chat(
-                    [retry_messages(asked[k], texts[k], persona_language(states[k].persona), self.max_change)
-                     for k in unread], self.retry_tokens, slots=[states[k].cache for k in unread],
-                    repetition_penalty=1.0)
-                for k, text in zip(unread, again):
-                    states[k].retries += 1
-                    texts[k] += "\n\n(re-asked for the change) " + text
-                    changes[k] = parse_change(text, self.max_change)
-            # still None -> the deterministic fallback: no change, counted in `fallbacks`
-            return [(0 if c is None else c, t, c is not None) for c, t in zip(changes, texts)]
-        # likelihood: the user's next message, scored as positive vs negative reactions
-        conversations = []
-        for s, r in zip(states, replies):
-            probe = UserState(persona=s.persona, emotion=s.emotion, appraisals=s.appraisals,
-                              history=s.history + [{"role": "agent", "text": r}])
-            conversations.append(user_turn_messages(probe))
-        scores = self.backend.score(conversations, POSITIVE_REACTIONS + NEGATIVE_REACTIONS,
-                                    slots=[s.cache for s in states])  # (N, 6)
-        k = len(POSITIVE_REACTIONS)
-        out = []
-        for s, row in zip(states, scores):
-            contrast = row[:k].mean().item() - row[k:].mean().item()
-            shifted = contrast - LIKELIHOOD_OFFSET[s.persona.difficulty]
-            change = round(self.max_change * math.tanh(self.likelihood_scale * shifted))
-            out.append((change, f"likelihood: positive {row[:k].mean():.3f}, negative {row[k:].mean():.3f}, "
-                                f"contrast {contrast:+.3f}", True))
+    def _rules(self, states, replies):
+        return [(*rules_appraisal(s, r), True) for s, r in zip(states, replies)]
+
+    def _reasoned(self, states, replies):
+        asked = [appraisal_messages(s, r, self.judge, self.max_change) for s, r in zip(states, replies)]
+        texts = self.backend.chat(asked, self.appraisal_tokens, [s.cache for s in states], 1.0)
+        changes = [parse_change(t, self.max_change) for t in texts]
+        unread = [k for k, c in enumerate(changes) if c is None]
+        if unread:  # one bounded retry: ask for the change line alone, once
+            retry = []
+            for k in unread:
+                ask = RETRY[persona_language(states[k].persona)].format(m=self.max_change)
+                retry.append(asked[k] + [{"role": "assistant", "content": texts[k]},
+                                         {"role": "user", "content": ask}])
+            again = self.backend.chat(retry, self.retry_tokens, [states[k].cache for k in unread], 1.0)
+            for k, text in zip(unread, again):
+                texts[k] += "\n\n(re-asked for the change) " + text
+                changes[k] = parse_change(text, self.max_change)
+        # still None -> the deterministic fallback: no change, counted in `fallbacks`
+        return [(c or 0, t, c is not None) for c, t in zip(changes, texts)]
+
+    def _likelihood(self, states, replies):
+        """The user's next message, scored as positive vs negative reactions (the mean log-likelihood
+        of each kind), the contrast shifted by the difficulty's offset and squashed by a tanh."""
+        probes = [dataclasses.replace(s, history=[*s.history, {"role": "agent", "text": r}])
+                  for s, r in zip(states, replies)]
+        asked = [user_turn_messages(p) for p in probes]
+        scores = self.backend.score(asked, POSITIVE_REACTIONS + NEGATIVE_REACTIONS,
+                                    [s.cache for s in states])                               # (N, 6)
+        k, out = len(POSITIVE_REACTIONS), []
+        for s, row in zip(states, scores):                                                   # row: (6,)
+            positive, negative = row[:k].mean().item(), row[k:].mean().item()
+            shifted = positive - negative - LIKELIHOOD_OFFSET[s.persona.difficulty]
+            out.append((round(self.max_change * math.tanh(LIKELIHOOD_SCALE * shifted)),
+                        f"likelihood: positive {positive:.3f}, negative {negative:.3f}, contrast "
+                        f"{positive - negative:+.3f}", True))
         return out
 
     def appraise(self, states, replies):
         """The change each reply would make in its state, with nothing moved or stored: a list of
         (change, appraisal text, parsed), the change clamped to +-max_change (apply_change then
         clamps the mood). evaluate.py --agreement appraises recorded replies in recorded states."""
-        if len(states) != len(replies):
-            raise ValueError(f"{len(states)} simulated users but {len(replies)} replies")
-        if not states:
-            return []
-        t0 = time.time()
-        out = [(max(-self.max_change, min(self.max_change, int(change))), text, parsed)
-               for change, text, parsed in self._appraise(states, replies)]
-        self.seconds += time.time() - t0
-        return out
-
-    def _user_messages(self, states):
-        if self.readout == "rules":
-            return [s.persona.band_lines.get(band(s.emotion), GENERIC_LINES[band(s.emotion)]) for s in states]
-        texts = self.backend.chat([user_turn_messages(s) for s in states], self.reply_tokens,
-                                  slots=[s.cache for s in states])
-        return [clean_user_text(t) for t in texts]
+        return [(max(-self.max_change, min(self.max_change, int(change))), text, parsed)
+                for change, text, parsed in (self._read_out(states, replies) if states else [])]
 
     def step(self, states, replies):
         """Appraise each state's agent reply, update emotion, end or write the next user message.
-        states[k] gets replies[k]; every state must still be active."""
-        if len(states) != len(replies):
-            raise ValueError(f"{len(states)} simulated users but {len(replies)} replies")
+        states[k] gets replies[k]; every state must still be active. The rules user speaks its
+        persona's line for the band it is in (GENERIC_LINES where it has none)."""
         if any(s.done for s in states):
             raise ValueError("a finished dialogue was handed to the simulator")
-        if not states:
-            return
         t0 = time.time()
-        for s, r, (change, text, parsed) in zip(states, replies, self._appraise(states, replies)):
+        for s, r, (change, text, parsed) in zip(states, replies, self.appraise(states, replies)):
             s.history.append({"role": "agent", "text": r})
             s.turns += 1
             s.emotion, change = apply_change(s.emotion, change, self.max_change)
             s.fallbacks += not parsed
             s.appraisals.append({"change": change, "emotion": s.emotion, "appraisal": text, "parsed": parsed})
-            if s.emotion >= 100:
-                s.end_reason = "success"
-            elif s.emotion < self.leave_below:
-                s.end_reason = "left"
-            elif s.turns >= self.max_turns:
-                s.end_reason = "max_turns"
+            s.end_reason = ("success" if s.emotion >= 100 else "left" if s.emotion < self.leave_below
+                            else "max_turns" if s.turns >= self.max_turns else None)
         talking = [s for s in states if not s.done]
-        for s, text in zip(talking, self._user_messages(talking) if talking else []):
+        if self.readout == "rules":
+            texts = [s.persona.band_lines.get(band(s.emotion), GENERIC_LINES[band(s.emotion)])
+                     for s in talking]
+        else:
+            asked = [user_turn_messages(s) for s in talking]
+            texts = self.backend.chat(asked, self.reply_tokens, [s.cache for s in talking]) if talking else []
+            texts = [clean_user_text(t) for t in texts]
+        for s, text in zip(talking, texts):
             s.history.append({"role": "user", "text": text})
             if says_goodbye(text, self.goodbye):
                 s.end_reason = "goodbye"
@@ -1236,31 +1077,14 @@ def clean_user_text(text):
     return "".join(sentences[:3]).strip() or "..."
 
 
-def make_backend(simulator, policy=None, tokenizer=None, api_model="default", api_key_env="OPENAI_API_KEY",
-                 device="cpu", micro_batch_size=16, device_map=None, max_memory=None, trust_remote_code=False,
-                 reuse_cache=True, api_timeout=60.0, api_retries=4, api_concurrency=8):
-    """--simulator same | rules | http(s)://host:port/v1 | a model id or path for transformers.
-    api_*: the URL client's limits (OpenAIBackend: timeout, max_retries, concurrency)."""
-    if simulator == "rules":
-        return RulesBackend()
-    if simulator == "same":
-        if policy is None:
-            raise ValueError("--simulator same needs the policy model")
-        return LocalBackend(policy, tokenizer, use_base=True, micro_batch_size=micro_batch_size,
-                            reuse_cache=reuse_cache)
-    if simulator.startswith(("http://", "https://")):
-        return OpenAIBackend(simulator, model=api_model, api_key_env=api_key_env, timeout=api_timeout,
-                             max_retries=api_retries, concurrency=api_concurrency)
-    model, tok = load_model(simulator, device=device, device_map=device_map, max_memory=max_memory,
-                            trust_remote_code=trust_remote_code)
-    model.requires_grad_(False)
-    return LocalBackend(model, tok, micro_batch_size=micro_batch_size, reuse_cache=reuse_cache)
-
-
 # ----------------------------------------------------------------------------------------------
 # Settings of the simulated user, and building it from them
 # ----------------------------------------------------------------------------------------------
-READOUTS = ("auto", "reasoned", "likelihood", "rules")
+READOUTS = {  # simulator kind (simulator_kind) -> the read-outs it can give
+    "same": ("auto", "reasoned", "likelihood"), "local": ("auto", "reasoned", "likelihood"),
+    "url": ("auto", "reasoned"),  # a server gives no log-probabilities
+    "rules": ("auto", "rules"),  # the rules user appraises by its own rules, and only it does
+}
 
 
 def simulator_kind(value):
@@ -1272,13 +1096,11 @@ def simulator_kind(value):
 
 def simulator_problem(value):
     kind = simulator_kind(value)
-    if kind == "url":
-        return None if urllib.parse.urlsplit(value).hostname else "a URL needs a host: http://host:port/v1"
-    if kind != "local" or model_problem(value) is None:
-        return None
-    guess = difflib.get_close_matches(value, ["same", "rules", *EMBEDDED], 1)
-    return (f"must be same | rules | http(s)://host:port/v1 | {' | '.join(EMBEDDED)} | an existing folder | "
-            f"a hub id org/name" + (f"; did you mean {guess[0]}?" if guess else ""))
+    if kind == "url" and not urllib.parse.urlsplit(value).hostname:
+        return "a URL needs a host: http://host:port/v1"
+    if kind == "local" and model_problem(value):
+        return (f"must be same | rules | http(s)://host:port/v1 | {' | '.join(EMBEDDED)} | an existing "
+                f"folder | a hub id org/name")
 
 
 def auto_readout(user):
@@ -1299,36 +1121,22 @@ def user_model(args):
     return args.model if args.simulator == "same" else args.simulator
 
 
-def readout_problem(readout, kind):
-    """Which read-out a simulator kind (simulator_kind, or a backend's name) can give."""
-    if readout not in READOUTS:
-        return one_of(*READOUTS)(readout)
-    if kind == "rules" and readout not in ("auto", "rules"):
-        return "--simulator rules appraises by its own rules: use --readout rules (or auto)"
-    if readout == "rules" and kind != "rules":
-        return "--readout rules goes with --simulator rules and only with it"
-    if readout == "likelihood" and kind == "url":
-        return ("needs log-probabilities, which a URL simulator does not give: use --readout reasoned "
-                "(or auto)")
-    return None
-
-
 @dataclass
 class SimulatorSettings:
     """Who plays the user, how the appraisal becomes a number, and the users themselves."""
     group = "the simulated user"
     simulator: str = setting("same", "same | rules | model id/path | http://host:port/v1", simulator_problem)
-    simulator_device_map: str = setting(
-        "auto", "where a local simulator model goes: auto spreads it over the GPUs after the first")
     readout: str = setting("auto", "auto | reasoned | likelihood | rules (see docs/simulator.md: read-outs)",
-                           one_of(*READOUTS))
+                           one_of("auto", "reasoned", "likelihood", "rules"))
     api_model: str = setting("default", "model name sent to a URL simulator")
     api_key_env: str = setting("OPENAI_API_KEY", "environment variable with the URL simulator's key",
                                env_name)
-    api_timeout: float = setting(
-        60.0, "seconds a request to a URL simulator may take in all; a call, x (retries + 1)", above(0))
-    api_retries: int = setting(4, "tries after a failed request to a URL simulator", at_least(0))
-    api_concurrency: int = setting(8, "requests in flight at once to a URL server", at_least(1))
+    api_timeout: float = setting(60.0, "seconds a request to a URL simulator may take in all; a call, x "
+                                       "(retries + 1)", above(0), operational=True)
+    api_retries: int = setting(4, "tries after a failed request to a URL simulator", at_least(0),
+                               operational=True)
+    api_concurrency: int = setting(8, "requests in flight at once to a URL server", at_least(1),
+                                   operational=True)
     personas: str = setting("personas.json", "persona file: personas.json or a SAGE / RLVER profile file")
     split: str = setting("train", "persona split: train | test | all", one_of("train", "test", "all"))
     difficulty: str = setting("all", "all (each persona's own) | easy | normal | hard: every user plays at "
@@ -1340,66 +1148,66 @@ class SimulatorSettings:
 
     @staticmethod
     def check(args):
-        problem = readout_problem(args.readout, simulator_kind(args.simulator))
-        if problem:
-            fail(f"--readout {args.readout} with --simulator {redact(args.simulator)}: {problem}")
-        if "api_key_env" in getattr(args, "given_flags", ()) and args.api_key_env not in os.environ:
+        allowed = READOUTS[simulator_kind(args.simulator)]
+        if args.readout not in allowed:
+            fail(f"--readout {args.readout} with --simulator {redact(args.simulator)}: use --readout "
+                 f"{' or --readout '.join(allowed)}")
+        if "api_key_env" in args.given and args.api_key_env not in os.environ:
             fail("--api-key-env <redacted>: no environment variable of that name is set; give the name of "
                  "the variable that holds the key (exported), never the key itself")
+        # http.client would refuse such a header with an error that quotes it, key and all
+        if not os.environ.get(args.api_key_env, "").strip().isprintable():
+            fail(f"${args.api_key_env} holds a line break or another control character inside the key")
 
 
-def simulator_placement(simulator, device_map, world=1):
-    """(device_map, max_memory) for a local simulator model: with one process, several GPUs and
-    --simulator-device-map auto, spread over every GPU but the first, which the policy keeps;
-    otherwise (None, None), and it goes to the policy's device."""
-    if simulator_kind(simulator) == "local" and world == 1 and device_map == "auto" \
-            and torch.cuda.device_count() > 1:
-        return "auto", gpus_after_the_first()
-    return None, None
+def make_backend(simulator, policy=None, tokenizer=None, device="cpu", reuse_cache=True, args=None):
+    """--simulator same (the policy's frozen base) | rules | http(s)://host:port/v1 | a model id or path
+    for transformers, which goes on `device`, the policy's: on a node of several GPUs a server (vLLM,
+    SGLang) is the way to give a big simulator GPUs of its own. args: the URL client's limits
+    (SimulatorSettings) and trust_remote_code, where a script has them."""
+    kind = simulator_kind(simulator)
+    if kind == "rules":
+        return RulesBackend()
+    if kind == "url":
+        limits = {} if args is None else dict(model=args.api_model, api_key_env=args.api_key_env,
+                                              timeout=args.api_timeout, max_retries=args.api_retries,
+                                              concurrency=args.api_concurrency)
+        return OpenAIBackend(simulator, **limits)
+    if kind == "local":
+        policy, tokenizer = load_model(simulator, device=device,
+                                       trust_remote_code=getattr(args, "trust_remote_code", False))
+        policy.requires_grad_(False)
+    # `same` is the policy's frozen base: a PeftModel's with its adapters off; a plain model (evaluate.py
+    # --agreement loads the base alone) is its own base
+    return LocalBackend(policy, tokenizer, use_base=kind == "same" and hasattr(policy, "disable_adapter"),
+                        reuse_cache=reuse_cache)
 
 
-def gpus_after_the_first():
-    """A max_memory map for device_map='auto' that leaves GPU 0 to the policy."""
-    n = torch.cuda.device_count()
-    return {0: 0, **{i: int(torch.cuda.get_device_properties(i).total_memory * 0.9) for i in range(1, n)}}
+def build_simulator(args, policy, tokenizer, device, judge="training", goodbye="closing"):
+    """The simulated user of a script's SimulatorSettings (judge and goodbye: see Simulator)."""
+    return Simulator(make_backend(args.simulator, policy, tokenizer, device, args=args), args.readout,
+                     args.start_emotion, args.max_change, args.max_turns, reply_tokens=args.user_reply_tokens,
+                     judge=judge, goodbye=goodbye, model_name=user_model(args))
 
 
-def build_simulator(args, policy, tokenizer, device, world=1, judge="training", goodbye="closing"):
-    """The simulated user of a script's SimulatorSettings, placed as simulator_placement says
-    (goodbye: the rule that ends a dialogue on a farewell, GOODBYE). Returns (simulator, device_map)."""
-    device_map, max_memory = simulator_placement(args.simulator, args.simulator_device_map, world)
-    backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, api_model=args.api_model,
-                           api_key_env=args.api_key_env, device=device, device_map=device_map,
-                           max_memory=max_memory, trust_remote_code=getattr(args, "trust_remote_code", False),
-                           api_timeout=args.api_timeout, api_retries=args.api_retries,
-                           api_concurrency=args.api_concurrency)
-    simulator = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
-                          max_change=args.max_change, max_turns=args.max_turns,
-                          reply_tokens=args.user_reply_tokens, judge=judge, goodbye=goodbye,
-                          model_name=user_model(args))
-    return simulator, device_map
-
-
-def make_simulator(args, policy, tokenizer, run, note=""):
-    """A trainer's simulated user (build_simulator); the main process says where it is (and `note`)."""
-    simulator, device_map = build_simulator(args, policy, tokenizer, run.device, run.world)
-    where = {"same": "shares the policy's base", "rules": "rules", "url": "a server"}.get(
-        simulator_kind(args.simulator), "spread over GPUs 1.." if device_map else f"on {run.device}")
-    if run.is_main:
-        print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
-              f"{redact(args.simulator)} ({where}), read-out {simulator.readout} "
-              f"({simulator.readout_why}){note}")
-    try:  # the moods --write-openings wrote this file's openings at (a JSON list, personas.json, has none)
-        moods = {e.get("first_talk_emotion") for _, e in read_profile_lines(args.personas)
-                 if isinstance(e, dict)}
-    except PersonaError:
-        moods = set()
-    moods -= {None, args.start_emotion}
-    if moods and run.is_main:
+def make_simulator(args, policy, tokenizer, run):
+    """A trainer's simulated user (build_simulator); the main process says which read-out it gives
+    and why, and warns when the openings were written at another mood than the dialogues start at."""
+    simulator = build_simulator(args, policy, tokenizer, run.device)
+    if not run.is_main:
+        return simulator
+    print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
+          f"{redact(args.simulator)}, read-out {simulator.readout} ({simulator.readout_why})")
+    moods = set()  # the moods --write-openings wrote this file's openings at (personas.json, a list: none)
+    with contextlib.suppress(PersonaError):
+        moods = {e.get("first_talk_emotion") for _, e in read_json_lines(args.personas, PersonaError)
+                 if isinstance(e, dict)} - {None, args.start_emotion}
+    if moods:
         print(f"warning: {args.personas}: its openings were written at mood "
               f"{', '.join(sorted(map(str, moods)))}, and the dialogues start at {args.start_emotion} "
               f"(--start-emotion)", file=sys.stderr)
     return simulator
+
 
 # ----------------------------------------------------------------------------------------------
 # Openings for profiles without them: RLVER's training profiles have no first_talk
@@ -1419,290 +1227,109 @@ OPENING_TOKENS = 64
 
 
 def opening_messages(persona, emotion=SimulatorSettings.start_emotion):
-    """The chat that asks the persona for its first message, in its language."""
-    lang = persona_language(persona)
-    return [{"role": "system", "content": persona_card(persona) + USER_RULES[lang]},
-            {"role": "user", "content": mood_note(emotion, lang) + "\n" + OPENING_ASK[lang]}]
+    """The chat that asks the persona for its first message, in its language: the user's own chat,
+    with the request where an agent's first message would be."""
+    ask = {"role": "agent", "text": OPENING_ASK[persona_language(persona)]}
+    return user_turn_messages(UserState(persona, emotion, [ask]))
 
 
-def write_openings(backend, personas, emotion=SimulatorSettings.start_emotion, batch_size=8, keep=None,
-                   progress=True):
-    """({id: opening}, {id: why it has none}) for the personas, asked batch_size at a time.
-    keep(id, text) is called for each opening as its batch finishes (the command line appends it
-    to a file, so that a rerun after a failure does not ask again). A batch the backend fails on is
-    asked again one persona at a time, so that only the personas that fail are named."""
-    openings, failed = {}, {}
-    bar = tqdm(total=len(personas), desc="openings", disable=not progress)
-    for start in range(0, len(personas), batch_size):
-        part = personas[start:start + batch_size]
-        if backend.name == "rules":
-            texts = [RULES_OPENING[persona_language(p)] for p in part]
-        else:
-            try:
-                texts = backend.chat([opening_messages(p, emotion) for p in part], OPENING_TOKENS)
-            except SimulatorError:
-                texts = []
-                for p in part:
-                    try:
-                        texts += backend.chat([opening_messages(p, emotion)], OPENING_TOKENS)
-                    except SimulatorError as e:
-                        texts.append(e)
-        for p, text in zip(part, texts):
-            if isinstance(text, SimulatorError):
-                failed[p.id] = str(text)
-                continue
-            text = clean_user_text(text)
-            if text == "...":  # what clean_user_text leaves of an empty or all-private answer
-                failed[p.id] = "the simulator wrote nothing usable"
-                continue
-            openings[p.id] = text
-            if keep:
-                keep(p.id, text)
-        bar.update(len(part))
-    bar.close()
-    return openings, failed
+def ask_openings(backend, personas, emotion):
+    """Each persona's first message, cleaned as the user's turns are, or the SimulatorError it failed
+    with (nothing usable left after cleaning is one too): a batch the backend fails on is asked again
+    one persona at a time, so that only the personas that fail are named."""
+    if backend.name == "rules":
+        return [RULES_OPENING[persona_language(p)] for p in personas]
+    try:
+        texts = backend.chat([opening_messages(p, emotion) for p in personas], OPENING_TOKENS)
+    except SimulatorError as e:
+        if len(personas) == 1:
+            return [e]
+        return [text for p in personas for text in ask_openings(backend, [p], emotion)]
+    texts = [clean_user_text(t) for t in texts]
+    return [SimulatorError("the simulator wrote nothing usable") if t == "..." else t for t in texts]
 
 
-def openings_command(args):
-    """python simulator.py --write-openings OUT --personas FILE --model ...: FILE's lines with
-    first_talk filled (lines that have one keep it), everything else unchanged, written to OUT at
-    once (a temporary file renamed), never half. Finished openings are kept in OUT.partial until
-    then, and a rerun with the same settings asks only for the rest. Bad input, and OUT's folder
-    missing or read-only, before any model loads: one line, exit 2; so is a disk that fills or turns
-    read-only while writing; Ctrl-C and SIGTERM: one line, exit 130 / 143. OUT.partial stays."""
+def write_openings(args):
+    """python simulator.py --write-openings OUT --personas FILE --simulator MODEL_OR_URL: FILE's lines
+    with first_talk filled (lines that have one keep it) and the mood it was written at (first_talk_emotion,
+    which make_simulator compares with the start), everything else unchanged, written to OUT at once
+    (a temporary file renamed), never half. Finished openings are kept in OUT.partial until then, and a
+    rerun with the same settings asks only for the rest. Bad input, an existing OUT and a folder that
+    cannot take OUT (missing or read-only, as a temporary file there shows), before any model loads:
+    one line, exit 2; so is a disk that fills or turns read-only while writing; Ctrl-C and SIGTERM: one
+    line, exit 130 / 143. OUT.partial stays."""
     source, out = args.personas, args.write_openings
+    partial, folder = out + ".partial", os.path.dirname(os.path.abspath(out))
     if os.path.exists(out):
-        fail(f"--write-openings {out}: the file exists; give a new file (the profiles are never overwritten)")
-    folder = os.path.dirname(os.path.abspath(out))
-    problem = writable_problem(folder) if os.path.isdir(folder) else "no such folder"
-    if problem:
-        fail(f"--write-openings {out}: cannot write in {folder} ({problem})")
+        fail(f"--write-openings {out}: the file exists; give a new file (nothing is ever overwritten)")
     try:
-        with open(source, encoding="utf-8") as f:
-            is_list = f.read(4096).lstrip().startswith("[")
-    except (OSError, UnicodeDecodeError):
-        is_list = False  # read_profile_lines says what is wrong
-    if is_list:
-        fail(f"{source}: a JSON list (personas.json has its openings); --write-openings takes JSON-lines "
-             f"profiles (SAGE, RLVER)")
-    try:
-        lines = read_profile_lines(source)
-        personas = [_sage_persona(source, i, entry, need_opening=False) for i, entry in lines]
-        check_unique_ids(source, personas)
+        tempfile.TemporaryFile(dir=folder).close()
+        personas = load_personas(source, need_opening=False)
+        lines = read_json_lines(source, PersonaError)
+    except OSError as e:
+        fail(f"--write-openings {out}: cannot write in {folder} ({e.strerror})")
     except PersonaError as e:
-        fail(e)
-    if not personas:
-        fail(f"{source}: no profiles")
-    settings = {"personas": os.path.abspath(source), "model": redact(args.model), "api_model": args.api_model,
-                "start_emotion": args.start_emotion}
-    partial = out + ".partial"
+        fail(f"{e} (--write-openings takes JSON-lines profiles: SAGE's, RLVER's)")
+    settings = {"personas": os.path.abspath(source), "model": redact(args.simulator),
+                "api_model": args.api_model, "start_emotion": args.start_emotion}
     kept = {row["id"]: row["first_talk"] for row in rows_with(partial, settings)}  # a torn line: asked again
-    todo = [p for p, (_, entry) in zip(personas, lines) if not has_opening(entry) and p.id not in kept]
+    todo = [(i, p) for p, (i, _) in zip(personas, lines) if not p.opening.strip() and p.id not in kept]
     print(f"{len(personas)} profiles in {source}: {len(personas) - len(todo) - len(kept)} have openings, "
-          f"{len(kept)} written before (in {partial}), {len(todo)} to write with {redact(args.model)} at "
+          f"{len(kept)} written before (in {partial}), {len(todo)} to write with {redact(args.simulator)} at "
           f"mood {args.start_emotion}", file=sys.stderr)
     again = f"kept in {partial}, and the same command again asks only for the rest"
 
-    def write(how, *what):  # a full or read-only disk: what is kept stays kept, and OUT is whole or absent
-        try:
-            how(*what)
-        except OSError as e:
-            fail(f"--write-openings {out}: {write_failure(e, folder)}; {out} not written; the openings "
-                 f"written so far are {again}")
-
-    def keep(persona_id, text):
-        write(append_lines, partial, [{"settings": settings, "id": persona_id, "first_talk": text}])
-
     def stopped(number, frame):  # at once: a request in flight may take minutes to time out
-        tqdm.write(f"stopped by {signal.Signals(number).name}; {out} not written; the openings written so "
-                   f"far are {again}", file=sys.stderr)
-        sys.stderr.flush()
+        print(f"error: stopped by {signal.Signals(number).name}; {out} not written; the openings written "
+              f"so far are {again}", file=sys.stderr, flush=True)
         os._exit(128 + number)  # 130 / 143, as a shell reports a killed command
 
-    previous = {number: signal.signal(number, stopped) for number in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        backend = None  # no model when no opening is missing
-        if todo:
-            backend = make_backend(args.model, api_model=args.api_model, api_key_env=args.api_key_env,
-                                   api_timeout=args.api_timeout, api_retries=args.api_retries,
-                                   api_concurrency=args.api_concurrency)
-        written, failed = write_openings(backend, todo, args.start_emotion, keep=keep)
-        kept.update(written)
+    HELD.extend((number, signal.signal(number, stopped)) for number in (signal.SIGINT, signal.SIGTERM))
+    backend = make_backend(args.simulator, args=args) if todo else None  # no model when none is missing
+    failed = 0
+    try:  # a full or read-only disk: what is kept stays kept, and OUT is whole or absent
+        for start in range(0, len(todo), 8):
+            part = todo[start:start + 8]
+            for (i, p), text in zip(part, ask_openings(backend, [p for _, p in part], args.start_emotion)):
+                if isinstance(text, SimulatorError):
+                    failed += 1
+                    print(f"error: {source}: line {i + 1} (id {p.id}): field 'first_talk' could not be "
+                          f"written: {text}", file=sys.stderr)
+                else:
+                    kept[p.id] = text
+                    append_lines(partial, [{"settings": settings, "id": p.id, "first_talk": text}])
+            print(f"openings: {start + len(part)} of {len(todo)}", file=sys.stderr)
         if failed:
-            line_of = {p.id: i for p, (i, _) in zip(personas, lines)}
-            for persona_id, why in failed.items():
-                tqdm.write(f"error: {source}: line {line_of[persona_id] + 1} (id {persona_id}): field "
-                           f"'first_talk' could not be written: {why}", file=sys.stderr)
-            fail(f"{len(failed)} of {len(personas)} openings not written; {out} not written; the {len(kept)} "
+            fail(f"{failed} of {len(personas)} openings not written; {out} not written; the {len(kept)} "
                  f"written are {again}")
-        # the mood each opening was written at goes with it: training from another says so (make_simulator)
-        filled = [entry if has_opening(entry) else {**entry, "first_talk": kept[p.id],
-                                                    "first_talk_emotion": args.start_emotion}
+        filled = [entry if p.opening.strip() else {**entry, "first_talk": kept[p.id],
+                                                   "first_talk_emotion": args.start_emotion}
                   for p, (_, entry) in zip(personas, lines)]
-        write(write_atomically, out, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in filled))
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+        write_atomically(out, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in filled))
+    except OSError as e:
+        fail(f"--write-openings {out}: {write_failure(e, out)}; {out} not written; the openings written "
+             f"so far are {again}")
+    release()  # the signal handlers as they were
     if os.path.exists(partial):
         os.remove(partial)
     print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)
 
 
-# ----------------------------------------------------------------------------------------------
-# A runnable check: a scripted agent against the simulator
-# ----------------------------------------------------------------------------------------------
-SCRIPTED_AGENT = {
-    "warm": [
-        "That sounds really hard, and it makes sense that it is weighing on you. "
-        "What has been the heaviest part?",
-        "I hear you. Feeling that way after everything you described is understandable. "
-        "How are you holding up today?",
-        "Thank you for telling me this. You do not have to sort it all out at once. "
-        "What would help most right now?",
-        "It sounds like you have been carrying this alone for a while. I'm glad you said it out loud.",
-    ],
-    "dismissive": [
-        "Everyone has problems. Just get over it.",
-        "That's not a big deal. You're overreacting.",
-        "Whatever. Cheer up, it could be worse.",
-        "I don't really see why this matters so much.",
-    ],
-}
-
-
-def play_scripted(simulator, personas, agent_replies, progress=True):
-    """Each persona once per style; the agent says its style's lines turn by turn."""
-    results = []
-    jobs = [(style, p) for style in agent_replies for p in personas]
-    states = [simulator.start(p) for _, p in jobs]
-    bar = tqdm(total=len(jobs), desc="dialogues", disable=not progress)
-    while True:
-        active = [k for k, s in enumerate(states) if not s.done]
-        if not active:
-            break
-        replies = []
-        for k in active:
-            lines = agent_replies[jobs[k][0]]
-            replies.append(lines[min(states[k].turns, len(lines) - 1)])
-        simulator.step([states[k] for k in active], replies)
-        bar.update(sum(states[k].done for k in active))
-    bar.close()
-    for (style, p), s in zip(jobs, states):
-        results.append({"persona_id": p.id, "style": style, "end_reason": s.end_reason,
-                        "final_emotion": s.emotion, "fallbacks": s.fallbacks, "retries": s.retries,
-                        "turns": transcript_turns(s)})
-    return results
-
-
-def transcript_turns(state):
-    """The dialogue as a list of turns; agent turns carry the emotion after them and the appraisal."""
-    turns, k = [], 0
-    for m in state.history:
-        turn = {"role": m["role"], "text": m["text"]}
-        if m["role"] == "agent":
-            a = state.appraisals[k]
-            turn.update(emotion=a["emotion"], change=a["change"], appraisal=a["appraisal"],
-                        parsed=a["parsed"])
-            k += 1
-        turns.append(turn)
-    return turns
+@dataclass
+class OpeningsSettings:
+    """python simulator.py --write-openings NEW_FILE: the openings writer's own settings."""
+    group = "the openings writer"
+    write_openings: str = setting("", "a new file: the JSON-lines profiles of --personas with the first_talk "
+                                      "they lack, written by the simulated user",
+                                  lambda value: None if value else "give a new file to write the openings to")
+    model: str = setting("smollm2", "the model --simulator same stands for (a trainer's --model)",
+                         model_problem)
 
 
 def main(argv=None):
-    ap = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False))
-    ap.add_argument("--model", default="smollm2",
-                    help="simulator model: smollm2, a hub id/path, a /v1 URL, or rules")
-    ap.add_argument("--personas", default="personas.json")
-    ap.add_argument("--split", default="test", choices=["train", "test", "all"])
-    ap.add_argument("--dialogues", type=int, default=3, help="number of personas to play (0 = all)")
-    ap.add_argument("--agent-replies", help="JSON object: style name -> list of agent replies")
-    ap.add_argument("--readout", default="auto", choices=list(READOUTS))
-    ap.add_argument("--judge", default="training", choices=JUDGES,
-                    help="appraisal prompt of the reasoned read-out: the persona itself (training) or an "
-                         "outside observer (heldout)")
-    ap.add_argument("--start-emotion", type=int,
-                    help="the users' first mood: 40 (SAGE's) for the check, the trainers' start "
-                         f"({SimulatorSettings.start_emotion}) for --write-openings")
-    ap.add_argument("--max-change", type=int, default=10)
-    ap.add_argument("--max-turns", type=int, default=8)
-    ap.add_argument("--api-model", default="default", help="model name sent to a URL simulator")
-    ap.add_argument("--api-key-env", default="OPENAI_API_KEY",
-                    help="environment variable holding the API key")
-    ap.add_argument("--api-timeout", type=float, default=60.0, help="seconds a request may take in all")
-    ap.add_argument("--api-retries", type=int, default=4, help="tries after the first one that failed")
-    ap.add_argument("--api-concurrency", type=int, default=8, help="requests in flight at once")
-    ap.add_argument("--out", help="write transcripts as JSON lines here")
-    ap.add_argument("--write-openings", metavar="NEW_FILE",
-                    help="write the missing first_talk of a JSON-lines profile file (--personas; RLVER's "
-                         "training profiles have none) with --model, into NEW_FILE, and stop")
-    args = ap.parse_args(argv)
-    if args.start_emotion is None:  # openings are written at the mood the trainers start from
-        args.start_emotion = SimulatorSettings.start_emotion if args.write_openings else 40
-    check_rules(vars(args), {
-        "model": lambda v: "no policy here to share: use rules, a model or a URL" if v == "same"
-        else simulator_problem(v),
-        "dialogues": at_least(0), "start_emotion": within(0, 100), "max_change": at_least(1),
-        "max_turns": at_least(1), "api_key_env": env_name, "api_timeout": above(0),
-        "api_retries": at_least(0), "api_concurrency": at_least(1)})
-    problem = readout_problem(args.readout, simulator_kind(args.model))
-    if problem:
-        fail(f"--readout {args.readout} with --model {redact(args.model)}: {problem}")
-    if args.write_openings:
-        return openings_command(args)
-
-    personas = load_personas_or_exit(args.personas, args.split)
-    if args.dialogues:
-        personas = personas[:args.dialogues]
-    agent = SCRIPTED_AGENT
-    if args.agent_replies:
-        try:
-            with open(args.agent_replies, encoding="utf-8") as f:
-                agent = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"error: {args.agent_replies}: cannot read a JSON object: {e}", file=sys.stderr)
-            sys.exit(2)
-        bad = [k for k, v in agent.items()
-               if not (isinstance(v, list) and v and all(isinstance(x, str) for x in v))] \
-            if isinstance(agent, dict) else ["(top level)"]
-        if bad or not agent:
-            print(f"error: {args.agent_replies}: entry '{(bad or ['(top level)'])[0]}': "
-                  f"must be a non-empty list of strings",
-                  file=sys.stderr)
-            sys.exit(2)
-    backend = make_backend(args.model, api_model=args.api_model, api_key_env=args.api_key_env,
-                           api_timeout=args.api_timeout, api_retries=args.api_retries,
-                           api_concurrency=args.api_concurrency)
-    try:
-        sim = Simulator(backend, readout=args.readout, start_emotion=args.start_emotion,
-                        max_change=args.max_change, max_turns=args.max_turns, judge=args.judge,
-                        model_name=args.model)
-    except ValueError as e:
-        fail(e)
-    print(f"simulator: {redact(args.model)}, read-out: {sim.readout} ({sim.readout_why}), "
-          f"judge: {sim.judge}, {len(personas)} personas x {len(agent)} styles")
-    t0 = time.time()
-    try:
-        results = play_scripted(sim, personas, agent)
-    except SimulatorError as e:
-        fail(e)
-    for r in results:
-        print(f"\n=== {r['persona_id']} / {r['style']}: {r['end_reason']}, "
-              f"final emotion {r['final_emotion']}")
-        for t in r["turns"]:
-            who = "agent" if t["role"] == "agent" else "user "
-            tail = f"   [emotion {t['emotion']} ({t['change']:+d})]" if t["role"] == "agent" else ""
-            print(f"  {who}: {t['text'][:160]}{tail}")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            for r in results:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    print(f"\nsummary ({time.time() - t0:.0f} s):")
-    for style in agent:
-        finals = [r["final_emotion"] for r in results if r["style"] == style]
-        fallbacks = sum(r["fallbacks"] for r in results if r["style"] == style)
-        retries = sum(r["retries"] for r in results if r["style"] == style)
-        print(f"  {style:>12}: mean final emotion {sum(finals) / len(finals):.1f} over {len(finals)} "
-              f"dialogues, appraisal fallbacks {fallbacks}, retries {retries}")
+    args = parse_settings([SimulatorSettings, OpeningsSettings], argv, prog="simulator.py")
+    args.simulator = user_model(args)  # no policy here: `same` is the --model
+    write_openings(args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Tests for evaluate.py: the statistics against hand computation, answer extraction, adapter
-switching, the output folder on a tiny model, training curves, and the command end to end on the
-embedded model (base vs a perturbed LoRA adapter).
+"""Tests for evaluate.py: the statistics against hand computation, adapter switching, the output
+folder on a tiny model, the settings an adapter from a run brings, bad input
+(one line, exit code 2, before any model loads), the folder it writes into, and the command end to
+end on the embedded model (base vs a perturbed LoRA adapter). The agreement check's numbers are in
+tests/test_paper_data.py; its full disk and signals are here.
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_evaluate.py -q
 """
@@ -9,8 +11,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,15 +23,12 @@ import torch
 
 import evaluate
 import simulator
-from evaluate import (CURVE_METRICS, answers_match, bootstrap_interval, extract_answer,
-                      mean_trajectory, model_summary, paired_difference, persona_means, results_table,
-                      run_evaluation, unique_labels, use_model)
+from conftest import ROOT, reply
+from evaluate import model_summary, paired_difference, results_table, run_evaluation, use_model, with_interval
 from simulator import RulesBackend, Simulator, load_personas
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
-PNG_HEADER = b"\x89PNG\r\n\x1a\n"
-
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def eval_args(**values):
@@ -37,178 +39,157 @@ def eval_args(**values):
         setattr(args, name, value)
     return args
 
-def assert_png(path):
-    assert os.path.getsize(path) > 1000, path
-    with open(path, "rb") as f:
-        assert f.read(8) == PNG_HEADER, path
+
+def cli(*argv, timeout=300):
+    """evaluate.py (or another script) as a user runs it: (returncode, stdout, stderr)."""
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=ENV)
+    return done.returncode, done.stdout, done.stderr
+
+
+def error_lines(stderr):
+    """The lines that start with error: (a progress bar may share the terminal line, after a \\r)."""
+    return [line for line in re.split(r"[\r\n]", stderr) if line.startswith("error:")]
+
+
+def assert_one_line(code, stderr, *words):
+    """Exit code 2, exactly one error line holding every word, no traceback."""
+    assert code == 2 and "Traceback" not in stderr, stderr[-2000:]
+    lines = error_lines(stderr)
+    assert len(lines) == 1, stderr[-2000:]
+    assert all(word in lines[0] for word in words), (words, lines[0])
+
+
+def one_line(argv, capsys, *words):
+    """evaluate.main(argv) in this process ends with one line holding every word, exit code 2."""
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(argv)
+    assert_one_line(stop.value.code, capsys.readouterr().err, *words)
 
 
 def fake_record(persona_id, final, end_reason="max_turns", turns=2, tokens=20, violations=0, fallbacks=0,
-                sample=0, cut=0):
-    return {"persona_id": persona_id, "sample": sample, "final_emotion": final, "end_reason": end_reason,
-            "turn_ends": list(range(turns)), "emotions": [final] * turns, "policy_tokens": tokens,
+                cut=0):
+    return {"persona_id": persona_id, "final_emotion": final, "end_reason": end_reason,
+            "turn_ends": list(range(turns)), "policy_tokens": tokens,
             "violations": violations, "fallbacks": fallbacks, "cut_replies": cut}
+
+
+def no_model_loads(monkeypatch):
+    """Loading any model fails the test: what is checked must be checked before."""
+    def loaded(*a, **k):
+        raise AssertionError("a model was loaded")
+    for module in (evaluate, simulator):
+        monkeypatch.setattr(module, "load_model", loaded)
+    monkeypatch.setattr(evaluate, "load_policy", loaded)
+
+
+def ev(model, personas, out, *extra):
+    """The smallest evaluation: one persona, one turn of four tokens, the rules user."""
+    return ["--model", model, "--personas", personas, "--split", "test", "--simulator", "rules",
+            "--dialogues", "1", "--max-turns", "1", "--max-new-tokens", "4", "--bootstrap", "20",
+            "--out", str(out), *extra]
+
+
+def snapshot(folder):
+    """Every file under folder: relative path -> its bytes."""
+    return {os.path.relpath(os.path.join(root, name), folder): open(os.path.join(root, name), "rb").read()
+            for root, _, names in os.walk(folder) for name in names}
 
 
 # ----------------------------------------------------------------------------------------------
 # Score, bootstrap interval, paired difference
 # ----------------------------------------------------------------------------------------------
+def interval(values, n_boot=2000, seed=0):
+    x = with_interval(list(np.asarray(values, dtype=float)[:, None]), np.mean, n_boot, seed)
+    return x["low"], x["high"]
+
+
 def test_constant_scores_give_a_zero_width_interval():
-    assert bootstrap_interval([55.0] * 7, n_boot=500, seed=3) == (55.0, 55.0)
+    assert interval([55.0] * 7, n_boot=500, seed=3) == (55.0, 55.0)
 
 
 def test_bootstrap_interval_against_hand_computation():
     # [0, 100]: resampled means are 0, 50, 100 with probabilities 1/4, 1/2, 1/4, so the 2.5% and
     # 97.5% quantiles are the extremes.
-    assert bootstrap_interval([0, 100], n_boot=2000, seed=0) == (0.0, 100.0)
+    assert interval([0, 100]) == (0.0, 100.0)
     # [0, 0, 0, 100]: P(mean = 0) = (3/4)^4 = 0.32 > 0.025; P(mean >= 75) = 0.051 > 0.025 but
     # P(mean = 100) = 0.004 < 0.025, so the upper end is 75.
-    assert bootstrap_interval([0, 0, 0, 100], n_boot=2000, seed=0) == (0.0, 75.0)
+    assert interval([0, 0, 0, 100]) == (0.0, 75.0)
 
 
 def test_bootstrap_interval_is_about_the_normal_one_and_seeded():
     values = np.arange(1, 41, dtype=float)  # mean 20.5
-    low, high = bootstrap_interval(values, n_boot=4000, seed=1)
+    low, high = interval(values, n_boot=4000, seed=1)
     half = 1.96 * values.std() / np.sqrt(len(values))  # 3.58
     assert low < 20.5 < high
     assert abs((high - low) / 2 - half) < 0.15 * half
-    assert bootstrap_interval(values, n_boot=500, seed=7) == bootstrap_interval(values, n_boot=500, seed=7)
-    assert bootstrap_interval(values, n_boot=500, seed=7) != bootstrap_interval(values, n_boot=500, seed=8)
+    assert interval(values, n_boot=500, seed=7) == interval(values, n_boot=500, seed=7)
+    assert interval(values, n_boot=500, seed=7) != interval(values, n_boot=500, seed=8)
+
+
+def test_the_interval_resamples_groups_not_rows():
+    # dialogue A: three replies with error 0; dialogue B: one reply with error 4. Resampling the two
+    # dialogues gives a pooled MAE of 0 (A, A), 1 (A, B) or 4 (B, B; probability 1/4), so the 97.5%
+    # quantile is 4. Resampling the 4 replies would give 4 only with probability (1/4)^4 < 2.5%.
+    groups = [np.array([[1, 1], [2, 2], [3, 3]]), np.array([[0, 4]])]
+    mae = evaluate.STATISTICS["mae"]
+    assert with_interval(groups, mae, n_boot=2000, seed=0) == {"value": 1.0, "low": 0.0, "high": 4.0}
+    assert with_interval([groups[1], groups[1]], mae) == {"value": 4.0, "low": 4.0, "high": 4.0}
 
 
 def test_paired_difference_cancels_persona_difficulty():
     base = [10, 50, 90, 30]
     treated = [b + 5 for b in base]
-    p = paired_difference(treated, base, n_boot=1000)
     # every persona moved by exactly +5: a paired interval has no width, while two separate
     # intervals of the spread-out scores would overlap widely
-    assert p == {"mean": 5.0, "low": 5.0, "high": 5.0, "n": 4}
+    assert paired_difference(treated, base, n_boot=1000) == {"value": 5.0, "low": 5.0, "high": 5.0, "n": 4}
     worse = paired_difference([b - d for b, d in zip(base, [1, 2, 3, 4])], base, n_boot=1000)
-    assert worse["mean"] == -2.5 and worse["low"] < -2.5 < worse["high"] <= -1.0
-    with pytest.raises(ValueError, match="same personas"):
+    assert worse["value"] == -2.5 and worse["low"] < -2.5 < worse["high"] <= -1.0
+    with pytest.raises(ValueError):
         paired_difference([1, 2], [1, 2, 3])
 
 
 def test_score_averages_samples_per_persona_first():
-    records = [fake_record("p1", 40, sample=0), fake_record("p1", 60, sample=1),
+    records = [fake_record("p1", 40), fake_record("p1", 60),
                fake_record("p2", 10, end_reason="left", turns=1, tokens=5)]
-    assert persona_means(records, ["p1", "p2"]).tolist() == [50.0, 10.0]
     s = model_summary(records, ["p1", "p2"], n_boot=200)
+    assert s["per_persona"] == {"p1": 50.0, "p2": 10.0}
     assert s["score"] == 30.0  # (50 + 10) / 2, not the dialogue mean 36.7
     assert s["ci_low"] == 10.0 and s["ci_high"] == 50.0
-    assert (s["successes"], s["failures"], s["dialogues"], s["personas"]) == (0, 1, 3, 2)
+    assert (s["successes"], s["failures"], s["dialogues"]) == (0, 1, 3)
     assert s["turns_mean"] == 5 / 3
     assert s["reply_tokens_mean"] == 45 / 5
-    with pytest.raises(ValueError, match="p3"):
-        persona_means(records, ["p1", "p3"])
 
 
 def test_summary_counts_successes_violations_and_fallbacks():
-    records = [fake_record("a", 100, end_reason="success", violations=1, fallbacks=2),
+    records = [fake_record("a", 100, end_reason="success", violations=1, fallbacks=2, cut=1),
                fake_record("b", 5, end_reason="left", violations=2),
                fake_record("c", 60, fallbacks=1)]
     s = model_summary(records, ["a", "b", "c"], n_boot=100)
     assert s["score"] == 55.0
-    assert (s["successes"], s["failures"], s["think_violations"], s["simulator_fallbacks"]) == (1, 1, 3, 3)
-    assert s["think_violation_rate"] == 3 / 6
-    assert s["end_reasons"] == {"success": 1, "left": 1, "max_turns": 1}
-
-
-def test_mean_trajectory_carries_final_emotion_forward():
-    assert mean_trajectory([[40, 45], [40, 50, 60]]) == [40.0, 47.5, 52.5]
-    records = [{"emotions": [45]}, {"emotions": [50, 60]}]
-    assert mean_trajectory([evaluate.trajectory(r, 40) for r in records]) == [40.0, 47.5, 52.5]
+    counts = (s["successes"], s["failures"], s["violations"], s["fallbacks"], s["cut_replies"])
+    assert counts == (1, 1, 3, 3, 1) and s["turns_mean"] == 6 / 3
 
 
 def test_results_table(tmp_path):
     ids = ["p1", "p2"]
-    base = model_summary([fake_record("p1", 40), fake_record("p2", 60)], ids, n_boot=100)
-    ppo = model_summary([fake_record("p1", 45, tokens=40, cut=1), fake_record("p2", 100, "success")], ids,
-                        n_boot=100)
-    base["label"], ppo["label"] = "base", "ppo"
+    base = {"label": "base", **model_summary([fake_record("p1", 40), fake_record("p2", 60)], ids, n_boot=100)}
+    played = [fake_record("p1", 45, tokens=40, cut=1), fake_record("p2", 100, "success")]
+    ppo = {"label": "ppo", **model_summary(played, ids, n_boot=100),
+           "vs_base": paired_difference([45, 100], [40, 60], 100)}
     args = eval_args(personas="/x/personas.json", out=str(tmp_path), bootstrap=100)
-    results = {"settings": args.values(), "readout": "likelihood", "personas_played": 2,
-               "models": [base, ppo],
-               "paired": [{"model": "ppo", "vs": "base", **paired_difference([45, 100], [40, 60], 100)}],
-               "math": None}
-    table = results_table(results)
-    lines = table.splitlines()
+    results = {"settings": vars(args), "readout": "likelihood", "persona_ids": ids, "models": [base, ppo]}
+    lines = results_table(results).splitlines()
     assert "2 personas from `personas.json` (split test)" in lines[0] and "start emotion 40" in lines[0]
     assert lines[2].startswith("| model | score | cut replies | vs base | successes | failures |")
     assert lines[4] == "| base | 50.0 [40.0, 60.0] | 0 (0%) | - | 0/2 | 0/2 | 2.0 | 10 | 0 (0%) | 0 |"
     assert lines[5].startswith("| ppo | 72.5 [45.0, 100.0] | 1 (25%) | +22.5 [+5.0, +40.0] | 1/2 | 0/2 | 2.0 "
                                "| 15 |")
-    results["math"] = {"models": {"base": {"accuracy": 0.5}, "ppo": {"accuracy": 0.25}},
-                       "paired": [{"model": "ppo", "mean": -0.25, "low": -0.5, "high": 0.0}]}
-    table = results_table(results).splitlines()
-    assert table[2].endswith("| math acc. | math vs base |")
-    assert table[4].endswith("| 50.0% | - |") and table[5].endswith("| 25.0% | -25.0 pts [-50.0, +0.0] |")
 
 
 # ----------------------------------------------------------------------------------------------
-# Answer extraction
+# Models under test: adapter switching
 # ----------------------------------------------------------------------------------------------
-EXTRACT = [
-    ("The workshop builds 1,200 chairs.", "1200"),
-    ("Answer: 1,234,567", "1234567"),
-    ("She sells 3/4 of them, so 12 are left.", "12"),
-    ("So the share is 3/4", "3/4"),
-    (r"The result is $\boxed{\frac{3}{4}}$.", "3/4"),
-    (r"\boxed{-\dfrac{1}{2}}", "-1/2"),
-    (r"First \boxed{5}, corrected: \boxed{6}", "6"),
-    (r"\boxed{12 \text{ apples}}", "12"),
-    (r"\boxed{2\sqrt{3}}", r"2\sqrt{3}"),
-    ("48 - 36 = 12\nAnswer: 12 apples", "12"),
-    ("It costs $3.50 in total", "3.50"),
-    ("Answer: $3.50", "3.50"),
-    ("The temperature drops to -7 degrees.", "-7"),
-    ("Answer: \u22127", "-7"),
-    ("The answer is 7.", "7"),
-    ("The answer is: 0.50.", "0.50"),
-    ("**Answer:** 72 km/h", "72"),
-    ("Answer: x = 8", "8"),
-    ("Answer:\n42", "42"),
-    ("Answer: 15%", "15"),
-    ("I will answer carefully: 5 + 7 = 12", "12"),  # 'answer carefully' is not a marker
-    ("Answer: 2, but 3 also works: the answer is 4", "4"),
-    ("no numbers at all", ""),
-]
-
-
-@pytest.mark.parametrize("text,expected", EXTRACT, ids=[t for t, _ in EXTRACT])
-def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
-
-
-MATCH = [("0.50", "0.5", True), ("0.5", "1/2", True), ("3/4", r"\frac{3}{4}", True), ("1200", "1,200", True),
-         ("7", "7.0", True), ("-7", "7", False), ("11/12", "11/12", True), ("22/3", "7.33", False),
-         (r"2\sqrt{3}", r"2 \sqrt{3}", True), ("", "0", False), ("12", "13", False)]
-
-
-@pytest.mark.parametrize("predicted,reference,same", MATCH)
-def test_answers_match(predicted, reference, same):
-    assert answers_match(predicted, reference) is same
-
-
-def test_shipped_math_answers_are_read_back():
-    problems = evaluate.load_math_or_exit(os.path.join(DATA, "math_problems.jsonl"))
-    assert len(problems) == 30
-    for p in problems:
-        assert answers_match(extract_answer(f"Some steps.\nAnswer: {p['answer']}"), p["answer"]), p
-        assert answers_match(extract_answer(f"so it is \\boxed{{{p['answer']}}}."), p["answer"]), p
-        assert not answers_match(extract_answer(f"Answer: {p['answer']}1"), p["answer"]), p
-
-
-# ----------------------------------------------------------------------------------------------
-# Models under test: labels and adapter switching
-# ----------------------------------------------------------------------------------------------
-def test_unique_labels():
-    assert unique_labels(["runs/ppo/adapter", "runs/grpo/adapter", "runs/x/sft/"]) == \
-        ["ppo/adapter", "grpo/adapter", "sft"]
-    assert unique_labels(["ckpt/base"]) == ["ckpt/base"]  # 'base' is the base model's label
-    assert unique_labels(["a/b", "a/b"]) == ["a/b", "a/b#2"]
-
-
 @pytest.fixture(scope="module")
 def tiny_peft(tiny_model):
     """The tiny Llama with two different random LoRA adapters, 'default' and 'adapter_1'."""
@@ -245,43 +226,45 @@ def test_base_context_nests_with_the_same_simulator(tiny_peft):
 # ----------------------------------------------------------------------------------------------
 # The evaluation loop on the tiny model with the rules user (seconds)
 # ----------------------------------------------------------------------------------------------
-MODELS = [{"label": "base", "adapter_name": None, "adapter_path": None},
-          {"label": "one", "adapter_name": "default", "adapter_path": "x/one"},
-          {"label": "two", "adapter_name": "adapter_1", "adapter_path": "x/two"}]
+MODELS = [("base", None, None), ("one", "default", "x/one"), ("two", "adapter_1", "x/two")]
 
 
-def tiny_run(tiny_peft, tmp_path, personas_file, split="test", n=2, problems=None, models=MODELS):
+def tiny_run(tiny_peft, tmp_path, personas_file, n=2):
     peft, tokenizer, _ = tiny_peft
-    args = eval_args(personas=personas_file, split=split, out=str(tmp_path / "eval"), simulator="rules",
-                    max_turns=2, max_new_tokens=6, bootstrap=200, math_max_new_tokens=5, math_batch_size=2)
-    personas = load_personas(personas_file, split)[:n]
+    args = eval_args(personas=personas_file, out=str(tmp_path / "eval"), simulator="rules", max_turns=2,
+                     max_new_tokens=6, bootstrap=200)
+    os.makedirs(args.out)
+    personas = load_personas(personas_file, "test")[:n]
     sim = Simulator(RulesBackend(), start_emotion=args.start_emotion, max_turns=args.max_turns)
-    return args, run_evaluation(args, peft, tokenizer, sim, personas, models, problems)
+    return args, run_evaluation(args, peft, tokenizer, sim, personas, MODELS)
+
+
+def transcripts(out):
+    return [json.loads(x) for x in open(os.path.join(out, "transcripts.jsonl"))]
 
 
 def check_output_folder(out, labels, personas_played):
     results = json.load(open(os.path.join(out, "results.json")))
     assert results["complete"] and [m["label"] for m in results["models"]] == labels
-    assert [p["model"] for p in results["paired"]] == labels[1:]
-    lines = [json.loads(x) for x in open(os.path.join(out, "transcripts.jsonl"))]
+    lines = transcripts(out)
     assert [x["model"] for x in lines] == [lab for lab in labels for _ in range(personas_played)]
+    base = results["models"][0]["per_persona"]
     for m in results["models"]:
-        assert len(m["per_persona"]) == personas_played and len(m["dialogue_results"]) == personas_played
+        assert len(m["per_persona"]) == personas_played
         # the numbers follow from the dialogues written out: each persona's final emotion (one
         # dialogue each), the score their mean, inside its interval
         finals = {x["persona_id"]: x["final_emotion"] for x in lines if x["model"] == m["label"]}
         assert m["per_persona"] == pytest.approx(finals)
         assert m["score"] == pytest.approx(np.mean(list(finals.values())))
         assert 0 <= m["ci_low"] <= m["score"] <= m["ci_high"] <= 100
-    base = results["models"][0]["per_persona"]
-    for p, m in zip(results["paired"], results["models"][1:]):  # the mean of the per-persona differences
-        assert p["mean"] == pytest.approx(np.mean([m["per_persona"][k] - base[k] for k in base]))
-        assert p["low"] <= p["mean"] <= p["high"] and p["n"] == personas_played
+        if m["label"] != "base":  # the mean of the per-persona differences
+            p = m["vs_base"]
+            assert p["value"] == pytest.approx(np.mean([m["per_persona"][k] - base[k] for k in base]))
+            assert p["low"] <= p["value"] <= p["high"] and p["n"] == personas_played
+    assert "vs_base" not in results["models"][0]
     assert all("token_ids" not in x and x["turns"][0]["role"] == "user" for x in lines)
     table = open(os.path.join(out, "results.md")).read()
     assert all(f"| {lab} |" in table for lab in labels)
-    for name in ("scores.png", "trajectories.png"):
-        assert_png(os.path.join(out, name))
     return results
 
 
@@ -291,22 +274,9 @@ def test_sage_file_evaluates(tiny_peft, tmp_path):
     assert results["persona_ids"] == ["sage-001", "sage-002", "sage-003"]
 
 
-def test_project_file_evaluates_with_math(tiny_peft, tmp_path):
-    problems = evaluate.load_math_or_exit(os.path.join(DATA, "math_problems.jsonl"))[:3]
-    args, results = tiny_run(tiny_peft, tmp_path, os.path.join(ROOT, "personas.json"), problems=problems)
+def test_project_file_evaluates(tiny_peft, tmp_path):
+    args, _ = tiny_run(tiny_peft, tmp_path, os.path.join(ROOT, "personas.json"))
     check_output_folder(args.out, ["base", "one", "two"], 2)
-    math = results["math"]
-    assert (set(math["models"]) == {"base", "one", "two"}
-            and [p["model"] for p in math["paired"]] == ["one", "two"])
-    for m in math["models"].values():  # accuracy = correct / questions, each answer graded again here
-        assert len(m["answers"]) == 3
-        assert all(a["correct"] == answers_match(a["extracted"], a["answer"]) for a in m["answers"])
-        assert m["correct"] == sum(a["correct"] for a in m["answers"]) and m["accuracy"] == m["correct"] / 3
-    for p in math["paired"]:
-        diffs = [a["correct"] - b["correct"] for a, b in zip(math["models"][p["model"]]["answers"],
-                                                               math["models"]["base"]["answers"])]
-        assert p["mean"] == pytest.approx(np.mean(diffs))
-    assert "math acc." in open(os.path.join(args.out, "results.md")).read()
 
 
 def test_failure_half_way_leaves_finished_transcripts(tiny_peft, tmp_path, monkeypatch):
@@ -323,151 +293,87 @@ def test_failure_half_way_leaves_finished_transcripts(tiny_peft, tmp_path, monke
     with pytest.raises(RuntimeError, match="out of memory"):
         tiny_run(tiny_peft, tmp_path, os.path.join(DATA, "sage_sample.jsonl"))
     out = tmp_path / "eval"
-    assert [json.loads(x)["model"] for x in open(out / "transcripts.jsonl")] == ["base", "base"]
+    assert [x["model"] for x in transcripts(out)] == ["base", "base"]
     partial = json.load(open(out / "results.json"))
     assert not partial["complete"] and [m["label"] for m in partial["models"]] == ["base"]
 
 
-def test_settings_are_checked(tmp_path, capsys):
-    with pytest.raises(SystemExit) as stop:
-        evaluate.parse_args(["--samples", "3"])
-    assert stop.value.code == 2 and "--sample" in capsys.readouterr().err
-    (tmp_path / "ckpt" / "policy").mkdir(parents=True)
-    (tmp_path / "ckpt" / "policy" / "adapter_config.json").write_text("{}")
-    with pytest.raises(SystemExit) as stop:
-        evaluate.parse_args(["--adapter", str(tmp_path / "ckpt")])
-    assert stop.value.code == 2 and re.search("did you mean .*ckpt/policy", capsys.readouterr().err)
-    args = evaluate.parse_args(["--adapter", str(tmp_path / "ckpt" / "policy"), "--no-thinking",
-                                "--max-turns", "3"])
-    assert (args.thinking, args.max_turns, args.start_emotion, args.sample) == (False, 3, 40, False)
+# ----------------------------------------------------------------------------------------------
+# Settings: checked before any model loads, one line each
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, words", [
+    (["--readout", "reasond"], ["--readout", "reasond"]),
+    (["--samples", "-1"], ["--samples", "-1"]),
+    (["--split", "dev"], ["--split", "dev"]),
+    (["--max-turns", "0"], ["--max-turns", "0"]),
+    (["--bootstap", "5"], ["--bootstap"]),
+    (["--model", "smollm3"], ["--model", "smollm3", "hub id"]),
+    (["--judge", "outside"], ["--judge", "outside"]),
+    (["--judge", "heldout"], ["--judge heldout", "reasoned", "'likelihood'"]),
+    (["--judge", "heldout", "--simulator", "rules"], ["'rules'"]),
+    (["--load-in-4bit"], ["--load-in-4bit"]),
+])
+def test_bad_settings_are_one_line(flags, words, capsys, monkeypatch):
+    if flags == ["--load-in-4bit"] and torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    no_model_loads(monkeypatch)
+    one_line(flags, capsys, *words)
 
 
-def test_load_in_4bit_is_checked_then_passed_to_the_policy(tiny_model_dir, monkeypatch, capsys):
-    if not torch.cuda.is_available():  # one line, exit 2, before any model loads
-        with pytest.raises(SystemExit) as stop:
-            evaluate.parse_args(["--load-in-4bit"])
-        err = capsys.readouterr().err
-        assert stop.value.code == 2 and "--load-in-4bit needs CUDA" in err and err.strip().count("\n") == 0
-    seen, real = [], evaluate.load_policy
-
-    def record(*a, **k):
-        seen.append(k["load_in_4bit"])
-        return real(*a, **{**k, "load_in_4bit": False})  # bitsandbytes needs CUDA; the route is what counts
-    monkeypatch.setattr(evaluate, "load_policy", record)
-    for flag in (True, False):
-        evaluate.load_models(eval_args(model=tiny_model_dir, load_in_4bit=flag))
-    assert seen == [True, False]
+def test_bad_settings_through_the_real_command_line():
+    t0 = time.time()
+    assert_one_line(*cli("evaluate.py", "--readout", "reasond")[::2], "--readout", "reasond")
+    assert time.time() - t0 < 40  # no hub retries
 
 
-def test_a_local_simulator_goes_to_the_gpus_after_the_first(monkeypatch):
-    from simulator import simulator_placement
-
-    if torch.cuda.device_count() < 2:
-        assert simulator_placement("Qwen/Qwen2.5-7B-Instruct", "auto") == (None, None)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
-    monkeypatch.setattr(simulator, "gpus_after_the_first", lambda: {0: 0, 1: 9, 2: 9})
-    assert simulator_placement("Qwen/Qwen2.5-7B-Instruct", "auto") == ("auto", {0: 0, 1: 9, 2: 9})
-    for user, device_map in (("same", "auto"), ("rules", "auto"), ("http://127.0.0.1:8000/v1", "auto"),
-                             ("Qwen/Qwen2.5-7B-Instruct", "none")):
-        assert simulator_placement(user, device_map) == (None, None), user
+def test_the_defaults_are_sages_protocol():
+    args = evaluate.parse_args(["--no-thinking", "--max-turns", "3"])
+    assert (args.thinking, args.max_turns, args.start_emotion, args.samples) == (False, 3, 40, 0)  # greedy
+    assert args.judge == "training"
+    assert re.fullmatch(r"runs/eval__\d+", args.out)  # a new folder of its own
+    heldout = evaluate.parse_args(["--judge", "heldout", "--simulator", "http://127.0.0.1:9/v1"])
+    assert heldout.judge == "heldout"
 
 
-def test_judge_flag_is_checked(capsys):
-    assert evaluate.parse_args([]).judge == "training"
-    for argv, words in [(["--judge", "outside"], ["--judge", "'outside'"]),
-                        (["--judge", "heldout"], ["--judge heldout", "reasoned", "'likelihood'"]),
-                        (["--judge", "heldout", "--simulator", "rules"], ["'rules'"])]:
-        with pytest.raises(SystemExit) as info:
-            evaluate.parse_args(argv)
-        err = capsys.readouterr().err
-        assert info.value.code == 2 and err.startswith("error:") and all(w in err for w in words), err
-    args = evaluate.parse_args(["--judge", "heldout", "--simulator", "http://127.0.0.1:9/v1"])
-    assert args.judge == "heldout"
-
-
-def test_heldout_judge_runs_and_is_recorded(tiny_model_dir, tmp_path):
-    """evaluate.py --judge heldout against an OpenAI-compatible server on 127.0.0.1: the server sees
-    the outside observer's prompt, never the persona's own, and results.json says which judged."""
-    import http.server
-    import threading
-
-    asked = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            asked.append(body["messages"])
-            last = body["messages"][-1]["content"]
-            text = "Their reaction: wary.\nChange: \u22122" if "Change: N" in last else "Okay."
-            data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        out = tmp_path / "eval"
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-        evaluate.main(["--model", tiny_model_dir, "--simulator", url,
-                       "--judge", "heldout", "--dialogues", "2", "--max-turns", "2", "--max-new-tokens", "6",
-                       "--bootstrap", "50", "--out", str(out)])
-    finally:
-        server.shutdown()
-        server.server_close()
-    results = json.load(open(out / "results.json"))
-    assert results["judge"] == "heldout" and results["settings"]["judge"] == "heldout"
-    assert results["readout"] == "reasoned"
-    assert "judge heldout" in open(out / "results.md").read()
-    appraisals = [m for m in asked if "Change: N" in m[-1]["content"]]
-    assert len(appraisals) == 4 and all("outside observer" in m[-1]["content"] for m in appraisals)
-    assert not any("You are playing" in m[0]["content"] for m in appraisals)
-    assert results["models"][0]["score"] == 40 - 4  # two turns of -2 from the start at 40
+def test_bad_personas_exit_2_with_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"id": "x"}]')
+    assert_one_line(*cli("evaluate.py", "--personas", str(bad), "--out", str(tmp_path / "o"))[::2], "missing")
+    assert not (tmp_path / "o").exists()
 
 
 # ----------------------------------------------------------------------------------------------
-# Training curves
+# The output folder: created by the command, never one that holds anything
 # ----------------------------------------------------------------------------------------------
-def write_run(folder, rows):
-    folder.mkdir(parents=True)
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(folder)
+def test_an_existing_out_is_refused_before_any_model_loads(tiny_model_dir, personas_file, tmp_path,
+                                                           monkeypatch, capsys):
+    out = tmp_path / "eval"
+    evaluate.main(ev(tiny_model_dir, personas_file, out))  # an earlier evaluation
+    before = snapshot(out)
+    no_model_loads(monkeypatch)
+    one_line(ev(tiny_model_dir, personas_file, out), capsys, str(out), "exists")
+    assert snapshot(out) == before
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    one_line(ev(tiny_model_dir, personas_file, mine), capsys, str(mine), "exists")
+    assert snapshot(mine) == {"notes.txt": b"mine"}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.undo()
+    evaluate.main(ev(tiny_model_dir, personas_file, empty))  # an empty folder is taken
+    assert (empty / "results.json").exists()
 
 
-def test_curves_from_two_runs(tmp_path):
-    ppo = write_run(tmp_path / "ppo", [{"iteration": i, "reward_mean": 0.3 + 0.05 * i, "kl_ref": 0.01 * i,
-                                        "value_loss": 1.0 / (i + 1), "entropy": 2.0, "clip_frac": 0.1,
-                                        "seconds": 3.0} for i in range(1, 6)])
-    grpo = write_run(tmp_path / "grpo", [{"iteration": i, "reward_mean": 0.3 + 0.04 * i, "kl_ref": 0.02 * i,
-                                          "entropy": 2.1} for i in range(1, 4)])
-    out = tmp_path / "curves"
-    evaluate.main(["--curves", ppo, grpo, "--out", str(out)])
-    written = sorted(os.listdir(out))
-    assert written == sorted(f"curves_{k}.png"
-                             for k in ("reward_mean", "kl_ref", "value_loss", "entropy", "clip_frac"))
-    assert "seconds" not in CURVE_METRICS
-    for name in written:
-        assert_png(out / name)
-
-
-def test_curves_errors(tmp_path, capsys):
-    odd = write_run(tmp_path / "odd", [{"iteration": 1, "something_else": 1.0}])
-    with pytest.raises(SystemExit) as info:
-        evaluate.main(["--curves", odd, "--out", str(tmp_path / "c")])
-    assert info.value.code == 2 and "something_else" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as info:
-        evaluate.main(["--curves", str(tmp_path / "missing"), "--out", str(tmp_path / "c")])
-    assert info.value.code == 2 and "metrics.jsonl: cannot read" in capsys.readouterr().err
+def test_resume_is_for_an_agreement_check(tiny_model_dir, personas_file, tmp_path, capsys):
+    out = tmp_path / "eval"
+    evaluate.main(ev(tiny_model_dir, personas_file, out))
+    one_line(["--resume", str(out)], capsys, "--resume", "not a run folder")
 
 
 # ----------------------------------------------------------------------------------------------
-# An adapter from a training run is evaluated with the run's settings (issue 30 item 2)
+# Adapters: a checkpoint's policy, a run's newest checkpoint, evaluated with the run's settings
+# (issue 30 item 2); one that does not fit the model is one line
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_adapter(tiny_model_dir, tmp_path_factory):
@@ -480,14 +386,16 @@ def tiny_adapter(tiny_model_dir, tmp_path_factory):
     return folder
 
 
-def run_folder(folder, adapter, **settings):
-    """A trainer's run folder as run.RunFolder and Run.save leave it, made by hand: config.json with
-    the run's settings, and checkpoints/iter_000001 with state.pt and the policy adapter default/."""
-    checkpoint = folder / "checkpoints" / "iter_000001"
-    shutil.copytree(adapter, checkpoint / "default")
-    config = {"model": "smollm2", "thinking": True, "max_new_tokens": 512, "max_context": 6144, "lora_r": 4,
-              **settings}
-    torch.save({"args": config, "iteration": 1}, checkpoint / "state.pt")
+def run_folder(folder, adapter, iterations=1, **settings):
+    """A trainer's run folder as run.Run leaves it, made by hand: config.json with the run's settings,
+    and checkpoints/iter_N with state.pt, the policy adapter default/ and PPO's critic/."""
+    for n in range(1, iterations + 1):
+        checkpoint = folder / "checkpoints" / f"iter_{n:06d}"
+        for name in ("default", "critic"):
+            shutil.copytree(adapter, checkpoint / name)
+        torch.save({"iteration": n}, checkpoint / "state.pt")
+    config = {"script": "ppo.py", "model": "smollm2", "thinking": True, "max_new_tokens": 512,
+              "max_context": 6144, "lora_r": 4, **settings}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
@@ -500,20 +408,19 @@ def test_an_adapter_from_a_run_is_evaluated_with_its_settings_and_cut_replies_ar
     out = tmp_path / "eval"
     evaluate.main(["--adapter", str(run), "--personas", personas_file, "--split", "test", "--simulator",
                    "rules", "--dialogues", "2", "--max-turns", "2", "--bootstrap", "20", "--out", str(out)])
-    err = capsys.readouterr().err
+    shown = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     s = results["settings"]
     assert (s["model"], s["thinking"], s["max_new_tokens"], s["max_context"]) == (tiny_model_dir, True, 24,
                                                                                    900)
     # the random model never ends a reply (no end-of-turn token): every one is cut at the run's 24 tokens
-    transcripts = [json.loads(line) for line in (out / "transcripts.jsonl").read_text().splitlines()]
     for m in results["models"]:
-        turns = [t for x in transcripts if x["model"] == m["label"]
+        turns = [t for x in transcripts(out) if x["model"] == m["label"]
                  for t in x["turns"] if t["role"] == "agent"]
         assert turns and all(t["tokens"] == 24 and t["cut"] for t in turns)
-        assert m["cut_replies"] == len(turns) == sum(r["cut_replies"] for r in m["dialogue_results"])
-        assert f"{len(turns)} cut replies" in err
+        assert m["cut_replies"] == len(turns)
     assert f"| {len(turns)} (100%) |" in (out / "results.md").read_text()
+    assert f"| {len(turns)} (100%) |" in shown  # the table, printed
 
 
 def test_the_runs_settings_unless_given_and_runs_that_disagree(tiny_model_dir, tiny_adapter, tmp_path,
@@ -541,23 +448,201 @@ def test_the_runs_settings_unless_given_and_runs_that_disagree(tiny_model_dir, t
     assert both.max_new_tokens == 32
 
 
+def test_evaluate_picks_the_policy_adapter_of_a_checkpoint_or_a_run(tiny_model_dir, tiny_adapter,
+                                                                     personas_file, tmp_path, monkeypatch,
+                                                                     capsys):
+    """Cases 9 and 29 of issue 26: --adapter RUN/checkpoints/iter_000001/critic is PPO's critic (a value
+    model) and a folder without adapter_config.json no adapter: one line each, before any model
+    loads. --adapter RUN/checkpoints/iter_000001 evaluates its policy adapter (default), --adapter RUN
+    the newest complete checkpoint's; its label names the checkpoint and its adapter field is the
+    folder loaded."""
+    run = run_folder(tmp_path / "run", tiny_adapter, iterations=2, model=tiny_model_dir)
+    checkpoint = run / "checkpoints" / "iter_000001"
+    no_model_loads(monkeypatch)
+    one_line(ev(tiny_model_dir, personas_file, tmp_path / "critic", "--adapter", str(checkpoint / "critic")),
+             capsys, "critic", "policy")
+    one_line(ev(tiny_model_dir, personas_file, tmp_path / "none", "--adapter", str(tmp_path)), capsys,
+             "adapter_config.json")
+    monkeypatch.undo()
+    out = tmp_path / "eval"
+    evaluate.main(ev(tiny_model_dir, personas_file, out, "--adapter", str(checkpoint), str(run)))
+    base, first, newest = json.loads((out / "results.json").read_text())["models"]
+    for m, picked in ((first, "iter_000001"), (newest, "iter_000002")):
+        assert m["label"] == picked
+        assert m["adapter"] == os.path.join(str(run), "checkpoints", picked, "default")
+
+
+def test_an_adapter_for_another_base_is_one_line(tiny_model_dir, tmp_path, personas_file):
+    """Case 5 of issue 16: an adapter made for the 2-layer tiny model on the same model with a third
+    layer loads without an error in peft (one layer's weights missing): one line naming both."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    adapter = tmp_path / "adapter"
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
+    bigger = tmp_path / "three_layers"
+    config = base.config
+    config.num_hidden_layers = 3
+    AutoModelForCausalLM.from_config(config).save_pretrained(bigger)
+    for name in os.listdir(tiny_model_dir):  # the tokenizer's files
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(tiny_model_dir, name), bigger)
+    code, _, err = cli("evaluate.py", *ev(str(bigger), personas_file, tmp_path / "eval", "--adapter",
+                                          str(adapter)))
+    assert_one_line(code, err, str(adapter), str(bigger), "missing")
+    assert not (tmp_path / "eval" / "results.json").exists()
+
+
+def test_an_adapter_for_another_model_width_says_why(tiny_model_dir, personas_file, tmp_path, capsys):
+    """Case 26 of issue 26: an adapter made for a 48-wide model on the 64-wide tiny model: the line says
+    why (a weight's shape against the model's), not just "Error(s) in loading state_dict"."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**LlamaConfig.from_pretrained(tiny_model_dir).to_dict(), "hidden_size": 48,
+                            "intermediate_size": 96, "head_dim": 12})
+    adapter = tmp_path / "adapter"
+    lora = LoraConfig(r=2, target_modules=["q_proj"])
+    get_peft_model(LlamaForCausalLM(config), lora).save_pretrained(adapter)
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(ev(tiny_model_dir, personas_file, tmp_path / "eval", "--adapter", str(adapter)))
+    err = capsys.readouterr().err
+    assert_one_line(stop.value.code, err, str(adapter))
+    why = error_lines(err)[0].replace(str(adapter), "").replace(tiny_model_dir, "")
+    assert re.search(r"\b48\b", why) and re.search(r"\b64\b", why), why
+
+
+# ----------------------------------------------------------------------------------------------
+# The simulated user: SAGE's farewell rule, the held-out judge, a server that fails
+# ----------------------------------------------------------------------------------------------
+def chat(text):
+    return json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+
+
+def test_evaluate_ends_a_dialogue_on_a_farewell_word_anywhere_as_sage_does(tiny_model_dir, persona_entry,
+                                                                         write_personas, tmp_path):
+    # issue 30, item 1: training goes on after this line (tests/test_simulator.py); SAGE's rule ends it
+    about = "He just said bye and left me there."
+    path = write_personas([persona_entry(id="t1", band_lines={b: about for b in "ABCF"})])
+    out = tmp_path / "eval"
+    evaluate.main(["--model", tiny_model_dir, "--simulator", "rules", "--personas", path, "--max-turns", "3",
+                   "--max-new-tokens", "4", "--bootstrap", "20", "--out", str(out)])
+    played = transcripts(out)[0]
+    assert played["end_reason"] == "goodbye"
+    assert [t["role"] for t in played["turns"]] == ["user", "agent", "user"]  # one agent turn
+    assert not simulator.says_goodbye(about) and simulator.says_goodbye(about, "sage")
+
+
+def test_heldout_judge_runs_and_is_recorded(tiny_model_dir, tmp_path, server):
+    """evaluate.py --judge heldout against an OpenAI-compatible server on 127.0.0.1: the server sees
+    the outside observer's prompt, never the persona's own, and results.json says which judged."""
+    asked = []
+
+    def handle(handler, n, body):
+        asked.append(body["messages"])
+        appraising = "Change: N" in body["messages"][-1]["content"]
+        reply(handler, 200, chat("Their reaction: wary.\nChange: \u22122" if appraising else "Okay."))
+    url = server(handle).url
+    out = tmp_path / "eval"
+    evaluate.main(["--model", tiny_model_dir, "--simulator", url, "--judge", "heldout", "--dialogues", "2",
+                   "--max-turns", "2", "--max-new-tokens", "6", "--bootstrap", "50", "--out", str(out)])
+    results = json.load(open(out / "results.json"))
+    assert results["settings"]["judge"] == "heldout" and results["readout"] == "reasoned"
+    assert "judge heldout" in open(out / "results.md").read()
+    appraisals = [m for m in asked if "Change: N" in m[-1]["content"]]
+    assert len(appraisals) == 4 and all("outside observer" in m[-1]["content"] for m in appraisals)
+    assert not any("You are playing" in m[0]["content"] for m in appraisals)
+    assert results["models"][0]["score"] == 40 - 4  # two turns of -2 from the start at 40
+
+
+def test_evaluate_ends_on_a_simulator_error_with_one_line(server, tiny_model_dir, personas_file, tmp_path):
+    s = server(lambda h, n, body: reply(h, 200, b'[{"not": "a completion"}]'))
+    code, _, err = cli("evaluate.py", *ev(tiny_model_dir, personas_file, tmp_path / "eval", "--simulator",
+                                          s.url, "--api-retries", "1"))
+    assert_one_line(code, err, s.url, "malformed response", "2 tries")
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 30 item 12: the agreement check on a full disk, on Ctrl-C and on SIGTERM
+# ----------------------------------------------------------------------------------------------
+RECORDED = [os.path.join(DATA, "sage_results", f"{name}_result.jsonl") for name in ("warm", "cold", "mixed")]
+RESULT_FILES = ("results.json", "results.md", "agreement.png")
+
+
+def agreement_argv(out, *extra):
+    return ["evaluate.py", "--agreement", *RECORDED, "--personas", os.path.join(DATA, "sage_sample.jsonl"),
+            "--bootstrap", "20", "--out", str(out), *extra]
+
+
+def test_agreement_on_a_full_disk_keeps_its_appraisals_and_half_writes_nothing(tmp_path):
+    """The disk fills once the appraisals (the rules user's) are in appraisals.jsonl, as the results
+    are written: one line, exit code 2; appraisals.jsonl whole, no result file at all (not a 0-byte
+    results.md); --resume, given room, goes on from the kept appraisals (it appends none) and writes
+    what an undisturbed run writes."""
+    reference = tmp_path / "reference"
+    code, _, err = cli(*agreement_argv(reference, "--simulator", "rules"))
+    assert code == 0, err[-2000:]
+    out = tmp_path / "full"
+    out.mkdir()
+    room = sum((reference / name).stat().st_size for name in ("config.json", "appraisals.jsonl")) + 64
+    code, _, err = cli(os.path.join("tests", "faults.py"), "--disk-full", str(out), "--free", str(room), "--",
+                       *agreement_argv(out, "--simulator", "rules"))
+    assert_one_line(code, err, "the disk is full", "appraisals.jsonl", f"--resume {out}")
+    kept = (out / "appraisals.jsonl").read_bytes()
+    assert kept == (reference / "appraisals.jsonl").read_bytes()
+    assert not [n for n in os.listdir(out) if n in RESULT_FILES or ".tmp" in n], os.listdir(out)
+    code, _, err = cli("evaluate.py", "--resume", str(out))
+    assert code == 0, err[-2000:]
+    assert (out / "appraisals.jsonl").read_bytes() == kept
+    same = [{k: v for k, v in json.loads((folder / "results.json").read_text()).items() if k != "settings"}
+            for folder in (reference, out)]
+    assert same[0] == same[1]
+
+
+@pytest.mark.parametrize("name,exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_agreement_stopped_by_a_signal_says_so_in_one_line_and_keeps_its_appraisals(server, tmp_path, name,
+                                                                                   exit_code):
+    """Ctrl-C (SIGINT) or SIGTERM while the simulator server appraises the second dialogue: one line
+    saying what is kept, exit code 130 / 143, no traceback; the first dialogue's appraisals are in
+    appraisals.jsonl and no result file is written."""
+    gate = threading.Event()
+
+    def handle(handler, n, body):
+        if n > 2:  # the first dialogue's two judged replies are answered; the next wait for the signal
+            gate.wait(300)
+        reply(handler, 200, chat("Change: +2"))
+    srv = server(handle)
+    out, log = tmp_path / "out", tmp_path / "stderr.txt"
+    store = out / "appraisals.jsonl"
+    with open(log, "w") as err:
+        argv = agreement_argv(out, "--simulator", srv.url, "--batch-dialogues", "1")
+        proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=err)
+    try:
+        t0 = time.time()
+        while not (store.exists() and store.read_text().count("\n") == 1):
+            assert proc.poll() is None and time.time() - t0 < 240, log.read_text()[-2000:]
+            time.sleep(0.05)
+        proc.send_signal(getattr(signal, name))
+        code = proc.wait(60)
+    finally:
+        gate.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+    err = log.read_text()
+    assert code == exit_code, (code, err[-2000:])
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    said = [line for line in re.split(r"[\r\n]", err) if name in line]
+    assert len(said) == 1 and str(store) in said[0] and f"--resume {out}" in said[0], err[-2000:]
+    assert [json.loads(line)["id"] for line in store.read_text().splitlines()] == ["sage-001"]
+    assert not [n for n in os.listdir(out) if n in RESULT_FILES], os.listdir(out)
+
+
 # ----------------------------------------------------------------------------------------------
 # The command end to end on the embedded model
 # ----------------------------------------------------------------------------------------------
-def run_cli(*args, timeout=240):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "evaluate.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
-def test_cli_bad_personas_exits_2_with_one_line(tmp_path):
-    bad = tmp_path / "bad.json"
-    bad.write_text('[{"id": "x"}]')
-    result = run_cli("--personas", str(bad), "--out", str(tmp_path / "o"))
-    assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and "error:" in result.stderr and "missing" in result.stderr
-
-
 @pytest.fixture(scope="module")
 def trained_adapter(tmp_path_factory):
     """A LoRA adapter on smollm2 whose B matrices were perturbed, so it is not the base."""
@@ -577,21 +662,16 @@ def trained_adapter(tmp_path_factory):
 
 @pytest.mark.smollm2
 def test_cli_base_vs_adapter_end_to_end(trained_adapter, tmp_path):
-    math_file = tmp_path / "math.jsonl"
-    math_file.write_text("".join(open(os.path.join(DATA, "math_problems.jsonl")).readlines()[:2]))
     out = tmp_path / "eval"
-    result = run_cli("--model", "smollm2", "--adapter", trained_adapter, "--personas", "personas.json",
-                     "--split", "test", "--dialogues", "2", "--max-turns", "2", "--max-new-tokens", "12",
-                     "--user-reply-tokens", "16", "--simulator", "same", "--math", str(math_file),
-                     "--math-max-new-tokens", "8", "--bootstrap", "200", "--out", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
+    code, stdout, err = cli("evaluate.py", "--model", "smollm2", "--adapter", trained_adapter, "--personas",
+                            "personas.json", "--split", "test", "--dialogues", "2", "--max-turns", "2",
+                            "--max-new-tokens", "12", "--user-reply-tokens", "16", "--simulator", "same",
+                            "--bootstrap", "200", "--out", str(out))
+    assert code == 0, err[-3000:]
     results = check_output_folder(str(out), ["base", "trained"], 2)
-    assert results["readout"] == "likelihood" and results["paired"][0]["vs"] == "base"
-    assert results["math"]["paired"][0]["model"] == "trained"
-    math = results["math"]["models"]
-    assert all(m["accuracy"] == sum(a["correct"] for a in m["answers"]) / 2 for m in math.values())
-    lines = [json.loads(x) for x in open(out / "transcripts.jsonl")]
+    assert results["readout"] == "likelihood"
+    lines = transcripts(out)
     base_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "base"]
     trained_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "trained"]
     assert base_first != trained_first  # the adapter really was switched on
-    assert "| base |" in result.stdout and "| trained |" in result.stdout
+    assert "| base |" in stdout and "| trained |" in stdout

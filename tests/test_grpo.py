@@ -39,8 +39,6 @@ def test_dialogue_rewards_final_turn_and_format_penalty():
     assert final.tolist() == pytest.approx([0.70, 0.40])
     assert turn.tolist() == pytest.approx([0.10, 0.10])
     assert penalised.tolist() == pytest.approx([0.70 - 2 * 0.1, 0.40])  # two violating turns
-    with pytest.raises(ValueError, match="--reward"):
-        grpo.dialogue_rewards(records, "last")
 
 
 # Group 0 has a spread, group 1 is flat (every dialogue ended the same). Interleaved on purpose:
@@ -74,15 +72,11 @@ def test_group_advantages_flat_group_alone_and_eps_zero():
     assert unit.tolist() == pytest.approx([-1.0, 0.0, 1.0])  # std (Bessel) of 1, 2, 3 is 1
 
 
-def test_group_stats_and_errors():
+def test_group_stats():
     mean, std, flat = grpo.group_stats(REWARDS, GROUPS)
     assert mean.tolist() == pytest.approx([0.5, 0.4, 0.5, 0.4, 0.5, 0.4])
     assert std.tolist() == pytest.approx([STD0, 0, STD0, 0, STD0, 0], abs=1e-12)
     assert flat.tolist() == [False, True, False, True, False, True]
-    with pytest.raises(ValueError, match="group-size"):
-        grpo.group_advantages(torch.tensor([0.3, 0.4, 0.5]), torch.tensor([0, 0, 1]))  # group 1 alone
-    with pytest.raises(ValueError, match="--scale-rewards"):
-        grpo.group_advantages(REWARDS, GROUPS, "rank")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,13 +100,6 @@ def test_loss_aggregation_by_hand(mode, expected):
     parts = (grpo.aggregate(LOSS[:1], MASK[:1], mode, MASK.sum(), 3, BUDGET)
              + grpo.aggregate(LOSS[1:], MASK[1:], mode, MASK.sum(), 3, BUDGET))
     assert parts.item() == pytest.approx(expected)
-
-
-def test_loss_aggregation_errors():
-    with pytest.raises(ValueError, match="budget"):
-        grpo.aggregate(LOSS, MASK, "dr-grpo", MASK.sum(), 3)
-    with pytest.raises(ValueError, match="--loss-agg"):
-        grpo.aggregate(LOSS, MASK, "seq-mean-token-sum", MASK.sum(), 3)
 
 
 def test_clipped_policy_loss_and_k3_by_hand():
@@ -236,7 +223,7 @@ def test_base_frozen_adapter_moves_and_loads(warm_run, warm_model_dir):
         if "lora_" in k:
             torch.testing.assert_close(v, trained[k], atol=0, rtol=0)
     state = torch.load(os.path.join(out, "checkpoints", "iter_000001", "state.pt"), weights_only=False)
-    assert state["iteration"] == 1 and {"optimizer", "scheduler", "rng", "args"} <= set(state)
+    assert state["iteration"] == 1 and {"optimizer", "scheduler", "rng", "written"} <= set(state)
 
 
 def test_drop_zero_spread_takes_flat_groups_out_of_the_loss(tiny_model_dir, personas_file, tmp_path):
@@ -362,7 +349,7 @@ def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(warm
     argv = ["--group-size", "4", "--minibatch-size", "8", "--micro-batch-size", "4", "--iterations", "2",
             "--seed", "1", "--lr", "5e-2", "--ent-coef", "0.01"]
     grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "skip", *argv))
-    monkeypatch.setattr(rollout, "one_step_per_batch", lambda *a: False)
+    monkeypatch.setattr(rollout, "old_logprobs_from_update", lambda *a: False)
     grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "pass", *argv))
     skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")
     assert full[1]["kl_ref"] > 1e-6 and full[0]["grad_norm"] > 0  # the policy moved: a real comparison

@@ -4,36 +4,28 @@
   tests/data/sage_sample.jsonl           SAGE-format profiles with first_talk (sage-004 is Chinese)
   tests/data/sage_results/*_result.jsonl SAGE-format recorded dialogues of three invented "models"
 
-Openings for profiles without them (simulator.py --write-openings), profile files without split
-fields, and the simulator-agreement check (evaluate.py --agreement), whose numbers are asserted
-against hand computations with a fake OpenAI-compatible server that answers known changes.
+The simulator-agreement check (evaluate.py --agreement), whose numbers are asserted against hand
+computations with a fake OpenAI-compatible server that answers known changes. (The openings writer and
+the profile files' own tests are in tests/test_simulator.py.)
 """
 import json
 import os
 import re
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
-import torch
 
 import evaluate
-import ppo
 import run as run_module
 import simulator
-from conftest import ROOT, read_metrics, reply
-from run import parse_settings
+from conftest import ROOT, reply
 
 DATA = os.path.join(ROOT, "tests", "data")
 RLVER = os.path.join(DATA, "rlver_sample.jsonl")
 SAGE = os.path.join(DATA, "sage_sample.jsonl")
 RESULTS = [os.path.join(DATA, "sage_results", f"{name}_result.jsonl") for name in ("warm", "cold", "mixed")]
-
-
-def run_settings(argv):
-    return parse_settings(ppo.SETTINGS, ppo.PRESETS, argv)
 
 
 def read_lines(path):
@@ -50,156 +42,6 @@ def chat_completion(text):
     return json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
 
 
-# ----------------------------------------------------------------------------------------------
-# Profile files: no openings, no split fields
-# ----------------------------------------------------------------------------------------------
-def test_profiles_without_openings_name_the_command(tmp_path):
-    with pytest.raises(simulator.PersonaError) as info:
-        simulator.load_personas(RLVER)
-    message = str(info.value)
-    assert message.startswith(f"{RLVER}: line 1 (id rl-001): field 'first_talk' is missing")
-    assert "python simulator.py --write-openings NEW_FILE --personas " + RLVER in message
-    assert "\n" not in message
-
-
-def test_profiles_without_split_fields_belong_to_the_split_asked_for(tmp_path):
-    lines = read_lines(SAGE)
-    lines[1]["split"] = "test"  # one entry says where it belongs; the others do not
-    path = tmp_path / "profiles.jsonl"
-    path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
-    train = simulator.load_personas(str(path), "train")
-    test = simulator.load_personas(str(path), "test")
-    assert [p.id for p in train] == ["sage-001", "sage-003", "sage-004"]  # the file's own ids
-    assert [p.id for p in test] == ["sage-001", "sage-002", "sage-003", "sage-004"]
-    assert {p.split for p in train} == {"train"} and {p.split for p in test} == {"test"}
-    lines[1]["split"] = "dev"
-    path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
-    with pytest.raises(simulator.PersonaError, match=r"line 2 \(id sage-002\): field 'split' must be one of"):
-        simulator.load_personas(str(path))
-
-
-def test_rlver_fields_reach_the_card_in_the_personas_language(tmp_path):
-    entries = [{**e, "first_talk": "hi"} for e in read_lines(RLVER)]
-    path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in entries), encoding="utf-8")
-    owen, _, han = simulator.load_personas(str(path))
-    assert owen.profile == {"character": "passive", "description": entries[0]["player"],
-                            "traits": "dry, proud, tired"}
-    card = simulator.persona_card(han)
-    assert simulator.persona_language(han) == "zh"
-    assert "回避型" in card and "温和, 敏感, 固执" in card
-    assert not re.search(r"[A-Za-z]{3,}", card), card  # no English words around a Chinese profile
-
-
-# ----------------------------------------------------------------------------------------------
-# Writing the openings
-# ----------------------------------------------------------------------------------------------
-def test_write_openings_with_a_server_names_failures_keeps_the_rest_and_never_writes_half(tmp_path, server):
-    asked = []
-
-    def handle(handler, n, body):
-        system, ask = body["messages"][0]["content"], body["messages"][1]["content"]
-        asked.append((system, ask))
-        if "Leila" in system and not ok_now:
-            reply(handler, 400, b"{}")  # a client error: not retried
-        elif "韩小北" in system:
-            reply(handler, 200, chat_completion("【我的心情不好】唉……有件事一直堵在心里。\n\n机器人：你好"))
-        else:
-            reply(handler, 200, chat_completion("[note] Long week, honestly. Can I just talk for a minute?"))
-    ok_now = False
-    srv = server(handle)
-    out = tmp_path / "with_openings.jsonl"
-    done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", srv.url)
-    assert done.returncode == 2
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert errors[0] == (f"error: {RLVER}: line 2 (id rl-002): field 'first_talk' could not be written: "
-                         f"simulator server {srv.url}/chat/completions: HTTP 400 after 1 tries")
-    assert "1 of 3 openings not written" in errors[1] and len(errors) == 2
-    assert not out.exists()  # never half-written
-    kept = read_lines(str(out) + ".partial")
-    assert [k["id"] for k in kept] == ["rl-001", "rl-003"]
-    # the user's own prompt family, in the persona's language
-    personas = [simulator._sage_persona(RLVER, i, e, need_opening=False) for i, e in
-                simulator.read_profile_lines(RLVER)]
-    zh = [a for a in asked if "韩小北" in a[0]][0]
-    assert list(zh) == [m["content"] for m in simulator.opening_messages(personas[2], 30)]
-    # at the mood training starts from (issue 30, item 6), declared once, with the trainers' settings
-    assert simulator.SimulatorSettings.start_emotion == 30
-    assert simulator.USER_RULES["zh"] in zh[0] and "你的心情：30/100" in zh[1]
-    # a rerun asks only for the one that failed
-    ok_now, before = True, len(asked)
-    done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", srv.url)
-    assert done.returncode == 0, done.stderr
-    assert [a[0] for a in asked[before:]] == [simulator.opening_messages(personas[1])[0]["content"]]
-    written, source = read_lines(out), read_lines(RLVER)
-    english = "Long week, honestly. Can I just talk for a minute?"  # cleaned as the user's turns are
-    assert [w["first_talk"] for w in written] == [english, english, "唉……有件事一直堵在心里。"]
-    assert [w["first_talk_emotion"] for w in written] == [30, 30, 30]  # the mood they were written at
-    assert [{k: v for k, v in w.items() if not k.startswith("first_talk")} for w in written] == source
-    assert not os.path.exists(str(out) + ".partial")
-    again = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", "rules")
-    assert again.returncode == 2 and "the file exists" in again.stderr  # nothing is overwritten
-
-
-def test_write_openings_keeps_existing_ones_and_rules_write_fixed_lines(tmp_path):
-    entries = read_lines(RLVER)
-    entries[0]["first_talk"] = "Long shift. Can we talk?"
-    src = tmp_path / "some.jsonl"
-    src.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in entries), encoding="utf-8")
-    out = tmp_path / "all.jsonl"
-    done = run("simulator.py", "--write-openings", out, "--personas", src, "--model", "rules")
-    assert done.returncode == 0, done.stderr
-    en, zh = simulator.RULES_OPENING["en"], simulator.RULES_OPENING["zh"]
-    assert [e["first_talk"] for e in read_lines(out)] == ["Long shift. Can we talk?", en, zh]
-
-
-def test_training_on_openings_written_at_another_mood_says_so_at_start_up(tmp_path, capsys):
-    """Issue 30, item 6: openings written at --start-emotion 40 (SAGE's) for a run that starts at 30: one
-    warning line when the simulated user is made, and the run goes on."""
-    for mood in (40, 30):
-        out = tmp_path / f"openings_{mood}.jsonl"
-        done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", "rules",
-                   "--start-emotion", mood)
-        assert done.returncode == 0, done.stderr
-        args = run_settings(["--preset", "cpu", "--simulator", "rules", "--personas", str(out)])
-        capsys.readouterr()
-        simulator.make_simulator(args, None, None, types.SimpleNamespace(device="cpu", world=1, is_main=True))
-        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-        if mood == 30:
-            assert said == []
-        else:
-            assert len(said) == 1 and str(out) in said[0] and "40" in said[0] and "30" in said[0], said
-
-
-# The done-when of issue 24: an RLVER-format file without openings, through the openings command
-# with a real model, loads in ppo.py --preset cpu and trains one iteration. The tiny random model
-# stands in for the embedded one here (the same code path; docs/evaluate.md has the smollm2 run).
-def test_rlver_profiles_get_openings_then_train_one_ppo_iteration(tiny_model_dir, tmp_path, monkeypatch,
-                                                                   capsys):
-    def no_model(*a, **k):
-        raise AssertionError("a model was loaded before the profile file was checked")
-    monkeypatch.setattr(ppo, "load_policy", no_model)
-    args = ["--preset", "cpu", "--model", tiny_model_dir, "--simulator", "rules", "--split", "train",
-            "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--micro-batch-size", "1",
-            "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "1024", "--lora-r", "4",
-            "--lora-alpha", "8", "--iterations", "1"]
-    with pytest.raises(SystemExit) as stop:
-        ppo.main([*args, "--personas", RLVER, "--out", str(tmp_path / "refused")])
-    assert stop.value.code == 2
-    assert "--write-openings NEW_FILE --personas " + RLVER in capsys.readouterr().err
-    monkeypatch.undo()
-
-    out = tmp_path / "rlver_with_openings.jsonl"
-    done = run("simulator.py", "--write-openings", out, "--personas", RLVER, "--model", tiny_model_dir)
-    assert done.returncode == 0, done.stderr
-    written = read_lines(out)
-    assert all(w["first_talk"].strip() and w["first_talk"] != "..." for w in written)
-    assert [w["id"] for w in written] == ["rl-001", "rl-002", "rl-003"]
-    ppo.main([*args, "--personas", str(out), "--out", str(tmp_path / "run")])
-    metrics = read_metrics(tmp_path / "run")
-    assert [m["iteration"] for m in metrics] == [1] and np.isfinite(metrics[0]["reward_mean"])
-
-
 def test_evaluate_refuses_profiles_without_openings_before_a_model_loads(monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "load_models", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit) as stop:
@@ -211,12 +53,6 @@ def test_evaluate_refuses_profiles_without_openings_before_a_model_loads(monkeyp
 # ----------------------------------------------------------------------------------------------
 # SAGE's protocol and the statistics of the agreement check
 # ----------------------------------------------------------------------------------------------
-def test_sage_outcomes_are_counted_from_the_final_emotion():
-    assert [evaluate.sage_outcome(e) for e in (100, 99, 10, 9.5, 0)] == ["success", None, None, "failure",
-                                                                         "failure"]
-    assert evaluate.sage_counts([100, 4, 10, 9, 55, 100]) == (2, 2)
-
-
 def test_evaluate_judges_as_many_replies_as_sage_does():
     # SAGE's loop writes 10 agent replies and appraises 9: the 10th is never judged
     defaults = evaluate.parse_args([])
@@ -224,19 +60,6 @@ def test_evaluate_judges_as_many_replies_as_sage_does():
     assert (defaults.start_emotion, defaults.max_change) == (evaluate.SAGE_START, 10) == (40, 10)
     sim = simulator.Simulator(simulator.RulesBackend())
     assert sim.leave_below == evaluate.SAGE_LEAVE_BELOW == 10
-
-
-def test_evaluate_ends_a_dialogue_on_a_farewell_word_anywhere_as_sage_does(tiny_model_dir, persona_entry,
-                                                                         write_personas, tmp_path):
-    # issue 30, item 1: training goes on after this line (tests/test_simulator.py); SAGE's rule ends it
-    about = "He just said bye and left me there."
-    path = write_personas([persona_entry(id="t1", band_lines={b: about for b in "ABCF"})])
-    out = tmp_path / "eval"
-    evaluate.main(["--model", tiny_model_dir, "--simulator", "rules", "--personas", path, "--max-turns", "3",
-                   "--max-new-tokens", "4", "--bootstrap", "20", "--out", str(out)])
-    played = json.load(open(out / "results.json"))["models"][0]["dialogue_results"][0]
-    assert (played["end_reason"], played["turns"]) == ("goodbye", 1)
-    assert not simulator.says_goodbye(about) and simulator.says_goodbye(about, "sage")
 
 
 def test_average_ranks_share_ties():
@@ -251,22 +74,14 @@ def test_pearson_spearman_kendall_by_hand():
     # ranks of y: (1, 2.5, 4, 2.5), deviations (-1.5, 0, 1.5, 0): 3 / sqrt(5 * 4.5)
     assert evaluate.spearman(x, y) == pytest.approx(3 / np.sqrt(5 * 4.5), abs=1e-12)
     # pairs of (1,2,3,4) vs (1,3,2,2): 3 concordant, 2 discordant, 1 tied in y: 1 / sqrt(6 * 5)
-    assert evaluate.kendall_tau_b([1, 2, 3, 4], [1, 3, 2, 2]) == pytest.approx(1 / np.sqrt(30), abs=1e-12)
-    assert evaluate.kendall_tau_b([1, 2, 3], [3, 2, 1]) == -1.0
+    tau = evaluate.kendall_tau_b(np.array([1, 2, 3, 4]), np.array([1, 3, 2, 2]))
+    assert tau == pytest.approx(1 / np.sqrt(30), abs=1e-12)
+    assert evaluate.kendall_tau_b(np.array([1, 2, 3]), np.array([3, 2, 1])) == -1.0
     assert np.isnan(evaluate.pearson([1, 2, 3], [5, 5, 5]))
-    assert np.isnan(evaluate.kendall_tau_b([1, 1], [1, 2]))
-    assert evaluate.direction_agreement([3, 0, -2, 1], [1, 0, 2, 0]) == 0.5
-    assert evaluate.mean_absolute_error([3, 0, -2], [1, 0, 2]) == 2.0
-
-
-def test_the_interval_resamples_dialogues_not_replies():
-    # dialogue A: three replies with error 0; dialogue B: one reply with error 4. Resampling the two
-    # dialogues gives a pooled MAE of 0 (A, A), 1 (A, B) or 4 (B, B; probability 1/4), so the 97.5%
-    # quantile is 4. Resampling the 4 replies would give 4 only with probability (1/4)^4 < 2.5%.
-    groups = [np.array([[1, 1], [2, 2], [3, 3]]), np.array([[0, 4]])]
-    mae = lambda r: evaluate.mean_absolute_error(r[:, 0], r[:, 1])  # noqa: E731
-    assert evaluate.dialogue_bootstrap(groups, mae, n_boot=2000, seed=0) == (0.0, 4.0)
-    assert evaluate.dialogue_bootstrap([groups[1], groups[1]], mae) == (4.0, 4.0)
+    assert np.isnan(evaluate.kendall_tau_b(np.array([1, 1]), np.array([1, 2])))
+    rows = np.array([[3, 1], [0, 0], [-2, 2], [1, 0]])
+    assert evaluate.STATISTICS["direction_agreement"](rows) == 0.5
+    assert evaluate.STATISTICS["mae"](rows[:3]) == 2.0
 
 
 def test_simulated_final_clamps_as_the_simulator_does():
@@ -277,13 +92,21 @@ def test_simulated_final_clamps_as_the_simulator_does():
 
 
 def recorded(id, points, label="a", final=None):
-    """A recorded dialogue as read_sage_dialogues gives it, tagged with its file's label: a user message
-    with each emotion-point in turn, an agent reply after each (the last one never judged)."""
+    """A recorded dialogue as read_sage_dialogues gives it, in the file {label}_result.jsonl: a user
+    message with each emotion-point in turn, an agent reply after each (the last one never judged)."""
     history = [m for k in range(len(points)) for m in ({"role": "user", "text": f"user {k}"},
                                                        {"role": "agent", "text": f"agent {k}"})]
-    return {"file": f"{label}_result.jsonl", "line": 1, "id": id, "label": label, "text": "",
+    return {"file": f"{label}_result.jsonl", "line": 1, "id": id, "key": f"{label}-{id}",
             "final": points[-1] if final is None else final, "history": history,
             "points": {2 * k: p for k, p in enumerate(points)}}
+
+
+def test_successes_and_failures_are_counted_from_the_final_emotion():
+    # a recorded file keeps no end reason: 100 is a success, below 10 a failure (10 is neither)
+    dialogues = [recorded(f"s{k}", [40, 40], final=final) for k, final in enumerate([100, 99, 10, 9.5, 0])]
+    (file,) = evaluate.agreement_report(dialogues, [[0]] * 5, [0] * 5, n_boot=20)["files"]
+    assert (file["recorded"]["successes"], file["recorded"]["failures"]) == (1, 2)
+    assert (file["simulated"]["successes"], file["simulated"]["failures"]) == (0, 0)  # all stay at 40
 
 
 def test_simulated_finals_stop_at_sages_exits_and_models_are_ranked_on_shared_scenarios():
@@ -299,8 +122,8 @@ def test_simulated_finals_stop_at_sages_exits_and_models_are_ranked_on_shared_sc
     changes = [up, down, flat, [-1] * 7, [-2] * 7, flat]
     report = evaluate.agreement_report(dialogues, changes, [0] * 6, n_boot=50)
     a, b, c = report["files"]
-    assert (a["simulated_score"], a["simulated_successes_failures"]) == (52.5, (1, 1))
-    assert (b["simulated_score"], c["simulated_score"]) == ((40 + 33) / 2, (26 + 40) / 2)
+    assert (a["simulated"]["value"], a["simulated"]["successes"], a["simulated"]["failures"]) == (52.5, 1, 1)
+    assert (b["simulated"]["value"], c["simulated"]["value"]) == ((40 + 33) / 2, (26 + 40) / 2)
     assert report["final"]["mae"]["value"] == (40 + 45 + 10 + 13 + 19 + 55) / 6
     # Kendall's tau-b compares the files on the scenarios all of them hold: s1 alone. Recorded
     # a 60 > c 45 > b 30, simulated a 100 > b 40 > c 26: (a, b) and (a, c) concordant, (b, c)
@@ -319,10 +142,14 @@ def test_kendall_interval_draws_the_same_scenarios_for_every_file():
     assert (tau["value"], tau["low"], tau["high"]) == (-1.0, -1.0, -1.0)
 
 
+def personas_of(path=SAGE):
+    return {p.id: p for p in simulator.load_personas(path)}
+
+
 def test_recorded_state_sees_the_recorded_moods():
-    dialogue = evaluate.read_sage_dialogues(RESULTS[1])[1]  # sage-003: 40 -> 35 -> 35 -> 28
+    dialogue = evaluate.read_sage_dialogues(RESULTS[1], personas_of())[1]  # sage-003: 40 -> 35 -> 35 -> 28
     assert evaluate.judged_replies(dialogue) == [(1, 40, 35), (3, 35, 35), (5, 35, 28)]
-    persona = {p.id: p for p in simulator.load_personas(SAGE)}["sage-003"]
+    persona = personas_of()["sage-003"]
     state = evaluate.recorded_state(persona, dialogue, 5)
     assert (state.emotion, state.turns, len(state.history)) == (35, 2, 5)
     assert [(a["change"], a["emotion"]) for a in state.appraisals] == [(-5, 35), (0, 35)]
@@ -333,7 +160,7 @@ def test_recorded_state_sees_the_recorded_moods():
     notes = re.findall(r"Your mood: (\d+)", "\n".join(m["content"] for m in messages))
     assert notes == ["40", "35", "35"]  # the mood before each of the three agent replies
     # the last reply of the warm sage-001 dialogue has no user message after it: never judged
-    warm = evaluate.read_sage_dialogues(RESULTS[0])[0]
+    warm = evaluate.read_sage_dialogues(RESULTS[0], personas_of())[0]
     assert [k for k, _, _ in evaluate.judged_replies(warm)] == [1, 3] and len(warm["history"]) == 6
 
 
@@ -355,7 +182,7 @@ def known_changes():
     """{the reply as the appraisal prompt quotes it: its change}."""
     changes = {}
     for path, dialogue_changes in zip(RESULTS, [SIMULATED[0:2], SIMULATED[2:4], SIMULATED[4:6]]):
-        for dialogue, simulated in zip(evaluate.read_sage_dialogues(path), dialogue_changes):
+        for dialogue, simulated in zip(evaluate.read_sage_dialogues(path, personas_of()), dialogue_changes):
             for (k, _, _), change in zip(evaluate.judged_replies(dialogue), simulated):
                 changes[simulator.escape_agent(dialogue["history"][k]["text"])] = change
     assert len(changes) == 19
@@ -385,9 +212,10 @@ def agreement(out, simulator_arg, *extra):
                           "--bootstrap", "300", "--out", str(out), *extra])
 
 
-def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server):
+def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server, capsys):
     srv, asked = appraising_server(server)
-    results = agreement(tmp_path, srv.url, "--readout", "reasoned")
+    out = tmp_path / "check"
+    results = agreement(out, srv.url, "--readout", "reasoned")
     assert len(asked) == 19  # one appraisal per judged reply, none for SAGE's unjudged last reply
     r = results["replies"]
     assert (r["n"], r["dialogues"], r["fallbacks"]) == (19, 6, 0)
@@ -409,34 +237,39 @@ def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server):
     assert r["mae"]["value"] == (6 + 6 + 11 + 8 + 48 + 16) / 19  # = 5
     # baselines: 9 of the 19 recorded changes go up (8 down, 2 flat); their sizes add up to 143
     assert r["direction_baseline"] == 9 / 19 and r["mae_of_no_change"] == 143 / 19
-    assert r["directions"]["flat->up"] == 2 and r["directions"]["down->flat"] == 1
     for name in ("spearman", "pearson", "direction_agreement", "mae"):
         assert r[name]["low"] <= r[name]["value"] <= r[name]["high"]
     f = results["final"]
     assert f["mae"]["value"] == (6 + 2 + 11 + 8 + 48 + 8) / 6
-    assert f["simulated_minus_recorded"]["mean"] == pytest.approx((-6 - 2 + 11 + 8 - 48 + 8) / 6, abs=1e-12)
+    assert f["simulated_minus_recorded"]["value"] == pytest.approx((-6 - 2 + 11 + 8 - 48 + 8) / 6, abs=1e-12)
     files = {m["label"]: m for m in results["files"]}
-    scores = [(m["recorded_score"], m["simulated_score"]) for m in files.values()]
+    scores = [(m["recorded"]["value"], m["simulated"]["value"]) for m in files.values()]
     assert scores == [(50, 46), (26.5, 36), (52, 32)]
-    assert files["mixed"]["recorded_successes_failures"] == (1, 1)
-    assert files["mixed"]["simulated_successes_failures"] == (0, 0)
+    assert (files["mixed"]["recorded"]["successes"], files["mixed"]["recorded"]["failures"]) == (1, 1)
+    assert (files["mixed"]["simulated"]["successes"], files["mixed"]["simulated"]["failures"]) == (0, 0)
     # models: recorded mixed 52 > warm 50 > cold 26.5; simulated warm 46 > cold 36 > mixed 32. Kendall's
     # tau compares the models on the scenarios every file holds, and these share none (warm holds
     # sage-001 and -004, cold -002 and -003, mixed -001 and -002): no tau
     assert results["models"]["kendall_tau_b"] is None and results["models"]["scenarios"] == 0
-    assert results["models"]["recorded_order"] == ["mixed", "warm", "cold"]
-    assert results["models"]["simulated_order"] == ["warm", "cold", "mixed"]
-    for name in ("results.json", "results.md", "agreement.png", "appraisals.jsonl"):
-        assert (tmp_path / name).stat().st_size > 0
-    assert "over the 0 scenarios every file holds: - (needs 2 files" in (tmp_path / "results.md").read_text()
+    table = (out / "results.md").read_text()
+    assert "recorded mixed > warm > cold, simulated warm > cold > mixed" in table
+    for name in ("results.json", "results.md", "agreement.png", "appraisals.jsonl", "config.json"):
+        assert (out / name).stat().st_size > 0
+    assert "over the 0 scenarios every file holds: - (needs 2 files" in table
 
-    # a rerun with the same settings asks for nothing and gives the same numbers
-    again = agreement(tmp_path, srv.url, "--readout", "reasoned")
+    # --resume asks for nothing and gives the same numbers, with the settings the check was made with
+    capsys.readouterr()
+    again = evaluate.main(["--resume", str(out)])
     assert len(asked) == 19 and again["replies"] == results["replies"]
-    # other settings (the held-out judge, which the server answers with the opposite change): asked
-    # again, kept apart, never mixed with the first run's appraisals
-    other = agreement(tmp_path, srv.url, "--readout", "reasoned", "--judge", "heldout")
-    assert len(asked) == 38 and len(read_lines(tmp_path / "appraisals.jsonl")) == 12
+    # a setting that changes an appraisal (the held-out judge) cannot change on --resume, so the kept
+    # appraisals are never mixed with others: one line, and nothing asked or written
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["--resume", str(out), "--judge", "heldout"])
+    assert stop.value.code == 2 and "--judge 'heldout'" in capsys.readouterr().err
+    assert len(asked) == 19 and len(read_lines(out / "appraisals.jsonl")) == 6
+    # the held-out judge in a check of its own (the server answers it with the opposite change)
+    other = agreement(tmp_path / "heldout", srv.url, "--readout", "reasoned", "--judge", "heldout")
+    assert len(asked) == 38
     assert other["replies"]["pearson"]["value"] == pytest.approx(-r["pearson"]["value"], abs=1e-12)
     # |r + s| per reply; sage-002's last reply moves +10 from 10 (no floor in the way)
     errors = [8, 10, 2, 12, 14, 5, 7, 1, 10] + [12] * 6 + [16, 12, 20, 16]  # sage-004's are 2 and 12
@@ -444,32 +277,34 @@ def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server):
 
 
 def test_an_interrupted_agreement_run_keeps_what_it_finished(tmp_path, server, capsys):
-    first_cold = evaluate.read_sage_dialogues(RESULTS[1])[0]["history"][1]["text"]
+    first_cold = evaluate.read_sage_dialogues(RESULTS[1], personas_of())[0]["history"][1]["text"]
     failing = [first_cold]
     srv, asked = appraising_server(server, fail_on=failing)
     with pytest.raises(SystemExit) as stop:
-        agreement(tmp_path, srv.url, "--batch-dialogues", "1")
-    assert stop.value.code == 2 and "the same command continues from them" in capsys.readouterr().err
-    assert [row["id"] for row in read_lines(tmp_path / "appraisals.jsonl")] == ["sage-001", "sage-004"]
+        agreement(tmp_path / "check", srv.url, "--batch-dialogues", "1")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"`python evaluate.py --resume {tmp_path / 'check'}` goes on" in err
+    kept = read_lines(tmp_path / "check" / "appraisals.jsonl")
+    assert [row["id"] for row in kept] == ["sage-001", "sage-004"]
     failing.clear()
     before = len(asked)
-    results = agreement(tmp_path, srv.url, "--batch-dialogues", "1")
+    results = evaluate.main(["--resume", str(tmp_path / "check")])
     assert len(asked) - before == 19 - 4  # the two finished dialogues (4 replies) were not asked again
     assert results["replies"]["n"] == 19 and results["replies"]["mae"]["value"] == 5.0
 
 
 def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
     done = run("evaluate.py", "--agreement", *RESULTS, "--personas", SAGE, "--simulator", "rules",
-               "--bootstrap", "200", "--limit", "1", "--out", tmp_path)
+               "--bootstrap", "200", "--dialogues", "1", "--out", tmp_path / "check")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "agreement: replies: 100%" in done.stderr  # the progress bar
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((tmp_path / "check" / "results.json").read_text())
     assert results["settings"]["readout"] == "rules"
-    assert results["replies"]["dialogues"] == 3  # --limit 1: one per file
-    rows = read_lines(tmp_path / "appraisals.jsonl")
-    personas = {p.id: p for p in simulator.load_personas(SAGE)}
+    assert results["replies"]["dialogues"] == 3  # --dialogues 1: one per file
+    rows = read_lines(tmp_path / "check" / "appraisals.jsonl")
+    personas = personas_of()
     for path, row in zip(RESULTS, rows):
-        dialogue = evaluate.read_sage_dialogues(path)[0]
+        dialogue = evaluate.read_sage_dialogues(path, personas)[0]
         assert row["id"] == dialogue["id"]
         # the rules user's own verdict on each reply in a state built by hand from the record
         expected = []
@@ -478,20 +313,24 @@ def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
                                         history=dialogue["history"][:k])
             change, _ = simulator.rules_appraisal(state, dialogue["history"][k]["text"])
             expected.append(max(-10, min(10, change)))
-        assert row["changes"] == expected
-    assert (tmp_path / "agreement.png").stat().st_size > 0
-    assert "| warm | 1 |" in (tmp_path / "results.md").read_text()
+        assert [change for change, _, _ in row["appraisals"]] == expected
+    assert (tmp_path / "check" / "agreement.png").stat().st_size > 0
+    assert "| warm | 1 |" in (tmp_path / "check" / "results.md").read_text()
 
 
 @pytest.mark.parametrize("broken,message", [
     (lambda lines: [{**lines[0], "id": "nobody"}] + lines[1:],
-     "line 1: field 'id' 'nobody' has no persona in"),
+     "line 1: must be an object whose field 'id' names a persona of the --personas file"),
     (lambda lines: [{**lines[0], "history": [{k: v for k, v in m.items() if k != "emotion-point"}
                                              for m in lines[0]["history"]]}] + lines[1:],
-     "line 1 (id sage-001): field 'history[0].emotion-point' is missing"),
+     "line 1 (id sage-001): field 'history[0].emotion-point' must be a number from 0 to 100, not None"),
     (lambda lines: lines[:1] + ["{not json"], "line 2: not valid JSON"),
     (lambda lines: [{**lines[0], "emo_point": "high"}],
      "line 1 (id sage-001): field 'emo_point' must be a number"),
+    (lambda lines: [{**lines[0], "history": lines[0]["history"][:1]}],
+     "line 1 (id sage-001): field 'history' must be a list of messages with a judged reply"),
+    (lambda lines: [{**lines[0], "history": lines[0]["history"][1:]}],
+     "line 1 (id sage-001): field 'history[0]' must be {role: user, content: text}"),
     # issue 30 item 10: points outside 0-100 or not finite, a dialogue given twice in one file
     (lambda lines: [{**lines[0], "emo_point": 150}],
      "line 1 (id sage-001): field 'emo_point' must be a number from 0 to 100"),
@@ -503,7 +342,7 @@ def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
 ])
 def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, monkeypatch, capsys, broken,
                                                       message):
-    for module in (simulator, run_module):
+    for module in (simulator, evaluate):
         monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     lines = broken(read_lines(RESULTS[0]))
     path = tmp_path / "bad_result.jsonl"
@@ -515,6 +354,7 @@ def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {path}: ") and message in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def with_point(line, k, point):
@@ -538,14 +378,14 @@ def test_a_recorded_file_given_twice_is_refused(tmp_path, capsys):
 def test_agreement_results_are_strict_json_when_a_statistic_is_undefined(tmp_path, server):
     # a simulator that never moves: every correlation is undefined (NaN), which JSON cannot hold
     srv = server(lambda handler, n, body: reply(handler, 200, chat_completion("Change: 0")))
-    results = agreement(tmp_path, srv.url, "--readout", "reasoned", "--limit", "1")
+    results = agreement(tmp_path / "check", srv.url, "--readout", "reasoned", "--dialogues", "1")
     assert np.isnan(results["replies"]["spearman"]["value"])
 
     def refuse(name):
         raise ValueError(f"{name} in results.json")
-    saved = json.loads((tmp_path / "results.json").read_text(), parse_constant=refuse)
+    saved = json.loads((tmp_path / "check" / "results.json").read_text(), parse_constant=refuse)
     assert saved["replies"]["spearman"]["value"] is None and saved["replies"]["mae"]["value"] > 0
-    assert "undefined" in (tmp_path / "results.md").read_text()
+    assert "undefined" in (tmp_path / "check" / "results.md").read_text()
 
 
 def test_the_agreement_picture_is_a_heat_map_of_counts(tmp_path):
@@ -554,11 +394,11 @@ def test_the_agreement_picture_is_a_heat_map_of_counts(tmp_path):
     rows = np.array([[r, s] for r in range(-10, 11) for s in (r, 0)] * 500, dtype=float)
     fig = evaluate.plot_agreement(rows, tmp_path / "agreement.png", "title")
     ax = fig.axes[0]
-    (image,) = ax.images
-    counts = image.get_array()  # rows: simulated change -10..10, columns: recorded change -10..10
-    assert counts.shape == (21, 21) and counts.sum() == 21_000
+    (cells,) = ax.collections
+    counts = np.ma.filled(cells.get_array(), 0).reshape(21, 21)  # rows: simulated -10..10, columns: recorded
+    assert counts.sum() == 21_000
     assert counts[10 + 3, 10 + 3] == counts[10, 10 - 7] == 500 and counts[10, 10] == 1000
-    assert counts[10 + 3, 10 - 7] is np.ma.masked or counts[10 + 3, 10 - 7] == 0
+    assert counts[10 + 3, 10 - 7] == 0 and np.ma.is_masked(cells.get_array())  # empty cells are blank
     assert len(fig.axes) == 2  # the colour bar of counts
     diagonal = [line for line in ax.lines if list(line.get_xdata()) == list(line.get_ydata())]
     assert diagonal and f"Spearman {evaluate.spearman(rows[:, 0], rows[:, 1]):.2f}" in ax.get_title()
@@ -568,7 +408,7 @@ def test_the_agreement_picture_is_a_heat_map_of_counts(tmp_path):
 def test_agreement_help_lists_its_own_settings():
     done = run("evaluate.py", "--help", timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("usage:")
-    assert "--limit" in done.stdout and "--batch-dialogues" in done.stdout.replace("_", "-")
+    assert "--resume" in done.stdout and "--batch-dialogues" in done.stdout.replace("_", "-")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -640,12 +480,12 @@ def test_a_sage_sized_dialogue_is_appraised_in_memory_linear_in_its_context(tiny
     grew = int(re.search(r"grew (\d+) MB", done.stderr)[1])
     assert grew < 900, done.stderr[-3000:]  # chunked: about 430 MB (290 for 2 short replies); one pass: 1,960
     assert "agreement: replies: 100%" in done.stderr and "4/4" in done.stderr  # the bar counts replies
-    assert len(read_lines(tmp_path / "out" / "appraisals.jsonl")[0]["changes"]) == 4
+    assert len(read_lines(tmp_path / "out" / "appraisals.jsonl")[0]["appraisals"]) == 4
 
 
 def test_a_dialogue_longer_than_the_simulators_context_is_refused_before_a_model_loads(
         tiny_model_dir, tmp_path, monkeypatch, capsys):
-    for module in (simulator, run_module):
+    for module in (simulator, evaluate):
         monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     recorded_file, profiles = sage_sized(tmp_path, run_module.load_tokenizer(tiny_model_dir))
     model = with_window(tiny_model_dir, tmp_path / "model", 16384)
@@ -662,23 +502,3 @@ def test_a_dialogue_longer_than_the_simulators_context_is_refused_before_a_model
         assert err.startswith(f"error: {recorded_file}: line 1 (id big-1): ") and 7500 < needed < 8500, err
         assert "4096 fit" in err and why in err and "URL" in err, err
     assert not (tmp_path / "out").exists()
-
-
-def test_chunked_prefill_scores_and_answers_as_one_pass_does(tiny_model):
-    # the conversations of different lengths (padding), the second round reusing the first's caches
-    model, tokenizer = tiny_model
-    conversations = [[{"role": "user", "content": "word " * n}] for n in (40, 7, 23)]
-    longer = [c + [{"role": "assistant", "content": "yes"}, {"role": "user", "content": "and then " * 9}]
-              for c in conversations]
-    answers = []
-    for chunk in (1024, 5):
-        backend = simulator.LocalBackend(model, tokenizer)
-        backend.prefill_chunk = chunk
-        slots = [{} for _ in conversations]
-        scores = [backend.score(c, ["Thank you.", "No, that is wrong."], slots)
-                  for c in (conversations, longer)]
-        answers.append((scores, backend.chat(longer, 6, slots), backend.chat(conversations, 6)))
-    (scores, chats, fresh), (chunked_scores, chunked_chats, chunked_fresh) = answers
-    for one, other in zip(scores, chunked_scores):
-        torch.testing.assert_close(one, other, atol=1e-5, rtol=0)
-    assert chats == chunked_chats and fresh == chunked_fresh

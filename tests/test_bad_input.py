@@ -24,8 +24,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 def cli(*argv, timeout=300, env=None, cwd=ROOT):
     """Run a script as a user would; returns (returncode, stdout, the error lines of stderr, elapsed)."""
     t0 = time.time()
-    done = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=env or ENV)
+    done = subprocess.run([sys.executable, *map(str, argv)], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env or ENV)
     return done.returncode, done.stdout, done.stderr, time.time() - t0
 
 

@@ -21,6 +21,7 @@ import torch
 import run  # noqa: E402
 import simulator
 from conftest import LocalServer, loose, reply
+from test_bad_input import ENV, assert_one_line, cli, error_lines
 from simulator import (GENERIC_LINES, LocalBackend, OpenAIBackend, PersonaError, RulesBackend, Simulator,
                        SimulatorError, apply_change, band, load_personas, parse_change, rules_appraisal,
                        says_goodbye)
@@ -1247,30 +1248,6 @@ def test_mood_notes_follow_the_emotion_through_the_floor(persona):
 DATA = os.path.join(ROOT, "tests", "data")
 RLVER = os.path.join(DATA, "rlver_sample.jsonl")  # RLVER-format profiles, no first_talk (one Chinese)
 SAGE = os.path.join(DATA, "sage_sample.jsonl")    # SAGE-format profiles with first_talk (sage-004 is Chinese)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-def cli(*argv, timeout=300, env=None):
-    """Run a script as a user would: (returncode, stdout, stderr, elapsed seconds)."""
-    t0 = time.time()
-    done = subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env or ENV)
-    return done.returncode, done.stdout, done.stderr, time.time() - t0
-
-
-def error_lines(stderr):
-    """The lines that start with error: (a progress bar may share the terminal line, after a \\r)."""
-    return [line for line in re.split(r"[\r\n]", stderr) if line.startswith("error:")]
-
-
-def assert_one_line(code, stderr, *words):
-    """Exit code 2, exactly one error line holding every word, no traceback."""
-    assert code == 2, stderr[-2000:]
-    assert "Traceback" not in stderr, stderr[-2000:]
-    lines = error_lines(stderr)
-    assert len(lines) == 1, stderr[-2000:]
-    for word in words:
-        assert word in lines[0], (word, lines[0])
 
 
 def in_process(main, argv, capsys):

@@ -31,10 +31,8 @@ import json
 import math
 import os
 import re
-import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import unicodedata
@@ -43,9 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from run import (EMBEDDED, HELD, above, append_lines, at_least, env_name, fail, load_model, model_problem,
-                 one_of, parse_settings, read_json_lines, read_text, redact, release, rows_with, setting,
-                 within, write_atomically, write_failure)
+from run import (EMBEDDED, above, at_least, env_name, fail, load_model, model_problem, one_of, parse_settings,
+                 read_json_lines, read_text, redact, setting, within, write_atomically, write_failure)
 
 # ----------------------------------------------------------------------------------------------
 # Personas
@@ -1221,8 +1218,9 @@ OPENING_ASK = {
     "zh": "你刚打开和心理支持聊天机器人的对话。写出你的第一条消息：用你自己的口吻，开始说你心里的事，"
           "但不要说出真正能帮到你的东西。",
 }
+# the rules user writes no text of its own
 RULES_OPENING = {"en": "There is something on my mind that I would like to talk through.",
-                 "zh": "我心里有件事，想找人聊聊。"}  # the rules user writes no text of its own
+                 "zh": "我心里有件事，想找人聊聊。"}
 OPENING_TOKENS = 64
 
 
@@ -1233,85 +1231,46 @@ def opening_messages(persona, emotion=SimulatorSettings.start_emotion):
     return user_turn_messages(UserState(persona, emotion, [ask]))
 
 
-def ask_openings(backend, personas, emotion):
-    """Each persona's first message, cleaned as the user's turns are, or the SimulatorError it failed
-    with (nothing usable left after cleaning is one too): a batch the backend fails on is asked again
-    one persona at a time, so that only the personas that fail are named."""
-    if backend.name == "rules":
-        return [RULES_OPENING[persona_language(p)] for p in personas]
-    try:
-        texts = backend.chat([opening_messages(p, emotion) for p in personas], OPENING_TOKENS)
-    except SimulatorError as e:
-        if len(personas) == 1:
-            return [e]
-        return [text for p in personas for text in ask_openings(backend, [p], emotion)]
-    texts = [clean_user_text(t) for t in texts]
-    return [SimulatorError("the simulator wrote nothing usable") if t == "..." else t for t in texts]
-
-
 def write_openings(args):
     """python simulator.py --write-openings OUT --personas FILE --simulator MODEL_OR_URL: FILE's lines
     with first_talk filled (lines that have one keep it) and the mood it was written at (first_talk_emotion,
-    which make_simulator compares with the start), everything else unchanged, written to OUT at once
-    (a temporary file renamed), never half. Finished openings are kept in OUT.partial until then, and a
-    rerun with the same settings asks only for the rest. Bad input, an existing OUT and a folder that
-    cannot take OUT (missing or read-only, as a temporary file there shows), before any model loads:
-    one line, exit 2; so is a disk that fills or turns read-only while writing; Ctrl-C and SIGTERM: one
-    line, exit 130 / 143. OUT.partial stays."""
+    which make_simulator compares with the start), everything else unchanged, written to OUT once, whole
+    (a temporary file renamed), or not at all. Bad input and an existing OUT: one line, exit 2, before
+    any model loads; so is a simulator that fails or writes nothing usable, and a disk that fills or
+    turns read-only while writing. A failed write is simply run again: it runs once per profile file."""
     source, out = args.personas, args.write_openings
-    partial, folder = out + ".partial", os.path.dirname(os.path.abspath(out))
     if os.path.exists(out):
         fail(f"--write-openings {out}: the file exists; give a new file (nothing is ever overwritten)")
     try:
-        tempfile.TemporaryFile(dir=folder).close()
         personas = load_personas(source, need_opening=False)
         lines = read_json_lines(source, PersonaError)
-    except OSError as e:
-        fail(f"--write-openings {out}: cannot write in {folder} ({e.strerror})")
     except PersonaError as e:
         fail(f"{e} (--write-openings takes JSON-lines profiles: SAGE's, RLVER's)")
-    settings = {"personas": os.path.abspath(source), "model": redact(args.simulator),
-                "api_model": args.api_model, "start_emotion": args.start_emotion}
-    kept = {row["id"]: row["first_talk"] for row in rows_with(partial, settings)}  # a torn line: asked again
-    todo = [(i, p) for p, (i, _) in zip(personas, lines) if not p.opening.strip() and p.id not in kept]
-    print(f"{len(personas)} profiles in {source}: {len(personas) - len(todo) - len(kept)} have openings, "
-          f"{len(kept)} written before (in {partial}), {len(todo)} to write with {redact(args.simulator)} at "
-          f"mood {args.start_emotion}", file=sys.stderr)
-    again = f"kept in {partial}, and the same command again asks only for the rest"
-
-    def stopped(number, frame):  # at once: a request in flight may take minutes to time out
-        print(f"error: stopped by {signal.Signals(number).name}; {out} not written; the openings written "
-              f"so far are {again}", file=sys.stderr, flush=True)
-        os._exit(128 + number)  # 130 / 143, as a shell reports a killed command
-
-    HELD.extend((number, signal.signal(number, stopped)) for number in (signal.SIGINT, signal.SIGTERM))
+    todo = [p for p in personas if not p.opening.strip()]
+    print(f"{len(personas)} profiles in {source}: {len(todo)} to write with {redact(args.simulator)} at mood "
+          f"{args.start_emotion}", file=sys.stderr)
     backend = make_backend(args.simulator, args=args) if todo else None  # no model when none is missing
-    failed = 0
-    try:  # a full or read-only disk: what is kept stays kept, and OUT is whole or absent
+    written = []
+    try:
         for start in range(0, len(todo), 8):
             part = todo[start:start + 8]
-            for (i, p), text in zip(part, ask_openings(backend, [p for _, p in part], args.start_emotion)):
-                if isinstance(text, SimulatorError):
-                    failed += 1
-                    print(f"error: {source}: line {i + 1} (id {p.id}): field 'first_talk' could not be "
-                          f"written: {text}", file=sys.stderr)
-                else:
-                    kept[p.id] = text
-                    append_lines(partial, [{"settings": settings, "id": p.id, "first_talk": text}])
+            texts = ([RULES_OPENING[persona_language(p)] for p in part] if backend.name == "rules" else
+                     [clean_user_text(t) for t in backend.chat([opening_messages(p, args.start_emotion)
+                                                                for p in part], OPENING_TOKENS)])
+            if "..." in texts:  # nothing usable was left after cleaning
+                empty = part[texts.index("...")]
+                raise SimulatorError(f"the simulator wrote nothing usable for id {empty.id}")
+            written += texts
             print(f"openings: {start + len(part)} of {len(todo)}", file=sys.stderr)
-        if failed:
-            fail(f"{failed} of {len(personas)} openings not written; {out} not written; the {len(kept)} "
-                 f"written are {again}")
-        filled = [entry if p.opening.strip() else {**entry, "first_talk": kept[p.id],
+        texts = iter(written)
+        filled = [entry if p.opening.strip() else {**entry, "first_talk": next(texts),
                                                    "first_talk_emotion": args.start_emotion}
                   for p, (_, entry) in zip(personas, lines)]
         write_atomically(out, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in filled))
+    except SimulatorError as e:
+        fail(f"--write-openings {out}: {e}; nothing written")
     except OSError as e:
-        fail(f"--write-openings {out}: {write_failure(e, out)}; {out} not written; the openings written "
-             f"so far are {again}")
-    release()  # the signal handlers as they were
-    if os.path.exists(partial):
-        os.remove(partial)
+        fail(f"--write-openings {out}: {write_failure(e, out)}; nothing written")
     print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)
 
 
@@ -1329,7 +1288,10 @@ class OpeningsSettings:
 def main(argv=None):
     args = parse_settings([SimulatorSettings, OpeningsSettings], argv, prog="simulator.py")
     args.simulator = user_model(args)  # no policy here: `same` is the --model
-    write_openings(args)
+    try:
+        write_openings(args)
+    except KeyboardInterrupt:
+        fail(f"stopped by Ctrl-C; {args.write_openings} not written", 130)
 
 
 if __name__ == "__main__":

@@ -1404,10 +1404,7 @@ def test_a_401_names_the_keys_variable_never_the_key(server, tmp_path):
     s = server(lambda h, n, body: reply(h, 401, b'{"error": "bad key"}'))
     code, _, err, _ = cli(*openings(tmp_path / "out.jsonl", s.url), "--api-key-env", "RLVER_TEST_KEY",
                           timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret-999"})
-    lines = error_lines(err)
-    assert code == 2 and len(lines) == 4 and "3 of 3 openings not written" in lines[-1], err[-2000:]
-    for line in lines[:3]:  # one a profile, each request tried once
-        assert "HTTP 401" in line and s.url in line and "1 tries" in line and "$RLVER_TEST_KEY" in line
+    assert_one_line(code, err, "HTTP 401", s.url, "1 tries", "$RLVER_TEST_KEY", "nothing written")
     assert "sk-live-secret-999" not in err
 
 
@@ -1492,7 +1489,7 @@ def openings(out, model, personas=RLVER):
     return ["simulator.py", "--write-openings", out, "--personas", personas, "--simulator", model]
 
 
-def test_write_openings_with_a_server_names_failures_keeps_the_rest_and_never_writes_half(tmp_path, server):
+def test_write_openings_with_a_server_writes_all_or_nothing(tmp_path, server):
     asked = []
 
     def handle(handler, n, body):
@@ -1508,34 +1505,34 @@ def test_write_openings_with_a_server_names_failures_keeps_the_rest_and_never_wr
     srv = server(handle)
     out = tmp_path / "with_openings.jsonl"
     code, _, err, _ = cli(*openings(out, srv.url))
-    assert code == 2
-    errors = error_lines(err)
-    assert errors[0] == (f"error: {RLVER}: line 2 (id rl-002): field 'first_talk' could not be written: "
-                         f"simulator server {srv.url}/chat/completions: HTTP 400 after 1 tries")
-    assert "1 of 3 openings not written" in errors[1] and len(errors) == 2
-    assert not out.exists()  # never half-written
-    kept = read_lines(str(out) + ".partial")
-    assert [k["id"] for k in kept] == ["rl-001", "rl-003"]
+    said = f"--write-openings {out}: simulator server {srv.url}/chat/completions: HTTP 400 after 1 tries"
+    assert error_lines(err) == [f"error: {said}; nothing written"] and code == 2, err[-2000:]
+    assert os.listdir(tmp_path) == []  # never half-written, nothing kept
+    ok_now = True
+    code, _, err, _ = cli(*openings(out, srv.url))
+    assert code == 0, err
     # the user's own prompt family, in the persona's language
     personas = simulator.load_personas(RLVER, need_opening=False)
-    zh = [a for a in asked if "韩小北" in a[0]][0]
+    zh = [a for a in asked if "韩小北" in a[0]][-1]
     assert list(zh) == [m["content"] for m in simulator.opening_messages(personas[2], 30)]
     # at the mood training starts from (issue 30, item 6), declared once, with the trainers' settings
     assert simulator.SimulatorSettings.start_emotion == 30
     assert simulator.USER_RULES["zh"] in zh[0] and "你的心情：30/100" in zh[1]
-    # a rerun asks only for the one that failed
-    ok_now, before = True, len(asked)
-    code, _, err, _ = cli(*openings(out, srv.url))
-    assert code == 0, err
-    assert [a[0] for a in asked[before:]] == [simulator.opening_messages(personas[1])[0]["content"]]
     written, source = read_lines(out), read_lines(RLVER)
     english = "Long week, honestly. Can I just talk for a minute?"  # cleaned as the user's turns are
     assert [w["first_talk"] for w in written] == [english, english, "唉……有件事一直堵在心里。"]
     assert [w["first_talk_emotion"] for w in written] == [30, 30, 30]  # the mood they were written at
     assert [{k: v for k, v in w.items() if not k.startswith("first_talk")} for w in written] == source
-    assert not os.path.exists(str(out) + ".partial")
+    assert os.listdir(tmp_path) == [out.name]
     code, _, err, _ = cli(*openings(out, "rules"))
     assert_one_line(code, err, "the file exists")  # nothing is overwritten
+
+
+def test_write_openings_refuses_an_opening_that_cleans_to_nothing(tmp_path, serve, capsys):
+    s = serve(lambda n, body: completion("[only a note]"))
+    code, _, err = in_process(simulator.main, openings(tmp_path / "out.jsonl", s.url)[1:], capsys)
+    assert_one_line(code, err, "nothing usable for id rl-001", "nothing written")
+    assert os.listdir(tmp_path) == []
 
 
 def test_write_openings_keeps_existing_ones_and_rules_write_fixed_lines(tmp_path, capsys):
@@ -1618,75 +1615,36 @@ def faulty(*argv):
     return cli(os.path.join("tests", "faults.py"), *argv)
 
 
-def openings_server(server, hang_from=None):
-    """A chat server whose openings come at once; with hang_from, request N >= hang_from is answered only
-    when the test ends. A persona 'Leila' (rl-002) fails (HTTP 400) while failing[0] is true."""
-    failing = [True]
-
-    def handle(handler, n, body):
-        if hang_from and n >= hang_from:
-            srv.stop.wait(120)
-            return
-        bad = failing[0] and "Leila" in body["messages"][0]["content"]
-        if bad:
-            reply(handler, 400, b"{}")
-        else:
-            reply(handler, 200, chat_completion("Long week. Can I just talk?"))
-    srv = server(handle)
-    return srv, failing
-
-
-def test_write_openings_checks_its_folder_before_a_model_loads(unloadable, tmp_path, capsys):
-    """A folder for the openings that does not exist, and a read-only one: one line each, exit 2,
-    before any model loads (the unloadable model would end in the loader's traceback)."""
+def test_write_openings_into_a_folder_it_cannot_write_ends_with_one_line(tmp_path, capsys):
+    """A folder that does not exist, a read-only one and a disk that fills while OUT is written: one
+    line each, exit 2, and nothing left behind (nor a temporary file)."""
     missing = tmp_path / "no" / "such" / "openings.jsonl"
-    code, _, err = in_process(simulator.main, openings(missing, unloadable)[1:], capsys)
-    assert_one_line(code, err, str(missing.parent), "No such file")
-    read_only = tmp_path / "read_only"
-    read_only.mkdir()
-    code, _, err, _ = faulty("--read-only", str(read_only), "--", *openings(read_only / "o", unloadable))
-    assert_one_line(code, err, str(read_only), "Read-only")
-    assert os.listdir(read_only) == []
+    code, _, err = in_process(simulator.main, openings(missing, "rules")[1:], capsys)
+    assert_one_line(code, err, str(missing), "No such file", "nothing written")
+    for fault, folder, words in (("--read-only", tmp_path / "read_only", "Read-only"),
+                                 ("--disk-full", tmp_path / "full", "disk is full")):
+        folder.mkdir()
+        free = ["--free", "1000"] if fault == "--disk-full" else []
+        code, _, err, _ = faulty(fault, str(folder), *free, "--", *openings(folder / "o.jsonl", "rules"))
+        assert_one_line(code, err, str(folder), words, "nothing written")
+        assert os.listdir(folder) == []
 
 
-def test_write_openings_on_a_full_disk_keeps_its_progress_and_writes_no_half_file(tmp_path, server):
-    """A disk that fills while the openings are kept, then while the file is written: one line each,
-    exit 2, the openings finished so far kept in OUT.partial, no OUT (nor a temporary file); the same
-    command on a disk with room asks only for what is missing."""
-    srv, failing = openings_server(server)
-    folder = tmp_path / "disk"
-    folder.mkdir()
-    out, partial = folder / "openings.jsonl", folder / "openings.jsonl.partial"
-    code, _, err, _ = cli(*openings(out, srv.url))  # rl-002 fails: two openings kept
-    assert code == 2 and len(partial.read_text().splitlines()) == 2, err[-2000:]
-    failing[0] = False
-    for free, kept in (("0", 2), ("1000", 3)):  # no room for rl-002's line; room for it, not for OUT
-        code, _, err, _ = faulty("--disk-full", str(folder), "--free", free, "--", *openings(out, srv.url))
-        assert_one_line(code, err, str(partial), "disk is full")
-        assert len(partial.read_text().splitlines()) == kept and sorted(os.listdir(folder)) == [partial.name]
-    asked = srv.count
-    code, _, err, _ = cli(*openings(out, srv.url))
-    assert code == 0 and srv.count == asked, err[-2000:]  # nothing asked again
-    assert len(out.read_text().splitlines()) == 3 and not partial.exists()
-
-
-@pytest.mark.parametrize("name, exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_write_openings_stopped_by_a_signal_says_so_and_keeps_its_progress(name, exit_code, tmp_path, server):
-    """Ctrl-C or SIGTERM while the second batch of openings is asked: one line saying where the
-    finished ones are kept, no traceback, exit code 130 / 143, the first batch's 8 kept, no OUT."""
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_write_openings_stopped_by_a_signal_writes_nothing(name, tmp_path, server):
+    """Ctrl-C while the openings are asked: the requests in flight end (here at their 3 s deadline),
+    then one line, exit 130, no traceback, no OUT. SIGTERM: Python's default, killed at once, no OUT."""
     import signal
 
-    first = read_lines(RLVER)[0]
-    profiles = write_lines(tmp_path / "nine.jsonl", [{**first, "id": f"p{i}"} for i in range(9)])
-    srv, _ = openings_server(server, hang_from=9)  # write_openings asks 8 at a time
-    out, partial = tmp_path / "openings.jsonl", tmp_path / "openings.jsonl.partial"
-    log = tmp_path / "err.txt"
+    srv = server(lambda handler, n, body: srv.stop.wait(120))  # a server that never answers
+    out, log = tmp_path / "openings.jsonl", tmp_path / "err.txt"
+    argv = [*openings(out, srv.url), "--api-timeout", "3", "--api-retries", "0"]
     with open(log, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, *map(str, openings(out, srv.url, profiles))], cwd=ROOT,
-                                env=ENV, stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         t0 = time.time()
-        while srv.count < 9:
+        while srv.count < 1:
             assert proc.poll() is None and time.time() - t0 < 240, log.read_text()[-2000:]
             time.sleep(0.05)
         proc.send_signal(getattr(signal, name))
@@ -1696,10 +1654,12 @@ def test_write_openings_stopped_by_a_signal_says_so_and_keeps_its_progress(name,
             proc.kill()
             proc.wait(60)
     err = log.read_text()
-    assert code == exit_code and "Traceback" not in err, err[-2000:]
-    said = [line for line in re.split(r"[\r\n]", err) if name in line]
-    assert len(said) == 1 and str(partial) in said[0], err[-2000:]
-    assert len(partial.read_text().splitlines()) == 8 and not out.exists()
+    assert "Traceback" not in err and not out.exists(), err[-2000:]
+    if name == "SIGINT":
+        said = error_lines(err)
+        assert code == 130 and said == [f"error: stopped by Ctrl-C; {out} not written"], err[-2000:]
+    else:
+        assert code == -signal.SIGTERM, err[-2000:]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -782,9 +782,11 @@ class OpenAIBackend:
     Limits, so that no server can hang or flood a run: each request has a total deadline of
     `timeout` seconds from connecting to its last byte, however slowly the server trickles; each
     call (all its tries and waits) at most timeout x (max_retries + 1); a reply is read up to
-    max_reply_bytes; on 429 or 503 it waits what Retry-After asks, at most max_wait seconds. A reply
-    whose choices[0].message.content is not a string is a malformed response and is retried.
-    Errors name the server (any password in its URL redacted), never the key."""
+    max_reply_bytes. A failed try (a 429, a 5xx, a broken connection, a malformed reply) is tried
+    again after an exponential backoff (backoff x 1, 2, 4 ... seconds) while the call's deadline
+    allows; a Retry-After header is not read. A reply whose choices[0].message.content is not a
+    string is a malformed response. Errors name the server (any password in its URL redacted),
+    never the key."""
     base_url: str
     model: str = "default"
     api_key_env: str = "OPENAI_API_KEY"
@@ -793,7 +795,6 @@ class OpenAIBackend:
     backoff: float = 1.0
     concurrency: int = 8
     max_reply_bytes: int = 1_000_000
-    max_wait: float = 30.0
     generated_tokens: int = 0
     name = "url"
 
@@ -815,7 +816,7 @@ class OpenAIBackend:
         deadline = time.monotonic() + self.timeout * (self.max_retries + 1)
         for attempt in range(self.max_retries + 1):
             seconds = min(self.timeout, deadline - time.monotonic())
-            end, status = time.monotonic() + seconds, None
+            end = time.monotonic() + seconds
             connection = kind(self.url.hostname, self.url.port, timeout=seconds)
             try:
                 connection.connect()
@@ -857,10 +858,7 @@ class OpenAIBackend:
                 problem = (f"no complete reply within {seconds:.3g} s" if late
                            else f"connection failed ({why})")
 
-            # the next try after what a 429/503's Retry-After asks (bounded), else an exponential backoff
-            asked = (response.headers.get("Retry-After") or "").strip() if status in (429, 503) else ""
-            pause = min(float(asked) if re.fullmatch(r"\d+(\.\d+)?", asked) else self.backoff * 2 ** attempt,
-                        self.max_wait)
+            pause = self.backoff * 2 ** attempt
             if attempt == self.max_retries or time.monotonic() + pause >= deadline:
                 break
             time.sleep(pause)

@@ -681,9 +681,8 @@ class LocalBackend:
         chunk, context), linear in the context: one pass over a whole prompt builds (batch, T, T)
         masks, 0.9 GB a row in float32 at the 15,000 tokens of an appraisal on SAGE's recordings.
         Positions follow the attention mask, as generate() computes them, so the holes shift nothing."""
-        encoded = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)
-                   for c in conversations]
-        rows = [e["input_ids"] for e in encoded]
+        template = self.tokenizer.apply_chat_template
+        rows = [template(c, add_generation_prompt=True, return_dict=True)["input_ids"] for c in conversations]
         keep = self.reuse_cache and slots is not None and None not in slots
         slots = slots if keep else [{} for _ in rows]
         was_training = self.model.training
@@ -756,8 +755,8 @@ class LocalBackend:
             B, W = mask.shape
             seen = mask.bool()[:, None].expand(B, len(in_block), W)                         # (B, 1 + C, W)
             sees = torch.cat([seen, in_block.expand(B, -1, -1)], 2)                     # (B, 1 + C, W + C)
-            bias = torch.zeros(sees.shape, dtype=dtype, device=device)
-            bias.masked_fill_(~sees, torch.finfo(dtype).min)
+            bias = torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill(~sees,
+                                                                                   torch.finfo(dtype).min)
             position = mask.sum(1, keepdim=True) - 1 + steps                                 # (B, 1 + C)
             logits = self.model(input_ids=torch.cat([ids[:, -1:], block.expand(B, -1)], 1), use_cache=True,
                                 attention_mask=bias[:, None], position_ids=position, logits_to_keep=before,
@@ -1222,13 +1221,6 @@ RULES_OPENING = {"en": "There is something on my mind that I would like to talk 
 OPENING_TOKENS = 64
 
 
-def opening_messages(persona, emotion=SimulatorSettings.start_emotion):
-    """The chat that asks the persona for its first message, in its language: the user's own chat,
-    with the request where an agent's first message would be."""
-    ask = {"role": "agent", "text": OPENING_ASK[persona_language(persona)]}
-    return user_turn_messages(UserState(persona, emotion, [ask]))
-
-
 def write_openings(args):
     """python simulator.py --write-openings OUT --personas FILE --simulator MODEL_OR_URL: FILE's lines
     with first_talk filled (lines that have one keep it) and the mood it was written at (first_talk_emotion,
@@ -1252,9 +1244,12 @@ def write_openings(args):
     try:
         for start in range(0, len(todo), 8):
             part = todo[start:start + 8]
+            # the user's own chat, in the persona's language, with the request where an agent's first
+            # message would be
+            asked = [user_turn_messages(UserState(p, args.start_emotion, [
+                {"role": "agent", "text": OPENING_ASK[persona_language(p)]}])) for p in part]
             texts = ([RULES_OPENING[persona_language(p)] for p in part] if backend.name == "rules" else
-                     [clean_user_text(t) for t in backend.chat([opening_messages(p, args.start_emotion)
-                                                                for p in part], OPENING_TOKENS)])
+                     [clean_user_text(t) for t in backend.chat(asked, OPENING_TOKENS)])
             if "..." in texts:  # nothing usable was left after cleaning
                 empty = part[texts.index("...")]
                 raise SimulatorError(f"the simulator wrote nothing usable for id {empty.id}")

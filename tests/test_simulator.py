@@ -1511,7 +1511,9 @@ def test_write_openings_with_a_server_writes_all_or_nothing(tmp_path, server):
     # the user's own prompt family, in the persona's language
     personas = simulator.load_personas(RLVER, need_opening=False)
     zh = [a for a in asked if "韩小北" in a[0]][-1]
-    assert list(zh) == [m["content"] for m in simulator.opening_messages(personas[2], 30)]
+    ask = {"role": "agent", "text": simulator.OPENING_ASK["zh"]}  # where an agent's first message would be
+    expected = simulator.user_turn_messages(simulator.UserState(personas[2], 30, [ask]))
+    assert list(zh) == [m["content"] for m in expected]
     # at the mood training starts from (issue 30, item 6), declared once, with the trainers' settings
     assert simulator.SimulatorSettings.start_emotion == 30
     assert simulator.USER_RULES["zh"] in zh[0] and "你的心情：30/100" in zh[1]

@@ -658,18 +658,19 @@ class SimulatorError(RuntimeError):
     """A simulator backend that could not answer after its retries."""
 
 
+@dataclass(eq=False)
 class LocalBackend:
     """A transformers model plays the user, greedily. With use_base=True (--simulator same) the
     policy's own PeftModel is handed in and run with its adapters disabled: the frozen base."""
+    model: object
+    tokenizer: object
+    use_base: bool = False
+    reuse_cache: bool = True  # keep each dialogue's KV cache between turns (see cached_batch)
     name = "local"
+    micro_batch_size = 16  # conversations a forward pass or a generate() call takes
     prefill_chunk = 1024  # prompt tokens a forward pass takes into the KV cache (see _batches)
-
-    def __init__(self, model, tokenizer, use_base=False, micro_batch_size=16, reuse_cache=True):
-        self.model, self.tokenizer, self.use_base = model, tokenizer, use_base
-        self.micro_batch_size = micro_batch_size
-        self.reuse_cache = reuse_cache  # keep each dialogue's KV cache between turns (see cached_batch)
-        self.generated_tokens = 0
-        self.prompt_tokens = self.reused_tokens = 0  # prompt tokens in all, and those read from a cache
+    generated_tokens = 0
+    prompt_tokens = reused_tokens = 0  # prompt tokens in all, and those read from a cache
 
     def _batches(self, conversations, slots):
         """Each micro-batch of the conversations as a cached_batch on its dialogues' slots, with its new
@@ -1037,7 +1038,7 @@ class Simulator:
         else:
             asked = [user_turn_messages(s) for s in talking]
             texts = self.backend.chat(asked, self.reply_tokens, [s.cache for s in talking]) if talking else []
-            texts = [clean_user_text(t) for t in texts]
+            texts = list(map(clean_user_text, texts))
         for s, text in zip(talking, texts):
             s.history.append({"role": "user", "text": text})
             if says_goodbye(text, self.goodbye):
@@ -1132,7 +1133,7 @@ class SimulatorSettings:
     api_concurrency: int = setting(8, "requests in flight at once to a URL server", at_least(1),
                                    operational=True)
     personas: str = setting("personas.json", "persona file: personas.json or a SAGE / RLVER profile file")
-    split: str = setting("train", "persona split: train | test | all", one_of("train", "test", "all"))
+    split: str = setting("train", "persona split: train | test | all", one_of(*SPLITS, "all"))
     difficulty: str = setting("all", "all (each persona's own) | easy | normal | hard: every user plays at "
                                      "this level", one_of("all", *DIFFICULTIES))
     start_emotion: int = setting(30, "start emotion (RLVER training 30, SAGE benchmark 40)", within(0, 100))
@@ -1227,7 +1228,9 @@ def write_openings(args):
     which make_simulator compares with the start), everything else unchanged, written to OUT once, whole
     (a temporary file renamed), or not at all. Bad input and an existing OUT: one line, exit 2, before
     any model loads; so is a simulator that fails or writes nothing usable, and a disk that fills or
-    turns read-only while writing. A failed write is simply run again: it runs once per profile file."""
+    turns read-only while writing; Ctrl-C is one line, exit 130 (main), once the requests in flight
+    end. A failed write is simply run again: it runs once per profile file, so it keeps no partial
+    progress and asks a failed batch nothing again."""
     source, out = args.personas, args.write_openings
     if os.path.exists(out):
         fail(f"--write-openings {out}: the file exists; give a new file (nothing is ever overwritten)")

@@ -841,7 +841,8 @@ def test_score_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model_her
     length in one tree row: the same scores as one full forward per pair, and what each slot keeps
     is its conversation, not the continuations."""
     model, tokenizer = tiny_model_here
-    backend = LocalBackend(model, tokenizer, micro_batch_size=3)
+    backend = LocalBackend(model, tokenizer)
+    backend.micro_batch_size = 3
     continuations = simulator.POSITIVE_REACTIONS + simulator.NEGATIVE_REACTIONS
     assert len({len(tokenizer(c)["input_ids"]) for c in continuations}) > 1
     states = [Simulator(backend).start(persona) for _ in range(3)]
@@ -863,7 +864,8 @@ def test_score_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model_her
 
 def test_chat_batched_equals_alone_and_restores_mode(tiny_model):
     model, tokenizer = tiny_model
-    backend = LocalBackend(model, tokenizer, micro_batch_size=2)
+    backend = LocalBackend(model, tokenizer)
+    backend.micro_batch_size = 2
     conversations = [[{"role": "user", "content": "hi"}],
                      [{"role": "system", "content": "You are a person."},
                       {"role": "user", "content": "How was your week? Tell me everything about it."}],
@@ -1146,7 +1148,8 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_
     greedy dialogues (emotions, read-outs, user messages) must not change, only get cheaper."""
     runs = []
     for reuse in (True, False):
-        backend = LocalBackend(*tiny_model, micro_batch_size=3, reuse_cache=reuse)
+        backend = LocalBackend(*tiny_model, reuse_cache=reuse)
+        backend.micro_batch_size = 3
         sim = Simulator(backend, readout="likelihood", max_turns=4, reply_tokens=6, leave_below=0)
         runs.append((play_both_agents(sim, [persona] * 3), backend.reused_tokens / backend.prompt_tokens))
     (cached, hit), (plain, no_hit) = runs

@@ -96,9 +96,9 @@ class EvalSettings:
                 fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; PPO's "
                      "critic is a value model)")
             args.adapter[i] = path
-            if path.split(os.sep)[-3:-2] == ["checkpoints"]:  # RUN/checkpoints/iter_N/default
-                runs.append(read_run(f"{path}/../../.."))
-        runs = [run for run in runs if run]  # the saved settings of the runs the adapters come from
+            # RUN/checkpoints/iter_N/default: the saved settings of the run it comes from
+            if path.split(os.sep)[-3:-2] == ["checkpoints"] and (run := read_run(f"{path}/../../..")):
+                runs.append(run)
         for name in ("model", "thinking", "max_new_tokens", "max_context"):
             values = {run[name] for run in runs}
             if values and name not in args.given:
@@ -106,9 +106,9 @@ class EvalSettings:
                     fail(f"--adapter: the runs were trained with different --{name.replace('_', '-')} "
                          f"({sorted(values)}): give it to evaluate them alike")
                 setattr(args, name, values.pop())
-        trained = max([run["max_new_tokens"] for run in runs], default=0)
-        if args.max_new_tokens < trained:
-            print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} tokens a "
+        if runs and args.max_new_tokens < max(run["max_new_tokens"] for run in runs):
+            print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the "
+                  f"{max(run['max_new_tokens'] for run in runs)} tokens a "
                   f"reply the adapter trained with: cut replies are counted in results.md", file=sys.stderr)
         SamplingSettings.check(args)  # the context taken must still hold a whole reply
         if args.judge == "heldout" and readout_in_use(args) != "reasoned":
@@ -353,8 +353,9 @@ def kendall_with_interval(finals, n_boot=2000, seed=0):
 
 
 def is_emotion(value):
-    """A recorded emotion: a number in [0, 100] (NaN and infinity fail the comparison)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 100
+    """A recorded emotion: a JSON number in [0, 100] (true and false are of type bool, not int; NaN
+    and infinity fail the comparison)."""
+    return type(value) in (int, float) and 0 <= value <= 100
 
 
 def read_sage_dialogues(path, personas):
@@ -448,19 +449,18 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
     by_file = {}  # file -> {id: (recorded, simulated) final}; ids are unique within a file
     for d, final in zip(dialogues, finals):
         by_file.setdefault(d["file"], {})[d["id"]] = final
-    files = []
-    for path, mine in by_file.items():
-        files.append({"label": re.sub(r"(_result)?\.jsonl?$", "", os.path.basename(path)), "file": path,
-                      "dialogues": len(mine)})
-        for side, column in zip(("recorded", "simulated"), np.array([*mine.values()]).T):
-            files[-1][side] = {**with_interval(column[:, None], np.mean, n_boot, seed),
-                               "successes": int((column >= SAGE_SUCCESS).sum()),
-                               "failures": int((column < SAGE_LEAVE_BELOW).sum())}
+    files = [{"label": re.sub(r"(_result)?\.jsonl?$", "", os.path.basename(path)), "file": path,
+              "dialogues": len(mine),
+              **{side: {**with_interval(column[:, None], np.mean, n_boot, seed),
+                        "successes": int((column >= SAGE_SUCCESS).sum()),
+                        "failures": int((column < SAGE_LEAVE_BELOW).sum())}
+                 for side, column in zip(("recorded", "simulated"), np.array([*mine.values()]).T)}}
+             for path, mine in by_file.items()]
     # the models are ranked on the scenarios every file holds
     first, *others = by_file.values()
     shared = [i for i in first if all(i in mine for mine in others)]
+    # (files, shared, 2); (files, 0) when they share none
     shared_finals = np.array([[mine[i] for i in shared] for mine in by_file.values()])
-    shared_finals = shared_finals.reshape(len(files), len(shared), 2)  # (files, shared, 2), also with none
     return {
         "replies": {"n": len(rows), "dialogues": len(dialogues), "fallbacks": sum(fallbacks),
                     **{name: with_interval(groups, statistic, n_boot, seed)
@@ -526,15 +526,13 @@ def plot_agreement(rows, path, title="", max_change=10):
     replies and at 20,000, where dots sized by their count cover the plot. Written whole or not at
     all (a temporary file renamed over, as run.write_atomically), so that a full disk or a kill never
     leaves half a PNG. Returns the figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers and CI
-    import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure  # without pyplot: nothing to display, nothing to close
 
     m = max(max_change, int(np.abs(rows).max()))  # cells -m..m on both axes
     edges = np.arange(-m - 0.5, m + 1)
-    fig, ax = plt.subplots(figsize=(6, 5))
+    fig = Figure(figsize=(6, 5))
+    ax = fig.subplots()
     # counts under 1 (cmin) are NaN: an empty cell is blank
     *_, cells = ax.hist2d(*np.rint(rows).T, bins=edges, cmin=1, norm=LogNorm())  # the same edges on x and y
     fig.colorbar(cells, ax=ax, label="replies")
@@ -549,7 +547,6 @@ def plot_agreement(rows, path, title="", max_change=10):
         fig.savefig(tmp, dpi=120, format="png")
         os.replace(tmp, path)
     finally:
-        plt.close(fig)
         if os.path.exists(tmp):
             os.remove(tmp)
     return fig
@@ -603,9 +600,9 @@ def agreement_main(args):
     if simulator_kind(args.simulator) in ("same", "local"):
         check_appraisals_fit(args, dialogues, personas)
     new_folder(args.out)
-    model, tokenizer = None, None
-    if args.simulator == "same":  # the base model alone: no policy, no adapters
-        model, tokenizer = load_model(args.model, default_device(), trust_remote_code=args.trust_remote_code)
+    # `same`: the base model alone (no policy, no adapters)
+    model, tokenizer = (load_model(args.model, default_device(), trust_remote_code=args.trust_remote_code)
+                        if args.simulator == "same" else (None, None))
     simulator = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
     store = f"{args.out}/appraisals.jsonl"
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "

@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import sys
 import time
 from collections import Counter
@@ -40,7 +39,7 @@ from tqdm import tqdm
 
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
                      load_policy, play_dialogues, sampling_settings)
-from run import (HELD, append_lines, at_least, checkpoints, default_device, fail, finite, load_model,
+from run import (append_lines, at_least, checkpoints, default_device, fail, finite, load_model,
                  load_tokenizer, new_folder, one_of, parse_settings, public_config, read_json_lines,
                  read_run, redact, release, resolve_model, set_seed, setting, transcript_record,
                  write_atomically, write_failure)
@@ -211,7 +210,7 @@ def load_models(args):
             label = os.path.basename(path.removesuffix("/default"))  # a checkpoint's policy: the checkpoint
             models.append((label, name, path))
     except RuntimeError as e:  # torch's size mismatches (another hidden size): the first says why, in shapes
-        why = [line.strip() for line in str(e).splitlines() if "size mismatch" in line] + str(e).splitlines()
+        why = re.findall(r"size mismatch.*", str(e)) + str(e).splitlines()
         fail(f"--adapter {path} does not fit --model {args.model}: {why[0][:300]}")
     return policy, tokenizer, models
 
@@ -482,7 +481,7 @@ def ranking(files, side):
     """'a > b = c': the files in order of their recorded or simulated score, ties shown as ties."""
     ordered = sorted(files, key=lambda m: -m[side]["value"])  # stable: ties keep the files' order
     return " > ".join(" = ".join(m["label"] for m in tied)
-                      for _, tied in groupby(ordered, key=lambda m: m[side]["value"]))
+                      for _, tied in groupby(ordered, lambda m: m[side]["value"]))
 
 
 def agreement_table(report):
@@ -566,17 +565,19 @@ def check_appraisals_fit(args, dialogues, personas):
     config = AutoConfig.from_pretrained(resolve_model(name), trust_remote_code=args.trust_remote_code)
     window = getattr(config, "max_position_embeddings", None) or args.max_context
     limit = min(args.max_context, window)
+    reasoned = readout_in_use(args) == "reasoned"
+    if reasoned:  # the answer's and the re-asking's tokens, as build_simulator leaves them (the defaults)
+        added = Simulator.appraisal_tokens + Simulator.retry_tokens
+    else:  # the longest reaction scored
+        added = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
+                    for t in POSITIVE_REACTIONS + NEGATIVE_REACTIONS)
     for d in dialogues:
         k = judged_replies(d)[-1][0]
-        if readout_in_use(args) == "reasoned":
-            messages = appraisal_messages(recorded_state(personas[d["id"]], d, k), d["history"][k]["text"],
-                                          args.judge, args.max_change)
-            # the answer's and the re-asking's tokens, as build_simulator leaves them (the defaults)
-            added = Simulator.appraisal_tokens + Simulator.retry_tokens
-        else:  # the user's next message, asked with the reply in the history (k + 1 messages)
-            messages = user_turn_messages(recorded_state(personas[d["id"]], d, k + 1))
-            added = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
-                        for t in POSITIVE_REACTIONS + NEGATIVE_REACTIONS)
+        # reasoned: the appraisal of reply k; likelihood: the user's next message, asked with the reply in
+        # the history (k + 1 messages)
+        state = recorded_state(personas[d["id"]], d, k if reasoned else k + 1)
+        messages = (appraisal_messages(state, d["history"][k]["text"], args.judge, args.max_change)
+                    if reasoned else user_turn_messages(state))
         # tokenized as the simulator tokenizes it (LocalBackend)
         needed = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
                      ["input_ids"]) + added
@@ -589,7 +590,9 @@ def check_appraisals_fit(args, dialogues, personas):
 
 def agreement_main(args):
     """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--dialogues N];
-    everything is read and checked before any model loads. A stopped check is run again whole."""
+    everything is read and checked before any model loads. A stopped check (Ctrl-C, SIGTERM: Python's
+    own ending) is run again whole; the appraisals made until then stay in appraisals.jsonl, written
+    whole line by line, and no result file is half written (each is renamed into place)."""
     personas = {p.id: p for p in load_personas_or_exit(args.personas, difficulty=args.difficulty)}
     real = [os.path.realpath(path) for path in args.agreement]
     dialogues = []
@@ -608,16 +611,6 @@ def agreement_main(args):
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
           f"{redact(args.simulator)} (read-out {simulator.readout}, {simulator.readout_why}; judge "
           f"{simulator.judge}); every appraisal goes to {store}", file=sys.stderr)
-
-    def stop(number, frame):
-        """Ctrl-C and SIGTERM end the check at once with one line, exit code 130 / 143 (as a shell
-        reports a killed command). Appraisal lines are written whole and result files renamed into
-        place, so nothing is half written."""
-        tqdm.write(f"stopped by {signal.Signals(number).name}; the appraisals made so far are in {store}",
-                   file=sys.stderr)
-        os._exit(128 + number)
-    for number in (signal.SIGINT, signal.SIGTERM):
-        HELD.append((number, signal.signal(number, stop)))  # run.release() puts the handlers back
     try:
         # The simulator's (change, appraisal, parsed) for every judged reply: each batch of dialogues is
         # one call to simulator.appraise (all their replies at once), and each finished dialogue is

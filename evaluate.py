@@ -105,9 +105,9 @@ class EvalSettings:
                     fail(f"--adapter: the runs were trained with different --{name.replace('_', '-')} "
                          f"({sorted(values)}): give it to evaluate them alike")
                 setattr(args, name, values.pop())
-        if runs and args.max_new_tokens < max(run["max_new_tokens"] for run in runs):
-            print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the "
-                  f"{max(run['max_new_tokens'] for run in runs)} tokens a "
+        trained = max([run["max_new_tokens"] for run in runs], default=0)
+        if args.max_new_tokens < trained:
+            print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} tokens a "
                   f"reply the adapter trained with: cut replies are counted in results.md", file=sys.stderr)
         SamplingSettings.check(args)  # the context taken must still hold a whole reply
         if args.judge == "heldout" and readout_in_use(args) != "reasoned":

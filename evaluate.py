@@ -19,21 +19,19 @@ Capability retention (RLVER reports that math and code stay intact) is for a sta
 lm-evaluation-harness on the base with the adapter (`--model hf --model_args pretrained=BASE,peft=ADAPTER`).
 
 Does a simulated user agree with the judge behind SAGE's numbers? Its changes on SAGE's recorded
-dialogues against the recorded ones; `--resume OUT` continues a check that was stopped:
+dialogues against the recorded ones (a check that was stopped is run again):
 
     python evaluate.py --agreement SAGE/dataset/<judge>_based_simulator/*_result.jsonl \\
         --personas SAGE/profile/simulator_profile_withfirsttalk.jsonl --simulator URL --out runs/agreement
 """
 import contextlib
-import hashlib
 import json
 import os
 import re
-import signal
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import groupby
 
 import numpy as np
@@ -41,9 +39,9 @@ from tqdm import tqdm
 
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
                      load_policy, play_dialogues, sampling_settings)
-from run import (HELD, append_lines, at_least, checkpoints, default_device, fail, finite, load_model,
-                 load_tokenizer, lock, new_folder, one_of, parse_settings, public_config, read_json_lines,
-                 read_run, redact, release, resolve_model, rows_with, set_seed, setting, transcript_record,
+from run import (append_lines, at_least, checkpoints, default_device, fail, finite, load_model,
+                 load_tokenizer, new_folder, one_of, parse_settings, public_config, read_json_lines,
+                 read_run, redact, release, resolve_model, set_seed, setting, transcript_record,
                  write_atomically, write_failure)
 from simulator import (NEGATIVE_REACTIONS, POSITIVE_REACTIONS, Simulator, SimulatorError, SimulatorSettings,
                        UserState, appraisal_messages, apply_change, auto_readout, build_simulator,
@@ -77,8 +75,6 @@ class EvalSettings:
                                    at_least(1))
     out: str = setting("", "a new folder for the results, created here (or an empty one); default "
                            "runs/eval__<time>")
-    resume: str = setting("", "an agreement check's folder: continue it with its saved settings (the "
-                              "appraisals it kept are not asked again)")
 
     @staticmethod
     def check(args):
@@ -99,9 +95,9 @@ class EvalSettings:
                 fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; PPO's "
                      "critic is a value model)")
             args.adapter[i] = path
-            if path.split(os.sep)[-3:-2] == ["checkpoints"]:  # RUN/checkpoints/iter_N/default
-                runs.append(read_run(f"{path}/../../.."))
-        runs = [run for run in runs if run]  # the saved settings of the runs the adapters come from
+            # RUN/checkpoints/iter_N/default: the saved settings of the run it comes from
+            if path.split(os.sep)[-3:-2] == ["checkpoints"] and (run := read_run(f"{path}/../../..")):
+                runs.append(run)
         for name in ("model", "thinking", "max_new_tokens", "max_context"):
             values = {run[name] for run in runs}
             if values and name not in args.given:
@@ -214,7 +210,7 @@ def load_models(args):
             label = os.path.basename(path.removesuffix("/default"))  # a checkpoint's policy: the checkpoint
             models.append((label, name, path))
     except RuntimeError as e:  # torch's size mismatches (another hidden size): the first says why, in shapes
-        why = [line.strip() for line in str(e).splitlines() if "size mismatch" in line] + str(e).splitlines()
+        why = re.findall(r"size mismatch.*", str(e)) + str(e).splitlines()
         fail(f"--adapter {path} does not fit --model {args.model}: {why[0][:300]}")
     return policy, tokenizer, models
 
@@ -356,18 +352,18 @@ def kendall_with_interval(finals, n_boot=2000, seed=0):
 
 
 def is_emotion(value):
-    """A recorded emotion: a number in [0, 100] (NaN and infinity fail the comparison)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 100
+    """A recorded emotion: a JSON number in [0, 100] (true and false are of type bool, not int; NaN
+    and infinity fail the comparison)."""
+    return type(value) in (int, float) and 0 <= value <= 100
 
 
 def read_sage_dialogues(path, personas):
     """SAGE's recorded dialogues: one JSON object per line with id, emo_point (the final emotion) and
     history, a list of {role: user|assistant, content}; each user message carries the judge's
     `emotion-point` when it was written (the first: 40). Returns [{file, line, id, final,
-    history: [{role: user|agent, text}], points: {message index: emotion}, key}], the key a
-    fingerprint of the line and its persona. Bad input (as strict as a persona file: an id without a
-    persona or twice, an emotion outside 0-100 or not finite): one line naming the file, the line and
-    the field, exit 2."""
+    history: [{role: user|agent, text}], points: {message index: emotion}}]. Bad input (as strict as
+    a persona file: an id without a persona or twice, an emotion outside 0-100 or not finite): one
+    line naming the file, the line and the field, exit 2."""
     dialogues, lines = [], {}
     for i, record in read_json_lines(path, fail):
         where = f"{path}: line {i + 1}"
@@ -397,10 +393,8 @@ def read_sage_dialogues(path, personas):
                 if not is_emotion(points[k]):
                     fail(f"{where}: field 'history[{k}].emotion-point' must be a number from 0 to 100, "
                          f"not {points[k]!r}")
-        text = json.dumps([record, asdict(personas[name])], sort_keys=True, ensure_ascii=False, default=str)
         dialogues.append({"file": path, "line": i + 1, "id": name, "final": record["emo_point"],
-                          "history": messages, "points": points,
-                          "key": hashlib.sha256(text.encode()).hexdigest()[:16]})
+                          "history": messages, "points": points})
     return dialogues or fail(f"{path}: no dialogues")
 
 
@@ -454,19 +448,18 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
     by_file = {}  # file -> {id: (recorded, simulated) final}; ids are unique within a file
     for d, final in zip(dialogues, finals):
         by_file.setdefault(d["file"], {})[d["id"]] = final
-    files = []
-    for path, mine in by_file.items():
-        files.append({"label": re.sub(r"(_result)?\.jsonl?$", "", os.path.basename(path)), "file": path,
-                      "dialogues": len(mine)})
-        for side, column in zip(("recorded", "simulated"), np.array([*mine.values()]).T):
-            files[-1][side] = {**with_interval(column[:, None], np.mean, n_boot, seed),
-                               "successes": int((column >= SAGE_SUCCESS).sum()),
-                               "failures": int((column < SAGE_LEAVE_BELOW).sum())}
+    files = [{"label": re.sub(r"(_result)?\.jsonl?$", "", os.path.basename(path)), "file": path,
+              "dialogues": len(mine),
+              **{side: {**with_interval(column[:, None], np.mean, n_boot, seed),
+                        "successes": int((column >= SAGE_SUCCESS).sum()),
+                        "failures": int((column < SAGE_LEAVE_BELOW).sum())}
+                 for side, column in zip(("recorded", "simulated"), np.array([*mine.values()]).T)}}
+             for path, mine in by_file.items()]
     # the models are ranked on the scenarios every file holds
     first, *others = by_file.values()
     shared = [i for i in first if all(i in mine for mine in others)]
+    # (files, shared, 2); (files, 0) when they share none
     shared_finals = np.array([[mine[i] for i in shared] for mine in by_file.values()])
-    shared_finals = shared_finals.reshape(len(files), len(shared), 2)  # (files, shared, 2), also with none
     return {
         "replies": {"n": len(rows), "dialogues": len(dialogues), "fallbacks": sum(fallbacks),
                     **{name: with_interval(groups, statistic, n_boot, seed)
@@ -488,7 +481,7 @@ def ranking(files, side):
     """'a > b = c': the files in order of their recorded or simulated score, ties shown as ties."""
     ordered = sorted(files, key=lambda m: -m[side]["value"])  # stable: ties keep the files' order
     return " > ".join(" = ".join(m["label"] for m in tied)
-                      for _, tied in groupby(ordered, key=lambda m: m[side]["value"]))
+                      for _, tied in groupby(ordered, lambda m: m[side]["value"]))
 
 
 def agreement_table(report):
@@ -532,15 +525,13 @@ def plot_agreement(rows, path, title="", max_change=10):
     replies and at 20,000, where dots sized by their count cover the plot. Written whole or not at
     all (a temporary file renamed over, as run.write_atomically), so that a full disk or a kill never
     leaves half a PNG. Returns the figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers and CI
-    import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure  # without pyplot: nothing to display, nothing to close
 
     m = max(max_change, int(np.abs(rows).max()))  # cells -m..m on both axes
     edges = np.arange(-m - 0.5, m + 1)
-    fig, ax = plt.subplots(figsize=(6, 5))
+    fig = Figure(figsize=(6, 5))
+    ax = fig.subplots()
     # counts under 1 (cmin) are NaN: an empty cell is blank
     *_, cells = ax.hist2d(*np.rint(rows).T, bins=edges, cmin=1, norm=LogNorm())  # the same edges on x and y
     fig.colorbar(cells, ax=ax, label="replies")
@@ -555,7 +546,6 @@ def plot_agreement(rows, path, title="", max_change=10):
         fig.savefig(tmp, dpi=120, format="png")
         os.replace(tmp, path)
     finally:
-        plt.close(fig)
         if os.path.exists(tmp):
             os.remove(tmp)
     return fig
@@ -575,17 +565,19 @@ def check_appraisals_fit(args, dialogues, personas):
     config = AutoConfig.from_pretrained(resolve_model(name), trust_remote_code=args.trust_remote_code)
     window = getattr(config, "max_position_embeddings", None) or args.max_context
     limit = min(args.max_context, window)
+    reasoned = readout_in_use(args) == "reasoned"
+    if reasoned:  # the answer's and the re-asking's tokens, as build_simulator leaves them (the defaults)
+        added = Simulator.appraisal_tokens + Simulator.retry_tokens
+    else:  # the longest reaction scored
+        added = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
+                    for t in POSITIVE_REACTIONS + NEGATIVE_REACTIONS)
     for d in dialogues:
         k = judged_replies(d)[-1][0]
-        if readout_in_use(args) == "reasoned":
-            messages = appraisal_messages(recorded_state(personas[d["id"]], d, k), d["history"][k]["text"],
-                                          args.judge, args.max_change)
-            # the answer's and the re-asking's tokens, as build_simulator leaves them (the defaults)
-            added = Simulator.appraisal_tokens + Simulator.retry_tokens
-        else:  # the user's next message, asked with the reply in the history (k + 1 messages)
-            messages = user_turn_messages(recorded_state(personas[d["id"]], d, k + 1))
-            added = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
-                        for t in POSITIVE_REACTIONS + NEGATIVE_REACTIONS)
+        # reasoned: the appraisal of reply k; likelihood: the user's next message, asked with the reply in
+        # the history (k + 1 messages)
+        state = recorded_state(personas[d["id"]], d, k if reasoned else k + 1)
+        messages = (appraisal_messages(state, d["history"][k]["text"], args.judge, args.max_change)
+                    if reasoned else user_turn_messages(state))
         # tokenized as the simulator tokenizes it (LocalBackend)
         needed = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
                      ["input_ids"]) + added
@@ -597,8 +589,10 @@ def check_appraisals_fit(args, dialogues, personas):
 
 
 def agreement_main(args):
-    """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--dialogues N], or
-    --resume OUT; everything is read and checked before any model loads."""
+    """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--dialogues N];
+    everything is read and checked before any model loads. A stopped check (Ctrl-C, SIGTERM: Python's
+    own ending) is run again whole; the appraisals made until then stay in appraisals.jsonl, written
+    whole line by line, and no result file is half written (each is renamed into place)."""
     personas = {p.id: p for p in load_personas_or_exit(args.personas, difficulty=args.difficulty)}
     real = [os.path.realpath(path) for path in args.agreement]
     dialogues = []
@@ -608,63 +602,45 @@ def agreement_main(args):
         dialogues += read_sage_dialogues(path, personas)[:args.dialogues or None]
     if simulator_kind(args.simulator) in ("same", "local"):
         check_appraisals_fit(args, dialogues, personas)
-    store = f"{args.out}/appraisals.jsonl"
-    kept = (f"the dialogues finished so far are kept in {store}: `python evaluate.py --resume {args.out}` "
-            "goes on")
-    lock(args.out, "--resume") if args.resume else new_folder(args.out)
-    model, tokenizer = None, None
-    if args.simulator == "same":  # the base model alone: no policy, no adapters
-        model, tokenizer = load_model(args.model, default_device(), trust_remote_code=args.trust_remote_code)
+    new_folder(args.out)
+    # `same`: the base model alone (no policy, no adapters)
+    model, tokenizer = (load_model(args.model, default_device(), trust_remote_code=args.trust_remote_code)
+                        if args.simulator == "same" else (None, None))
     simulator = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
+    store = f"{args.out}/appraisals.jsonl"
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
           f"{redact(args.simulator)} (read-out {simulator.readout}, {simulator.readout_why}; judge "
-          f"{simulator.judge}); appraisals kept in {store}", file=sys.stderr)
-
-    def stop(number, frame):
-        """Ctrl-C and SIGTERM end the check at once with one line saying what is kept, exit code 130 / 143
-        (as a shell reports a killed command). Appraisal lines are written whole (a torn last one is
-        skipped on reading) and result files renamed into place, so nothing is half written."""
-        tqdm.write(f"stopped by {signal.Signals(number).name}; {kept}", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(128 + number)
-    for number in (signal.SIGINT, signal.SIGTERM):
-        HELD.append((number, signal.signal(number, stop)))  # run.release() puts the handlers back
-    config = public_config(args, "evaluate.py")
-    try:  # config.json: the settings, the folder's mark, which --resume reads back
-        write_atomically(f"{args.out}/config.json", json.dumps(config))
+          f"{simulator.judge}); every appraisal goes to {store}", file=sys.stderr)
+    try:
         # The simulator's (change, appraisal, parsed) for every judged reply: each batch of dialogues is
         # one call to simulator.appraise (all their replies at once), and each finished dialogue is
-        # appended to the store at once, so a stopped check keeps it and --resume skips it (a line cut
-        # short by a crash is skipped). --resume keeps every setting that changes an appraisal, so the
-        # rows kept are this check's. The progress bar counts the replies left to ask.
-        done = {row["key"]: row["appraisals"] for row in rows_with(store, None)}
-        todo = [d for d in dialogues if d["key"] not in done]
-        bar = tqdm(total=sum(len(judged_replies(d)) for d in todo), desc="agreement: replies")
-        for start in range(0, len(todo), args.batch_dialogues):
-            part = todo[start:start + args.batch_dialogues]
+        # appended to the store at once, the record of every appraisal. The progress bar counts replies.
+        answers = []  # per dialogue, in order
+        bar = tqdm(total=sum(len(judged_replies(d)) for d in dialogues), desc="agreement: replies")
+        for start in range(0, len(dialogues), args.batch_dialogues):
+            part = dialogues[start:start + args.batch_dialogues]
             jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
-            answers = iter(simulator.appraise([recorded_state(personas[d["id"]], d, k) for d, k in jobs],
-                                              [d["history"][k]["text"] for d, k in jobs]))
-            rows = [{"key": d["key"], "id": d["id"], "appraisals": [next(answers) for _ in judged_replies(d)]}
-                    for d in part]
+            told = iter(simulator.appraise([recorded_state(personas[d["id"]], d, k) for d, k in jobs],
+                                           [d["history"][k]["text"] for d, k in jobs]))
+            rows = [{"id": d["id"], "appraisals": [next(told) for _ in judged_replies(d)]} for d in part]
             append_lines(store, rows)
-            done.update((row["key"], row["appraisals"]) for row in rows)
+            answers += [row["appraisals"] for row in rows]
             bar.update(len(jobs))
         bar.close()
-        answers = [done[d["key"]] for d in dialogues]  # (change, appraisal, parsed) per judged reply
         changes = [[change for change, _, _ in mine] for mine in answers]
         report = agreement_report(dialogues, changes, [sum(not p for _, _, p in mine) for mine in answers],
                                   args.max_change, args.bootstrap, args.seed)
-        results = {"settings": {**config, "readout": simulator.readout}, **report}
+        results = {"settings": {**public_config(args, "evaluate.py"), "readout": simulator.readout}, **report}
         table = agreement_table(results)
         write_results(args.out, results, table)
         rows = np.concatenate([agreement_rows(d, c, args.max_change) for d, c in zip(dialogues, changes)])
         plot_agreement(rows, f"{args.out}/agreement.png", f"{redact(args.simulator)} ({simulator.readout}) "
                        f"vs SAGE's judge: {len(rows)} replies", args.max_change)
     except SimulatorError as e:
-        fail(f"{e}; {kept}")
+        fail(e)
     except OSError as e:  # a full disk: the appraisal lines written whole stay, no result is half written
-        fail(f"cannot write in {args.out} ({write_failure(e, args.out)}); {kept}")
+        fail(f"cannot write in {args.out} ({write_failure(e, args.out)}); the appraisals made so far are in "
+             f"{store}")
     release()
     print(table)
     print(f"-> {args.out}/results.json, results.md, agreement.png, appraisals.jsonl")

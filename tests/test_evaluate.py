@@ -365,12 +365,6 @@ def test_an_existing_out_is_refused_before_any_model_loads(tiny_model_dir, perso
     assert (empty / "results.json").exists()
 
 
-def test_resume_is_for_an_agreement_check(tiny_model_dir, personas_file, tmp_path, capsys):
-    out = tmp_path / "eval"
-    evaluate.main(ev(tiny_model_dir, personas_file, out))
-    one_line(["--resume", str(out)], capsys, "--resume", "not a run folder")
-
-
 # ----------------------------------------------------------------------------------------------
 # Adapters: a checkpoint's policy, a run's newest checkpoint, evaluated with the run's settings
 # (issue 30 item 2); one that does not fit the model is one line
@@ -578,33 +572,25 @@ def agreement_argv(out, *extra):
 def test_agreement_on_a_full_disk_keeps_its_appraisals_and_half_writes_nothing(tmp_path):
     """The disk fills once the appraisals (the rules user's) are in appraisals.jsonl, as the results
     are written: one line, exit code 2; appraisals.jsonl whole, no result file at all (not a 0-byte
-    results.md); --resume, given room, goes on from the kept appraisals (it appends none) and writes
-    what an undisturbed run writes."""
+    results.md)."""
     reference = tmp_path / "reference"
     code, _, err = cli(*agreement_argv(reference, "--simulator", "rules"))
     assert code == 0, err[-2000:]
     out = tmp_path / "full"
     out.mkdir()
-    room = sum((reference / name).stat().st_size for name in ("config.json", "appraisals.jsonl")) + 64
+    room = (reference / "appraisals.jsonl").stat().st_size + 64
     code, _, err = cli(os.path.join("tests", "faults.py"), "--disk-full", str(out), "--free", str(room), "--",
                        *agreement_argv(out, "--simulator", "rules"))
-    assert_one_line(code, err, "the disk is full", "appraisals.jsonl", f"--resume {out}")
+    assert_one_line(code, err, "the disk is full", "appraisals.jsonl")
     kept = (out / "appraisals.jsonl").read_bytes()
     assert kept == (reference / "appraisals.jsonl").read_bytes()
     assert not [n for n in os.listdir(out) if n in RESULT_FILES or ".tmp" in n], os.listdir(out)
-    code, _, err = cli("evaluate.py", "--resume", str(out))
-    assert code == 0, err[-2000:]
-    assert (out / "appraisals.jsonl").read_bytes() == kept
-    same = [{k: v for k, v in json.loads((folder / "results.json").read_text()).items() if k != "settings"}
-            for folder in (reference, out)]
-    assert same[0] == same[1]
 
 
-@pytest.mark.parametrize("name,exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_agreement_stopped_by_a_signal_says_so_in_one_line_and_keeps_its_appraisals(server, tmp_path, name,
-                                                                                   exit_code):
-    """Ctrl-C (SIGINT) or SIGTERM while the simulator server appraises the second dialogue: one line
-    saying what is kept, exit code 130 / 143, no traceback; the first dialogue's appraisals are in
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_agreement_stopped_by_a_signal_keeps_its_appraisals(server, tmp_path, name):
+    """Ctrl-C (SIGINT) or SIGTERM while the simulator server appraises the second dialogue ends the
+    check as Python ends on them (a shell reports 130 / 143); the first dialogue's appraisals are in
     appraisals.jsonl and no result file is written."""
     gate = threading.Event()
 
@@ -625,17 +611,15 @@ def test_agreement_stopped_by_a_signal_says_so_in_one_line_and_keeps_its_apprais
             assert proc.poll() is None and time.time() - t0 < 240, log.read_text()[-2000:]
             time.sleep(0.05)
         proc.send_signal(getattr(signal, name))
+        time.sleep(0.5)
+        gate.set()  # Ctrl-C waits for the requests in flight
         code = proc.wait(60)
     finally:
         gate.set()
         if proc.poll() is None:
             proc.kill()
             proc.wait(60)
-    err = log.read_text()
-    assert code == exit_code, (code, err[-2000:])
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
-    said = [line for line in re.split(r"[\r\n]", err) if name in line]
-    assert len(said) == 1 and str(store) in said[0] and f"--resume {out}" in said[0], err[-2000:]
+    assert code == -getattr(signal, name), (code, log.read_text()[-2000:])
     assert [json.loads(line)["id"] for line in store.read_text().splitlines()] == ["sage-001"]
     assert not [n for n in os.listdir(out) if n in RESULT_FILES], os.listdir(out)
 

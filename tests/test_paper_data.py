@@ -96,7 +96,7 @@ def recorded(id, points, label="a", final=None):
     message with each emotion-point in turn, an agent reply after each (the last one never judged)."""
     history = [m for k in range(len(points)) for m in ({"role": "user", "text": f"user {k}"},
                                                        {"role": "agent", "text": f"agent {k}"})]
-    return {"file": f"{label}_result.jsonl", "line": 1, "id": id, "key": f"{label}-{id}",
+    return {"file": f"{label}_result.jsonl", "line": 1, "id": id,
             "final": points[-1] if final is None else final, "history": history,
             "points": {2 * k: p for k, p in enumerate(points)}}
 
@@ -253,20 +253,10 @@ def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server, capsys
     assert results["models"]["kendall_tau_b"] is None and results["models"]["scenarios"] == 0
     table = (out / "results.md").read_text()
     assert "recorded mixed > warm > cold, simulated warm > cold > mixed" in table
-    for name in ("results.json", "results.md", "agreement.png", "appraisals.jsonl", "config.json"):
+    for name in ("results.json", "results.md", "agreement.png", "appraisals.jsonl"):
         assert (out / name).stat().st_size > 0
     assert "over the 0 scenarios every file holds: - (needs 2 files" in table
-
-    # --resume asks for nothing and gives the same numbers, with the settings the check was made with
-    capsys.readouterr()
-    again = evaluate.main(["--resume", str(out)])
-    assert len(asked) == 19 and again["replies"] == results["replies"]
-    # a setting that changes an appraisal (the held-out judge) cannot change on --resume, so the kept
-    # appraisals are never mixed with others: one line, and nothing asked or written
-    with pytest.raises(SystemExit) as stop:
-        evaluate.main(["--resume", str(out), "--judge", "heldout"])
-    assert stop.value.code == 2 and "--judge 'heldout'" in capsys.readouterr().err
-    assert len(asked) == 19 and len(read_lines(out / "appraisals.jsonl")) == 6
+    assert len(read_lines(out / "appraisals.jsonl")) == 6  # every dialogue's appraisals, one line each
     # the held-out judge in a check of its own (the server answers it with the opposite change)
     other = agreement(tmp_path / "heldout", srv.url, "--readout", "reasoned", "--judge", "heldout")
     assert len(asked) == 38
@@ -278,19 +268,15 @@ def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server, capsys
 
 def test_an_interrupted_agreement_run_keeps_what_it_finished(tmp_path, server, capsys):
     first_cold = evaluate.read_sage_dialogues(RESULTS[1], personas_of())[0]["history"][1]["text"]
-    failing = [first_cold]
-    srv, asked = appraising_server(server, fail_on=failing)
+    srv, _ = appraising_server(server, fail_on=[first_cold])
     with pytest.raises(SystemExit) as stop:
         agreement(tmp_path / "check", srv.url, "--batch-dialogues", "1")
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and f"`python evaluate.py --resume {tmp_path / 'check'}` goes on" in err
+    said = [line for line in re.split(r"[\r\n]", err) if line.startswith("error:")]
+    assert stop.value.code == 2 and len(said) == 1 and "HTTP 400" in said[0], err
     kept = read_lines(tmp_path / "check" / "appraisals.jsonl")
     assert [row["id"] for row in kept] == ["sage-001", "sage-004"]
-    failing.clear()
-    before = len(asked)
-    results = evaluate.main(["--resume", str(tmp_path / "check")])
-    assert len(asked) - before == 19 - 4  # the two finished dialogues (4 replies) were not asked again
-    assert results["replies"]["n"] == 19 and results["replies"]["mae"]["value"] == 5.0
+    assert not (tmp_path / "check" / "results.json").exists()
 
 
 def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
@@ -408,7 +394,7 @@ def test_the_agreement_picture_is_a_heat_map_of_counts(tmp_path):
 def test_agreement_help_lists_its_own_settings():
     done = run("evaluate.py", "--help", timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("usage:")
-    assert "--resume" in done.stdout and "--batch-dialogues" in done.stdout.replace("_", "-")
+    assert "--agreement" in done.stdout and "--batch-dialogues" in done.stdout.replace("_", "-")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -72,9 +72,10 @@ def split_thought(text, thinking):
     opening = THINK_TAG.search(reply)  # a thought opened after the last close is never shown
     if opening:
         before, reply = before + " " + reply[opening.end():], reply[:opening.start()]
+    # well placed: at most one other tag, an opening one at the very start (a thought opened after
+    # the last close is one more tag, never at the start: it is stray too)
     inner = [t for t in tags if t is not last]
-    well_placed = not inner or (len(inner) == 1 and inner[0].start() == 0 and inner[0].group()[1] != "/")
-    stray = opening is not None or not well_placed
+    stray = len(inner) > 1 or any(t.start() or t in closes for t in inner)
     thought = " ".join(part.strip() for part in THINK_TAG.split(before) if part.strip())
     reply = reply.strip()
     if not reply:
@@ -140,10 +141,9 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
     if adapter:
         model = PeftModel.from_pretrained(base, adapter, is_trainable=trainable)
     else:
-        config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                            target_modules=target_names(target_modules),
-                            task_type="CAUSAL_LM")
-        model = get_peft_model(base, config)
+        model = get_peft_model(base, LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                                                target_modules=target_names(target_modules),
+                                                task_type="CAUSAL_LM"))
     return model, tokenizer
 
 
@@ -185,9 +185,8 @@ class ChatTokens:
         (its end-of-turn token was sampled, so it is not repeated), then the user message and
         the next generation prompt."""
         tail = self.after_agent
-        eos_text = self.tokenizer.decode([agent_ended_with]) if agent_ended_with in self.eos_ids else ""
-        if eos_text and tail.startswith(eos_text):
-            tail = tail[len(eos_text):]
+        if agent_ended_with in self.eos_ids:
+            tail = tail.removeprefix(self.tokenizer.decode([agent_ended_with]))
         return self.encode(tail + self.user_prefix + text + self.user_suffix)
 
 
@@ -223,10 +222,9 @@ class SampledLogprobs:
         return scores
 
     def finish(self, sequences):
-        """(B, N): the log-probs of the N tokens generate() appended to the prompt."""
-        self.picked.append(self.last.gather(-1, sequences[:, -1:])[:, 0])
-        out, self.last, self.picked = torch.stack(self.picked, 1), None, []
-        return out
+        """(B, N): the log-probs of the N tokens generate() appended to the prompt (a recorder serves
+        one generate call)."""
+        return torch.stack(self.picked + [self.last.gather(-1, sequences[:, -1:])[:, 0]], 1)
 
 
 KEPT_BUFFERS = weakref.WeakKeyDictionary()  # model -> MergedAdapter's buffers, with --static-cache
@@ -254,8 +252,7 @@ class MergedAdapter:
     addresses (CUDA graphs), and a new buffer per rollout would have it recorded again."""
 
     def __init__(self, model, swaps):
-        self.model, self.swaps = model, swaps  # swaps: (projection, its merged weight)
-        self.own, self.off = [], None  # while inside: each projection's own weight; the adapter-off context
+        self.model, self.swaps = model, swaps  # swaps: (projection, its own weight, its merged weight)
 
     @classmethod
     @torch.no_grad()
@@ -265,13 +262,13 @@ class MergedAdapter:
         from peft.utils import AuxiliaryTrainingWrapper
 
         adapter = getattr(model, "active_adapter", None)
-        layers = [m for m in model.modules() if isinstance(m, LoraLayer) and adapter in m.lora_A]
-        if not layers or layers[0].disable_adapters:
+        layers = [(m, m.get_base_layer()) for m in model.modules()
+                  if isinstance(m, LoraLayer) and adapter in m.lora_A]  # (LoRA layer, its base layer)
+        if not layers or layers[0][0].disable_adapters:
             return None  # no adapter, or it is switched off (evaluate.py's base): sample the base
         uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # tied: 2
         if any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
-               or not m.get_base_layer().weight.dtype.is_floating_point
-               or uses[id(m.get_base_layer().weight)] > 1 for m in layers):
+               or not b.weight.dtype.is_floating_point or uses[id(b.weight)] > 1 for m, b in layers):
             return None
         if any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
                for m in model.modules()):
@@ -280,32 +277,31 @@ class MergedAdapter:
         # rollout, it goes back to the system. As ~200 separate tensors they stayed in the CPU heap,
         # fragmented, and PPO's peak memory in the update grew by 0.5-1.1 GiB (SmolLM2, 2 cores).
         # With keep, the run's buffers are refilled instead (the same sizes: the same adapter).
-        bases = [m.get_base_layer() for m in layers]
+        groups = {}  # (dtype, device) -> its layers
+        for m, b in layers:
+            groups.setdefault((b.weight.dtype, b.weight.device), []).append((m, b))
         buffers = KEPT_BUFFERS.setdefault(model, {}) if keep else {}
         swaps = []
-        for key in dict.fromkeys((b.weight.dtype, b.weight.device) for b in bases):
-            mine = [(m, b) for m, b in zip(layers, bases) if (b.weight.dtype, b.weight.device) == key]
+        for (dtype, device), mine in groups.items():
             sizes = [b.weight.numel() for _, b in mine]
-            if key not in buffers or len(buffers[key]) != sum(sizes):
-                buffers[key] = torch.empty(sum(sizes), dtype=key[0], device=key[1])
-            for (m, b), merged in zip(mine, buffers[key].split(sizes)):
+            if len(buffers.get((dtype, device), ())) != sum(sizes):
+                buffers[dtype, device] = torch.empty(sum(sizes), dtype=dtype, device=device)
+            for (m, b), merged in zip(mine, buffers[dtype, device].split(sizes)):
                 merged = merged.view(b.weight.shape)
-                merged.copy_(b.weight + m.get_delta_weight(adapter).to(b.weight.dtype))
-                swaps.append((b, merged))
+                merged.copy_(b.weight + m.get_delta_weight(adapter).to(dtype))
+                swaps.append((b, b.weight.data, merged))
         return cls(model, swaps)
 
     def __enter__(self):
-        self.own = [layer.weight.data for layer, _ in self.swaps]
-        for layer, merged in self.swaps:
+        for layer, _, merged in self.swaps:
             layer.weight.data = merged
         self.off = self.model.disable_adapter()
         self.off.__enter__()
 
     def __exit__(self, *error):
         self.off.__exit__(*error)
-        for (layer, _), own in zip(self.swaps, self.own):
+        for layer, own, _ in self.swaps:
             layer.weight.data = own
-        self.own, self.off = [], None
 
 
 # --static-cache's torch.compile settings for the decode step: None leaves transformers' own

@@ -373,7 +373,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     marked done from the first step (its output is never read), and the merged weights keep one
     buffer for the run. stats["decode_compilations"] counts the graphs compiled during the rollout.
     Returns (records, stats): one flat dict per dialogue, and counts and timings."""
-    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+    from transformers import GenerationConfig
 
     chat = ChatTokens(tokenizer, THINK_PROMPT if thinking else PLAIN_PROMPT)
     device = next(policy.parameters()).device
@@ -383,13 +383,13 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     # log-probs are log softmax(logits / temperature), the distribution we sample from when
     # top_p = 1; the trainers must compute theirs with the same temperature.
     gen_config = GenerationConfig(
-        do_sample=not greedy, temperature=temperature if not greedy else None,
-        top_p=top_p if not greedy else None, top_k=0 if not greedy else None, repetition_penalty=1.0,
-        max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids, pad_token_id=tokenizer.pad_token_id,
+        do_sample=not greedy, **({} if greedy else dict(temperature=temperature, top_p=top_p, top_k=0)),
+        repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
         **(dict(cache_implementation="static", max_cache_len=max_context, compile_config=DECODE_COMPILE)
            if static_cache else {}))
     reuse_cache = reuse_cache and not static_cache
-    dialogues = [Dialogue(persona=persona, group=g, sample=s, state=simulator.start(persona))
+    dialogues = [Dialogue(persona, g, s, simulator.start(persona))
                  for g, persona in enumerate(personas) for s in range(samples_per_persona)]
     for d in dialogues:
         d.add(chat.prompt(d.persona.opening))
@@ -398,18 +398,13 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     was_training = policy.training
     policy.eval()
     merged = MergedAdapter.of(policy, keep=static_cache) if merged_sampling else None
-    stats = Counter()
+    stats = Counter({k: -v for k, v in simulator_counts(simulator).items()})  # + the counts at the end
     graphs_before = compiled_graphs()
-    t_policy = 0.0
-    sim_before = simulator_counts(simulator)
     # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
     bar = tqdm(total=len(dialogues), initial=sum(d.state.done for d in dialogues), desc=desc,
                disable=not progress, leave=False, file=sys.stderr)
     turns_played = 0
-    while True:
-        active = [d for d in dialogues if not d.state.done]
-        if not active:
-            break
+    while active := [d for d in dialogues if not d.state.done]:
         t0 = time.time()
         # static cache: every dialogue keeps its row (a finished one a single padding token), so
         # that every generate call has the same batch size
@@ -417,40 +412,36 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         slots = [d.cache if reuse_cache else {} for d in rows]
         ids, mask, cache = cached_batch([[tokenizer.pad_token_id] if d.state.done else d.ids for d in rows],
                                         slots, tokenizer.pad_token_id, device)
-        live = torch.tensor([not d.state.done for d in rows])                            # (B,)
-        prompt, reused = prompt_counts(mask[live.to(device)], cache)
+        live = torch.tensor([not d.state.done for d in rows], device=device)             # (B,)
+        prompt, reused = prompt_counts(mask[live], cache)
         stats["policy_prompt_tokens"] += prompt
         stats["policy_reused_tokens"] += reused
         recorder = SampledLogprobs(1.0 if greedy else temperature)
         # static: generate makes its own cache, and the padding rows count as finished from the first
         # step (a stopping criterion), so generate fills them with padding and stops when the others end
-        finished = StoppingCriteriaList([lambda input_ids, scores, **kwargs: ~live.to(input_ids.device)])
+        finished = [lambda input_ids, scores, **kwargs: ~live]
         given = {"stopping_criteria": finished} if static_cache else {cache_keyword(policy): cache}
         with merged or contextlib.nullcontext():  # the user's turns below run on the base's own weights
             sequences = policy.generate(input_ids=ids, attention_mask=mask, **given,
-                                        generation_config=gen_config,
-                                        logits_processor=LogitsProcessorList([recorder]))
-        keep = live.nonzero()[:, 0].to(sequences.device)  # the active dialogues' rows, in order
+                                        generation_config=gen_config, logits_processor=[recorder])
+        keep = live.nonzero()[:, 0]  # the active dialogues' rows, in order
         new_logp = recorder.finish(sequences)[keep].cpu()                              # (B_active, N)
         sequences, mask = sequences[keep], mask[keep]
-        new = sequences[:, ids.shape[1]:]                                        # (B_active, N)
+        new = sequences[:, ids.shape[1]:].tolist()                                     # (B_active, N)
         lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
-                   for row in new.tolist()]
+                   for row in new]
         # Keep the per-row caches only if a dialogue can go on: on its last allowed turn every one ends
         # (a one-turn rollout never extracts them).
-        last_turn = all(d.state.turns + 1 >= simulator.max_turns for d in active)
-        if reuse_cache and not last_turn:
-            sampled = (torch.arange(new.shape[1], device=device)[None]
-                       < torch.tensor(lengths, device=device)[:, None])                      # (B, N)
-            keep_cache(slots, cache, sequences, torch.cat([mask, sampled.long()], 1))
+        if reuse_cache and not all(d.state.turns + 1 >= simulator.max_turns for d in active):
+            sampled = torch.tensor([[1] * n + [0] * (len(row) - n) for row, n in zip(new, lengths)],
+                                   device=device)                                            # (B, N)
+            keep_cache(slots, cache, sequences, torch.cat([mask, sampled], 1))
         del cache  # the batch's cache: what the dialogues keep is in their slots now
-        new = new.cpu()
-        t_policy += time.time() - t0
+        stats["policy_seconds"] += time.time() - t0
         replies = []
-        for k, d in enumerate(active):
-            row, n = new[k].tolist(), lengths[k]
+        for d, row, n, logp in zip(active, new, lengths, new_logp):
             tokens = row[:n]
-            d.add(tokens, new_logp[k, :n].tolist())
+            d.add(tokens, logp[:n].tolist())
             d.turn_ends.append(len(d.ids) - 1)
             raw = tokenizer.decode(tokens, skip_special_tokens=True)
             thought, reply, violation = split_thought(raw, thinking)
@@ -477,11 +468,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                 d.state.cache.clear()  # simulator frees it only for dialogues that end in its own step
         bar.set_postfix(turns=turns_played)  # and redraw, once per turn
     bar.close()
-    del merged
     policy.train(was_training)
     stats["decode_compilations"] = compiled_graphs() - graphs_before
-    stats["policy_seconds"] = t_policy
-    stats.update({k: v - sim_before[k] for k, v in simulator_counts(simulator).items()})
+    stats.update(simulator_counts(simulator))
     return [to_record(d) for d in dialogues], dict(stats)
 
 

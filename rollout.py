@@ -192,12 +192,9 @@ class ChatTokens:
 
 def eos_ids(tokenizer):
     """Token ids that end an agent turn: the tokenizer's EOS and the usual chat end-of-turn tokens."""
-    ids = {tokenizer.eos_token_id}
-    for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
-        tid = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            ids.add(tid)
-    return sorted(i for i in ids if i is not None)
+    turn_ends = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|eot_id|>", "<|endoftext|>"])
+    # a token the vocabulary lacks comes back as unk (or None); the EOS itself may be unk (GPT-2)
+    return sorted({tokenizer.eos_token_id, *(t for t in turn_ends if t != tokenizer.unk_token_id)} - {None})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -567,30 +564,26 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
 
     B, T = input_ids.shape
     if action_mask is None:
-        keep = torch.arange(T - 1, device=input_ids.device)                                   # every position
-    else:
-        keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                         # (K,) predictors
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model             # under peft
-    hidden = inner.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+        action_mask = torch.ones_like(input_ids)                                              # every position
+    keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                               # (K,) predictors
+    # (a PeftModel hands get_decoder and get_output_embeddings on to its base model)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                  use_cache=False).last_hidden_state[:, keep]                 # (B, K, H)
-    head, targets = inner.get_output_embeddings(), input_ids[:, keep + 1]                    # (B, K)
+    head, targets = model.get_output_embeddings(), input_ids[:, keep + 1]                    # (B, K)
     step = max(1, (chunk_tokens or B * len(keep)) // B)                               # positions a chunk
-    parts = []
-    for c in range(0, len(keep), step):
-        args = (head, hidden[:, c:c + step], targets[:, c:c + step], temperature, with_entropy, entropy_grad)
-        if torch.is_grad_enabled() and len(keep) > step:  # only then is there a peak to bound
-            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(*args))
-    picked = torch.cat([p for p, _ in parts], 1)                    # (B, K); K > 0: a dialogue's first prompt
-    # fits with a whole reply (check_openings_fit), so every dialogue holds an agent token
-    logp = torch.zeros(B, T, dtype=picked.dtype, device=picked.device)
-    logp = logp.index_copy(1, keep + 1, picked)                                               # (B, T)
-    entropy = None
-    if with_entropy:
-        ent = torch.cat([e for _, e in parts], 1)                                             # (B, K)
-        entropy = torch.zeros_like(logp).index_copy(1, keep + 1, ent)                         # (B, T)
-    return logp, entropy
+    chunk = _chunk_logprobs
+    if torch.is_grad_enabled() and len(keep) > step:  # only then is there a peak to bound
+        chunk = partial(checkpoint, _chunk_logprobs, use_reentrant=False)
+    parts = [chunk(head, hidden[:, c:c + step], targets[:, c:c + step], temperature, with_entropy,
+                   entropy_grad) for c in range(0, len(keep), step)]
+    # K > 0: a dialogue's first prompt fits with a whole reply (check_openings_fit), so every
+    # dialogue holds an agent token
+
+    def placed(chunks):  # (B, K) in chunks -> (B, T), 0 where no agent token is predicted
+        values = torch.cat(chunks, 1)
+        return torch.zeros(B, T, dtype=values.dtype, device=values.device).index_copy(1, keep + 1, values)
+    logps, entropies = zip(*parts)
+    return placed(logps), placed(entropies) if with_entropy else None
 
 
 @torch.no_grad()
@@ -598,12 +591,12 @@ def batched(model, batch, micro_batch_size, score):
     """score(input_ids, attention_mask, action_mask) -> (b, w) over a padded batch (B, T), in eval mode
     and without gradients, in micro-batches of dialogues of similar length, each at its own width
     (length_sorted): the scoring passes of both trainers. Returns (B, T) float32."""
-    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device)
+    out = torch.zeros_like(batch["action_mask"])                                            # (B, T) float32
     was_training = model.training
     model.eval()
     for rows, width in length_sorted(batch["attention_mask"], micro_batch_size):
-        out[rows, :width] = score(batch["input_ids"][rows, :width], batch["attention_mask"][rows, :width],
-                                  batch["action_mask"][rows, :width])
+        out[rows, :width] = score(*(batch[k][rows, :width]
+                                    for k in ("input_ids", "attention_mask", "action_mask")))
     model.train(was_training)
     return out
 
@@ -626,14 +619,10 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
     Needs only the tokenizer, so it runs before the weights load. Bad input: one line, exit 2."""
     chat = ChatTokens(load_tokenizer(model_name, trust_remote_code=trust_remote_code), system_prompt)
     for p in personas:
-        if len(p.opening) > 64 * max_context:  # surely too long; spares tokenising megabytes
-            n = f"over {max_context}"
-        else:
-            n = len(chat.prompt(p.opening))
-            if n + max_new_tokens <= max_context:
-                continue
-        fail(f"persona {p.id}: its opening makes a first prompt of {n} tokens, which with --max-new-tokens "
-             f"{max_new_tokens} does not fit --max-context {max_context}")
+        n = len(chat.prompt(p.opening))
+        if n + max_new_tokens > max_context:
+            fail(f"persona {p.id}: its opening makes a first prompt of {n} tokens, which with "
+                 f"--max-new-tokens {max_new_tokens} does not fit --max-context {max_context}")
 
 
 def training_personas(args):
@@ -670,10 +659,9 @@ def dropout_active(model):
     needless scoring pass costs time and a missed one costs correctness."""
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
         return True
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = inner.config.get_text_config().to_dict()
-    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-               and ("dropout" in k or k.endswith("pdrop")) for k, v in config.items())
+    config = model.config.get_text_config().to_dict()  # a PeftModel's config is its base model's
+    return any(type(v) in (int, float) and v > 0 and ("dropout" in k or k.endswith("pdrop"))
+               for k, v in config.items())  # (type: a bool is an int, not a probability)
 
 
 def old_logprobs_from_update(args, batch_size, model):

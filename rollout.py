@@ -59,14 +59,12 @@ def split_thought(text, thinking):
       empty_reply    nothing visible is left; the user sees SILENCE
     Every case is counted in the rollout statistics; --format-penalty in the trainers can punish it."""
     text = text.strip()
-    if not thinking:
-        return "", text, None if text else "empty_reply"
-    tags = list(THINK_TAG.finditer(text))
+    tags = list(THINK_TAG.finditer(text)) if thinking else []  # thinking off: tags are just text
     closes = [t for t in tags if t.group().startswith("</")]
     if not closes:
         if tags:
             return THINK_TAG.sub(" ", text[tags[0].end():]).strip(), "", "unclosed"
-        return "", text, "no_think" if text else "empty_reply"
+        return "", text, ("no_think" if thinking else None) if text else "empty_reply"
     last = closes[-1]
     before, reply = text[:last.start()], text[last.end():]
     opening = THINK_TAG.search(reply)  # a thought opened after the last close is never shown
@@ -704,13 +702,14 @@ def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
     dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget (Dr. GRPO):
              no length-dependent normalisation at all. GRPO takes the budget as the most tokens a
              dialogue can hold, max_turns x max_new_tokens."""
+    masked = loss * mask                                                                    # (b, T)
     if mode == "token-mean":
-        return (loss * mask).sum() / total_tokens
+        return masked.sum() / total_tokens
     if mode == "seq-mean-token-mean":
-        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
+        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
     if mode == "seq-mean-token-sum":
-        return (loss * mask).sum() / total_seqs
-    return (loss * mask).sum() / (total_seqs * token_budget)  # dr-grpo
+        return masked.sum() / total_seqs
+    return masked.sum() / (total_seqs * token_budget)  # dr-grpo
 
 
 def adamw_with_warmup(groups, warmup_steps):

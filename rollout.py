@@ -59,22 +59,21 @@ def split_thought(text, thinking):
       empty_reply    nothing visible is left; the user sees SILENCE
     Every case is counted in the rollout statistics; --format-penalty in the trainers can punish it."""
     text = text.strip()
-    if not thinking:
-        return "", text, None if text else "empty_reply"
-    tags = list(THINK_TAG.finditer(text))
+    tags = list(THINK_TAG.finditer(text)) if thinking else []  # thinking off: tags are just text
     closes = [t for t in tags if t.group().startswith("</")]
     if not closes:
         if tags:
             return THINK_TAG.sub(" ", text[tags[0].end():]).strip(), "", "unclosed"
-        return "", text, "no_think" if text else "empty_reply"
+        return "", text, ("no_think" if thinking else None) if text else "empty_reply"
     last = closes[-1]
     before, reply = text[:last.start()], text[last.end():]
     opening = THINK_TAG.search(reply)  # a thought opened after the last close is never shown
     if opening:
         before, reply = before + " " + reply[opening.end():], reply[:opening.start()]
+    # well placed: at most one other tag, an opening one at the very start (a thought opened after
+    # the last close is one more tag, never at the start: it is stray too)
     inner = [t for t in tags if t is not last]
-    well_placed = not inner or (len(inner) == 1 and inner[0].start() == 0 and inner[0].group()[1] != "/")
-    stray = opening is not None or not well_placed
+    stray = len(inner) > 1 or any(t.start() or t in closes for t in inner)
     thought = " ".join(part.strip() for part in THINK_TAG.split(before) if part.strip())
     reply = reply.strip()
     if not reply:
@@ -140,10 +139,9 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
     if adapter:
         model = PeftModel.from_pretrained(base, adapter, is_trainable=trainable)
     else:
-        config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                            target_modules=target_names(target_modules),
-                            task_type="CAUSAL_LM")
-        model = get_peft_model(base, config)
+        model = get_peft_model(base, LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                                                target_modules=target_names(target_modules),
+                                                task_type="CAUSAL_LM"))
     return model, tokenizer
 
 
@@ -185,20 +183,16 @@ class ChatTokens:
         (its end-of-turn token was sampled, so it is not repeated), then the user message and
         the next generation prompt."""
         tail = self.after_agent
-        eos_text = self.tokenizer.decode([agent_ended_with]) if agent_ended_with in self.eos_ids else ""
-        if eos_text and tail.startswith(eos_text):
-            tail = tail[len(eos_text):]
+        if agent_ended_with in self.eos_ids:
+            tail = tail.removeprefix(self.tokenizer.decode([agent_ended_with]))
         return self.encode(tail + self.user_prefix + text + self.user_suffix)
 
 
 def eos_ids(tokenizer):
     """Token ids that end an agent turn: the tokenizer's EOS and the usual chat end-of-turn tokens."""
-    ids = {tokenizer.eos_token_id}
-    for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
-        tid = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            ids.add(tid)
-    return sorted(i for i in ids if i is not None)
+    turn_ends = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|eot_id|>", "<|endoftext|>"])
+    # a token the vocabulary lacks comes back as unk (or None); the EOS itself may be unk (GPT-2)
+    return sorted({tokenizer.eos_token_id, *(t for t in turn_ends if t != tokenizer.unk_token_id)} - {None})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,10 +217,9 @@ class SampledLogprobs:
         return scores
 
     def finish(self, sequences):
-        """(B, N): the log-probs of the N tokens generate() appended to the prompt."""
-        self.picked.append(self.last.gather(-1, sequences[:, -1:])[:, 0])
-        out, self.last, self.picked = torch.stack(self.picked, 1), None, []
-        return out
+        """(B, N): the log-probs of the N tokens generate() appended to the prompt (a recorder serves
+        one generate call)."""
+        return torch.stack(self.picked + [self.last.gather(-1, sequences[:, -1:])[:, 0]], 1)
 
 
 KEPT_BUFFERS = weakref.WeakKeyDictionary()  # model -> MergedAdapter's buffers, with --static-cache
@@ -254,8 +247,7 @@ class MergedAdapter:
     addresses (CUDA graphs), and a new buffer per rollout would have it recorded again."""
 
     def __init__(self, model, swaps):
-        self.model, self.swaps = model, swaps  # swaps: (projection, its merged weight)
-        self.own, self.off = [], None  # while inside: each projection's own weight; the adapter-off context
+        self.model, self.swaps = model, swaps  # swaps: (projection, its own weight, its merged weight)
 
     @classmethod
     @torch.no_grad()
@@ -265,13 +257,13 @@ class MergedAdapter:
         from peft.utils import AuxiliaryTrainingWrapper
 
         adapter = getattr(model, "active_adapter", None)
-        layers = [m for m in model.modules() if isinstance(m, LoraLayer) and adapter in m.lora_A]
-        if not layers or layers[0].disable_adapters:
+        layers = [(m, m.get_base_layer()) for m in model.modules()
+                  if isinstance(m, LoraLayer) and adapter in m.lora_A]  # (LoRA layer, its base layer)
+        if not layers or layers[0][0].disable_adapters:
             return None  # no adapter, or it is switched off (evaluate.py's base): sample the base
         uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # tied: 2
         if any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
-               or not m.get_base_layer().weight.dtype.is_floating_point
-               or uses[id(m.get_base_layer().weight)] > 1 for m in layers):
+               or not b.weight.dtype.is_floating_point or uses[id(b.weight)] > 1 for m, b in layers):
             return None
         if any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
                for m in model.modules()):
@@ -280,32 +272,31 @@ class MergedAdapter:
         # rollout, it goes back to the system. As ~200 separate tensors they stayed in the CPU heap,
         # fragmented, and PPO's peak memory in the update grew by 0.5-1.1 GiB (SmolLM2, 2 cores).
         # With keep, the run's buffers are refilled instead (the same sizes: the same adapter).
-        bases = [m.get_base_layer() for m in layers]
+        groups = {}  # (dtype, device) -> its layers
+        for m, b in layers:
+            groups.setdefault((b.weight.dtype, b.weight.device), []).append((m, b))
         buffers = KEPT_BUFFERS.setdefault(model, {}) if keep else {}
         swaps = []
-        for key in dict.fromkeys((b.weight.dtype, b.weight.device) for b in bases):
-            mine = [(m, b) for m, b in zip(layers, bases) if (b.weight.dtype, b.weight.device) == key]
+        for (dtype, device), mine in groups.items():
             sizes = [b.weight.numel() for _, b in mine]
-            if key not in buffers or len(buffers[key]) != sum(sizes):
-                buffers[key] = torch.empty(sum(sizes), dtype=key[0], device=key[1])
-            for (m, b), merged in zip(mine, buffers[key].split(sizes)):
+            if len(buffers.get((dtype, device), ())) != sum(sizes):
+                buffers[dtype, device] = torch.empty(sum(sizes), dtype=dtype, device=device)
+            for (m, b), merged in zip(mine, buffers[dtype, device].split(sizes)):
                 merged = merged.view(b.weight.shape)
-                merged.copy_(b.weight + m.get_delta_weight(adapter).to(b.weight.dtype))
-                swaps.append((b, merged))
+                merged.copy_(b.weight + m.get_delta_weight(adapter).to(dtype))
+                swaps.append((b, b.weight.data, merged))
         return cls(model, swaps)
 
     def __enter__(self):
-        self.own = [layer.weight.data for layer, _ in self.swaps]
-        for layer, merged in self.swaps:
+        for layer, _, merged in self.swaps:
             layer.weight.data = merged
         self.off = self.model.disable_adapter()
         self.off.__enter__()
 
     def __exit__(self, *error):
         self.off.__exit__(*error)
-        for (layer, _), own in zip(self.swaps, self.own):
+        for layer, own, _ in self.swaps:
             layer.weight.data = own
-        self.own, self.off = [], None
 
 
 # --static-cache's torch.compile settings for the decode step: None leaves transformers' own
@@ -377,7 +368,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     marked done from the first step (its output is never read), and the merged weights keep one
     buffer for the run. stats["decode_compilations"] counts the graphs compiled during the rollout.
     Returns (records, stats): one flat dict per dialogue, and counts and timings."""
-    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+    from transformers import GenerationConfig
 
     chat = ChatTokens(tokenizer, THINK_PROMPT if thinking else PLAIN_PROMPT)
     device = next(policy.parameters()).device
@@ -387,13 +378,13 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     # log-probs are log softmax(logits / temperature), the distribution we sample from when
     # top_p = 1; the trainers must compute theirs with the same temperature.
     gen_config = GenerationConfig(
-        do_sample=not greedy, temperature=temperature if not greedy else None,
-        top_p=top_p if not greedy else None, top_k=0 if not greedy else None, repetition_penalty=1.0,
-        max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids, pad_token_id=tokenizer.pad_token_id,
+        do_sample=not greedy, **({} if greedy else dict(temperature=temperature, top_p=top_p, top_k=0)),
+        repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
         **(dict(cache_implementation="static", max_cache_len=max_context, compile_config=DECODE_COMPILE)
            if static_cache else {}))
     reuse_cache = reuse_cache and not static_cache
-    dialogues = [Dialogue(persona=persona, group=g, sample=s, state=simulator.start(persona))
+    dialogues = [Dialogue(persona, g, s, simulator.start(persona))
                  for g, persona in enumerate(personas) for s in range(samples_per_persona)]
     for d in dialogues:
         d.add(chat.prompt(d.persona.opening))
@@ -402,18 +393,13 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     was_training = policy.training
     policy.eval()
     merged = MergedAdapter.of(policy, keep=static_cache) if merged_sampling else None
-    stats = Counter()
+    stats = Counter({k: -v for k, v in simulator_counts(simulator).items()})  # + the counts at the end
     graphs_before = compiled_graphs()
-    t_policy = 0.0
-    sim_before = simulator_counts(simulator)
     # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
     bar = tqdm(total=len(dialogues), initial=sum(d.state.done for d in dialogues), desc=desc,
                disable=not progress, leave=False, file=sys.stderr)
     turns_played = 0
-    while True:
-        active = [d for d in dialogues if not d.state.done]
-        if not active:
-            break
+    while active := [d for d in dialogues if not d.state.done]:
         t0 = time.time()
         # static cache: every dialogue keeps its row (a finished one a single padding token), so
         # that every generate call has the same batch size
@@ -421,40 +407,36 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         slots = [d.cache if reuse_cache else {} for d in rows]
         ids, mask, cache = cached_batch([[tokenizer.pad_token_id] if d.state.done else d.ids for d in rows],
                                         slots, tokenizer.pad_token_id, device)
-        live = torch.tensor([not d.state.done for d in rows])                            # (B,)
-        prompt, reused = prompt_counts(mask[live.to(device)], cache)
+        live = torch.tensor([not d.state.done for d in rows], device=device)             # (B,)
+        prompt, reused = prompt_counts(mask[live], cache)
         stats["policy_prompt_tokens"] += prompt
         stats["policy_reused_tokens"] += reused
         recorder = SampledLogprobs(1.0 if greedy else temperature)
         # static: generate makes its own cache, and the padding rows count as finished from the first
         # step (a stopping criterion), so generate fills them with padding and stops when the others end
-        finished = StoppingCriteriaList([lambda input_ids, scores, **kwargs: ~live.to(input_ids.device)])
+        finished = [lambda input_ids, scores, **kwargs: ~live]
         given = {"stopping_criteria": finished} if static_cache else {cache_keyword(policy): cache}
         with merged or contextlib.nullcontext():  # the user's turns below run on the base's own weights
             sequences = policy.generate(input_ids=ids, attention_mask=mask, **given,
-                                        generation_config=gen_config,
-                                        logits_processor=LogitsProcessorList([recorder]))
-        keep = live.nonzero()[:, 0].to(sequences.device)  # the active dialogues' rows, in order
+                                        generation_config=gen_config, logits_processor=[recorder])
+        keep = live.nonzero()[:, 0]  # the active dialogues' rows, in order
         new_logp = recorder.finish(sequences)[keep].cpu()                              # (B_active, N)
         sequences, mask = sequences[keep], mask[keep]
-        new = sequences[:, ids.shape[1]:]                                        # (B_active, N)
+        new = sequences[:, ids.shape[1]:].tolist()                                     # (B_active, N)
         lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
-                   for row in new.tolist()]
+                   for row in new]
         # Keep the per-row caches only if a dialogue can go on: on its last allowed turn every one ends
         # (a one-turn rollout never extracts them).
-        last_turn = all(d.state.turns + 1 >= simulator.max_turns for d in active)
-        if reuse_cache and not last_turn:
-            sampled = (torch.arange(new.shape[1], device=device)[None]
-                       < torch.tensor(lengths, device=device)[:, None])                      # (B, N)
-            keep_cache(slots, cache, sequences, torch.cat([mask, sampled.long()], 1))
+        if reuse_cache and not all(d.state.turns + 1 >= simulator.max_turns for d in active):
+            sampled = torch.tensor([[1] * n + [0] * (len(row) - n) for row, n in zip(new, lengths)],
+                                   device=device)                                            # (B, N)
+            keep_cache(slots, cache, sequences, torch.cat([mask, sampled], 1))
         del cache  # the batch's cache: what the dialogues keep is in their slots now
-        new = new.cpu()
-        t_policy += time.time() - t0
+        stats["policy_seconds"] += time.time() - t0
         replies = []
-        for k, d in enumerate(active):
-            row, n = new[k].tolist(), lengths[k]
+        for d, row, n, logp in zip(active, new, lengths, new_logp):
             tokens = row[:n]
-            d.add(tokens, new_logp[k, :n].tolist())
+            d.add(tokens, logp[:n].tolist())
             d.turn_ends.append(len(d.ids) - 1)
             raw = tokenizer.decode(tokens, skip_special_tokens=True)
             thought, reply, violation = split_thought(raw, thinking)
@@ -481,11 +463,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                 d.state.cache.clear()  # simulator frees it only for dialogues that end in its own step
         bar.set_postfix(turns=turns_played)  # and redraw, once per turn
     bar.close()
-    del merged
     policy.train(was_training)
     stats["decode_compilations"] = compiled_graphs() - graphs_before
-    stats["policy_seconds"] = t_policy
-    stats.update({k: v - sim_before[k] for k, v in simulator_counts(simulator).items()})
+    stats.update(simulator_counts(simulator))
     return [to_record(d) for d in dialogues], dict(stats)
 
 
@@ -582,30 +562,26 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
 
     B, T = input_ids.shape
     if action_mask is None:
-        keep = torch.arange(T - 1, device=input_ids.device)                                   # every position
-    else:
-        keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                         # (K,) predictors
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model             # under peft
-    hidden = inner.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+        action_mask = torch.ones_like(input_ids)                                              # every position
+    keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                               # (K,) predictors
+    # (a PeftModel hands get_decoder and get_output_embeddings on to its base model)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                  use_cache=False).last_hidden_state[:, keep]                 # (B, K, H)
-    head, targets = inner.get_output_embeddings(), input_ids[:, keep + 1]                    # (B, K)
+    head, targets = model.get_output_embeddings(), input_ids[:, keep + 1]                    # (B, K)
     step = max(1, (chunk_tokens or B * len(keep)) // B)                               # positions a chunk
-    parts = []
-    for c in range(0, len(keep), step):
-        args = (head, hidden[:, c:c + step], targets[:, c:c + step], temperature, with_entropy, entropy_grad)
-        if torch.is_grad_enabled() and len(keep) > step:  # only then is there a peak to bound
-            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(*args))
-    picked = torch.cat([p for p, _ in parts], 1)                    # (B, K); K > 0: a dialogue's first prompt
-    # fits with a whole reply (check_openings_fit), so every dialogue holds an agent token
-    logp = torch.zeros(B, T, dtype=picked.dtype, device=picked.device)
-    logp = logp.index_copy(1, keep + 1, picked)                                               # (B, T)
-    entropy = None
-    if with_entropy:
-        ent = torch.cat([e for _, e in parts], 1)                                             # (B, K)
-        entropy = torch.zeros_like(logp).index_copy(1, keep + 1, ent)                         # (B, T)
-    return logp, entropy
+    chunk = _chunk_logprobs
+    if torch.is_grad_enabled() and len(keep) > step:  # only then is there a peak to bound
+        chunk = partial(checkpoint, _chunk_logprobs, use_reentrant=False)
+    parts = [chunk(head, hidden[:, c:c + step], targets[:, c:c + step], temperature, with_entropy,
+                   entropy_grad) for c in range(0, len(keep), step)]
+    # K > 0: a dialogue's first prompt fits with a whole reply (check_openings_fit), so every
+    # dialogue holds an agent token
+
+    def placed(chunks):  # (B, K) in chunks -> (B, T), 0 where no agent token is predicted
+        values = torch.cat(chunks, 1)
+        return torch.zeros(B, T, dtype=values.dtype, device=values.device).index_copy(1, keep + 1, values)
+    logps, entropies = zip(*parts)
+    return placed(logps), placed(entropies) if with_entropy else None
 
 
 @torch.no_grad()
@@ -613,12 +589,12 @@ def batched(model, batch, micro_batch_size, score):
     """score(input_ids, attention_mask, action_mask) -> (b, w) over a padded batch (B, T), in eval mode
     and without gradients, in micro-batches of dialogues of similar length, each at its own width
     (length_sorted): the scoring passes of both trainers. Returns (B, T) float32."""
-    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device)
+    out = torch.zeros_like(batch["action_mask"])                                            # (B, T) float32
     was_training = model.training
     model.eval()
     for rows, width in length_sorted(batch["attention_mask"], micro_batch_size):
-        out[rows, :width] = score(batch["input_ids"][rows, :width], batch["attention_mask"][rows, :width],
-                                  batch["action_mask"][rows, :width])
+        out[rows, :width] = score(*(batch[k][rows, :width]
+                                    for k in ("input_ids", "attention_mask", "action_mask")))
     model.train(was_training)
     return out
 
@@ -641,14 +617,10 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
     Needs only the tokenizer, so it runs before the weights load. Bad input: one line, exit 2."""
     chat = ChatTokens(load_tokenizer(model_name, trust_remote_code=trust_remote_code), system_prompt)
     for p in personas:
-        if len(p.opening) > 64 * max_context:  # surely too long; spares tokenising megabytes
-            n = f"over {max_context}"
-        else:
-            n = len(chat.prompt(p.opening))
-            if n + max_new_tokens <= max_context:
-                continue
-        fail(f"persona {p.id}: its opening makes a first prompt of {n} tokens, which with --max-new-tokens "
-             f"{max_new_tokens} does not fit --max-context {max_context}")
+        n = len(chat.prompt(p.opening))
+        if n + max_new_tokens > max_context:
+            fail(f"persona {p.id}: its opening makes a first prompt of {n} tokens, which with "
+                 f"--max-new-tokens {max_new_tokens} does not fit --max-context {max_context}")
 
 
 def training_personas(args):
@@ -685,10 +657,9 @@ def dropout_active(model):
     needless scoring pass costs time and a missed one costs correctness."""
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
         return True
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = inner.config.get_text_config().to_dict()
-    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-               and ("dropout" in k or k.endswith("pdrop")) for k, v in config.items())
+    config = model.config.get_text_config().to_dict()  # a PeftModel's config is its base model's
+    return any(type(v) in (int, float) and v > 0 and ("dropout" in k or k.endswith("pdrop"))
+               for k, v in config.items())  # (type: a bool is an int, not a probability)
 
 
 def old_logprobs_from_update(args, batch_size, model):
@@ -731,13 +702,14 @@ def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
     dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget (Dr. GRPO):
              no length-dependent normalisation at all. GRPO takes the budget as the most tokens a
              dialogue can hold, max_turns x max_new_tokens."""
+    masked = loss * mask                                                                    # (b, T)
     if mode == "token-mean":
-        return (loss * mask).sum() / total_tokens
+        return masked.sum() / total_tokens
     if mode == "seq-mean-token-mean":
-        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
+        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
     if mode == "seq-mean-token-sum":
-        return (loss * mask).sum() / total_seqs
-    return (loss * mask).sum() / (total_seqs * token_budget)  # dr-grpo
+        return masked.sum() / total_seqs
+    return masked.sum() / (total_seqs * token_budget)  # dr-grpo
 
 
 def adamw_with_warmup(groups, warmup_steps):

@@ -192,7 +192,9 @@ def test_merged_sampling_samples_the_adapter_or_steps_aside(case, tied_model_dir
             with merged:
                 torch.testing.assert_close(policy(input_ids=ids).logits, with_adapter, atol=1e-5, rtol=0)
     assert (merged is not None) == merges  # and it merges wherever it can
-    # and the dialogues it samples are those of sampling through the adapter, token for token
+    if merged is None:  # stepped aside: the rollout samples through the adapter itself, as with merging off
+        return
+    # where it merges, the dialogues it samples are those of sampling through the adapter, token for token
     personas = simulator.load_personas(personas_file)
     runs = [rollout.play_dialogues(policy, tokenizer, rules_user(2), personas, greedy=True, max_new_tokens=6,
                                    merged_sampling=m, progress=False)[0] for m in (True, False)]

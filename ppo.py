@@ -369,9 +369,7 @@ def main(argv=None):
         run.log(iteration, all_records, rstats, logs, method, times)
 
         # --- 6. checkpoint -----------------------------------------------------------------------
-        run.save_if_due(iteration)  # every --save-every iterations, at the last, when --time-budget is up
-        if run.time_is_up:
-            break
+        run.save_if_due(iteration)  # every --save-every iterations and at the last
     run.finish()
     return model, value_head  # for tests and notebooks
 

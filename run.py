@@ -20,7 +20,6 @@ import dataclasses
 import errno
 import fcntl
 import glob
-import hashlib
 import importlib.util
 import json
 import math
@@ -144,7 +143,7 @@ KINDS = {bool: dict(type=to_bool, nargs="?", const=True, metavar="true|false"), 
 # What --resume lets a command line change: how long and how often, and where to log; besides these,
 # every operational setting. Anything else (the model, the adapters, the method, the data, the seed)
 # is the run's own, taken from its config.json.
-RESUMABLE = ("iterations", "time_budget", "save_every", "keep_checkpoints", "max_bad_updates", "report_to")
+RESUMABLE = ("iterations", "save_every", "keep_checkpoints", "max_bad_updates", "report_to")
 
 
 def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
@@ -256,8 +255,6 @@ class RunSettings:
     resume: str = setting("", "a run folder to continue from its newest checkpoint, with its saved settings")
     save_every: int = setting(10, "checkpoint every N iterations (and at the end)", at_least(1))
     keep_checkpoints: int = setting(3, "keep the newest N checkpoints this run wrote (0 = all)", at_least(0))
-    time_budget: float = setting(0.0, "minutes: stop with a checkpoint after the iteration that uses them "
-                                      "up; 0 = off", at_least(0))
     seed: int = setting(0, "random seed")
     report_to: str = setting("none", "none | tensorboard | wandb: a tracker beside the files (numbers only)",
                              one_of("none", "tensorboard", "wandb"))
@@ -736,8 +733,7 @@ class Run:
         for number in (signal.SIGINT, signal.SIGTERM):
             HELD.append((number, signal.signal(number, self.interrupted)))
         self.done, self.saved_at, self.saving = start, start, None
-        self.bad_in_a_row, self.time_is_up = 0, False
-        self.t_start = time.time()  # --time-budget counts from here
+        self.bad_in_a_row = 0
         self.bar = tqdm(total=args.iterations, initial=start, desc=self.script[:-3], disable=not self.is_main)
         return start
 
@@ -846,15 +842,12 @@ class Run:
     def log(self, iteration, all_records, rollout_stats, update_logs, method, times):
         """Step 5 of both trainers (a collective call): one metrics.jsonl line of the method's own
         figures (`method`, already global), the means over processes of what the update logged, the
-        rollout summary, the timings, peak memory and whether every process holds the same trained
-        weights; every dialogue to rollouts.jsonl; every number to the tracker. Returns the metrics."""
-        digest = hashlib.sha1(b"".join(p.detach().float().cpu().numpy().tobytes() for p in self.trained))
-        digests = self.gather([digest.hexdigest()])
+        rollout summary, the timings and peak memory; every dialogue to rollouts.jsonl; every number to
+        the tracker. Returns the metrics."""
         metrics = {"iteration": iteration + 1, **method,
                    **summarize(all_records, merge_stats(self.gather([rollout_stats]))),
                    **{k: self.mean(v) for k, v in update_logs.items()}, **times,
-                   "peak_memory_gb": peak_memory_gb(), "processes": self.world,
-                   "replicas_identical": len(set(digests)) == 1}
+                   "peak_memory_gb": peak_memory_gb(), "processes": self.world}
         nonfinite = sum(isinstance(v, float) and not math.isfinite(v) for v in metrics.values())
         if self.is_main:
             dialogues = [transcript_record(r, iteration=iteration + 1) for r in all_records]
@@ -876,15 +869,9 @@ class Run:
         return metrics
 
     def save_if_due(self, iteration):
-        """(A collective call) after an iteration: a checkpoint every --save-every iterations, at the last
-        one, and when --time-budget is used up; then run.time_is_up says whether to stop."""
-        args = self.args
-        used_up = time.time() - self.t_start >= 60 * args.time_budget
-        self.time_is_up = args.time_budget > 0 and self.max(used_up) > 0  # the same on every process
-        if self.time_is_up and self.is_main:
-            print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}",
-                  file=sys.stderr)
-        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or self.time_is_up:
+        """(A collective call) after an iteration: a checkpoint every --save-every iterations and at the
+        last one."""
+        if (iteration + 1) % self.args.save_every == 0 or iteration + 1 == self.args.iterations:
             self.save(iteration + 1)
         self.accelerator.wait_for_everyone()
 

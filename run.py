@@ -636,9 +636,10 @@ LOGS = ("metrics.jsonl", "rollouts.jsonl")  # a run's logs, one JSON line an ite
 class Run:
     """One training run. The trainer makes it once its settings and data are checked and before any model
     loads; hands it what a checkpoint holds once the models exist (begin); then calls it by name in its
-    loop: share() for this process's dialogues, sum() and friends for global figures, sum_gradients()
-    before the clip, skipped() for a non-finite step, log() and save_if_due() after each iteration,
-    stop() when the simulator cannot answer, finish() at the end. It holds no loop.
+    loop: share() for this process's dialogues, lap() at the end of a step (its seconds), sum() and
+    friends for global figures, sum_gradients() before the clip, skipped() for a non-finite step, log()
+    and save_if_due() after each iteration, stop() when the simulator cannot answer, finish() at the
+    end. It holds no loop; it counts the iterations done (log).
 
     The folder: a new run creates it (new_folder); --resume takes the run's own (its settings came back
     in parse_settings). Either way it holds a lock, and config.json (the settings, the run's mark) is
@@ -669,8 +670,7 @@ class Run:
         if self.is_main:
             lock(args.out, "--resume") if args.resume else new_folder(args.out)
             try:
-                config = json.dumps(public_config(args, script), indent=1)
-                write_atomically(f"{args.out}/config.json", config)
+                write_atomically(f"{args.out}/config.json", json.dumps(public_config(args, script), indent=1))
             except OSError as e:
                 fail(f"--out {args.out} cannot be written ({write_failure(e, args.out)})")
         self.show_progress = self.is_main and sys.stderr.isatty()  # the rollout's own bar
@@ -694,8 +694,8 @@ class Run:
         if found:
             state = torch.load(f"{found[-1]}/state.pt", map_location="cpu", weights_only=False)
             for name in self.adapters:
-                weights = load_file(f"{found[-1]}/{name}/adapter_model.safetensors", device=str(self.device))
-                set_peft_model_state_dict(model, weights, adapter_name=name)
+                weights = load_file(f"{found[-1]}/{name}/adapter_model.safetensors")
+                set_peft_model_state_dict(model, weights, adapter_name=name)  # copied onto the device
             for name, part in self.parts.items():
                 part.load_state_dict(state[name])
             start, self.written = state["iteration"], state["written"]
@@ -712,21 +712,30 @@ class Run:
                     # never longer than it is (truncate would pad a file shortened since with NUL bytes)
                     f.truncate(min(state["log_sizes"][name], f.tell()) if found else 0)
             print(f"{'resuming' if args.resume else 'run'} {args.out}"
-                  + (f" from {os.path.basename(found[-1])}" if found else ""), file=sys.stderr)
-        # no config for the tracker: the run's config.json holds the settings. On --resume TensorBoard
-        # drops the steps a killed run logged after the checkpoint (purge_step), as metrics.jsonl does.
-        # Without a tracker this does nothing.
-        self.accelerator.init_trackers("rlver", init_kwargs={
-            "tensorboard": {"purge_step": start + 1} if start else {},
-            "wandb": {"name": Path(args.out).name}})  # the run folder's name
-        if torch.cuda.is_available():  # each iteration's peak_memory_gb counts from here
-            torch.cuda.reset_peak_memory_stats()
+                  + (f" from {found[-1]}" if found else ""), file=sys.stderr)
+        # no config for the tracker: the run's config.json holds the settings. TensorBoard drops the
+        # steps a killed run logged after the checkpoint (purge_step; nothing in a new run), as
+        # metrics.jsonl does. Without a tracker this does nothing.
+        self.accelerator.init_trackers("rlver", init_kwargs={"tensorboard": {"purge_step": start + 1},
+                                                             "wandb": {"name": Path(args.out).name}})
         for number in (signal.SIGINT, signal.SIGTERM):
             HELD.append((number, signal.signal(number, self.interrupted)))
-        self.done, self.saved_at, self.saving = start, start, None
+        self.done, self.saved_at, self.saving = start, start, None  # iterations done, and saved
         self.bad_in_a_row = 0
         self.bar = tqdm(total=args.iterations, initial=start, desc=self.script[:-3], disable=not self.is_main)
+        self.start_iteration()
         return start
+
+    def start_iteration(self):
+        """An iteration's clock and peak memory count from here (the end of begin and of save_if_due)."""
+        self.times, self.t_iteration = {}, time.time()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def lap(self, step):
+        """The seconds since the last lap (or since the iteration began), logged as time_<step>."""
+        self.times[f"time_{step}"] = time.time() - self.t_iteration - sum(self.times.values())
+        return self.times[f"time_{step}"]
 
     def resume_advice(self):
         """What holds now and the command that continues (every one tested)."""
@@ -815,55 +824,58 @@ class Run:
             for g, part in zip(mine, flat.split([g.numel() for g in mine])):
                 g.copy_(part.view_as(g))
 
-    def skipped(self, grad_norm, iteration):
+    def skipped(self, grad_norm):
         """True, with a warning, when the clipped gradients' norm is not finite: the trainer drops them
         and takes no step. --max-bad-updates in a row stop the run with one line."""
         if torch.isfinite(grad_norm):
             self.bad_in_a_row = 0
             return False
         self.bad_in_a_row += 1
-        tqdm.write(f"warning: iteration {iteration + 1}: non-finite gradient, update skipped "
+        tqdm.write(f"warning: iteration {self.done + 1}: non-finite gradient, update skipped "
                    f"({self.bad_in_a_row} in a row)", file=sys.stderr)
         if self.bad_in_a_row >= self.args.max_bad_updates:
             self.halt(f"{self.bad_in_a_row} non-finite updates in a row; stopped in iteration "
-                      f"{iteration + 1}")
+                      f"{self.done + 1}")
         return True
 
     # --- after an iteration ------------------------------------------------------------------------
-    def log(self, iteration, all_records, rollout_stats, update_logs, method, times):
+    def log(self, all_records, rollout_stats, update_logs, method):
         """Step 5 of both trainers (a collective call): one metrics.jsonl line of the method's own
         figures (`method`, already global), the means over processes of what the update logged, the
-        rollout summary, the timings and peak memory; every dialogue to rollouts.jsonl; every number to
-        the tracker. Returns the metrics."""
-        metrics = {"iteration": iteration + 1, **method,
+        rollout summary, the laps' timings and peak memory, and how many of these numbers are not
+        finite (written as null); every dialogue to rollouts.jsonl; every number to the tracker. Returns
+        the metrics."""
+        iteration = self.done + 1
+        metrics = {"iteration": iteration, **method,
                    **summarize(all_records, merge_stats(self.gather([rollout_stats]))),
-                   **{k: self.mean(v) for k, v in update_logs.items()}, **times,
-                   "peak_memory_gb": peak_memory_gb(), "processes": self.world}
-        nonfinite = sum(isinstance(v, float) and not math.isfinite(v) for v in metrics.values())
+                   **{k: self.mean(v) for k, v in update_logs.items()}, **self.times,
+                   "time_iteration": time.time() - self.t_iteration, "peak_memory_gb": peak_memory_gb(),
+                   "processes": self.world}
+        metrics["nonfinite_metrics"] = sum(isinstance(v, float) and not math.isfinite(v)
+                                           for v in metrics.values())
         if self.is_main:
-            dialogues = [transcript_record(r, iteration=iteration + 1) for r in all_records]
-            for name, rows in zip(LOGS, ([{**metrics, "nonfinite_metrics": nonfinite}], dialogues)):
+            dialogues = [transcript_record(r, iteration=iteration) for r in all_records]
+            for name, rows in zip(LOGS, ([metrics], dialogues)):
                 try:
                     append_lines(f"{self.args.out}/{name}", rows)
                 except OSError as e:
                     fail(f"cannot append to {name} in {self.args.out} ({write_failure(e, self.args.out)}); "
                          f"{self.resume_advice()}", code=1)
         # (main process only, and nothing without a tracker; TensorBoard takes the numbers, skips a None)
-        self.accelerator.log(metrics, step=iteration + 1)
-        self.done = iteration + 1
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()  # the next iteration's peak
+        self.accelerator.log(metrics, step=iteration)
+        self.done = iteration
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                              emotion=f"{metrics['final_emotion_mean']:.1f}")
         return metrics
 
-    def save_if_due(self, iteration):
+    def save_if_due(self):
         """(A collective call) after an iteration: a checkpoint every --save-every iterations and at the
-        last one."""
-        if (iteration + 1) % self.args.save_every == 0 or iteration + 1 == self.args.iterations:
-            self.save(iteration + 1)
+        last one. The next iteration starts here."""
+        if self.done % self.args.save_every == 0 or self.done == self.args.iterations:
+            self.save(self.done)
         self.accelerator.wait_for_everyone()
+        self.start_iteration()
 
     def save(self, iteration):
         """(A collective call: every process hands in its RNG state.) The main process writes
@@ -906,11 +918,11 @@ class Run:
                 shutil.rmtree(f"{out}/checkpoints/{self.written.pop(0)}", ignore_errors=True)
         self.saving = None
 
-    def stop(self, error, iteration):
+    def stop(self, error):
         """A simulator that cannot answer ends the run with one line and exit code 2; a finished iteration
         not yet saved is saved first (with one process: a save is collective)."""
-        if iteration > self.saved_at and self.world == 1:
-            self.save(iteration)
+        if self.done > self.saved_at and self.world == 1:
+            self.save(self.done)
         fail(f"{error}; {self.resume_advice()}")
 
     def finish(self):

@@ -129,8 +129,7 @@ def test_non_finite_metrics_are_written_as_null_and_counted(tmp_path):
         assert the_run.begin(layer, optimizer, scheduler) == 0
         record = {"end_reason": "success", "turn_ends": [3], "final_emotion": 100, "violations": 0,
                   "fallbacks": 0, "token_ids": [1, 2, 3]}
-        the_run.log(0, [record], {}, {"a": [math.nan], "b": [1.0, 2.0]},
-                    {"reward_mean": math.inf, "c": 2.5}, {"time_iteration": 0.5})
+        the_run.log([record], {}, {"a": [math.nan], "b": [1.0, 2.0]}, {"reward_mean": math.inf, "c": 2.5})
     finally:
         the_run.accelerator.end_training()
         run.release()

@@ -18,6 +18,7 @@ run.sum sets the loss denominators over every process.
     accelerate launch --num_processes 8 ppo.py   # data parallel on one node
 """
 import contextlib
+import copy
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,8 +29,7 @@ from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_wi
                      aggregate, batched, kl_k3, load_policy, logged_figures, old_and_reference_logprobs,
                      pad_records, pick_personas, play_dialogues, policy_settings, sampling_settings,
                      token_logprobs, training_personas, use_adapter)
-from run import (Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting,
-                 target_names, within)
+from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 
@@ -237,35 +237,6 @@ def critic_values(model, value_head, input_ids, attention_mask):
     return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
 
 
-def batched_values(model, value_head, batch, micro_batch_size):
-    """critic_values over a padded batch (B, T), in length-sorted micro-batches, without gradients."""
-    with adapter_active(model, "critic"):
-        return batched(model, batch, micro_batch_size,
-                       lambda ids, att, _: critic_values(model, value_head, ids, att).float())
-
-
-def actor_and_critic(args, model, device):
-    """The critic beside the actor on the shared base: a second LoRA adapter and a value head that
-    starts at the return of an unmoved emotion; one AdamW with a parameter group each, and a linear
-    warm-up over --warmup-steps of each group's own optimizer steps. Returns (value_head, actor params,
-    critic params, optimizer, scheduler)."""
-    from peft import LoraConfig  # here, not above: importing peft can print a bitsandbytes notice on CPU
-
-    model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
-                                           lora_dropout=args.lora_dropout,
-                                           target_modules=target_names(args.target_modules),
-                                           task_type="CAUSAL_LM"))
-    use_adapter(model, "default")
-    value_head = torch.nn.Linear(model.get_base_model().config.get_text_config().hidden_size, 1).to(device)
-    torch.nn.init.zeros_(value_head.weight)
-    torch.nn.init.constant_(value_head.bias, REWARDS[args.reward]["unmoved"](args.start_emotion))
-    actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
-    critic_params = adapter_params(model, "critic") + list(value_head.parameters())
-    optimizer, scheduler = adamw_with_warmup([(actor_params, args.lr), (critic_params, args.critic_lr)],
-                                             args.warmup_steps)
-    return value_head, actor_params, critic_params, optimizer, scheduler
-
-
 def main(argv=None):
     args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="ppo.py")  # --resume: the run's own settings
     personas = training_personas(args)  # checked before any weights load
@@ -274,7 +245,19 @@ def main(argv=None):
 
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
     model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
-    value_head, actor_params, critic_params, optimizer, scheduler = actor_and_critic(args, model, run.device)
+    # the critic: a second LoRA adapter of the actor's shape on the shared base, and a value head that
+    # starts at the return of an unmoved emotion
+    model.add_adapter("critic", copy.deepcopy(model.peft_config["default"]))
+    use_adapter(model, "default")
+    hidden_size = model.get_base_model().config.get_text_config().hidden_size
+    value_head = torch.nn.Linear(hidden_size, 1).to(run.device)
+    torch.nn.init.zeros_(value_head.weight)
+    torch.nn.init.constant_(value_head.bias, REWARDS[args.reward]["unmoved"](args.start_emotion))
+    actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
+    critic_params = adapter_params(model, "critic") + list(value_head.parameters())
+    # one AdamW with a parameter group each, warmed up over --warmup-steps of each group's own steps
+    optimizer, scheduler = adamw_with_warmup([(actor_params, args.lr), (critic_params, args.critic_lr)],
+                                             args.warmup_steps)
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
     for iteration in range(first_iteration, args.iterations):
@@ -294,7 +277,10 @@ def main(argv=None):
         # it fills them, so nothing can read them early.
         from_update, old_logprobs, ref_logprobs = old_and_reference_logprobs(
             model, batch, args, len(records) * run.world, iteration)                         # (B, T)
-        old_values = batched_values(model, value_head, batch, args.micro_batch_size) * mask  # (B, T)
+        with adapter_active(model, "critic"):  # in length-sorted micro-batches, without gradients
+            old_values = batched(model, batch, args.micro_batch_size,
+                                 lambda ids, att, _: critic_values(model, value_head, ids, att).float())
+        old_values = old_values * mask                                                      # (B, T)
         rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(run.device)
         if args.kl_coef > 0:  # the k1 estimate, per token, in the reward (both passes ran above)
             rewards = rewards - args.kl_coef * (old_logprobs - ref_logprobs) * mask           # (B, T)

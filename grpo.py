@@ -263,12 +263,12 @@ def main(argv=None):
         # --- 5. log: global figures over every process's dialogues -------------------------------
         all_records = run.gather(records)
         reward = dialogue_rewards(all_records, args.reward).numpy()  # as in ppo.py: no format penalty
-        first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])
+        # every group holds --group-size dialogues: a mean over the dialogues is the mean over the groups
         method = {**logged_figures(run, reward, batch, mask, old_logprobs, ref_logprobs, args.update_epochs,
                                    t_update),
-                  "group_reward_std": float(all_std[first_of_group].mean()),
-                  "zero_spread_groups": int(all_flat[first_of_group].sum()), "skipped_steps": skipped_steps,
-                  "lr": optimizer.param_groups[0]["lr"]}
+                  "group_reward_std": float(all_std.mean()),
+                  "zero_spread_groups": int(all_flat.sum()) // args.group_size,
+                  "skipped_steps": skipped_steps, "lr": optimizer.param_groups[0]["lr"]}
         run.log(all_records, rstats, logs, method)
 
         # --- 6. checkpoint -----------------------------------------------------------------------

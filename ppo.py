@@ -42,7 +42,6 @@ class PPOSettings:
     reward: str = setting("final", "final: emotion/100 on the last agent token | turn: each change/100 on "
                                    "its turn (REWARDS)", one_of("final", "turn"))
     format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
-    kl_coef: float = setting(0.0, "k1 KL-to-reference penalty in the reward (RLVER: 0)", at_least(0))
     kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
     gamma: float = setting(1.0, "discount over agent tokens (RLVER's trainer: 1.0)", within(0, 1))
     lam: float = setting(1.0, "GAE lambda (RLVER's trainer: 1.0)", within(0, 1))
@@ -282,8 +281,6 @@ def main(argv=None):
                                  lambda ids, att, _: critic_values(model, value_head, ids, att).float())
         old_values = old_values * mask                                                      # (B, T)
         rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(run.device)
-        if args.kl_coef > 0:  # the k1 estimate, per token, in the reward (both passes ran above)
-            rewards = rewards - args.kl_coef * (old_logprobs - ref_logprobs) * mask           # (B, T)
 
         # --- 3. advantages: GAE over the agent's tokens ------------------------------------------
         advantages, returns = compute_gae(rewards.cpu(), old_values.cpu(), mask.cpu(), args.gamma, args.lam)

@@ -166,7 +166,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
             flag = "--" + f.name.replace("_", "-")
             group = operational if f.metadata["operational"] else groups[cls.group]
             kind = KINDS.get(type(default), dict(type=type(default)))
-            group.add_argument(flag, dest=f.name, default=default, help=f.metadata["help"],
+            group.add_argument(flag, default=default, help=f.metadata["help"],
                                choices=getattr(f.metadata["check"], "choices", None), **kind)
             if isinstance(default, bool):  # added after the flag, whose default the namespace takes
                 group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false",
@@ -209,7 +209,7 @@ def resume_settings(args, fields, prog=None):
     saved = read_run(args.resume)
     if saved is None:
         fail(f"--resume {args.resume}: not a run folder (no config.json written by a trainer)")
-    if prog and saved["script"] != prog:  # the other trainer's checkpoints hold other parts
+    if saved["script"] != prog:  # the other trainer's checkpoints hold other parts
         fail(f"--resume {args.resume}: the run was made by {saved['script']}; resume it with "
              f"`python {saved['script']} --resume {args.resume}`")
     if "out" in args.given and os.path.abspath(args.out) != os.path.abspath(args.resume):
@@ -360,7 +360,7 @@ def check_model(model_name, target_modules, trust_remote_code=False):
                  f"its layers LoRA can adapt end in {', '.join(ends)}")
 
 
-def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=None, trust_remote_code=False):
+def load_model(name, device="cpu", dtype=None, load_in_4bit=False, trust_remote_code=False):
     """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token).
     Loading leaves the random streams as they were: from_pretrained initialises any weight the
     checkpoint lacks at random, and the trainers seed before they load."""
@@ -368,15 +368,15 @@ def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=No
 
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     four_bit = None
-    if load_in_4bit:  # NF4 weights are placed where they load: on the device unless a map is given
+    if load_in_4bit:  # NF4 weights are placed where they load (device_map below), on the device
         four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                       bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
-        device_map = device_map or {"": device}
     with random_streams_kept():
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, device_map=device_map,
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype,
+                                                     device_map={"": device} if four_bit else None,
                                                      quantization_config=four_bit,
                                                      trust_remote_code=trust_remote_code)
-    if device_map is None:
+    if not four_bit:
         model.to(device)
     tokenizer = load_tokenizer(name, trust_remote_code)
     tokenizer.padding_side = "left"
@@ -609,10 +609,10 @@ def summarize(records, stats):
     """Batch-level numbers of every script's log, from the dialogues' records and the rollout's counts
     and timings (with several processes: every process's records and merged stats)."""
     stats, reasons = Counter(stats), Counter(r["end_reason"] for r in records)  # a count not reported is 0
-    agent_turns = sum(len(r["turn_ends"]) for r in records)
+    n, agent_turns = len(records), sum(len(r["turn_ends"]) for r in records)
     out = {"final_emotion_mean": float(np.mean([r["final_emotion"] for r in records])),
-           "success_rate": reasons["success"] / len(records), "failure_rate": reasons["left"] / len(records),
-           "turns_mean": agent_turns / len(records),
+           "success_rate": reasons["success"] / n, "failure_rate": reasons["left"] / n,
+           "turns_mean": agent_turns / n,
            "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
            "cut_reply_rate": sum(r.get("cut_replies", 0) for r in records) / max(1, agent_turns),
            "simulator_fallbacks": sum(r["fallbacks"] for r in records),
@@ -895,8 +895,7 @@ class Run:
         if self.is_main:
             self.written.append(f"iter_{iteration:06d}")
             final = f"{out}/checkpoints/{self.written[-1]}"
-            tmp = final + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+            tmp = final + ".tmp"  # a killed save's is overwritten (the same files), then renamed
             try:
                 for adapter in self.adapters:
                     # peft writes 'default' into the folder given and any other adapter into a subfolder

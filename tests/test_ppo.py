@@ -428,15 +428,6 @@ def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny
             torch.testing.assert_close(skipped[k], forced[k], atol=1e-7, rtol=1e-5)
 
 
-def test_kl_coef_keeps_the_scoring_and_reference_passes(tiny_model_dir, personas_file, tmp_path):
-    # The KL penalty goes into the rewards before the update, so it needs both passes every iteration,
-    # whatever --log-kl-every says.
-    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2", "--lr", "2e-2",
-                       "--kl-coef", "0.1", "--log-kl-every", "5"))
-    m = read_metrics(tmp_path / "run")
-    assert m[1]["kl_ref"] > 1e-6 and m[1]["ratio_first"] == pytest.approx(1.0, abs=1e-6)
-
-
 def test_policy_objective_matches_a_hand_computation_and_is_the_same_in_both_trainers():
     # two tokens of one dialogue: ratio e^0.5 (clipped at 1.2 for a positive advantage) and e^-0.1
     from functools import partial

@@ -17,7 +17,6 @@ run.sum sets the loss denominators over every process.
     python grpo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
     accelerate launch --num_processes 8 grpo.py   # data parallel on one node
 """
-import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -187,18 +186,16 @@ def main(argv=None):
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler)
     for iteration in range(first_iteration, args.iterations):
-        t_start = time.time()
         # --- 1. collect dialogues: this process's whole groups (its share of the personas) --------
         chosen = run.share(pick_personas(personas, args.personas_per_iteration, args.seed, iteration))
         try:
             records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling_settings(args),
                                              samples_per_persona=args.group_size, progress=run.show_progress)
         except SimulatorError as e:
-            run.stop(e, iteration)  # one line; a finished iteration not yet saved is saved first
-        t_rollout = time.time() - t_start
+            run.stop(e)  # one line; a finished iteration not yet saved is saved first
+        run.lap("rollout")
 
         # --- 2. score: old log-probs, reference log-probs, rewards --------------------------------
-        t0 = time.time()
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
         # With one optimizer step per batch, the old log-probs are the update's own forward pass: NaN until
@@ -219,10 +216,9 @@ def main(argv=None):
             mask = mask * (~all_flat[mine].to(run.device)).float()[:, None]                 # (B, T)
         keep = (mask.sum(1) > 0).float()                                                    # (B,)
         advantages = all_advantages[mine].float().to(run.device)[:, None] * mask            # (B, T)
-        t_score = time.time() - t0
+        run.lap("score")
 
         # --- 4. update: passes x minibatches x micro-batches ------------------------------------
-        t0 = time.time()
         model.train()
         logs = {k: [] for k in LOGGED}
         skipped_steps = 0
@@ -256,31 +252,27 @@ def main(argv=None):
                     append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
                 run.sum_gradients(params)  # over the processes
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                if run.skipped(grad_norm, iteration):  # not finite: no step
+                if run.skipped(grad_norm):  # not finite: no step
                     optimizer.zero_grad(set_to_none=True)
                     continue
                 optimizer.step()
                 scheduler.step()
                 logs["grad_norm"].append(grad_norm.item())
-        t_update = time.time() - t0
+        t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
         all_records = run.gather(records)
         reward = dialogue_rewards(all_records, args.reward).numpy()  # as in ppo.py: no format penalty
-        first_of_group = torch.tensor([int((all_groups == g).nonzero()[0]) for g in all_groups.unique()])
+        # every group holds --group-size dialogues: a mean over the dialogues is the mean over the groups
         method = {**logged_figures(run, reward, batch, mask, old_logprobs, ref_logprobs, args.update_epochs,
                                    t_update),
-                  "group_reward_std": float(all_std[first_of_group].mean()),
-                  "zero_spread_groups": int(all_flat[first_of_group].sum()), "skipped_steps": skipped_steps,
-                  "lr": optimizer.param_groups[0]["lr"]}
-        times = {"time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
-                 "time_iteration": time.time() - t_start}
-        run.log(iteration, all_records, rstats, logs, method, times)
+                  "group_reward_std": float(all_std.mean()),
+                  "zero_spread_groups": int(all_flat.sum()) // args.group_size,
+                  "skipped_steps": skipped_steps, "lr": optimizer.param_groups[0]["lr"]}
+        run.log(all_records, rstats, logs, method)
 
         # --- 6. checkpoint -----------------------------------------------------------------------
-        run.save_if_due(iteration)  # every --save-every iterations, at the last, when --time-budget is up
-        if run.time_is_up:
-            break
+        run.save_if_due()  # every --save-every iterations and at the last
     run.finish()
     return model  # the trained PeftModel, for tests and notebooks
 

@@ -18,7 +18,7 @@ run.sum sets the loss denominators over every process.
     accelerate launch --num_processes 8 ppo.py   # data parallel on one node
 """
 import contextlib
-import time
+import copy
 from dataclasses import dataclass
 from functools import partial
 
@@ -29,8 +29,7 @@ from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_wi
                      aggregate, batched, kl_k3, load_policy, logged_figures, old_and_reference_logprobs,
                      pad_records, pick_personas, play_dialogues, policy_settings, sampling_settings,
                      token_logprobs, training_personas, use_adapter)
-from run import (Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting,
-                 target_names, within)
+from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
 
@@ -43,7 +42,6 @@ class PPOSettings:
     reward: str = setting("final", "final: emotion/100 on the last agent token | turn: each change/100 on "
                                    "its turn (REWARDS)", one_of("final", "turn"))
     format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
-    kl_coef: float = setting(0.0, "k1 KL-to-reference penalty in the reward (RLVER: 0)", at_least(0))
     kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
     gamma: float = setting(1.0, "discount over agent tokens (RLVER's trainer: 1.0)", within(0, 1))
     lam: float = setting(1.0, "GAE lambda (RLVER's trainer: 1.0)", within(0, 1))
@@ -238,35 +236,6 @@ def critic_values(model, value_head, input_ids, attention_mask):
     return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
 
 
-def batched_values(model, value_head, batch, micro_batch_size):
-    """critic_values over a padded batch (B, T), in length-sorted micro-batches, without gradients."""
-    with adapter_active(model, "critic"):
-        return batched(model, batch, micro_batch_size,
-                       lambda ids, att, _: critic_values(model, value_head, ids, att).float())
-
-
-def actor_and_critic(args, model, device):
-    """The critic beside the actor on the shared base: a second LoRA adapter and a value head that
-    starts at the return of an unmoved emotion; one AdamW with a parameter group each, and a linear
-    warm-up over --warmup-steps of each group's own optimizer steps. Returns (value_head, actor params,
-    critic params, optimizer, scheduler)."""
-    from peft import LoraConfig  # here, not above: importing peft can print a bitsandbytes notice on CPU
-
-    model.add_adapter("critic", LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
-                                           lora_dropout=args.lora_dropout,
-                                           target_modules=target_names(args.target_modules),
-                                           task_type="CAUSAL_LM"))
-    use_adapter(model, "default")
-    value_head = torch.nn.Linear(model.get_base_model().config.get_text_config().hidden_size, 1).to(device)
-    torch.nn.init.zeros_(value_head.weight)
-    torch.nn.init.constant_(value_head.bias, REWARDS[args.reward]["unmoved"](args.start_emotion))
-    actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
-    critic_params = adapter_params(model, "critic") + list(value_head.parameters())
-    optimizer, scheduler = adamw_with_warmup([(actor_params, args.lr), (critic_params, args.critic_lr)],
-                                             args.warmup_steps)
-    return value_head, actor_params, critic_params, optimizer, scheduler
-
-
 def main(argv=None):
     args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="ppo.py")  # --resume: the run's own settings
     personas = training_personas(args)  # checked before any weights load
@@ -275,42 +244,52 @@ def main(argv=None):
 
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
     model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
-    value_head, actor_params, critic_params, optimizer, scheduler = actor_and_critic(args, model, run.device)
+    # the critic: a second LoRA adapter of the actor's shape on the shared base, and a value head that
+    # starts at the return of an unmoved emotion
+    model.add_adapter("critic", copy.deepcopy(model.peft_config["default"]))
+    use_adapter(model, "default")
+    hidden_size = model.get_base_model().config.get_text_config().hidden_size
+    value_head = torch.nn.Linear(hidden_size, 1).to(run.device)
+    torch.nn.init.zeros_(value_head.weight)
+    torch.nn.init.constant_(value_head.bias, REWARDS[args.reward]["unmoved"](args.start_emotion))
+    actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
+    critic_params = adapter_params(model, "critic") + list(value_head.parameters())
+    # one AdamW with a parameter group each, warmed up over --warmup-steps of each group's own steps
+    optimizer, scheduler = adamw_with_warmup([(actor_params, args.lr), (critic_params, args.critic_lr)],
+                                             args.warmup_steps)
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
     for iteration in range(first_iteration, args.iterations):
-        t_start = time.time()
         # --- 1. collect dialogues: this process's share of the iteration's personas -------------
         chosen = run.share(pick_personas(personas, args.dialogues_per_iteration, args.seed, iteration))
         try:
             records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling_settings(args),
                                              progress=run.show_progress)
         except SimulatorError as e:
-            run.stop(e, iteration)  # one line; a finished iteration not yet saved is saved first
-        t_rollout = time.time() - t_start
+            run.stop(e)  # one line; a finished iteration not yet saved is saved first
+        run.lap("rollout")
 
         # --- 2. score: old log-probs, reference log-probs, values, rewards ------------------------
-        t0 = time.time()
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
         # With one optimizer step per batch, the old log-probs are the update's own forward pass: NaN until
         # it fills them, so nothing can read them early.
         from_update, old_logprobs, ref_logprobs = old_and_reference_logprobs(
             model, batch, args, len(records) * run.world, iteration)                         # (B, T)
-        old_values = batched_values(model, value_head, batch, args.micro_batch_size) * mask  # (B, T)
+        with adapter_active(model, "critic"):  # in length-sorted micro-batches, without gradients
+            old_values = batched(model, batch, args.micro_batch_size,
+                                 lambda ids, att, _: critic_values(model, value_head, ids, att).float())
+        old_values = old_values * mask                                                      # (B, T)
         rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(run.device)
-        if args.kl_coef > 0:  # the k1 estimate, per token, in the reward (both passes ran above)
-            rewards = rewards - args.kl_coef * (old_logprobs - ref_logprobs) * mask           # (B, T)
 
         # --- 3. advantages: GAE over the agent's tokens ------------------------------------------
         advantages, returns = compute_gae(rewards.cpu(), old_values.cpu(), mask.cpu(), args.gamma, args.lam)
         advantages, returns = advantages.to(run.device), returns.to(run.device)
         if args.whiten_advantages:  # over every process's agent tokens
             advantages = whiten(advantages, mask, run.sum)
-        t_score = time.time() - t0
+        run.lap("score")
 
         # --- 4. update: epochs x minibatches x micro-batches ------------------------------------
-        t0 = time.time()
         model.train()
         logs = {k: [] for k in LOGGED}
         local_mb = args.minibatch_size // run.world
@@ -347,14 +326,14 @@ def main(argv=None):
                 run.sum_gradients(actor_params + critic_params)  # over the processes
                 actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)
                 critic_norm = torch.nn.utils.clip_grad_norm_(critic_params, args.max_grad_norm)
-                if run.skipped(actor_norm + critic_norm, iteration):  # not finite: no step
+                if run.skipped(actor_norm + critic_norm):  # not finite: no step
                     optimizer.zero_grad(set_to_none=True)
                     continue
                 optimizer.step()
                 scheduler.step()
                 logs["actor_grad_norm"].append(actor_norm.item())
                 logs["critic_grad_norm"].append(critic_norm.item())
-        t_update = time.time() - t0
+        t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
         all_records = run.gather(records)
@@ -364,14 +343,10 @@ def main(argv=None):
                   "explained_variance": explained_variance(run.sum(variance_sums(old_values[mask > 0],
                                                                                  returns[mask > 0]))),
                   "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"]}
-        times = {"time_rollout": t_rollout, "time_score": t_score, "time_update": t_update,
-                 "time_iteration": time.time() - t_start}
-        run.log(iteration, all_records, rstats, logs, method, times)
+        run.log(all_records, rstats, logs, method)
 
         # --- 6. checkpoint -----------------------------------------------------------------------
-        run.save_if_due(iteration)  # every --save-every iterations, at the last, when --time-budget is up
-        if run.time_is_up:
-            break
+        run.save_if_due()  # every --save-every iterations and at the last
     run.finish()
     return model, value_head  # for tests and notebooks
 

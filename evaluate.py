@@ -39,10 +39,10 @@ from tqdm import tqdm
 
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
                      load_policy, play_dialogues, sampling_settings)
-from run import (append_lines, at_least, checkpoints, default_device, fail, finite, load_model,
-                 load_tokenizer, new_folder, one_of, parse_settings, public_config, read_json_lines,
-                 read_run, redact, release, resolve_model, set_seed, setting, transcript_record,
-                 write_atomically, write_failure)
+from run import (append_lines, at_least, checkpoints, default_device, exit_on_signals, fail, finite,
+                 load_model, load_tokenizer, new_folder, one_of, parse_settings, public_config,
+                 read_json_lines, read_run, redact, release, resolve_model, set_seed, setting,
+                 transcript_record, write_atomically, write_failure)
 from simulator import (NEGATIVE_REACTIONS, POSITIVE_REACTIONS, Simulator, SimulatorError, SimulatorSettings,
                        UserState, appraisal_messages, apply_change, auto_readout, build_simulator,
                        load_personas_or_exit, simulator_kind, user_model, user_turn_messages)
@@ -603,11 +603,12 @@ def agreement_main(args):
     if simulator_kind(args.simulator) in ("same", "local"):
         check_appraisals_fit(args, dialogues, personas)
     new_folder(args.out)
+    store = f"{args.out}/appraisals.jsonl"
+    exit_on_signals(lambda: f"; the appraisals made so far are in {store}")
     # `same`: the base model alone (no policy, no adapters)
     model, tokenizer = (load_model(args.model, default_device(), trust_remote_code=args.trust_remote_code)
                         if args.simulator == "same" else (None, None))
     simulator = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
-    store = f"{args.out}/appraisals.jsonl"
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
           f"{redact(args.simulator)} (read-out {simulator.readout}, {simulator.readout_why}; judge "
           f"{simulator.judge}); every appraisal goes to {store}", file=sys.stderr)

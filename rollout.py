@@ -667,10 +667,9 @@ def old_logprobs_from_update(args, batch_size, model):
     (one pass, the whole batch one minibatch), so the weights that would score the rollout are the ones
     the update runs, and no dropout (the model's dropout_active), since in train mode its log-probs carry
     dropout noise, not the sampling policy's. A scoring pass would then compute the same numbers again
-    (TRL skips it too). Not with PPO's --kl-coef, which reads them before the update, nor with GRPO's
-    --drop-zero-spread, which leaves dialogues out of the update."""
+    (TRL skips it too). Not with GRPO's --drop-zero-spread, which leaves dialogues out of the update."""
     return (args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout_active(model)
-            and not getattr(args, "kl_coef", 0) and not getattr(args, "drop_zero_spread", False))
+            and not getattr(args, "drop_zero_spread", False))
 
 
 def old_and_reference_logprobs(model, batch, args, batch_size, iteration):
@@ -681,7 +680,7 @@ def old_and_reference_logprobs(model, batch, args, batch_size, iteration):
     scored = partial(batched_logprobs, model, batch, args.temperature, args.micro_batch_size)
     from_update = old_logprobs_from_update(args, batch_size, model)
     old = torch.full_like(batch["action_mask"], torch.nan) if from_update else scored()          # (B, T)
-    need_ref = getattr(args, "kl_coef", 0) > 0 or args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
+    need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
     return from_update, old, scored(reference=True) if need_ref else None                      # (B, T)
 
 

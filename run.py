@@ -61,6 +61,22 @@ def fail(message, code=2):
     sys.exit(code)
 
 
+def exit_on_signals(say):
+    """Ctrl-C and SIGTERM end the command at once (a request in flight may take a minute to time out)
+    with one line, "stopped by SIGINT" and what say() returns (None: no line, for a process other
+    than the main one), and exit code 130 / 143, as a shell reports a killed command. Files are
+    written whole (renamed into place, or one whole JSON line), so nothing is left half written.
+    release() puts the old handlers back."""
+    def stopped(number, frame):
+        told = say()
+        if told is not None:
+            tqdm.write(f"stopped by {signal.Signals(number).name}{told}", file=sys.stderr)
+            sys.stderr.flush()
+        os._exit(128 + number)
+    for number in (signal.SIGINT, signal.SIGTERM):
+        HELD.append((number, signal.signal(number, stopped)))
+
+
 # A check takes a value and returns None when it is allowed, else what is allowed.
 def one_of(*choices):
     def check(value):
@@ -488,21 +504,6 @@ def append_lines(path, rows):
         os.fsync(f.fileno())
 
 
-def rows_with(path, settings):
-    """The rows of a JSON-lines file kept across runs (OUT.partial of the openings, appraisals.jsonl)
-    made with these settings; other settings' rows and a line cut short by a crash are skipped (every
-    whole line is an object: append_lines wrote it)."""
-    rows = []
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                with contextlib.suppress(ValueError):
-                    row = json.loads(line)
-                    if row.get("settings") == settings:
-                        rows.append(row)
-    return rows
-
-
 def read_text(path, error=ValueError):
     """A text file named on the command line; `error` (one line naming the file, and the line of a byte
     that is not UTF-8) when it cannot be read."""
@@ -718,8 +719,7 @@ class Run:
         # metrics.jsonl does. Without a tracker this does nothing.
         self.accelerator.init_trackers("rlver", init_kwargs={"tensorboard": {"purge_step": start + 1},
                                                              "wandb": {"name": Path(args.out).name}})
-        for number in (signal.SIGINT, signal.SIGTERM):
-            HELD.append((number, signal.signal(number, self.interrupted)))
+        exit_on_signals(self.stopped_at)
         self.done, self.saved_at, self.saving = start, start, None  # iterations done, and saved
         self.bad_in_a_row = 0
         self.bar = tqdm(total=args.iterations, initial=start, desc=self.script[:-3], disable=not self.is_main)
@@ -745,17 +745,15 @@ class Run:
             return f"the newest complete checkpoint is {found[-1]}; `{how}` continues from it"
         return f"there is no checkpoint yet; `{how}` starts the run again from its beginning"
 
-    def interrupted(self, number, frame):
-        """Ctrl-C or SIGTERM: one line saying where the run stopped and how to go on, then exit at once
-        (130 / 143, as a shell reports it). Checkpoints are renamed into place whole, and a log line cut
-        short is dropped on resume, so nothing a resume needs is lost."""
-        if self.is_main:
-            where = (f"while the checkpoint of iteration {self.saving} was written" if self.saving
-                     else f"in iteration {self.done + 1}")
-            tqdm.write(f"stopped by {signal.Signals(number).name} {where} of {self.args.out}; "
-                       f"{self.resume_advice()}", file=sys.stderr)
-            sys.stderr.flush()
-        os._exit(128 + number)
+    def stopped_at(self):
+        """What the line of a Ctrl-C or SIGTERM says (the main process's): where the run stopped and how
+        to go on. Checkpoints are renamed into place whole, and a log line cut short is dropped on
+        resume, so nothing a resume needs is lost."""
+        if not self.is_main:
+            return None
+        where = (f"while the checkpoint of iteration {self.saving} was written" if self.saving
+                 else f"in iteration {self.done + 1}")
+        return f" {where} of {self.args.out}; {self.resume_advice()}"
 
     def halt(self, message):
         """The trained weights or their gradients are not finite and the run cannot go on: one line (main

@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from run import (EMBEDDED, above, at_least, env_name, fail, load_model, model_problem, one_of, parse_settings,
-                 read_json_lines, read_text, redact, setting, within, write_atomically, write_failure)
+from run import (EMBEDDED, above, at_least, env_name, exit_on_signals, fail, load_model, model_problem,
+                 one_of, parse_settings, read_json_lines, read_text, redact, release, setting, within,
+                 write_atomically, write_failure)
 
 # ----------------------------------------------------------------------------------------------
 # Personas
@@ -1234,6 +1235,8 @@ def write_openings(args):
     source, out = args.personas, args.write_openings
     if os.path.exists(out):
         fail(f"--write-openings {out}: the file exists; give a new file (nothing is ever overwritten)")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        fail(f"--write-openings {out}: its folder does not exist")
     try:
         personas = load_personas(source, need_opening=False)
         lines = read_json_lines(source, PersonaError)
@@ -1242,6 +1245,7 @@ def write_openings(args):
     todo = [p for p in personas if not p.opening.strip()]
     print(f"{len(personas)} profiles in {source}: {len(todo)} to write with {redact(args.simulator)} at mood "
           f"{args.start_emotion}", file=sys.stderr)
+    exit_on_signals(lambda: f"; {out} not written")
     backend = make_backend(args.simulator, args=args) if todo else None  # no model when none is missing
     written = []
     try:
@@ -1267,6 +1271,7 @@ def write_openings(args):
         fail(f"--write-openings {out}: {e}; nothing written")
     except OSError as e:
         fail(f"--write-openings {out}: {write_failure(e, out)}; nothing written")
+    release()  # the signal handlers as they were
     print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)
 
 
@@ -1284,10 +1289,7 @@ class OpeningsSettings:
 def main(argv=None):
     args = parse_settings([SimulatorSettings, OpeningsSettings], argv, prog="simulator.py")
     args.simulator = user_model(args)  # no policy here: `same` is the --model
-    try:
-        write_openings(args)
-    except KeyboardInterrupt:
-        fail(f"stopped by Ctrl-C; {args.write_openings} not written", 130)
+    write_openings(args)
 
 
 if __name__ == "__main__":

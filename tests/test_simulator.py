@@ -1618,11 +1618,12 @@ def faulty(*argv):
 
 
 def test_write_openings_into_a_folder_it_cannot_write_ends_with_one_line(tmp_path, capsys):
-    """A folder that does not exist, a read-only one and a disk that fills while OUT is written: one
-    line each, exit 2, and nothing left behind (nor a temporary file)."""
+    """A folder that does not exist (said before the model loads: with a model, a write that failed
+    after the generation would say "No such file"), a read-only one and a disk that fills while OUT is
+    written: one line each, exit 2, and nothing left behind (nor a temporary file)."""
     missing = tmp_path / "no" / "such" / "openings.jsonl"
-    code, _, err = in_process(simulator.main, openings(missing, "rules")[1:], capsys)
-    assert_one_line(code, err, str(missing), "No such file", "nothing written")
+    code, _, err = in_process(simulator.main, openings(missing, "same")[1:], capsys)
+    assert_one_line(code, err, str(missing), "its folder does not exist")
     for fault, folder, words in (("--read-only", tmp_path / "read_only", "Read-only"),
                                  ("--disk-full", tmp_path / "full", "disk is full")):
         folder.mkdir()

@@ -590,9 +590,10 @@ def check_appraisals_fit(args, dialogues, personas):
 
 def agreement_main(args):
     """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--dialogues N];
-    everything is read and checked before any model loads. A stopped check (Ctrl-C, SIGTERM: Python's
-    own ending) is run again whole; the appraisals made until then stay in appraisals.jsonl, written
-    whole line by line, and no result file is half written (each is renamed into place)."""
+    everything is read and checked before any model loads. A stopped check (Ctrl-C, SIGTERM: one line
+    at once, exit 130 / 143) is run again whole; the appraisals made until then stay in
+    appraisals.jsonl, written whole line by line, and no result file is half written (each is renamed
+    into place)."""
     personas = {p.id: p for p in load_personas_or_exit(args.personas, difficulty=args.difficulty)}
     real = [os.path.realpath(path) for path in args.agreement]
     dialogues = []

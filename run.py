@@ -859,8 +859,10 @@ class Run:
                 except OSError as e:
                     fail(f"cannot append to {name} in {self.args.out} ({write_failure(e, self.args.out)}); "
                          f"{self.resume_advice()}", code=1)
-        # (main process only, and nothing without a tracker; TensorBoard takes the numbers, skips a None)
-        self.accelerator.log(metrics, step=iteration)
+        # the numbers only (a figure not measured this iteration is None, which accelerate's trackers
+        # are not documented to take); main process only, and nothing without a tracker
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.accelerator.log(numbers, step=iteration)
         self.done = iteration
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",

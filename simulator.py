@@ -1227,11 +1227,11 @@ def write_openings(args):
     """python simulator.py --write-openings OUT --personas FILE --simulator MODEL_OR_URL: FILE's lines
     with first_talk filled (lines that have one keep it) and the mood it was written at (first_talk_emotion,
     which make_simulator compares with the start), everything else unchanged, written to OUT once, whole
-    (a temporary file renamed), or not at all. Bad input and an existing OUT: one line, exit 2, before
-    any model loads; so is a simulator that fails or writes nothing usable, and a disk that fills or
-    turns read-only while writing; Ctrl-C is one line, exit 130 (main), once the requests in flight
-    end. A failed write is simply run again: it runs once per profile file, so it keeps no partial
-    progress and asks a failed batch nothing again."""
+    (a temporary file renamed), or not at all. Bad input, an existing OUT and a missing folder for it:
+    one line, exit 2, before any model loads; so is a simulator that fails or writes nothing usable,
+    and a disk that fills or turns read-only while writing; Ctrl-C and SIGTERM: one line at once, exit
+    130 / 143 (run.exit_on_signals). A failed write is simply run again: it runs once per profile file,
+    so it keeps no partial progress and asks a failed batch nothing again."""
     source, out = args.personas, args.write_openings
     if os.path.exists(out):
         fail(f"--write-openings {out}: the file exists; give a new file (nothing is ever overwritten)")

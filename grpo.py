@@ -23,7 +23,7 @@ from functools import partial
 import torch
 
 from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
-                     aggregate, kl_k3, load_policy, logged_figures, old_and_reference_logprobs, pad_records,
+                     aggregate, batched_logprobs, kl_k3, load_policy, logged_figures, pad_records,
                      pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
                      training_personas)
 from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
@@ -43,7 +43,6 @@ class GRPOSettings:
     kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
     scale_rewards: str = setting("group", "group: (r - group mean) / group std | batch: / batch std | none: "
                                           "r - group mean (Dr. GRPO)", one_of("group", "batch", "none"))
-    drop_zero_spread: bool = setting(False, "leave groups of equal rewards out of the loss (else: weight 0)")
     update_epochs: int = setting(1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
     minibatch_size: int = setting(32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
     clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
@@ -60,8 +59,6 @@ class GRPOSettings:
                                   "equal)")
     micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1),
                                     operational=True)
-    log_kl_every: int = setting(1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
-                                   "reference pass in the others", at_least(1), operational=True)
 
     @staticmethod
     def check(args):
@@ -75,10 +72,11 @@ SETTINGS = (GRPOSettings, SamplingSettings, SimulatorSettings, PolicySettings, A
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
-    # model never writes the tags, and the instructions about them only make its replies worse.
-    "cpu": dict(model="smollm2", personas_per_iteration=2, group_size=2, max_turns=2, max_new_tokens=32,
-                user_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
-                gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
+    # model never writes the tags, and the instructions about them only make its replies worse. The
+    # rules user: the 135M model writes no appraisal a reasoned read-out can read.
+    "cpu": dict(model="smollm2", simulator="rules", personas_per_iteration=2, group_size=2, max_turns=2,
+                max_new_tokens=32, user_reply_tokens=24, max_context=1024, minibatch_size=4,
+                micro_batch_size=2, gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
                 lr=5e-5, iterations=3, save_every=1,
                 # the value before the paper preset took RLVER's (0.001): the CPU results stand
                 ent_coef=0.0),
@@ -142,9 +140,9 @@ def group_advantages(rewards, group_ids, scale="group", eps=1e-4):
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
     """Per-token PPO surrogate (Schulman et al. 2017) with an asymmetric clip (clip-higher, DAPO).
     Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high)).
-    With one pass over the batch and one optimizer step per batch, old_logprobs are the current
-    weights' own log-probs, so r = 1 exactly, nothing is clipped, and the gradient is the plain
-    policy gradient -A grad log p (GRPO with mu = 1, as TRL's default)."""
+    Until the first optimizer step of an iteration, old_logprobs (its scoring pass) are the current
+    weights' own log-probs, so r = 1, nothing is clipped, and the gradient is the plain policy
+    gradient -A grad log p (with one pass and one step per batch: GRPO with mu = 1, TRL's default)."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -154,11 +152,11 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
 def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, agg, args):
     """The policy's loss on one micro-batch, from per-token (b, T) tensors to its share of the
     minibatch loss (agg: aggregate with the minibatch's counts): the clipped surrogate, minus
-    --ent-coef x the entropy, plus --kl-loss-coef x the k3 KL to the reference (ref_logprobs,
-    None when no reference pass ran). Returns (loss, the per-token terms the update logs)."""
+    --ent-coef x the entropy, plus --kl-loss-coef x the k3 KL to the reference (ref_logprobs).
+    Returns (loss, the per-token terms the update logs)."""
     pg, ratio, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low,
                                              args.clip_high)
-    kl_ref = None if ref_logprobs is None else kl_k3(logprobs, ref_logprobs)
+    kl_ref = kl_k3(logprobs, ref_logprobs)
     loss = agg(pg) - args.ent_coef * agg(entropy)
     if args.kl_loss_coef > 0:
         loss = loss + args.kl_loss_coef * agg(kl_ref)
@@ -198,10 +196,9 @@ def main(argv=None):
         # --- 2. score: old log-probs, reference log-probs, rewards --------------------------------
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # With one optimizer step per batch, the old log-probs are the update's own forward pass: NaN until
-        # it fills them, so nothing can read them early.
-        from_update, old_logprobs, ref_logprobs = old_and_reference_logprobs(
-            model, batch, args, len(records) * run.world, iteration)                         # (B, T)
+        # in eval mode (no dropout): the sampling policy's log-probs, and the reference's (adapter off)
+        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)      # (B, T)
+        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
         rewards = dialogue_rewards(records, args.reward, args.format_penalty)               # (B,)
         group_ids = torch.tensor([run.rank * len(chosen) + r["group"] for r in records])   # (B,)
 
@@ -212,42 +209,30 @@ def main(argv=None):
         all_advantages = group_advantages(all_rewards, all_groups, args.scale_rewards)      # (N,)
         _, all_std, all_flat = group_stats(all_rewards, all_groups)                         # (N,)
         mine = slice(run.rank * len(records), (run.rank + 1) * len(records))
-        if args.drop_zero_spread:  # advantage 0 anyway; out of the loss's denominators and other terms
-            mask = mask * (~all_flat[mine].to(run.device)).float()[:, None]                 # (B, T)
-        keep = (mask.sum(1) > 0).float()                                                    # (B,)
         advantages = all_advantages[mine].float().to(run.device)[:, None] * mask            # (B, T)
         run.lap("score")
 
         # --- 4. update: passes x minibatches x micro-batches ------------------------------------
         model.train()
         logs = {k: [] for k in LOGGED}
-        skipped_steps = 0
         local_mb = args.minibatch_size // run.world
         for epoch in range(args.update_epochs):
             order = torch.randperm(len(records)).tolist()
             for start in range(0, len(records), local_mb):
                 mb_inds = order[start:start + local_mb]
                 total_tokens = run.sum(mask[mb_inds].sum()).clamp(min=1)
-                total_seqs = run.sum(keep[mb_inds].sum())  # = minibatch_size unless dropped
-                if total_seqs.item() == 0:  # all dropped: no step (Adam's momentum would move the weights)
-                    skipped_steps += 1
-                    continue
                 optimizer.zero_grad(set_to_none=True)
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
-                    if not mask[idx].any():  # only dropped dialogues: no term of the loss, nothing to run
-                        continue
                     w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
                     ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
                     agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
-                                  total_seqs=total_seqs, token_budget=args.max_turns * args.max_new_tokens)
+                                  total_seqs=float(args.minibatch_size),
+                                  token_budget=args.max_turns * args.max_new_tokens)
                     newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
                                                          with_entropy=True, entropy_grad=args.ent_coef > 0)
-                    if from_update:
-                        old_logprobs[idx, :w] = newlogprob.detach()
-                    loss, terms = policy_objective(
-                        newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
-                        None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)
+                    loss, terms = policy_objective(newlogprob, entropy, old_logprobs[idx, :w],
+                                                   advantages[idx, :w], ref_logprobs[idx, :w], agg, args)
                     loss.backward()
                     append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
                 run.sum_gradients(params)  # over the processes
@@ -268,7 +253,7 @@ def main(argv=None):
                                    t_update),
                   "group_reward_std": float(all_std.mean()),
                   "zero_spread_groups": int(all_flat.sum()) // args.group_size,
-                  "skipped_steps": skipped_steps, "lr": optimizer.param_groups[0]["lr"]}
+                  "lr": optimizer.param_groups[0]["lr"]}
         run.log(all_records, rstats, logs, method)
 
         # --- 6. checkpoint -----------------------------------------------------------------------

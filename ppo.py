@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
-                     aggregate, batched, kl_k3, load_policy, logged_figures, old_and_reference_logprobs,
-                     pad_records, pick_personas, play_dialogues, policy_settings, sampling_settings,
-                     token_logprobs, training_personas, use_adapter)
+                     aggregate, batched, batched_logprobs, kl_k3, load_policy, logged_figures, pad_records,
+                     pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
+                     training_personas, use_adapter)
 from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
@@ -58,14 +58,11 @@ class PPOSettings:
                             one_of("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
     lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
     critic_lr: float = setting(5e-5, "critic adapter and value head learning rate (5x --lr)", above(0))
-    critic_warmup: int = setting(0, "first iterations in which only the critic learns (verl)", at_least(0))
     warmup_steps: int = setting(0, "optimizer steps of linear learning-rate warm-up", at_least(0))
     max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
     greedy: bool = setting(False, "decode greedily: reproducible dialogues for tests and debugging")
     micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1),
                                     operational=True)
-    log_kl_every: int = setting(1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
-                                   "reference pass in the others", at_least(1), operational=True)
 
     @staticmethod
     def check(args):
@@ -78,8 +75,9 @@ SETTINGS = (PPOSettings, SamplingSettings, SimulatorSettings, PolicySettings, Ad
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
-    # model never writes the tags, and the instructions about them only make its replies worse.
-    "cpu": dict(model="smollm2", dialogues_per_iteration=4, max_turns=2, max_new_tokens=32,
+    # model never writes the tags, and the instructions about them only make its replies worse. The
+    # rules user: the 135M model writes no appraisal a reasoned read-out can read.
+    "cpu": dict(model="smollm2", simulator="rules", dialogues_per_iteration=4, max_turns=2, max_new_tokens=32,
                 user_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
                 gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
                 lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1,
@@ -147,9 +145,9 @@ def whiten(advantages, mask, total=lambda x: x):
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
     """Per-token PPO surrogate (Schulman et al. 2017) with an asymmetric clip (clip-higher, DAPO).
     Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high)).
-    With one pass over the batch and one optimizer step per batch, old_logprobs are the current
-    weights' own log-probs, so r = 1 exactly, nothing is clipped, and the gradient is the plain
-    policy gradient -A grad log p (GRPO with mu = 1, as TRL's default)."""
+    Until the first optimizer step of an iteration, old_logprobs (its scoring pass) are the current
+    weights' own log-probs, so r = 1, nothing is clipped, and the gradient is the plain policy
+    gradient -A grad log p (with one pass and one step per batch: GRPO with mu = 1, TRL's default)."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -159,11 +157,11 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
 def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, agg, args):
     """The policy's loss on one micro-batch, from per-token (b, T) tensors to its share of the
     minibatch loss (agg: aggregate with the minibatch's counts): the clipped surrogate, minus
-    --ent-coef x the entropy, plus --kl-loss-coef x the k3 KL to the reference (ref_logprobs,
-    None when no reference pass ran). Returns (loss, the per-token terms the update logs)."""
+    --ent-coef x the entropy, plus --kl-loss-coef x the k3 KL to the reference (ref_logprobs).
+    Returns (loss, the per-token terms the update logs)."""
     pg, ratio, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low,
                                              args.clip_high)
-    kl_ref = None if ref_logprobs is None else kl_k3(logprobs, ref_logprobs)
+    kl_ref = kl_k3(logprobs, ref_logprobs)
     loss = agg(pg) - args.ent_coef * agg(entropy)
     if args.kl_loss_coef > 0:
         loss = loss + args.kl_loss_coef * agg(kl_ref)
@@ -272,10 +270,9 @@ def main(argv=None):
         # --- 2. score: old log-probs, reference log-probs, values, rewards ------------------------
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # With one optimizer step per batch, the old log-probs are the update's own forward pass: NaN until
-        # it fills them, so nothing can read them early.
-        from_update, old_logprobs, ref_logprobs = old_and_reference_logprobs(
-            model, batch, args, len(records) * run.world, iteration)                         # (B, T)
+        # in eval mode (no dropout): the sampling policy's log-probs, and the reference's (adapters off)
+        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)      # (B, T)
+        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
         with adapter_active(model, "critic"):  # in length-sorted micro-batches, without gradients
             old_values = batched(model, batch, args.micro_batch_size,
                                  lambda ids, att, _: critic_values(model, value_head, ids, att).float())
@@ -293,7 +290,6 @@ def main(argv=None):
         model.train()
         logs = {k: [] for k in LOGGED}
         local_mb = args.minibatch_size // run.world
-        train_actor = iteration >= args.critic_warmup  # during warm-up the actor's loss is only logged
         for epoch in range(args.update_epochs):
             order = torch.randperm(len(records)).tolist()
             for start in range(0, len(records), local_mb):
@@ -306,17 +302,12 @@ def main(argv=None):
                     ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
                     agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
                                   total_seqs=float(args.minibatch_size))  # its share of the minibatch loss
-                    with torch.set_grad_enabled(train_actor):
-                        newlogprob, entropy = token_logprobs(model, ids, att, args.temperature,
-                                                             action_mask=m, with_entropy=True,
-                                                             entropy_grad=args.ent_coef > 0)
-                        if from_update:
-                            old_logprobs[idx, :w] = newlogprob.detach()
-                        actor_loss, terms = policy_objective(
-                            newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
-                            None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)
-                    if train_actor:
-                        actor_loss.backward()
+                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
+                                                         with_entropy=True, entropy_grad=args.ent_coef > 0)
+                    actor_loss, terms = policy_objective(newlogprob, entropy, old_logprobs[idx, :w],
+                                                         advantages[idx, :w], ref_logprobs[idx, :w], agg,
+                                                         args)
+                    actor_loss.backward()
                     with adapter_active(model, "critic"):  # forward and backward under the critic
                         values = critic_values(model, value_head, ids, att).float()
                         terms["value_loss"], terms["value_clip_frac"] = clipped_value_loss(

@@ -3,9 +3,9 @@
 This is the one place where the agent meets the simulated user; ppo.py, grpo.py and evaluate.py
 all call play_dialogues(). It holds the LoRA policy and its settings, the chat template's token
 deltas, the dialogues and their records, padding dialogues into a batch, and per-token
-log-probabilities; and what ppo.py and grpo.py both do, once: their old and reference log-probs,
-the k3 KL, the loss aggregations, AdamW with its warm-up and the figures both log. The run's
-plumbing (settings parsing, folders, checkpoints) is in run.py.
+log-probabilities (the scoring passes of the old and reference log-probs); and what ppo.py and
+grpo.py both do, once: the k3 KL, the loss aggregations, AdamW with its warm-up and the figures
+both log. The run's plumbing (settings parsing, folders, checkpoints) is in run.py.
 
 Token in, token out: the ids the policy sampled are kept exactly as sampled (never decoded and
 re-tokenised), and each user turn is appended as the chat template's token delta for that
@@ -649,41 +649,6 @@ def sampling_settings(args):
             "greedy": getattr(args, "greedy", False)}
 
 
-def dropout_active(model):
-    """True when the model drops anything in train mode: a dropout module of any kind with p > 0 (LoRA's
-    lora_dropout is one), or a dropout probability above 0 in the model's config (Llama and Qwen2
-    apply attention_dropout inside their attention function, where no module shows it). Any
-    *dropout* or *pdrop* setting counts, whether or not this model's code reads it, since a
-    needless scoring pass costs time and a missed one costs correctness."""
-    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
-        return True
-    config = model.config.get_text_config().to_dict()  # a PeftModel's config is its base model's
-    return any(type(v) in (int, float) and v > 0 and ("dropout" in k or k.endswith("pdrop"))
-               for k, v in config.items())  # (type: a bool is an int, not a probability)
-
-
-def old_logprobs_from_update(args, batch_size, model):
-    """True when the update's own forward pass can give the old log-probs: one optimizer step per batch
-    (one pass, the whole batch one minibatch), so the weights that would score the rollout are the ones
-    the update runs, and no dropout (the model's dropout_active), since in train mode its log-probs carry
-    dropout noise, not the sampling policy's. A scoring pass would then compute the same numbers again
-    (TRL skips it too). Not with GRPO's --drop-zero-spread, which leaves dialogues out of the update."""
-    return (args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout_active(model)
-            and not getattr(args, "drop_zero_spread", False))
-
-
-def old_and_reference_logprobs(model, batch, args, batch_size, iteration):
-    """Step 2 of both trainers: the old log-probs (B, T) and the reference's (B, T) or None. Where the
-    update's own pass gives the old ones (old_logprobs_from_update) they are NaN until it fills them,
-    never zeros that read as log-probs, so nothing can read them early. The reference pass runs for a
-    KL term and every --log-kl-every iterations."""
-    scored = partial(batched_logprobs, model, batch, args.temperature, args.micro_batch_size)
-    from_update = old_logprobs_from_update(args, batch_size, model)
-    old = torch.full_like(batch["action_mask"], torch.nan) if from_update else scored()          # (B, T)
-    need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
-    return from_update, old, scored(reference=True) if need_ref else None                      # (B, T)
-
-
 def kl_k3(logprobs, ref_logprobs):
     """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
     always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
@@ -713,16 +678,13 @@ def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
 
 def adamw_with_warmup(groups, warmup_steps):
     """AdamW over (parameters, learning rate) groups, and a linear warm-up over warmup_steps optimizer
-    steps, each group's counted from the steps it really took: AdamW's own step count of the group's
-    first parameter. AdamW passes over a parameter with no gradient (PPO's actor during --critic-warmup)
-    and a skipped non-finite step steps nothing, so no count set in advance can drift from the truth,
-    and --resume restores it with the optimizer."""
+    steps, counted by the scheduler's own steps: the trainers step it only after an optimizer step, so
+    a skipped non-finite step advances neither, and --resume restores both."""
     optimizer = torch.optim.AdamW([{"params": params, "lr": lr} for params, lr in groups], weight_decay=0.0)
 
-    def warm(params):
-        return lambda _: min(1.0, (float(optimizer.state.get(params[0], {}).get("step", 0)) + 1)
-                             / max(1, warmup_steps))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, [warm(params) for params, _ in groups])
+    def warm(steps):  # the scheduler's steps so far
+        return min(1.0, (steps + 1) / max(1, warmup_steps))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warm)
 
 
 def logged_figures(run, rewards, batch, mask, old_logprobs, ref_logprobs, epochs, t_update):
@@ -733,8 +695,7 @@ def logged_figures(run, rewards, batch, mask, old_logprobs, ref_logprobs, epochs
     acted = batch["action_mask"]
     update_tokens = run.sum(mask.sum()).item() * epochs
     return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-            "kl_ref": None if ref_logprobs is None else run.masked_mean(kl_k3(old_logprobs, ref_logprobs),
-                                                                          acted),
+            "kl_ref": run.masked_mean(kl_k3(old_logprobs, ref_logprobs), acted),
             "sample_logprob_gap": run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted),
             "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
             "update_tokens_per_s": update_tokens / max(run.max(t_update), 1e-9)}

@@ -780,7 +780,7 @@ class Run:
 
     def masked_mean(self, x, mask):
         """The mean of x where mask is 1, over every process's positions (what x holds elsewhere, such as
-        the NaN of old log-probs the update did not fill at padding, is never read)."""
+        an overflow at padding, is never read)."""
         return (self.sum(torch.where(mask > 0, x, 0.0).sum()) / self.sum(mask.sum()).clamp(min=1)).item()
 
     def mean(self, values):
@@ -802,16 +802,11 @@ class Run:
     def sum_gradients(self, params):
         """Sum the gradients of `params` over every process (each loss was already divided by the global
         count), in one all-reduce per dtype instead of one per tensor (PPO's adapters on Qwen2.5-7B are
-        786 tensors). A gradient that is None on
-        every process stays None (during --critic-warmup the actor has none, and zeros would advance
-        AdamW's step count); one that some process lacks (GRPO's --drop-zero-spread dropped all its
-        dialogues) is zeros there, so that every process sums the same tensors."""
+        786 tensors). Every process runs the same losses on dialogues that each hold an agent token, so
+        a parameter has a gradient on all of them or on none (the critic's LoRA on lm_head, which its
+        value head never reads): one that is None stays None, and AdamW passes over it."""
         if self.world == 1:
             return
-        has = self.sum(torch.tensor([float(p.grad is not None) for p in params], device=self.device))
-        for p, count in zip(params, has.tolist()):
-            if count and p.grad is None:
-                p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params if p.grad is not None]
         # dtypes in the order of params, the same on every process (a set's order follows the dtype
         # objects' addresses, which may differ between processes, and the sums would pair wrongly);

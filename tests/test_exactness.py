@@ -1,7 +1,6 @@
 """Same seed, same numbers, on every path (issue 25): a run whose first command converts the embedded
-model, the old log-probs under dropout, merged sampling on adapters it cannot fold, --drop-zero-spread
-with a flat group beside a non-flat one, --load-in-4bit without bitsandbytes, and --static-cache's
-stable shapes and buffers.
+model, the old log-probs under dropout, merged sampling on adapters it cannot fold, --load-in-4bit
+without bitsandbytes, and --static-cache's stable shapes and buffers.
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_exactness.py -q
 """
@@ -86,11 +85,11 @@ def test_a_cold_cache_and_a_warm_cache_run_log_the_same_numbers(personas_file, t
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. Old log-probs under dropout: from the scoring pass (eval mode), never from the update's own pass
+# 2. Old log-probs under dropout: from the scoring pass (eval mode), not the update's (train mode)
 # ----------------------------------------------------------------------------------------------
 def tiny_run(script, model_dir, personas, out, *extra):
     """The smallest run of a trainer on a tiny model and the rules user, one step per batch (one
-    epoch, the minibatch the whole batch: the shortcut that reads the old log-probs off the update)."""
+    epoch, the minibatch the whole batch)."""
     size = (["--dialogues-per-iteration", "2"] if script is ppo else
             ["--personas-per-iteration", "1", "--group-size", "2"])
     return ["--preset", "cpu", "--model", str(model_dir), "--simulator", "rules", "--personas", personas,
@@ -99,26 +98,12 @@ def tiny_run(script, model_dir, personas, out, *extra):
             "--out", str(out), *extra]
 
 
-def test_dropout_active_reads_the_adapter_and_the_base_model(tiny_model_dir):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert not rollout.dropout_active(base)
-    assert not rollout.dropout_active(get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])))
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert rollout.dropout_active(get_peft_model(base, LoraConfig(r=2, lora_dropout=0.3,
-                                                                  target_modules=["q_proj"])))
-    # Llama applies attention_dropout inside its attention function in train mode: no nn.Dropout to see
-    assert rollout.dropout_active(AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.1))
-
-
 @pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
 def test_lora_dropout_takes_the_old_logprobs_from_the_scoring_pass(script, tiny_model_dir, personas_file,
                                                                   tmp_path):
     """With --lora-dropout 0.3 the update's forward pass (train mode) carries dropout noise, so its
-    log-probs are not the sampling policy's: the old log-probs must come from the scoring pass, and
-    then they equal the sampled ones to float round-off. Iteration 2, once lora_B has moved (at
+    log-probs are not the sampling policy's: the old log-probs come from the scoring pass (eval mode),
+    and then they equal the sampled ones to float round-off. Iteration 2, once lora_B has moved (at
     iteration 1 B = 0 and the dropped adapter input changes nothing)."""
     out = tmp_path / "run"
     script.main(tiny_run(script, tiny_model_dir, personas_file, out, "--lora-dropout", "0.3",
@@ -281,94 +266,6 @@ def test_a_model_that_changes_its_logits_after_lm_head_is_one_line_before_the_we
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1, err
     assert folder in err and f"{field} {value}" in err and "sampler" in err, err
-
-
-# ----------------------------------------------------------------------------------------------
-# 4. --drop-zero-spread with a flat group beside a non-flat one
-# ----------------------------------------------------------------------------------------------
-FLAT_PERSONA = "p0"
-# GRPO's rewards for these tests, in place of the final emotion: persona p0's group is flat, p1's
-# has a spread. A run script for `accelerate launch` sets it the same way (DROP_SCRIPT).
-REWARDS = 'torch.tensor([0.5 if r["persona_id"] == "p0" else 0.3 + 0.2 * r["sample"] for r in records])'
-
-
-def one_flat_group(records, mode="final", format_penalty=0.0):
-    return eval(REWARDS, {"torch": torch, "records": records})
-
-
-DROP_SCRIPT = f'''import sys
-import torch
-sys.path.insert(0, {{root!r}})
-import grpo
-grpo.dialogue_rewards = lambda records, *a, **k: {REWARDS}
-grpo.main(sys.argv[1:])
-'''
-
-
-@pytest.fixture
-def two_personas(write_personas, persona_entry):
-    openings = ["i didn't get the promotion. they gave it to the new guy.",
-                "my sister hasn't spoken to me since the wedding and i don't know what i did."]
-    return write_personas([persona_entry(id=f"p{i}", opening=o) for i, o in enumerate(openings)])
-
-
-def drop_run(model_dir, personas, out, *extra):
-    return ["--preset", "cpu", "--model", str(model_dir), "--simulator", "rules", "--personas", personas,
-            "--split", "test", "--personas-per-iteration", "2", "--group-size", "2", "--minibatch-size", "4",
-            "--max-turns", "1", "--max-new-tokens", "6", "--max-context", "512", "--lora-r", "4",
-            "--lora-alpha", "8", "--lr", "1e-2", "--iterations", "1", "--drop-zero-spread", "true",
-            "--out", str(out), *extra]
-
-
-def adapter_weights(out):
-    from safetensors.torch import load_file
-
-    return load_file(str(out / "checkpoints" / "iter_000001" / "default" / "adapter_model.safetensors"))
-
-
-def test_drop_zero_spread_skips_micro_batches_of_dropped_dialogues(tiny_model_dir, two_personas, tmp_path,
-                                                                  monkeypatch):
-    """One micro-batch per dialogue: those of the flat group hold no token of the loss. They are
-    skipped, and the step is the one a single micro-batch of the whole minibatch takes."""
-    monkeypatch.setattr(grpo, "dialogue_rewards", one_flat_group)
-    for size in ("1", "4"):
-        grpo.main(drop_run(tiny_model_dir, two_personas, tmp_path / size, "--micro-batch-size", size))
-    (one,), (four,) = read_metrics(tmp_path / "1"), read_metrics(tmp_path / "4")
-    assert one["zero_spread_groups"] == 1 and one["skipped_steps"] == 0 and one["grad_norm"] > 0
-    assert one["grad_norm"] == pytest.approx(four["grad_norm"], rel=1e-5)
-    w1, w4 = adapter_weights(tmp_path / "1"), adapter_weights(tmp_path / "4")
-    assert any(w.abs().sum() > 0 for k, w in w1.items() if "lora_B" in k)
-    for key in w1:
-        torch.testing.assert_close(w1[key], w4[key], atol=1e-6, rtol=1e-5)
-
-
-def test_drop_zero_spread_with_a_process_holding_only_the_flat_group(tiny_model_dir, two_personas, tmp_path):
-    """Two processes, one group each: the process with the flat group has nothing to train on, yet
-    it must take part in the gradient all-reduce (with zeros), and the step is one process's.
-    Greedy, so that both runs play the same dialogues; then a group's two dialogues are the same
-    and their policy gradients cancel, so an entropy bonus gives the step something to move."""
-    import os
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-    from test_parallel import launch_two
-
-    script = tmp_path / "grpo_one_flat_group.py"
-    script.write_text(DROP_SCRIPT.format(root=ROOT))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name, launch in (("one", lambda a: [sys.executable, *a]), ("two", launch_two)):
-        argv = launch([str(script), *drop_run(tiny_model_dir, two_personas, tmp_path / name,
-                                              "--micro-batch-size", "2", "--greedy", "true",
-                                              "--ent-coef", "0.01")])
-        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-    (one,), (two,) = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    assert two["processes"] == 2 and two["zero_spread_groups"] == 1
-    assert one["grad_norm"] > 0 and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
-    w1, w2 = adapter_weights(tmp_path / "one"), adapter_weights(tmp_path / "two")
-    for key in w1:
-        torch.testing.assert_close(w1[key], w2[key], atol=1e-4, rtol=1e-3)
 
 
 # ----------------------------------------------------------------------------------------------

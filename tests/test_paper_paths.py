@@ -153,7 +153,7 @@ SIZES = {"model", "dialogues_per_iteration", "personas_per_iteration", "group_si
 SWITCHES = {
     "gradient_checkpointing": ["--gradient-checkpointing", "true"],
     "thinking": ["--thinking", "true"],
-    "simulator": ["--simulator", "same"],            # the default of both presets; the LLM user
+    "simulator": ["--simulator", "same"],            # the paper's LLM user (the cpu preset: rules)
     "dtype": ["--dtype", "bfloat16"],                # what "auto" picks on CUDA
     "value_clip": ["--value-clip", "0.5"],           # PPO only: RLVER's value clip
     "ent_coef": ["--ent-coef", "0.001"],             # RLVER's entropy bonus
@@ -175,14 +175,12 @@ def test_every_switch_of_the_cpu_preset_is_covered_here(trainer):
 def paper_path_args(trainer, model_dir, personas, out):
     names = vars(run.parse_settings(trainer.SETTINGS, argv=['--preset', 'paper'])).keys()
     switches = sum((flags for name, flags in SWITCHES.items() if name in names), [])
-    # 2 minibatches x 2 micro-batches. The likelihood read-out: the paper preset's own (reasoned, for a
-    # model that is not the embedded one) would read no change from a random model's appraisals, and
-    # rewards that never vary leave the critic nothing to learn
-    common = [*switches, "--readout", "likelihood", "--iterations", "2", "--micro-batch-size", "1",
-              "--minibatch-size", "2", "--max-new-tokens", "8", "--user-reply-tokens", "6", "--seed", "2"]
+    # 2 minibatches x 2 micro-batches; the paper preset's read-out (reasoned, for a model that is not the
+    # embedded one)
+    common = [*switches, "--iterations", "2", "--micro-batch-size", "1", "--minibatch-size", "2",
+              "--max-new-tokens", "8", "--user-reply-tokens", "6", "--seed", "2"]
     if trainer is ppo:
-        return ppo_args(model_dir, personas, out, *common, "--dialogues-per-iteration", "4",
-                        "--critic-warmup", "1")
+        return ppo_args(model_dir, personas, out, *common, "--dialogues-per-iteration", "4")
     # the tiny model's users all end alike (zero-spread groups, zero advantages): the entropy bonus
     # alone gives the update a gradient, enough to check that it flows
     return grpo_args(model_dir, personas, out, *common)
@@ -190,8 +188,8 @@ def paper_path_args(trainer, model_dir, personas, out):
 
 @pytest.mark.parametrize("trainer", [ppo, grpo])
 def test_the_paper_preset_paths_run_on_a_tiny_model(trainer, tiny_model_dir, personas_file, tmp_path):
-    # checkpointing, thinking, the `same` user (likelihood read-out), bf16 weights, 2 minibatches of
-    # 2 micro-batches, the default loss aggregation (and PPO's whitening and critic warm-up)
+    # checkpointing, thinking, the `same` user (reasoned read-out), bf16 weights, 2 minibatches of
+    # 2 micro-batches, the default loss aggregation (and PPO's whitening)
     out = tmp_path / "run"
     trainer.main(paper_path_args(trainer, tiny_model_dir, personas_file, out))
     metrics = read_metrics(out)
@@ -205,12 +203,12 @@ def test_the_paper_preset_paths_run_on_a_tiny_model(trainer, tiny_model_dir, per
         assert m["think_violation_rate"] > 0                           # a random model writes no tags
         assert (m["end_max_turns"] + m["end_goodbye"] + m["end_left"] + m["end_success"]
                 + m["end_context"] == 4)
+    # A random model's appraisals read as no change, so the rewards hardly vary: the entropy bonus alone
+    # is enough to move the policy (and the critic may already sit on the unmoved return it starts at)
+    grad_norm = "actor_grad_norm" if trainer is ppo else "grad_norm"
+    assert metrics[0][grad_norm] > 0 and metrics[1]["kl_ref"] > 0   # the policy moved in iteration 1
     if trainer is ppo:
-        assert defaults["whiten_advantages"] and config["critic_warmup"] == 1
-        assert metrics[0]["kl_ref"] == 0 and metrics[1]["kl_ref"] == pytest.approx(0, abs=1e-3)  # actor held
-        assert metrics[1]["critic_grad_norm"] > 0
-    else:
-        assert metrics[0]["grad_norm"] > 0 and metrics[1]["kl_ref"] > 0   # the policy moved in iteration 1
+        assert defaults["whiten_advantages"] and metrics[1]["critic_grad_norm"] is not None  # it stepped
 
 
 # ----------------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def group_stats(rewards, group_ids):
         members = group_ids == g
         r = rewards[members]
         mean[members], std[members] = r.mean(), r.std()
-        flat[members] = bool(r.max() == r.min())
+        flat[members] = r.max() == r.min()
     return mean, std, flat
 
 
@@ -134,7 +134,7 @@ def group_advantages(rewards, group_ids, scale="group", eps=1e-4):
         advantages = (rewards - mean) / (rewards.std() + eps)
     else:  # none
         advantages = rewards - mean
-    return torch.where(flat, torch.zeros_like(advantages), advantages)
+    return advantages.masked_fill(flat, 0.0)
 
 
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
@@ -199,17 +199,18 @@ def main(argv=None):
         # in eval mode (no dropout): the sampling policy's log-probs, and the reference's (adapter off)
         old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)      # (B, T)
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
-        rewards = dialogue_rewards(records, args.reward, args.format_penalty)               # (B,)
-        group_ids = torch.tensor([run.rank * len(chosen) + r["group"] for r in records])   # (B,)
+        # The rewards of the whole iteration, on every process (batch scaling needs the std of all of
+        # them). The gather is in rank order, so this process's rows are its share (run.share), and each
+        # process's dialogues come group after group, --group-size each (play_dialogues), so a row's
+        # place names its group.
+        all_records = run.gather(records)
+        all_rewards = dialogue_rewards(all_records, args.reward, args.format_penalty)       # (N,)
+        all_groups = torch.arange(len(all_records)) // args.group_size                      # (N,)
 
         # --- 3. advantages: each dialogue against its group --------------------------------------
-        # Over the whole iteration, on every process (batch scaling needs the std of all rewards);
-        # the gather is in rank order, so this process's rows are one slice.
-        all_rewards, all_groups = run.gather_tensor(rewards), run.gather_tensor(group_ids)
         all_advantages = group_advantages(all_rewards, all_groups, args.scale_rewards)      # (N,)
         _, all_std, all_flat = group_stats(all_rewards, all_groups)                         # (N,)
-        mine = slice(run.rank * len(records), (run.rank + 1) * len(records))
-        advantages = all_advantages[mine].float().to(run.device)[:, None] * mask            # (B, T)
+        advantages = run.share(all_advantages).float().to(run.device)[:, None] * mask       # (B, T)
         run.lap("score")
 
         # --- 4. update: passes x minibatches x micro-batches ------------------------------------
@@ -246,10 +247,9 @@ def main(argv=None):
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
-        all_records = run.gather(records)
         reward = dialogue_rewards(all_records, args.reward).numpy()  # as in ppo.py: no format penalty
         # every group holds --group-size dialogues: a mean over the dialogues is the mean over the groups
-        method = {**logged_figures(run, reward, batch, mask, old_logprobs, ref_logprobs, args.update_epochs,
+        method = {**logged_figures(run, reward, batch, old_logprobs, ref_logprobs, args.update_epochs,
                                    t_update),
                   "group_reward_std": float(all_std.mean()),
                   "zero_spread_groups": int(all_flat.sum()) // args.group_size,

@@ -246,8 +246,7 @@ def main(argv=None):
     # starts at the return of an unmoved emotion
     model.add_adapter("critic", copy.deepcopy(model.peft_config["default"]))
     use_adapter(model, "default")
-    hidden_size = model.get_base_model().config.get_text_config().hidden_size
-    value_head = torch.nn.Linear(hidden_size, 1).to(run.device)
+    value_head = torch.nn.Linear(model.config.get_text_config().hidden_size, 1).to(run.device)
     torch.nn.init.zeros_(value_head.weight)
     torch.nn.init.constant_(value_head.bias, REWARDS[args.reward]["unmoved"](args.start_emotion))
     actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
@@ -274,13 +273,12 @@ def main(argv=None):
         old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)      # (B, T)
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
         with adapter_active(model, "critic"):  # in length-sorted micro-batches, without gradients
-            old_values = batched(model, batch, args.micro_batch_size,
-                                 lambda ids, att, _: critic_values(model, value_head, ids, att).float())
-        old_values = old_values * mask                                                      # (B, T)
-        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty).to(run.device)
+            old_values = batched(model, batch, args.micro_batch_size,                       # (B, T)
+                                 lambda ids, att, _: critic_values(model, value_head, ids, att)) * mask
+        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty)  # (B, T) on the CPU
 
         # --- 3. advantages: GAE over the agent's tokens ------------------------------------------
-        advantages, returns = compute_gae(rewards.cpu(), old_values.cpu(), mask.cpu(), args.gamma, args.lam)
+        advantages, returns = compute_gae(rewards, old_values.cpu(), mask.cpu(), args.gamma, args.lam)
         advantages, returns = advantages.to(run.device), returns.to(run.device)
         if args.whiten_advantages:  # over every process's agent tokens
             advantages = whiten(advantages, mask, run.sum)
@@ -309,7 +307,7 @@ def main(argv=None):
                                                          args)
                     actor_loss.backward()
                     with adapter_active(model, "critic"):  # forward and backward under the critic
-                        values = critic_values(model, value_head, ids, att).float()
+                        values = critic_values(model, value_head, ids, att)
                         terms["value_loss"], terms["value_clip_frac"] = clipped_value_loss(
                             values, old_values[idx, :w], returns[idx, :w], args.value_clip)
                         (args.vf_coef * agg(terms["value_loss"])).backward()
@@ -329,7 +327,7 @@ def main(argv=None):
         # --- 5. log: global figures over every process's dialogues -------------------------------
         all_records = run.gather(records)
         reward = np.array([sum(REWARDS[args.reward]["turns"](r)) for r in all_records])
-        method = {**logged_figures(run, reward, batch, mask, old_logprobs, ref_logprobs, args.update_epochs,
+        method = {**logged_figures(run, reward, batch, old_logprobs, ref_logprobs, args.update_epochs,
                                    t_update),
                   "explained_variance": explained_variance(run.sum(variance_sums(old_values[mask > 0],
                                                                                  returns[mask > 0]))),

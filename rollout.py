@@ -137,12 +137,10 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.enable_input_require_grads()
     if adapter:
-        model = PeftModel.from_pretrained(base, adapter, is_trainable=trainable)
-    else:
-        model = get_peft_model(base, LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                                                target_modules=target_names(target_modules),
-                                                task_type="CAUSAL_LM"))
-    return model, tokenizer
+        return PeftModel.from_pretrained(base, adapter, is_trainable=trainable), tokenizer
+    return get_peft_model(base, LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                                           target_modules=target_names(target_modules),
+                                           task_type="CAUSAL_LM")), tokenizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,14 +257,14 @@ class MergedAdapter:
         adapter = getattr(model, "active_adapter", None)
         layers = [(m, m.get_base_layer()) for m in model.modules()
                   if isinstance(m, LoraLayer) and adapter in m.lora_A]  # (LoRA layer, its base layer)
-        if not layers or layers[0][0].disable_adapters:
-            return None  # no adapter, or it is switched off (evaluate.py's base): sample the base
         uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # tied: 2
-        if any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
-               or not b.weight.dtype.is_floating_point or uses[id(b.weight)] > 1 for m, b in layers):
-            return None
-        if any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
-               for m in model.modules()):
+        # None: no adapter, or it is switched off (evaluate.py's base), and the rollout samples the base;
+        # or one of the cases above, and it samples through the adapter
+        if (not layers or layers[0][0].disable_adapters
+                or any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
+                       or not b.weight.dtype.is_floating_point or uses[id(b.weight)] > 1 for m, b in layers)
+                or any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
+                       for m in model.modules())):
             return None
         # One buffer per (dtype, device) holds every merged weight: freed in one piece after the
         # rollout, it goes back to the system. As ~200 separate tensors they stayed in the CPU heap,
@@ -371,7 +369,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     from transformers import GenerationConfig
 
     chat = ChatTokens(tokenizer, THINK_PROMPT if thinking else PLAIN_PROMPT)
-    device = next(policy.parameters()).device
+    device = policy.device
     # An explicit config, so that a model's own defaults (top_k=20, repetition_penalty=1.05 in
     # Qwen2.5's generation_config) cannot change the sampling distribution. top_k must be 0, not
     # None: transformers reads None as "unset" and fills in the model's top_k, or 50. The stored
@@ -419,17 +417,16 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         with merged or contextlib.nullcontext():  # the user's turns below run on the base's own weights
             sequences = policy.generate(input_ids=ids, attention_mask=mask, **given,
                                         generation_config=gen_config, logits_processor=[recorder])
-        keep = live.nonzero()[:, 0]  # the active dialogues' rows, in order
-        new_logp = recorder.finish(sequences)[keep].cpu()                              # (B_active, N)
-        sequences, mask = sequences[keep], mask[keep]
+        new_logp = recorder.finish(sequences)[live].cpu()  # the active dialogues' rows    (B_active, N)
+        sequences, mask = sequences[live], mask[live]
         new = sequences[:, ids.shape[1]:].tolist()                                     # (B_active, N)
         lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
                    for row in new]
         # Keep the per-row caches only if a dialogue can go on: on its last allowed turn every one ends
         # (a one-turn rollout never extracts them).
         if reuse_cache and not all(d.state.turns + 1 >= simulator.max_turns for d in active):
-            sampled = torch.tensor([[1] * n + [0] * (len(row) - n) for row, n in zip(new, lengths)],
-                                   device=device)                                            # (B, N)
+            ends = torch.tensor(lengths, device=device)[:, None]  # each row's sampled tokens      (B, 1)
+            sampled = (torch.arange(len(new[0]), device=device) < ends).long()                   # (B, N)
             keep_cache(slots, cache, sequences, torch.cat([mask, sampled], 1))
         del cache  # the batch's cache: what the dialogues keep is in their slots now
         stats["policy_seconds"] += time.time() - t0
@@ -682,23 +679,22 @@ def adamw_with_warmup(groups, warmup_steps):
     a skipped non-finite step advances neither, and --resume restores both."""
     optimizer = torch.optim.AdamW([{"params": params, "lr": lr} for params, lr in groups], weight_decay=0.0)
 
-    def warm(steps):  # the scheduler's steps so far
-        return min(1.0, (steps + 1) / max(1, warmup_steps))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warm)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda steps: min(1.0, (steps + 1) / max(1, warmup_steps)))  # steps: the scheduler's
 
 
-def logged_figures(run, rewards, batch, mask, old_logprobs, ref_logprobs, epochs, t_update):
+def logged_figures(run, rewards, batch, old_logprobs, ref_logprobs, epochs, t_update):
     """Step 5 of both trainers: the figures of an iteration they log alike, over every process: the
     rewards' (N,) mean and std (a numpy array: the std without Bessel's correction), kl_ref and the
-    sampler-trainer gap over every agent token, and the update's tokens (mask: the agent tokens it
-    trained on, x epochs) and their rate."""
+    sampler-trainer gap over every agent token, and the update's tokens (every agent token, x epochs)
+    and their rate (against the slowest process's update)."""
     acted = batch["action_mask"]
-    update_tokens = run.sum(mask.sum()).item() * epochs
+    update_tokens = run.sum(acted.sum()).item() * epochs
     return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "kl_ref": run.masked_mean(kl_k3(old_logprobs, ref_logprobs), acted),
             "sample_logprob_gap": run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted),
             "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
-            "update_tokens_per_s": update_tokens / max(run.max(t_update), 1e-9)}
+            "update_tokens_per_s": update_tokens / max(*run.gather([t_update]), 1e-9)}
 
 
 def pick_personas(personas, n, seed, iteration):

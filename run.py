@@ -774,10 +774,6 @@ class Run:
         """A tensor summed over every process."""
         return self.accelerator.reduce(x, "sum")  # with one process: a copy
 
-    def max(self, x):
-        """A number's largest value over every process (a collective call)."""
-        return max(self.gather([float(x)]))
-
     def masked_mean(self, x, mask):
         """The mean of x where mask is 1, over every process's positions (what x holds elsewhere, such as
         an overflow at padding, is never read)."""
@@ -794,10 +790,6 @@ class Run:
         from accelerate.utils import gather_object
 
         return gather_object(list(items))  # with one process: the list itself
-
-    def gather_tensor(self, x):
-        """A 1-D tensor of every process's rows, in rank order."""
-        return torch.tensor(self.gather(x.tolist()), dtype=x.dtype)
 
     def sum_gradients(self, params):
         """Sum the gradients of `params` over every process (each loss was already divided by the global
@@ -836,8 +828,7 @@ class Run:
         """Step 5 of both trainers (a collective call): one metrics.jsonl line of the method's own
         figures (`method`, already global), the means over processes of what the update logged, the
         rollout summary, the laps' timings and peak memory, and how many of these numbers are not
-        finite (written as null); every dialogue to rollouts.jsonl; every number to the tracker. Returns
-        the metrics."""
+        finite (written as null); every dialogue to rollouts.jsonl; every number to the tracker."""
         iteration = self.done + 1
         metrics = {"iteration": iteration, **method,
                    **summarize(all_records, merge_stats(self.gather([rollout_stats]))),
@@ -856,13 +847,12 @@ class Run:
                          f"{self.resume_advice()}", code=1)
         # the numbers only (a figure not measured this iteration is None, which accelerate's trackers
         # are not documented to take); main process only, and nothing without a tracker
-        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        self.accelerator.log(numbers, step=iteration)
+        self.accelerator.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+                             step=iteration)
         self.done = iteration
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                              emotion=f"{metrics['final_emotion_mean']:.1f}")
-        return metrics
 
     def save_if_due(self):
         """(A collective call) after an iteration: a checkpoint every --save-every iterations and at the

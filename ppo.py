@@ -251,7 +251,7 @@ def main(argv=None):
     torch.nn.init.constant_(value_head.bias, REWARDS[args.reward]["unmoved"](args.start_emotion))
     actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
     critic_params = adapter_params(model, "critic") + list(value_head.parameters())
-    # one AdamW with a parameter group each, warmed up over --warmup-steps of each group's own steps
+    # one AdamW with a parameter group each, both warmed up over the first --warmup-steps optimizer steps
     optimizer, scheduler = adamw_with_warmup([(actor_params, args.lr), (critic_params, args.critic_lr)],
                                              args.warmup_steps)
     simulator = make_simulator(args, model, tokenizer, run)

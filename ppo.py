@@ -63,6 +63,8 @@ class PPOSettings:
     greedy: bool = setting(False, "decode greedily: reproducible dialogues for tests and debugging")
     micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1),
                                     operational=True)
+    log_kl_every: int = setting(1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
+                                   "reference pass in the others", at_least(1), operational=True)
 
     @staticmethod
     def check(args):
@@ -157,11 +159,11 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
 def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, agg, args):
     """The policy's loss on one micro-batch, from per-token (b, T) tensors to its share of the
     minibatch loss (agg: aggregate with the minibatch's counts): the clipped surrogate, minus
-    --ent-coef x the entropy, plus --kl-loss-coef x the k3 KL to the reference (ref_logprobs).
-    Returns (loss, the per-token terms the update logs)."""
+    --ent-coef x the entropy, plus --kl-loss-coef x the k3 KL to the reference (ref_logprobs,
+    None when no reference pass ran). Returns (loss, the per-token terms the update logs)."""
     pg, ratio, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low,
                                              args.clip_high)
-    kl_ref = kl_k3(logprobs, ref_logprobs)
+    kl_ref = None if ref_logprobs is None else kl_k3(logprobs, ref_logprobs)
     loss = agg(pg) - args.ent_coef * agg(entropy)
     if args.kl_loss_coef > 0:
         loss = loss + args.kl_loss_coef * agg(kl_ref)
@@ -271,7 +273,10 @@ def main(argv=None):
         mask = batch["action_mask"]                                                         # (B, T)
         # in eval mode (no dropout): the sampling policy's log-probs, and the reference's (adapters off)
         old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)      # (B, T)
-        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
+        # the reference pass feeds a KL term, or only the kl_ref figure: then every --log-kl-every iterations
+        need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
+        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
+                                        reference=True) if need_ref else None                    # (B, T)
         with adapter_active(model, "critic"):  # in length-sorted micro-batches, without gradients
             old_values = batched(model, batch, args.micro_batch_size,                       # (B, T)
                                  lambda ids, att, _: critic_values(model, value_head, ids, att)) * mask
@@ -302,9 +307,9 @@ def main(argv=None):
                                   total_seqs=float(args.minibatch_size))  # its share of the minibatch loss
                     newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
                                                          with_entropy=True, entropy_grad=args.ent_coef > 0)
-                    actor_loss, terms = policy_objective(newlogprob, entropy, old_logprobs[idx, :w],
-                                                         advantages[idx, :w], ref_logprobs[idx, :w], agg,
-                                                         args)
+                    actor_loss, terms = policy_objective(
+                        newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
+                        None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)
                     actor_loss.backward()
                     with adapter_active(model, "critic"):  # forward and backward under the critic
                         values = critic_values(model, value_head, ids, att)

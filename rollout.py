@@ -685,13 +685,15 @@ def adamw_with_warmup(groups, warmup_steps):
 
 def logged_figures(run, rewards, batch, old_logprobs, ref_logprobs, epochs, t_update):
     """Step 5 of both trainers: the figures of an iteration they log alike, over every process: the
-    rewards' (N,) mean and std (a numpy array: the std without Bessel's correction), kl_ref and the
-    sampler-trainer gap over every agent token, and the update's tokens (every agent token, x epochs)
-    and their rate (against the slowest process's update)."""
+    rewards' (N,) mean and std (a numpy array: the std without Bessel's correction), kl_ref (None on
+    an iteration without the reference pass) and the sampler-trainer gap over every agent token, and
+    the update's tokens (every agent token, x epochs) and their rate (against the slowest process's
+    update)."""
     acted = batch["action_mask"]
     update_tokens = run.sum(acted.sum()).item() * epochs
     return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-            "kl_ref": run.masked_mean(kl_k3(old_logprobs, ref_logprobs), acted),
+            "kl_ref": None if ref_logprobs is None else run.masked_mean(kl_k3(old_logprobs, ref_logprobs),
+                                                                          acted),
             "sample_logprob_gap": run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted),
             "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
             "update_tokens_per_s": update_tokens / max(*run.gather([t_update]), 1e-9)}

@@ -307,3 +307,29 @@ def test_resume_gives_the_same_second_iteration(script_run, tiny_model_dir, pers
                      for d in (script_run, split))
     for k in first:
         torch.testing.assert_close(first[k], second[k], atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# A pass whose result only a diagnostic reads is skipped, and the run is the same
+# ----------------------------------------------------------------------------------------------
+def adapter_of(out, iteration):
+    from safetensors.torch import load_file
+
+    folder = os.path.join(out, "checkpoints", f"iter_{iteration:06d}", "default")
+    return load_file(os.path.join(folder, "adapter_model.safetensors"))
+
+
+def test_log_kl_every_skips_the_reference_pass_and_nothing_else(warm_model_dir, personas_file, tmp_path):
+    # With no KL term the reference pass only feeds the kl_ref diagnostic: logged every 2nd
+    # iteration, the others write null, and the adapters are bit for bit those of logging it always.
+    argv = ["--group-size", "4", "--minibatch-size", "8", "--micro-batch-size", "4", "--iterations", "2",
+            "--seed", "1", "--lr", "5e-3"]
+    grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "every", *argv))
+    grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "second", *argv, "--log-kl-every", "2"))
+    every, second = read_metrics(tmp_path / "every"), read_metrics(tmp_path / "second")
+    assert second[0]["kl_ref"] == every[0]["kl_ref"] and every[1]["kl_ref"] > 0
+    assert second[1]["kl_ref"] is None and second[1]["kl_ref_loss"] is None
+    assert second[1]["nonfinite_metrics"] == 0  # absent on purpose, not a NaN
+    assert second[1]["reward_mean"] == every[1]["reward_mean"]
+    for k, w in adapter_of(tmp_path / "every", 2).items():
+        assert torch.equal(w, adapter_of(tmp_path / "second", 2)[k]), k

@@ -10,8 +10,8 @@ holds everything on the user's side of the table:
   emotion       band(), Simulator.step() (appraise -> clamp -> end rules -> next user message)
   read-outs     "reasoned" (every model: the simulator writes an anchored appraisal ending in
                 "Change: N", parsed strictly, re-asked once if unread) and "rules" (the rules user)
-  backends      LocalBackend (a transformers model, or the policy's own frozen base for
-                --simulator same), OpenAIBackend (any /v1/chat/completions server), RulesBackend
+  backends      LocalBackend (--simulator same: the policy's own frozen base, or the --model alone
+                where there is no policy), OpenAIBackend (any /v1/chat/completions server), RulesBackend
                 (a written-here lexicon check, only for testing the RL loop)
 
 evaluate.py --agreement checks a simulator against SAGE's recorded judgements before training on it.

@@ -636,7 +636,7 @@ def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, p
     chat = ChatTokens(tokenizer, rollout.PLAIN_PROMPT)
     max_context = len(chat.prompt(group[0].opening)) + 8 + 10  # one reply; no room for a user turn and more
     sim = Simulator(simulator.make_backend("same", policy=policy, tokenizer=tokenizer), max_turns=5,
-                    reply_tokens=6, appraisal_tokens=12, retry_tokens=6, leave_below=0)
+                    reply_tokens=6, appraisal_tokens=8, retry_tokens=4, leave_below=0)
     states, start = [], sim.start
     sim.start = lambda persona: states.append(start(persona)) or states[-1]
     filled, step = [], sim.step

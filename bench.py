@@ -9,7 +9,7 @@
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
 (rollout.play_dialogues: the LoRA policy on the embedded SmolLM2-135M-Instruct against the 'same'
-simulator, its frozen base, with the default read-out) is timed over its whole wall time and its
+simulator, its frozen base, with the reasoned read-out) is timed over its whole wall time and its
 generated tokens (policy + simulator) counted; the baseline is one plain batched `generate` on the
 same policy, the same batch size and the same first-turn prompts, sampling exactly --max-new-tokens
 tokens per row. The ratio of the two rates is the figure of merit (target >= 0.9, issue 17).
@@ -58,9 +58,9 @@ minutes on one H200, never more than --budget seconds). Steps, each in its own s
 time limit, so that a failed or hung step ends only itself: versions (software, device, the built
 tokenizer's fingerprint); tests-fp32 and tests-bf16 (the tests marked gpu in tests/test_rollout.py and
 tests/test_simulator.py with `--device cuda` in each dtype: stored vs fresh log-probs, merged vs
-adapter logits, the 'same' user with and without merged sampling, the one-pass read-out vs full
-forwards, static vs dynamic cache); bench-gpu (the quick shape
-above); learning (tests/test_learning.py on CUDA in bf16 with gradient checkpointing and thinking);
+adapter logits, the 'same' user with and without merged sampling, static vs dynamic cache);
+bench-gpu (the quick shape above); learning (tests/test_learning.py on CUDA in bf16 with gradient
+checkpointing and thinking);
 rollout-rates (tokens/s of one 7B rollout through the adapter, merged, and merged with the static
 cache, each with its log-prob gap to a fresh pass); 4bit (one PPO iteration with --load-in-4bit where
 bitsandbytes is installed, else skipped). One line per step (name, PASS / FAIL / SKIP, seconds, its
@@ -92,8 +92,7 @@ import ppo
 import rollout
 from run import (above, at_least, fail, model_problem, one_of, parse_settings, peak_memory_gb, read_run,
                  read_text, set_seed, setting, write_atomically)
-from simulator import (NEGATIVE_REACTIONS, POSITIVE_REACTIONS, RulesBackend, Simulator, cached_batch,
-                       load_personas_or_exit, make_backend)
+from simulator import RulesBackend, Simulator, cached_batch, load_personas_or_exit, make_backend
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -180,11 +179,8 @@ def bench_rollout(args):
     set_seed(0)  # the same dialogues every run
     policy, tokenizer = rollout.load_policy(args.model, trainable=False)
     personas = load_personas_or_exit(args.personas, "train")[:args.dialogues]
-    backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, device=policy.device,
-                           reuse_cache=args.reuse_cache)
-    # the read-out a trainer's --readout auto gives this user (same: the policy's model plays it)
-    simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns,
-                          model_name=args.model if args.simulator == "same" else None)
+    backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, reuse_cache=args.reuse_cache)
+    simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns)  # same: the reasoned read-out
     prompts = [rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT).prompt(p.opening) for p in personas]
     print(f"bench rollout: {args.model} on {policy.device} ({torch.get_num_threads()} threads), "
           f"{len(personas)} dialogues x {args.max_turns} turns x {args.max_new_tokens} new tokens, simulator "
@@ -536,16 +532,16 @@ def text_strings(x):
 def chatml_tokenizer(vocab_size=4096):
     """A ChatML tokenizer built here, in about 0.1 s, for random-weight models where the embedded
     SmolLM2 (and its tokenizer) is not installed, as on the GPU machine: a byte-level BPE (any text
-    encodes) trained on this project's own text (personas.json, the system prompts, the read-out's
-    reactions), with SmolLM2's special tokens at SmolLM2's ids (<|endoftext|> 0, <|im_start|> 1,
-    <|im_end|> 2) and a plain ChatML chat template (no default system message), set up as
-    run.load_model sets a tokenizer up (left padding, pad = eos = <|im_end|>). The BPE
-    trainer breaks ties in a fixed order, so every build gives the same vocabulary and ids."""
+    encodes) trained on this project's own text (personas.json, the system prompts), with SmolLM2's
+    special tokens at SmolLM2's ids (<|endoftext|> 0, <|im_start|> 1, <|im_end|> 2) and a plain ChatML
+    chat template (no default system message), set up as run.load_model sets a tokenizer up (left
+    padding, pad = eos = <|im_end|>). The BPE trainer breaks ties in a fixed order, so every build
+    gives the same vocabulary and ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     texts = [*text_strings(json.loads(read_text(os.path.join(HERE, "personas.json")))),
-             rollout.THINK_PROMPT, rollout.PLAIN_PROMPT, *POSITIVE_REACTIONS, *NEGATIVE_REACTIONS]
+             rollout.THINK_PROMPT, rollout.PLAIN_PROMPT]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()

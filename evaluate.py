@@ -40,12 +40,10 @@ from tqdm import tqdm
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
                      load_policy, play_dialogues, sampling_settings)
 from run import (append_lines, at_least, checkpoints, default_device, exit_on_signals, fail, finite,
-                 load_model, load_tokenizer, new_folder, one_of, parse_settings, public_config,
-                 read_json_lines, read_run, redact, release, resolve_model, set_seed, setting,
-                 transcript_record, write_atomically, write_failure)
-from simulator import (NEGATIVE_REACTIONS, POSITIVE_REACTIONS, Simulator, SimulatorError, SimulatorSettings,
-                       UserState, appraisal_messages, apply_change, auto_readout, build_simulator,
-                       load_personas_or_exit, simulator_kind, user_model, user_turn_messages)
+                 load_tokenizer, new_folder, parse_settings, public_config, read_json_lines, read_run, redact,
+                 release, resolve_model, setting, transcript_record, write_atomically, write_failure)
+from simulator import (Simulator, SimulatorError, SimulatorSettings, UserState, appraisal_messages,
+                       apply_change, build_simulator, load_personas_or_exit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,21 +56,13 @@ class EvalSettings:
     group = "evaluate.py"
     adapter: list[str] = setting([], "LoRA adapters to compare with the base: adapter folders, a trainer's "
                                      "checkpoints (their policy) or run folders (their newest checkpoint)")
-    judge: str = setting("training", "training | heldout: the appraisal prompt that scores (heldout: an "
-                                     "outside observer the agent never trained against; needs the reasoned "
-                                     "read-out)", one_of("training", "heldout"))
     dialogues: int = setting(0, "the first N personas of the split; with --agreement the first N dialogues "
                                 "of each file (0 = all)", at_least(0))
-    # one setting for both, so that K greedy dialogues (the same one K times) cannot be asked for
-    samples: int = setting(0, "dialogues per persona with sampled replies (0: one with greedy decoding, "
-                              "SAGE's)", at_least(0))
     bootstrap: int = setting(2000, "bootstrap resamples for the 95%% intervals", at_least(1))
-    seed: int = setting(0, "random seed of the sampled replies and of the bootstrap")
+    seed: int = setting(0, "random seed of the bootstrap")
     agreement: list[str] = setting([], "SAGE result files (JSON lines: id, emo_point, history), one per "
                                        "evaluated model: check the simulator against their judge instead of "
                                        "evaluating (docs/evaluate.md)")
-    batch_dialogues: int = setting(4, "--agreement: dialogues whose replies go to the simulator in one call",
-                                   at_least(1))
     out: str = setting("", "a new folder for the results, created here (or an empty one); default "
                            "runs/eval__<time>")
 
@@ -85,7 +75,7 @@ class EvalSettings:
         config.json unless given here. With evaluate.py's own defaults a think-then-say agent trained
         with 512 tokens would be cut at 128, mid-thought, and the user would hear silence. Runs that
         disagree: one line (which to take is not guessed); fewer tokens a reply than in training: a
-        warning. The held-out judge needs the reasoned read-out."""
+        warning."""
         runs = []
         for i, path in enumerate(args.adapter):
             path = os.path.normpath((checkpoints(path) or [path])[-1])
@@ -110,15 +100,7 @@ class EvalSettings:
             print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} tokens a "
                   f"reply the adapter trained with: cut replies are counted in results.md", file=sys.stderr)
         SamplingSettings.check(args)  # the context taken must still hold a whole reply
-        if args.judge == "heldout" and readout_in_use(args) != "reasoned":
-            fail(f"--judge heldout is an appraisal prompt: it needs --readout reasoned, and --simulator "
-                 f"{redact(args.simulator)} reads out '{readout_in_use(args)}'")
         args.out = args.out or f"runs/eval__{int(time.time())}"
-
-
-def readout_in_use(args):
-    """The read-out --readout names, or the one auto picks for the model that plays the user."""
-    return auto_readout(user_model(args))[0] if args.readout == "auto" else args.readout
 
 
 # SAGE (github.com/Tencent/digitalhuman, SAGE/test_npc.py and simulator_response.py) starts every
@@ -164,16 +146,14 @@ def paired_difference(treated, base, n_boot=2000, seed=0):
     return {**with_interval(diff[:, None], np.mean, n_boot, seed), "n": len(diff)}
 
 
-def model_summary(records, persona_ids, n_boot=2000, seed=0):
-    """The benchmark's numbers for one model: the score (final emotion per persona, averaged over its
-    samples, then over personas: the persona is the unit, so K samples each do not pretend to be K
-    times as many scenarios) and its interval, SAGE's successes (emotion reached 100) and failures
+def model_summary(records, n_boot=2000, seed=0):
+    """The benchmark's numbers for one model, from its one dialogue per persona: the score (the mean
+    final emotion) and its interval over personas, SAGE's successes (emotion reached 100) and failures
     (the user left below the threshold), and the counts that explain a score: turns, replies cut at
     --max-new-tokens (a cut thought reaches the user as "..."), reply length, think-format
     violations, simulator fallbacks."""
-    per_persona = np.array([np.mean([r["final_emotion"] for r in records if r["persona_id"] == p])
-                            for p in persona_ids])
-    score = with_interval(per_persona[:, None], np.mean, n_boot, seed)
+    per_persona = {r["persona_id"]: float(r["final_emotion"]) for r in records}
+    score = with_interval(np.array([*per_persona.values()])[:, None], np.mean, n_boot, seed)
     turns = sum(len(r["turn_ends"]) for r in records)  # at least one a dialogue (check_openings_fit)
     total = {k: sum(r[k] for r in records)
              for k in ("cut_replies", "policy_tokens", "violations", "fallbacks")}
@@ -181,7 +161,7 @@ def model_summary(records, persona_ids, n_boot=2000, seed=0):
     return {"score": score["value"], "ci_low": score["low"], "ci_high": score["high"],
             "dialogues": len(records), "successes": reasons["success"], "failures": reasons["left"],
             "turns_mean": turns / len(records), **total, "reply_tokens_mean": total["policy_tokens"] / turns,
-            "per_persona": dict(zip(persona_ids, per_persona))}
+            "per_persona": per_persona}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,11 +220,10 @@ def shown(x, digits=2, sign=""):
 def results_table(results):
     """The markdown table of results.json, with a line saying what was measured."""
     s = results["settings"]
-    decoding = f"{s['samples']} sampled (T={s['temperature']})" if s["samples"] else "1 greedy"
     lines = [
         f"{len(results['persona_ids'])} personas from `{os.path.basename(s['personas'])}` "
-        f"(split {s['split']}), {decoding} dialogue(s) each; simulator `{s['simulator']}` (read-out "
-        f"{results['readout']}, judge {s['judge']}), start emotion {s['start_emotion']}, up to "
+        f"(split {s['split']}), 1 greedy dialogue each; simulator `{s['simulator']}` (read-out "
+        f"{results['readout']}), start emotion {s['start_emotion']}, up to "
         f"{s['max_turns']} turns, thinking {'on' if s['thinking'] else 'off'}. "
         f"Score = mean final emotion (0-100); [95% bootstrap interval over personas, {s['bootstrap']} "
         "resamples]; vs base = mean paired difference over the same personas; cut replies = agent turns "
@@ -282,15 +261,13 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models):
     results = {"complete": False, "settings": public_config(args, "evaluate.py"),
                "readout": simulator.readout, "persona_ids": ids, "models": []}
     for done, (label, adapter_name, path) in enumerate(models, 1):
-        set_seed(args.seed)  # the same random stream for every model when sampling
         t0 = time.time()
         with use_model(policy, adapter_name):
-            records, _ = play_dialogues(policy, tokenizer, simulator, personas, args.samples or 1,
-                                        **{**sampling_settings(args), "greedy": not args.samples},
-                                        desc=f"{label}: dialogues")
+            records, _ = play_dialogues(policy, tokenizer, simulator, personas, **{**sampling_settings(args),
+                                        "greedy": True}, desc=f"{label}: dialogues")
         append_lines(f"{args.out}/transcripts.jsonl", [transcript_record(r, model=label) for r in records])
         summary = {"label": label, "adapter": path,
-                   **model_summary(records, ids, args.bootstrap, args.seed), "seconds": time.time() - t0}
+                   **model_summary(records, args.bootstrap, args.seed), "seconds": time.time() - t0}
         if adapter_name:
             summary["vs_base"] = paired_difference(list(summary["per_persona"].values()),
                                                    list(results["models"][0]["per_persona"].values()),
@@ -408,8 +385,8 @@ def judged_replies(dialogue):
 def recorded_state(persona, dialogue, k):
     """The simulated user as it was when agent message k arrived: the recorded conversation before
     it, the recorded emotion, and one appraisal per earlier reply whose move is the recorded change,
-    so that the mood notes (user_turn_messages) and the likelihood read-out see the recorded moods.
-    It is appraised once, so it keeps no KV cache (cache None: a local simulator stores none)."""
+    so that the appraisal sees the recorded moods.
+    It is appraised once, so it keeps no KV cache (cache None: the `same` simulator stores none)."""
     moods = [dialogue["points"][j] for j in range(0, k, 2)]  # e_0 .. e_m
     appraisals = [{"change": after - before, "emotion": after, "appraisal": "", "parsed": True}
                   for before, after in zip(moods, moods[1:])]
@@ -489,8 +466,8 @@ def agreement_table(report):
     r, f, settings = report["replies"], report["final"], report["settings"]
     model = f" (model `{settings['model']}`)" if settings["simulator"] == "same" else ""
     lines = [
-        f"Simulator `{settings['simulator']}`{model}, read-out {settings['readout']}, judge "
-        f"{settings['judge']}, against {r['dialogues']} recorded SAGE dialogues ({r['n']} judged replies) of "
+        f"Simulator `{settings['simulator']}`{model}, read-out {settings['readout']}, against "
+        f"{r['dialogues']} recorded SAGE dialogues ({r['n']} judged replies) of "
         f"{len(report['files'])} file(s). [95% bootstrap interval over dialogues, {settings['bootstrap']} "
         "resamples.] Changes: the recorded one is the next user message's emotion-point minus the one "
         "before; the simulator's is its move from the recorded emotion.",
@@ -552,40 +529,33 @@ def plot_agreement(rows, path, title="", max_change=10):
 
 
 def check_appraisals_fit(args, dialogues, personas):
-    """A local simulator (same, or a model for transformers) must hold every appraisal in
-    min(--max-context, its window: max_position_embeddings), or its answers past the window are
-    noise. Checked before any model loads, with the tokenizer only, on each dialogue's longest
-    appraisal: the prompt for its last judged reply and what the read-out adds to it (reasoned: the
-    answer and the one re-asking; likelihood: the longest reaction scored). One that does not fit:
-    one line naming it. Nothing is cut to fit: a cut history is another dialogue."""
+    """The `same` simulator (the --model alone) must hold every appraisal in min(--max-context, its
+    window: max_position_embeddings), or its answers past the window are noise. Checked before any
+    model loads, with the tokenizer only, on each dialogue's longest appraisal: the prompt for its
+    last judged reply, the answer and the one re-asking. One that does not fit: one line naming it.
+    Nothing is cut to fit: a cut history is another dialogue."""
     from transformers import AutoConfig
 
-    name = user_model(args)
-    tokenizer = load_tokenizer(name, args.trust_remote_code)
-    config = AutoConfig.from_pretrained(resolve_model(name), trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    config = AutoConfig.from_pretrained(resolve_model(args.model), trust_remote_code=args.trust_remote_code)
     window = getattr(config, "max_position_embeddings", None) or args.max_context
     limit = min(args.max_context, window)
-    reasoned = readout_in_use(args) == "reasoned"
-    if reasoned:  # the answer's and the re-asking's tokens, as build_simulator leaves them (the defaults)
-        added = Simulator.appraisal_tokens + Simulator.retry_tokens
-    else:  # the longest reaction scored
-        added = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
-                    for t in POSITIVE_REACTIONS + NEGATIVE_REACTIONS)
     for d in dialogues:
         k = judged_replies(d)[-1][0]
-        # reasoned: the appraisal of reply k; likelihood: the user's next message, asked with the reply in
-        # the history (k + 1 messages)
-        state = recorded_state(personas[d["id"]], d, k if reasoned else k + 1)
-        messages = (appraisal_messages(state, d["history"][k]["text"], args.judge, args.max_change)
-                    if reasoned else user_turn_messages(state))
-        # tokenized as the simulator tokenizes it (LocalBackend)
+        messages = appraisal_messages(recorded_state(personas[d["id"]], d, k), d["history"][k]["text"],
+                                      args.max_change)
+        # tokenized as the simulator tokenizes it (LocalBackend), with the answer's and the re-asking's
+        # tokens as build_simulator leaves them (the defaults)
         needed = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-                     ["input_ids"]) + added
+                     ["input_ids"]) + Simulator.appraisal_tokens + Simulator.retry_tokens
         if needed > limit:
-            why = f"the window of {name}" if limit < args.max_context else f"--max-context {limit}"
+            why = f"the window of {args.model}" if limit < args.max_context else f"--max-context {limit}"
             fail(f"{d['file']}: line {d['line']} (id {d['id']}): its longest appraisal needs {needed} tokens "
                  f"and {limit} fit ({why}): raise --max-context (up to the model's window, {window}), or use "
                  f"a simulator with a longer window, such as a URL")
+
+
+BATCH_DIALOGUES = 4  # dialogues whose replies go to the simulator in one call
 
 
 def agreement_main(args):
@@ -601,26 +571,24 @@ def agreement_main(args):
         if real[k] in real[:k]:  # it would count as a second model that agrees with the first
             fail(f"--agreement {path}: the file {args.agreement[real.index(real[k])]} again; give each once")
         dialogues += read_sage_dialogues(path, personas)[:args.dialogues or None]
-    if simulator_kind(args.simulator) in ("same", "local"):
+    if args.simulator == "same":
         check_appraisals_fit(args, dialogues, personas)
     new_folder(args.out)
     store = f"{args.out}/appraisals.jsonl"
     exit_on_signals(lambda: f"; the appraisals made so far are in {store}")
-    # `same`: the base model alone (no policy, no adapters)
-    model, tokenizer = (load_model(args.model, default_device(), trust_remote_code=args.trust_remote_code)
-                        if args.simulator == "same" else (None, None))
-    simulator = build_simulator(args, model, tokenizer, default_device(), judge=args.judge)
+    simulator = build_simulator(args, None, None)  # `same`: the base model alone (no policy, no adapters)
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
-          f"{redact(args.simulator)} (read-out {simulator.readout}, {simulator.readout_why}; judge "
-          f"{simulator.judge}); every appraisal goes to {store}", file=sys.stderr)
+          f"{redact(args.simulator)} (read-out {simulator.readout}); every appraisal goes to {store}",
+          file=sys.stderr)
     try:
-        # The simulator's (change, appraisal, parsed) for every judged reply: each batch of dialogues is
-        # one call to simulator.appraise (all their replies at once), and each finished dialogue is
-        # appended to the store at once, the record of every appraisal. The progress bar counts replies.
+        # The simulator's (change, appraisal, parsed) for every judged reply: each batch of
+        # BATCH_DIALOGUES dialogues is one call to simulator.appraise (all their replies at once), and
+        # each finished dialogue is appended to the store at once, the record of every appraisal. The
+        # progress bar counts replies.
         answers = []  # per dialogue, in order
         bar = tqdm(total=sum(len(judged_replies(d)) for d in dialogues), desc="agreement: replies")
-        for start in range(0, len(dialogues), args.batch_dialogues):
-            part = dialogues[start:start + args.batch_dialogues]
+        for start in range(0, len(dialogues), BATCH_DIALOGUES):
+            part = dialogues[start:start + BATCH_DIALOGUES]
             jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
             told = iter(simulator.appraise([recorded_state(personas[d["id"]], d, k) for d, k in jobs],
                                            [d["history"][k]["text"] for d, k in jobs]))
@@ -658,11 +626,9 @@ def main(argv=None):
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
     new_folder(args.out)  # before any model loads
     policy, tokenizer, models = load_models(args)
-    simulator = build_simulator(args, policy, tokenizer, default_device(), judge=args.judge, goodbye="sage")
-    print(f"{len(models)} models x {len(personas)} personas x {args.samples or 1} "
-          f"{'sampled' if args.samples else 'greedy'} dialogue(s); simulator {redact(args.simulator)} "
-          f"(read-out {simulator.readout}, {simulator.readout_why}; judge {simulator.judge})",
-          file=sys.stderr)
+    simulator = build_simulator(args, policy, tokenizer, goodbye="sage")
+    print(f"{len(models)} models x {len(personas)} personas, one greedy dialogue each; simulator "
+          f"{redact(args.simulator)} (read-out {simulator.readout})", file=sys.stderr)
     try:
         results = run_evaluation(args, policy, tokenizer, simulator, personas, models)
     except SimulatorError as e:  # the models finished before it are in transcripts.jsonl

@@ -8,19 +8,19 @@ holds everything on the user's side of the table:
   personas      load_personas() reads personas.json or a SAGE / RLVER profile file and validates it;
                 --write-openings writes the openings RLVER's profiles lack (write_openings)
   emotion       band(), Simulator.step() (appraise -> clamp -> end rules -> next user message)
-  read-outs     "reasoned" (the simulator writes an anchored appraisal ending in "Change: N",
-                parsed strictly, re-asked once if unread; judged by the persona itself or, with
-                judge="heldout", by an outside observer) and "likelihood" (log-likelihood
-                contrast of positive vs negative user reactions; works on small local models)
-  backends      LocalBackend (a transformers model, or the policy's own frozen base for
-                --simulator same), OpenAIBackend (any /v1/chat/completions server), RulesBackend
+  read-outs     "reasoned" (every model: the simulator writes an anchored appraisal ending in
+                "Change: N", parsed strictly, re-asked once if unread) and "rules" (the rules user)
+  backends      LocalBackend (--simulator same: the policy's own frozen base, or the --model alone
+                where there is no policy), OpenAIBackend (any /v1/chat/completions server), RulesBackend
                 (a written-here lexicon check, only for testing the RL loop)
 
 evaluate.py --agreement checks a simulator against SAGE's recorded judgements before training on it.
 This file's command line writes the first messages of profiles that have none (RLVER's training
 profiles), once, into a new file:
 
-    python simulator.py --write-openings NEW_FILE --personas train_profile.jsonl --simulator MODEL_OR_URL
+    python simulator.py --write-openings NEW_FILE --personas train_profile.jsonl --model MODEL
+
+(or --simulator URL: a model on a server writes them).
 """
 import concurrent.futures
 import contextlib
@@ -28,7 +28,6 @@ import dataclasses
 import http.client
 import inspect
 import json
-import math
 import os
 import re
 import socket
@@ -41,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from run import (EMBEDDED, above, at_least, env_name, exit_on_signals, fail, load_model, model_problem,
+from run import (above, at_least, default_device, env_name, exit_on_signals, fail, load_model, model_problem,
                  one_of, parse_settings, read_json_lines, read_text, redact, release, setting, within,
                  write_atomically, write_failure)
 
@@ -140,7 +139,7 @@ def _sage_persona(path, i, entry, need_opening):
         state = "empty" if "first_talk" in entry else "missing"
         raise PersonaError(f"{path}: {where}: field 'first_talk' is {state}; profiles without openings (as "
                            f"RLVER's) need them written once: python simulator.py --write-openings NEW_FILE "
-                           f"--personas {path} --simulator MODEL_OR_URL")
+                           f"--personas {path} --model MODEL")
     profile = {"character": str(entry.get("main_cha") or "-"), "description": entry["player"]}
     if isinstance(entry.get("cha_group"), list):
         profile["traits"] = ", ".join(map(str, entry["cha_group"]))
@@ -370,12 +369,11 @@ FORGIVENESS = {
 }
 
 
-def persona_card(persona, temper=None, card=CARD):
+def persona_card(persona, temper=None):
     """Who the user is, in the persona's language. It never changes within a dialogue; the current
-    mood goes in mood_note(). temper replaces the difficulty line (the appraisal's forgiveness);
-    card=OBSERVER describes the same person to the held-out judge."""
+    mood goes in mood_note(). temper replaces the difficulty line (the appraisal's forgiveness)."""
     lang = persona_language(persona)
-    return card[lang].format(
+    return CARD[lang].format(
         profile="\n".join(f"- {k.replace('_', ' ')}: {v}" for k, v in persona.profile.items()),
         background=persona.background, goal=persona.goal, hidden=persona.hidden_intention,
         good=persona.reactions["good"], bad=persona.reactions["bad"],
@@ -412,10 +410,7 @@ def quoted(text):
     return json.dumps(escape_agent(text), ensure_ascii=False)
 
 
-SPEAKERS = {("en", "training"): ("You", "Chatbot"), ("zh", "training"): ("你", "机器人"),
-            ("en", "heldout"): ("Person", "Chatbot"), ("zh", "heldout"): ("当事人", "机器人")}
-
-
+SPEAKERS = {"en": ("You", "Chatbot"), "zh": ("你", "机器人")}
 
 
 # The anchored appraisal. The simulator writes what the reply got right, what it missed and how
@@ -442,49 +437,17 @@ SCALE = {
            "  -1 到 -4：过早或没被要求的建议、空话、列清单、过长、生硬不自然、忘了前面说过的话\n"
            "  -5 到 -{m}：轻视、评判、跑题，或无视最重要的事"),
 }
-APPRAISE = {  # (judge, language) -> the fields to write, in order, ending with the change line
-    ("training", "en"): (
+APPRAISE = {  # the fields to write, in order, ending with the change line
+    "en": (
         "Appraise the chatbot's newest reply privately, as the person you play. Write exactly these "
         "four lines:\nGot right: what in the reply meets you where you are.\n"
         "Missed: what it misses or gets wrong, against your open goal, what would really help you, "
         "and what you said in earlier turns.\nInner reaction: one sentence in your own voice on how "
         "the reply lands with you.\nChange: N"),
-    ("training", "zh"): (
+    "zh": (
         "以你扮演的这个人的身份，私下评价机器人的最新回复。严格写出以下四行：\n说对了：回复中哪些地方贴合了你此刻的状态。\n"
         "没做到：对照你公开的目标、真正能帮到你的东西以及你之前说过的话，它遗漏或弄错了什么。\n"
         "内心反应：用你自己的口吻，一句话说出这句回复给你的感受。\n变化：N"),
-    ("heldout", "en"): (
-        "As an outside observer, appraise the chatbot's newest reply from this person's side. Write "
-        "exactly these four lines:\nGot right: what in the reply meets the person where they are.\n"
-        "Missed: what it misses or gets wrong, against their open goal, what would really help them, "
-        "and what they said in earlier turns.\nTheir reaction: one sentence on how the reply most "
-        "likely lands with them.\nChange: N"),
-    ("heldout", "zh"): (
-        "以旁观者的身份，从当事人的角度评价机器人的最新回复。严格写出以下四行：\n说对了：回复中哪些地方贴合了当事人此刻的状态。\n"
-        "没做到：对照当事人公开的目标、真正能帮到他/她的东西以及之前说过的话，它遗漏或弄错了什么。\n"
-        "当事人的反应：一句话说出这句回复最可能给当事人的感受。\n变化：N"),
-}
-OBSERVER = {  # the held-out judge's system message: the same person, described in the third person
-    "en": ("You are an experienced observer of supportive conversations. A person is talking to a support "
-           "chatbot; you know them better than the chatbot does.\nThe person:\n{profile}\n"
-           "What happened: {background}\nWhat they openly want from this talk: {goal}\n"
-           "What would really help them (they never say it outright): {hidden}\n"
-           "When the talk goes well: {good} When it goes badly: {bad}\n{temper}"),
-    "zh": ("你是一位经验丰富的支持性对话观察者。一个人正在和心理支持聊天机器人交谈；"
-           "你比机器人更了解这个人。\n当事人：\n{profile}\n"
-           "发生了什么：{background}\n当事人公开想从这次谈话中得到的：{goal}\n"
-           "真正能帮到当事人的（他/她从不直接说出来）：{hidden}\n"
-           "谈话顺利时：{good} 谈话不顺时：{bad}\n{temper}"),
-}
-OBSERVER_FORGIVENESS = {  # the same three levels as FORGIVENESS, said of the person
-    "en": {"easy": "This person is forgiving of clumsy words when the intent is kind, though politeness "
-                   "alone does not move them.",
-           "normal": "This person judges fairly: only what truly fits them helps.",
-           "hard": "This person forgives little: every miss or stock phrase costs more, and a rise must be "
-                   "earned by proof of listening."},
-    "zh": {"easy": "这个人比较宽容，只要用意是好的，措辞笨拙也不计较；但单纯的客气打动不了他/她。",
-           "normal": "这个人评判公道：只有真正贴合他/她的话才有帮助。",
-           "hard": "这个人很少原谅：每一次偏差或套话都代价更高，只有证明真的听懂了，心情才会上升。"},
 }
 TRANSCRIPT_INTRO = {
     "en": ("The conversation so far. Every message is one JSON string: the quotes hold exactly what was "
@@ -495,10 +458,8 @@ TRANSCRIPT_INTRO = {
 }
 NEWEST = {"en": "The chatbot's newest reply:", "zh": "机器人的最新回复："}
 FEELING = {  # how the user felt before the reply, in words only: no number near the change request
-    ("en", "training"): "How you felt before this reply: {feeling}",
-    ("zh", "training"): "这句回复之前你的状态：{feeling}",
-    ("en", "heldout"): "How the person felt before this reply: {feeling}",
-    ("zh", "heldout"): "这句回复之前当事人的状态：{feeling}",
+    "en": "How you felt before this reply: {feeling}",
+    "zh": "这句回复之前你的状态：{feeling}",
 }
 FEELINGS = {
     "en": {"S": "understood and relieved", "A": "fairly good, opening up", "B": "neutral and still guarded",
@@ -512,28 +473,24 @@ RETRY = {
     "zh": ("无法读取你的最后一行。只写一行“变化：N”，N 是 -{m} 到 +{m} 之间的一个整数："
            "这句回复让心情变化了多少，而不是心情本身。"),
 }
-JUDGES = {"training": (CARD, FORGIVENESS), "heldout": (OBSERVER, OBSERVER_FORGIVENESS)}  # system message
 
 
-def appraisal_messages(state, reply, judge="training", max_change=10):
-    """The anchored appraisal of `reply`. 'training' asks the persona itself (the judge the agent
-    trains against); 'heldout' asks an outside observer who knows the persona, with the same fields
-    and scale, for evaluation with a prompt the agent never met. The hidden intention is only in
-    the system message; the agent's words only inside their quotes."""
+def appraisal_messages(state, reply, max_change=10):
+    """The anchored appraisal of `reply`, asked of the persona itself. The hidden intention is only
+    in the system message; the agent's words only inside their quotes."""
     persona, lang = state.persona, persona_language(state.persona)
-    card, forgiveness = JUDGES[judge]
-    user, agent = SPEAKERS[lang, judge]
+    user, agent = SPEAKERS[lang]
     transcript = "\n".join(f"{user if m['role'] == 'user' else agent}: {quoted(m['text'])}"
                            for m in state.history)
     ask = (f"{TRANSCRIPT_INTRO[lang]}\n\n{transcript}\n\n"
-           f"{FEELING[lang, judge].format(feeling=FEELINGS[lang][band(state.emotion)])}\n"
+           f"{FEELING[lang].format(feeling=FEELINGS[lang][band(state.emotion)])}\n"
            f"{NEWEST[lang]}\n{quoted(reply)}\n\n"
-           f"{APPRAISE[judge, lang]}\n\n{SCALE[lang].format(m=max_change)}")
-    return [{"role": "system", "content": persona_card(persona, forgiveness[lang][persona.difficulty], card)},
+           f"{APPRAISE[lang]}\n\n{SCALE[lang].format(m=max_change)}")
+    return [{"role": "system", "content": persona_card(persona, FORGIVENESS[lang][persona.difficulty])},
             {"role": "user", "content": ask}]
 
 
-REACTION_LINE = re.compile(r"^\W*(?:inner reaction|their reaction|内心反应|当事人的反应)\s*[:：]\s*(.+)$",
+REACTION_LINE = re.compile(r"^\W*(?:inner reaction|内心反应)\s*[:：]\s*(.+)$",
                            re.IGNORECASE | re.MULTILINE)
 
 
@@ -546,9 +503,9 @@ USER_RULES = {"en": "\nWrite only your next message: one to three short sentence
 def user_turn_messages(state):
     """The persona speaks as the 'assistant' of this chat; the agent's words arrive as 'user'. Each
     agent message is preceded by a note of the user's mood when it arrived, and stays so in later
-    turns. Once the latest message has been appraised, a last note gives the mood it left behind
-    and, with the reasoned read-out, the appraisal's private reaction, for the user's next message;
-    before that (the likelihood read-out) the reply comes last."""
+    turns. A last note gives the present mood and the latest appraisal's private reaction, for the
+    user's next message; the openings writer's request, where an agent's first message would be and
+    never appraised, comes last itself."""
     lang = persona_language(state.persona)
     # the mood before each agent turn: the appraisals' moods before their turns, then the present one
     moods = iter([a["emotion"] - a["change"] for a in state.appraisals] + [state.emotion])
@@ -566,21 +523,9 @@ def user_turn_messages(state):
     note = mood_note(state.emotion, lang, reaction)
     if messages[-1]["role"] == "assistant":
         messages.append({"role": "user", "content": note})
-    elif next(moods, None) is not None:  # a mood is left: the latest agent message has been appraised
+    elif state.appraisals:  # the latest agent message has been appraised (the openings' request is not)
         messages[-1]["content"] += f"\n\n{note}"
     return messages
-
-
-# Positive and negative reactions the user could start their next message with. The likelihood
-# read-out compares how probable the simulator finds each kind after the agent's reply.
-POSITIVE_REACTIONS = ("Thank you, that really helps.", "Yes, that is exactly how I feel.",
-                      "You get it. I feel a bit better now.")
-NEGATIVE_REACTIONS = ("That does not help at all.", "You are not listening to me.",
-                      "Whatever. Forget I said anything.")
-# Calibrated on the embedded model: dismissive replies score contrasts of about +0.15 to +0.65,
-# warm ones +0.4 to +1.4, so the neutral point sits near +0.5; harder users need more.
-LIKELIHOOD_OFFSET = {"easy": 0.35, "normal": 0.5, "hard": 0.65}
-LIKELIHOOD_SCALE = 2.5  # the tanh's slope: a contrast 0.4 past the offset is most of the largest change
 
 
 # ----------------------------------------------------------------------------------------------
@@ -724,51 +669,6 @@ class LocalBackend:
             if part:
                 keep_cache(part, cache, gen, torch.cat([mask, (new != pad).long()], 1))
         return out
-
-    @torch.no_grad()
-    def score(self, conversations, continuations, slots=None):
-        """Mean per-token log-likelihood of each continuation as the start of the assistant's next
-        message, for every conversation: a (len(conversations), len(continuations)) tensor.
-        Each conversation's new tokens but the last go into its KV cache (_batches, in chunks);
-        then one forward pass per micro-batch runs its last token and, after it, all the
-        continuations one after another (a 'tree' row): a 4D mask of (batch, 1 + C, context + C)
-        lets each continuation token see its conversation and its own earlier tokens only, and its
-        positions restart where the conversation ends, so the conversation is run once for all
-        continuations and no cache is copied. Exact: equal to scoring every pair with its own full
-        forward pass (tested).
-        The mask is additive (0 or the dtype's minimum), which both the 'sdpa' and 'eager'
-        attention implementations read; flash-attention kernels take no such mask."""
-        conts = [self.tokenizer(c, add_special_tokens=False)["input_ids"] for c in continuations]
-        device, dtype = self.model.device, self.model.get_input_embeddings().weight.dtype
-        block = torch.tensor(sum(conts, []), device=device)                                   # (C,)
-        owner = torch.tensor([i for i, c in enumerate(conts) for _ in c], device=device)      # (C,)
-        offset = torch.tensor([j for c in conts for j in range(len(c))], device=device)       # (C,)
-        # what the last conversation token and each continuation token see of the block: the first
-        # nothing (no owner is below 0), a continuation token its own continuation's earlier tokens and itself
-        own = (owner[:, None] == owner) & (offset <= offset[:, None])                          # (C, C)
-        in_block = torch.cat([owner[None] < 0, own])                                          # (1 + C, C)
-        # positions after the conversation's: the last token's, then a continuation's restart after it
-        steps = torch.cat([offset.new_zeros(1), 1 + offset])                                      # (1 + C,)
-        # each continuation token's logits come from the token before it in the block, its first from
-        # the last conversation token
-        before = torch.where(offset == 0, 0, torch.arange(len(block), device=device))        # (C,)
-        scores = []
-        for part, ids, mask, cache in self._batches(conversations, slots):
-            B, W = mask.shape
-            seen = mask.bool()[:, None].expand(B, len(in_block), W)                         # (B, 1 + C, W)
-            sees = torch.cat([seen, in_block.expand(B, -1, -1)], 2)                     # (B, 1 + C, W + C)
-            bias = torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill(~sees,
-                                                                                   torch.finfo(dtype).min)
-            position = mask.sum(1, keepdim=True) - 1 + steps                                 # (B, 1 + C)
-            logits = self.model(input_ids=torch.cat([ids[:, -1:], block.expand(B, -1)], 1), use_cache=True,
-                                attention_mask=bias[:, None], position_ids=position, logits_to_keep=before,
-                                **{cache_keyword(self.model): cache}).logits                # (B, C, V)
-            logp = logits.float().log_softmax(-1).gather(-1, block.expand(B, -1)[..., None])[..., 0]  # (B, C)
-            total = logp.new_zeros(B, len(conts)).index_add(1, owner, logp)                  # (B, len(conts))
-            scores.append((total / torch.bincount(owner)).cpu())
-            if part:  # the conversation's keys and values only, not the continuations'
-                keep_cache(part, cache, ids, torch.cat([mask, mask.new_zeros(B, len(block))], 1))
-        return torch.cat(scores)
 
 
 class ReplyError(ValueError):
@@ -939,44 +839,29 @@ class RulesBackend:
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class Simulator:
-    """judge: 'training' appraises as the persona itself (what the agent trains against);
-    'heldout' appraises as an outside observer with the same fields and scale, a prompt training
-    never used, for evaluation (the reasoned read-out's). goodbye: the rule that ends a dialogue on
-    the user's farewell (GOODBYE). model_name: the user's model as the command line named it
-    (user_model), which readout='auto' goes by (auto_readout); without it, the backend's name (a
-    local model of no known name is not the one the likelihood read-out was calibrated on).
-    Which combinations work is the settings' check (SimulatorSettings.check); a read-out of no
-    known name fails here, at once."""
+    """The read-out follows from the backend: the rules user appraises by its rules (rules_appraisal),
+    every model writes the reasoned appraisal (the paper's). goodbye: the rule that ends a dialogue on
+    the user's farewell (GOODBYE)."""
     backend: object
-    readout: str = "auto"
     start_emotion: int = 40
     max_change: int = 10
     max_turns: int = 8
     leave_below: int = 10
     reply_tokens: int = 64
     appraisal_tokens: int = 300
-    judge: str = "training"
     retry_tokens: int = 24
     goodbye: str = "closing"
-    model_name: str = None
     seconds: float = field(default=0.0, init=False)  # wall time spent inside the simulator, for tokens/s
 
     def __post_init__(self):
-        self.readout_why = "given by --readout"
-        if self.readout == "auto":
-            self.readout, self.readout_why = auto_readout(self.model_name or self.backend.name)
-        self._read_out = {"rules": self._rules, "reasoned": self._reasoned,
-                          "likelihood": self._likelihood}[self.readout]
+        self.readout = "rules" if self.backend.name == "rules" else "reasoned"  # reports print it
 
     def start(self, persona):
         return UserState(persona=persona, emotion=self.start_emotion,
                          history=[{"role": "user", "text": persona.opening}])
 
-    def _rules(self, states, replies):
-        return [(*rules_appraisal(s, r), True) for s, r in zip(states, replies)]
-
     def _reasoned(self, states, replies):
-        asked = [appraisal_messages(s, r, self.judge, self.max_change) for s, r in zip(states, replies)]
+        asked = [appraisal_messages(s, r, self.max_change) for s, r in zip(states, replies)]
         texts = self.backend.chat(asked, self.appraisal_tokens, [s.cache for s in states], 1.0)
         changes = [parse_change(t, self.max_change) for t in texts]
         unread = [k for k, c in enumerate(changes) if c is None]
@@ -993,29 +878,14 @@ class Simulator:
         # still None -> the deterministic fallback: no change, counted in `fallbacks`
         return [(c or 0, t, c is not None) for c, t in zip(changes, texts)]
 
-    def _likelihood(self, states, replies):
-        """The user's next message, scored as positive vs negative reactions (the mean log-likelihood
-        of each kind), the contrast shifted by the difficulty's offset and squashed by a tanh."""
-        probes = [dataclasses.replace(s, history=[*s.history, {"role": "agent", "text": r}])
-                  for s, r in zip(states, replies)]
-        asked = [user_turn_messages(p) for p in probes]
-        scores = self.backend.score(asked, POSITIVE_REACTIONS + NEGATIVE_REACTIONS,
-                                    [s.cache for s in states])                               # (N, 6)
-        k, out = len(POSITIVE_REACTIONS), []
-        for s, row in zip(states, scores):                                                   # row: (6,)
-            positive, negative = row[:k].mean().item(), row[k:].mean().item()
-            shifted = positive - negative - LIKELIHOOD_OFFSET[s.persona.difficulty]
-            out.append((round(self.max_change * math.tanh(LIKELIHOOD_SCALE * shifted)),
-                        f"likelihood: positive {positive:.3f}, negative {negative:.3f}, contrast "
-                        f"{positive - negative:+.3f}", True))
-        return out
-
     def appraise(self, states, replies):
         """The change each reply would make in its state, with nothing moved or stored: a list of
         (change, appraisal text, parsed), the change clamped to +-max_change (apply_change then
         clamps the mood). evaluate.py --agreement appraises recorded replies in recorded states."""
+        answers = (self._reasoned(states, replies) if self.readout == "reasoned" and states else
+                   [(*rules_appraisal(s, r), True) for s, r in zip(states, replies)])
         return [(max(-self.max_change, min(self.max_change, int(change))), text, parsed)
-                for change, text, parsed in (self._read_out(states, replies) if states else [])]
+                for change, text, parsed in answers]
 
     def step(self, states, replies):
         """Appraise each state's agent reply, update emotion, end or write the next user message.
@@ -1076,54 +946,23 @@ def clean_user_text(text):
 # ----------------------------------------------------------------------------------------------
 # Settings of the simulated user, and building it from them
 # ----------------------------------------------------------------------------------------------
-READOUTS = {  # simulator kind (simulator_kind) -> the read-outs it can give
-    "same": ("auto", "reasoned", "likelihood"), "local": ("auto", "reasoned", "likelihood"),
-    "url": ("auto", "reasoned"),  # a server gives no log-probabilities
-    "rules": ("auto", "rules"),  # the rules user appraises by its own rules, and only it does
-}
-
-
-def simulator_kind(value):
-    """same | rules | url | local (a model id or folder for transformers)."""
-    if value in ("same", "rules"):
-        return value
-    return "url" if value.startswith(("http://", "https://")) else "local"
-
-
 def simulator_problem(value):
-    kind = simulator_kind(value)
-    if kind == "url" and not urllib.parse.urlsplit(value).hostname:
+    """same (the policy's frozen base), rules, or a server: a model of its own as the user runs there
+    (vLLM, SGLang), on GPUs of its own."""
+    if value in ("same", "rules"):
+        return None
+    if not value.startswith(("http://", "https://")):
+        return "must be same | rules | http(s)://host:port/v1"
+    if not urllib.parse.urlsplit(value).hostname:
         return "a URL needs a host: http://host:port/v1"
-    if kind == "local" and model_problem(value):
-        return (f"must be same | rules | http(s)://host:port/v1 | {' | '.join(EMBEDDED)} | an existing "
-                f"folder | a hub id org/name")
-
-
-def auto_readout(user):
-    """(read-out, why) that --readout auto picks for the model that plays the user (user_model(args), or
-    a backend's name). The likelihood read-out's offsets and tanh scale were set on the embedded 135M
-    model's contrasts, which mean something else on another model: any other model writes the paper's
-    reasoned appraisal."""
-    if user == "rules":
-        return "rules", "auto: the rules user"
-    if user in EMBEDDED:
-        return "likelihood", "auto: its offsets and scale were set on this embedded model"
-    return "reasoned", ("auto: the embedded 135M model is the only one the likelihood read-out is "
-                        "calibrated on")
-
-
-def user_model(args):
-    """The name of the model that plays the user: --simulator, or the policy's --model for `same`."""
-    return args.model if args.simulator == "same" else args.simulator
 
 
 @dataclass
 class SimulatorSettings:
     """Who plays the user, how the appraisal becomes a number, and the users themselves."""
     group = "the simulated user"
-    simulator: str = setting("same", "same | rules | model id/path | http://host:port/v1", simulator_problem)
-    readout: str = setting("auto", "auto | reasoned | likelihood | rules (see docs/simulator.md: read-outs)",
-                           one_of("auto", "reasoned", "likelihood", "rules"))
+    simulator: str = setting("same", "same (the policy's frozen base) | rules | http://host:port/v1",
+                             simulator_problem)
     api_model: str = setting("default", "model name sent to a URL simulator")
     api_key_env: str = setting("OPENAI_API_KEY", "environment variable with the URL simulator's key",
                                env_name)
@@ -1144,10 +983,6 @@ class SimulatorSettings:
 
     @staticmethod
     def check(args):
-        allowed = READOUTS[simulator_kind(args.simulator)]
-        if args.readout not in allowed:
-            fail(f"--readout {args.readout} with --simulator {redact(args.simulator)}: use --readout "
-                 f"{' or --readout '.join(allowed)}")
         if "api_key_env" in args.given and args.api_key_env not in os.environ:
             fail("--api-key-env <redacted>: no environment variable of that name is set; give the name of "
                  "the variable that holds the key (exported), never the key itself")
@@ -1156,44 +991,39 @@ class SimulatorSettings:
             fail(f"${args.api_key_env} holds a line break or another control character inside the key")
 
 
-def make_backend(simulator, policy=None, tokenizer=None, device="cpu", reuse_cache=True, args=None):
-    """--simulator same (the policy's frozen base) | rules | http(s)://host:port/v1 | a model id or path
-    for transformers, which goes on `device`, the policy's: on a node of several GPUs a server (vLLM,
-    SGLang) is the way to give a big simulator GPUs of its own. args: the URL client's limits
-    (SimulatorSettings) and trust_remote_code, where a script has them."""
-    kind = simulator_kind(simulator)
-    if kind == "rules":
+def make_backend(simulator, policy=None, tokenizer=None, reuse_cache=True, args=None):
+    """--simulator same (the policy's frozen base) | rules | http(s)://host:port/v1. `same` without a
+    policy (evaluate.py --agreement, the openings writer) is the --model of args alone. args: the URL
+    client's limits (SimulatorSettings) and trust_remote_code, where a script has them."""
+    if simulator == "rules":
         return RulesBackend()
-    if kind == "url":
+    if simulator != "same":
         limits = {} if args is None else dict(model=args.api_model, api_key_env=args.api_key_env,
                                               timeout=args.api_timeout, max_retries=args.api_retries,
                                               concurrency=args.api_concurrency)
         return OpenAIBackend(simulator, **limits)
-    if kind == "local":
-        policy, tokenizer = load_model(simulator, device=device,
+    if policy is None:
+        policy, tokenizer = load_model(args.model, default_device(),
                                        trust_remote_code=getattr(args, "trust_remote_code", False))
-        policy.requires_grad_(False)
-    # `same` is the policy's frozen base: a PeftModel's with its adapters off; a plain model (evaluate.py
-    # --agreement loads the base alone) is its own base
-    return LocalBackend(policy, tokenizer, use_base=kind == "same" and hasattr(policy, "disable_adapter"),
+    # the frozen base: a PeftModel's with its adapters off; a plain model is its own base
+    return LocalBackend(policy, tokenizer, use_base=hasattr(policy, "disable_adapter"),
                         reuse_cache=reuse_cache)
 
 
-def build_simulator(args, policy, tokenizer, device, judge="training", goodbye="closing"):
-    """The simulated user of a script's SimulatorSettings (judge and goodbye: see Simulator)."""
-    return Simulator(make_backend(args.simulator, policy, tokenizer, device, args=args), args.readout,
-                     args.start_emotion, args.max_change, args.max_turns, reply_tokens=args.user_reply_tokens,
-                     judge=judge, goodbye=goodbye, model_name=user_model(args))
+def build_simulator(args, policy, tokenizer, goodbye="closing"):
+    """The simulated user of a script's SimulatorSettings (goodbye: see Simulator)."""
+    return Simulator(make_backend(args.simulator, policy, tokenizer, args=args), args.start_emotion,
+                     args.max_change, args.max_turns, reply_tokens=args.user_reply_tokens, goodbye=goodbye)
 
 
 def make_simulator(args, policy, tokenizer, run):
-    """A trainer's simulated user (build_simulator); the main process says which read-out it gives
-    and why, and warns when the openings were written at another mood than the dialogues start at."""
-    simulator = build_simulator(args, policy, tokenizer, run.device)
+    """A trainer's simulated user (build_simulator); the main process says which read-out it gives,
+    and warns when the openings were written at another mood than the dialogues start at."""
+    simulator = build_simulator(args, policy, tokenizer)
     if not run.is_main:
         return simulator
     print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
-          f"{redact(args.simulator)}, read-out {simulator.readout} ({simulator.readout_why})")
+          f"{redact(args.simulator)}, read-out {simulator.readout}")
     moods = set()  # the moods --write-openings wrote this file's openings at (personas.json, a list: none)
     with contextlib.suppress(PersonaError):
         moods = {e.get("first_talk_emotion") for _, e in read_json_lines(args.personas, PersonaError)
@@ -1224,14 +1054,15 @@ OPENING_TOKENS = 64
 
 
 def write_openings(args):
-    """python simulator.py --write-openings OUT --personas FILE --simulator MODEL_OR_URL: FILE's lines
-    with first_talk filled (lines that have one keep it) and the mood it was written at (first_talk_emotion,
-    which make_simulator compares with the start), everything else unchanged, written to OUT once, whole
-    (a temporary file renamed), or not at all. Bad input, an existing OUT and a missing folder for it:
-    one line, exit 2, before any model loads; so is a simulator that fails or writes nothing usable,
-    and a disk that fills or turns read-only while writing; Ctrl-C and SIGTERM: one line at once, exit
-    130 / 143 (run.exit_on_signals). A failed write is simply run again: it runs once per profile file,
-    so it keeps no partial progress and asks a failed batch nothing again."""
+    """python simulator.py --write-openings OUT --personas FILE [--model MODEL | --simulator URL]: FILE's
+    lines with first_talk filled (lines that have one keep it) and the mood it was written at
+    (first_talk_emotion, which make_simulator compares with the start), everything else unchanged,
+    written to OUT once, whole (a temporary file renamed), or not at all. Bad input, an existing OUT
+    and a missing folder for it: one line, exit 2, before any model loads; so is a simulator that
+    fails or writes nothing usable, and a disk that fills or turns read-only while writing; Ctrl-C and
+    SIGTERM: one line at once, exit 130 / 143 (run.exit_on_signals). A failed write is simply run
+    again: it runs once per profile file, so it keeps no partial progress and asks a failed batch
+    nothing again."""
     source, out = args.personas, args.write_openings
     if os.path.exists(out):
         fail(f"--write-openings {out}: the file exists; give a new file (nothing is ever overwritten)")
@@ -1287,9 +1118,7 @@ class OpeningsSettings:
 
 
 def main(argv=None):
-    args = parse_settings([SimulatorSettings, OpeningsSettings], argv, prog="simulator.py")
-    args.simulator = user_model(args)  # no policy here: `same` is the --model
-    write_openings(args)
+    write_openings(parse_settings([SimulatorSettings, OpeningsSettings], argv, prog="simulator.py"))
 
 
 if __name__ == "__main__":

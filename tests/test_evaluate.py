@@ -78,8 +78,7 @@ def no_model_loads(monkeypatch):
     """Loading any model fails the test: what is checked must be checked before."""
     def loaded(*a, **k):
         raise AssertionError("a model was loaded")
-    for module in (evaluate, simulator):
-        monkeypatch.setattr(module, "load_model", loaded)
+    monkeypatch.setattr(simulator, "load_model", loaded)
     monkeypatch.setattr(evaluate, "load_policy", loaded)
 
 
@@ -149,23 +148,21 @@ def test_paired_difference_cancels_persona_difficulty():
         paired_difference([1, 2], [1, 2, 3])
 
 
-def test_score_averages_samples_per_persona_first():
-    records = [fake_record("p1", 40), fake_record("p1", 60),
-               fake_record("p2", 10, end_reason="left", turns=1, tokens=5)]
-    s = model_summary(records, ["p1", "p2"], n_boot=200)
-    assert s["per_persona"] == {"p1": 50.0, "p2": 10.0}
-    assert s["score"] == 30.0  # (50 + 10) / 2, not the dialogue mean 36.7
-    assert s["ci_low"] == 10.0 and s["ci_high"] == 50.0
-    assert (s["successes"], s["failures"], s["dialogues"]) == (0, 1, 3)
-    assert s["turns_mean"] == 5 / 3
-    assert s["reply_tokens_mean"] == 45 / 5
+def test_score_is_the_mean_over_personas():
+    records = [fake_record("p1", 40), fake_record("p2", 10, end_reason="left", turns=1, tokens=5)]
+    s = model_summary(records, n_boot=200)
+    assert s["per_persona"] == {"p1": 40.0, "p2": 10.0}
+    assert s["score"] == 25.0 and s["ci_low"] == 10.0 and s["ci_high"] == 40.0
+    assert (s["successes"], s["failures"], s["dialogues"]) == (0, 1, 2)
+    assert s["turns_mean"] == 3 / 2
+    assert s["reply_tokens_mean"] == 25 / 3
 
 
 def test_summary_counts_successes_violations_and_fallbacks():
     records = [fake_record("a", 100, end_reason="success", violations=1, fallbacks=2, cut=1),
                fake_record("b", 5, end_reason="left", violations=2),
                fake_record("c", 60, fallbacks=1)]
-    s = model_summary(records, ["a", "b", "c"], n_boot=100)
+    s = model_summary(records, n_boot=100)
     assert s["score"] == 55.0
     counts = (s["successes"], s["failures"], s["violations"], s["fallbacks"], s["cut_replies"])
     assert counts == (1, 1, 3, 3, 1) and s["turns_mean"] == 6 / 3
@@ -173,12 +170,12 @@ def test_summary_counts_successes_violations_and_fallbacks():
 
 def test_results_table(tmp_path):
     ids = ["p1", "p2"]
-    base = {"label": "base", **model_summary([fake_record("p1", 40), fake_record("p2", 60)], ids, n_boot=100)}
+    base = {"label": "base", **model_summary([fake_record("p1", 40), fake_record("p2", 60)], n_boot=100)}
     played = [fake_record("p1", 45, tokens=40, cut=1), fake_record("p2", 100, "success")]
-    ppo = {"label": "ppo", **model_summary(played, ids, n_boot=100),
+    ppo = {"label": "ppo", **model_summary(played, n_boot=100),
            "vs_base": paired_difference([45, 100], [40, 60], 100)}
     args = eval_args(personas="/x/personas.json", out=str(tmp_path), bootstrap=100)
-    results = {"settings": vars(args), "readout": "likelihood", "persona_ids": ids, "models": [base, ppo]}
+    results = {"settings": vars(args), "readout": "reasoned", "persona_ids": ids, "models": [base, ppo]}
     lines = results_table(results).splitlines()
     assert "2 personas from `personas.json` (split test)" in lines[0] and "start emotion 40" in lines[0]
     assert lines[2].startswith("| model | score | cut replies | vs base | successes | failures |")
@@ -302,15 +299,11 @@ def test_failure_half_way_leaves_finished_transcripts(tiny_peft, tmp_path, monke
 # Settings: checked before any model loads, one line each
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags, words", [
-    (["--readout", "reasond"], ["--readout", "reasond"]),
-    (["--samples", "-1"], ["--samples", "-1"]),
     (["--split", "dev"], ["--split", "dev"]),
     (["--max-turns", "0"], ["--max-turns", "0"]),
     (["--bootstap", "5"], ["--bootstap"]),
     (["--model", "smollm3"], ["--model", "smollm3", "hub id"]),
-    (["--judge", "outside"], ["--judge", "outside"]),
-    (["--judge", "heldout"], ["--judge heldout", "reasoned", "'likelihood'"]),
-    (["--judge", "heldout", "--simulator", "rules"], ["'rules'"]),
+    (["--simulator", "smollm2"], ["--simulator", "smollm2", "same | rules"]),  # a model of its own: a URL
     (["--load-in-4bit"], ["--load-in-4bit"]),
 ])
 def test_bad_settings_are_one_line(flags, words, capsys, monkeypatch):
@@ -322,17 +315,14 @@ def test_bad_settings_are_one_line(flags, words, capsys, monkeypatch):
 
 def test_bad_settings_through_the_real_command_line():
     t0 = time.time()
-    assert_one_line(*cli("evaluate.py", "--readout", "reasond")[::2], "--readout", "reasond")
+    assert_one_line(*cli("evaluate.py", "--split", "dev")[::2], "--split", "dev")
     assert time.time() - t0 < 40  # no hub retries
 
 
 def test_the_defaults_are_sages_protocol():
     args = evaluate.parse_args(["--no-thinking", "--max-turns", "3"])
-    assert (args.thinking, args.max_turns, args.start_emotion, args.samples) == (False, 3, 40, 0)  # greedy
-    assert args.judge == "training"
+    assert (args.thinking, args.max_turns, args.start_emotion) == (False, 3, 40)
     assert re.fullmatch(r"runs/eval__\d+", args.out)  # a new folder of its own
-    heldout = evaluate.parse_args(["--judge", "heldout", "--simulator", "http://127.0.0.1:9/v1"])
-    assert heldout.judge == "heldout"
 
 
 def test_bad_personas_exit_2_with_one_line(tmp_path):
@@ -508,7 +498,7 @@ def test_an_adapter_for_another_model_width_says_why(tiny_model_dir, personas_fi
 
 
 # ----------------------------------------------------------------------------------------------
-# The simulated user: SAGE's farewell rule, the held-out judge, a server that fails
+# The simulated user: SAGE's farewell rule, a server that fails
 # ----------------------------------------------------------------------------------------------
 def chat(text):
     return json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
@@ -526,28 +516,6 @@ def test_evaluate_ends_a_dialogue_on_a_farewell_word_anywhere_as_sage_does(tiny_
     assert played["end_reason"] == "goodbye"
     assert [t["role"] for t in played["turns"]] == ["user", "agent", "user"]  # one agent turn
     assert not simulator.says_goodbye(about) and simulator.says_goodbye(about, "sage")
-
-
-def test_heldout_judge_runs_and_is_recorded(tiny_model_dir, tmp_path, server):
-    """evaluate.py --judge heldout against an OpenAI-compatible server on 127.0.0.1: the server sees
-    the outside observer's prompt, never the persona's own, and results.json says which judged."""
-    asked = []
-
-    def handle(handler, n, body):
-        asked.append(body["messages"])
-        appraising = "Change: N" in body["messages"][-1]["content"]
-        reply(handler, 200, chat("Their reaction: wary.\nChange: \u22122" if appraising else "Okay."))
-    url = server(handle).url
-    out = tmp_path / "eval"
-    evaluate.main(["--model", tiny_model_dir, "--simulator", url, "--judge", "heldout", "--dialogues", "2",
-                   "--max-turns", "2", "--max-new-tokens", "6", "--bootstrap", "50", "--out", str(out)])
-    results = json.load(open(out / "results.json"))
-    assert results["settings"]["judge"] == "heldout" and results["readout"] == "reasoned"
-    assert "judge heldout" in open(out / "results.md").read()
-    appraisals = [m for m in asked if "Change: N" in m[-1]["content"]]
-    assert len(appraisals) == 4 and all("outside observer" in m[-1]["content"] for m in appraisals)
-    assert not any("You are playing" in m[0]["content"] for m in appraisals)
-    assert results["models"][0]["score"] == 40 - 4  # two turns of -2 from the start at 40
 
 
 def test_evaluate_ends_on_a_simulator_error_with_one_line(server, tiny_model_dir, personas_file, tmp_path):
@@ -602,9 +570,11 @@ def test_agreement_stopped_by_a_signal_keeps_its_appraisals(server, tmp_path, na
     out, log = tmp_path / "out", tmp_path / "stderr.txt"
     store = out / "appraisals.jsonl"
     with open(log, "w") as err:
-        argv = agreement_argv(out, "--simulator", srv.url, "--batch-dialogues", "1")
-        proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                                stderr=err)
+        # one dialogue a call to the server, so that the first is stored before the second waits
+        one_a_call = "import sys, evaluate; evaluate.BATCH_DIALOGUES = 1; evaluate.main(sys.argv[1:])"
+        argv = agreement_argv(out, "--simulator", srv.url)[1:]
+        proc = subprocess.Popen([sys.executable, "-c", one_a_call, *argv], cwd=ROOT, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=err)
     try:
         t0 = time.time()
         while not (store.exists() and store.read_text().count("\n") == 1):
@@ -654,7 +624,7 @@ def test_cli_base_vs_adapter_end_to_end(trained_adapter, tmp_path):
                             "--bootstrap", "200", "--out", str(out))
     assert code == 0, err[-3000:]
     results = check_output_folder(str(out), ["base", "trained"], 2)
-    assert results["readout"] == "likelihood"
+    assert results["readout"] == "reasoned"
     lines = transcripts(out)
     base_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "base"]
     trained_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "trained"]

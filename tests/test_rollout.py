@@ -235,7 +235,7 @@ THOUGHTFUL = [  # every thought holds SECRET; where it sits, and how the tags ar
 def test_think_text_never_reaches_the_simulator(tiny_model, personas):
     _, tokenizer = tiny_model
     spy = PromptSpy()
-    sim = Simulator(spy, readout="reasoned", max_turns=1)
+    sim = Simulator(spy, max_turns=1)
     records, stats = play_dialogues(ScriptedPolicy(tokenizer, THOUGHTFUL), tokenizer, sim,
                                     personas(len(THOUGHTFUL)), max_new_tokens=48, progress=False)
     assert len(spy.prompts) == len(THOUGHTFUL)
@@ -349,8 +349,8 @@ def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_mo
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in policy.named_parameters()}
     runs = []
     for merged in (True, False):
-        sim = Simulator(simulator.LocalBackend(policy, tokenizer, use_base=True), readout="likelihood",
-                        max_turns=3, reply_tokens=6, leave_below=0)
+        sim = Simulator(simulator.LocalBackend(policy, tokenizer, use_base=True), max_turns=3, reply_tokens=6,
+                        appraisal_tokens=8, retry_tokens=4, leave_below=0)
         runs.append(play_dialogues(policy, tokenizer, sim, personas(3), greedy=True, max_new_tokens=8,
                                    merged_sampling=merged, progress=False)[0])
     assert_same_dialogues(runs, policy, tokenizer, dtype)
@@ -560,7 +560,7 @@ def test_each_dialogue_keeps_its_own_user_when_others_end(tiny_model_dir, person
                for i, name in enumerate(PAIRING)]
     personas = load_personas(write_personas(entries))
     sim = Simulator(ScriptedUsers({name: changes for name, (changes, _) in PAIRING.items()}),
-                    readout="reasoned", start_emotion=50, max_change=100, max_turns=3)
+                    start_emotion=50, max_change=100, max_turns=3)
     policy, tokenizer = new_policy(tiny_model_dir)
     torch.manual_seed(0)
     records, _ = play_dialogues(policy, tokenizer, sim, personas, samples_per_persona=2,
@@ -635,8 +635,8 @@ def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, p
     group = load_personas(write_personas([persona_entry(id=f"c{i}") for i in range(2)]))
     chat = ChatTokens(tokenizer, rollout.PLAIN_PROMPT)
     max_context = len(chat.prompt(group[0].opening)) + 8 + 10  # one reply; no room for a user turn and more
-    sim = Simulator(simulator.make_backend("same", policy=policy, tokenizer=tokenizer), readout="likelihood",
-                    max_turns=5, reply_tokens=6, leave_below=0)
+    sim = Simulator(simulator.make_backend("same", policy=policy, tokenizer=tokenizer), max_turns=5,
+                    reply_tokens=6, appraisal_tokens=8, retry_tokens=4, leave_below=0)
     states, start = [], sim.start
     sim.start = lambda persona: states.append(start(persona)) or states[-1]
     filled, step = [], sim.step

@@ -1,8 +1,8 @@
 """Tests for simulator.py: persona files, emotion arithmetic and endings, the read-outs, the three
-backends (a local transformers model, an OpenAI-compatible server, the rules user) and the openings
+backends (the policy's frozen base, an OpenAI-compatible server, the rules user) and the openings
 command.
 
-    python -m pytest tests/test_simulator.py -q      # prints the warm-vs-rude separation
+    python -m pytest tests/test_simulator.py -q
 """
 import copy
 import json
@@ -452,7 +452,7 @@ def test_reasoned_retries_once_then_falls_back(persona):
     # (unread, never clamped to +10): the counted fallback; step 3: read at once, no retry
     backend = ScriptedBackend(["I am not sure what to make of this.", "Change: -3",
                                "Change: 45", "Change: 41 \u2192 38", "Change: +4"], ["Hm."])
-    sim = Simulator(backend, readout="reasoned")
+    sim = Simulator(backend)
     s = sim.start(persona)
     sim.step([s], ["first"])
     assert (s.emotion, s.fallbacks) == (37, 0)
@@ -479,31 +479,18 @@ def test_reasoned_retries_once_then_falls_back(persona):
     assert {p for a, p in zip(appraising, backend.penalties) if not a} == {None}
 
 
-def test_readout_choice_and_an_unknown_readout():
-    assert Simulator(ScriptedBackend([], name="url")).readout == "reasoned"
-    assert Simulator(RulesBackend()).readout == "rules"
-    with pytest.raises(KeyError, match="reasond"):  # at once, never a silent fall into another read-out
-        Simulator(RulesBackend(), readout="reasond")
-
-
-def test_auto_is_the_likelihood_readout_only_for_the_embedded_model(tiny_model, capsys):
-    """Issue 30, item 5: the likelihood read-out's offsets and tanh scale were set on SmolLM2-135M, so
-    the paper preset (Qwen2.5-7B as its own user) appraises in writing, and its start-up line says why."""
+def test_the_readout_follows_from_the_backend(tiny_model, capsys):
+    """The rules user appraises by its rules; every model, the paper preset's own `same` user among
+    them, writes the reasoned appraisal, and the start-up line names it."""
     import ppo
 
+    assert Simulator(ScriptedBackend([], name="url")).readout == "reasoned"
+    assert Simulator(RulesBackend()).readout == "rules"
     args = run.parse_settings(ppo.SETTINGS, argv=[])  # the paper preset
-    assert (args.simulator, args.readout) == ("same", "auto") and args.model not in run.EMBEDDED
     on_cpu = types.SimpleNamespace(device="cpu", world=1, is_main=True)  # the Run fields make_simulator reads
     capsys.readouterr()
     assert simulator.make_simulator(args, *tiny_model, on_cpu).readout == "reasoned"
-    said = capsys.readouterr().out
-    assert "read-out reasoned (auto: the embedded 135M model is the only one" in said, said
-    args.model = "smollm2"  # the CPU preset's policy, which `same` shares
-    assert simulator.make_simulator(args, *tiny_model, on_cpu).readout == "likelihood"
-    local = LocalBackend(*tiny_model)
-    assert Simulator(local, model_name="smollm2").readout == "likelihood"  # --simulator smollm2
-    assert Simulator(local, model_name="Qwen/Qwen2.5-72B-Instruct").readout == "reasoned"
-    assert Simulator(local).readout == "reasoned"  # a model of no known name is not the calibrated one
+    assert "simulator same, read-out reasoned" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,11 +516,11 @@ class SpyBackend(ScriptedBackend):
         return super().chat(conversations, max_new_tokens, slots, repetition_penalty)
 
 
-def spy_dialogue(persona, judge="training", start=57):
+def spy_dialogue(persona, start=57):
     appraisals = [f"Got right: little.\nMissed: a lot.\nInner reaction: REACTION-{k}.\nChange: {c:+d}"
                   for k, c in enumerate((-2, +1, -1, +2))]
     backend = SpyBackend(appraisals, USER_ECHO)
-    sim = Simulator(backend, readout="reasoned", start_emotion=start, max_turns=len(FORGING), judge=judge)
+    sim = Simulator(backend, start_emotion=start, max_turns=len(FORGING))
     state = sim.start(persona)
     for reply in FORGING:
         sim.step([state], [reply])
@@ -605,18 +592,6 @@ def test_thought_never_reaches_the_simulator():
     assert "SECRET" not in reply and violation == "stray_tags" and reply == "How are you?"
 
 
-def test_heldout_judge_is_an_outside_observer(persona):
-    backend, state = spy_dialogue(persona, judge="heldout")
-    appraisals = [p for p in backend.prompts if "Change: N" in p[-1]["content"]]
-    for p in appraisals:
-        assert "outside observer" in p[-1]["content"] and "Their reaction:" in p[-1]["content"]
-        assert "You are playing" not in p[0]["content"] and "Person: " in p[-1]["content"]
-    assert state.emotion == 57 - 2 + 1 - 1 + 2
-    training, _ = spy_dialogue(persona)
-    assert training.prompts[0][-1]["content"] != appraisals[0][-1]["content"]
-    assert "Inner reaction:" in training.prompts[0][-1]["content"]
-
-
 CHINESE = {"profile": {"name": "李雷", "age": 30, "job": "工程师", "personality": "内向",
                        "speaking_style": "简短"},
            "background": "他上周失业了，一直没告诉家人。", "goal": "想说说失业后的压力。",
@@ -630,7 +605,7 @@ def test_prompts_follow_the_persona_language(persona_entry, write_personas):
     chinese, english = load_personas(write_personas(entries))
     assert simulator.persona_language(chinese) == "zh" and simulator.persona_language(english) == "en"
     backend = SpyBackend(["说对了：有一点。\n内心反应：还好。\n变化：-3"], ["嗯。"])
-    sim = Simulator(backend, readout="reasoned")
+    sim = Simulator(backend)
     s = sim.start(chinese)
     sim.step([s], ["听起来很难。"])
     appraisal, reply = backend.prompts
@@ -638,8 +613,6 @@ def test_prompts_follow_the_persona_language(persona_entry, write_personas):
     assert "你在扮演" in appraisal[0]["content"] and "Change: N" not in appraisal[-1]["content"]
     assert "只写你的下一条消息" in reply[0]["content"] and "内心反应：还好。" in reply[-1]["content"]
     assert s.emotion == 37 and s.history[-1]["text"] == "嗯。"
-    heldout = simulator.appraisal_messages(s, "好的。", judge="heldout")
-    assert "旁观者" in heldout[-1]["content"] and "当事人: " in heldout[-1]["content"]
     assert "You are playing" in simulator.appraisal_messages(sim.start(english), "ok")[0]["content"]
 
 
@@ -720,33 +693,8 @@ def test_rules_simulator_band_lines_and_goodbye(persona_entry, write_personas):
 # ----------------------------------------------------------------------------------------------
 # Local backend on the embedded model
 # ----------------------------------------------------------------------------------------------
-def test_likelihood_warm_beats_rude(smollm2, persona, capsys):
-    sim = Simulator(LocalBackend(*smollm2), model_name="smollm2")
-    assert sim.readout == "likelihood"
-    state = sim.start(persona)
-    (warm, warm_text, ok1), (rude, rude_text, ok2) = sim.appraise([state, state], [WARM, RUDE])
-    contrast = [float(re.search(r"contrast ([+-][\d.]+)", t).group(1)) for t in (warm_text, rude_text)]
-    with capsys.disabled():  # shown in the run log even without -s
-        print(f"\nlikelihood read-out ({persona.difficulty}): warm change {warm:+d} ({warm_text}); "
-              f"rude change {rude:+d} ({rude_text}); contrast gap {contrast[0] - contrast[1]:+.3f}")
-    assert ok1 and ok2
-    assert -10 <= rude < warm <= 10
-    assert warm - rude >= 3 and contrast[0] > contrast[1]
-
-
-def test_likelihood_readout_is_deterministic(smollm2, persona):
-    sim = Simulator(LocalBackend(*smollm2), reply_tokens=8, model_name="smollm2")
-    runs = []
-    for _ in range(2):
-        s = sim.start(persona)
-        sim.step([s], [WARM])
-        runs.append((s.emotion, s.appraisals[-1]["appraisal"], s.history[-1]["text"]))
-    assert runs[0] == runs[1]
-    assert runs[0][1].startswith("likelihood: positive") and runs[0][2]
-
-
 def test_reasoned_readout_local_is_deterministic(smollm2, persona):
-    sim = Simulator(LocalBackend(*smollm2), readout="reasoned", appraisal_tokens=16, reply_tokens=8)
+    sim = Simulator(LocalBackend(*smollm2), appraisal_tokens=16, reply_tokens=8)
     runs = []
     for _ in range(2):
         s = sim.start(persona)
@@ -766,7 +714,7 @@ def test_batched_step_matches_one_by_one(smollm2, persona_entry, write_personas)
                              "wedding and i found out from instagram. i keep refreshing the photos.")]
     personas = load_personas(write_personas(entries))
     replies = [WARM, RUDE, "I see. Tell me more about that?"]
-    sim = Simulator(LocalBackend(*smollm2), reply_tokens=10, model_name="smollm2")
+    sim = Simulator(LocalBackend(*smollm2), appraisal_tokens=16, retry_tokens=4, reply_tokens=10)
     together = [sim.start(p) for p in personas]
     sim.step(together, replies)
     alone = []
@@ -788,22 +736,6 @@ BASE_BACKGROUND_LONG = ("Her younger sister got married last Saturday in Lisbon.
 
 
 # A tiny random model: checks of the plumbing that do not need a sensible model
-def _naive_scores(model, tokenizer, conversation, continuations):
-    """Mean log-likelihood of each continuation after the prompt, one full forward per pair."""
-    prompt = tokenizer(tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                     tokenize=False),
-                       add_special_tokens=False)["input_ids"]
-    out = []
-    for text in continuations:
-        cont = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids = torch.tensor([prompt + cont], device=model.device)
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)  # (T, V)
-        picked = [logp[len(prompt) - 1 + j, tok].item() for j, tok in enumerate(cont)]
-        out.append(sum(picked) / len(picked))
-    return torch.tensor(out)
-
-
 def encode(tokenizer, conversation):
     """A conversation's prompt ids as a simulator asks for the assistant's next message."""
     text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
@@ -818,48 +750,28 @@ def tiny_model_here(tiny_model, device, dtype):
 
 
 @pytest.mark.gpu
-def test_score_matches_full_forward_reference(tiny_model_here, persona, dtype):
-    model, tokenizer = tiny_model_here
-    backend = LocalBackend(model, tokenizer)
-    state = Simulator(backend).start(persona)
-    conversations = [simulator.user_turn_messages(state),
-                     simulator.user_turn_messages(simulator.UserState(
-                         persona=persona, emotion=80,
-                         history=state.history + [{"role": "agent", "text": WARM}]))]
-    continuations = simulator.POSITIVE_REACTIONS + simulator.NEGATIVE_REACTIONS
-    scores = backend.score(conversations, continuations)
-    assert scores.shape == (2, len(continuations))
-    for row, conversation in zip(scores, conversations):
-        torch.testing.assert_close(row, _naive_scores(model, tokenizer, conversation, continuations),
-                                   atol=loose(dtype, 1e-4), rtol=1e-4)
-
-
-@pytest.mark.gpu
-def test_score_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model_here, persona, dtype):
-    """Three conversations scored together, each from its own kept cache of a different length
-    (so the batch has holes before and between the new tokens), and the continuations of unequal
-    length in one tree row: the same scores as one full forward per pair, and what each slot keeps
-    is its conversation, not the continuations."""
+def test_prefill_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model_here, persona, dtype):
+    """Three conversations prefilled together (LocalBackend._batches), each from its own kept cache of
+    a different length (so the batch has holes before and between the new tokens): the next-token
+    logits are those of one full forward of each prompt alone."""
     model, tokenizer = tiny_model_here
     backend = LocalBackend(model, tokenizer)
     backend.micro_batch_size = 3
-    continuations = simulator.POSITIVE_REACTIONS + simulator.NEGATIVE_REACTIONS
-    assert len({len(tokenizer(c)["input_ids"]) for c in continuations}) > 1
     states = [Simulator(backend).start(persona) for _ in range(3)]
     slots = [{}, {}, {}]
-    first = [simulator.user_turn_messages(s) for s in states]
-    backend.score(first[:2], continuations, slots=slots[:2])  # the third dialogue has no cache yet
+    backend.chat([simulator.user_turn_messages(s) for s in states[:2]], 4, slots=slots[:2])  # not the third
     later = [simulator.user_turn_messages(simulator.UserState(
         persona=persona, emotion=30 + 10 * k,
         history=s.history + [{"role": "agent", "text": WARM * (k + 1)}])) for k, s in enumerate(states)]
-    scores = backend.score(later, continuations, slots=slots)
-    assert backend.reused_tokens > 0 and scores.shape == (3, len(continuations))
-    for row, conversation, slot in zip(scores, later, slots):
-        # tight: this random model's log-probs are nearly flat, and one position off moves them ~1e-4
-        torch.testing.assert_close(row, _naive_scores(model, tokenizer, conversation, continuations),
-                                   atol=loose(dtype, 1e-5), rtol=0)
-        assert slot["ids"] == encode(tokenizer, conversation)
-        assert all(k.shape[2] == len(slot["ids"]) for k, _ in slot["kv"])
+    (_, ids, mask, cache), = backend._batches(later, slots)
+    assert backend.reused_tokens > 0
+    with torch.no_grad():
+        logits = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
+                       **{simulator.cache_keyword(model): cache}).logits[:, -1]                    # (3, V)
+        for row, conversation in zip(logits, later):
+            alone = model(input_ids=torch.tensor([encode(tokenizer, conversation)], device=model.device))
+            torch.testing.assert_close(row.float(), alone.logits[0, -1].float(), atol=loose(dtype, 1e-4),
+                                       rtol=0)
 
 
 def test_chat_batched_equals_alone_and_restores_mode(tiny_model):
@@ -901,16 +813,13 @@ def test_use_base_disables_adapters(tiny_model):
     from peft import LoraConfig, get_peft_model
 
     model, tokenizer = tiny_model
-    base_scores = LocalBackend(model, tokenizer).score([[{"role": "user", "content": "hello"}]],
-                                                       ["Hi there."])
+    hello = [[{"role": "user", "content": "hello"}]]
+    base = LocalBackend(model, tokenizer).chat(hello, 12)
+    torch.manual_seed(0)
     peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                             init_lora_weights=False))
-    with_adapters = LocalBackend(peft, tokenizer).score([[{"role": "user", "content": "hello"}]],
-                                                        ["Hi there."])
-    frozen_base = LocalBackend(peft, tokenizer, use_base=True).score([[{"role": "user", "content": "hello"}]],
-                                                                       ["Hi there."])
-    torch.testing.assert_close(frozen_base, base_scores, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(with_adapters, base_scores, atol=1e-4)
+    assert LocalBackend(peft, tokenizer, use_base=True).chat(hello, 12) == base
+    assert LocalBackend(peft, tokenizer).chat(hello, 12) != base
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1089,7 +998,7 @@ def test_reasoned_readout_against_a_fake_server(serve, persona):
         return completion("[A note only you can see. Your mood: 47 out of 100.]\nInner reaction: LEAK.\n"
                           "Mood: 47/100\nI hear you. Go on.")
     server = serve(respond)
-    sim = Simulator(simulator.make_backend(server.url), readout="reasoned", start_emotion=50,
+    sim = Simulator(simulator.make_backend(server.url), start_emotion=50,
                     max_turns=len(SERVER_CASES))
     state = sim.start(persona)
     while not state.done:
@@ -1144,13 +1053,14 @@ def play_both_agents(sim, personas):
 
 
 def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_model, persona):
-    """The simulated user keeps its KV cache between turns and between the read-out and its reply;
-    greedy dialogues (emotions, read-outs, user messages) must not change, only get cheaper."""
+    """The simulated user keeps its KV cache between turns and between the appraisal, its re-asking and
+    the reply; greedy dialogues (emotions, appraisals, user messages) must not change, only get cheaper."""
     runs = []
     for reuse in (True, False):
         backend = LocalBackend(*tiny_model, reuse_cache=reuse)
         backend.micro_batch_size = 3
-        sim = Simulator(backend, readout="likelihood", max_turns=4, reply_tokens=6, leave_below=0)
+        sim = Simulator(backend, max_turns=4, reply_tokens=6, appraisal_tokens=8, retry_tokens=4,
+                        leave_below=0)
         runs.append((play_both_agents(sim, [persona] * 3), backend.reused_tokens / backend.prompt_tokens))
     (cached, hit), (plain, no_hit) = runs
     assert sum(map(len, cached)) >= 6 * 8  # 6 dialogues, 4 turns each, two lines a turn
@@ -1266,13 +1176,11 @@ def in_process(main, argv, capsys):
 
 
 BAD_SETTINGS = [  # (flags, words the error line must hold)
-    (["--readout", "reasond"], ["--readout", "reasond", "reasoned"]),                        # 3
     (["--max-change", "-5"], ["--max-change", "-5", "at least 1"]),                          # 4
     (["--max-turns", "0"], ["--max-turns", "0", "at least 1"]),                              # 7
     (["--difficulty", "brutal"], ["--difficulty", "brutal"]),
-    (["--simulator", "rulez"], ["--simulator", "rulez", "an existing folder"]),               # 16
-    (["--simulator", "rules", "--readout", "likelihood"], ["--readout likelihood", "--readout rules"]),  # 16
-    (["--simulator", "http://127.0.0.1:9/v1", "--readout", "likelihood"], ["--readout reasoned"]),
+    (["--simulator", "rulez"], ["--simulator", "rulez", "same | rules | http(s)://host:port/v1"]),  # 16
+    (["--simulator", "Qwen/Qwen2.5-7B-Instruct"], ["--simulator", "same | rules"]),  # a model: on a server
     (["--simulator", "http:///v1"], ["--simulator", "a URL needs a host"]),
     (["--api-timeout", "0"], ["--api-timeout", "0"]),
     (["--api-key-env", "sk-live-0123456789abcdef"], ["--api-key-env", "<redacted>", "name of an env"]),
@@ -1293,8 +1201,7 @@ def test_the_simulated_users_settings_are_checked_in_one_line(flags, words, caps
 
 @pytest.mark.parametrize("flags, words", [
     (["--max-change", "-5"], ["--max-change", "-5"]),
-    (["--simulator", "rules", "--readout", "likelihood"], ["--readout rules"]),
-    (["--model", "rules", "--readout", "likelihood"], ["--model", "rules"]),  # --model is a model
+    (["--model", "rules"], ["--model", "rules"]),  # --model is a model
     (["--dialogs", "2"], ["--dialogs"]),                                      # no synonyms, no guesses
     (["--write-openings", ""], ["--write-openings", "a new file"]),           # the command's one job
 ])
@@ -1590,7 +1497,7 @@ def test_rlver_profiles_get_openings_then_train_one_ppo_iteration(tiny_model_dir
     monkeypatch.undo()
 
     out = tmp_path / "rlver_with_openings.jsonl"
-    code, _, err, _ = cli(*openings(out, tiny_model_dir))
+    code, _, err, _ = cli(*openings(out, "same"), "--model", tiny_model_dir)  # `same`: the --model alone
     assert code == 0, err
     written = read_lines(out)
     assert all(w["first_talk"].strip() and w["first_talk"] != "..." for w in written)
@@ -1665,7 +1572,7 @@ def test_write_openings_stopped_by_a_signal_writes_nothing(name, tmp_path, serve
 # ----------------------------------------------------------------------------------------------
 # The chunked prefill (issue 30 item 14; moved from tests/test_paper_data.py)
 # ----------------------------------------------------------------------------------------------
-def test_chunked_prefill_scores_and_answers_as_one_pass_does(tiny_model):
+def test_chunked_prefill_answers_as_one_pass_does(tiny_model):
     # the conversations of different lengths (padding), the second round reusing the first's caches
     model, tokenizer = tiny_model
     conversations = [[{"role": "user", "content": "word " * n}] for n in (40, 7, 23)]
@@ -1676,10 +1583,6 @@ def test_chunked_prefill_scores_and_answers_as_one_pass_does(tiny_model):
         backend = simulator.LocalBackend(model, tokenizer)
         backend.prefill_chunk = chunk
         slots = [{} for _ in conversations]
-        scores = [backend.score(c, ["Thank you.", "No, that is wrong."], slots)
-                  for c in (conversations, longer)]
-        answers.append((scores, backend.chat(longer, 6, slots), backend.chat(conversations, 6)))
-    (scores, chats, fresh), (chunked_scores, chunked_chats, chunked_fresh) = answers
-    for one, other in zip(scores, chunked_scores):
-        torch.testing.assert_close(one, other, atol=1e-5, rtol=0)
-    assert chats == chunked_chats and fresh == chunked_fresh
+        answers.append([backend.chat(c, 6, slots) for c in (conversations, longer)]
+                       + [backend.chat(longer, 6)])
+    assert answers[0] == answers[1]

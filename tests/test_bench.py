@@ -400,7 +400,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     n = {s["name"]: s["numbers"] for s in report["steps"]}
     assert n["versions"]["device"] == "cpu (dry run)" and n["versions"]["tokenizer_size"] == 4096
     for dtype in ("fp32", "bf16"):  # every test marked gpu also runs on the CPU
-        assert n[f"tests-{dtype}"]["passed"] >= 6 and "skipped" not in n[f"tests-{dtype}"]
+        assert n[f"tests-{dtype}"]["passed"] >= 5 and "skipped" not in n[f"tests-{dtype}"]
         assert "failed" not in n[f"tests-{dtype}"]
     assert n["learning"] == {"passed": 1, "deselected": 3}  # the reward rose by more than 0.2
     assert n["bench-gpu"]["policy_tokens"] == 2 * 2 * 4

@@ -329,7 +329,6 @@ class SamplingSettings:
     group = "sampling"
     thinking: bool = setting(True, "think-then-say scaffold (the paper's best run)")
     temperature: float = setting(1.0, "sampling temperature; the trainer's log-probs use the same", above(0))
-    top_p: float = setting(1.0, "nucleus sampling (RLVER: 1.0)", within(0, 1, low_open=True))
     max_new_tokens: int = setting(512, "tokens per agent turn", at_least(1))
     max_context: int = setting(6144, "tokens per dialogue; past it the dialogue ends with 'context'",
                                at_least(2))
@@ -349,7 +348,7 @@ class SamplingSettings:
 
 @torch.no_grad()
 def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1, *, thinking=True,
-                   temperature=1.0, top_p=1.0, max_new_tokens=256, max_context=4096, greedy=False,
+                   temperature=1.0, max_new_tokens=256, max_context=4096, greedy=False,
                    reuse_cache=True, merged_sampling=True, static_cache=False, progress=True,
                    desc="dialogues"):
     """Play len(personas) x samples_per_persona dialogues in lockstep: one batched generate for all
@@ -372,11 +371,12 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     device = policy.device
     # An explicit config, so that a model's own defaults (top_k=20, repetition_penalty=1.05 in
     # Qwen2.5's generation_config) cannot change the sampling distribution. top_k must be 0, not
-    # None: transformers reads None as "unset" and fills in the model's top_k, or 50. The stored
-    # log-probs are log softmax(logits / temperature), the distribution we sample from when
-    # top_p = 1; the trainers must compute theirs with the same temperature.
+    # None: transformers reads None as "unset" and fills in the model's top_k, or 50; top_p 1 (RLVER's)
+    # for the same reason. The stored log-probs are log softmax(logits / temperature), the distribution
+    # sampled from, and the trainers compute theirs with the same temperature: a top-p cut would make
+    # the sampled distribution another one than the trainers' log-probs, so there is no --top-p.
     gen_config = GenerationConfig(
-        do_sample=not greedy, **({} if greedy else dict(temperature=temperature, top_p=top_p, top_k=0)),
+        do_sample=not greedy, **({} if greedy else dict(temperature=temperature, top_p=1.0, top_k=0)),
         repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
         pad_token_id=tokenizer.pad_token_id,
         **(dict(cache_implementation="static", max_cache_len=max_context, compile_config=DECODE_COMPILE)

@@ -696,7 +696,7 @@ class OpenAIBackend:
     backoff: float = 1.0
     concurrency: int = 8
     max_reply_bytes: int = 1_000_000
-    generated_tokens: int = 0
+    generated_tokens = 0  # a server's replies are not counted in tokens (the simulator's tokens/s: 0)
     name = "url"
 
     def __post_init__(self):
@@ -704,7 +704,7 @@ class OpenAIBackend:
         self.url = parts._replace(path=parts.path.rstrip("/") + "/chat/completions")
 
     def _post(self, messages, max_new_tokens):
-        """(reply text, completion tokens the server counted), every type on the way checked. Each try
+        """The reply's text, every type on the way checked. Each try
         takes at most its `seconds` in all: the socket timeout bounds each read, and a timer that shuts
         the socket down bounds their sum, which a server sending one byte at a time would otherwise
         stretch forever (shutting a socket down wakes a read blocked on it; the timer holds the socket
@@ -744,9 +744,7 @@ class OpenAIBackend:
                     if not isinstance(content, str):
                         raise ReplyError(f"choices[0].message.content is {type(content).__name__}, not a "
                                          f"string")
-                    usage = payload.get("usage")
-                    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else 0
-                    return content, tokens if type(tokens) is int else 0
+                    return content
                 problem = f"HTTP {status}" + (f" (is the key in ${self.api_key_env} right?)"
                                               if status in (401, 403) else "")
                 if status != 429 and status < 500:  # a client error (a wrong key too) stays one
@@ -771,9 +769,8 @@ class OpenAIBackend:
         prompts are built so that each turn's prompt extends the last one's. repetition_penalty is
         unused too: the request sends none, so the server applies none."""
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            answers = list(pool.map(lambda m: self._post(m, max_new_tokens), conversations))
-        self.generated_tokens += sum(tokens for _, tokens in answers)
-        return [text.strip() for text, _ in answers]
+            texts = pool.map(lambda m: self._post(m, max_new_tokens), conversations)
+            return [text.strip() for text in texts]
 
 
 # The rules user: a deterministic lexicon and form check, written here to test the RL loop on a
@@ -970,8 +967,6 @@ class SimulatorSettings:
                                        "(retries + 1)", above(0), operational=True)
     api_retries: int = setting(4, "tries after a failed request to a URL simulator", at_least(0),
                                operational=True)
-    api_concurrency: int = setting(8, "requests in flight at once to a URL server", at_least(1),
-                                   operational=True)
     personas: str = setting("personas.json", "persona file: personas.json or a SAGE / RLVER profile file")
     split: str = setting("train", "persona split: train | test | all", one_of(*SPLITS, "all"))
     difficulty: str = setting("all", "all (each persona's own) | easy | normal | hard: every user plays at "
@@ -999,8 +994,7 @@ def make_backend(simulator, policy=None, tokenizer=None, reuse_cache=True, args=
         return RulesBackend()
     if simulator != "same":
         limits = {} if args is None else dict(model=args.api_model, api_key_env=args.api_key_env,
-                                              timeout=args.api_timeout, max_retries=args.api_retries,
-                                              concurrency=args.api_concurrency)
+                                              timeout=args.api_timeout, max_retries=args.api_retries)
         return OpenAIBackend(simulator, **limits)
     if policy is None:
         policy, tokenizer = load_model(args.model, default_device(),

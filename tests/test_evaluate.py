@@ -320,7 +320,7 @@ def test_bad_settings_through_the_real_command_line():
 
 
 def test_the_defaults_are_sages_protocol():
-    args = evaluate.parse_args(["--no-thinking", "--max-turns", "3"])
+    args = evaluate.parse_args(["--thinking", "false", "--max-turns", "3"])
     assert (args.thinking, args.max_turns, args.start_emotion) == (False, 3, 40)
     assert re.fullmatch(r"runs/eval__\d+", args.out)  # a new folder of its own
 

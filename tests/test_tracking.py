@@ -1,5 +1,5 @@
 """The researcher's tools around a run: --report-to (a tracker beside the files, numbers only), the
-metrics line's non-finite numbers, and sum_gradients (one all-reduce per dtype) with two real processes."""
+metrics line's non-finite numbers, and sum_gradients (one all-reduce a tensor) with two real processes."""
 import importlib.util
 import json
 import math
@@ -173,7 +173,7 @@ SUM_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sum_gradients_sums_one_buffer_a_dtype_and_leaves_none_alone(tmp_path):
+def test_sum_gradients_sums_every_gradient_and_leaves_none_alone(tmp_path):
     script = tmp_path / "sum.py"
     script.write_text(SUM_SCRIPT.format(root=ROOT, out=str(tmp_path), folder=str(tmp_path / "run")))
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
@@ -186,8 +186,8 @@ def test_sum_gradients_sums_one_buffer_a_dtype_and_leaves_none_alone(tmp_path):
     for rank in (0, 1):
         lines = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
         assert lines == ["NONE True",
-                         # one buffer a dtype: not one call per tensor
-                         "CALLS [10, 4]",
+                         # one call a tensor that has a gradient, in the order of params
+                         "CALLS [6, 4, 4]",
                          "EQUAL 0 True", "EQUAL 2 True", "EQUAL 3 True"], rank
 
 

@@ -40,10 +40,10 @@ from tqdm import tqdm
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
                      load_policy, play_dialogues, sampling_settings)
 from run import (append_lines, at_least, checkpoints, default_device, exit_on_signals, fail, finite,
-                 load_tokenizer, new_folder, parse_settings, public_config, read_json_lines, read_run, redact,
-                 release, resolve_model, setting, transcript_record, write_atomically, write_failure)
-from simulator import (Simulator, SimulatorError, SimulatorSettings, UserState, appraisal_messages,
-                       apply_change, build_simulator, load_personas_or_exit)
+                 new_folder, parse_settings, public_config, read_json_lines, read_run, redact,
+                 release, setting, transcript_record, write_atomically, write_failure)
+from simulator import (SimulatorError, SimulatorSettings, UserState, apply_change, build_simulator,
+                       load_personas_or_exit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,33 +528,6 @@ def plot_agreement(rows, path, title="", max_change=10):
     return fig
 
 
-def check_appraisals_fit(args, dialogues, personas):
-    """The `same` simulator (the --model alone) must hold every appraisal in min(--max-context, its
-    window: max_position_embeddings), or its answers past the window are noise. Checked before any
-    model loads, with the tokenizer only, on each dialogue's longest appraisal: the prompt for its
-    last judged reply, the answer and the one re-asking. One that does not fit: one line naming it.
-    Nothing is cut to fit: a cut history is another dialogue."""
-    from transformers import AutoConfig
-
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    config = AutoConfig.from_pretrained(resolve_model(args.model), trust_remote_code=args.trust_remote_code)
-    window = getattr(config, "max_position_embeddings", None) or args.max_context
-    limit = min(args.max_context, window)
-    for d in dialogues:
-        k = judged_replies(d)[-1][0]
-        messages = appraisal_messages(recorded_state(personas[d["id"]], d, k), d["history"][k]["text"],
-                                      args.max_change)
-        # tokenized as the simulator tokenizes it (LocalBackend), with the answer's and the re-asking's
-        # tokens as build_simulator leaves them (the defaults)
-        needed = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-                     ["input_ids"]) + Simulator.appraisal_tokens + Simulator.retry_tokens
-        if needed > limit:
-            why = f"the window of {args.model}" if limit < args.max_context else f"--max-context {limit}"
-            fail(f"{d['file']}: line {d['line']} (id {d['id']}): its longest appraisal needs {needed} tokens "
-                 f"and {limit} fit ({why}): raise --max-context (up to the model's window, {window}), or use "
-                 f"a simulator with a longer window, such as a URL")
-
-
 BATCH_DIALOGUES = 4  # dialogues whose replies go to the simulator in one call
 
 
@@ -571,8 +544,6 @@ def agreement_main(args):
         if real[k] in real[:k]:  # it would count as a second model that agrees with the first
             fail(f"--agreement {path}: the file {args.agreement[real.index(real[k])]} again; give each once")
         dialogues += read_sage_dialogues(path, personas)[:args.dialogues or None]
-    if args.simulator == "same":
-        check_appraisals_fit(args, dialogues, personas)
     new_folder(args.out)
     store = f"{args.out}/appraisals.jsonl"
     exit_on_signals(lambda: f"; the appraisals made so far are in {store}")

@@ -233,8 +233,6 @@ def resume_settings(args, fields, prog=None):
             continue
         flag, now, then = f"--{f.name.replace('_', '-')}", getattr(args, f.name), saved[f.name]
         if f.name not in args.given:
-            if REDACTED in str(then):
-                fail(f"{flag}: the run saved it redacted (it held a secret); give it again")
             setattr(args, f.name, then)
         elif redact(now) != then and f.name not in RESUMABLE and not f.metadata["operational"]:
             fail(f"{flag} {redact(now)!r}: the run in {args.resume} has {then!r}, and --resume keeps it "
@@ -716,7 +714,7 @@ class Run:
         self.accelerator.init_trackers("rlver", init_kwargs={"tensorboard": {"purge_step": start + 1},
                                                              "wandb": {"name": Path(args.out).name}})
         exit_on_signals(self.stopped_at)
-        self.done, self.saved_at, self.saving = start, start, None  # iterations done, and saved
+        self.done, self.saving = start, None  # iterations done, and the one being saved
         self.bad_in_a_row = 0
         self.bar = tqdm(total=args.iterations, initial=start, desc=self.script[:-3], disable=not self.is_main)
         self.start_iteration()
@@ -819,16 +817,14 @@ class Run:
     def log(self, all_records, rollout_stats, update_logs, method):
         """Step 5 of both trainers (a collective call): one metrics.jsonl line of the method's own
         figures (`method`, already global), the means over processes of what the update logged, the
-        rollout summary, the laps' timings and peak memory, and how many of these numbers are not
-        finite (written as null); every dialogue to rollouts.jsonl; every number to the tracker."""
+        rollout summary, the laps' timings and peak memory (a number that is not finite is written as
+        null); every dialogue to rollouts.jsonl; every number to the tracker."""
         iteration = self.done + 1
         metrics = {"iteration": iteration, **method,
                    **summarize(all_records, merge_stats(self.gather([rollout_stats]))),
                    **{k: self.mean(v) for k, v in update_logs.items()}, **self.times,
                    "time_iteration": time.time() - self.t_iteration, "peak_memory_gb": peak_memory_gb(),
                    "processes": self.world}
-        metrics["nonfinite_metrics"] = sum(isinstance(v, float) and not math.isfinite(v)
-                                           for v in metrics.values())
         if self.is_main:
             dialogues = [transcript_record(r, iteration=iteration) for r in all_records]
             for name, rows in zip(LOGS, ([metrics], dialogues)):
@@ -868,7 +864,7 @@ class Run:
         if not all(torch.isfinite(p).all() for p in self.trained):
             self.halt(f"iteration {iteration}: the trained weights hold NaN or infinity, so they are no "
                       "checkpoint")
-        self.saving, self.saved_at, out = iteration, iteration, self.args.out
+        self.saving, out = iteration, self.args.out
         if self.is_main:
             self.written.append(f"iter_{iteration:06d}")
             final = f"{out}/checkpoints/{self.written[-1]}"
@@ -895,10 +891,8 @@ class Run:
         self.saving = None
 
     def stop(self, error):
-        """A simulator that cannot answer ends the run with one line and exit code 2; a finished iteration
-        not yet saved is saved first (with one process: a save is collective)."""
-        if self.done > self.saved_at and self.world == 1:
-            self.save(self.done)
+        """A simulator that cannot answer ends the run with one line and exit code 2, naming the newest
+        checkpoint (the iterations after it run again on resume)."""
         fail(f"{error}; {self.resume_advice()}")
 
     def finish(self):

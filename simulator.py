@@ -1011,21 +1011,11 @@ def build_simulator(args, policy, tokenizer, goodbye="closing"):
 
 
 def make_simulator(args, policy, tokenizer, run):
-    """A trainer's simulated user (build_simulator); the main process says which read-out it gives,
-    and warns when the openings were written at another mood than the dialogues start at."""
+    """A trainer's simulated user (build_simulator); the main process says which read-out it gives."""
     simulator = build_simulator(args, policy, tokenizer)
-    if not run.is_main:
-        return simulator
-    print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
-          f"{redact(args.simulator)}, read-out {simulator.readout}")
-    moods = set()  # the moods --write-openings wrote this file's openings at (personas.json, a list: none)
-    with contextlib.suppress(PersonaError):
-        moods = {e.get("first_talk_emotion") for _, e in read_json_lines(args.personas, PersonaError)
-                 if isinstance(e, dict)} - {None, args.start_emotion}
-    if moods:
-        print(f"warning: {args.personas}: its openings were written at mood "
-              f"{', '.join(sorted(map(str, moods)))}, and the dialogues start at {args.start_emotion} "
-              f"(--start-emotion)", file=sys.stderr)
+    if run.is_main:
+        print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
+              f"{redact(args.simulator)}, read-out {simulator.readout}")
     return simulator
 
 

@@ -457,21 +457,3 @@ def test_a_sage_sized_dialogue_is_appraised_in_memory_linear_in_its_context(tiny
     assert len(read_lines(tmp_path / "out" / "appraisals.jsonl")[0]["appraisals"]) == 4
 
 
-def test_a_dialogue_longer_than_the_simulators_context_is_refused_before_a_model_loads(
-        tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(simulator, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
-    recorded_file, profiles = sage_sized(tmp_path, run_module.load_tokenizer(tiny_model_dir))
-    model = with_window(tiny_model_dir, tmp_path / "model", 16384)
-    # the tiny model's own window is 4096 tokens (--max-context 8192 would let more through); a copy
-    # that says 16384 is held to --max-context 4096
-    for model_dir, limit, why in ((tiny_model_dir, 8192, "the window of"),
-                                  (model, 4096, "--max-context 4096")):
-        with pytest.raises(SystemExit) as stop:
-            evaluate.main(["--agreement", recorded_file, "--personas", profiles, "--simulator", "same",
-                           "--model", model_dir, "--max-context", str(limit), "--out", str(tmp_path / "out")])
-        err = capsys.readouterr().err.strip()
-        assert stop.value.code == 2 and len(err.splitlines()) == 1, err
-        needed = int(re.search(r"needs (\d+) tokens", err)[1])
-        assert err.startswith(f"error: {recorded_file}: line 1 (id big-1): ") and 7500 < needed < 8500, err
-        assert "4096 fit" in err and why in err and "URL" in err, err
-    assert not (tmp_path / "out").exists()

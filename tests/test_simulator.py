@@ -1455,30 +1455,6 @@ def test_write_openings_keeps_existing_ones_and_rules_write_fixed_lines(tmp_path
     assert [e.get("first_talk_emotion") for e in read_lines(out)] == [None, 30, 30]
 
 
-def test_training_on_openings_written_at_another_mood_says_so_at_start_up(tmp_path, capsys):
-    """Issue 30, item 6: openings written at --start-emotion 40 (SAGE's) for a run that starts at 30: one
-    warning line when the simulated user is made, and the run goes on."""
-    import ppo
-
-    for mood in (40, 30):
-        out = tmp_path / f"openings_{mood}.jsonl"
-        code, _, err = in_process(simulator.main, [*openings(out, "rules")[1:], "--start-emotion", mood],
-                                  capsys)
-        assert not code, err
-        argv = ["--preset", "cpu", "--simulator", "rules", "--personas", str(out)]
-        args = run.parse_settings(ppo.SETTINGS, argv, presets=ppo.PRESETS)
-        capsys.readouterr()
-        simulator.make_simulator(args, None, None, types.SimpleNamespace(device="cpu", world=1, is_main=True))
-        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-        if mood == 30:
-            assert said == []
-        else:
-            assert len(said) == 1 and str(out) in said[0] and "40" in said[0] and "30" in said[0], said
-
-
-# The done-when of issue 24: an RLVER-format file without openings, through the openings command
-# with a real model, loads in ppo.py --preset cpu and trains one iteration. The tiny random model
-# stands in for the embedded one here (the same code path; docs/evaluate.md has the smollm2 run).
 def test_rlver_profiles_get_openings_then_train_one_ppo_iteration(tiny_model_dir, tmp_path, monkeypatch,
                                                                    capsys):
     import ppo

@@ -576,7 +576,8 @@ def checkpoints(run_dir):
 def append_means(logs, terms, mask, first):
     """The update's per-token terms (b, T) as their means over the agent tokens, appended to
     logs[name]. `ratio` counts only on the first micro-batch of an iteration (first): those weights
-    scored the rollout, so it is 1 (exactly, in float32); a term that is None is left out."""
+    scored the rollout, so it is 1 (to round-off in float32: the scoring pass runs other
+    micro-batches); a term that is None is left out."""
     for key, x in terms.items():
         if key == "ratio":
             key, x = "ratio_first", x if first else None

@@ -1040,7 +1040,7 @@ OPENING_TOKENS = 64
 def write_openings(args):
     """python simulator.py --write-openings OUT --personas FILE [--model MODEL | --simulator URL]: FILE's
     lines with first_talk filled (lines that have one keep it) and the mood it was written at
-    (first_talk_emotion, which make_simulator compares with the start), everything else unchanged,
+    (first_talk_emotion, to compare with a run's --start-emotion), everything else unchanged,
     written to OUT once, whole (a temporary file renamed), or not at all. Bad input, an existing OUT
     and a missing folder for it: one line, exit 2, before any model loads; so is a simulator that
     fails or writes nothing usable, and a disk that fills or turns read-only while writing; Ctrl-C and

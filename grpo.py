@@ -192,7 +192,7 @@ def main(argv=None):
             records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling_settings(args),
                                              samples_per_persona=args.group_size, progress=run.show_progress)
         except SimulatorError as e:
-            run.stop(e)  # one line naming the newest checkpoint, exit 2
+            run.stop(e)  # one line; a finished iteration not yet saved is saved first
         run.lap("rollout")
 
         # --- 2. score: old log-probs, reference log-probs, rewards --------------------------------

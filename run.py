@@ -715,7 +715,7 @@ class Run:
         self.accelerator.init_trackers("rlver", init_kwargs={"tensorboard": {"purge_step": start + 1},
                                                              "wandb": {"name": Path(args.out).name}})
         exit_on_signals(self.stopped_at)
-        self.done, self.saving = start, None  # iterations done, and the one being saved
+        self.done, self.saved_at, self.saving = start, start, None  # iterations done, and saved
         self.bad_in_a_row = 0
         self.bar = tqdm(total=args.iterations, initial=start, desc=self.script[:-3], disable=not self.is_main)
         self.start_iteration()
@@ -865,7 +865,7 @@ class Run:
         if not all(torch.isfinite(p).all() for p in self.trained):
             self.halt(f"iteration {iteration}: the trained weights hold NaN or infinity, so they are no "
                       "checkpoint")
-        self.saving, out = iteration, self.args.out
+        self.saving, self.saved_at, out = iteration, iteration, self.args.out
         if self.is_main:
             self.written.append(f"iter_{iteration:06d}")
             final = f"{out}/checkpoints/{self.written[-1]}"
@@ -892,8 +892,10 @@ class Run:
         self.saving = None
 
     def stop(self, error):
-        """A simulator that cannot answer ends the run with one line and exit code 2, naming the newest
-        checkpoint (the iterations after it run again on resume)."""
+        """A simulator that cannot answer ends the run with one line and exit code 2; a finished iteration
+        not yet saved is saved first (with one process: a save is collective)."""
+        if self.done > self.saved_at and self.world == 1:
+            self.save(self.done)
         fail(f"{error}; {self.resume_advice()}")
 
     def finish(self):

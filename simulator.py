@@ -886,10 +886,9 @@ class Simulator:
 
     def step(self, states, replies):
         """Appraise each state's agent reply, update emotion, end or write the next user message.
-        states[k] gets replies[k]; every state must still be active. The rules user speaks its
-        persona's line for the band it is in (GENERIC_LINES where it has none)."""
-        if any(s.done for s in states):
-            raise ValueError("a finished dialogue was handed to the simulator")
+        states[k] gets replies[k]; every state must still be active (the rollout hands in its active
+        ones). The rules user speaks its persona's line for the band it is in (GENERIC_LINES where it
+        has none)."""
         t0 = time.time()
         for s, r, (change, text, parsed) in zip(states, replies, self.appraise(states, replies)):
             s.history.append({"role": "agent", "text": r})
@@ -989,13 +988,11 @@ class SimulatorSettings:
 def make_backend(simulator, policy=None, tokenizer=None, reuse_cache=True, args=None):
     """--simulator same (the policy's frozen base) | rules | http(s)://host:port/v1. `same` without a
     policy (evaluate.py --agreement, the openings writer) is the --model of args alone. args: the URL
-    client's limits (SimulatorSettings) and trust_remote_code, where a script has them."""
+    client's limits (SimulatorSettings, needed for a URL) and trust_remote_code."""
     if simulator == "rules":
         return RulesBackend()
     if simulator != "same":
-        limits = {} if args is None else dict(model=args.api_model, api_key_env=args.api_key_env,
-                                              timeout=args.api_timeout, max_retries=args.api_retries)
-        return OpenAIBackend(simulator, **limits)
+        return OpenAIBackend(simulator, args.api_model, args.api_key_env, args.api_timeout, args.api_retries)
     if policy is None:
         policy, tokenizer = load_model(args.model, default_device(),
                                        trust_remote_code=getattr(args, "trust_remote_code", False))

@@ -147,7 +147,7 @@ class ScriptedPolicy(torch.nn.Module):
 
     def __init__(self, tokenizer, texts):
         super().__init__()
-        self.anchor = torch.nn.Parameter(torch.zeros(1))  # play_dialogues reads the device from it
+        self.device = torch.device("cpu")  # play_dialogues reads it, as from a transformers model
         self.rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                      for t in texts]
         self.vocab, self.pad = len(tokenizer), tokenizer.pad_token_id

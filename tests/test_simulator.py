@@ -952,7 +952,7 @@ def test_simulator_over_url_backend(serve, persona):
         asked = body["messages"][-1]["content"]
         return completion("It helps a bit.\nChange: +4" if "Change: N" in asked else "you: okay. i guess.")
     server = serve(respond)
-    sim = Simulator(simulator.make_backend(server.url))
+    sim = Simulator(OpenAIBackend(server.url))
     assert sim.readout == "reasoned"
     s = sim.start(persona)
     sim.step([s], [WARM])
@@ -997,7 +997,7 @@ def test_reasoned_readout_against_a_fake_server(serve, persona):
         return completion("[A note only you can see. Your mood: 47 out of 100.]\nInner reaction: LEAK.\n"
                           "Mood: 47/100\nI hear you. Go on.")
     server = serve(respond)
-    sim = Simulator(simulator.make_backend(server.url), start_emotion=50,
+    sim = Simulator(OpenAIBackend(server.url), start_emotion=50,
                     max_turns=len(SERVER_CASES))
     state = sim.start(persona)
     while not state.done:

@@ -23,9 +23,9 @@ from functools import partial
 import torch
 
 from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
-                     aggregate, batched_logprobs, kl_k3, load_policy, logged_figures, pad_records,
-                     pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
-                     training_personas)
+                     aggregate, batched_logprobs, kl_k3, load_policy, logged_figures, old_logprobs_of,
+                     pad_records, pick_personas, play_dialogues, policy_settings, sampling_settings,
+                     token_logprobs, training_personas)
 from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
@@ -41,8 +41,8 @@ class GRPOSettings:
                                    "(REWARDS)", one_of("final", "turn"))
     format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
-    scale_rewards: str = setting("group", "group: (r - group mean) / group std | batch: / batch std | none: "
-                                          "r - group mean (Dr. GRPO)", one_of("group", "batch", "none"))
+    scale_rewards: str = setting("group", "group: (r - group mean) / group std | none: r - group mean "
+                                          "(Dr. GRPO)", one_of("group", "none"))
     update_epochs: int = setting(1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
     minibatch_size: int = setting(32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
     clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
@@ -122,20 +122,12 @@ def group_stats(rewards, group_ids):
 def group_advantages(rewards, group_ids, scale="group", eps=1e-4):
     """Advantage of each dialogue (B,) from its reward and its group.
     group: (r - group mean) / (group std + eps)   GRPO (DeepSeekMath); eps 1e-4 as TRL
-    batch: (r - group mean) / (batch std + eps)   the std of all rewards of the iteration (TRL's
-                                                  scale_rewards="batch"); a group with a small
-                                                  spread is not blown up to unit scale
     none:  r - group mean                         Dr. GRPO (Liu et al. 2025, arXiv 2503.20783):
                                                   dividing by the std favours too-easy/too-hard groups
     A group whose rewards are all equal gets exactly 0 (not round-off / eps) in every mode."""
     rewards = rewards.double()
     mean, std, flat = group_stats(rewards, group_ids)
-    if scale == "group":
-        advantages = (rewards - mean) / (std + eps)
-    elif scale == "batch":
-        advantages = (rewards - mean) / (rewards.std() + eps)
-    else:  # none
-        advantages = rewards - mean
+    advantages = (rewards - mean) / (std + eps) if scale == "group" else rewards - mean  # none: Dr. GRPO
     return advantages.masked_fill(flat, 0.0)
 
 
@@ -198,16 +190,16 @@ def main(argv=None):
         # --- 2. score: old log-probs, reference log-probs, rewards --------------------------------
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # in eval mode (no dropout): the sampling policy's log-probs, and the reference's (adapter off)
-        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)      # (B, T)
+        # the sampling policy's log-probs (NaN where the update's own pass fills them in), and the
+        # reference's (adapter off)
+        from_update, old_logprobs = old_logprobs_of(model, batch, args, len(records) * run.world)  # (B, T)
         # the reference pass feeds a KL term, or only the kl_ref figure: then every --log-kl-every iterations
         need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
                                         reference=True) if need_ref else None                    # (B, T)
-        # The rewards of the whole iteration, on every process (batch scaling needs the std of all of
-        # them). The gather is in rank order, so this process's rows are its share (run.share), and each
-        # process's dialogues come group after group, --group-size each (play_dialogues), so a row's
-        # place names its group.
+        # The rewards of the whole iteration, on every process (its figures are global). The gather is
+        # in rank order, so this process's rows are its share (run.share), and each process's dialogues
+        # come group after group, --group-size each (play_dialogues), so a row's place names its group.
         all_records = run.gather(records)
         all_rewards = dialogue_rewards(all_records, args.reward, args.format_penalty)       # (N,)
         all_groups = torch.arange(len(all_records)) // args.group_size                      # (N,)
@@ -237,6 +229,8 @@ def main(argv=None):
                                   token_budget=args.max_turns * args.max_new_tokens)
                     newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
                                                          with_entropy=True, entropy_grad=args.ent_coef > 0)
+                    if from_update:  # the rollout's weights: these are the old log-probs
+                        old_logprobs[idx, :w] = newlogprob.detach()
                     loss, terms = policy_objective(
                         newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
                         None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
-                     aggregate, batched, batched_logprobs, kl_k3, load_policy, logged_figures, pad_records,
-                     pick_personas, play_dialogues, policy_settings, sampling_settings, token_logprobs,
-                     training_personas, use_adapter)
+                     aggregate, batched, batched_logprobs, kl_k3, load_policy, logged_figures,
+                     old_logprobs_of, pad_records, pick_personas, play_dialogues, policy_settings,
+                     sampling_settings, token_logprobs, training_personas, use_adapter)
 from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
@@ -54,8 +54,8 @@ class PPOSettings:
     value_clip: float = setting(0.5, "values move at most this far from the rollout's (RLVER: 0.5)", above(0))
     vf_coef: float = setting(0.5, "value loss coefficient", at_least(0))
     ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
-    loss_agg: str = setting("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum",
-                            one_of("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
+    loss_agg: str = setting("token-mean", "token-mean | seq-mean-token-mean",
+                            one_of("token-mean", "seq-mean-token-mean"))
     lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
     critic_lr: float = setting(5e-5, "critic adapter and value head learning rate (5x --lr)", above(0))
     warmup_steps: int = setting(0, "optimizer steps of linear learning-rate warm-up", at_least(0))
@@ -271,8 +271,9 @@ def main(argv=None):
         # --- 2. score: old log-probs, reference log-probs, values, rewards ------------------------
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # in eval mode (no dropout): the sampling policy's log-probs, and the reference's (adapters off)
-        old_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)      # (B, T)
+        # the sampling policy's log-probs (NaN where the update's own pass fills them in), and the
+        # reference's (adapters off)
+        from_update, old_logprobs = old_logprobs_of(model, batch, args, len(records) * run.world)  # (B, T)
         # the reference pass feeds a KL term, or only the kl_ref figure: then every --log-kl-every iterations
         need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
         ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
@@ -307,6 +308,8 @@ def main(argv=None):
                                   total_seqs=float(args.minibatch_size))  # its share of the minibatch loss
                     newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
                                                          with_entropy=True, entropy_grad=args.ent_coef > 0)
+                    if from_update:  # the rollout's weights: these are the old log-probs
+                        old_logprobs[idx, :w] = newlogprob.detach()
                     actor_loss, terms = policy_objective(
                         newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
                         None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)

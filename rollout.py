@@ -486,7 +486,6 @@ def to_record(d):
         "persona_id": s.persona.id, "group": d.group, "sample": d.sample,
         "token_ids": d.ids, "action_mask": d.action_mask, "logprobs": d.logprobs,
         "turn_ends": d.turn_ends,
-        "emotions": [a["emotion"] for a in s.appraisals],
         "changes": [a["change"] for a in s.appraisals],
         "final_emotion": s.emotion, "end_reason": s.end_reason,
         "fallbacks": s.fallbacks,
@@ -646,6 +645,18 @@ def sampling_settings(args):
             "greedy": getattr(args, "greedy", False)}
 
 
+def old_logprobs_of(model, batch, args, batch_size):
+    """Step 2 of both trainers: (from_update, the old log-probs (B, T)). With one optimizer step per
+    batch (one pass, the whole batch one minibatch) the weights that would score the rollout are the
+    ones the update runs, so its own forward pass gives them and the scoring pass is skipped (TRL
+    skips it too; it was a fifth of an iteration of `bench.py step --algo grpo`): then they are NaN
+    until the update fills them, never zeros that read as log-probs. Not with LoRA dropout, whose
+    train-mode pass is not the sampling policy."""
+    if args.update_epochs == 1 and args.minibatch_size == batch_size and args.lora_dropout == 0:
+        return True, torch.full_like(batch["action_mask"], torch.nan)
+    return False, batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+
+
 def kl_k3(logprobs, ref_logprobs):
     """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
     always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
@@ -659,7 +670,6 @@ def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
     token-mean: every agent token weighs the same (DAPO); long dialogues weigh more.
     seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice); a token of a
                          short dialogue weighs more than one of a long dialogue.
-    seq-mean-token-sum: sum over a dialogue's tokens, mean over dialogues.
     dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget (Dr. GRPO):
              no length-dependent normalisation at all. GRPO takes the budget as the most tokens a
              dialogue can hold, max_turns x max_new_tokens."""
@@ -668,8 +678,6 @@ def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
         return masked.sum() / total_tokens
     if mode == "seq-mean-token-mean":
         return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
-    if mode == "seq-mean-token-sum":
-        return masked.sum() / total_seqs
     return masked.sum() / (total_seqs * token_budget)  # dr-grpo
 
 

@@ -68,7 +68,6 @@ class Persona:
     hidden_intention: str
     opening: str
     reactions: dict
-    topic: str = ""
     band_lines: dict = field(default_factory=dict)  # optional one line per band, for --simulator rules
 
 
@@ -88,7 +87,7 @@ PERSONA_FIELDS = {
 }
 # SAGE and RLVER profile lines; first_talk is the opening, which RLVER's training profiles lack
 SAGE_FIELDS = {"id": (str, int), "player": str, "scene": (str, dict), "first_talk": str,
-               "split": PERSONA_FIELDS["split"], "difficulty": PERSONA_FIELDS["difficulty"]}
+               "split": PERSONA_FIELDS["split"]}  # they all play at normal: a difficulty field is not read
 
 
 def _check(path, where, entry, fields, optional=()):
@@ -124,7 +123,7 @@ def _project_persona(path, i, entry):
     for name in ("opening", "goal"):
         if not entry[name].strip():
             raise PersonaError(f"{path}: {where}: field '{name}' is empty")
-    return Persona(topic=str(entry.get("topic", "")), **{k: entry.get(k, {}) for k in PERSONA_FIELDS})
+    return Persona(**{k: entry.get(k, {}) for k in PERSONA_FIELDS})
 
 
 def _sage_persona(path, i, entry, need_opening):
@@ -133,7 +132,7 @@ def _sage_persona(path, i, entry, need_opening):
     main_cha is a character type in both (负面型, 被动型, ...), cha_group (RLVER) three traits.
     need_opening=False: a missing first_talk is the empty opening the openings writer fills."""
     where = f"line {i + 1}" + (f" (id {entry['id']})" if isinstance(entry, dict) and "id" in entry else "")
-    _check(path, where, entry, SAGE_FIELDS, optional=("first_talk", "split", "difficulty"))
+    _check(path, where, entry, SAGE_FIELDS, optional=("first_talk", "split"))
     opening, scene = entry.get("first_talk", ""), entry["scene"]
     if need_opening and not opening.strip():
         state = "empty" if "first_talk" in entry else "missing"
@@ -148,7 +147,7 @@ def _sage_persona(path, i, entry, need_opening):
         background=scene if isinstance(scene, str) else "\n".join(f"{k}: {v}" for k, v in scene.items()),
         goal=str(entry.get("task") or entry.get("topic") or "to talk it through"),
         hidden_intention="(the hidden theme is part of the background above)", opening=opening,
-        reactions={"good": "opens up", "bad": "withdraws"}, topic=str(entry.get("topic", "")))
+        reactions={"good": "opens up", "bad": "withdraws"})
     if persona_language(persona) == "zh":  # the card around a Chinese profile is Chinese: no English in it
         keys = {"character": "性格类型", "description": "人物画像", "traits": "性格特点"}
         persona = dataclasses.replace(persona, hidden_intention="（隐藏主题写在上面的背景里）",

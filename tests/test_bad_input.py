@@ -97,7 +97,7 @@ def test_ppo_refuses_bad_settings_before_any_model_loads(flags, words, capsys, m
 @pytest.mark.parametrize("flags, words", [
     (["--group-size", "1"], ["--group-size", "1"]),
     (["--clip-low", "-1"], ["--clip-low"]),
-    (["--loss-agg", "seq-mean-token-sum"], ["--loss-agg", "dr-grpo"]),
+    (["--loss-agg", "seq-mean-token-sum"], ["--loss-agg", "dr-grpo"]),  # not one of GRPO's
     (["--scale-rewards", "std"], ["--scale-rewards", "group"]),
     (["--personas-per-iteration", "0"], ["--personas-per-iteration"]),
     (["--max-context", "16"], ["--max-context 16", "--max-new-tokens"]),

@@ -46,13 +46,10 @@ REWARDS = torch.tensor([0.3, 0.4, 0.5, 0.4, 0.7, 0.4], dtype=torch.float64)
 GROUPS = torch.tensor([0, 1, 0, 1, 0, 1])
 EPS = 1e-4
 STD0 = math.sqrt(((0.3 - 0.5) ** 2 + 0 + (0.7 - 0.5) ** 2) / 2)  # Bessel: n - 1 = 2 -> 0.2
-BATCH_MEAN = (0.3 + 0.4 + 0.5 + 0.4 + 0.7 + 0.4) / 6
-BATCH_STD = math.sqrt(sum((r - BATCH_MEAN) ** 2 for r in (0.3, 0.4, 0.5, 0.4, 0.7, 0.4)) / 5)
 
 
 @pytest.mark.parametrize("scale,expected", [
     ("group", [-0.2 / (STD0 + EPS), 0, 0, 0, 0.2 / (STD0 + EPS), 0]),
-    ("batch", [-0.2 / (BATCH_STD + EPS), 0, 0, 0, 0.2 / (BATCH_STD + EPS), 0]),
     ("none", [-0.2, 0, 0, 0, 0.2, 0]),
 ])
 def test_group_advantages_by_hand(scale, expected):
@@ -243,7 +240,7 @@ def test_settings_errors_say_what_to_change(tiny_model_dir, personas_file, tmp_p
 
 
 E2E = ("--iterations", "2", "--save-every", "1", "--seed", "3", "--ent-coef", "0.01", "--kl-loss-coef", "0.1",
-       "--lr", "5e-3", "--update-epochs", "2", "--scale-rewards", "batch", "--loss-agg", "dr-grpo",
+       "--lr", "5e-3", "--update-epochs", "2", "--scale-rewards", "none", "--loss-agg", "dr-grpo",
        "--reward", "turn")
 
 
@@ -332,3 +329,32 @@ def test_log_kl_every_skips_the_reference_pass_and_nothing_else(warm_model_dir, 
     assert second[1]["reward_mean"] == every[1]["reward_mean"]
     for k, w in adapter_of(tmp_path / "every", 2).items():
         assert torch.equal(w, adapter_of(tmp_path / "second", 2)[k]), k
+
+
+def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(warm_model_dir, personas_file,
+                                                                             tmp_path, monkeypatch):
+    # One step per batch (minibatch = batch, one pass): the old log-probs are the update's own forward
+    # pass. Forcing the separate scoring pass must give the same run: rewards, losses, diagnostics and
+    # adapters, iteration after iteration. The learning rate is high enough that iteration 2's
+    # dialogues depend on iteration 1's step.
+    import rollout
+
+    argv = ["--group-size", "4", "--minibatch-size", "8", "--micro-batch-size", "4", "--iterations", "2",
+            "--seed", "1", "--lr", "5e-2", "--ent-coef", "0.01"]
+    grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "skip", *argv))
+    def scoring_pass_always(model, batch, args, batch_size):  # old_logprobs_of without its shortcut
+        return False, rollout.batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+    monkeypatch.setattr(grpo, "old_logprobs_of", scoring_pass_always)
+    grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "pass", *argv))
+    skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")
+    assert full[1]["kl_ref"] > 1e-6 and full[0]["grad_norm"] > 0  # the policy moved: a real comparison
+    for a, b in zip(skip, full):
+        for key in ("reward_mean", "final_emotion_mean", "policy_tokens"):
+            assert a[key] == b[key], key
+        for key in ("policy_loss", "entropy", "kl_ref", "kl_ref_loss", "grad_norm", "sample_logprob_gap"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+        assert a["ratio_first"] == 1.0 and b["ratio_first"] == pytest.approx(1.0, abs=1e-6)
+    for it in (1, 2):
+        skipped, forced = adapter_of(tmp_path / "skip", it), adapter_of(tmp_path / "pass", it)
+        for k in forced:
+            torch.testing.assert_close(skipped[k], forced[k], atol=1e-7, rtol=1e-5)

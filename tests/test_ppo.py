@@ -105,7 +105,6 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0,
 @pytest.mark.parametrize("mode,expected", [
     ("token-mean", (1 + 2 + 3 + 4 + 5 + 6) / 6),
     ("seq-mean-token-mean", (2.0 + 4.0 + 5.5) / 3),
-    ("seq-mean-token-sum", (6 + 4 + 11) / 3),
 ])
 def test_loss_aggregation_by_hand(mode, expected):
     whole = ppo.aggregate(LOSS, MASK, mode, MASK.sum(), 3)
@@ -261,7 +260,7 @@ def test_ppo_script_end_to_end(tiny_model_dir, personas_file, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "ppo.py",
                            *tiny_args(tiny_model_dir, personas_file, out, "--iterations", "2",
-                                      "--reward", "turn", "--loss-agg", "seq-mean-token-sum")],
+                                      "--reward", "turn", "--loss-agg", "seq-mean-token-mean")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -394,3 +393,43 @@ def test_policy_objective_matches_a_hand_computation_and_is_the_same_in_both_tra
     assert logprobs.grad[0, 1].item() == pytest.approx(r2 - 0.25 * (np.exp(0.1) - 1), abs=1e-6)
     again, _ = grpo.policy_objective(logprobs, entropy, old, adv, ref, agg, args)
     assert again.item() == loss.item()
+
+
+# ----------------------------------------------------------------------------------------------
+# The old log-probs from the update's own pass give the run of the scoring pass
+# ----------------------------------------------------------------------------------------------
+def adapter_of(out, iteration, name):
+    from safetensors.torch import load_file
+
+    folder = os.path.join(out, "checkpoints", f"iter_{iteration:06d}", name)
+    return load_file(os.path.join(folder, "adapter_model.safetensors"))
+
+
+def scoring_pass_always(model, batch, args, batch_size):
+    """rollout.old_logprobs_of without its shortcut: the separate scoring pass every iteration."""
+    import rollout
+
+    return False, rollout.batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+
+
+def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny_model_dir, personas_file,
+                                                                             tmp_path, monkeypatch):
+    # One step per batch: the old log-probs are the update's own forward pass. Forcing the separate
+    # scoring pass must give the same run.
+    argv = ["--iterations", "2", "--lr", "2e-2", "--ent-coef", "0.01", "--micro-batch-size", "2"]
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "skip", *argv))
+    monkeypatch.setattr(ppo, "old_logprobs_of", scoring_pass_always)
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "pass", *argv))
+    skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")
+    assert full[1]["kl_ref"] > 1e-6 and full[0]["actor_grad_norm"] > 0  # the policy moved
+    for a, b in zip(skip, full):
+        for key in ("reward_mean", "final_emotion_mean", "policy_tokens"):
+            assert a[key] == b[key], key
+        for key in ("policy_loss", "value_loss", "entropy", "kl_ref", "kl_ref_loss", "actor_grad_norm",
+                    "critic_grad_norm", "sample_logprob_gap", "explained_variance"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+        assert a["ratio_first"] == 1.0 and b["ratio_first"] == pytest.approx(1.0, abs=1e-6)
+    for name in ("default", "critic"):
+        skipped, forced = adapter_of(tmp_path / "skip", 2, name), adapter_of(tmp_path / "pass", 2, name)
+        for k in forced:
+            torch.testing.assert_close(skipped[k], forced[k], atol=1e-7, rtol=1e-5)

@@ -259,7 +259,7 @@ def test_action_mask_covers_exactly_the_sampled_tokens(tiny_model_dir, personas)
         ids, mask, logps = r["token_ids"], r["action_mask"], r["logprobs"]
         assert len(ids) == len(mask) == len(logps)
         turns = agent_turns(r)
-        assert len(turns) == len(r["turn_ends"]) == len(r["emotions"]) >= 1
+        assert len(turns) == len(r["turn_ends"]) == len(r["changes"]) >= 1
         # Rebuild the sequence from its parts: the prompt, then per agent turn its sampled tokens
         # (mask 1) and the template's delta for the user's next message (mask 0).
         users = [t["text"] for t in r["turns"] if t["role"] == "user"]
@@ -571,7 +571,8 @@ def test_each_dialogue_keeps_its_own_user_when_others_end(tiny_model_dir, person
         name = next(n for n in PAIRING if n.lower() == r["persona_id"])
         changes, reason = PAIRING[name]
         emotions = [50 + sum(changes[:k + 1]) for k in range(len(changes))]
-        assert r["end_reason"] == reason and r["emotions"] == emotions and r["final_emotion"] == emotions[-1]
+        moved = [t["emotion"] for t in r["turns"] if t["role"] == "agent"]  # the emotion after each reply
+        assert r["end_reason"] == reason and moved == emotions and r["final_emotion"] == emotions[-1]
         assert len(r["turn_ends"]) == len(changes)
         users = [t["text"] for t in r["turns"] if t["role"] == "user"]
         assert users == [personas[list(PAIRING).index(name)].opening] + \

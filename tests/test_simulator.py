@@ -126,7 +126,7 @@ def test_valid_file_and_split_filter(persona_entry, write_personas):
     assert [p.id for p in load_personas(path, split="test")] == ["b", "c"]
     assert [p.id for p in load_personas(path, split="train")] == ["a"]
     b = everyone[1]
-    assert b.profile["age"] == 29 and b.topic == "work" and b.band_lines["B"] == "maybe. i don't know."
+    assert b.profile["age"] == 29 and b.band_lines["B"] == "maybe. i don't know."
     assert b.opening == persona_entry()["opening"]
     only_train = write_personas([persona_entry(id="a", split="train")], name="train_only.json")
     with pytest.raises(PersonaError, match="no personas in split 'test'"):
@@ -168,7 +168,7 @@ def test_sage_import(tmp_path):
         assert (p.split, p.difficulty) == ("test", "normal")
         assert p.opening == raw["first_talk"]
         assert p.profile["character"] == raw["main_cha"] and p.profile["description"] == raw["player"]
-        assert p.goal == raw["task"] and p.topic == raw["topic"]
+        assert p.goal == raw["task"]
     assert personas[0].background == "His dog died."
     assert "place: dorm" in personas[1].background and "event: failed an exam" in personas[1].background
     assert load_personas(str(path), split="test") == personas

@@ -119,7 +119,7 @@ def test_bad_settings_through_the_real_command_line(script, flags, words):
 
 
 def test_help_lists_the_choices():
-    for script, choice in (("ppo.py", "{all,easy,normal,hard}"), ("grpo.py", "{group,batch,none}")):
+    for script, choice in (("ppo.py", "{all,easy,normal,hard}"), ("grpo.py", "{group,none}")):
         code, out, err, _ = cli(script, "--help")
         assert code == 0 and choice in out.replace(" ", ""), err[-500:]
 

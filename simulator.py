@@ -703,11 +703,11 @@ class OpenAIBackend:
         self.url = parts._replace(path=parts.path.rstrip("/") + "/chat/completions")
 
     def _post(self, messages, max_new_tokens):
-        """The reply's text, every type on the way checked. Each try
-        takes at most its `seconds` in all: the socket timeout bounds each read, and a timer that shuts
-        the socket down bounds their sum, which a server sending one byte at a time would otherwise
-        stretch forever (shutting a socket down wakes a read blocked on it; the timer holds the socket
-        itself, which the connection hands over to the response)."""
+        """The reply's text, every type on the way checked. Each try takes at most its `seconds` in
+        all: the socket timeout bounds each read, and a timer that shuts the socket down bounds their
+        sum, which a server sending one byte at a time would otherwise stretch forever (shutting a
+        socket down wakes a read blocked on it; the timer holds the socket itself, which the
+        connection hands over to the response)."""
         body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_new_tokens,
                            "temperature": 0.0}).encode()
         key = os.environ.get(self.api_key_env, "").strip()  # a key pasted with its newline still works

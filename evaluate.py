@@ -151,15 +151,16 @@ def model_summary(records, n_boot=2000, seed=0):
     final emotion) and its interval over personas, SAGE's successes (emotion reached 100) and failures
     (the user left below the threshold), and the counts that explain a score: turns, replies cut at
     --max-new-tokens (a cut thought reaches the user as "..."), reply length, think-format
-    violations, simulator fallbacks."""
+    violations, dialogues ended by an appraisal that could not be read."""
     per_persona = {r["persona_id"]: float(r["final_emotion"]) for r in records}
     score = with_interval(np.array([*per_persona.values()])[:, None], np.mean, n_boot, seed)
     turns = sum(len(r["turn_ends"]) for r in records)  # at least one a dialogue (check_openings_fit)
     total = {k: sum(r[k] for r in records)
-             for k in ("cut_replies", "policy_tokens", "violations", "fallbacks")}
+             for k in ("cut_replies", "policy_tokens", "violations")}
     reasons = Counter(r["end_reason"] for r in records)
     return {"score": score["value"], "ci_low": score["low"], "ci_high": score["high"],
             "dialogues": len(records), "successes": reasons["success"], "failures": reasons["left"],
+            "unread": reasons["unread"],
             "turns_mean": turns / len(records), **total, "reply_tokens_mean": total["policy_tokens"] / turns,
             "per_persona": per_persona}
 
@@ -231,7 +232,7 @@ def results_table(results):
         "agent turn, thought included.",
         "",
         "| model | score | cut replies | vs base | successes | failures | turns | reply tokens "
-        "| think violations | sim. fallbacks |",
+        "| think violations | unread |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in results["models"]:
@@ -241,7 +242,7 @@ def results_table(results):
                      f"| {shown(p, 1, '+') if p else '-'} "
                      f"| {m['successes']}/{n} | {m['failures']}/{n} | {m['turns_mean']:.1f} "
                      f"| {m['reply_tokens_mean']:.0f} | {m['violations']} "
-                     f"({m['violations'] / (m['turns_mean'] * n):.0%}) | {m['fallbacks']} |")
+                     f"({m['violations'] / (m['turns_mean'] * n):.0%}) | {m['unread']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -388,7 +389,7 @@ def recorded_state(persona, dialogue, k):
     so that the appraisal sees the recorded moods.
     It is appraised once, so it keeps no KV cache (cache None: the `same` simulator stores none)."""
     moods = [dialogue["points"][j] for j in range(0, k, 2)]  # e_0 .. e_m
-    appraisals = [{"change": after - before, "emotion": after, "appraisal": "", "parsed": True}
+    appraisals = [{"change": after - before, "emotion": after, "appraisal": ""}
                   for before, after in zip(moods, moods[1:])]
     return UserState(persona=persona, emotion=moods[-1], history=dialogue["history"][:k],
                      turns=len(appraisals), appraisals=appraisals, cache=None)
@@ -397,25 +398,29 @@ def recorded_state(persona, dialogue, k):
 def simulated_final(start, changes, max_change=10):
     """The final emotion from adding the simulator's changes along a recorded dialogue, each
     clamped as the simulator clamps it (apply_change): to +-max_change, the mood to [0, 100]; it
-    stops where SAGE and Simulator.step stop, at 100 (a success) or below 10 (a failure)."""
+    stops where SAGE and Simulator.step stop, at 100 (a success) or below 10 (a failure), and where an
+    appraisal could not be read (None: a dialogue in training would end there)."""
     emotion = start
     for change in changes:
+        if change is None:
+            break
         if SAGE_LEAVE_BELOW <= emotion < SAGE_SUCCESS:
             emotion, _ = apply_change(emotion, change, max_change)
     return emotion
 
 
 def agreement_rows(dialogue, changes, max_change=10):
-    """(replies, 2) array of (recorded change, simulated move) for one dialogue: the simulator's
-    move starts from the recorded emotion before each reply, so the two are compared reply by reply."""
+    """(replies, 2) array of (recorded change, simulated move) for one dialogue's read appraisals: the
+    simulator's move starts from the recorded emotion before each reply, so the two are compared reply
+    by reply. A reply whose appraisal could not be read (None) is left out."""
     return np.array([(after - before, apply_change(before, change, max_change)[1])
-                     for (_, before, after), change in zip(judged_replies(dialogue), changes)], dtype=float)
+                     for (_, before, after), change in zip(judged_replies(dialogue), changes)
+                     if change is not None], dtype=float).reshape(-1, 2)
 
 
-def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, seed=0):
-    """Every number of the agreement check. dialogues: read_sage_dialogues rows; changes / fallbacks:
-    the simulator's change per judged reply and its count of unread appraisals, per dialogue, in the
-    same order. Per reply, per dialogue's final emotion (rebuilt with SAGE's exits), per file (one
+def agreement_report(dialogues, changes, max_change=10, n_boot=2000, seed=0):
+    """Every number of the agreement check. dialogues: read_sage_dialogues rows; changes: the
+    simulator's change per judged reply (None where unread), per dialogue, in the same order. Per reply, per dialogue's final emotion (rebuilt with SAGE's exits), per file (one
     file is one evaluated model) and the ranking of the files."""
     groups = [agreement_rows(d, c, max_change) for d, c in zip(dialogues, changes)]
     rows = np.concatenate(groups)                                          # (replies, 2)
@@ -438,7 +443,8 @@ def agreement_report(dialogues, changes, fallbacks, max_change=10, n_boot=2000, 
     # (files, shared, 2); (files, 0) when they share none
     shared_finals = np.array([[mine[i] for i in shared] for mine in by_file.values()])
     return {
-        "replies": {"n": len(rows), "dialogues": len(dialogues), "fallbacks": sum(fallbacks),
+        "replies": {"n": len(rows), "dialogues": len(dialogues),
+                    "unread": sum(change is None for mine in changes for change in mine),
                     **{name: with_interval(groups, statistic, n_boot, seed)
                        for name, statistic in STATISTICS.items()},
                     # what a simulator that knows nothing gets: the commonest recorded direction; never moving
@@ -479,7 +485,7 @@ def agreement_table(report):
         f"| mean absolute error | {shown(r['mae'])} (never moving: {r['mae_of_no_change']:.2f}) |",
         f"| mean change: recorded / simulated | {r['recorded_mean_change']:+.2f} / "
         f"{r['simulated_mean_change']:+.2f} |",
-        f"| appraisals not read (fallback 0) | {r['fallbacks']} |",
+        f"| appraisals not read (left out) | {r['unread']} |",
         "", "| final emotion per dialogue | value |", "|---|---|",
         f"| mean absolute error | {shown(f['mae'], 1)} |",
         f"| simulated - recorded | {shown(f['simulated_minus_recorded'], 1, '+')} |",
@@ -552,7 +558,7 @@ def agreement_main(args):
           f"{redact(args.simulator)} (read-out {simulator.readout}); every appraisal goes to {store}",
           file=sys.stderr)
     try:
-        # The simulator's (change, appraisal, parsed) for every judged reply: each batch of
+        # The simulator's (change, appraisal) for every judged reply: each batch of
         # BATCH_DIALOGUES dialogues is one call to simulator.appraise (all their replies at once), and
         # each finished dialogue is appended to the store at once, the record of every appraisal. The
         # progress bar counts replies.
@@ -568,9 +574,11 @@ def agreement_main(args):
             answers += [row["appraisals"] for row in rows]
             bar.update(len(jobs))
         bar.close()
-        changes = [[change for change, _, _ in mine] for mine in answers]
-        report = agreement_report(dialogues, changes, [sum(not p for _, _, p in mine) for mine in answers],
-                                  args.max_change, args.bootstrap, args.seed)
+        changes = [[change for change, _ in mine] for mine in answers]
+        if all(change is None for mine in changes for change in mine):
+            raise SimulatorError("not one of its appraisals could be read: check the simulator's answers "
+                                 f"in {store}")
+        report = agreement_report(dialogues, changes, args.max_change, args.bootstrap, args.seed)
         results = {"settings": {**public_config(args, "evaluate.py"), "readout": simulator.readout}, **report}
         table = agreement_table(results)
         write_results(args.out, results, table)

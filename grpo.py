@@ -20,12 +20,13 @@ run.sum sets the loss denominators over every process.
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
 from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
                      aggregate, batched_logprobs, kl_k3, load_policy, logged_figures, old_logprobs_of,
                      pad_records, pick_personas, play_dialogues, policy_settings, sampling_settings,
-                     token_logprobs, training_personas)
+                     token_logprobs, training_personas, turn_rewards)
 from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
@@ -88,34 +89,27 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_grpo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
-# --reward: what each agent turn earns; GRPO compares the sum, one scalar per dialogue
-REWARDS = {
-    "final": lambda r: [0.0] * (len(r["changes"]) - 1) + [r["final_emotion"] / 100],  # the paper
-    # GRPO has no per-token credit: this differs from final only by the constant start emotion / 100 (and
-    # where a clamp at 0 or 100 ate part of a change), which the group mean removes. Kept for parity.
-    "turn": lambda r: [change / 100 for change in r["changes"]],
-}
-
-
 def dialogue_rewards(records, mode="final", format_penalty=0.0):
-    """One reward per dialogue (B,), the scalar GRPO compares within a group: the sum of REWARDS[mode]
-    over its turns, minus the format penalty once per violating agent turn."""
-    return torch.tensor([sum(REWARDS[mode](r)) - format_penalty * sum(
-        t.get("violation") is not None for t in r["turns"] if t["role"] == "agent") for r in records],
-        dtype=torch.float64)
+    """One reward per dialogue (B,), the scalar GRPO compares within a group: the sum of its
+    rollout.turn_rewards (REWARDS[mode] less the format penalty per violating agent turn); NaN for an
+    unread dialogue, which its group leaves out."""
+    return torch.tensor([sum(turn_rewards(r, mode, format_penalty)) if r["end_reason"] != "unread"
+                         else torch.nan for r in records], dtype=torch.float64)
 
 
 def group_stats(rewards, group_ids):
-    """Per dialogue (B,): its group's mean reward, std (with Bessel's correction, as torch.std,
-    TRL and verl use) and whether every reward in the group is the same (zero spread). Every group holds
-    --group-size >= 2 dialogues (its declared check), all in one process."""
+    """Per dialogue (B,): its group's mean reward and std (with Bessel's correction, as torch.std, TRL and
+    verl use) over the group's read dialogues (an unread one's reward is NaN), and whether the group has
+    nothing to learn from: fewer than two read dialogues, or all their rewards equal (zero spread).
+    Every group holds --group-size dialogues (its declared check), all in one process."""
     mean, std = torch.zeros_like(rewards), torch.zeros_like(rewards)
     flat = torch.zeros(len(rewards), dtype=torch.bool)
     for g in group_ids.unique():
         members = group_ids == g
-        r = rewards[members]
-        mean[members], std[members] = r.mean(), r.std()
-        flat[members] = r.max() == r.min()
+        r = rewards[members & ~rewards.isnan()]
+        if len(r) > 1:
+            mean[members], std[members] = r.mean(), r.std()
+        flat[members] = len(r) < 2 or r.max() == r.min()
     return mean, std, flat
 
 
@@ -124,11 +118,12 @@ def group_advantages(rewards, group_ids, scale="group", eps=1e-4):
     group: (r - group mean) / (group std + eps)   GRPO (DeepSeekMath); eps 1e-4 as TRL
     none:  r - group mean                         Dr. GRPO (Liu et al. 2025, arXiv 2503.20783):
                                                   dividing by the std favours too-easy/too-hard groups
-    A group whose rewards are all equal gets exactly 0 (not round-off / eps) in every mode."""
+    A group with nothing to learn from (group_stats) and an unread dialogue get exactly 0 (not round-off
+    / eps) in every mode."""
     rewards = rewards.double()
     mean, std, flat = group_stats(rewards, group_ids)
     advantages = (rewards - mean) / (std + eps) if scale == "group" else rewards - mean  # none: Dr. GRPO
-    return advantages.masked_fill(flat, 0.0)
+    return advantages.masked_fill(flat | rewards.isnan(), 0.0)
 
 
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
@@ -218,14 +213,16 @@ def main(argv=None):
             order = torch.randperm(len(records)).tolist()
             for start in range(0, len(records), local_mb):
                 mb_inds = order[start:start + local_mb]
-                total_tokens = run.sum(mask[mb_inds].sum()).clamp(min=1)
+                total_tokens = run.sum(mask[mb_inds].sum())
+                if not total_tokens:  # every dialogue unread: nothing to train on, no step
+                    continue
                 optimizer.zero_grad(set_to_none=True)
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
                     w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
                     ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
                     agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
-                                  total_seqs=float(args.minibatch_size),
+                                  total_seqs=run.sum(mask[mb_inds].any(1).sum()),
                                   token_budget=args.max_turns * args.max_new_tokens)
                     newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
                                                          with_entropy=True, entropy_grad=args.ent_coef > 0)
@@ -248,10 +245,11 @@ def main(argv=None):
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
         reward = dialogue_rewards(all_records, args.reward).numpy()  # as in ppo.py: no format penalty
+        reward = reward[~np.isnan(reward)]  # the read dialogues
         # every group holds --group-size dialogues: a mean over the dialogues is the mean over the groups
         method = {**logged_figures(run, reward, batch, old_logprobs, ref_logprobs, args.update_epochs,
                                    t_update),
-                  "group_reward_std": float(all_std.mean()),
+                  "group_reward_std": float(all_std[~all_rewards.isnan()].mean()),
                   "zero_spread_groups": int(all_flat.sum()) // args.group_size,
                   "lr": optimizer.param_groups[0]["lr"]}
         run.log(all_records, rstats, logs, method)

@@ -25,10 +25,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
+from rollout import (REWARDS, AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
                      aggregate, batched, batched_logprobs, kl_k3, load_policy, logged_figures,
                      old_logprobs_of, pad_records, pick_personas, play_dialogues, policy_settings,
-                     sampling_settings, token_logprobs, training_personas, use_adapter)
+                     sampling_settings, token_logprobs, training_personas, turn_rewards, use_adapter)
 from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
 from simulator import SimulatorError, SimulatorSettings, make_simulator
 
@@ -91,28 +91,14 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_ppo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
-# --reward: what each agent turn earns (on its last token), and the return of a dialogue in which the
-# emotion never moves, which the untrained critic predicts (starting at 0 instead, a critic with a small
-# learning rate spends its first iterations climbing to the mean return). reward_mean logs the sum.
-REWARDS = {
-    # the paper: final emotion / 100 on the agent's last turn
-    "final": {"turns": lambda r: [0.0] * (len(r["changes"]) - 1) + [r["final_emotion"] / 100],
-              "unmoved": lambda start_emotion: start_emotion / 100},
-    # each turn's emotion change / 100 on that turn: with gamma = 1 the same return up to the constant
-    # start emotion / 100, with the credit nearer its cause
-    "turn": {"turns": lambda r: [change / 100 for change in r["changes"]],
-             "unmoved": lambda start_emotion: 0.0},
-}
-
-
 def place_rewards(records, shape, mode="final", format_penalty=0.0):
-    """Per-token rewards (B, T): zero except on the last token of agent turns, which get REWARDS[mode]'s
-    value minus the format penalty where that turn broke the think format."""
+    """Per-token rewards (B, T): zero except on the last token of each agent turn of a read dialogue, which
+    gets that turn's value of rollout.turn_rewards (REWARDS[mode] less the format penalty where the turn
+    broke the think format). An unread dialogue earns nothing: it enters no loss."""
     rewards = torch.zeros(shape)
     for b, r in enumerate(records):
-        agent_turns = [t for t in r["turns"] if t["role"] == "agent"]
-        for end, value, turn in zip(r["turn_ends"], REWARDS[mode]["turns"](r), agent_turns):
-            rewards[b, end] += value - format_penalty * (turn.get("violation") is not None)
+        if r["end_reason"] != "unread":
+            rewards[b, r["turn_ends"]] = torch.tensor(turn_rewards(r, mode, format_penalty))
     return rewards
 
 
@@ -250,7 +236,8 @@ def main(argv=None):
     use_adapter(model, "default")
     value_head = torch.nn.Linear(model.config.get_text_config().hidden_size, 1).to(run.device)
     torch.nn.init.zeros_(value_head.weight)
-    torch.nn.init.constant_(value_head.bias, REWARDS[args.reward]["unmoved"](args.start_emotion))
+    unmoved = {"start_emotion": args.start_emotion, "emotions": [args.start_emotion]}  # a one-turn dialogue
+    torch.nn.init.constant_(value_head.bias, sum(REWARDS[args.reward](unmoved)))
     actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
     critic_params = adapter_params(model, "critic") + list(value_head.parameters())
     # one AdamW with a parameter group each, both warmed up over the first --warmup-steps optimizer steps
@@ -298,14 +285,16 @@ def main(argv=None):
             order = torch.randperm(len(records)).tolist()
             for start in range(0, len(records), local_mb):
                 mb_inds = order[start:start + local_mb]
-                total_tokens = run.sum(mask[mb_inds].sum()).clamp(min=1)
+                total_tokens = run.sum(mask[mb_inds].sum())
+                if not total_tokens:  # every dialogue unread: nothing to train on, no step
+                    continue
                 optimizer.zero_grad(set_to_none=True)
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
                     w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
                     ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
                     agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
-                                  total_seqs=float(args.minibatch_size))  # its share of the minibatch loss
+                                  total_seqs=run.sum(mask[mb_inds].any(1).sum()))  # its share of the loss
                     newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
                                                          with_entropy=True, entropy_grad=args.ent_coef > 0)
                     if from_update:  # the rollout's weights: these are the old log-probs
@@ -334,7 +323,7 @@ def main(argv=None):
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
         all_records = run.gather(records)
-        reward = np.array([sum(REWARDS[args.reward]["turns"](r)) for r in all_records])
+        reward = np.array([sum(turn_rewards(r, args.reward)) for r in all_records if r["end_reason"] != "unread"])
         method = {**logged_figures(run, reward, batch, old_logprobs, ref_logprobs, args.update_epochs,
                                    t_update),
                   "explained_variance": explained_variance(run.sum(variance_sums(old_values[mask > 0],

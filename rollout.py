@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from run import (above, at_least, check_model, compiled_graphs, default_device, fail, four_bit_problem,
                  load_model, load_tokenizer, model_problem, one_of, setting, target_names, within)
-from simulator import (cache_keyword, cached_batch, keep_cache, load_personas_or_exit, prompt_counts,
-                       transcript_turns)
+from simulator import (cache_keyword, cached_batch, chat_ids, keep_cache, load_personas_or_exit,
+                       prompt_counts, transcript_turns)
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project)
@@ -166,24 +166,24 @@ class ChatTokens:
         self.user_prefix, self.user_suffix = after[len(before):].split(self.USER)  # "<|im_start|>user\n", ...
         self.eos_ids = eos_ids(tokenizer)
 
-    def encode(self, text):
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def encode(self, text, plain=False):
+        """Token ids of text; plain: as characters only, special-token strings included (a user's
+        message is text from outside: it never puts a control token into the policy's context)."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
 
     def prompt(self, opening):
-        """The first prompt: system message, the user's opening, the generation prompt."""
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": opening}],
-            tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+        """The first prompt: system message, the user's opening (plain text), the generation prompt."""
+        return chat_ids(self.tokenizer, [{"role": "system", "content": self.system_prompt},
+                                         {"role": "user", "content": opening}])
 
     def user_turn(self, text, agent_ended_with):
         """Tokens to append after an agent turn: the rest of the template's agent-turn ending
-        (its end-of-turn token was sampled, so it is not repeated), then the user message and
-        the next generation prompt."""
+        (its end-of-turn token was sampled, so it is not repeated), then the user message (plain
+        text) and the next generation prompt."""
         tail = self.after_agent
         if agent_ended_with in self.eos_ids:
             tail = tail.removeprefix(self.tokenizer.decode([agent_ended_with]))
-        return self.encode(tail + self.user_prefix + text + self.user_suffix)
+        return self.encode(tail + self.user_prefix) + self.encode(text, plain=True) + self.encode(self.user_suffix)
 
 
 def eos_ids(tokenizer):
@@ -463,19 +463,22 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     policy.train(was_training)
     stats["decode_compilations"] = compiled_graphs() - graphs_before
     stats.update(simulator_counts(simulator))
-    return [to_record(d) for d in dialogues], dict(stats)
+    return [to_record(d, simulator.start_emotion) for d in dialogues], dict(stats)
 
 
 def simulator_counts(simulator):
     """The simulator's running totals, which a rollout reports the growth of."""
     backend = simulator.backend
     return {"simulator_seconds": simulator.seconds, "simulator_tokens": backend.generated_tokens,
+            "clamped_changes": simulator.clamped,
             "simulator_prompt_tokens": getattr(backend, "prompt_tokens", 0),
             "simulator_reused_tokens": getattr(backend, "reused_tokens", 0)}
 
 
-def to_record(d):
-    """The flat per-dialogue record the trainers and evaluate.py consume."""
+def to_record(d, start_emotion):
+    """The flat per-dialogue record the trainers and evaluate.py consume: the tokens, and per agent turn
+    its last token (turn_ends), the emotion after it and its change (None where the appraisal could
+    not be read: such a dialogue ends there, end_reason "unread")."""
     s = d.state
     turns = transcript_turns(s)
     agent = iter(d.agent_turns)
@@ -486,9 +489,9 @@ def to_record(d):
         "persona_id": s.persona.id, "group": d.group, "sample": d.sample,
         "token_ids": d.ids, "action_mask": d.action_mask, "logprobs": d.logprobs,
         "turn_ends": d.turn_ends,
+        "start_emotion": start_emotion, "emotions": [a["emotion"] for a in s.appraisals],
         "changes": [a["change"] for a in s.appraisals],
         "final_emotion": s.emotion, "end_reason": s.end_reason,
-        "fallbacks": s.fallbacks,
         "violations": sum(a["violation"] is not None for a in d.agent_turns),
         "cut_replies": sum(a["cut"] for a in d.agent_turns),
         "policy_tokens": sum(d.action_mask),
@@ -500,8 +503,10 @@ def to_record(d):
 # Batches and log-probabilities, shared by the trainers
 # ----------------------------------------------------------------------------------------------
 def pad_records(records, pad_id, device):
-    """Right-pad dialogues into tensors: input_ids, attention_mask, action_mask, logprobs (B, T)."""
+    """Right-pad dialogues into tensors (B, T): input_ids, attention_mask, action_mask (1 on the
+    tokens the loss trains on: the policy's own, none of an unread dialogue's) and sample_logprobs."""
     lengths = torch.tensor([len(r["token_ids"]) for r in records], device=device)          # (B,)
+    read = torch.tensor([r["end_reason"] != "unread" for r in records], device=device)     # (B,)
     width = int(lengths.max())
 
     def pad(key, value, dtype):
@@ -511,7 +516,7 @@ def pad_records(records, pad_id, device):
     return {
         "input_ids": pad("token_ids", pad_id, torch.long),                                  # (B, T)
         "attention_mask": (torch.arange(width, device=device) < lengths[:, None]).long(),   # (B, T)
-        "action_mask": pad("action_mask", 0, torch.float32),                                # (B, T)
+        "action_mask": pad("action_mask", 0, torch.float32) * read[:, None],                # (B, T)
         "sample_logprobs": pad("logprobs", 0.0, torch.float32),                             # (B, T)
     }
 
@@ -545,8 +550,9 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
                    chunk_tokens=LOGITS_CHUNK_TOKENS, entropy_grad=True):
     """log p(token t | tokens < t) under `model`, aligned with input_ids (position 0 gets 0),
     computed as log softmax(logits / temperature), the distribution the rollout sampled from.
-    With action_mask (B, T), the vocabulary projection and softmax run only at the positions that
-    predict an agent token in some row (the rest get 0): the losses read nothing else.
+    With action_mask (B, T), each row's values are its own agent tokens' (0 elsewhere, so that a
+    difference of two passes is 0 off the mask before anything exponentiates it), and the vocabulary
+    projection and softmax run only at the positions that predict an agent token in some row.
     The (B, K, vocab) logits are the largest tensor of the update (vocab is 49k for SmolLM2, 152k
     for Qwen2.5, K up to 6,144 positions), so they are made in chunks of about chunk_tokens rows x
     positions; with gradients each chunk is recomputed in the backward pass (activation
@@ -560,6 +566,9 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
     if action_mask is None:
         action_mask = torch.ones_like(input_ids)                                              # every position
     keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                               # (K,) predictors
+    # with nothing to train on (every dialogue unread) one position still runs, so that the backward
+    # pass gives zero gradients, not none, and every process sums the same gradients
+    keep = keep if len(keep) else keep.new_zeros(1)
     # (a PeftModel hands get_decoder and get_output_embeddings on to its base model)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                  use_cache=False).last_hidden_state[:, keep]                 # (B, K, H)
@@ -570,12 +579,11 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
         chunk = partial(checkpoint, _chunk_logprobs, use_reentrant=False)
     parts = [chunk(head, hidden[:, c:c + step], targets[:, c:c + step], temperature, with_entropy,
                    entropy_grad) for c in range(0, len(keep), step)]
-    # K > 0: a dialogue's first prompt fits with a whole reply (check_openings_fit), so every
-    # dialogue holds an agent token
 
-    def placed(chunks):  # (B, K) in chunks -> (B, T), 0 where no agent token is predicted
+    def placed(chunks):  # (B, K) in chunks -> (B, T), 0 off each row's own agent tokens
         values = torch.cat(chunks, 1)
-        return torch.zeros(B, T, dtype=values.dtype, device=values.device).index_copy(1, keep + 1, values)
+        full = torch.zeros(B, T, dtype=values.dtype, device=values.device).index_copy(1, keep + 1, values)
+        return torch.where(action_mask.bool(), full, 0)
     logps, entropies = zip(*parts)
     return placed(logps), placed(entropies) if with_entropy else None
 
@@ -650,17 +658,47 @@ def old_logprobs_of(model, batch, args, batch_size):
     batch (one pass, the whole batch one minibatch) the weights that would score the rollout are the
     ones the update runs, so its own forward pass gives them and the scoring pass is skipped (TRL
     skips it too; it was a fifth of an iteration of `bench.py step --algo grpo`): then they are NaN
-    until the update fills them, never zeros that read as log-probs. Not with LoRA dropout, whose
-    train-mode pass is not the sampling policy."""
-    if args.update_epochs == 1 and args.minibatch_size == batch_size and args.lora_dropout == 0:
+    until the update fills them, never zeros that read as log-probs. Not with any dropout (LoRA's, or a
+    rate in the model's config: attention dropout is a call, not a module), whose train-mode pass is not
+    the sampling policy."""
+    config = model.config.get_text_config().to_dict()
+    rates = [p for k, p in config.items() if "dropout" in k or k.endswith("pdrop")]
+    rates += [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    dropout = any(isinstance(p, (int, float)) and p > 0 for p in rates)
+    if args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout:
         return True, torch.full_like(batch["action_mask"], torch.nan)
     return False, batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
 
 
+# --reward: what each agent turn of a read dialogue earns, one value per agent turn, read off its record
+# (start_emotion, emotions: the emotion after each agent turn). PPO puts each value on its turn's last
+# token; GRPO compares their sum.
+REWARDS = {
+    # the paper: final emotion / 100 on the agent's last turn
+    "final": lambda r: [0.0] * (len(r["emotions"]) - 1) + [r["emotions"][-1] / 100],
+    # each turn's emotion change / 100 on that turn: with gamma = 1 the same return up to the constant
+    # start emotion / 100, with the credit nearer its cause
+    "turn": lambda r: [(after - before) / 100
+                       for before, after in zip([r["start_emotion"]] + r["emotions"], r["emotions"])],
+}
+
+
+def turn_rewards(record, mode, format_penalty=0.0):
+    """REWARDS[mode] of a read dialogue, less format_penalty on each agent turn that broke the think
+    format: one value per agent turn, in order. A mode that gives another number of values is an error."""
+    values = REWARDS[mode](record)
+    broke = [t["violation"] is not None for t in record["turns"] if t["role"] == "agent"]
+    if len(values) != len(broke):
+        raise ValueError(f"REWARDS[{mode!r}] gave {len(values)} values for {len(broke)} agent turns")
+    return [value - format_penalty * bad for value, bad in zip(values, broke)]
+
+
 def kl_k3(logprobs, ref_logprobs):
     """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
-    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020)."""
-    d = ref_logprobs - logprobs
+    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020). The exponent is
+    clamped to [-20, 20] as verl clamps it, so that a token the policy has moved far from the reference
+    gives a large, finite loss, never an infinite one."""
+    d = (ref_logprobs - logprobs).clamp(-20, 20)
     return torch.exp(d) - d - 1
 
 
@@ -692,14 +730,16 @@ def adamw_with_warmup(groups, warmup_steps):
 
 
 def logged_figures(run, rewards, batch, old_logprobs, ref_logprobs, epochs, t_update):
-    """Step 5 of both trainers: the figures of an iteration they log alike, over every process: the
-    rewards' (N,) mean and std (a numpy array: the std without Bessel's correction), kl_ref (None on
-    an iteration without the reference pass) and the sampler-trainer gap over every agent token, and
-    the update's tokens (every agent token, x epochs) and their rate (against the slowest process's
-    update)."""
+    """Step 5 of both trainers: the figures of an iteration they log alike, over every process: the read
+    dialogues' rewards' (N,) mean and std (a numpy array: the std without Bessel's correction; None
+    when every dialogue was unread), kl_ref (None on an iteration without the reference pass) and the
+    sampler-trainer gap over every token the loss trained on, and the update's tokens (those tokens, x
+    epochs) and their rate (against the slowest process's update)."""
     acted = batch["action_mask"]
     update_tokens = run.sum(acted.sum()).item() * epochs
-    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+    read = len(rewards) > 0
+    return {"reward_mean": float(rewards.mean()) if read else None,
+            "reward_std": float(rewards.std()) if read else None,
             "kl_ref": None if ref_logprobs is None else run.masked_mean(kl_k3(old_logprobs, ref_logprobs),
                                                                           acted),
             "sample_logprob_gap": run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted),

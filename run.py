@@ -606,12 +606,14 @@ def summarize(records, stats):
     and timings (with several processes: every process's records and merged stats)."""
     stats, reasons = Counter(stats), Counter(r["end_reason"] for r in records)  # a count not reported is 0
     n, agent_turns = len(records), sum(len(r["turn_ends"]) for r in records)
-    out = {"final_emotion_mean": float(np.mean([r["final_emotion"] for r in records])),
-           "success_rate": reasons["success"] / n, "failure_rate": reasons["left"] / n,
+    read = n - reasons["unread"]  # the emotions of unread dialogues enter no statistic
+    out = {"final_emotion_mean": sum(r["final_emotion"] for r in records if r["end_reason"] != "unread")
+           / read if read else None,
+           "success_rate": reasons["success"] / max(1, read), "failure_rate": reasons["left"] / max(1, read),
            "turns_mean": agent_turns / n,
            "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
            "cut_reply_rate": sum(r.get("cut_replies", 0) for r in records) / max(1, agent_turns),
-           "simulator_fallbacks": sum(r["fallbacks"] for r in records),
+           "unread_dialogues": reasons["unread"], "clamped_changes": int(stats["clamped_changes"]),
            "policy_tokens": int(stats["policy_tokens"]),
            "decode_compilations": int(stats["decode_compilations"])}
     for who in ("policy", "simulator"):
@@ -840,8 +842,7 @@ class Run:
                              step=iteration)
         self.done = iteration
         self.bar.update(1)
-        self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
-                             emotion=f"{metrics['final_emotion_mean']:.1f}")
+        self.bar.set_postfix(reward=metrics["reward_mean"], emotion=metrics["final_emotion_mean"])
 
     def save_if_due(self):
         """(A collective call) after an iteration: a checkpoint every --save-every iterations and at the

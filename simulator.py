@@ -219,7 +219,7 @@ def apply_change(emotion, change, max_change):
 # farewells and pleasantries, one farewell at least ("Bye, thanks for listening.", "I'll go now. Take
 # care.", 谢谢你，拜拜), so that "I never got to say goodbye to him" or 我不想再见到他 goes on.
 FAREWELL = (r"(?:good[\s-]?)?bye|farewell|see (?:you|ya)(?: later| soon| around)?|talk (?:to you )?(?:later|soon)|"
-            r"catch you later|take care|good night|until next time|signing off|i'm off|"
+            r"catch you later|cya|take care|good night|until next time|signing off|i'm off|"
             r"(?:i )?(?:gotta|got to|have to|need to|should) (?:go|run)|i(?:'ll| will|'m going to) go|"
             r"i'll leave it there|再见|拜拜|回头聊|(?:下次|改天)再?聊|先这样|我?先走|我?先下|晚安")
 PLEASANTRY = (r"ok(?:ay)?|alright|well|so|anyway|and|then|now|for now|again|really|"
@@ -235,7 +235,7 @@ def says_goodbye(text, rule="closing"):
     if rule == "sage":
         return SAGE_GOODBYE.search(text) is not None
     farewell = False
-    for clause in reversed(re.split(r"[^\w\s']+", text.replace("’", "'"))):  # from the last clause back
+    for clause in reversed(re.split(r"<3|[^\w\s']+", text.replace("’", "'"))):  # the last clause first
         if clause.strip() and not CLOSING_CLAUSE.fullmatch(clause.strip()):
             break
         farewell = farewell or re.search(FAREWELL, clause, re.IGNORECASE) is not None

@@ -244,65 +244,39 @@ def test_does_not_say_goodbye(text):
 
 
 # ----------------------------------------------------------------------------------------------
-# parse_change
+# parse_change: the corpus of appraisals models write, each with the value it states or "unread"
 # ----------------------------------------------------------------------------------------------
-# The formats capable models write. A change line is read only when it is the last labelled line
-# and holds exactly one whole number within the allowed change; anything else is unread (None),
-# never clamped: the old parser read "Change: 41 -> 38" as 41, clamped to +10, the largest rise.
-PARSE_CASES = [
-    ("It helped a little.\nChange: +4", 4),
-    ("change = -3", -3),
-    ("I feel heard.\n**Change:** 7", 7),
-    ("**Change**: -2", -2),
-    ("Change: + 4", 4),
-    ("change is -2", -2),
-    ("They listened to me.\n5", 5),
-    ("They listened to me.\n**-6**", -6),
-    ("On a scale from -10 to +10 this is mildly positive.\nChange: +6", 6),
-    ("Change: N, a whole number from -10 to +10.\nChange: 3", 3),
-    ("Change: 2\nActually, on reflection,\nChange: -1", -1),
-    ("Got right: it named my fear.\nMissed: nothing much.\nInner reaction: oh.\nChange: +3", 3),
-    ("Change: \u22123", -3),              # Unicode minus sign
-    ("Change: \u20133", -3),              # en dash
-    ("Change: \u20142", -2),              # em dash
-    ("Change\uff1a-3", -3),               # full-width colon
-    ("Change\uff1a\uff0d\uff14", -4),     # full-width colon, minus and digit
-    ("\u53d8\u5316\uff1a-3", -3),         # 变化：-3, the Chinese label
-    ("\u60c5\u7eea\u53d8\u5316\uff1a+2", 2),  # 情绪变化：+2
-    ("\u53d8\u5316\u4e3a -1", -1),         # 变化为 -1
-    ("- Mood change: -4", -4),
-    ("Change (from -10 to +10): +3", 3),
-    ("Change: +0", 0),
-    ("Change: -10", -10),
-]
+def corpus(name):
+    with open(os.path.join(ROOT, "tests", "data", name), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("text,expected", PARSE_CASES)
-def test_parse_change_real_world_formats(text, expected):
+def test_every_appraisal_of_the_corpus_reads_as_it_states():
+    entries = corpus("appraisals.jsonl")
+    zh = [e for e in entries if re.search(r"[\u4e00-\u9fff]", e["text"])]
+    assert len(entries) >= 60 and len(zh) >= 20 and sum(e["change"] == "unread" for e in entries) >= 20
+    wrong = [(e["text"], e["change"], parse_change(e["text"])) for e in entries
+             if parse_change(e["text"]) != (None if e["change"] == "unread" else e["change"])]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("text,expected", [  # the reproductions of issue 36, each in the corpus too
+    ("Got right: little.\nChange: -4\nThis change is due to 2 missed cues.", -4),
+    ("Change: -3\nThe change is 7 points lower", -3), ("变化：-4\n这个变化是因为2个问题。", -4),
+    ("Change:\n+3", 3), ("Change: -15", -15), ("Change: +15", 15)])
+def test_the_change_line_is_read_as_written(text, expected):
     assert parse_change(text) == expected
 
 
-@pytest.mark.parametrize("text", [
-    "", "I don't know how I feel.", "Nothing changed, really.", "Mood: better",
-    "I'd say it went well, maybe 5 out of 10 points",
-    "Change: 41 \u2192 38",               # the mood before and after, with an arrow
-    "Change: 41 -> 38", "Change: 41 => 38",
-    "Change: from 41 to 38",             # two numbers on the line
-    "Change: -3 (my mood is now 37)",
-    "Change: 45",                         # a mood, not a change: beyond +-10
-    "Change: +25",
-    "Change: 2.5",
-    "Change: N",
-    "Change: +3\nChange: somewhat better",  # only the last labelled line counts
-    "I think the change is +2",           # the label must open its line
-])
-def test_parse_change_unread_is_none(text):
-    assert parse_change(text) is None
-
-
-def test_parse_change_limit_follows_max_change():
-    assert parse_change("Change: +25", max_change=30) == 25
-    assert parse_change("Change: +25", max_change=20) is None
+def test_the_prompt_states_the_rule_the_parser_reads(persona):
+    """The appraisal asks for the change line by the label the parser reads, in each language, and the
+    re-ask names the same label."""
+    for prompts in simulator.PROMPTS.values():
+        label = re.split("[:：]", prompts["fields"]["change"])[0]
+        assert parse_change(f"{label}: +2") == 2 and parse_change(f"**{label}：**\n-3") == -3
+    state = simulator.UserState(persona, 30, [{"role": "user", "text": "hi"}])
+    assert "\nChange: N\n" in simulator.appraisal_messages(state, "ok")[1]["content"]
+    assert "'Change: N'" in simulator.retry_message(state)["content"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,7 +327,7 @@ def test_success_clamps_overshoot(persona):
     sim.step([s], ["reply"])
     assert s.emotion == 100 and s.end_reason == "success"
     # the appraisal asked for +9; the emotion could only move +5, and that is the change kept
-    assert s.appraisals[-1] == {"change": 5, "emotion": 100, "appraisal": "Change: +9", "parsed": True}
+    assert s.appraisals[-1] == {"change": 5, "emotion": 100, "appraisal": "Change: +9"}
 
 
 def test_left_below_threshold(persona):
@@ -375,24 +349,36 @@ def test_goodbye_in_user_message(persona):
     assert s.history[-1] == {"role": "user", "text": "Thanks, I have to go. Bye!"}
 
 
-# Issue 30, item 1: sentences about a goodbye, which must not end a training dialogue, and closing
-# farewells, which must. SAGE's rule (evaluate.py's protocol) ends on a farewell word anywhere.
-ABOUT_A_GOODBYE = ["The worst part is that I never got to say goodbye to him",
-                   "We had a little farewell for Biscuit", "He just said bye and left me there",
-                   "我再也不想再见到他了"]
-CLOSING_FAREWELLS = ["Goodbye.", "Bye for now!", "Thanks, bye.", "take care, bye", "ok bye",
-                     "I think I can talk to Karim tonight. Thank you for listening, goodbye.",
-                     "好的，再见", "谢谢你，拜拜！", "那我先走了。再见。"]
+# Closing farewells end a training dialogue, messages that only talk about a goodbye do not; SAGE's rule
+# (evaluate.py's protocol) ends on a farewell word anywhere.
+def test_the_closing_rule_classifies_every_farewell_of_the_corpus():
+    entries = corpus("farewells.jsonl")
+    for closes in (True, False):
+        mine = [e for e in entries if e["closes"] is closes]
+        assert len(mine) >= 30 and sum(e["lang"] == "zh" for e in mine) >= 10
+    assert [e for e in entries if says_goodbye(e["text"]) != e["closes"]] == []
+    texts = {e["text"] for e in entries}
+    assert {"Bye, thanks for listening.", "I'll go now. Take care.", "Alright, see you", "gotta run, thanks!",
+            "谢谢你，拜拜", "I never got to say goodbye to him", "bye-bye to my savings", "我不想再见到他"} <= texts
+
+
+def test_the_closing_rule_reads_a_long_message_at_once():
+    for text in ("bye " * 50_000 + "x", "thanks, " * 50_000 + "x", "thank you so " * 50_000):
+        started = time.perf_counter()
+        assert not says_goodbye(text)
+        assert time.perf_counter() - started < 2
 
 
 @pytest.mark.parametrize("rule", ["closing", "sage"])
-@pytest.mark.parametrize("text", ABOUT_A_GOODBYE + CLOSING_FAREWELLS)
-def test_a_user_leaves_on_a_closing_farewell_and_sage_on_any_farewell_word(persona, rule, text):
+@pytest.mark.parametrize("text,closes", [("He just said bye and left me there", False),
+                                         ("I think I can talk to Karim tonight. Thank you for listening, "
+                                          "goodbye.", True), ("我再也不想再见到他了", False), ("那我先走了。再见。", True)])
+def test_a_user_leaves_on_a_closing_farewell_and_sage_on_any_farewell_word(persona, rule, text, closes):
     chosen = {"goodbye": rule} if rule == "sage" else {}  # the closing rule is the default (training's)
     sim = Simulator(ScriptedBackend(["Change: +1"], [text]), **chosen)
     s = sim.start(persona)
     sim.step([s], ["reply"])
-    ends = rule == "sage" or text in CLOSING_FAREWELLS
+    ends = rule == "sage" or closes
     assert s.history[-1]["text"] == text and s.end_reason == ("goodbye" if ends else None)
 
 
@@ -418,12 +404,6 @@ def test_max_turns_and_precedence(persona):
         assert s.end_reason == reason
 
 
-def test_a_step_with_no_dialogues_asks_nothing(persona):
-    backend = ScriptedBackend(["Change: +10"])
-    Simulator(backend).step([], [])
-    assert backend.calls == []
-
-
 def test_mixed_batch_keeps_dialogues_apart(persona):
     backend = ScriptedBackend(["Change: +10", "Change: -3", "Change: 0"], ["line one", "line two"])
     sim = Simulator(backend, start_emotion=90)
@@ -437,36 +417,47 @@ def test_mixed_batch_keeps_dialogues_apart(persona):
     assert len(backend.calls[-1][0]) == 2
 
 
-def test_reasoned_retries_once_then_falls_back(persona):
-    # step 1: garbage, and the one retry answers; step 2: a mood where a change was asked, twice
-    # (unread, never clamped to +10): the counted fallback; step 3: read at once, no retry
+def test_reasoned_reasks_once_then_clamps_or_ends_unread(persona):
+    # step 1: garbage, and the one re-ask answers; step 2: beyond the scale, twice: clamped and counted;
+    # step 3: read at once, no re-ask; step 4: unread twice: the dialogue ends there, nothing moved
     backend = ScriptedBackend(["I am not sure what to make of this.", "Change: -3",
-                               "Change: 45", "Change: 41 \u2192 38", "Change: +4"], ["Hm."])
+                               "Change: -15", "Change: -15", "Change: +4", "Change: 41 \u2192 38",
+                               "I'd rather not say."], ["Hm."])
     sim = Simulator(backend)
     s = sim.start(persona)
     sim.step([s], ["first"])
-    assert (s.emotion, s.fallbacks) == (37, 0)
-    assert s.appraisals[-1]["parsed"] is True
+    assert (s.emotion, s.appraisals[-1]["change"], sim.clamped) == (37, -3, 0)
     text = s.appraisals[-1]["appraisal"]
     assert text.startswith("I am not sure") and text.endswith("(re-asked for the change) Change: -3")
-    retry = backend.calls[1][0][0]  # the retry extends the appraisal with the model's own answer
+    retry = backend.calls[1][0][0]  # the re-ask extends the appraisal with the model's own answer
     assert retry[:2] == backend.calls[0][0][0]
     assert retry[2] == {"role": "assistant", "content": "I am not sure what to make of this."}
     assert "could not be read" in retry[3]["content"] and backend.calls[1][1] == sim.retry_tokens
     sim.step([s], ["second"])
-    assert (s.emotion, s.fallbacks) == (37, 1)
-    assert s.appraisals[-1]["parsed"] is False and s.appraisals[-1]["change"] == 0
+    assert (s.emotion, s.appraisals[-1]["change"], sim.clamped) == (27, -10, 1)  # never 0
     calls = len(backend.calls)
     sim.step([s], ["third"])
-    assert (s.emotion, s.fallbacks) == (41, 1)
-    assert len(backend.calls) == calls + 2  # the appraisal and the user's reply, no retry
+    assert (s.emotion, s.end_reason) == (31, None)
+    assert len(backend.calls) == calls + 2  # the appraisal and the user's reply, no re-ask
+    sim.step([s], ["fourth"])
+    assert (s.emotion, s.end_reason, s.history[-1]["role"]) == (31, "unread", "agent")  # no reply after it
     transcript = simulator.transcript_turns(s)
-    assert [t["role"] for t in transcript] == ["user", "agent", "user", "agent", "user", "agent", "user"]
-    assert transcript[3]["parsed"] is False and transcript[5]["emotion"] == 41
+    assert [t["role"] for t in transcript] == ["user", "agent", "user", "agent", "user", "agent", "user", "agent"]
+    assert transcript[-1]["change"] is None and transcript[-1]["emotion"] is None
+    assert transcript[5]["emotion"] == 31
     # appraisals are decoded without a repetition penalty; the user's replies keep the backend's own
-    appraising = ["Change: N" in c[0][-1]["content"] for c, _ in backend.calls]
-    assert {p for a, p in zip(appraising, backend.penalties) if a} == {1.0}
-    assert {p for a, p in zip(appraising, backend.penalties) if not a} == {None}
+    asked = [(c, p) for (c, _), p in zip(backend.calls, backend.penalties) if c]  # (the last step asks no reply)
+    appraising = ["Change: N" in c[0][-1]["content"] for c, _ in asked]
+    assert {p for a, (_, p) in zip(appraising, asked) if a} == {1.0}
+    assert {p for a, (_, p) in zip(appraising, asked) if not a} == {None}
+
+
+def test_an_off_scale_change_reasked_into_the_scale_takes_the_new_answer(persona):
+    backend = ScriptedBackend(["Change: +15", "Change: +6"], ["Hm."])
+    sim = Simulator(backend)
+    s = sim.start(persona)
+    sim.step([s], ["first"])
+    assert (s.emotion, sim.clamped) == (46, 0) and len(backend.calls) == 3
 
 
 def test_the_readout_follows_from_the_backend(tiny_model, capsys):
@@ -690,10 +681,10 @@ def test_reasoned_readout_local_is_deterministic(smollm2, persona):
         s = sim.start(persona)
         sim.step([s], [WARM])
         a = s.appraisals[-1]
-        runs.append((s.emotion, a["appraisal"], a["parsed"], s.fallbacks, s.history[-1]["text"]))
+        runs.append((s.emotion, a["appraisal"], a["change"], s.end_reason, s.history[-1]["text"]))
     assert runs[0] == runs[1]
     assert runs[0][1]  # the appraisal text itself is stored
-    assert runs[0][3] == (0 if runs[0][2] else 1)
+    assert runs[0][3] == ("unread" if runs[0][2] is None else None)
 
 
 def test_batched_step_matches_one_by_one(smollm2, persona_entry, write_personas):
@@ -961,8 +952,9 @@ SERVER_CASES = [
     ("Inner reaction: R3.\nChange: \u20132", None, -2),
     ("Inner reaction: R4.\n**Change:** +4", None, 4),
     ("Inner reaction: R5.\nChange: 41 \u2192 38", "Change: -3", -3),       # unread, then read on retry
-    ("Inner reaction: R6.\nChange: 45", "I'd rather not say.", 0),          # unread twice: the fallback
+    ("Inner reaction: R6.\nChange: 45", "Change: 45", 10),               # beyond the scale twice: clamped
     ("On a scale from -10 to +10 it is fine.\nInner reaction: R7.\nChange: +2", None, 2),
+    ("Inner reaction: R8.\nChange: N", "I'd rather not say.", None),       # unread twice: the end
 ]
 
 
@@ -973,7 +965,7 @@ def test_reasoned_readout_against_a_fake_server(serve, persona):
     seen = []
 
     def appraised(message):  # which scripted reply is the newest one in this appraisal
-        newest = message["content"].split(simulator.NEWEST["en"])[-1]
+        newest = message["content"].split("The chatbot's newest reply:")[-1]
         return int(re.search(r"Reply number (\d)", newest).group(1))
 
     def respond(n, body):
@@ -995,12 +987,11 @@ def test_reasoned_readout_against_a_fake_server(serve, persona):
     turns = simulator.transcript_turns(state)
     agent = [t for t in turns if t["role"] == "agent"]
     assert [t["change"] for t in agent] == [c for _, _, c in SERVER_CASES]
-    assert [t["parsed"] for t in agent] == [k != 6 for k in range(len(SERVER_CASES))]
-    assert state.fallbacks == 1 and sum("(re-asked for the change)" in t["appraisal"] for t in agent) == 2
-    assert state.emotion == 50 + sum(c for _, _, c in SERVER_CASES)
-    assert 10 not in [t["change"] for t in agent]  # never the largest rise read off a mood
+    assert state.end_reason == "unread" and sim.clamped == 1
+    assert sum("(re-asked for the change)" in t["appraisal"] for t in agent) == 3
+    assert state.emotion == 50 + sum(c for _, _, c in SERVER_CASES[:-1])
     users = [t["text"] for t in turns if t["role"] == "user"][1:]
-    assert users == ["I hear you. Go on."] * (len(SERVER_CASES) - 1)
+    assert users == ["I hear you. Go on."] * (len(SERVER_CASES) - 1)  # none after the unread one
     # each user reply was written from the reaction of the appraisal just before it, in a note
     replies_asked = [m for m in seen if "Change: N" not in m[-1]["content"]
                      and "could not be read" not in m[-1]["content"]]
@@ -1041,9 +1032,12 @@ def play_both_agents(sim, personas):
     return [simulator.transcript_turns(s) for _, s in jobs]
 
 
-def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_model, persona):
+def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_model, persona, monkeypatch):
     """The simulated user keeps its KV cache between turns and between the appraisal, its re-asking and
-    the reply; greedy dialogues (emotions, appraisals, user messages) must not change, only get cheaper."""
+    the reply; greedy dialogues (emotions, appraisals, user messages) must not change, only get cheaper.
+    The random model writes no change line, so a stand-in reads every text as off the scale: each
+    appraisal is re-asked, then clamped, and the dialogues go on for their four turns."""
+    monkeypatch.setattr(simulator, "parse_change", lambda text: 15)
     runs = []
     for reuse in (True, False):
         backend = LocalBackend(*tiny_model, reuse_cache=reuse)
@@ -1410,12 +1404,12 @@ def test_write_openings_with_a_server_writes_all_or_nothing(tmp_path, server):
     # the user's own prompt family, in the persona's language
     personas = simulator.load_personas(RLVER, need_opening=False)
     zh = [a for a in asked if "韩小北" in a[0]][-1]
-    ask = {"role": "agent", "text": simulator.OPENING_ASK["zh"]}  # where an agent's first message would be
+    ask = {"role": "agent", "text": simulator.PROMPTS["zh"]["opening"]}  # where an agent's first message would be
     expected = simulator.user_turn_messages(simulator.UserState(personas[2], 30, [ask]))
     assert list(zh) == [m["content"] for m in expected]
     # at the mood training starts from (issue 30, item 6), declared once, with the trainers' settings
     assert simulator.SimulatorSettings.start_emotion == 30
-    assert simulator.USER_RULES["zh"] in zh[0] and "你的心情：30/100" in zh[1]
+    assert simulator.PROMPTS["zh"]["reply_rules"] in zh[0] and "你的心情：30/100" in zh[1]
     written, source = read_lines(out), read_lines(RLVER)
     english = "Long week, honestly. Can I just talk for a minute?"  # cleaned as the user's turns are
     assert [w["first_talk"] for w in written] == [english, english, "唉……有件事一直堵在心里。"]

@@ -63,7 +63,7 @@ bench-gpu (the quick shape above); learning (tests/test_learning.py on CUDA in b
 checkpointing and thinking);
 rollout-rates (tokens/s of one 7B rollout through the adapter, merged, and merged with the static
 cache, each with its log-prob gap to a fresh pass); 4bit (one PPO iteration with --load-in-4bit where
-bitsandbytes is installed, else skipped). One line per step (name, PASS / FAIL / SKIP, seconds, its
+bitsandbytes is installed, else skipped; on the CPU too). One line per step (name, PASS / FAIL / SKIP, seconds, its
 numbers); everything, with each step's command and the end of its output, in --out, rewritten after
 every step, and each step's whole log beside it. Nothing needs the embedded model's wheel or
 bitsandbytes. --dry-run runs the same steps on CPU with CUDA hidden, at tiny sizes (one of the four
@@ -699,9 +699,8 @@ def check_rollout_rates(dry_run):
 
 def check_4bit(dry_run):
     """One PPO iteration with --load-in-4bit on a 2-layer random Qwen2 saved to a folder (ppo.py
-    loads it as any checkpoint), where bitsandbytes is installed; --dry-run runs the same without
-    4-bit on the CPU, so that this code runs in CI."""
-    if not dry_run and importlib.util.find_spec("bitsandbytes") is None:
+    loads it as any checkpoint), where bitsandbytes is installed (its CPU kernels serve --dry-run)."""
+    if importlib.util.find_spec("bitsandbytes") is None:
         return {"skip": "bitsandbytes is not installed: 4-bit not checked"}
     tokenizer = chatml_tokenizer()
     with tempfile.TemporaryDirectory(prefix="check-4bit-") as folder:
@@ -709,13 +708,13 @@ def check_4bit(dry_run):
         random_model({**TINY_CONFIG, "vocab_size": len(tokenizer)}, tokenizer, "cpu").save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         model, _ = ppo.main([*("--preset cpu --simulator rules --iterations 1 --dialogues-per-iteration 4 "
-                               "--max-turns 2 --max-new-tokens 8").split(), "--model", folder,
-                             "--out", os.path.join(folder, "run"), "--load-in-4bit", str(not dry_run)])
+                               "--max-turns 2 --max-new-tokens 8 --load-in-4bit true").split(), "--model", folder,
+                             "--out", os.path.join(folder, "run")])
         metrics = read_metrics(os.path.join(folder, "run"))[0]
     layers = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
-    if not dry_run and not layers:
+    if not layers:
         raise SystemExit("--load-in-4bit: no Linear4bit layer in the policy")
-    return {"four_bit": not dry_run, "linear4bit_layers": layers, "reward_mean": metrics["reward_mean"],
+    return {"linear4bit_layers": layers, "reward_mean": metrics["reward_mean"],
             "peak_memory_gb": metrics["peak_memory_gb"]}
 
 

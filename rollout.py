@@ -97,7 +97,7 @@ class PolicySettings:
                          model_problem)
     dtype: str = setting("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16",
                          one_of("auto", "float32", "bfloat16"))
-    load_in_4bit: bool = setting(False, "QLoRA: NF4 base weights via bitsandbytes (CUDA only)",
+    load_in_4bit: bool = setting(False, "QLoRA: NF4 base weights via bitsandbytes (CUDA, or its CPU kernels)",
                                  lambda on: on and four_bit_problem() or None)
     trust_remote_code: bool = setting(False, "allow model code from the hub (off unless you trust it)")
 

@@ -325,11 +325,20 @@ def resolve_model(name):
 
 
 def four_bit_problem():
-    """Why --load-in-4bit cannot run here, or None: NF4 weights need CUDA and bitsandbytes."""
-    if not torch.cuda.is_available():
-        return "needs CUDA (bitsandbytes NF4); drop the flag on CPU"
+    """Why --load-in-4bit cannot run here, or None: NF4 weights need bitsandbytes, and without CUDA its
+    CPU kernels (bitsandbytes 0.50 has them: QLoRA runs, slowly, on a CPU too), tried on a small tensor."""
     if importlib.util.find_spec("bitsandbytes") is None:
         return "needs the bitsandbytes package: pip install bitsandbytes (or drop the flag)"
+    if torch.cuda.is_available():
+        return None
+    import bitsandbytes
+    import bitsandbytes.functional
+
+    try:
+        bitsandbytes.functional.quantize_4bit(torch.ones(64), quant_type="nf4")
+    except Exception as e:  # whatever a build without CPU kernels raises (NotImplementedError, RuntimeError)
+        return (f"bitsandbytes {bitsandbytes.__version__} has no NF4 kernels for the CPU ({type(e).__name__}); "
+                "use a GPU, bitsandbytes >= 0.50, or drop the flag")
     return None
 
 
@@ -581,8 +590,8 @@ def append_means(logs, terms, mask, first):
     for key, x in terms.items():
         if key == "ratio":
             key, x = "ratio_first", x if first else None
-        if x is not None:
-            logs[key].append(((x * mask).sum() / mask.sum().clamp(min=1)).item())
+        if x is not None and mask.any():  # a micro-batch with nothing trained on has no mean
+            logs[key].append(((x * mask).sum() / mask.sum()).item())
 
 
 def transcript_record(r, **extra):

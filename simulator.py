@@ -1031,8 +1031,9 @@ def make_simulator(args, policy, tokenizer, run):
     """A trainer's simulated user (build_simulator); the main process says which read-out it gives."""
     simulator = build_simulator(args, policy, tokenizer)
     if run.is_main:
-        print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
-              f"{redact(args.simulator)}, read-out {simulator.readout}")
+        merged = "off (4-bit weights do not merge)" if args.load_in_4bit else args.merged_sampling
+        print(f"policy {args.model} on {run.device} x {run.world} process(es), merged sampling {merged}; "
+              f"simulator {redact(args.simulator)}, read-out {simulator.readout}")
     return simulator
 
 

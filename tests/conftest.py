@@ -15,6 +15,7 @@ Tests marked `gpu` mean something on a GPU: they put their models and reference 
     python -m pytest -q -m gpu --device cuda --dtype bfloat16     # the same tests in bf16
 """
 import copy
+import hashlib
 import http.server
 import importlib.util
 import json
@@ -280,3 +281,39 @@ def server():
     for s in made:
         s.close()
     assert not any(s.thread.is_alive() for s in made)
+
+
+# ----------------------------------------------------------------------------------------------
+# A simulated user behind an OpenAI-compatible server, writing as models write
+# ----------------------------------------------------------------------------------------------
+def corpus(name):
+    """The entries of a JSON-lines corpus in tests/data: appraisals.jsonl ({text, change: N or "unread"})
+    or farewells.jsonl ({text, closes, lang})."""
+    with open(os.path.join(ROOT, "tests", "data", name), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def picked(entries, body):
+    """The entry a request picks, by a hash of the request: the same request, the same answer."""
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()
+    return entries[int.from_bytes(digest[:8], "big") % len(entries)]
+
+
+def is_appraisal(messages):
+    """Whether a request to the user is an appraisal or its re-ask (else: the user's next message)."""
+    asked = messages[-1]["content"]
+    return "Change: N" in asked or "变化：N" in asked or "could not be read" in asked or "无法读取" in asked
+
+
+@pytest.fixture
+def fake_user(server):
+    """The LLM user's path without a model: a server on 127.0.0.1 that answers every appraisal and re-ask
+    with a text of tests/data/appraisals.jsonl (markdown, trailing explanations, the number on the next
+    line, full-width forms, refusals, JSON, ...) and every message of the user with one of
+    tests/data/farewells.jsonl (closing farewells and talk about a goodbye). Its url is --simulator's."""
+    appraisals, farewells = corpus("appraisals.jsonl"), corpus("farewells.jsonl")
+
+    def handle(handler, n, body):
+        entry = picked(appraisals if is_appraisal(body["messages"]) else farewells, body)
+        reply(handler, 200, json.dumps({"choices": [{"message": {"content": entry["text"]}}]}).encode())
+    return server(handle)

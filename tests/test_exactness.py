@@ -114,6 +114,51 @@ def test_lora_dropout_takes_the_old_logprobs_from_the_scoring_pass(script, tiny_
         assert row["sample_logprob_gap"] < 1e-5, row["sample_logprob_gap"]
 
 
+def model_with(folder, tmp_path, **changes):
+    """The model in folder saved again with config changes (attention_dropout=0.3) or its lm_head scaled
+    (head=300)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    head = changes.pop("head", 1.0)
+    model = AutoModelForCausalLM.from_pretrained(folder, **changes)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head)
+    model.save_pretrained(tmp_path / "model")
+    AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+@pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
+def test_a_base_models_own_dropout_takes_the_scoring_pass_too(script, tiny_model_dir, personas_file, tmp_path):
+    """Attention dropout is a rate in the model's config, not a module: the update's train-mode pass is not
+    the sampling policy there either, and the old log-probs come from the scoring pass (the shortcut took
+    the train-mode pass and logged a gap of 0.0158 and kl_ref 2.2e-4 where both are 0)."""
+    model = model_with(tiny_model_dir, tmp_path, attention_dropout=0.3)
+    script.main(tiny_run(script, model, personas_file, tmp_path / "run"))
+    m = read_metrics(tmp_path / "run")[0]
+    assert m["sample_logprob_gap"] < 1e-4 and m["kl_ref"] < 1e-6, m
+
+
+@pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
+def test_masked_positions_make_no_nan(script, tiny_model_dir, write_personas, persona_entry, tmp_path):
+    """A scoring pass in length-sorted micro-batches and an update in random ones hold log-probs at
+    different non-agent positions (a row's user token where another row of its micro-batch has an agent
+    token); with lm_head x 300 their difference overflowed exp, inf x 0 made NaN, and every update was
+    skipped (the stop then blamed the learning rate). Off the mask the difference is 0 now, and k3's
+    exponent is clamped: two iterations train with finite gradients."""
+    model = model_with(tiny_model_dir, tmp_path, head=300.0)
+    openings = ["i lost my job.", "my sister did not invite me to her wedding and i found out online.",
+                "i can't sleep.", "my dog died last week and everyone says it was just a dog, so i stay quiet."]
+    personas = write_personas([persona_entry(id=f"p{k}", opening=o) for k, o in enumerate(openings)])
+    sizes = ["--dialogues-per-iteration", "4"] if script is ppo else ["--personas-per-iteration", "2"]
+    script.main(tiny_run(script, model, personas, tmp_path / "run", *sizes, "--minibatch-size", "4",
+                         "--micro-batch-size", "2", "--update-epochs", "2", "--max-turns", "2",
+                         "--kl-loss-coef", "0.1", "--iterations", "2", "--seed", "1"))
+    grad = "actor_grad_norm" if script is ppo else "grad_norm"
+    for m in read_metrics(tmp_path / "run"):
+        assert None not in (m[grad], m["kl_ref_loss"]) and np.isfinite([m[grad], m["kl_ref_loss"]]).all(), m
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. Merged sampling samples the adapter's policy, or steps aside
 # ----------------------------------------------------------------------------------------------
@@ -290,28 +335,33 @@ def four_bit_argv(script, model_dir, personas, out):
 
 
 @pytest.mark.parametrize("script", ["ppo", "grpo", "evaluate"])
-@pytest.mark.parametrize("missing", ["bitsandbytes", "cuda"])
+@pytest.mark.parametrize("missing", ["bitsandbytes", "cpu kernels"])
 def test_load_in_4bit_without_its_parts_is_one_line_before_any_model_loads(script, missing, tiny_model_dir,
                                                                           personas_file, tmp_path, capsys,
                                                                           monkeypatch):
     import importlib
 
+    import bitsandbytes.functional
+
     script = importlib.import_module(script)
 
     def no_model(*a, **k):
         raise AssertionError("a model loaded")
+
+    def no_kernel(*a, **k):  # what a bitsandbytes built without CPU kernels raises
+        raise NotImplementedError("no CPU kernel for quantize_4bit")
     monkeypatch.setattr(rollout, "load_model", no_model)
     monkeypatch.setattr(run, "load_model", no_model)
     if missing == "bitsandbytes":  # a CUDA machine without the package: nothing below touches CUDA
         no_package(monkeypatch, "bitsandbytes")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    elif torch.cuda.is_available():
-        pytest.skip("CUDA is here")
+    else:
+        monkeypatch.setattr(bitsandbytes.functional, "quantize_4bit", no_kernel)
     with pytest.raises(SystemExit) as stop:
         script.main(four_bit_argv(script, tiny_model_dir, personas_file, tmp_path / "run"))
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert "--load-in-4bit" in err and ("bitsandbytes" if missing == "bitsandbytes" else "CUDA") in err, err
+    assert "--load-in-4bit" in err and ("install bitsandbytes" if missing == "bitsandbytes" else "CPU") in err, err
     assert not (tmp_path / "run").exists()  # nothing written either
 
 

@@ -22,22 +22,38 @@ from simulator import RulesBackend, Simulator, load_personas
 # ----------------------------------------------------------------------------------------------
 # Rewards and group advantages
 # ----------------------------------------------------------------------------------------------
-def fake_record(changes, final, violations=()):
-    turns = []
+def fake_record(changes, final, violations=(), end_reason="max_turns"):
+    """A dialogue's record as play_dialogues writes it, for dialogue_rewards."""
+    turns, emotions = [], [final - sum(changes[k + 1:]) for k in range(len(changes))]
     for i in range(len(changes)):
         turns += [{"role": "user", "text": "u"}, {"role": "agent", "text": "a",
                                                   "violation": "no_think" if i in violations else None}]
-    return {"changes": changes, "final_emotion": final, "turns": turns}
+    return {"changes": changes, "final_emotion": final, "turns": turns, "emotions": emotions,
+            "start_emotion": final - sum(changes), "end_reason": end_reason}
 
 
 def test_dialogue_rewards_final_turn_and_format_penalty():
-    records = [fake_record([4, -2, 8], 70, violations=(0, 2)), fake_record([10], 40)]
+    records = [fake_record([4, -2, 8], 70, violations=(0, 2)), fake_record([10], 40),
+               fake_record([3], 33, end_reason="unread")]
     final = grpo.dialogue_rewards(records, "final")
     turn = grpo.dialogue_rewards(records, "turn")
     penalised = grpo.dialogue_rewards(records, "final", format_penalty=0.1)
-    assert final.tolist() == pytest.approx([0.70, 0.40])
-    assert turn.tolist() == pytest.approx([0.10, 0.10])
-    assert penalised.tolist() == pytest.approx([0.70 - 2 * 0.1, 0.40])  # two violating turns
+    assert final.tolist()[:2] == pytest.approx([0.70, 0.40]) and final[2].isnan()  # unread: no reward
+    assert turn.tolist()[:2] == pytest.approx([0.10, 0.10])
+    assert penalised.tolist()[:2] == pytest.approx([0.70 - 2 * 0.1, 0.40])  # two violating turns
+
+
+def test_a_groups_statistics_are_over_its_read_dialogues():
+    """An unread dialogue (NaN) is left out of its group's mean and std and gets 0; a group with fewer
+    than two read dialogues has nothing to compare and gets 0."""
+    nan = float("nan")
+    rewards = torch.tensor([0.3, nan, 0.5, 0.6, nan, nan], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    advantages = grpo.group_advantages(rewards, groups, "none")
+    assert advantages.tolist() == pytest.approx([-0.1, 0.0, 0.1, 0.0, 0.0, 0.0])
+    scaled = grpo.group_advantages(rewards, groups, "group")
+    std = torch.tensor([0.3, 0.5]).std().item()
+    assert scaled.tolist() == pytest.approx([-0.1 / (std + 1e-4), 0.0, 0.1 / (std + 1e-4), 0.0, 0.0, 0.0])
 
 
 # Group 0 has a spread, group 1 is flat (every dialogue ended the same). Interleaved on purpose:

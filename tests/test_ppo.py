@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ppo
+import rollout
 from conftest import ROOT, read_metrics
 
 
@@ -67,12 +68,15 @@ def test_gae_with_gamma_lambda_one_is_return_minus_value():
 # ----------------------------------------------------------------------------------------------
 # Rewards
 # ----------------------------------------------------------------------------------------------
-def fake_record(turn_ends, changes, final, violations=()):
-    turns = []
+def fake_record(turn_ends, changes, final, violations=(), end_reason="max_turns"):
+    """A dialogue's record as play_dialogues writes it, for the reward functions: the agent turns' last
+    tokens, the emotion after each turn (from the changes, ending at final) and the start emotion."""
+    turns, emotions = [], [final - sum(changes[k + 1:]) for k in range(len(changes))]
     for i in range(len(turn_ends)):
         turns += [{"role": "user", "text": "u"}, {"role": "agent", "text": "a",
                                                   "violation": "no_think" if i in violations else None}]
-    return {"turn_ends": turn_ends, "changes": changes, "final_emotion": final, "turns": turns}
+    return {"turn_ends": turn_ends, "changes": changes, "final_emotion": final, "turns": turns,
+            "start_emotion": final - sum(changes), "emotions": emotions, "end_reason": end_reason}
 
 
 def test_final_reward_lands_on_last_agent_token_only():
@@ -93,6 +97,32 @@ def test_format_penalty_lands_on_the_violating_turn():
     records = [fake_record([5, 12], [4, 6], 40, violations=(0,))]
     r = ppo.place_rewards(records, (1, 20), "final", format_penalty=0.1)
     assert r[0, 5] == pytest.approx(-0.1) and r[0, 12] == pytest.approx(0.40)
+
+
+def test_an_unread_dialogue_earns_nothing():
+    unread = fake_record([5, 12], [4, 0], 34, end_reason="unread")
+    unread["changes"], unread["emotions"] = [4, None], [34, None]
+    r = ppo.place_rewards([fake_record([7], [10], 40), unread], (2, 20), "final")
+    assert r[0, 7] == pytest.approx(0.40) and (r[1] == 0).all()
+
+
+def test_a_reward_mode_gives_one_value_per_agent_turn_or_fails(monkeypatch):
+    """A fork adds a mode in one place, rollout.REWARDS: here the mean emotion over the agent's turns on
+    the last turn. PPO puts it on that turn's last token, GRPO compares it; a mode that gives one value
+    for three turns is an error, never a reward on the first turn."""
+    import grpo
+
+    mean = lambda r: [0.0] * (len(r["emotions"]) - 1) + [sum(r["emotions"]) / len(r["emotions"]) / 100]  # noqa: E731
+    monkeypatch.setitem(rollout.REWARDS, "mean", mean)
+    records = [fake_record([5, 12, 20], [4, -2, 8], 70)]  # emotions 64, 62, 70: mean 65.33
+    r = ppo.place_rewards(records, (1, 25), "mean")
+    assert r[0, 20] == pytest.approx(196 / 300) and (r != 0).sum() == 1
+    assert grpo.dialogue_rewards(records, "mean").tolist() == pytest.approx([196 / 300])
+    monkeypatch.setitem(rollout.REWARDS, "mean", lambda r: [sum(r["emotions"]) / len(r["emotions"]) / 100])
+    with pytest.raises(ValueError, match="1 values for 3 agent turns"):
+        ppo.place_rewards(records, (1, 25), "mean")
+    with pytest.raises(ValueError, match="1 values for 3 agent turns"):
+        grpo.dialogue_rewards(records, "mean")
 
 
 # ----------------------------------------------------------------------------------------------

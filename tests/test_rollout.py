@@ -39,6 +39,13 @@ def personas(persona_entry, write_personas):
     return make
 
 
+@pytest.fixture
+def appraisals_read(monkeypatch):
+    """A random model writes no change line, and an unread appraisal ends its dialogue: read each as no
+    change instead, so that dialogues with the 'same' user go on past their first turn."""
+    monkeypatch.setattr(simulator, "parse_change", lambda text: 0)
+
+
 def new_policy(model_dir, perturb=0.0, seed=0, device="cpu", dtype=torch.float32):
     """A fresh LoRA policy on the tiny model (base weights in `dtype` on `device`). perturb > 0 fills
     lora_B with noise, as if trained: a fresh adapter (B = 0) equals the base and would hide adapter bugs."""
@@ -340,7 +347,7 @@ def test_stored_logprobs_equal_a_fresh_forward_pass(tiny_model_dir, personas, te
 
 @pytest.mark.gpu
 def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_model_dir, personas, device,
-                                                                         dtype):
+                                                                         dtype, appraisals_read):
     """Greedy dialogues against the 'same' user (the policy's own base, adapters off) are the same
     with the adapter merged for sampling and without: the agent's tokens, their log-probs, and the
     user's messages, which would change if the merged weights leaked into the user's turns (in
@@ -466,7 +473,8 @@ def test_length_sorted_scoring_equals_each_dialogue_alone(tiny_model_dir):
     records = []
     for n in lengths:
         row = torch.randint(3, tokenizer.vocab_size, (n,)).tolist()
-        records.append({"token_ids": row, "action_mask": [0, 0] + [1] * (n - 2), "logprobs": [0.0] * n})
+        records.append({"token_ids": row, "action_mask": [0, 0] + [1] * (n - 2), "logprobs": [0.0] * n,
+                        "end_reason": "max_turns"})
     batch = pad_records(records, tokenizer.pad_token_id, "cpu")
     assert [[int(r) for r in rows] for rows, _ in rollout.length_sorted(batch["attention_mask"], 2)] == \
         [[1, 4], [3, 0], [2]]
@@ -486,7 +494,8 @@ def _hand_batch(tokenizer):
     texts = ["I hear you. That sounds exhausting.",
              "Maybe. I don't know what to do about work anymore, honestly."]
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    records = [{"token_ids": r, "action_mask": [1] * len(r), "logprobs": [0.0] * len(r)} for r in rows]
+    records = [{"token_ids": r, "action_mask": [1] * len(r), "logprobs": [0.0] * len(r), "end_reason": "max_turns"}
+               for r in rows]
     return pad_records(records, tokenizer.pad_token_id, "cpu")
 
 
@@ -630,7 +639,8 @@ def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_e
     assert run.summarize(records, stats)["end_context"] == 3
 
 
-def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, persona_entry, write_personas):
+def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, persona_entry, write_personas,
+                                                               appraisals_read):
     # The 'same' user keeps a KV cache per dialogue; its step frees it only for dialogues that end
     # there. One that ends because the next user turn and reply would not fit must be freed too.
     policy, tokenizer = new_policy(tiny_model_dir)
@@ -655,21 +665,19 @@ def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, p
     assert all(s.cache == {} for s in states)  # and nothing is left once the dialogues end
 
 
-def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir, monkeypatch):
-    # bitsandbytes needs CUDA, so a bf16 model stands in for the NF4 one: everything load_policy does
-    # after loading (no float32 upcast of embeddings, output layer and norms; checkpointing with inputs
-    # that require grad) runs as on the GPU.
-    real = run.load_model
+def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir):
+    import bitsandbytes
 
-    def bf16_stand_in(name, device="cpu", load_in_4bit=False, dtype=None, **kwargs):
-        assert load_in_4bit
-        return real(name, device=device, dtype=torch.bfloat16, **kwargs)
-    monkeypatch.setattr(rollout, "load_model", bf16_stand_in)
+    # NF4 on the CPU (bitsandbytes' CPU kernels): everything load_policy does after loading (no float32
+    # upcast of embeddings, output layer and norms; checkpointing with inputs that require grad) runs as
+    # on the GPU, in the paper's bf16
     policy, tokenizer = rollout.load_policy(tiny_model_dir, device="cpu", lora_r=4, load_in_4bit=True,
-                                            gradient_checkpointing=True)
+                                            gradient_checkpointing=True, dtype="bfloat16")
+    assert sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in policy.modules()) == 14  # 7 projections x 2 layers
     frozen = {n: p.dtype for n, p in policy.named_parameters() if "lora_" not in n}
-    assert set(frozen.values()) == {torch.bfloat16}, {n: d for n, d in frozen.items() if d != torch.bfloat16}
+    assert set(frozen.values()) == {torch.bfloat16, torch.uint8}, frozen  # the NF4 weights are packed bytes
     assert not any(p.requires_grad for n, p in policy.named_parameters() if "lora_" not in n)
+    assert rollout.MergedAdapter.of(policy) is None  # NF4 weights never merge: sampling goes through the adapter
     policy.train()
     ids = torch.tensor([tokenizer("i didn't get the promotion")["input_ids"]])
     out = policy(input_ids=ids, output_hidden_states=True)

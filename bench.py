@@ -50,7 +50,7 @@ speed to one plain batched generate of the same batch size and new tokens. Rando
 id of the 152064-row vocabulary nearly uniformly: 97% lie past the tokenizer's 4096 and decode to
 nothing, and end-of-turn is almost never drawn, so every turn runs to its token limit. That is what a
 throughput benchmark wants; the text itself is noise. Sized (GPU_SHAPES) to finish well inside 8
-minutes on one H200; flags after `--` go to ppo.py and win (`-- --max-turns 2 --static-cache true`).
+minutes on one H200; flags after `--` go to ppo.py and win (`-- --max-turns 2 --merged-sampling false`).
 --tiny swaps in a 2-layer, 64-wide model of the same family on CPU, so the tests run the same path.
 
 gpu --check: the GPU path checked in one command, the first thing to run when a GPU is lent (about 7
@@ -58,13 +58,13 @@ minutes on one H200, never more than --budget seconds). Steps, each in its own s
 time limit, so that a failed or hung step ends only itself: versions (software, device, the built
 tokenizer's fingerprint); tests-fp32 and tests-bf16 (the tests marked gpu in tests/test_rollout.py and
 tests/test_simulator.py with `--device cuda` in each dtype: stored vs fresh log-probs, merged vs
-adapter logits, the 'same' user with and without merged sampling, static vs dynamic cache);
+adapter logits, the 'same' user with and without merged sampling);
 bench-gpu (the quick shape above); learning (tests/test_learning.py on CUDA in bf16 with gradient
 checkpointing and thinking);
-rollout-rates (tokens/s of one 7B rollout through the adapter, merged, and merged with the static
-cache, each with its log-prob gap to a fresh pass); 4bit (one PPO iteration with --load-in-4bit where
-bitsandbytes is installed, else skipped; on the CPU too). One line per step (name, PASS / FAIL / SKIP, seconds, its
-numbers); everything, with each step's command and the end of its output, in --out, rewritten after
+rollout-rates (tokens/s of one 7B rollout through the adapter and merged, each with its log-prob gap
+to a fresh pass); 4bit (one PPO iteration with --load-in-4bit where
+bitsandbytes is installed, else skipped; on the CPU too). One line per step (name, PASS / FAIL / SKIP,
+seconds, its numbers); everything, with each step's command and the end of its output, in --out, rewritten after
 every step, and each step's whole log beside it. Nothing needs the embedded model's wheel or
 bitsandbytes. --dry-run runs the same steps on CPU with CUDA hidden, at tiny sizes (one of the four
 learning tests), so CI keeps them right.
@@ -92,7 +92,7 @@ import ppo
 import rollout
 from run import (above, at_least, fail, model_problem, one_of, parse_settings, peak_memory_gb, read_run,
                  read_text, set_seed, setting, write_atomically)
-from simulator import RulesBackend, Simulator, cached_batch, load_personas_or_exit, make_backend
+from simulator import RulesBackend, Simulator, load_personas_or_exit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -131,7 +131,7 @@ def sample(model, tokenizer, prompts, max_new_tokens):
     """One plain batched generate of the prompts (left-padded, no cache), sampling exactly max_new_tokens a
     row as the rollout samples (temperature 1, no top-k): what the rollout and the trainers are held
     against. Returns (sequences (B, P + N), their attention mask (B, P + N), seconds)."""
-    ids, mask, _ = cached_batch(prompts, [{} for _ in prompts], tokenizer.pad_token_id, model.device)
+    ids, mask, _ = rollout.cached_batch(prompts, [{} for _ in prompts], tokenizer.pad_token_id, model.device)
     t0 = time.time()
     with torch.no_grad():
         sequences = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
@@ -179,7 +179,7 @@ def bench_rollout(args):
     set_seed(0)  # the same dialogues every run
     policy, tokenizer = rollout.load_policy(args.model, trainable=False)
     personas = load_personas_or_exit(args.personas, "train")[:args.dialogues]
-    backend = make_backend(args.simulator, policy=policy, tokenizer=tokenizer, reuse_cache=args.reuse_cache)
+    backend = rollout.make_backend(args.simulator, policy, tokenizer, args.reuse_cache)
     simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns)  # same: the reasoned read-out
     prompts = [rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT).prompt(p.opening) for p in personas]
     print(f"bench rollout: {args.model} on {policy.device} ({torch.get_num_threads()} threads), "
@@ -661,10 +661,9 @@ def check_versions(dry_run):
 
 def check_rollout_rates(dry_run):
     """Policy tokens/s of one rollout of the 7B architecture (random bf16 weights, LoRA r 32 on every
-    projection with random B, the rules user) by three routes: through the adapter, merged sampling
-    (the default), and merged with the static cache. Each route plays the same rollout twice from the
-    same seed: the first pays the one-off costs (allocations, kernels, the static cache's
-    compilations), the second is timed. Its stored log-probs are then held against a fresh pass
+    projection with random B, the rules user) by two routes: through the adapter and merged sampling
+    (the default). Each route plays the same rollout twice from the same seed: the first pays the
+    one-off costs (allocations, kernels), the second is timed. Its stored log-probs are then held against a fresh pass
     through the adapter (what the trainers log as sample_logprob_gap). A JSON line after each route, so
     that a time-out still leaves the routes before it. --dry-run: the 2-layer model on the CPU."""
     from peft import LoraConfig, get_peft_model
@@ -682,7 +681,7 @@ def check_rollout_rates(dry_run):
                 p.normal_(0, 0.01)
     personas = load_personas_or_exit("personas.json", "train")[:dialogues]
     rates = {}
-    routes = {"adapter": {"merged_sampling": False}, "merged": {}, "merged+static": {"static_cache": True}}
+    routes = {"adapter": {"merged_sampling": False}, "merged": {}}
     for route, flags in routes.items():
         for _ in range(2):
             set_seed(0)

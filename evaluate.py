@@ -37,13 +37,14 @@ from itertools import groupby
 import numpy as np
 from tqdm import tqdm
 
-from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, check_openings_fit,
-                     load_policy, play_dialogues, sampling_settings)
+from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, build_simulator,
+                     check_openings_fit, load_policy, make_backend, play_dialogues, sampling_settings)
 from run import (append_lines, at_least, checkpoints, default_device, exit_on_signals, fail, finite,
                  new_folder, parse_settings, public_config, read_json_lines, read_run, redact,
                  release, setting, transcript_record, write_atomically, write_failure)
-from simulator import (SimulatorError, SimulatorSettings, UserState, apply_change, build_simulator,
-                       load_personas_or_exit)
+from simulator import (PROMPTS, PersonaError, SimulatorError, SimulatorSettings, UserState, apply_change,
+                       clean_user_text, load_personas, load_personas_or_exit, persona_language,
+                       user_turn_messages)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,6 +66,8 @@ class EvalSettings:
                                        "evaluating (docs/evaluate.md)")
     out: str = setting("", "a new folder for the results, created here (or an empty one); default "
                            "runs/eval__<time>")
+    write_openings: str = setting("", "a new file: the JSON-lines profiles of --personas with the first_talk "
+                                      "they lack, written by the simulated user, instead of evaluating")
 
     @staticmethod
     def check(args):
@@ -386,13 +389,13 @@ def judged_replies(dialogue):
 def recorded_state(persona, dialogue, k):
     """The simulated user as it was when agent message k arrived: the recorded conversation before
     it, the recorded emotion, and one appraisal per earlier reply whose move is the recorded change,
-    so that the appraisal sees the recorded moods.
-    It is appraised once, so it keeps no KV cache (cache None: the `same` simulator stores none)."""
+    so that the appraisal sees the recorded moods. It is appraised once (the check's `same` user keeps
+    no KV cache)."""
     moods = [dialogue["points"][j] for j in range(0, k, 2)]  # e_0 .. e_m
     appraisals = [{"change": after - before, "emotion": after, "appraisal": ""}
                   for before, after in zip(moods, moods[1:])]
     return UserState(persona=persona, emotion=moods[-1], history=dialogue["history"][:k],
-                     turns=len(appraisals), appraisals=appraisals, cache=None)
+                     turns=len(appraisals), appraisals=appraisals)
 
 
 def simulated_final(start, changes, max_change=10):
@@ -553,7 +556,9 @@ def agreement_main(args):
     new_folder(args.out)
     store = f"{args.out}/appraisals.jsonl"
     exit_on_signals(lambda: f"; the appraisals made so far are in {store}")
-    simulator = build_simulator(args, None, None)  # `same`: the base model alone (no policy, no adapters)
+    # `same`: the base model alone (no policy, no adapters); each recorded state is appraised once, so no
+    # KV cache is kept for it
+    simulator = build_simulator(args, None, None, reuse_cache=False)
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
           f"{redact(args.simulator)} (read-out {simulator.readout}); every appraisal goes to {store}",
           file=sys.stderr)
@@ -596,10 +601,78 @@ def agreement_main(args):
     return results
 
 
+# ----------------------------------------------------------------------------------------------
+# Openings for profiles without them: RLVER's training profiles have no first_talk
+# ----------------------------------------------------------------------------------------------
+# RLVER writes each opening with its simulator when it loads a profile; here they are written once,
+# into a new file, so that every run trains from the same first messages. The prompt is the user's
+# own (persona card, the reply rules, a mood note), asking for a first message instead of a reply.
+RULES_OPENING = {"en": "There is something on my mind that I would like to talk through.",
+                 "zh": "我心里有件事，想找人聊聊。"}
+OPENING_TOKENS = 64
+
+
+def write_openings(args):
+    """python evaluate.py --write-openings OUT --personas FILE [--model MODEL | --simulator URL]: FILE's
+    lines with first_talk filled (lines that have one keep it) and the mood it was written at (the
+    trainers' --start-emotion unless given; first_talk_emotion records it), everything else unchanged,
+    written to OUT once, whole (a temporary file renamed), or not at all. Bad input, an existing OUT
+    and a missing folder for it: one line, exit 2, before any model loads; so is a simulator that
+    fails or writes nothing usable, and a disk that fills or turns read-only while writing; Ctrl-C and
+    SIGTERM: one line at once, exit 130 / 143 (run.exit_on_signals). A failed write is simply run
+    again: it runs once per profile file, so it keeps no partial progress and asks a failed batch
+    nothing again."""
+    source, out = args.personas, args.write_openings
+    if "start_emotion" not in args.given:  # the mood a trainer's dialogues start at, not the benchmark's
+        args.start_emotion = SimulatorSettings.start_emotion
+    if os.path.exists(out):
+        fail(f"--write-openings {out}: the file exists; give a new file (nothing is ever overwritten)")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        fail(f"--write-openings {out}: its folder does not exist")
+    try:
+        personas = load_personas(source, need_opening=False)
+        lines = read_json_lines(source, PersonaError)
+    except PersonaError as e:
+        fail(f"{e} (--write-openings takes JSON-lines profiles: SAGE's, RLVER's)")
+    todo = [p for p in personas if not p.opening.strip()]
+    print(f"{len(personas)} profiles in {source}: {len(todo)} to write with {redact(args.simulator)} at mood "
+          f"{args.start_emotion}", file=sys.stderr)
+    exit_on_signals(lambda: f"; {out} not written")
+    backend = make_backend(args.simulator, args=args) if todo else None  # no model when none is missing
+    written = []
+    try:
+        for start in range(0, len(todo), 8):
+            part = todo[start:start + 8]
+            # the user's own chat, in the persona's language, with the request where an agent's first
+            # message would be
+            asked = [user_turn_messages(UserState(p, args.start_emotion, [
+                {"role": "agent", "text": PROMPTS[persona_language(p)]["opening"]}])) for p in part]
+            texts = ([RULES_OPENING[persona_language(p)] for p in part] if backend.name == "rules" else
+                     [clean_user_text(t) for t in backend.chat(asked, OPENING_TOKENS)])
+            if "..." in texts:  # nothing usable was left after cleaning
+                empty = part[texts.index("...")]
+                raise SimulatorError(f"the simulator wrote nothing usable for id {empty.id}")
+            written += texts
+            print(f"openings: {start + len(part)} of {len(todo)}", file=sys.stderr)
+        texts = iter(written)
+        filled = [entry if p.opening.strip() else {**entry, "first_talk": next(texts),
+                                                   "first_talk_emotion": args.start_emotion}
+                  for p, (_, entry) in zip(personas, lines)]
+        write_atomically(out, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in filled))
+    except SimulatorError as e:
+        fail(f"--write-openings {out}: {e}; nothing written")
+    except OSError as e:
+        fail(f"--write-openings {out}: {write_failure(e, out)}; nothing written")
+    release()  # the signal handlers as they were
+    print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.agreement:  # the simulator checked against SAGE's recorded judgments
         return agreement_main(args)
+    if args.write_openings:  # the first messages RLVER's training profiles lack
+        return write_openings(args)
     personas = load_personas_or_exit(args.personas, args.split, args.difficulty)[:args.dialogues or None]
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)

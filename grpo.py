@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
-                     aggregate, batched_logprobs, kl_k3, load_policy, logged_figures, old_logprobs_of,
-                     pad_records, pick_personas, play_dialogues, policy_settings, sampling_settings,
-                     token_logprobs, training_personas, turn_rewards)
+                     aggregate, batched_logprobs, kl_k3, load_policy, logged_figures, make_simulator,
+                     old_logprobs_of, pad_records, pick_personas, play_dialogues, policy_settings,
+                     sampling_settings, token_logprobs, training_personas, turn_rewards)
 from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
-from simulator import SimulatorError, SimulatorSettings, make_simulator
+from simulator import SimulatorError, SimulatorSettings
 
 
 @dataclass

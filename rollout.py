@@ -12,11 +12,11 @@ re-tokenised), and each user turn is appended as the chat template's token delta
 message. The action mask is 1 exactly on the policy's sampled tokens.
 """
 import contextlib
+import inspect
 import random
 import re
 import sys
 import time
-import weakref
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from functools import partial
@@ -24,10 +24,9 @@ from functools import partial
 import torch
 from tqdm import tqdm
 
-from run import (above, at_least, check_model, compiled_graphs, default_device, fail, four_bit_problem,
-                 load_model, load_tokenizer, model_problem, one_of, setting, target_names, within)
-from simulator import (cache_keyword, cached_batch, chat_ids, keep_cache, load_personas_or_exit,
-                       prompt_counts, transcript_turns)
+from run import (above, at_least, check_model, default_device, fail, four_bit_problem, load_model,
+                 load_tokenizer, model_problem, one_of, redact, setting, target_names, within)
+from simulator import (OpenAIBackend, RulesBackend, Simulator, load_personas_or_exit, transcript_turns)
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project)
@@ -194,6 +193,181 @@ def eos_ids(tokenizer):
 
 
 # ----------------------------------------------------------------------------------------------
+# Generation: turn caches, and the `same` user, which runs on the policy's weights
+# ----------------------------------------------------------------------------------------------
+def chat_ids(tokenizer, messages):
+    """The token ids of a chat in the tokenizer's template, with the generation prompt, where the
+    template's own special tokens are the only control tokens: each message is tokenized as plain text
+    (split_special_tokens), so that an "<|im_end|>" written inside it, by a persona file, a server or a
+    model, stays those characters and never ends a turn."""
+    marks = [f"@@{k}@@" for k in range(len(messages))]
+    text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                         tokenize=False, add_generation_prompt=True)
+    ids = []
+    for piece in re.split(r"(@@\d+@@)", text):
+        plain = piece in marks
+        piece = messages[marks.index(piece)]["content"] if plain else piece
+        ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
+    return ids
+
+
+# Turn caches. A dialogue's prompt grows by a few dozen tokens a turn, yet a plain generate() runs the
+# whole prompt again every turn: by turn 10 that prefill costs more than the reply. Each dialogue (and
+# each model role in it: the policy, the `same` user) owns a `slot`, a dict holding the token ids whose
+# keys/values it has and those keys/values. The next call reuses the longest common prefix of the stored
+# ids and the new prompt, so it does not matter where prompts stop sharing: reuse is exact up to the
+# first differing token and nothing after it is kept.
+def common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def cached_batch(rows, slots, pad_id, device):
+    """Lay out a batch of prompts so that every row's reusable prefix lies in the first P columns
+    (left-padded) and its new tokens in the last S (left-padded too): [pad, prefix, pad, new].
+    Returns (input_ids, attention_mask, cache): a DynamicCache holding P positions for every row
+    (zeros where a row has padding), ready for generate() or a forward pass on input_ids[:, P:].
+    Position ids follow from the attention mask, so the holes do not shift any token."""
+    from transformers import DynamicCache
+
+    reuse = [min(common_prefix(slot.get("ids", ()), row), len(row) - 1) for row, slot in zip(rows, slots)]
+    P, S = max(reuse), max(len(row) - n for row, n in zip(rows, reuse))
+    ids, mask = [], []
+    for row, n in zip(rows, reuse):
+        new = row[n:]
+        ids.append([pad_id] * (P - n) + row[:n] + [pad_id] * (S - len(new)) + new)
+        mask.append([0] * (P - n) + [1] * n + [0] * (S - len(new)) + [1] * len(new))
+    layers = []
+    for layer, reference in enumerate(slots[reuse.index(P)]["kv"] if P else ()):
+        kv = [t.new_zeros(len(rows), t.shape[1], P, t.shape[3]) for t in reference]  # keys, values
+        for b, (slot, n) in enumerate(zip(slots, reuse)):
+            for part, kept in zip(kv, slot["kv"][layer] if n else ()):
+                part[b, :, P - n:] = kept[0, :, :n]
+        layers.append(kv)
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device), DynamicCache(layers or None)
+
+
+def cache_keyword(model):
+    """The keyword the installed transformers takes a KV cache by in forward() and generate():
+    `cache` where the model's forward names it (newer releases, 5.24 among them, where the old
+    `past_key_values` still works but warns, and goes in 5.40), else `past_key_values` (5.17 and
+    earlier). A PeftModel is asked about its base model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
+def keep_cache(slots, cache, ids, mask):
+    """After running ids (B, W) with attention mask (B, W) into `cache`, store in each row's slot
+    the row's real tokens that have keys/values in the cache (the last sampled token of a
+    generate() call has none yet) and those keys/values, without the padding."""
+    length = cache.get_seq_length()
+    layers = [(k, v) for k, v, *_ in cache]
+    for b, slot in enumerate(slots):
+        pos = mask[b, :length].nonzero()[:, 0]
+        slot["ids"] = ids[b, pos].tolist()
+        slot["kv"] = [(k[b:b + 1, :, pos], v[b:b + 1, :, pos]) for k, v in layers]
+
+
+PREFILL_CHUNK = 1024  # prompt tokens a forward pass takes into the KV cache (generate_turn)
+
+
+def generate_turn(model, rows, slots, pad_id, keep, **generation):
+    """model.generate(**generation) after each row's prompt (a list of token ids), in one batch, for the
+    policy and the `same` user alike. Each row's slot may hold the KV cache of an earlier prompt of its
+    dialogue, reused up to where the two differ (cached_batch); with keep, each slot then holds its
+    row's prompt and new tokens. The prompts run into the cache PREFILL_CHUNK tokens a pass, so each
+    pass's attention mask is (batch, chunk, context), linear in the context (one pass over an appraisal
+    of SAGE's 15,000 tokens built masks of 0.9 GB a row). Returns the new tokens (B, N) and (prompt
+    tokens, those read from a cache)."""
+    ids, mask, cache = cached_batch(rows, slots, pad_id, model.device)
+    counts = int(mask.sum()), int(mask[:, :cache.get_seq_length()].sum())
+    position = mask.cumsum(1) - 1                                                        # (B, W)
+    for start in range(cache.get_seq_length(), ids.shape[1] - 1, PREFILL_CHUNK):
+        end = min(start + PREFILL_CHUNK, ids.shape[1] - 1)
+        model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=position[:, start:end],
+              **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
+    sequences = model.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(model): cache},
+                               **generation)                                             # (B, W + N)
+    new = sequences[:, ids.shape[1]:]                                                    # (B, N)
+    if keep:
+        keep_cache(slots, cache, sequences, torch.cat([mask, (new != pad_id).long()], 1))
+    return new, counts
+
+
+@dataclass(eq=False)
+class LocalBackend:
+    """A local model plays the user, greedily: the policy's own PeftModel with its adapters disabled, the
+    frozen base (use_base, --simulator same), or evaluate.py's --model alone (--agreement,
+    --write-openings). With reuse_cache each dialogue's KV cache stays in its state's slot between calls:
+    the appraisal, its re-ask and the reply share it, and so do the turns."""
+    model: object
+    tokenizer: object
+    use_base: bool = False
+    reuse_cache: bool = True
+    name = "local"
+    micro_batch_size = 16  # conversations a generate() call takes
+    generated_tokens = prompt_tokens = reused_tokens = 0
+
+    @torch.no_grad()
+    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=1.2):
+        """Greedy replies. The repetition penalty keeps a small model from looping in the user's
+        messages; appraisals pass 1.0, since it would also push the number away from digits the
+        prompt already holds."""
+        rows = [chat_ids(self.tokenizer, c) for c in conversations]
+        slots, pad, out, n = slots or [{} for _ in rows], self.tokenizer.pad_token_id, [], self.micro_batch_size
+        was_training = self.model.training
+        self.model.eval()  # no dropout
+        with self.model.disable_adapter() if self.use_base else contextlib.nullcontext():
+            for i in range(0, len(rows), n):
+                new, (prompt, reused) = generate_turn(
+                    self.model, rows[i:i + n], slots[i:i + n], pad, self.reuse_cache, do_sample=False,
+                    max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty, pad_token_id=pad)
+                self.prompt_tokens += prompt
+                self.reused_tokens += reused
+                self.generated_tokens += int((new != pad).sum())
+                out += [t.strip() for t in self.tokenizer.batch_decode(new, skip_special_tokens=True)]
+        self.model.train(was_training)
+        return out
+
+
+def make_backend(simulator, policy=None, tokenizer=None, reuse_cache=True, args=None):
+    """--simulator same (the policy's frozen base) | rules | http(s)://host:port/v1. `same` without a
+    policy (evaluate.py --agreement and --write-openings) is the --model of args alone. args: the URL
+    client's limits (SimulatorSettings, needed for a URL) and trust_remote_code."""
+    if simulator == "rules":
+        return RulesBackend()
+    if simulator != "same":
+        return OpenAIBackend(simulator, args.api_model, args.api_key_env, args.api_timeout, args.api_retries)
+    if policy is None:
+        policy, tokenizer = load_model(args.model, default_device(),
+                                       trust_remote_code=getattr(args, "trust_remote_code", False))
+    # the frozen base: a PeftModel's with its adapters off; a plain model is its own base
+    return LocalBackend(policy, tokenizer, use_base=hasattr(policy, "disable_adapter"),
+                        reuse_cache=reuse_cache)
+
+
+def build_simulator(args, policy, tokenizer, goodbye="closing", reuse_cache=True):
+    """The simulated user of a script's SimulatorSettings (goodbye: see Simulator)."""
+    return Simulator(make_backend(args.simulator, policy, tokenizer, reuse_cache, args), args.start_emotion,
+                     args.max_change, args.max_turns, reply_tokens=args.user_reply_tokens, goodbye=goodbye)
+
+
+def make_simulator(args, policy, tokenizer, run):
+    """A trainer's simulated user (build_simulator); the main process says how the policy samples and
+    which read-out the user gives."""
+    simulator = build_simulator(args, policy, tokenizer)
+    if run.is_main:
+        merged = "off (4-bit weights do not merge)" if args.load_in_4bit else args.merged_sampling
+        print(f"policy {args.model} on {run.device} x {run.world} process(es), merged sampling {merged}; "
+              f"simulator {redact(args.simulator)}, read-out {simulator.readout}")
+    return simulator
+
+
+# ----------------------------------------------------------------------------------------------
 # Dialogues
 # ----------------------------------------------------------------------------------------------
 class SampledLogprobs:
@@ -220,9 +394,6 @@ class SampledLogprobs:
         return torch.stack(self.picked + [self.last.gather(-1, sequences[:, -1:])[:, 0]], 1)
 
 
-KEPT_BUFFERS = weakref.WeakKeyDictionary()  # model -> MergedAdapter's buffers, with --static-cache
-
-
 class MergedAdapter:
     """The policy's active LoRA adapter folded into a copy of every adapted weight, W + s B A, to
     sample from: a decode step then runs one matmul per projection instead of three (about 20%
@@ -239,17 +410,14 @@ class MergedAdapter:
     the delta weight), a base weight another module shares (lm_head on a model with tied embeddings:
     its merged copy would change the input embeddings too), and modules_to_save or trainable-token
     copies, which the adapter-off context inside bypasses. (LoraConfig's bias="all" only makes the
-    base biases trainable: the merged layers use them as the adapter does.)
-    of(model, keep=True) (--static-cache) fills the same buffers at every rollout, kept for the run
-    (in KEPT_BUFFERS, by model): a compiled decode step on a GPU is recorded against the weights'
-    addresses (CUDA graphs), and a new buffer per rollout would have it recorded again."""
+    base biases trainable: the merged layers use them as the adapter does.)"""
 
     def __init__(self, model, swaps):
         self.model, self.swaps = model, swaps  # swaps: (projection, its own weight, its merged weight)
 
     @classmethod
     @torch.no_grad()
-    def of(cls, model, keep=False):
+    def of(cls, model):
         from peft.tuners.lora import Linear as LoraLinear
         from peft.tuners.lora import LoraLayer
         from peft.utils import AuxiliaryTrainingWrapper
@@ -269,17 +437,14 @@ class MergedAdapter:
         # One buffer per (dtype, device) holds every merged weight: freed in one piece after the
         # rollout, it goes back to the system. As ~200 separate tensors they stayed in the CPU heap,
         # fragmented, and PPO's peak memory in the update grew by 0.5-1.1 GiB (SmolLM2, 2 cores).
-        # With keep, the run's buffers are refilled instead (the same sizes: the same adapter).
         groups = {}  # (dtype, device) -> its layers
         for m, b in layers:
             groups.setdefault((b.weight.dtype, b.weight.device), []).append((m, b))
-        buffers = KEPT_BUFFERS.setdefault(model, {}) if keep else {}
         swaps = []
         for (dtype, device), mine in groups.items():
             sizes = [b.weight.numel() for _, b in mine]
-            if len(buffers.get((dtype, device), ())) != sum(sizes):
-                buffers[dtype, device] = torch.empty(sum(sizes), dtype=dtype, device=device)
-            for (m, b), merged in zip(mine, buffers[dtype, device].split(sizes)):
+            buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
+            for (m, b), merged in zip(mine, buffer.split(sizes)):
                 merged = merged.view(b.weight.shape)
                 merged.copy_(b.weight + m.get_delta_weight(adapter).to(dtype))
                 swaps.append((b, b.weight.data, merged))
@@ -295,11 +460,6 @@ class MergedAdapter:
         self.off.__exit__(*error)
         for layer, own, _ in self.swaps:
             layer.weight.data = own
-
-
-# --static-cache's torch.compile settings for the decode step: None leaves transformers' own
-# (inductor with CUDA graphs, on CUDA devices only). A test compiles on the CPU with the eager backend.
-DECODE_COMPILE = None
 
 
 @dataclass
@@ -335,9 +495,6 @@ class SamplingSettings:
     merged_sampling: bool = setting(True, "sample from the adapter merged into a copy of the weights: "
                                           "faster, the update stays exact (off: less memory; 4-bit bases "
                                           "never merge)", operational=True)
-    static_cache: bool = setting(False, "decode into a fixed-size KV cache, which transformers compiles on "
-                                        "a GPU (CUDA graphs); turn caches off. Not yet measured on a GPU",
-                                  operational=True)
 
     @staticmethod
     def check(args):
@@ -349,26 +506,17 @@ class SamplingSettings:
 @torch.no_grad()
 def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1, *, thinking=True,
                    temperature=1.0, max_new_tokens=256, max_context=4096, greedy=False,
-                   reuse_cache=True, merged_sampling=True, static_cache=False, progress=True,
-                   desc="dialogues"):
+                   reuse_cache=True, merged_sampling=True, progress=True, desc="dialogues"):
     """Play len(personas) x samples_per_persona dialogues in lockstep: one batched generate for all
     active agents, then one batched simulator step; finished dialogues leave the batch.
     With reuse_cache each dialogue keeps its KV cache between turns, so a turn runs only the tokens
-    added since the last one (simulator.cached_batch); without it every turn runs the whole prompt.
+    added since the last one (generate_turn); without it every turn runs the whole prompt.
     With merged_sampling the agent samples from its adapter merged into a copy of the base weights
-    (MergedAdapter), where the model allows it. With static_cache each generate call decodes into
-    a KV cache of fixed size, which transformers answers on a GPU by compiling the decode step
-    (CUDA graphs: one launch a step instead of one a kernel); a fresh cache each call, so the
-    agent's turn caches are off (each turn runs its whole prompt: cheap next to decoding on a GPU).
-    So that the step is compiled once per run, its shapes and buffers stay the same: the cache is
-    max_context long, a finished dialogue stays in the batch as a one-token padding row that is
-    marked done from the first step (its output is never read), and the merged weights keep one
-    buffer for the run. stats["decode_compilations"] counts the graphs compiled during the rollout.
+    (MergedAdapter), where the model allows it.
     Returns (records, stats): one flat dict per dialogue, and counts and timings."""
     from transformers import GenerationConfig
 
     chat = ChatTokens(tokenizer, THINK_PROMPT if thinking else PLAIN_PROMPT)
-    device = policy.device
     # An explicit config, so that a model's own defaults (top_k=20, repetition_penalty=1.05 in
     # Qwen2.5's generation_config) cannot change the sampling distribution. top_k must be 0, not
     # None: transformers reads None as "unset" and fills in the model's top_k, or 50; top_p 1 (RLVER's)
@@ -378,10 +526,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     gen_config = GenerationConfig(
         do_sample=not greedy, **({} if greedy else dict(temperature=temperature, top_p=1.0, top_k=0)),
         repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
-        pad_token_id=tokenizer.pad_token_id,
-        **(dict(cache_implementation="static", max_cache_len=max_context, compile_config=DECODE_COMPILE)
-           if static_cache else {}))
-    reuse_cache = reuse_cache and not static_cache
+        pad_token_id=tokenizer.pad_token_id)
     dialogues = [Dialogue(persona, g, s, simulator.start(persona))
                  for g, persona in enumerate(personas) for s in range(samples_per_persona)]
     for d in dialogues:
@@ -390,45 +535,27 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
             d.state.end_reason = "context"
     was_training = policy.training
     policy.eval()
-    merged = MergedAdapter.of(policy, keep=static_cache) if merged_sampling else None
+    merged = MergedAdapter.of(policy) if merged_sampling else None
     stats = Counter({k: -v for k, v in simulator_counts(simulator).items()})  # + the counts at the end
-    graphs_before = compiled_graphs()
     # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
     bar = tqdm(total=len(dialogues), initial=sum(d.state.done for d in dialogues), desc=desc,
                disable=not progress, leave=False, file=sys.stderr)
     turns_played = 0
     while active := [d for d in dialogues if not d.state.done]:
         t0 = time.time()
-        # static cache: every dialogue keeps its row (a finished one a single padding token), so
-        # that every generate call has the same batch size
-        rows = dialogues if static_cache else active
-        slots = [d.cache if reuse_cache else {} for d in rows]
-        ids, mask, cache = cached_batch([[tokenizer.pad_token_id] if d.state.done else d.ids for d in rows],
-                                        slots, tokenizer.pad_token_id, device)
-        live = torch.tensor([not d.state.done for d in rows], device=device)             # (B,)
-        prompt, reused = prompt_counts(mask[live], cache)
+        recorder = SampledLogprobs(1.0 if greedy else temperature)
+        # the caches are kept only if a dialogue can go on: on its last allowed turn every one ends
+        keep = reuse_cache and not all(d.state.turns + 1 >= simulator.max_turns for d in active)
+        with merged or contextlib.nullcontext():  # the user's turns below run on the base's own weights
+            new, (prompt, reused) = generate_turn(policy, [d.ids for d in active], [d.cache for d in active],
+                                                  tokenizer.pad_token_id, keep, generation_config=gen_config,
+                                                  logits_processor=[recorder])                # (B, N)
+        new_logp = recorder.finish(new).cpu()                                                # (B, N)
         stats["policy_prompt_tokens"] += prompt
         stats["policy_reused_tokens"] += reused
-        recorder = SampledLogprobs(1.0 if greedy else temperature)
-        # static: generate makes its own cache, and the padding rows count as finished from the first
-        # step (a stopping criterion), so generate fills them with padding and stops when the others end
-        finished = [lambda input_ids, scores, **kwargs: ~live]
-        given = {"stopping_criteria": finished} if static_cache else {cache_keyword(policy): cache}
-        with merged or contextlib.nullcontext():  # the user's turns below run on the base's own weights
-            sequences = policy.generate(input_ids=ids, attention_mask=mask, **given,
-                                        generation_config=gen_config, logits_processor=[recorder])
-        new_logp = recorder.finish(sequences)[live].cpu()  # the active dialogues' rows    (B_active, N)
-        sequences, mask = sequences[live], mask[live]
-        new = sequences[:, ids.shape[1]:].tolist()                                     # (B_active, N)
+        new = new.tolist()
         lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
                    for row in new]
-        # Keep the per-row caches only if a dialogue can go on: on its last allowed turn every one ends
-        # (a one-turn rollout never extracts them).
-        if reuse_cache and not all(d.state.turns + 1 >= simulator.max_turns for d in active):
-            ends = torch.tensor(lengths, device=device)[:, None]  # each row's sampled tokens      (B, 1)
-            sampled = (torch.arange(len(new[0]), device=device) < ends).long()                   # (B, N)
-            keep_cache(slots, cache, sequences, torch.cat([mask, sampled], 1))
-        del cache  # the batch's cache: what the dialogues keep is in their slots now
         stats["policy_seconds"] += time.time() - t0
         replies = []
         for d, row, n, logp in zip(active, new, lengths, new_logp):
@@ -461,7 +588,6 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         bar.set_postfix(turns=turns_played)  # and redraw, once per turn
     bar.close()
     policy.train(was_training)
-    stats["decode_compilations"] = compiled_graphs() - graphs_before
     stats.update(simulator_counts(simulator))
     return [to_record(d, simulator.start_emotion) for d in dialogues], dict(stats)
 

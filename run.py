@@ -415,14 +415,6 @@ def default_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def compiled_graphs():
-    """Graphs torch.compile has built in this process so far: a count that grows after a run's first
-    rollout means the decode step was compiled again."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
 def peak_memory_gb():
     """Peak GPU memory on CUDA, else the process's peak resident memory (Linux reports KiB)."""
     if torch.cuda.is_available():
@@ -623,8 +615,7 @@ def summarize(records, stats):
            "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
            "cut_reply_rate": sum(r.get("cut_replies", 0) for r in records) / max(1, agent_turns),
            "unread_dialogues": reasons["unread"], "clamped_changes": int(stats["clamped_changes"]),
-           "policy_tokens": int(stats["policy_tokens"]),
-           "decode_compilations": int(stats["decode_compilations"])}
+           "policy_tokens": int(stats["policy_tokens"])}
     for who in ("policy", "simulator"):
         out[f"{who}_seconds"] = float(stats[f"{who}_seconds"])
         out[f"{who}_tokens_per_s"] = stats[f"{who}_tokens"] / max(1e-9, out[f"{who}_seconds"])

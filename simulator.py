@@ -1,48 +1,36 @@
-"""The simulated user: personas, emotion bookkeeping and the simulator backends.
+"""The simulated user: personas, emotion bookkeeping, the prompts and the parser of the appraisal.
 
 RLVER (arXiv 2507.03112) trains an agent against an LLM that plays a person with a profile, a
 background, an open goal and a hidden intention. After every agent reply the simulator appraises
 the reply and moves an emotion score in [0, 100]; the final emotion / 100 is the reward. This file
 holds everything on the user's side of the table:
 
-  personas      load_personas() reads personas.json or a SAGE / RLVER profile file and validates it;
-                --write-openings writes the openings RLVER's profiles lack (write_openings)
-  emotion       band(), Simulator.step() (appraise -> clamp -> end rules -> next user message)
-  read-outs     "reasoned" (every model: the simulator writes an anchored appraisal ending in
-                "Change: N", parsed strictly, re-asked once if unread) and "rules" (the rules user)
-  backends      LocalBackend (--simulator same: the policy's own frozen base, or the --model alone
-                where there is no policy), OpenAIBackend (any /v1/chat/completions server), RulesBackend
-                (a written-here lexicon check, only for testing the RL loop)
-
-evaluate.py --agreement checks a simulator against SAGE's recorded judgements before training on it.
-This file's command line writes the first messages of profiles that have none (RLVER's training
-profiles), once, into a new file:
-
-    python simulator.py --write-openings NEW_FILE --personas train_profile.jsonl --model MODEL
-
-(or --simulator URL: a model on a server writes them).
+  personas      load_personas() reads personas.json or a SAGE / RLVER profile file and validates it
+  emotion       band(), apply_change(), the farewell rules, Simulator.step() (appraise -> clamp -> end
+                rules -> next user message)
+  prompts       PROMPTS: one template per language for the appraisal, the re-ask and the user's messages
+  the read-out  parse_change() reads the change line the appraisal prompt asks for ("Change: N"),
+                re-asked once when unread or off the scale; an appraisal that stays unread ends its
+                dialogue ("unread"), which the trainers keep out of training. The rules user appraises by
+                its rules
+  backends      OpenAIBackend (any /v1/chat/completions server) and RulesBackend (a written-here lexicon
+                check, only for testing the RL loop); the `same` user runs on the policy's weights and
+                lives with generation, in rollout.py (LocalBackend)
 """
 import concurrent.futures
-import contextlib
 import dataclasses
 import http.client
-import inspect
 import json
 import os
 import re
 import socket
-import sys
 import threading
 import time
 import unicodedata
 import urllib.parse
 from dataclasses import dataclass, field
 
-import torch
-
-from run import (above, at_least, default_device, env_name, exit_on_signals, fail, load_model, model_problem,
-                 one_of, parse_settings, read_json_lines, read_text, redact, release, setting, within,
-                 write_atomically, write_failure)
+from run import above, at_least, env_name, fail, one_of, read_json_lines, read_text, redact, setting, within
 
 # ----------------------------------------------------------------------------------------------
 # Personas
@@ -533,161 +521,10 @@ def parse_change(text):
 
 
 # ----------------------------------------------------------------------------------------------
-# Turn caches: keep each dialogue's KV cache between turns, so a turn runs only its new tokens
-# ----------------------------------------------------------------------------------------------
-# A dialogue's prompt grows by a few dozen tokens a turn, yet a plain generate() runs the whole
-# prompt again every turn: by turn 10 that prefill costs more than the reply. Each dialogue (and
-# each model role in it: the policy, the simulated user) owns a `slot`, a dict holding the token
-# ids whose keys/values it has and those keys/values. The next call reuses the longest common
-# prefix of the stored ids and the new prompt, so it does not matter where prompts stop sharing:
-# reuse is exact up to the first differing token and nothing after it is kept.
-def chat_ids(tokenizer, messages):
-    """The token ids of a chat in the tokenizer's template, with the generation prompt, where the
-    template's own special tokens are the only control tokens: each message is tokenized as plain text
-    (split_special_tokens), so that an "<|im_end|>" written inside it, by a persona file, a server or a
-    model, stays those characters and never ends a turn."""
-    marks = [f"@@{k}@@" for k in range(len(messages))]
-    text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                         tokenize=False, add_generation_prompt=True)
-    ids = []
-    for piece in re.split(r"(@@\d+@@)", text):
-        plain = piece in marks
-        piece = messages[marks.index(piece)]["content"] if plain else piece
-        ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
-    return ids
-
-
-def common_prefix(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def cached_batch(rows, slots, pad_id, device):
-    """Lay out a batch of prompts so that every row's reusable prefix lies in the first P columns
-    (left-padded) and its new tokens in the last S (left-padded too): [pad, prefix, pad, new].
-    Returns (input_ids, attention_mask, cache): a DynamicCache holding P positions for every row
-    (zeros where a row has padding), ready for generate() or a forward pass on input_ids[:, P:].
-    Position ids follow from the attention mask, so the holes do not shift any token."""
-    from transformers import DynamicCache
-
-    reuse = [min(common_prefix(slot.get("ids", ()), row), len(row) - 1) for row, slot in zip(rows, slots)]
-    P, S = max(reuse), max(len(row) - n for row, n in zip(rows, reuse))
-    ids, mask = [], []
-    for row, n in zip(rows, reuse):
-        new = row[n:]
-        ids.append([pad_id] * (P - n) + row[:n] + [pad_id] * (S - len(new)) + new)
-        mask.append([0] * (P - n) + [1] * n + [0] * (S - len(new)) + [1] * len(new))
-    layers = []
-    for layer, reference in enumerate(slots[reuse.index(P)]["kv"] if P else ()):
-        kv = [t.new_zeros(len(rows), t.shape[1], P, t.shape[3]) for t in reference]  # keys, values
-        for b, (slot, n) in enumerate(zip(slots, reuse)):
-            for part, kept in zip(kv, slot["kv"][layer] if n else ()):
-                part[b, :, P - n:] = kept[0, :, :n]
-        layers.append(kv)
-    return torch.tensor(ids, device=device), torch.tensor(mask, device=device), DynamicCache(layers or None)
-
-
-def cache_keyword(model):
-    """The keyword the installed transformers takes a KV cache by in forward() and generate():
-    `cache` where the model's forward names it (newer releases, 5.24 among them, where the old
-    `past_key_values` still works but warns, and goes in 5.40), else `past_key_values` (5.17 and
-    earlier). A PeftModel is asked about its base model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
-
-
-def prompt_counts(mask, cache):
-    """(prompt tokens in a cached_batch, those of them read from the cache)."""
-    return int(mask.sum()), int(mask[:, :cache.get_seq_length()].sum())
-
-
-def keep_cache(slots, cache, ids, mask):
-    """After running ids (B, W) with attention mask (B, W) into `cache`, store in each row's slot
-    the row's real tokens that have keys/values in the cache (the last sampled token of a
-    generate() call has none yet) and those keys/values, without the padding."""
-    length = cache.get_seq_length()
-    layers = [(k, v) for k, v, *_ in cache]
-    for b, slot in enumerate(slots):
-        pos = mask[b, :length].nonzero()[:, 0]
-        slot["ids"] = ids[b, pos].tolist()
-        slot["kv"] = [(k[b:b + 1, :, pos], v[b:b + 1, :, pos]) for k, v in layers]
-
-
-# ----------------------------------------------------------------------------------------------
 # Backends: one interface, chat(list of message lists) -> list of texts
 # ----------------------------------------------------------------------------------------------
 class SimulatorError(RuntimeError):
     """A simulator backend that could not answer after its retries."""
-
-
-@dataclass(eq=False)
-class LocalBackend:
-    """A transformers model plays the user, greedily. With use_base=True (--simulator same) the
-    policy's own PeftModel is handed in and run with its adapters disabled: the frozen base."""
-    model: object
-    tokenizer: object
-    use_base: bool = False
-    reuse_cache: bool = True  # keep each dialogue's KV cache between turns (see cached_batch)
-    name = "local"
-    micro_batch_size = 16  # conversations a forward pass or a generate() call takes
-    prefill_chunk = 1024  # prompt tokens a forward pass takes into the KV cache (see _batches)
-    generated_tokens = 0
-    prompt_tokens = reused_tokens = 0  # prompt tokens in all, and those read from a cache
-
-    def _batches(self, conversations, slots):
-        """Each micro-batch of the conversations as a cached_batch on its dialogues' slots, with its new
-        tokens but the last already run into the cache: (the slots to keep into or None, ids, mask,
-        cache), while the model is in eval mode (no dropout) and, for `same`, its adapters are off.
-        The callers' slots are kept only when reuse is on and every conversation has one (a state
-        appraised once has None): throwaway slots spare a copy of every row's keys and values.
-        The prefill goes prefill_chunk tokens at a time, so that each pass's attention mask is (batch,
-        chunk, context), linear in the context: one pass over a whole prompt builds (batch, T, T)
-        masks, 0.9 GB a row in float32 at the 15,000 tokens of an appraisal on SAGE's recordings.
-        Positions follow the attention mask, as generate() computes them, so the holes shift nothing."""
-        rows = [chat_ids(self.tokenizer, c) for c in conversations]
-        keep = self.reuse_cache and slots is not None and None not in slots
-        slots = slots if keep else [{} for _ in rows]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with self.model.disable_adapter() if self.use_base else contextlib.nullcontext():
-                for i in range(0, len(rows), self.micro_batch_size):
-                    part = slots[i:i + self.micro_batch_size]
-                    ids, mask, cache = cached_batch(rows[i:i + self.micro_batch_size], part,
-                                                    self.tokenizer.pad_token_id, self.model.device)
-                    prompt, reused = prompt_counts(mask, cache)
-                    self.prompt_tokens += prompt
-                    self.reused_tokens += reused
-                    position = mask.cumsum(1) - 1                                           # (B, W)
-                    for start in range(cache.get_seq_length(), ids.shape[1] - 1, self.prefill_chunk):
-                        end = min(start + self.prefill_chunk, ids.shape[1] - 1)
-                        self.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
-                                   position_ids=position[:, start:end], **{cache_keyword(self.model): cache},
-                                   use_cache=True, logits_to_keep=1)
-                    yield part if keep else None, ids, mask, cache
-        finally:
-            self.model.train(was_training)
-
-    @torch.no_grad()
-    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=1.2):
-        """Greedy replies. The repetition penalty keeps a small model from looping in the user's
-        messages; appraisals pass 1.0, since it would also push the number away from digits the
-        prompt already holds."""
-        out, pad = [], self.tokenizer.pad_token_id
-        for part, ids, mask, cache in self._batches(conversations, slots):
-            gen = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                      max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
-                                      pad_token_id=pad, **{cache_keyword(self.model): cache})
-            new = gen[:, ids.shape[1]:]
-            self.generated_tokens += int((new != pad).sum())
-            out += [t.strip() for t in self.tokenizer.batch_decode(new, skip_special_tokens=True)]
-            if part:
-                keep_cache(part, cache, gen, torch.cat([mask, (new != pad).long()], 1))
-        return out
 
 
 class ReplyError(ValueError):
@@ -1003,119 +840,3 @@ class SimulatorSettings:
         # http.client would refuse such a header with an error that quotes it, key and all
         if not os.environ.get(args.api_key_env, "").strip().isprintable():
             fail(f"${args.api_key_env} holds a line break or another control character inside the key")
-
-
-def make_backend(simulator, policy=None, tokenizer=None, reuse_cache=True, args=None):
-    """--simulator same (the policy's frozen base) | rules | http(s)://host:port/v1. `same` without a
-    policy (evaluate.py --agreement, the openings writer) is the --model of args alone. args: the URL
-    client's limits (SimulatorSettings, needed for a URL) and trust_remote_code."""
-    if simulator == "rules":
-        return RulesBackend()
-    if simulator != "same":
-        return OpenAIBackend(simulator, args.api_model, args.api_key_env, args.api_timeout, args.api_retries)
-    if policy is None:
-        policy, tokenizer = load_model(args.model, default_device(),
-                                       trust_remote_code=getattr(args, "trust_remote_code", False))
-    # the frozen base: a PeftModel's with its adapters off; a plain model is its own base
-    return LocalBackend(policy, tokenizer, use_base=hasattr(policy, "disable_adapter"),
-                        reuse_cache=reuse_cache)
-
-
-def build_simulator(args, policy, tokenizer, goodbye="closing"):
-    """The simulated user of a script's SimulatorSettings (goodbye: see Simulator)."""
-    return Simulator(make_backend(args.simulator, policy, tokenizer, args=args), args.start_emotion,
-                     args.max_change, args.max_turns, reply_tokens=args.user_reply_tokens, goodbye=goodbye)
-
-
-def make_simulator(args, policy, tokenizer, run):
-    """A trainer's simulated user (build_simulator); the main process says which read-out it gives."""
-    simulator = build_simulator(args, policy, tokenizer)
-    if run.is_main:
-        merged = "off (4-bit weights do not merge)" if args.load_in_4bit else args.merged_sampling
-        print(f"policy {args.model} on {run.device} x {run.world} process(es), merged sampling {merged}; "
-              f"simulator {redact(args.simulator)}, read-out {simulator.readout}")
-    return simulator
-
-
-# ----------------------------------------------------------------------------------------------
-# Openings for profiles without them: RLVER's training profiles have no first_talk
-# ----------------------------------------------------------------------------------------------
-# RLVER writes each opening with its simulator when it loads a profile; here they are written once,
-# into a new file, so that every run trains from the same first messages. The prompt is the user's
-# own (persona card, the reply rules, a mood note), asking for a first message instead of a reply.
-# the rules user writes no text of its own
-RULES_OPENING = {"en": "There is something on my mind that I would like to talk through.",
-                 "zh": "我心里有件事，想找人聊聊。"}
-OPENING_TOKENS = 64
-
-
-def write_openings(args):
-    """python simulator.py --write-openings OUT --personas FILE [--model MODEL | --simulator URL]: FILE's
-    lines with first_talk filled (lines that have one keep it) and the mood it was written at
-    (first_talk_emotion, to compare with a run's --start-emotion), everything else unchanged,
-    written to OUT once, whole (a temporary file renamed), or not at all. Bad input, an existing OUT
-    and a missing folder for it: one line, exit 2, before any model loads; so is a simulator that
-    fails or writes nothing usable, and a disk that fills or turns read-only while writing; Ctrl-C and
-    SIGTERM: one line at once, exit 130 / 143 (run.exit_on_signals). A failed write is simply run
-    again: it runs once per profile file, so it keeps no partial progress and asks a failed batch
-    nothing again."""
-    source, out = args.personas, args.write_openings
-    if os.path.exists(out):
-        fail(f"--write-openings {out}: the file exists; give a new file (nothing is ever overwritten)")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        fail(f"--write-openings {out}: its folder does not exist")
-    try:
-        personas = load_personas(source, need_opening=False)
-        lines = read_json_lines(source, PersonaError)
-    except PersonaError as e:
-        fail(f"{e} (--write-openings takes JSON-lines profiles: SAGE's, RLVER's)")
-    todo = [p for p in personas if not p.opening.strip()]
-    print(f"{len(personas)} profiles in {source}: {len(todo)} to write with {redact(args.simulator)} at mood "
-          f"{args.start_emotion}", file=sys.stderr)
-    exit_on_signals(lambda: f"; {out} not written")
-    backend = make_backend(args.simulator, args=args) if todo else None  # no model when none is missing
-    written = []
-    try:
-        for start in range(0, len(todo), 8):
-            part = todo[start:start + 8]
-            # the user's own chat, in the persona's language, with the request where an agent's first
-            # message would be
-            asked = [user_turn_messages(UserState(p, args.start_emotion, [
-                {"role": "agent", "text": PROMPTS[persona_language(p)]["opening"]}])) for p in part]
-            texts = ([RULES_OPENING[persona_language(p)] for p in part] if backend.name == "rules" else
-                     [clean_user_text(t) for t in backend.chat(asked, OPENING_TOKENS)])
-            if "..." in texts:  # nothing usable was left after cleaning
-                empty = part[texts.index("...")]
-                raise SimulatorError(f"the simulator wrote nothing usable for id {empty.id}")
-            written += texts
-            print(f"openings: {start + len(part)} of {len(todo)}", file=sys.stderr)
-        texts = iter(written)
-        filled = [entry if p.opening.strip() else {**entry, "first_talk": next(texts),
-                                                   "first_talk_emotion": args.start_emotion}
-                  for p, (_, entry) in zip(personas, lines)]
-        write_atomically(out, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in filled))
-    except SimulatorError as e:
-        fail(f"--write-openings {out}: {e}; nothing written")
-    except OSError as e:
-        fail(f"--write-openings {out}: {write_failure(e, out)}; nothing written")
-    release()  # the signal handlers as they were
-    print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)
-
-
-@dataclass
-class OpeningsSettings:
-    """python simulator.py --write-openings NEW_FILE: the openings writer's own settings."""
-    group = "the openings writer"
-    write_openings: str = setting("", "a new file: the JSON-lines profiles of --personas with the first_talk "
-                                      "they lack, written by the simulated user",
-                                  lambda value: None if value else "give a new file to write the openings to")
-    model: str = setting("smollm2", "the model --simulator same stands for (a trainer's --model)",
-                         model_problem)
-
-
-def main(argv=None):
-    write_openings(parse_settings([SimulatorSettings, OpeningsSettings], argv, prog="simulator.py"))
-
-
-if __name__ == "__main__":
-    main()

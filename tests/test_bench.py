@@ -405,7 +405,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert n["learning"] == {"passed": 1, "deselected": 3}  # the reward rose by more than 0.2
     assert n["bench-gpu"]["policy_tokens"] == 2 * 2 * 4
     rates = n["rollout-rates"]
-    for route in ("adapter", "merged", "merged+static"):
+    for route in ("adapter", "merged"):
         assert rates[f"{route}_tokens_per_s"] > 0
         assert rates[f"{route}_logprob_gap_max"] < 1e-4  # float32 on the CPU
     assert n["4bit"]["linear4bit_layers"] > 0 and 0 <= n["4bit"]["reward_mean"] <= 1  # NF4 on the CPU

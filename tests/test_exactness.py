@@ -1,6 +1,6 @@
 """Same seed, same numbers, on every path (issue 25): a run whose first command converts the embedded
-model, the old log-probs under dropout, merged sampling on adapters it cannot fold, --load-in-4bit
-without bitsandbytes, and --static-cache's stable shapes and buffers.
+model, the old log-probs under dropout (LoRA's and the model's own), masked positions that make no NaN,
+merged sampling on adapters it cannot fold, --load-in-4bit without its parts.
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_exactness.py -q
 """
@@ -365,79 +365,3 @@ def test_load_in_4bit_without_its_parts_is_one_line_before_any_model_loads(scrip
     assert not (tmp_path / "run").exists()  # nothing written either
 
 
-# ----------------------------------------------------------------------------------------------
-# 8. --static-cache: the same shapes and buffers at every generate call, so one compiled decode step
-# ----------------------------------------------------------------------------------------------
-@pytest.fixture
-def uneven_file(write_personas, persona_entry):
-    """Three openings 1, 6 and 11 sentences long: with max_context 230 and 8 tokens a reply, the
-    tiny model's dialogues run out of context after different numbers of turns."""
-    return write_personas([persona_entry(id=f"u{i}", opening="i didn't get the promotion. " * (1 + 5 * i))
-                           for i in range(3)])
-
-
-def moved_policy(model_dir):
-    """A LoRA policy on the tiny model whose lora_B is noise, as if trained (a fresh one is the base)."""
-    policy, tokenizer = rollout.load_policy(model_dir, device="cpu", lora_r=4)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
-    return policy, tokenizer
-
-
-def test_static_cache_keeps_batch_cache_length_and_merged_buffer(tiny_model_dir, uneven_file, monkeypatch):
-    from transformers import StaticCache
-
-    uneven_personas = simulator.load_personas(uneven_file)
-    policy, tokenizer = moved_policy(tiny_model_dir)
-    layer = next(m.get_base_layer() for m in policy.modules() if hasattr(m, "lora_A"))
-    calls, forwards, real_generate = [], [], policy.generate
-
-    def generate(**kwargs):  # runs inside the merged context: the projection holds its merged copy
-        calls.append((kwargs["input_ids"].shape[0], layer.weight.data))  # (keeps that copy alive)
-        return real_generate(**kwargs)
-
-    def before_forward(module, args, kwargs):
-        cache = kwargs.get(simulator.cache_keyword(policy))
-        if isinstance(cache, StaticCache):
-            forwards.append((kwargs["input_ids"].shape[0], {c.max_cache_len for c in cache.layers}))
-    monkeypatch.setattr(policy, "generate", generate)
-    policy.get_base_model().register_forward_pre_hook(before_forward, with_kwargs=True)
-    play = dict(greedy=True, max_new_tokens=8, max_context=230, progress=False)
-    runs = [rollout.play_dialogues(policy, tokenizer, rules_user(5), uneven_personas, static_cache=True,
-                                   **play)[0] for _ in range(2)]
-    assert sorted(len(r["turn_ends"]) for r in runs[0]) == [2, 3, 5]  # dialogues end at different turns
-    assert [n for n, _ in calls] == [3] * 10                         # 5 turns a rollout, 3 rows each time
-    assert forwards and set(n for n, _ in forwards) == {3}            # prefill and every decode step
-    assert set.union(*(lengths for _, lengths in forwards)) == {230}  # the cache: max_context long
-    assert len({w.untyped_storage().data_ptr() for _, w in calls}) == 1  # one merged buffer for the run
-    # the padding rows change nothing: the same dialogues as the dynamic caches, log-probs included
-    dynamic = rollout.play_dialogues(policy, tokenizer, rules_user(5), uneven_personas, **play)[0]
-    assert_same_dialogues(runs[0], dynamic)
-    assert_same_dialogues(runs[1], dynamic)
-
-
-def test_static_cache_decode_step_compiles_once_per_run(tiny_model_dir, uneven_file, tmp_path, monkeypatch):
-    """transformers compiles the static-cache decode step on CUDA only; here it is compiled on the
-    CPU with torch.compile's eager backend (dynamo traces and guards exactly as on a GPU, without
-    inductor). Two PPO iterations with dialogues that end at different turns: the graph is built in
-    the first rollout and never again (decode_compilations in metrics.jsonl)."""
-    from transformers import CompileConfig
-
-    config = CompileConfig(backend="eager", mode=None, dynamic=False)
-    config._compile_all_devices = True  # transformers' switch to compile on any device
-    monkeypatch.setattr(rollout, "DECODE_COMPILE", config)
-    torch._dynamo.reset()
-    try:
-        ppo.main(tiny_run(ppo, tiny_model_dir, uneven_file, tmp_path / "run", "--static-cache", "true",
-                          "--dialogues-per-iteration", "3", "--minibatch-size", "3", "--max-turns", "5",
-                          "--max-new-tokens", "8", "--max-context", "230", "--iterations", "2",
-                          "--lr", "2e-2"))
-    finally:
-        torch._dynamo.reset()
-    m = read_metrics(tmp_path / "run")
-    rows = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
-    assert len({sum(t["role"] == "agent" for t in r["turns"]) for r in rows}) > 1  # ends at different turns
-    assert [row["decode_compilations"] for row in m] == [1, 0]

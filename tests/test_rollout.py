@@ -69,7 +69,7 @@ def agent_turns(record):
 
 
 def assert_same_dialogues(runs, policy, tokenizer, dtype):
-    """Two rollouts of one greedy policy by two routes (merged or not, static cache or not) are the
+    """Two rollouts of one greedy policy by two routes (merged or not) are the
     same dialogues: token for token, log-probs to 1e-5, in float32. In bfloat16 the two routes round
     differently, so a near-tie between two tokens may break the other way and the dialogues part:
     there each route's stored log-probs must equal a fresh pass through the adapter (bf16 rounding)."""
@@ -357,7 +357,7 @@ def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_mo
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in policy.named_parameters()}
     runs = []
     for merged in (True, False):
-        sim = Simulator(simulator.LocalBackend(policy, tokenizer, use_base=True), max_turns=3, reply_tokens=6,
+        sim = Simulator(rollout.LocalBackend(policy, tokenizer, use_base=True), max_turns=3, reply_tokens=6,
                         appraisal_tokens=8, retry_tokens=4, leave_below=0)
         runs.append(play_dialogues(policy, tokenizer, sim, personas(3), greedy=True, max_new_tokens=8,
                                    merged_sampling=merged, progress=False)[0])
@@ -389,20 +389,6 @@ def test_merged_sampling_steps_aside_where_it_cannot_merge(tiny_model_dir):
     layer = next(m.get_base_layer() for m in policy.modules() if hasattr(m, "lora_A"))
     layer.weight = torch.nn.Parameter(torch.zeros(layer.weight.shape, dtype=torch.uint8), requires_grad=False)
     assert rollout.MergedAdapter.of(policy) is None
-
-
-@pytest.mark.gpu
-def test_static_cache_decodes_the_same_dialogues(tiny_model_dir, personas, device, dtype):
-    """--static-cache (a fixed-size KV cache per generate call, compiled on a GPU; eager on the CPU)
-    plays the same greedy dialogues as the dynamic turn caches, with the same log-probs (in bf16:
-    assert_same_dialogues)."""
-    policy, tokenizer = new_policy(tiny_model_dir, perturb=0.3, device=device, dtype=dtype)
-    runs = [play_dialogues(policy, tokenizer, rules_simulator(max_turns=3), personas(3), greedy=True,
-                           max_new_tokens=8, static_cache=static, progress=False) for static in (False, True)]
-    (dynamic, dynamic_stats), (static, static_stats) = runs
-    assert dynamic_stats["policy_reused_tokens"] > 0 and static_stats["policy_reused_tokens"] == 0
-    assert sum(len(r["turn_ends"]) for r in static) == 9
-    assert_same_dialogues([dynamic, static], policy, tokenizer, dtype)
 
 
 def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_model_dir):
@@ -647,7 +633,7 @@ def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, p
     group = load_personas(write_personas([persona_entry(id=f"c{i}") for i in range(2)]))
     chat = ChatTokens(tokenizer, rollout.PLAIN_PROMPT)
     max_context = len(chat.prompt(group[0].opening)) + 8 + 10  # one reply; no room for a user turn and more
-    sim = Simulator(simulator.make_backend("same", policy=policy, tokenizer=tokenizer), max_turns=5,
+    sim = Simulator(rollout.make_backend("same", policy, tokenizer), max_turns=5,
                     reply_tokens=6, appraisal_tokens=8, retry_tokens=4, leave_below=0)
     states, start = [], sim.start
     sim.start = lambda persona: states.append(start(persona)) or states[-1]

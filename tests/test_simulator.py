@@ -18,11 +18,14 @@ import numpy as np
 import pytest
 import torch
 
+import evaluate
+import rollout
 import run  # noqa: E402
 import simulator
 from conftest import LocalServer, loose, reply
 from test_bad_input import ENV, assert_one_line, cli, error_lines
-from simulator import (GENERIC_LINES, LocalBackend, OpenAIBackend, PersonaError, RulesBackend, Simulator,
+from rollout import LocalBackend
+from simulator import (GENERIC_LINES, OpenAIBackend, PersonaError, RulesBackend, Simulator,
                        SimulatorError, apply_change, band, load_personas, parse_change, rules_appraisal,
                        says_goodbye)
 
@@ -33,7 +36,7 @@ RUDE = "Whatever. Stop whining, nobody cares about your problems."
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "simulator.py", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "evaluate.py", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -470,7 +473,7 @@ def test_the_readout_follows_from_the_backend(tiny_model, capsys):
     args = run.parse_settings(ppo.SETTINGS, argv=[])  # the paper preset
     on_cpu = types.SimpleNamespace(device="cpu", world=1, is_main=True)  # the Run fields make_simulator reads
     capsys.readouterr()
-    assert simulator.make_simulator(args, *tiny_model, on_cpu).readout == "reasoned"
+    assert rollout.make_simulator(args, *tiny_model, on_cpu).readout == "reasoned"
     assert "simulator same, read-out reasoned" in capsys.readouterr().out
 
 
@@ -732,25 +735,29 @@ def tiny_model_here(tiny_model, device, dtype):
 
 @pytest.mark.gpu
 def test_prefill_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model_here, persona, dtype):
-    """Three conversations prefilled together (LocalBackend._batches), each from its own kept cache of
+    """Three conversations prefilled together (rollout.generate_turn), each from its own kept cache of
     a different length (so the batch has holes before and between the new tokens): the next-token
     logits are those of one full forward of each prompt alone."""
     model, tokenizer = tiny_model_here
     backend = LocalBackend(model, tokenizer)
-    backend.micro_batch_size = 3
     states = [Simulator(backend).start(persona) for _ in range(3)]
     slots = [{}, {}, {}]
     backend.chat([simulator.user_turn_messages(s) for s in states[:2]], 4, slots=slots[:2])  # not the third
     later = [simulator.user_turn_messages(simulator.UserState(
         persona=persona, emotion=30 + 10 * k,
         history=s.history + [{"role": "agent", "text": WARM * (k + 1)}])) for k, s in enumerate(states)]
-    (_, ids, mask, cache), = backend._batches(later, slots)
-    assert backend.reused_tokens > 0
+    rows, seen = [rollout.chat_ids(tokenizer, c) for c in later], []
+
+    def first_step(input_ids, scores):  # the logits of the first new token
+        seen.append(scores.clone())
+        return scores
+    pad = tokenizer.pad_token_id
+    _, (_, reused) = rollout.generate_turn(model, rows, slots, pad, False, do_sample=False, max_new_tokens=1,
+                                           logits_processor=[first_step], pad_token_id=pad)
+    assert reused > 0
     with torch.no_grad():
-        logits = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
-                       **{simulator.cache_keyword(model): cache}).logits[:, -1]                    # (3, V)
-        for row, conversation in zip(logits, later):
-            alone = model(input_ids=torch.tensor([encode(tokenizer, conversation)], device=model.device))
+        for row, ids in zip(seen[0], rows):
+            alone = model(input_ids=torch.tensor([ids], device=model.device))
             torch.testing.assert_close(row.float(), alone.logits[0, -1].float(), atol=loose(dtype, 1e-4),
                                        rtol=0)
 
@@ -1059,16 +1066,16 @@ def test_cached_batch_lays_out_prefix_then_new_tokens(tiny_model):
     slots = [{}, {}, {}]
     for row, slot, n in zip(rows, slots, (4, 2, 0)):  # cache the first n tokens of each row
         if n:
-            ids, mask, cache = simulator.cached_batch([row[:n]], [slot], tokenizer.pad_token_id, "cpu")
-            model(input_ids=ids, attention_mask=mask, **{simulator.cache_keyword(model): cache},
+            ids, mask, cache = rollout.cached_batch([row[:n]], [slot], tokenizer.pad_token_id, "cpu")
+            model(input_ids=ids, attention_mask=mask, **{rollout.cache_keyword(model): cache},
                   use_cache=True)
-            simulator.keep_cache([slot], cache, ids, mask)
+            rollout.keep_cache([slot], cache, ids, mask)
     assert [s.get("ids") for s in slots] == [rows[0][:4], rows[1][:2], None]
-    ids, mask, cache = simulator.cached_batch(rows, slots, tokenizer.pad_token_id, "cpu")
+    ids, mask, cache = rollout.cached_batch(rows, slots, tokenizer.pad_token_id, "cpu")
     assert cache.get_seq_length() == 4 and ids.shape == (3, 4 + 4)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids[:, 4:], attention_mask=mask, position_ids=position_ids[:, 4:],
-                   **{simulator.cache_keyword(model): cache}).logits[:, -1]
+                   **{rollout.cache_keyword(model): cache}).logits[:, -1]
     for k, row in enumerate(rows):
         alone = model(input_ids=torch.tensor([row])).logits[0, -1]
         torch.testing.assert_close(logits[k], alone, atol=1e-4, rtol=1e-4)
@@ -1090,13 +1097,13 @@ def test_cache_keyword_is_the_name_the_installed_forward_takes(tiny_model):
         def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, **kwargs):
             pass
 
-    assert simulator.cache_keyword(Older()) == "past_key_values"
-    assert simulator.cache_keyword(Newer()) == "cache"
+    assert rollout.cache_keyword(Older()) == "past_key_values"
+    assert rollout.cache_keyword(Newer()) == "cache"
     model, _ = tiny_model
-    name = simulator.cache_keyword(model)
+    name = rollout.cache_keyword(model)
     assert name in inspect.signature(type(model).forward).parameters
     peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"]))
-    assert simulator.cache_keyword(peft_model) == name
+    assert rollout.cache_keyword(peft_model) == name
     cache = DynamicCache()
     with torch.no_grad():  # the cache really arrives under that name: it holds the 3 positions run
         peft_model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True, **{name: cache})
@@ -1190,13 +1197,13 @@ def test_the_simulated_users_settings_are_checked_in_one_line(flags, words, caps
 ])
 def test_the_openings_command_refuses_bad_settings(flags, words, tmp_path, capsys):
     argv = ["--write-openings", tmp_path / "out.jsonl", "--personas", RLVER, "--simulator", "rules", *flags]
-    code, _, err = in_process(simulator.main, argv, capsys)
+    code, _, err = in_process(evaluate.main, argv, capsys)
     assert_one_line(code, err, *words)
     assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_bad_settings_through_the_real_command_line():
-    code, _, err, elapsed = cli("simulator.py", "--simulator", "rulez")
+    code, _, err, elapsed = cli("evaluate.py", "--write-openings", "x.jsonl", "--simulator", "rulez")
     assert_one_line(code, err, "--simulator", "rulez")
     assert elapsed < 40, elapsed  # no hub retries (they took 54 s for --simulator rulez)
 
@@ -1318,7 +1325,7 @@ def test_a_simulator_url_with_a_query_keeps_it_after_the_path(serve, tmp_path, c
     """Case 8: --simulator http://HOST/v1?api_key=X posts to /v1/chat/completions?api_key=X."""
     s = serve(lambda n, body: completion("Long week. Can I just talk?"))
     argv = [*openings(tmp_path / "out.jsonl", s.url + "?api_key=X")[1:], "--api-retries", "0"]
-    code, _, err = in_process(simulator.main, argv, capsys)
+    code, _, err = in_process(evaluate.main, argv, capsys)
     paths = {r["path"] for r in s.requests}
     assert code == 0 and paths == {"/v1/chat/completions?api_key=X"}, (paths, err[-2000:])
 
@@ -1376,7 +1383,7 @@ def test_rlver_fields_reach_the_card_in_the_personas_language(tmp_path):
 # items 6 and 12)
 # ----------------------------------------------------------------------------------------------
 def openings(out, model, personas=RLVER):
-    return ["simulator.py", "--write-openings", out, "--personas", personas, "--simulator", model]
+    return ["evaluate.py", "--write-openings", out, "--personas", personas, "--simulator", model]
 
 
 def test_write_openings_with_a_server_writes_all_or_nothing(tmp_path, server):
@@ -1422,7 +1429,7 @@ def test_write_openings_with_a_server_writes_all_or_nothing(tmp_path, server):
 
 def test_write_openings_refuses_an_opening_that_cleans_to_nothing(tmp_path, serve, capsys):
     s = serve(lambda n, body: completion("[only a note]"))
-    code, _, err = in_process(simulator.main, openings(tmp_path / "out.jsonl", s.url)[1:], capsys)
+    code, _, err = in_process(evaluate.main, openings(tmp_path / "out.jsonl", s.url)[1:], capsys)
     assert_one_line(code, err, "nothing usable for id rl-001", "nothing written")
     assert os.listdir(tmp_path) == []
 
@@ -1432,7 +1439,7 @@ def test_write_openings_keeps_existing_ones_and_rules_write_fixed_lines(tmp_path
     entries[0]["first_talk"] = "Long shift. Can we talk?"
     out = tmp_path / "all.jsonl"
     source = write_lines(tmp_path / "some.jsonl", entries)
-    code, _, err = in_process(simulator.main, openings(out, "rules", source)[1:], capsys)
+    code, _, err = in_process(evaluate.main, openings(out, "rules", source)[1:], capsys)
     assert not code, err
     en, zh = simulator.RULES_OPENING["en"], simulator.RULES_OPENING["zh"]
     assert [e["first_talk"] for e in read_lines(out)] == ["Long shift. Can we talk?", en, zh]
@@ -1488,7 +1495,7 @@ def test_write_openings_into_a_folder_it_cannot_write_ends_with_one_line(tmp_pat
     after the generation would say "No such file"), a read-only one and a disk that fills while OUT is
     written: one line each, exit 2, and nothing left behind (nor a temporary file)."""
     missing = tmp_path / "no" / "such" / "openings.jsonl"
-    code, _, err = in_process(simulator.main, openings(missing, "same")[1:], capsys)
+    code, _, err = in_process(evaluate.main, openings(missing, "same")[1:], capsys)
     assert_one_line(code, err, str(missing), "its folder does not exist")
     for fault, folder, words in (("--read-only", tmp_path / "read_only", "Read-only"),
                                  ("--disk-full", tmp_path / "full", "disk is full")):
@@ -1531,7 +1538,7 @@ def test_write_openings_stopped_by_a_signal_writes_nothing(name, tmp_path, serve
 # ----------------------------------------------------------------------------------------------
 # The chunked prefill (issue 30 item 14; moved from tests/test_paper_data.py)
 # ----------------------------------------------------------------------------------------------
-def test_chunked_prefill_answers_as_one_pass_does(tiny_model):
+def test_chunked_prefill_answers_as_one_pass_does(tiny_model, monkeypatch):
     # the conversations of different lengths (padding), the second round reusing the first's caches
     model, tokenizer = tiny_model
     conversations = [[{"role": "user", "content": "word " * n}] for n in (40, 7, 23)]
@@ -1539,8 +1546,8 @@ def test_chunked_prefill_answers_as_one_pass_does(tiny_model):
               for c in conversations]
     answers = []
     for chunk in (1024, 5):
-        backend = simulator.LocalBackend(model, tokenizer)
-        backend.prefill_chunk = chunk
+        backend = LocalBackend(model, tokenizer)
+        monkeypatch.setattr(rollout, "PREFILL_CHUNK", chunk)
         slots = [{} for _ in conversations]
         answers.append([backend.chat(c, 6, slots) for c in (conversations, longer)]
                        + [backend.chat(longer, 6)])

@@ -125,7 +125,7 @@ def _sage_persona(path, i, entry, need_opening):
     if need_opening and not opening.strip():
         state = "empty" if "first_talk" in entry else "missing"
         raise PersonaError(f"{path}: {where}: field 'first_talk' is {state}; profiles without openings (as "
-                           f"RLVER's) need them written once: python simulator.py --write-openings NEW_FILE "
+                           f"RLVER's) need them written once: python evaluate.py --write-openings NEW_FILE "
                            f"--personas {path} --model MODEL")
     profile = {"character": str(entry.get("main_cha") or "-"), "description": entry["player"]}
     if isinstance(entry.get("cha_group"), list):

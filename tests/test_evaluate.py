@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import evaluate
+import rollout
 import simulator
 from conftest import ROOT, reply
 from evaluate import model_summary, paired_difference, results_table, run_evaluation, use_model, with_interval
@@ -77,7 +78,7 @@ def no_model_loads(monkeypatch):
     """Loading any model fails the test: what is checked must be checked before."""
     def loaded(*a, **k):
         raise AssertionError("a model was loaded")
-    monkeypatch.setattr(simulator, "load_model", loaded)
+    monkeypatch.setattr(rollout, "load_model", loaded)
     monkeypatch.setattr(evaluate, "load_policy", loaded)
 
 

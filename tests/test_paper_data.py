@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import evaluate
+import rollout
 import run as run_module
 import simulator
 from conftest import ROOT, reply
@@ -317,7 +318,7 @@ def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
 ])
 def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, monkeypatch, capsys, broken,
                                                       message):
-    monkeypatch.setattr(simulator, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(rollout, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     lines = broken(read_lines(RESULTS[0]))
     path = tmp_path / "bad_result.jsonl"
     text = [x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in lines]

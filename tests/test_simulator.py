@@ -1193,7 +1193,6 @@ def test_the_simulated_users_settings_are_checked_in_one_line(flags, words, caps
     (["--max-change", "-5"], ["--max-change", "-5"]),
     (["--model", "rules"], ["--model", "rules"]),  # --model is a model
     (["--dialogs", "2"], ["--dialogs"]),                                      # no synonyms, no guesses
-    (["--write-openings", ""], ["--write-openings", "a new file"]),           # the command's one job
 ])
 def test_the_openings_command_refuses_bad_settings(flags, words, tmp_path, capsys):
     argv = ["--write-openings", tmp_path / "out.jsonl", "--personas", RLVER, "--simulator", "rules", *flags]
@@ -1348,7 +1347,7 @@ def test_profiles_without_openings_name_the_command():
         simulator.load_personas(RLVER)
     message = str(info.value)
     assert message.startswith(f"{RLVER}: line 1 (id rl-001): field 'first_talk' is missing")
-    assert "python simulator.py --write-openings NEW_FILE --personas " + RLVER in message
+    assert "python evaluate.py --write-openings NEW_FILE --personas " + RLVER in message
     assert "\n" not in message
 
 
@@ -1441,7 +1440,7 @@ def test_write_openings_keeps_existing_ones_and_rules_write_fixed_lines(tmp_path
     source = write_lines(tmp_path / "some.jsonl", entries)
     code, _, err = in_process(evaluate.main, openings(out, "rules", source)[1:], capsys)
     assert not code, err
-    en, zh = simulator.RULES_OPENING["en"], simulator.RULES_OPENING["zh"]
+    en, zh = evaluate.RULES_OPENING["en"], evaluate.RULES_OPENING["zh"]
     assert [e["first_talk"] for e in read_lines(out)] == ["Long shift. Can we talk?", en, zh]
     assert [e.get("first_talk_emotion") for e in read_lines(out)] == [None, 30, 30]
 

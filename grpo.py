@@ -35,8 +35,8 @@ from simulator import SimulatorError, SimulatorSettings
 class GRPOSettings:
     """GRPO's own settings (the policy's, the user's and the run's are declared where they are read)."""
     group = "GRPO"
-    personas_per_iteration: int = setting(8, "personas (groups) per iteration, over all processes (RLVER: 32 "
-                                             "dialogues = 8 x 4)", at_least(1))
+    personas_per_iteration: int = setting(8, "personas (groups) per iteration, over all processes: 8 x 4 = "
+                                             "PPO's 32 dialogues (RLVER's GRPO: 32 x 4)", at_least(1))
     group_size: int = setting(4, "dialogues per persona, all from its opening (RLVER: 4)", at_least(2))
     reward: str = setting("final", "final: final emotion / 100 | turn: sum of the turns' changes / 100 "
                                    "(REWARDS)", one_of("final", "turn"))
@@ -54,7 +54,8 @@ class GRPOSettings:
                                                    "(token sum / fixed budget)",
                             one_of("seq-mean-token-mean", "token-mean", "dr-grpo"))
     lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
-    warmup_steps: int = setting(0, "optimizer steps of linear learning-rate warm-up", at_least(0))
+    warmup_steps: int = setting(20, "optimizer steps of linear learning-rate warm-up (RLVER: 2% of 1,000)",
+                                at_least(0))
     max_grad_norm: float = setting(1.0, "gradient norm clipping", above(0))
     greedy: bool = setting(False, "decode greedily: for tests and debugging (a group's dialogues would be "
                                   "equal)")
@@ -80,7 +81,7 @@ PRESETS = {
     "cpu": dict(model="smollm2", simulator="rules", personas_per_iteration=2, group_size=2, max_turns=2,
                 max_new_tokens=32, user_reply_tokens=24, max_context=1024, minibatch_size=4,
                 micro_batch_size=2, gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
-                lr=5e-5, iterations=3, save_every=1,
+                lr=5e-5, iterations=3, save_every=1, warmup_steps=0,
                 # the value before the paper preset took RLVER's (0.001): the CPU results stand
                 ent_coef=0.0),
 }
@@ -169,7 +170,7 @@ def main(argv=None):
     # --- the model: policy adapter on a frozen base; no critic --------------------------------
     model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
     params = adapter_params(model, "default")  # trainable as get_peft_model made them
-    optimizer, scheduler = adamw_with_warmup([(params, args.lr)], args.warmup_steps)
+    optimizer, scheduler = adamw_with_warmup([(params, args.lr, args.warmup_steps)])
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler)
     for iteration in range(first_iteration, args.iterations):

@@ -53,13 +53,15 @@ class PPOSettings:
                               within(0, 1, low_open=True, high_open=True))
     clip_high: float = setting(0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
     value_clip: float = setting(0.5, "values move at most this far from the rollout's (RLVER: 0.5)", above(0))
-    vf_coef: float = setting(0.5, "value loss coefficient", at_least(0))
+    vf_coef: float = setting(1.0, "value loss coefficient (1: RLVER's 0.5 x the squared error's mean)", at_least(0))
     ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
     loss_agg: str = setting("token-mean", "token-mean | seq-mean-token-mean",
                             one_of("token-mean", "seq-mean-token-mean"))
     lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
     critic_lr: float = setting(5e-5, "critic adapter and value head learning rate (5x --lr)", above(0))
-    warmup_steps: int = setting(0, "optimizer steps of linear learning-rate warm-up", at_least(0))
+    warmup_steps: int = setting(20, "optimizer steps of the policy's linear learning-rate warm-up (RLVER: 2% "
+                                    "of 1,000)", at_least(0))
+    critic_warmup_steps: int = setting(50, "the critic's warm-up steps (RLVER: 5% of 1,000)", at_least(0))
     max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
     greedy: bool = setting(False, "decode greedily: reproducible dialogues for tests and debugging")
     micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1),
@@ -83,9 +85,9 @@ PRESETS = {
     "cpu": dict(model="smollm2", simulator="rules", dialogues_per_iteration=4, max_turns=2, max_new_tokens=32,
                 user_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
                 gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
-                lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1,
-                # the values before the paper preset took RLVER's (0.5, 0.001): the CPU results stand
-                value_clip=0.2, ent_coef=0.0),
+                lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1, warmup_steps=0, critic_warmup_steps=0,
+                # the values before the paper preset took RLVER's (0.5, 0.001, 1): the CPU results stand
+                value_clip=0.2, ent_coef=0.0, vf_coef=0.5),
 }
 
 
@@ -241,9 +243,9 @@ def main(argv=None):
     torch.nn.init.constant_(value_head.bias, sum(REWARDS[args.reward](unmoved)))
     actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
     critic_params = adapter_params(model, "critic") + list(value_head.parameters())
-    # one AdamW with a parameter group each, both warmed up over the first --warmup-steps optimizer steps
-    optimizer, scheduler = adamw_with_warmup([(actor_params, args.lr), (critic_params, args.critic_lr)],
-                                             args.warmup_steps)
+    # one AdamW with a parameter group each, each warmed up over its own first optimizer steps
+    optimizer, scheduler = adamw_with_warmup([(actor_params, args.lr, args.warmup_steps),
+                                              (critic_params, args.critic_lr, args.critic_warmup_steps)])
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
     for iteration in range(first_iteration, args.iterations):

@@ -845,14 +845,15 @@ def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
     return masked.sum() / (total_seqs * token_budget)  # dr-grpo
 
 
-def adamw_with_warmup(groups, warmup_steps):
-    """AdamW over (parameters, learning rate) groups, and a linear warm-up over warmup_steps optimizer
-    steps, counted by the scheduler's own steps: the trainers step it only after an optimizer step, so
-    a skipped non-finite step advances neither, and --resume restores both."""
-    optimizer = torch.optim.AdamW([{"params": params, "lr": lr} for params, lr in groups], weight_decay=0.0)
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda steps: min(1.0, (steps + 1) / max(1, warmup_steps)))  # steps: the scheduler's
+def adamw_with_warmup(groups):
+    """AdamW over (parameters, learning rate, warm-up steps) groups, each group's rate rising linearly
+    over its first warm-up steps, then constant, as verl's warm-up: counted by the scheduler's own steps
+    (the trainers step it only after an optimizer step, so a skipped non-finite step advances neither,
+    and --resume restores both). Unlike verl's, the first step takes 1 / warm-up of the rate, not 0."""
+    optimizer = torch.optim.AdamW([{"params": params, "lr": lr} for params, lr, _ in groups], weight_decay=0.0)
+    # a group's rate factor after `steps` steps; the default argument binds each group's own warm-up
+    factors = [lambda steps, warmup=max(1, warmup): min(1.0, (steps + 1) / warmup) for *_, warmup in groups]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
 
 def logged_figures(run, rewards, batch, old_logprobs, ref_logprobs, epochs, t_update):

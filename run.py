@@ -254,7 +254,7 @@ class RunSettings:
     group = "the run"
     preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win",
                           one_of("paper", "cpu"))
-    iterations: int = setting(200, "training iterations", at_least(1))
+    iterations: int = setting(1000, "training iterations (RLVER: 1,000 steps)", at_least(1))
     out: str = setting("", "a new run folder, created by the run (an empty one is taken); default "
                            "runs/<script>__<seed>__<time>")
     resume: str = setting("", "a run folder to continue from its newest checkpoint, with its saved settings")

@@ -147,7 +147,8 @@ def test_grpo_is_the_same_with_and_without_checkpointing(tiny_model_dir, persona
 # scaled to them): the same code runs either way.
 SIZES = {"model", "dialogues_per_iteration", "personas_per_iteration", "group_size", "max_turns",
          "max_new_tokens", "user_reply_tokens", "max_context", "lora_r", "lora_alpha", "actor_lr",
-         "critic_lr", "lr", "iterations", "save_every", "out", "minibatch_size", "micro_batch_size"}
+         "critic_lr", "lr", "iterations", "save_every", "out", "minibatch_size", "micro_batch_size",
+         "warmup_steps", "critic_warmup_steps"}  # the warm-up: a share of the run's steps
 # Switches that change which code runs, with the flags that turn each on in the runs below. The
 # split into micro-batches and minibatches is sized by the CPU preset but is a path of its own.
 SWITCHES = {
@@ -156,6 +157,7 @@ SWITCHES = {
     "simulator": ["--simulator", "same"],            # the paper's LLM user (the cpu preset: rules)
     "dtype": ["--dtype", "bfloat16"],                # what "auto" picks on CUDA
     "value_clip": ["--value-clip", "0.5"],           # PPO only: RLVER's value clip
+    "vf_coef": ["--vf-coef", "1.0"],                 # PPO only: RLVER's critic loss scale
     "ent_coef": ["--ent-coef", "0.001"],             # RLVER's entropy bonus
 }
 

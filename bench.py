@@ -90,7 +90,7 @@ import torch
 
 import ppo
 import rollout
-from run import (above, at_least, fail, model_problem, one_of, parse_settings, peak_memory_gb, read_run,
+from run import (above, at_least, command, fail, model_problem, one_of, parse_settings, peak_memory_gb, read_run,
                  read_text, set_seed, setting, write_atomically)
 from simulator import RulesBackend, Simulator, load_personas_or_exit
 
@@ -810,6 +810,7 @@ COMMANDS = {"rollout": (bench_rollout, [RolloutSettings, ModelSettings]),
             "gpu --check": (gpu_check, [CheckSettings])}
 
 
+@command
 def main(argv=None):
     """bench.py SUBCOMMAND [FLAGS] [-- TRAINER FLAGS]: each subcommand's flags are settings (run.setting),
     checked as the trainers' are: bad input is one line and exit code 2, before any model loads."""
@@ -817,15 +818,15 @@ def main(argv=None):
     top = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0])
     top.error = fail
     top.add_argument("command", choices=COMMANDS)
-    command = top.parse_args(argv[:1]).command
+    name = top.parse_args(argv[:1]).command
     # Everything after a bare `--` goes to the trainers of step, learning and gpu untouched; rollout has
     # none, so there argparse refuses what follows `--` as unrecognized arguments.
-    cut = argv.index("--") if "--" in argv and command != "rollout" else len(argv)
+    cut = argv.index("--") if "--" in argv and name != "rollout" else len(argv)
     flags = argv[1:cut]
-    if command == "gpu" and "--check" in flags:
-        command, flags = "gpu --check", [a for a in flags if a != "--check"]
-    benchmark, classes = COMMANDS[command]
-    args = parse_settings(classes, flags, prog=f"bench.py {command}")
+    if name == "gpu" and "--check" in flags:
+        name, flags = "gpu --check", [a for a in flags if a != "--check"]
+    benchmark, classes = COMMANDS[name]
+    args = parse_settings(classes, flags, prog=f"bench.py {name}")
     args.trainer_flags, args.argv = argv[cut + 1:], argv
     return benchmark(args)
 

@@ -39,9 +39,9 @@ from tqdm import tqdm
 
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, build_simulator,
                      check_openings_fit, load_policy, make_backend, play_dialogues, sampling_settings)
-from run import (append_lines, at_least, checkpoints, default_device, exit_on_signals, fail, finite,
+from run import (append_lines, at_least, checkpoints, command, default_device, exit_on_signals, fail, finite,
                  new_folder, parse_settings, public_config, read_json_lines, read_run, redact,
-                 release, setting, transcript_record, write_atomically, write_failure)
+                 release, setting, transcript_record, within, write_atomically, write_failure)
 from simulator import (PROMPTS, PersonaError, SimulatorError, SimulatorSettings, UserState, apply_change,
                        clean_user_text, load_personas, load_personas_or_exit, persona_language,
                        user_turn_messages)
@@ -60,7 +60,7 @@ class EvalSettings:
     dialogues: int = setting(0, "the first N personas of the split; with --agreement the first N dialogues "
                                 "of each file (0 = all)", at_least(0))
     bootstrap: int = setting(2000, "bootstrap resamples for the 95%% intervals", at_least(1))
-    seed: int = setting(0, "random seed of the bootstrap")
+    seed: int = setting(0, "random seed of the bootstrap", within(0, 2**32 - 1))
     agreement: list[str] = setting([], "SAGE result files (JSON lines: id, emo_point, history), one per "
                                        "evaluated model: check the simulator against their judge instead of "
                                        "evaluating (docs/evaluate.md)")
@@ -667,6 +667,7 @@ def write_openings(args):
     print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)
 
 
+@command
 def main(argv=None):
     args = parse_args(argv)
     if args.agreement:  # the simulator checked against SAGE's recorded judgments

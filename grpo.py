@@ -27,7 +27,8 @@ from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_wi
                      aggregate, batched_logprobs, kl_k3, load_policy, logged_figures, make_simulator,
                      old_logprobs_of, pad_records, pick_personas, play_dialogues, policy_settings,
                      sampling_settings, token_logprobs, training_personas, turn_rewards)
-from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
+from run import (Run, RunSettings, above, append_means, at_least, command, fail, one_of, parse_settings, setting,
+                 within)
 from simulator import SimulatorError, SimulatorSettings
 
 
@@ -161,6 +162,7 @@ LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ra
           "grad_norm")  # by the update; metrics.jsonl: their means
 
 
+@command
 def main(argv=None):
     args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="grpo.py")  # --resume: the run's own settings
     personas = training_personas(args)  # checked before any weights load

@@ -30,7 +30,8 @@ from rollout import (REWARDS, AdapterSettings, PolicySettings, SamplingSettings,
                      make_simulator, old_logprobs_of, pad_records, pick_personas, play_dialogues,
                      policy_settings, sampling_settings, token_logprobs, training_personas, turn_rewards,
                      use_adapter)
-from run import Run, RunSettings, above, append_means, at_least, fail, one_of, parse_settings, setting, within
+from run import (Run, RunSettings, above, append_means, at_least, command, fail, one_of, parse_settings, setting,
+                 within)
 from simulator import SimulatorError, SimulatorSettings
 
 
@@ -225,6 +226,7 @@ def critic_values(model, value_head, input_ids, attention_mask):
     return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
 
 
+@command
 def main(argv=None):
     args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="ppo.py")  # --resume: the run's own settings
     personas = training_personas(args)  # checked before any weights load

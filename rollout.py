@@ -93,7 +93,7 @@ class PolicySettings:
     """The base model the policy (and the reference, and the 'same' user) runs on."""
     group = "the policy"
     model: str = setting("Qwen/Qwen2.5-7B-Instruct", "policy base: hub id, path, or smollm2 (embedded)",
-                         model_problem)
+                         model_problem, path=True)
     dtype: str = setting("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16",
                          one_of("auto", "float32", "bfloat16"))
     load_in_4bit: bool = setting(False, "QLoRA: NF4 base weights via bitsandbytes (CUDA, or its CPU kernels)",

@@ -18,11 +18,12 @@ import argparse
 import contextlib
 import dataclasses
 import fcntl
-import glob
+import functools
 import importlib.util
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -53,12 +54,49 @@ def release():
 # ----------------------------------------------------------------------------------------------
 # Bad input: one line, exit code 2, never a traceback
 # ----------------------------------------------------------------------------------------------
+class Stop(Exception):
+    """What ends a command with one line: bad input (code 2) or a run that cannot go on (code 1)."""
+
+    def __init__(self, message, code=2):
+        super().__init__(message)
+        self.code = code
+
+
 def fail(message, code=2):
-    """One line on stderr and exit `code`: 2 for bad input, 1 for a run that cannot go on.
-    tqdm.write keeps it on a line of its own while a progress bar is drawn."""
-    tqdm.write(f"error: {message}", file=sys.stderr)
-    release()
-    sys.exit(code)
+    """Raise Stop: library code never exits; the command line (command) turns it into one line."""
+    raise Stop(message, code)
+
+
+class Redacted:
+    """A text stream that writes everything through redact(): what any command prints, argparse's own
+    errors and a traceback included, never shows a key."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        return self.stream.write(redact(text))
+
+    def __getattr__(self, name):  # flush, isatty, fileno, ... of the stream itself
+        return getattr(self.stream, name)
+
+
+def command(main):
+    """A script's main() as its command line: stdout and stderr redacted, Ctrl-C and SIGTERM one line
+    from its first statement on (model loading included), and a Stop one line (tqdm.write keeps it on
+    a line of its own while a progress bar is drawn) and its exit code."""
+    @functools.wraps(main)
+    def run_command(argv=None):
+        sys.stdout, sys.stderr = (s if isinstance(s, Redacted) else Redacted(s) for s in (sys.stdout, sys.stderr))
+        exit_on_signals(lambda: "")
+        try:
+            return main(argv)
+        except Stop as stop:
+            tqdm.write(f"error: {stop}", file=sys.stderr)
+            sys.exit(stop.code)
+        finally:
+            release()
+    return run_command
 
 
 def exit_on_signals(say):
@@ -86,7 +124,8 @@ def one_of(*choices):
 
 
 def at_least(low):
-    return lambda value: None if value >= low else f"must be at least {low}"
+    """Finite and at least low: a coefficient of inf would make every update non-finite."""
+    return lambda value: None if math.isfinite(value) and value >= low else f"must be a finite number, at least {low}"
 
 
 def above(low):
@@ -134,12 +173,13 @@ env_name.secret = True
 # ----------------------------------------------------------------------------------------------
 # Settings: each declared once, next to the code that reads it, with its check beside its default
 # ----------------------------------------------------------------------------------------------
-def setting(default, help, check=None, operational=False):
+def setting(default, help, check=None, operational=False, path=False):
     """A field of a settings dataclass: its default, its --help line and its check (a function of the
     value: None when it is allowed, else what is allowed). operational: a rarely changed setting of
     how the run is carried out, not what it computes; --help lists those last, and --resume lets
-    them change."""
-    metadata = {"help": help, "check": check, "operational": operational}
+    them change. path: a file or folder the run saves, made absolute where it exists, so that it means
+    the same from any working folder."""
+    metadata = {"help": help, "check": check, "operational": operational, "path": path}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -191,14 +231,18 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
         parser.set_defaults(**presets[parser.parse_args(argv).preset])
     args = parser.parse_args(argv)
     args.given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    if getattr(args, "resume", ""):
-        resume_settings(args, fields, prog)
+    saved = resume_settings(args, fields, prog) if getattr(args, "resume", "") else set()
     for f in fields:
-        check, value = f.metadata["check"], getattr(args, f.name)
-        problem = check and check(value)
+        check, value, default = f.metadata["check"], getattr(args, f.name), parser.get_default(f.name)
+        # a value from config.json is checked as a flag is, its type first (a bool is no int)
+        kinds = (int, float) if type(default) is float else (type(default),)
+        problem = f"must be {type(default).__name__}" if type(value) not in kinds else check and check(value)
         if problem:
             shown = REDACTED if getattr(check, "secret", False) else repr(redact(value))
-            fail(f"--{f.name.replace('_', '-')} {shown}: {problem}")
+            where = f"{args.resume}/config.json: field '{f.name}'" if f.name in saved else "--" + f.name.replace("_", "-")
+            fail(f"{where} {shown}: {problem}")
+        if f.metadata["path"] and os.path.exists(value):
+            setattr(args, f.name, os.path.abspath(value))
     for cls in classes:
         if hasattr(cls, "check"):
             cls.check(args)
@@ -217,7 +261,8 @@ def read_run(folder):
 
 def resume_settings(args, fields, prog=None):
     """--resume DIR: the run's saved settings replace the defaults; a flag given now may change only
-    what RESUMABLE and the operational settings allow. Every check runs after this, on what is kept."""
+    what RESUMABLE and the operational settings allow. Every check runs after this, on what is kept.
+    Returns the names of the settings taken from config.json."""
     saved = read_run(args.resume)
     if saved is None:
         fail(f"--resume {args.resume}: not a run folder (no config.json written by a trainer)")
@@ -226,6 +271,7 @@ def resume_settings(args, fields, prog=None):
              f"`python {saved['script']} --resume {args.resume}`")
     if "out" in args.given and os.path.abspath(args.out) != os.path.abspath(args.resume):
         fail(f"--out {args.out} with --resume {args.resume}: a resume continues in the run's own folder")
+    saved = set()  # the settings taken from config.json
     for f in fields:
         # a setting added since keeps today's default; consent to hub code is never inherited; the folder
         # is the one resumed (a run folder may have been moved or copied since it was made)
@@ -234,10 +280,12 @@ def resume_settings(args, fields, prog=None):
         flag, now, then = f"--{f.name.replace('_', '-')}", getattr(args, f.name), saved[f.name]
         if f.name not in args.given:
             setattr(args, f.name, then)
+            saved.add(f.name)
         elif redact(now) != then and f.name not in RESUMABLE and not f.metadata["operational"]:
             fail(f"{flag} {redact(now)!r}: the run in {args.resume} has {then!r}, and --resume keeps it "
                  f"(it may change only {', '.join(RESUMABLE)} and the operational settings)")
-    args.out = args.resume
+    args.out = os.path.abspath(args.resume)
+    return saved
 
 
 def public_config(args, script):
@@ -256,11 +304,11 @@ class RunSettings:
                           one_of("paper", "cpu"))
     iterations: int = setting(1000, "training iterations (RLVER: 1,000 steps)", at_least(1))
     out: str = setting("", "a new run folder, created by the run (an empty one is taken); default "
-                           "runs/<script>__<seed>__<time>")
+                           "runs/<script>__<seed>__<time>", path=True)
     resume: str = setting("", "a run folder to continue from its newest checkpoint, with its saved settings")
     save_every: int = setting(10, "checkpoint every N iterations (and at the end)", at_least(1))
     keep_checkpoints: int = setting(3, "keep the newest N checkpoints this run wrote (0 = all)", at_least(0))
-    seed: int = setting(0, "random seed")
+    seed: int = setting(0, "random seed", within(0, 2**32 - 1))
     report_to: str = setting("none", "none | tensorboard | wandb: a tracker beside the files (numbers only)",
                              one_of("none", "tensorboard", "wandb"))
     max_bad_updates: int = setting(3, "stop after this many non-finite updates in a row", at_least(1),
@@ -527,7 +575,8 @@ def read_json_lines(path, error=ValueError):
 def write_failure(error, path):
     """Why a write to path failed, in words: "the disk is full" when less than 1 MiB is left there
     (torch.save says only "unexpected pos" on a full disk), else the error's first line."""
-    while not os.path.exists(path):
+    path = os.path.abspath(path)
+    while not os.path.exists(path):  # up to a folder that is still there ("/" at the latest)
         path = os.path.dirname(path)
     if shutil.disk_usage(path).free < 2**20:
         return "the disk is full"
@@ -539,7 +588,7 @@ def new_folder(out, flag="--out"):
     """A folder for this command only, held by a lock for the process's life: created here (its parents
     too), or taken while empty; never a folder that holds anything, and never one inside a run folder
     (whose checkpoints could take its name). Bad: one line, exit 2."""
-    for parent in Path(os.path.abspath(out)).parents:
+    for parent in Path(os.path.realpath(out)).parents:  # links resolved
         if read_run(parent):
             fail(f"{flag} {out} is inside the run folder {parent}: pick a folder outside it")
     try:
@@ -565,9 +614,16 @@ def lock(folder, flag):
 
 
 def checkpoints(run_dir):
-    """The complete checkpoint folders of a run, oldest first: iter_ and six digits, as save() names
-    them (a save cut short is still named *.tmp)."""
-    return sorted(glob.glob(f"{glob.escape(run_dir)}/checkpoints/iter_" + "[0-9]" * 6))
+    """The checkpoint folders a run recorded finishing, oldest first, that are still there: save()
+    appends each one's name to checkpoints.txt after renaming it into place, so a folder the run did not
+    finish, or did not write (another run's, moved in), never counts."""
+    try:
+        with open(f"{run_dir}/checkpoints.txt", encoding="utf-8") as f:
+            names = f.read().split()
+    except OSError:
+        return []
+    return [f"{run_dir}/checkpoints/{n}" for n in names
+            if re.fullmatch(r"iter_\d{6}", n) and os.path.isdir(f"{run_dir}/checkpoints/{n}")]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -649,7 +705,7 @@ class Run:
     def __init__(self, args, script, adapters, per_process=()):
         from accelerate import Accelerator
 
-        args.out = args.out or f"runs/{script[:-3]}__{args.seed}__{int(time.time())}"
+        args.out = os.path.abspath(args.out or f"runs/{script[:-3]}__{args.seed}__{int(time.time())}")
         self.args, self.script, self.adapters = args, script, adapters
         # asked before any model loads: a missing tracker package is one line, not a crash after an hour
         # of loading (each tracker's pip package has its name)
@@ -676,41 +732,33 @@ class Run:
 
     # --- start and resume ------------------------------------------------------------------------
     def begin(self, model, optimizer, scheduler, modules=None):
-        """The models exist: with a checkpoint to resume from (the newest complete one), load its adapters,
-        optimizer, schedule, `modules` (name -> module, e.g. PPO's value head) and every process's RNG;
-        else seed each process apart (each samples its own dialogues). Then drop the log lines written
-        after the checkpoint, open the trackers and catch Ctrl-C and SIGTERM. Returns the first iteration."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
+        """The models exist: with a checkpoint to resume from (restore), load it; else seed each process
+        apart (each samples its own dialogues). Then drop the log lines written after the checkpoint,
+        open the trackers and catch Ctrl-C and SIGTERM. Returns the first iteration."""
         args = self.args
         # what state.pt holds besides the adapters, each under its name
         self.model, self.parts = model, {"optimizer": optimizer, "scheduler": scheduler, **(modules or {})}
         self.trained = [p for group in optimizer.param_groups for p in group["params"]]
-        found = checkpoints(args.out)  # none in a new run's folder: it was made empty
-        start, self.written = 0, []  # written: the checkpoints of this run, the only ones pruning deletes
-        if found:
-            state = torch.load(f"{found[-1]}/state.pt", map_location="cpu", weights_only=False)
-            for name in self.adapters:
-                weights = load_file(f"{found[-1]}/{name}/adapter_model.safetensors")
-                set_peft_model_state_dict(model, weights, adapter_name=name)  # copied onto the device
-            for name, part in self.parts.items():
-                part.load_state_dict(state[name])
-            start, self.written = state["iteration"], state["written"]
+        folder, state = self.restore()
+        start = state["iteration"]
         # as many processes as before: each one's stream continues; else each is seeded apart
-        if found and len(state["rng"]) == self.world:
+        if len(state["rng"]) == self.world:
             set_rng_state(state["rng"][self.rank])
         else:  # a new run (start 0), or a resume on another number of processes
             set_seed(args.seed + self.rank + 7919 * start)
         if self.is_main:
             # the logs as long as they were when the checkpoint was written (empty without one): what
-            # came after belongs to iterations that run again, a torn last line included
+            # came after belongs to iterations that run again, a torn last line included; a log cut
+            # shorter than that is never appended to
             for name in LOGS:
                 with open(f"{args.out}/{name}", "a", encoding="utf-8") as f:
-                    # never longer than it is (truncate would pad a file shortened since with NUL bytes)
-                    f.truncate(min(state["log_sizes"][name], f.tell()) if found else 0)
-            print(f"{'resuming' if args.resume else 'run'} {args.out}"
-                  + (f" from {found[-1]}" if found else ""), file=sys.stderr)
+                    if f.tell() < state["log_sizes"][name]:
+                        fail(f"{args.out}/{name} is shorter than {folder} recorded ({f.tell()} of "
+                             f"{state['log_sizes'][name]} bytes): it was cut; put the whole file back, or "
+                             "start a new run")
+                    f.truncate(state["log_sizes"][name])
+            print(f"{'resuming' if args.resume else 'run'} {args.out}" + (f" from {folder}" if folder else ""),
+                  file=sys.stderr)
         # no config for the tracker: the run's config.json holds the settings. TensorBoard drops the
         # steps a killed run logged after the checkpoint (purge_step; nothing in a new run), as
         # metrics.jsonl does. Without a tracker this does nothing.
@@ -722,6 +770,34 @@ class Run:
         self.bar = tqdm(total=args.iterations, initial=start, desc=self.script[:-3], disable=not self.is_main)
         self.start_iteration()
         return start
+
+    def restore(self):
+        """(checkpoint folder, its state) of the newest recorded checkpoint that loads, loaded into the
+        adapters, the optimizer, the schedule, the modules; (None, a new run's state) where there is none.
+        One that does not load (a truncated file, another trainer's state) is named in a warning and the
+        one before it is tried; where none loads, one line."""
+        from peft import set_peft_model_state_dict
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        found = checkpoints(self.args.out)
+        for folder in reversed(found):
+            try:
+                state = torch.load(f"{folder}/state.pt", map_location="cpu", weights_only=False)
+                weights = {name: load_file(f"{folder}/{name}/adapter_model.safetensors") for name in self.adapters}
+                for name, part in self.parts.items():
+                    part.load_state_dict(state[name])
+                for name, adapter in weights.items():
+                    set_peft_model_state_dict(self.model, adapter, adapter_name=name)  # copied onto the device
+                return folder, state
+            except (OSError, EOFError, RuntimeError, KeyError, ValueError, SafetensorError,
+                    pickle.UnpicklingError) as e:
+                why = f"{type(e).__name__}: {str(e).partition(chr(10))[0][:160]}"
+                tqdm.write(f"warning: the checkpoint {folder} does not load ({why})", file=sys.stderr)
+        if found:
+            fail(f"--resume {self.args.out}: none of its {len(found)} checkpoints loads; move the broken ones out "
+                 f"of {self.args.out}/checkpoints, or start a new run")
+        return None, {"iteration": 0, "rng": [], "log_sizes": dict.fromkeys(LOGS, 0)}
 
     def start_iteration(self):
         """An iteration's clock and peak memory count from here (the end of begin and of save_if_due)."""
@@ -868,8 +944,8 @@ class Run:
                       "checkpoint")
         self.saving, self.saved_at, out = iteration, iteration, self.args.out
         if self.is_main:
-            self.written.append(f"iter_{iteration:06d}")
-            final = f"{out}/checkpoints/{self.written[-1]}"
+            name = f"iter_{iteration:06d}"
+            final = f"{out}/checkpoints/{name}"
             tmp = final + ".tmp"  # a killed save's is overwritten (the same files), then renamed
             try:
                 for adapter in self.adapters:
@@ -877,19 +953,20 @@ class Run:
                     # of its name: either way each lands in tmp/<adapter>/
                     self.model.save_pretrained(f"{tmp}/default" if adapter == "default" else tmp,
                                                selected_adapters=[adapter])
-                state = {**{name: part.state_dict() for name, part in self.parts.items()}, "rng": rngs,
-                         "iteration": iteration, "written": self.written,
-                         "log_sizes": {name: os.path.getsize(f"{out}/{name}") for name in LOGS}}
+                state = {**{part: value.state_dict() for part, value in self.parts.items()}, "rng": rngs,
+                         "iteration": iteration, "log_sizes": {log: os.path.getsize(f"{out}/{log}") for log in LOGS}}
                 torch.save(state, f"{tmp}/state.pt")
                 os.rename(tmp, final)
+                with open(f"{out}/checkpoints.txt", "a", encoding="utf-8") as f:  # the record: it is complete
+                    f.write(name + "\n")
             except (OSError, RuntimeError, SafetensorError) as e:
                 why = write_failure(e, final)  # before the removal gives the space back
                 shutil.rmtree(tmp, ignore_errors=True)
                 fail(f"iteration {iteration}: the checkpoint {final} could not be written "
                      f"({why}); what was written of it is removed; "
                      f"{self.resume_advice()}", code=1)
-            while 0 < self.args.keep_checkpoints < len(self.written):  # the oldest of this run's own go
-                shutil.rmtree(f"{out}/checkpoints/{self.written.pop(0)}", ignore_errors=True)
+            for old in checkpoints(out)[:-self.args.keep_checkpoints]:  # the oldest it recorded go (0: none)
+                shutil.rmtree(old, ignore_errors=True)
         self.saving = None
 
     def stop(self, error):

@@ -30,7 +30,7 @@ import unicodedata
 import urllib.parse
 from dataclasses import dataclass, field
 
-from run import above, at_least, env_name, fail, one_of, read_json_lines, read_text, redact, setting, within
+from run import at_least, env_name, fail, one_of, read_json_lines, read_text, redact, setting, within
 
 # ----------------------------------------------------------------------------------------------
 # Personas
@@ -820,10 +820,11 @@ class SimulatorSettings:
     api_key_env: str = setting("OPENAI_API_KEY", "environment variable with the URL simulator's key",
                                env_name)
     api_timeout: float = setting(60.0, "seconds a request to a URL simulator may take in all; a call, x "
-                                       "(retries + 1)", above(0), operational=True)
+                                       "(retries + 1)", within(0, 86400, low_open=True), operational=True)
     api_retries: int = setting(4, "tries after a failed request to a URL simulator", at_least(0),
                                operational=True)
-    personas: str = setting("personas.json", "persona file: personas.json or a SAGE / RLVER profile file")
+    personas: str = setting("personas.json", "persona file: personas.json or a SAGE / RLVER profile file",
+                            path=True)
     split: str = setting("train", "persona split: train | test | all", one_of(*SPLITS, "all"))
     difficulty: str = setting("all", "all (each persona's own) | easy | normal | hard: every user plays at "
                                      "this level", one_of("all", *DIFFICULTIES))

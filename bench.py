@@ -91,7 +91,7 @@ import torch
 import ppo
 import rollout
 from run import (above, at_least, command, fail, model_problem, one_of, parse_settings, peak_memory_gb, read_run,
-                 read_text, set_seed, setting, write_atomically)
+                 read_text, set_seed, setting, within, write_atomically)
 from simulator import RulesBackend, Simulator, load_personas_or_exit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -167,7 +167,7 @@ class RolloutSettings:
     group = "bench.py rollout"
     dialogues: int = setting(4, "dialogues played together (train personas)", at_least(1))
     max_turns: int = setting(3, "agent turns per dialogue", at_least(1))
-    max_new_tokens: int = setting(48, "tokens per agent turn", at_least(1))
+    max_new_tokens: int = setting(48, "tokens per agent turn", within(1, 8192))
     reuse_cache: bool = setting(True, "keep each dialogue's KV cache between turns (false: run every prompt "
                                       "whole)")
     simulator: str = setting("same", "same: the full rollout, user included; rules: a free user, so the "
@@ -222,7 +222,7 @@ class StepSettings:
     dialogues: int = setting(32, "dialogues an iteration, one minibatch (GRPO: / group size personas)",
                              at_least(1))
     group_size: int = setting(4, "GRPO: dialogues per persona", at_least(2))
-    max_new_tokens: int = setting(48, "tokens of the one agent turn", at_least(1))
+    max_new_tokens: int = setting(48, "tokens of the one agent turn", within(1, 8192))
     micro_batch_size: int = setting(8, "dialogues per forward pass", at_least(1))
 
 
@@ -753,6 +753,17 @@ def gpu_check(args):
     if not args.dry_run and not torch.cuda.is_available():
         fail("bench.py gpu --check: needs a CUDA GPU and none is visible; --dry-run runs its steps on CPU at "
              "tiny sizes")
+    if os.path.isdir(args.out):  # a folder gets the results inside it
+        args.out = os.path.join(args.out, "check.json")
+    try:  # only a results file of this check is ever replaced: never a run's config.json or another file
+        with open(args.out, encoding="utf-8") as f:
+            ours = "steps" in json.load(f)
+    except FileNotFoundError:
+        ours = True
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if not ours:
+        fail(f"--out {args.out} exists and is not a results file of this check: give a new file or a folder")
     folder = os.path.dirname(os.path.abspath(args.out))
     try:  # every step writes its log there, and the results after it
         os.makedirs(folder, exist_ok=True)

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, build_simulator,
                      check_openings_fit, load_policy, make_backend, play_dialogues, sampling_settings)
 from run import (append_lines, at_least, checkpoints, command, default_device, exit_on_signals, fail, finite,
-                 new_folder, parse_settings, public_config, read_json_lines, read_run, redact,
+                 new_folder, parse_settings, public_config, read_json_lines, read_run, read_text, redact,
                  release, setting, transcript_record, within, write_atomically, write_failure)
 from simulator import (PROMPTS, PersonaError, SimulatorError, SimulatorSettings, UserState, apply_change,
                        clean_user_text, load_personas, load_personas_or_exit, persona_language,
@@ -73,9 +73,10 @@ class EvalSettings:
     def check(args):
         """--adapter as policy adapter folders, and the settings they were trained with. A run folder
         gives its newest complete checkpoint, a checkpoint its policy (default/); PPO's critic is a
-        value model. An adapter of a trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it
-        was trained: the base model, thinking, tokens a reply and context come from the run's
-        config.json unless given here. With evaluate.py's own defaults a think-then-say agent trained
+        value model, known by the role its run saved beside it (wherever it was copied). An adapter of a
+        trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it was trained: the base model,
+        thinking, tokens a reply and context, and the simulated user that judged it, come from the
+        run's config.json unless given here. With evaluate.py's own defaults a think-then-say agent trained
         with 512 tokens would be cut at 128, mid-thought, and the user would hear silence. Runs that
         disagree: one line (which to take is not guessed); fewer tokens a reply than in training: a
         warning."""
@@ -84,14 +85,15 @@ class EvalSettings:
             path = os.path.normpath((checkpoints(path) or [path])[-1])
             if os.path.isdir(f"{path}/default"):
                 path = f"{path}/default"
-            if path.endswith("critic") or not os.path.isfile(f"{path}/adapter_config.json"):
+            role = read_text(f"{path}/role", fail) if os.path.isfile(f"{path}/role") else "default"
+            if role != "default" or not os.path.isfile(f"{path}/adapter_config.json"):
                 fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; PPO's "
                      "critic is a value model)")
             args.adapter[i] = path
             # RUN/checkpoints/iter_N/default: the saved settings of the run it comes from
             if path.split(os.sep)[-3:-2] == ["checkpoints"] and (run := read_run(f"{path}/../../..")):
                 runs.append(run)
-        for name in ("model", "thinking", "max_new_tokens", "max_context"):
+        for name in ("model", "thinking", "max_new_tokens", "max_context", "simulator", "api_model", "api_key_env"):
             values = {run[name] for run in runs}
             if values and name not in args.given:
                 if len(values) > 1:
@@ -547,12 +549,13 @@ def agreement_main(args):
     appraisals.jsonl, written whole line by line, and no result file is half written (each is renamed
     into place)."""
     personas = {p.id: p for p in load_personas_or_exit(args.personas, difficulty=args.difficulty)}
-    real = [os.path.realpath(path) for path in args.agreement]
-    dialogues = []
-    for k, path in enumerate(args.agreement):
-        if real[k] in real[:k]:  # it would count as a second model that agrees with the first
-            fail(f"--agreement {path}: the file {args.agreement[real.index(real[k])]} again; give each once")
+    dialogues, seen = [], {}
+    for path in args.agreement:
         dialogues += read_sage_dialogues(path, personas)[:args.dialogues or None]
+        # the same file under another name or a hard link would count as a second model that agrees
+        first = seen.setdefault((os.stat(path).st_dev, os.stat(path).st_ino), path)
+        if first != path:
+            fail(f"--agreement {path}: the file {first} again; give each once")
     new_folder(args.out)
     store = f"{args.out}/appraisals.jsonl"
     exit_on_signals(lambda: f"; the appraisals made so far are in {store}")

@@ -55,7 +55,7 @@ class GRPOSettings:
                                                    "(token sum / fixed budget)",
                             one_of("seq-mean-token-mean", "token-mean", "dr-grpo"))
     lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
-    warmup_steps: int = setting(20, "optimizer steps of linear learning-rate warm-up (RLVER: 2% of 1,000)",
+    warmup_steps: int = setting(20, "optimizer steps of linear learning-rate warm-up (RLVER: 2%% of 1,000)",
                                 at_least(0))
     max_grad_norm: float = setting(1.0, "gradient norm clipping", above(0))
     greedy: bool = setting(False, "decode greedily: for tests and debugging (a group's dialogues would be "

@@ -60,9 +60,9 @@ class PPOSettings:
                             one_of("token-mean", "seq-mean-token-mean"))
     lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
     critic_lr: float = setting(5e-5, "critic adapter and value head learning rate (5x --lr)", above(0))
-    warmup_steps: int = setting(20, "optimizer steps of the policy's linear learning-rate warm-up (RLVER: 2% "
+    warmup_steps: int = setting(20, "optimizer steps of the policy's linear learning-rate warm-up (RLVER: 2%% "
                                     "of 1,000)", at_least(0))
-    critic_warmup_steps: int = setting(50, "the critic's warm-up steps (RLVER: 5% of 1,000)", at_least(0))
+    critic_warmup_steps: int = setting(50, "the critic's warm-up steps (RLVER: 5%% of 1,000)", at_least(0))
     max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
     greedy: bool = setting(False, "decode greedily: reproducible dialogues for tests and debugging")
     micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1),

@@ -254,7 +254,7 @@ def read_run(folder):
     try:
         with open(f"{folder}/config.json", encoding="utf-8") as f:
             saved = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return saved if isinstance(saved, dict) and "script" in saved else None
 
@@ -271,7 +271,7 @@ def resume_settings(args, fields, prog=None):
              f"`python {saved['script']} --resume {args.resume}`")
     if "out" in args.given and os.path.abspath(args.out) != os.path.abspath(args.resume):
         fail(f"--out {args.out} with --resume {args.resume}: a resume continues in the run's own folder")
-    saved = set()  # the settings taken from config.json
+    taken = set()  # the settings taken from config.json
     for f in fields:
         # a setting added since keeps today's default; consent to hub code is never inherited; the folder
         # is the one resumed (a run folder may have been moved or copied since it was made)
@@ -280,12 +280,12 @@ def resume_settings(args, fields, prog=None):
         flag, now, then = f"--{f.name.replace('_', '-')}", getattr(args, f.name), saved[f.name]
         if f.name not in args.given:
             setattr(args, f.name, then)
-            saved.add(f.name)
+            taken.add(f.name)
         elif redact(now) != then and f.name not in RESUMABLE and not f.metadata["operational"]:
             fail(f"{flag} {redact(now)!r}: the run in {args.resume} has {then!r}, and --resume keeps it "
                  f"(it may change only {', '.join(RESUMABLE)} and the operational settings)")
     args.out = os.path.abspath(args.resume)
-    return saved
+    return taken
 
 
 def public_config(args, script):
@@ -549,7 +549,10 @@ def append_lines(path, rows):
 
 def read_text(path, error=ValueError):
     """A text file named on the command line; `error` (one line naming the file, and the line of a byte
-    that is not UTF-8) when it cannot be read."""
+    that is not UTF-8) when it cannot be read. Only a regular file is read: a named pipe would wait for
+    a writer forever."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise error(f"{path}: not a regular file")
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -559,17 +562,26 @@ def read_text(path, error=ValueError):
         raise error(f"{path}: line {e.object[:e.start].count(10) + 1}: not UTF-8 text")
 
 
+def parse_json(text, where, error=ValueError):
+    """A JSON value; `error` (one line naming `where`) when the text is not JSON, nests too deep for
+    Python to read, or holds a lone surrogate (an escape such as \\ud800, which no tokenizer takes)."""
+    try:
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return value
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: not valid JSON: {e.msg}")
+    except RecursionError:
+        raise error(f"{where}: nested too deep to read")
+    except UnicodeEncodeError:
+        raise error(f"{where}: holds a lone surrogate (an escape such as \\ud800), which is not text")
+
+
 def read_json_lines(path, error=ValueError):
     """[(line index, object)] for each non-empty line of a JSON-lines file; `error` (one line naming the
-    file and the line) when it cannot be read or a line is not JSON."""
-    entries = []
-    for i, line in enumerate(read_text(path, error).splitlines()):
-        if line.strip():
-            try:
-                entries.append((i, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise error(f"{path}: line {i + 1}: not valid JSON: {e.msg}")
-    return entries
+    file and the line) when it cannot be read or a line is not JSON (parse_json)."""
+    lines = read_text(path, error).splitlines()
+    return [(i, parse_json(line, f"{path}: line {i + 1}", error)) for i, line in enumerate(lines) if line.strip()]
 
 
 def write_failure(error, path):
@@ -774,8 +786,8 @@ class Run:
     def restore(self):
         """(checkpoint folder, its state) of the newest recorded checkpoint that loads, loaded into the
         adapters, the optimizer, the schedule, the modules; (None, a new run's state) where there is none.
-        One that does not load (a truncated file, another trainer's state) is named in a warning and the
-        one before it is tried; where none loads, one line."""
+        One that does not load (a truncated file, another trainer's state) is named in a warning, moved
+        aside to NAME.broken, and the one before it is tried; where none loads, one line."""
         from peft import set_peft_model_state_dict
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -793,7 +805,11 @@ class Run:
             except (OSError, EOFError, RuntimeError, KeyError, ValueError, SafetensorError,
                     pickle.UnpicklingError) as e:
                 why = f"{type(e).__name__}: {str(e).partition(chr(10))[0][:160]}"
-                tqdm.write(f"warning: the checkpoint {folder} does not load ({why})", file=sys.stderr)
+                tqdm.write(f"warning: the checkpoint {folder} does not load ({why}); moved to {folder}.broken",
+                           file=sys.stderr)
+                if self.is_main:  # kept, out of the way of the iteration's new checkpoint
+                    with contextlib.suppress(OSError):
+                        os.rename(folder, f"{folder}.broken")
         if found:
             fail(f"--resume {self.args.out}: none of its {len(found)} checkpoints loads; move the broken ones out "
                  f"of {self.args.out}/checkpoints, or start a new run")
@@ -950,9 +966,11 @@ class Run:
             try:
                 for adapter in self.adapters:
                     # peft writes 'default' into the folder given and any other adapter into a subfolder
-                    # of its name: either way each lands in tmp/<adapter>/
+                    # of its name: either way each lands in tmp/<adapter>/, with its role beside it
+                    # (evaluate.py scores only a policy, wherever its folder was copied)
                     self.model.save_pretrained(f"{tmp}/default" if adapter == "default" else tmp,
                                                selected_adapters=[adapter])
+                    Path(f"{tmp}/{adapter}/role").write_text(adapter, encoding="utf-8")
                 state = {**{part: value.state_dict() for part, value in self.parts.items()}, "rng": rngs,
                          "iteration": iteration, "log_sizes": {log: os.path.getsize(f"{out}/{log}") for log in LOGS}}
                 torch.save(state, f"{tmp}/state.pt")

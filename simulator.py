@@ -30,7 +30,8 @@ import unicodedata
 import urllib.parse
 from dataclasses import dataclass, field
 
-from run import at_least, env_name, fail, one_of, read_json_lines, read_text, redact, setting, within
+from run import (REDACTED, at_least, env_name, fail, one_of, parse_json, read_json_lines, read_text, redact,
+                 setting, within)
 
 # ----------------------------------------------------------------------------------------------
 # Personas
@@ -151,10 +152,7 @@ def load_personas(path, split=None, need_opening=True):
     Raises PersonaError with a one-line message naming the file, the entry and the field."""
     text = read_text(path, PersonaError)
     if text.lstrip().startswith("["):
-        try:
-            entries = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PersonaError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}")
+        entries = parse_json(text, path, PersonaError)
         personas = [_project_persona(path, i, e) for i, e in enumerate(entries)]
     else:  # SAGE / RLVER: one JSON object per line
         personas = [_sage_persona(path, i, e, need_opening) for i, e in read_json_lines(path, PersonaError)]
@@ -600,7 +598,7 @@ class OpenAIBackend:
                     if not isinstance(content, str):
                         raise ReplyError(f"choices[0].message.content is {type(content).__name__}, not a "
                                          f"string")
-                    return content
+                    return content.replace(key, REDACTED) if key else content  # a proxy may echo the key
                 problem = f"HTTP {status}" + (f" (is the key in ${self.api_key_env} right?)"
                                               if status in (401, 403) else "")
                 if status != 429 and status < 500:  # a client error (a wrong key too) stays one

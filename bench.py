@@ -821,7 +821,6 @@ COMMANDS = {"rollout": (bench_rollout, [RolloutSettings, ModelSettings]),
             "gpu --check": (gpu_check, [CheckSettings])}
 
 
-@command
 def main(argv=None):
     """bench.py SUBCOMMAND [FLAGS] [-- TRAINER FLAGS]: each subcommand's flags are settings (run.setting),
     checked as the trainers' are: bad input is one line and exit code 2, before any model loads."""
@@ -843,4 +842,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)()  # the command line: a Stop is one line and its exit code

@@ -94,7 +94,7 @@ class EvalSettings:
             if path.split(os.sep)[-3:-2] == ["checkpoints"] and (run := read_run(f"{path}/../../..")):
                 runs.append(run)
         for name in ("model", "thinking", "max_new_tokens", "max_context", "simulator", "api_model", "api_key_env"):
-            values = {run[name] for run in runs}
+            values = {run[name] for run in runs if name in run}  # a setting its run had
             if values and name not in args.given:
                 if len(values) > 1:
                     fail(f"--adapter: the runs were trained with different --{name.replace('_', '-')} "
@@ -670,7 +670,6 @@ def write_openings(args):
     print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)
 
 
-@command
 def main(argv=None):
     args = parse_args(argv)
     if args.agreement:  # the simulator checked against SAGE's recorded judgments
@@ -696,4 +695,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)()  # the command line: a Stop is one line and its exit code

@@ -162,7 +162,6 @@ LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ra
           "grad_norm")  # by the update; metrics.jsonl: their means
 
 
-@command
 def main(argv=None):
     args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="grpo.py")  # --resume: the run's own settings
     personas = training_personas(args)  # checked before any weights load
@@ -264,4 +263,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)()  # the command line: a Stop is one line and its exit code

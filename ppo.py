@@ -226,7 +226,6 @@ def critic_values(model, value_head, input_ids, attention_mask):
     return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
 
 
-@command
 def main(argv=None):
     args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="ppo.py")  # --resume: the run's own settings
     personas = training_personas(args)  # checked before any weights load
@@ -343,4 +342,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)()  # the command line: a Stop is one line and its exit code

@@ -46,7 +46,7 @@ def assert_one_line(code, stderr, *words):
 
 def exits_with_one_line(main, argv, capsys, *words):
     with pytest.raises(SystemExit) as stop:
-        main(argv)
+        run.command(main)(argv)
     assert_one_line(stop.value.code, capsys.readouterr().err, *words)
 
 

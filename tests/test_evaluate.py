@@ -23,8 +23,10 @@ import torch
 
 import evaluate
 import rollout
+import run
 import simulator
 from conftest import ROOT, reply
+from run import command
 from evaluate import model_summary, paired_difference, results_table, run_evaluation, use_model, with_interval
 from simulator import RulesBackend, Simulator, load_personas
 
@@ -64,7 +66,7 @@ def assert_one_line(code, stderr, *words):
 def one_line(argv, capsys, *words):
     """evaluate.main(argv) in this process ends with one line holding every word, exit code 2."""
     with pytest.raises(SystemExit) as stop:
-        evaluate.main(argv)
+        run.command(evaluate.main)(argv)
     assert_one_line(stop.value.code, capsys.readouterr().err, *words)
 
 
@@ -375,6 +377,8 @@ def run_folder(folder, adapter, iterations=1, **settings):
         for name in ("default", "critic"):
             shutil.copytree(adapter, checkpoint / name)
         torch.save({"iteration": n}, checkpoint / "state.pt")
+        (checkpoint / "critic" / "role").write_text("critic")
+    (folder / "checkpoints.txt").write_text("".join(f"iter_{n:06d}\n" for n in range(1, iterations + 1)))
     config = {"script": "ppo.py", "model": "smollm2", "thinking": True, "max_new_tokens": 512,
               "max_context": 6144, "lora_r": 4, **settings}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
@@ -422,7 +426,7 @@ def test_the_runs_settings_unless_given_and_runs_that_disagree(tiny_model_dir, t
     # two runs trained with different budgets: which one to evaluate with is not guessed
     other = run_folder(tmp_path / "b", tiny_adapter, model=tiny_model_dir, thinking=False, max_new_tokens=32)
     with pytest.raises(SystemExit) as stop:
-        evaluate.parse_args(["--adapter", str(run), str(other)])
+        command(evaluate.parse_args)(["--adapter", str(run), str(other)])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and "--max-new-tokens" in err, err
     both = evaluate.parse_args(["--adapter", str(run), str(other), "--max-new-tokens", "32"])
@@ -487,7 +491,7 @@ def test_an_adapter_for_another_model_width_says_why(tiny_model_dir, personas_fi
     lora = LoraConfig(r=2, target_modules=["q_proj"])
     get_peft_model(LlamaForCausalLM(config), lora).save_pretrained(adapter)
     with pytest.raises(SystemExit) as stop:
-        evaluate.main(ev(tiny_model_dir, personas_file, tmp_path / "eval", "--adapter", str(adapter)))
+        run.command(evaluate.main)(ev(tiny_model_dir, personas_file, tmp_path / "eval", "--adapter", str(adapter)))
     err = capsys.readouterr().err
     assert_one_line(stop.value.code, err, str(adapter))
     why = error_lines(err)[0].replace(str(adapter), "").replace(tiny_model_dir, "")

@@ -251,7 +251,7 @@ def test_a_target_module_the_model_lacks_is_one_line_before_the_weights_load(scr
         raise AssertionError("the weights loaded")
     monkeypatch.setattr(rollout, "load_model", no_weights)
     with pytest.raises(SystemExit) as stop:
-        script.main(tiny_run(script, tiny_model_dir, personas_file, tmp_path / "run",
+        run.command(script.main)(tiny_run(script, tiny_model_dir, personas_file, tmp_path / "run",
                              "--target-modules", "q_proj,qkv_proj"))
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1, err
@@ -307,7 +307,7 @@ def test_a_model_that_changes_its_logits_after_lm_head_is_one_line_before_the_we
         raise AssertionError("the weights loaded")
     monkeypatch.setattr(rollout, "load_model", no_weights)
     with pytest.raises(SystemExit) as stop:
-        ppo.main(tiny_run(ppo, folder, personas_file, tmp_path / "run"))
+        run.command(ppo.main)(tiny_run(ppo, folder, personas_file, tmp_path / "run"))
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1, err
     assert folder in err and f"{field} {value}" in err and "sampler" in err, err
@@ -358,7 +358,7 @@ def test_load_in_4bit_without_its_parts_is_one_line_before_any_model_loads(scrip
     else:
         monkeypatch.setattr(bitsandbytes.functional, "quantize_4bit", no_kernel)
     with pytest.raises(SystemExit) as stop:
-        script.main(four_bit_argv(script, tiny_model_dir, personas_file, tmp_path / "run"))
+        run.command(script.main)(four_bit_argv(script, tiny_model_dir, personas_file, tmp_path / "run"))
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "--load-in-4bit" in err and ("install bitsandbytes" if missing == "bitsandbytes" else "CPU") in err, err

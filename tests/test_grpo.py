@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import grpo
+import run
 from conftest import ROOT, read_metrics
 from rollout import play_dialogues
 from simulator import RulesBackend, Simulator, load_personas
@@ -236,7 +237,7 @@ def test_base_frozen_adapter_moves_and_loads(warm_run, warm_model_dir):
         if "lora_" in k:
             torch.testing.assert_close(v, trained[k], atol=0, rtol=0)
     state = torch.load(os.path.join(out, "checkpoints", "iter_000001", "state.pt"), weights_only=False)
-    assert state["iteration"] == 1 and {"optimizer", "scheduler", "rng", "written"} <= set(state)
+    assert state["iteration"] == 1 and {"optimizer", "scheduler", "rng", "log_sizes"} <= set(state)
 
 
 def test_settings_errors_say_what_to_change(tiny_model_dir, personas_file, tmp_path, capsys):
@@ -246,12 +247,12 @@ def test_settings_errors_say_what_to_change(tiny_model_dir, personas_file, tmp_p
              (["--loss-agg", "seq-mean-token-sum"], "--loss-agg")]
     for extra, flag in cases:
         with pytest.raises(SystemExit) as stop:
-            grpo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", *extra))
+            run.command(grpo.main)(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", *extra))
         err = capsys.readouterr().err
         assert stop.value.code == 2 and err.startswith("error:") and flag in err, extra
     if not torch.cuda.is_available():  # the paper's setup points to the cpu preset instead of a traceback
         with pytest.raises(SystemExit) as stop:
-            grpo.main([])
+            run.command(grpo.main)([])
         assert stop.value.code == 2 and "--preset cpu" in capsys.readouterr().err
 
 

@@ -35,6 +35,7 @@ import traceback
 import pytest
 import torch
 
+import run
 from conftest import ROOT, read_metrics
 from test_bad_input import ENV, assert_one_line, cli, tiny
 
@@ -59,7 +60,7 @@ def command(capsys, script, *argv, cwd=None):
     the interpreter comes back as it would print it: exit code 1 and a traceback on stderr."""
     if SUBPROCESS:
         return cli(os.path.join(ROOT, script), *argv, cwd=cwd or ROOT)
-    main = importlib.import_module(script[:-len(".py")]).main
+    main = run.command(importlib.import_module(script[:-len(".py")]).main)
     here, threads = os.getcwd(), torch.get_num_threads()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     capsys.readouterr()

@@ -46,7 +46,7 @@ def chat_completion(text):
 def test_evaluate_refuses_profiles_without_openings_before_a_model_loads(monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "load_models", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit) as stop:
-        evaluate.main(["--personas", RLVER, "--simulator", "rules"])
+        run_module.command(evaluate.main)(["--personas", RLVER, "--simulator", "rules"])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and "--write-openings" in err
 
@@ -204,7 +204,7 @@ def appraising_server(server, fail_on=None):
 
 
 def agreement(out, simulator_arg, *extra):
-    return evaluate.main(["--agreement", *RESULTS, "--personas", SAGE, "--simulator", simulator_arg,
+    return run_module.command(evaluate.main)(["--agreement", *RESULTS, "--personas", SAGE, "--simulator", simulator_arg,
                           "--bootstrap", "300", "--out", str(out), *extra])
 
 
@@ -324,7 +324,7 @@ def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, 
     text = [x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in lines]
     path.write_text("".join(line + "\n" for line in text), encoding="utf-8")
     with pytest.raises(SystemExit) as stop:
-        evaluate.main(["--agreement", str(path), "--personas", SAGE, "--simulator", "same",
+        run_module.command(evaluate.main)(["--agreement", str(path), "--personas", SAGE, "--simulator", "same",
                        "--model", tiny_model_dir, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1
@@ -342,7 +342,7 @@ def with_point(line, k, point):
 def test_a_recorded_file_given_twice_is_refused(tmp_path, capsys):
     again = os.path.join(DATA, "sage_results", ".", "warm_result.jsonl")  # the same file, another spelling
     with pytest.raises(SystemExit) as stop:
-        evaluate.main(["--agreement", RESULTS[0], RESULTS[1], again, "--personas", SAGE,
+        run_module.command(evaluate.main)(["--agreement", RESULTS[0], RESULTS[1], again, "--personas", SAGE,
                        "--simulator", "rules", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1, err

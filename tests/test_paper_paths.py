@@ -312,7 +312,7 @@ def test_the_stop_after_non_finite_updates_keeps_the_last_complete_checkpoint(tr
     out = tmp_path / "run"
     sizes = ["--dialogues-per-iteration", "6"] if trainer is ppo else ["--personas-per-iteration", "3"]
     with pytest.raises(SystemExit) as stop:
-        trainer.main(make(tiny_model_dir, personas_file, out, "--iterations", "4", "--save-every", "1",
+        run.command(trainer.main)(make(tiny_model_dir, personas_file, out, "--iterations", "4", "--save-every", "1",
                           "--minibatch-size", "2", "--micro-batch-size", "2", "--max-bad-updates", "2",
                           *sizes))
     assert stop.value.code == 1

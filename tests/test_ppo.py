@@ -12,6 +12,7 @@ import torch
 
 import ppo
 import rollout
+import run
 from conftest import ROOT, read_metrics
 
 
@@ -231,7 +232,7 @@ def test_non_finite_updates_are_skipped_then_stop_with_one_line(tiny_model_dir, 
         return optimizer
     monkeypatch.setattr(torch.optim, "AdamW", adamw)
     with pytest.raises(SystemExit) as stop:
-        ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5",
+        run.command(ppo.main)(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5",
                            "--max-bad-updates", "2", "--save-every", "100"))
     assert stop.value.code == 1
     err = capsys.readouterr().err

@@ -17,6 +17,7 @@ import time
 import pytest
 
 import ppo
+import run
 from conftest import ROOT, read_metrics
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -38,7 +39,7 @@ def one_line(err):
 
 def refused(capsys, *argv):
     with pytest.raises(SystemExit) as stop:
-        ppo.main(list(argv))
+        run.command(ppo.main)(list(argv))
     assert stop.value.code == 2
     return one_line(capsys.readouterr().err)
 

@@ -1157,7 +1157,7 @@ def in_process(main, argv, capsys):
     """main(argv) as `python SCRIPT ARGV` runs it, in this process: (exit code, stdout, stderr)."""
     capsys.readouterr()
     try:
-        main([str(a) for a in argv])
+        run.command(main)([str(a) for a in argv])
         code = 0
     except SystemExit as e:
         code = e.code
@@ -1183,7 +1183,7 @@ BAD_SETTINGS = [  # (flags, words the error line must hold)
 def test_the_simulated_users_settings_are_checked_in_one_line(flags, words, capsys):
     """The checks of SimulatorSettings, which the trainers, evaluate.py and the scripted check parse."""
     with pytest.raises(SystemExit) as stop:
-        run.parse_settings([simulator.SimulatorSettings], flags)
+        run.command(lambda argv: run.parse_settings([simulator.SimulatorSettings], argv))(flags)
     err = capsys.readouterr().err
     assert_one_line(stop.value.code, err, *words)
     assert "sk-live" not in err and "123SECRET" not in err
@@ -1227,7 +1227,7 @@ def test_a_huge_persona_field_is_refused_when_the_file_loads(persona_entry, writ
     field (the trainers and evaluate.py load the personas before any model)."""
     path = write_personas([persona_entry(id="big1", background="she waited. " * 90_000)])
     with pytest.raises(SystemExit) as stop:
-        simulator.load_personas_or_exit(path)
+        run.command(simulator.load_personas_or_exit)(path)
     assert_one_line(stop.value.code, capsys.readouterr().err, path, "big1", "'background'", "1,080,000")
 
 
@@ -1456,7 +1456,7 @@ def test_rlver_profiles_get_openings_then_train_one_ppo_iteration(tiny_model_dir
             "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "1024", "--lora-r", "4",
             "--lora-alpha", "8", "--iterations", "1"]
     with pytest.raises(SystemExit) as stop:
-        ppo.main([*args, "--personas", RLVER, "--out", str(tmp_path / "refused")])
+        run.command(ppo.main)([*args, "--personas", RLVER, "--out", str(tmp_path / "refused")])
     assert stop.value.code == 2
     assert "--write-openings NEW_FILE --personas " + RLVER in capsys.readouterr().err
     monkeypatch.undo()

@@ -99,7 +99,7 @@ def test_report_to_a_missing_tracker_is_one_line_before_any_model_loads(script, 
                                       "(choose from 'none', 'tensorboard', 'wandb')")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as stop:
-            script.main([*args, "--out", str(tmp_path / value), "--report-to", value])
+            run.command(script.main)([*args, "--out", str(tmp_path / value), "--report-to", value])
         assert stop.value.code == 2
         assert capsys.readouterr().err.strip().splitlines() == [message]
 

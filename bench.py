@@ -90,7 +90,7 @@ import torch
 
 import ppo
 import rollout
-from run import (above, at_least, command, fail, model_problem, one_of, parse_settings, peak_memory_gb, read_run,
+from run import (above, at_least, command, fail, one_of, parse_settings, peak_memory_gb, read_run,
                  read_text, set_seed, setting, within, write_atomically)
 from simulator import RulesBackend, Simulator, load_personas_or_exit
 
@@ -157,14 +157,14 @@ ROLLOUT_TARGET = 0.9  # issue 17: the multi-turn rollout at 0.9 of plain generat
 @dataclass
 class ModelSettings:
     """The policy and the personas of the CPU benchmarks (rollout, step)."""
-    group = "the model"
-    model: str = setting("smollm2", "policy: smollm2 (embedded), a hub id or a path", model_problem)
+    title = "the model"
+    model: str = setting("smollm2", "policy: smollm2 (embedded), a hub id or a path", rollout.model_problem)
     personas: str = setting("personas.json", "persona file (its train split)")
 
 
 @dataclass
 class RolloutSettings:
-    group = "bench.py rollout"
+    title = "bench.py rollout"
     dialogues: int = setting(4, "dialogues played together (train personas)", at_least(1))
     max_turns: int = setting(3, "agent turns per dialogue", at_least(1))
     max_new_tokens: int = setting(48, "tokens per agent turn", within(1, 8192))
@@ -215,7 +215,7 @@ STEP_FLAGS = ("--preset cpu --simulator rules --max-turns 1 --lora-r 16 --lora-a
 
 @dataclass
 class StepSettings:
-    group = "bench.py step"
+    title = "bench.py step"
     algo: str = setting("grpo", "the trainer", one_of("grpo", "ppo"))
     iterations: int = setting(3, "iterations run; with 3 or more the first (warm-up) is left out of the "
                                  "medians", at_least(1))
@@ -323,7 +323,7 @@ def usable_cores():
 
 @dataclass
 class LearningSettings:
-    group = "bench.py learning"
+    title = "bench.py learning"
     seeds: str = setting("0,1,2", "comma-separated seeds, one run per algorithm and seed",
                          comma_list(r"\d+", "comma-separated integers, such as 0,1,2"))
     iterations: int = setting(15, "iterations per run (15: 30 min GRPO, 46 min PPO on one core)",
@@ -505,7 +505,7 @@ GPU_SHAPES = {
 
 def random_model(config, tokenizer, device):
     """A causal LM of `config` with random weights, built straight on `device`: bf16 on a GPU
-    (initialised there, in seconds), fp32 on CPU as run.load_model does."""
+    (initialised there, in seconds), fp32 on CPU as rollout.load_model does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**config, pad_token_id=tokenizer.pad_token_id,
@@ -534,7 +534,7 @@ def chatml_tokenizer(vocab_size=4096):
     SmolLM2 (and its tokenizer) is not installed, as on the GPU machine: a byte-level BPE (any text
     encodes) trained on this project's own text (personas.json, the system prompts), with SmolLM2's
     special tokens at SmolLM2's ids (<|endoftext|> 0, <|im_start|> 1, <|im_end|> 2) and a plain ChatML
-    chat template (no default system message), set up as run.load_model sets a tokenizer up (left
+    chat template (no default system message), set up as rollout.load_model sets a tokenizer up (left
     padding, pad = eos = <|im_end|>). The BPE trainer breaks ties in a fixed order, so every build
     gives the same vocabulary and ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -555,7 +555,7 @@ def chatml_tokenizer(vocab_size=4096):
 
 @dataclass
 class GPUSettings:
-    group = "bench.py gpu (`bench.py gpu --check --help`: the GPU check)"
+    title = "bench.py gpu (`bench.py gpu --check --help`: the GPU check)"
     tiny: bool = setting(False, "a 2-layer, 64-wide Qwen2 on CPU: a smoke test of this path")
     shape: str = setting("quick", "quick: 32 dialogues x 3 turns of 128 tokens, thinking off, the rules "
                                   "user; paper: 8 turns of 512 tokens, thinking on, the 'same' user",
@@ -632,7 +632,7 @@ PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|error|deselected)")
 # settings class's `check` as its joint check of the values: no field can be named so.
 @dataclass
 class CheckSettings:
-    group = "bench.py gpu --check: every step of the GPU path in its own subprocess, one line each"
+    title = "bench.py gpu --check: every step of the GPU path in its own subprocess, one line each"
     dry_run: bool = setting(False, "the same steps on CPU at tiny sizes, CUDA hidden (CI runs it)")
     out: str = setting("runs/gpu-check/check.json", "the results file; each step's log goes beside it")
     budget: float = setting(450.0, "seconds for all steps together; a step that no longer fits is skipped",

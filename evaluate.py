@@ -38,10 +38,11 @@ import numpy as np
 from tqdm import tqdm
 
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, build_simulator,
-                     check_openings_fit, load_policy, make_backend, play_dialogues, sampling_settings)
-from run import (append_lines, at_least, checkpoints, command, default_device, exit_on_signals, fail, finite,
+                     check_openings_fit, default_device, load_policy, make_backend, play_dialogues,
+                     sampling_settings, transcript_record)
+from run import (append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
                  new_folder, parse_settings, public_config, read_json_lines, read_run, read_text, redact,
-                 release, setting, transcript_record, within, write_atomically, write_failure)
+                 release, setting, within, write_atomically, write_failure)
 from simulator import (PROMPTS, PersonaError, SimulatorError, SimulatorSettings, UserState, apply_change,
                        clean_user_text, load_personas, load_personas_or_exit, persona_language,
                        user_turn_messages)
@@ -54,7 +55,7 @@ from simulator import (PROMPTS, PersonaError, SimulatorError, SimulatorSettings,
 class EvalSettings:
     """What evaluate.py compares, and how (the policy's, the sampling's and the user's settings are
     declared where they are read; evaluate.py gives them SAGE's defaults)."""
-    group = "evaluate.py"
+    title = "evaluate.py"
     adapter: list[str] = setting([], "LoRA adapters to compare with the base: adapter folders, a trainer's "
                                      "checkpoints (their policy) or run folders (their newest checkpoint)")
     dialogues: int = setting(0, "the first N personas of the split; with --agreement the first N dialogues "

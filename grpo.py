@@ -20,31 +20,39 @@ run.sum sets the loss denominators over every process.
 from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
 import torch
 
-from rollout import (AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
-                     aggregate, batched_logprobs, kl_k3, load_policy, logged_figures, make_simulator,
-                     old_logprobs_of, pad_records, pick_personas, play_dialogues, policy_settings,
-                     sampling_settings, token_logprobs, training_personas, turn_rewards)
-from run import (Run, RunSettings, above, append_means, at_least, command, fail, one_of, parse_settings, setting,
-                 within)
+from rollout import (REWARDS, AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
+                     aggregate, check_before_loading, eval_logprobs, iteration_report, kl_k3, load_policy,
+                     make_simulator, old_logprobs_of, pad_records, pick_personas, play_dialogues, policy_settings,
+                     sampling_settings, token_logprobs, turn_rewards)
+from run import Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting, within
 from simulator import SimulatorError, SimulatorSettings
+
+
+# --group-advantage: a dialogue's advantage from its reward r and its group's mean, std and size (over the
+# group's read dialogues, group_stats); each row one choice of the flag
+ADVANTAGES = {
+    # GRPO (Shao et al. 2024, DeepSeekMath); eps 1e-4 as TRL
+    "mean-std": lambda r, mean, std, size: (r - mean) / (std + 1e-4),
+    # Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): dividing by the std favours too-easy and too-hard groups
+    "mean": lambda r, mean, std, size: r - mean,
+}
 
 
 @dataclass
 class GRPOSettings:
     """GRPO's own settings (the policy's, the user's and the run's are declared where they are read)."""
-    group = "GRPO"
+    title = "GRPO"
     personas_per_iteration: int = setting(8, "personas (groups) per iteration, over all processes: 8 x 4 = "
                                              "PPO's 32 dialogues (RLVER's GRPO: 32 x 4)", at_least(1))
     group_size: int = setting(4, "dialogues per persona, all from its opening (RLVER: 4)", at_least(2))
     reward: str = setting("final", "final: final emotion / 100 | turn: sum of the turns' changes / 100 "
-                                   "(REWARDS)", one_of("final", "turn"))
+                                   "(REWARDS)", one_of(*REWARDS))
     format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
-    scale_rewards: str = setting("group", "group: (r - group mean) / group std | none: r - group mean "
-                                          "(Dr. GRPO)", one_of("group", "none"))
+    group_advantage: str = setting("mean-std", "a dialogue's advantage against its group (ADVANTAGES): "
+                                                "mean-std (GRPO) | mean (Dr. GRPO)", one_of(*ADVANTAGES))
     update_epochs: int = setting(1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
     minibatch_size: int = setting(32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
     clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
@@ -100,32 +108,26 @@ def dialogue_rewards(records, mode="final", format_penalty=0.0):
 
 
 def group_stats(rewards, group_ids):
-    """Per dialogue (B,): its group's mean reward and std (with Bessel's correction, as torch.std, TRL and
-    verl use) over the group's read dialogues (an unread one's reward is NaN), and whether the group has
-    nothing to learn from: fewer than two read dialogues, or all their rewards equal (zero spread).
-    Every group holds --group-size dialogues (its declared check), all in one process."""
-    mean, std = torch.zeros_like(rewards), torch.zeros_like(rewards)
+    """Per dialogue (B,): its group's mean reward, std (with Bessel's correction, as torch.std, TRL and
+    verl use) and size over the group's read dialogues (an unread one's reward is NaN), and whether the
+    group has nothing to learn from: fewer than two read dialogues, or all their rewards equal."""
+    mean, std, size = torch.zeros_like(rewards), torch.zeros_like(rewards), torch.zeros_like(rewards)
     flat = torch.zeros(len(rewards), dtype=torch.bool)
     for g in group_ids.unique():
         members = group_ids == g
         r = rewards[members & ~rewards.isnan()]
         if len(r) > 1:
-            mean[members], std[members] = r.mean(), r.std()
+            mean[members], std[members], size[members] = r.mean(), r.std(), len(r)
         flat[members] = len(r) < 2 or r.max() == r.min()
-    return mean, std, flat
+    return mean, std, size, flat
 
 
-def group_advantages(rewards, group_ids, scale="group", eps=1e-4):
-    """Advantage of each dialogue (B,) from its reward and its group.
-    group: (r - group mean) / (group std + eps)   GRPO (DeepSeekMath); eps 1e-4 as TRL
-    none:  r - group mean                         Dr. GRPO (Liu et al. 2025, arXiv 2503.20783):
-                                                  dividing by the std favours too-easy/too-hard groups
-    A group with nothing to learn from (group_stats) and an unread dialogue get exactly 0 (not round-off
-    / eps) in every mode."""
+def group_advantages(rewards, group_ids, kind="mean-std"):
+    """Advantage of each dialogue (B,) from its reward and its group's statistics (ADVANTAGES[kind]). A
+    group with nothing to learn from (group_stats) and an unread dialogue get exactly 0."""
     rewards = rewards.double()
-    mean, std, flat = group_stats(rewards, group_ids)
-    advantages = (rewards - mean) / (std + eps) if scale == "group" else rewards - mean  # none: Dr. GRPO
-    return advantages.masked_fill(flat | rewards.isnan(), 0.0)
+    mean, std, size, flat = group_stats(rewards, group_ids)
+    return ADVANTAGES[kind](rewards, mean, std, size).masked_fill(flat | rewards.isnan(), 0.0)
 
 
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
@@ -164,7 +166,7 @@ LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ra
 
 def main(argv=None):
     args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="grpo.py")  # --resume: the run's own settings
-    personas = training_personas(args)  # checked before any weights load
+    personas = check_before_loading(args)  # the personas, and every check that needs no weights
     run = Run(args, "grpo.py", adapters=["default"],  # a group stays in one process
               per_process=["personas_per_iteration", "minibatch_size"])
 
@@ -174,11 +176,12 @@ def main(argv=None):
     optimizer, scheduler = adamw_with_warmup([(params, args.lr, args.warmup_steps)])
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler)
+    sampling = sampling_settings(args)
     for iteration in range(first_iteration, args.iterations):
         # --- 1. collect dialogues: this process's whole groups (its share of the personas) --------
         chosen = run.share(pick_personas(personas, args.personas_per_iteration, args.seed, iteration))
         try:
-            records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling_settings(args),
+            records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling,
                                              samples_per_persona=args.group_size, progress=run.show_progress)
         except SimulatorError as e:
             run.stop(e)  # one line; a finished iteration not yet saved is saved first
@@ -192,8 +195,8 @@ def main(argv=None):
         from_update, old_logprobs = old_logprobs_of(model, batch, args, len(records) * run.world)  # (B, T)
         # the reference pass feeds a KL term, or only the kl_ref figure: then every --log-kl-every iterations
         need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
-        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                        reference=True) if need_ref else None                    # (B, T)
+        ref_logprobs = eval_logprobs(model, batch, args.temperature, args.micro_batch_size,
+                                     reference=True) if need_ref else None                       # (B, T)
         # The rewards of the whole iteration, on every process (its figures are global). The gather is
         # in rank order, so this process's rows are its share (run.share), and each process's dialogues
         # come group after group, --group-size each (play_dialogues), so a row's place names its group.
@@ -202,8 +205,8 @@ def main(argv=None):
         all_groups = torch.arange(len(all_records)) // args.group_size                      # (N,)
 
         # --- 3. advantages: each dialogue against its group --------------------------------------
-        all_advantages = group_advantages(all_rewards, all_groups, args.scale_rewards)      # (N,)
-        _, all_std, all_flat = group_stats(all_rewards, all_groups)                         # (N,)
+        all_advantages = group_advantages(all_rewards, all_groups, args.group_advantage)    # (N,)
+        _, all_std, _, all_flat = group_stats(all_rewards, all_groups)                      # (N,)
         advantages = run.share(all_advantages).float().to(run.device)[:, None] * mask       # (B, T)
         run.lap("score")
 
@@ -234,10 +237,10 @@ def main(argv=None):
                         newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
                         None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)
                     loss.backward()
-                    append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
+                    run.append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
                 run.sum_gradients(params)  # over the processes
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                if run.skipped(grad_norm):  # not finite: no step
+                if run.skip_or_stop(grad_norm):  # not finite: no step
                     optimizer.zero_grad(set_to_none=True)
                     continue
                 optimizer.step()
@@ -246,15 +249,12 @@ def main(argv=None):
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
-        reward = dialogue_rewards(all_records, args.reward).numpy()  # as in ppo.py: no format penalty
-        reward = reward[~np.isnan(reward)]  # the read dialogues
+        figures, dialogues = iteration_report(run, all_records, rstats, batch, old_logprobs, ref_logprobs, args,
+                                              t_update)
         # every group holds --group-size dialogues: a mean over the dialogues is the mean over the groups
-        method = {**logged_figures(run, reward, batch, old_logprobs, ref_logprobs, args.update_epochs,
-                                   t_update),
-                  "group_reward_std": float(all_std[~all_rewards.isnan()].mean()),
-                  "zero_spread_groups": int(all_flat.sum()) // args.group_size,
-                  "lr": optimizer.param_groups[0]["lr"]}
-        run.log(all_records, rstats, logs, method)
+        run.log({**figures, "group_reward_std": float(all_std[~all_rewards.isnan()].mean()),
+                 "zero_spread_groups": int(all_flat.sum()) // args.group_size,
+                 "lr": optimizer.param_groups[0]["lr"]}, logs, dialogues)
 
         # --- 6. checkpoint -----------------------------------------------------------------------
         run.save_if_due()  # every --save-every iterations and at the last

@@ -26,23 +26,22 @@ import numpy as np
 import torch
 
 from rollout import (REWARDS, AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup,
-                     adapter_params, aggregate, batched, batched_logprobs, kl_k3, load_policy, logged_figures,
-                     make_simulator, old_logprobs_of, pad_records, pick_personas, play_dialogues,
-                     policy_settings, sampling_settings, token_logprobs, training_personas, turn_rewards,
+                     adapter_params, aggregate, check_before_loading, eval_logprobs, eval_scores, iteration_report,
+                     kl_k3, load_policy, make_simulator, old_logprobs_of, pad_records, pick_personas,
+                     play_dialogues, policy_settings, sampling_settings, token_logprobs, turn_rewards,
                      use_adapter)
-from run import (Run, RunSettings, above, append_means, at_least, command, fail, one_of, parse_settings, setting,
-                 within)
+from run import Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting, within
 from simulator import SimulatorError, SimulatorSettings
 
 
 @dataclass
 class PPOSettings:
     """PPO's own settings (the policy's, the user's and the run's are declared where they are read)."""
-    group = "PPO"
+    title = "PPO"
     dialogues_per_iteration: int = setting(32, "dialogues per iteration, over all processes (RLVER: 32)",
                                            at_least(1))
     reward: str = setting("final", "final: emotion/100 on the last agent token | turn: each change/100 on "
-                                   "its turn (REWARDS)", one_of("final", "turn"))
+                                   "its turn (REWARDS)", one_of(*REWARDS))
     format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
     gamma: float = setting(1.0, "discount over agent tokens (RLVER's trainer: 1.0)", within(0, 1))
@@ -171,22 +170,10 @@ def clipped_value_loss(values, old_values, returns, clip):
     return loss, ((values - returns) ** 2 < (v_clipped - returns) ** 2).float()
 
 
-def variance_sums(values, returns):
-    """(n, sum d, sum d^2, sum R, sum R^2) over the agent tokens (N,), d = R - V, in float64: the sums
-    that processes add up, so that explained_variance covers every process's tokens."""
-    d, r = (returns - values).double(), returns.double()
-    n = torch.tensor(float(r.numel()), dtype=torch.float64, device=r.device)
-    return torch.stack([n, d.sum(), (d * d).sum(), r.sum(), (r * r).sum()])
-
-
-def explained_variance(sums):
-    """1 - Var(R - V) / Var(R) from (summed) variance_sums, with unbiased variances as torch.var:
-    1 is a perfect critic, 0 one no better than the mean return, below 0 worse. NaN when undefined."""
-    n, sd, sdd, sr, srr = sums.tolist()
-    if n < 2:
-        return float("nan")
-    var_d, var_r = (sdd - sd * sd / n) / (n - 1), (srr - sr * sr / n) / (n - 1)
-    return 1 - var_d / var_r if var_r > 0 else float("nan")
+def explained_variance(values, returns):
+    """1 - Var(R - V) / Var(R) over the agent tokens of every process (N,): 1 is a perfect critic, 0 one
+    no better than the mean return, below 0 worse; None where the returns do not vary."""
+    return 1 - np.var(returns - values) / np.var(returns) if np.var(returns) > 0 else None
 
 
 LOGGED = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "value_clip_frac", "kl_ref_loss",
@@ -228,7 +215,7 @@ def critic_values(model, value_head, input_ids, attention_mask):
 
 def main(argv=None):
     args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="ppo.py")  # --resume: the run's own settings
-    personas = training_personas(args)  # checked before any weights load
+    personas = check_before_loading(args)  # the personas, and every check that needs no weights
     run = Run(args, "ppo.py", adapters=["default", "critic"], per_process=["dialogues_per_iteration",
                                                                            "minibatch_size"])
 
@@ -249,11 +236,12 @@ def main(argv=None):
                                               (critic_params, args.critic_lr, args.critic_warmup_steps)])
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
+    sampling = sampling_settings(args)
     for iteration in range(first_iteration, args.iterations):
         # --- 1. collect dialogues: this process's share of the iteration's personas -------------
         chosen = run.share(pick_personas(personas, args.dialogues_per_iteration, args.seed, iteration))
         try:
-            records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling_settings(args),
+            records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling,
                                              progress=run.show_progress)
         except SimulatorError as e:
             run.stop(e)  # one line; a finished iteration not yet saved is saved first
@@ -267,11 +255,11 @@ def main(argv=None):
         from_update, old_logprobs = old_logprobs_of(model, batch, args, len(records) * run.world)  # (B, T)
         # the reference pass feeds a KL term, or only the kl_ref figure: then every --log-kl-every iterations
         need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
-        ref_logprobs = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                        reference=True) if need_ref else None                    # (B, T)
+        ref_logprobs = eval_logprobs(model, batch, args.temperature, args.micro_batch_size,
+                                     reference=True) if need_ref else None                       # (B, T)
         with adapter_active(model, "critic"):  # in length-sorted micro-batches, without gradients
-            old_values = batched(model, batch, args.micro_batch_size,                       # (B, T)
-                                 lambda ids, att, _: critic_values(model, value_head, ids, att)) * mask
+            old_values = eval_scores(model, batch, args.micro_batch_size,                   # (B, T)
+                                     lambda ids, att, _: critic_values(model, value_head, ids, att)) * mask
         rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty)  # (B, T) on the CPU
 
         # --- 3. advantages: GAE over the agent's tokens ------------------------------------------
@@ -312,11 +300,11 @@ def main(argv=None):
                         terms["value_loss"], terms["value_clip_frac"] = clipped_value_loss(
                             values, old_values[idx, :w], returns[idx, :w], args.value_clip)
                         (args.vf_coef * agg(terms["value_loss"])).backward()
-                    append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
+                    run.append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
                 run.sum_gradients(actor_params + critic_params)  # over the processes
                 actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)
                 critic_norm = torch.nn.utils.clip_grad_norm_(critic_params, args.max_grad_norm)
-                if run.skipped(actor_norm + critic_norm):  # not finite: no step
+                if run.skip_or_stop(actor_norm + critic_norm):  # not finite: no step
                     optimizer.zero_grad(set_to_none=True)
                     continue
                 optimizer.step()
@@ -326,14 +314,12 @@ def main(argv=None):
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
-        all_records = run.gather(records)
-        reward = np.array([sum(turn_rewards(r, args.reward)) for r in all_records if r["end_reason"] != "unread"])
-        method = {**logged_figures(run, reward, batch, old_logprobs, ref_logprobs, args.update_epochs,
-                                   t_update),
-                  "explained_variance": explained_variance(run.sum(variance_sums(old_values[mask > 0],
-                                                                                 returns[mask > 0]))),
-                  "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"]}
-        run.log(all_records, rstats, logs, method)
+        figures, dialogues = iteration_report(run, run.gather(records), rstats, batch, old_logprobs,
+                                              ref_logprobs, args, t_update)
+        values, targets = (np.array(run.gather(x[mask > 0].tolist())) for x in (old_values, returns))
+        run.log({**figures, "explained_variance": explained_variance(values, targets),
+                 "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"]},
+                logs, dialogues)
 
         # --- 6. checkpoint -----------------------------------------------------------------------
         run.save_if_due()  # every --save-every iterations and at the last

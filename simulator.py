@@ -713,6 +713,12 @@ class Simulator:
         return UserState(persona=persona, emotion=self.start_emotion,
                          history=[{"role": "user", "text": persona.opening}])
 
+    def end(self, state, reason):
+        """End a dialogue for a reason of the rollout's ("context": no room for another turn), freeing
+        the user's KV cache."""
+        state.end_reason = reason
+        state.cache.clear()
+
     def appraise(self, states, replies):
         """The change each reply would make in its state, with nothing moved or stored: a list of
         (change, appraisal text), the change as stated (apply_change clamps it) or None where it could
@@ -811,7 +817,7 @@ def simulator_problem(value):
 @dataclass
 class SimulatorSettings:
     """Who plays the user, how the appraisal becomes a number, and the users themselves."""
-    group = "the simulated user"
+    title = "the simulated user"
     simulator: str = setting("same", "same (the policy's frozen base) | rules | http://host:port/v1",
                              simulator_problem)
     api_model: str = setting("default", "model name sent to a URL simulator")

@@ -98,7 +98,7 @@ def test_ppo_refuses_bad_settings_before_any_model_loads(flags, words, capsys, m
     (["--group-size", "1"], ["--group-size", "1"]),
     (["--clip-low", "-1"], ["--clip-low"]),
     (["--loss-agg", "seq-mean-token-sum"], ["--loss-agg", "dr-grpo"]),  # not one of GRPO's
-    (["--scale-rewards", "std"], ["--scale-rewards", "group"]),
+    (["--group-advantage", "std"], ["--group-advantage", "mean-std"]),
     (["--personas-per-iteration", "0"], ["--personas-per-iteration"]),
     (["--max-context", "16"], ["--max-context 16", "--max-new-tokens"]),
 ])
@@ -119,9 +119,14 @@ def test_bad_settings_through_the_real_command_line(script, flags, words):
 
 
 def test_help_lists_the_choices():
-    for script, choice in (("ppo.py", "{all,easy,normal,hard}"), ("grpo.py", "{group,none}")):
+    """Every choice of a table a fork adds to (rollout.REWARDS, grpo.ADVANTAGES) is a choice --help lists."""
+    import rollout
+
+    for script, table, flag in (("ppo.py", rollout.REWARDS, "--reward"), ("grpo.py", rollout.REWARDS, "--reward"),
+                                ("grpo.py", grpo.ADVANTAGES, "--group-advantage")):
         code, out, err, _ = cli(script, "--help")
-        assert code == 0 and choice in out.replace(" ", ""), err[-500:]
+        listed = re.search(rf"{flag} {{([^}}]*)}}", out).group(1).split(",")
+        assert code == 0 and listed == list(table), (script, flag, listed)
 
 
 # ----------------------------------------------------------------------------------------------

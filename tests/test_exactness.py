@@ -60,10 +60,10 @@ def test_loading_with_a_cold_cache_leaves_every_random_stream_as_it_was(tmp_path
     monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))  # empty: load_model converts the GGUF
     run.set_seed(3)
     before = rng_states()
-    run.load_model("smollm2")
+    rollout.load_model("smollm2")
     assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").iterdir())  # it did convert
     assert same_rng(before, rng_states())
-    run.load_model("smollm2")  # and with the cache filled
+    rollout.load_model("smollm2")  # and with the cache filled
     assert same_rng(before, rng_states())
 
 
@@ -168,7 +168,7 @@ def tied_model_dir(tmp_path_factory):
     input and output embeddings (as SmolLM2) and biases on the attention projections (as Qwen2)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(run.resolve_model("smollm2"))
+    tokenizer = AutoTokenizer.from_pretrained(rollout.resolve_model("smollm2"))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                          max_position_embeddings=4096, tie_word_embeddings=True, attention_bias=True,

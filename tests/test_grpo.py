@@ -65,28 +65,41 @@ EPS = 1e-4
 STD0 = math.sqrt(((0.3 - 0.5) ** 2 + 0 + (0.7 - 0.5) ** 2) / 2)  # Bessel: n - 1 = 2 -> 0.2
 
 
-@pytest.mark.parametrize("scale,expected", [
-    ("group", [-0.2 / (STD0 + EPS), 0, 0, 0, 0.2 / (STD0 + EPS), 0]),
-    ("none", [-0.2, 0, 0, 0, 0.2, 0]),
+@pytest.mark.parametrize("kind,expected", [
+    ("mean-std", [-0.2 / (STD0 + EPS), 0, 0, 0, 0.2 / (STD0 + EPS), 0]),
+    ("mean", [-0.2, 0, 0, 0, 0.2, 0]),
 ])
-def test_group_advantages_by_hand(scale, expected):
-    adv = grpo.group_advantages(REWARDS, GROUPS, scale, EPS)
+def test_group_advantages_by_hand(kind, expected):
+    adv = grpo.group_advantages(REWARDS, GROUPS, kind)
     assert torch.isfinite(adv).all()
     assert adv.tolist() == pytest.approx(expected, abs=1e-12)
     # the flat group gets exactly zero, not round-off divided by eps
     assert (adv[GROUPS == 1] == 0).all()
 
 
-def test_group_advantages_flat_group_alone_and_eps_zero():
-    flat = grpo.group_advantages(torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64), torch.tensor([5, 5, 5]),
-                                 "group", eps=0.0)  # 0 / 0 without the zero-spread rule
-    assert flat.tolist() == [0.0, 0.0, 0.0]
-    unit = grpo.group_advantages(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0]), "group", eps=0.0)
-    assert unit.tolist() == pytest.approx([-1.0, 0.0, 1.0])  # std (Bessel) of 1, 2, 3 is 1
+def test_group_advantages_flat_group_alone():
+    flat = grpo.group_advantages(torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64), torch.tensor([5, 5, 5]))
+    assert flat.tolist() == [0.0, 0.0, 0.0]  # not round-off / eps
+    unit = grpo.group_advantages(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0]))
+    assert unit.tolist() == pytest.approx([-1 / (1 + EPS), 0.0, 1 / (1 + EPS)])  # std (Bessel) of 1, 2, 3 is 1
+
+
+@pytest.mark.parametrize("kind", list(grpo.ADVANTAGES))
+def test_each_advantage_is_against_its_own_group_only(kind):
+    """Every choice of --group-advantage (a fork adds one as a row of ADVANTAGES: leave-one-out, say)
+    compares a dialogue with its own group: another group's rewards never move its advantage, as a
+    baseline taken over the whole batch would."""
+    rewards = torch.tensor([0.3, 0.5, 0.6, 0.1, 0.9, 0.2], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    moved = rewards.clone()
+    moved[3:] += torch.tensor([0.5, -0.3, 0.4], dtype=torch.float64)
+    a, b = grpo.group_advantages(rewards, groups, kind), grpo.group_advantages(moved, groups, kind)
+    assert a[:3].tolist() == b[:3].tolist() and a[:3].abs().sum() > 0
 
 
 def test_group_stats():
-    mean, std, flat = grpo.group_stats(REWARDS, GROUPS)
+    mean, std, size, flat = grpo.group_stats(REWARDS, GROUPS)
+    assert size.tolist() == [3] * 6
     assert mean.tolist() == pytest.approx([0.5, 0.4, 0.5, 0.4, 0.5, 0.4])
     assert std.tolist() == pytest.approx([STD0, 0, STD0, 0, STD0, 0], abs=1e-12)
     assert flat.tolist() == [False, True, False, True, False, True]
@@ -143,7 +156,7 @@ def test_group_members_share_persona_and_opening_and_differ_in_samples(tiny_mode
                                 max_context=512, progress=False)
     assert len(records) == 6
     for g, persona in enumerate(personas):
-        group = [r for r in records if r["group"] == g]
+        group = records[3 * g:3 * g + 3]  # each persona's samples one after another
         assert [r["sample"] for r in group] == [0, 1, 2]
         assert {r["persona_id"] for r in group} == {persona.id}
         assert {r["turns"][0]["text"] for r in group} == {persona.opening}
@@ -243,7 +256,7 @@ def test_base_frozen_adapter_moves_and_loads(warm_run, warm_model_dir):
 def test_settings_errors_say_what_to_change(tiny_model_dir, personas_file, tmp_path, capsys):
     cases = [(["--group-size", "1"], "--group-size"),
              (["--minibatch-size", "3"], "--minibatch-size"),
-             (["--scale-rewards", "rank"], "--scale-rewards"),
+             (["--group-advantage", "rank"], "--group-advantage"),
              (["--loss-agg", "seq-mean-token-sum"], "--loss-agg")]
     for extra, flag in cases:
         with pytest.raises(SystemExit) as stop:
@@ -257,7 +270,7 @@ def test_settings_errors_say_what_to_change(tiny_model_dir, personas_file, tmp_p
 
 
 E2E = ("--iterations", "2", "--save-every", "1", "--seed", "3", "--ent-coef", "0.01", "--kl-loss-coef", "0.1",
-       "--lr", "5e-3", "--update-epochs", "2", "--scale-rewards", "none", "--loss-agg", "dr-grpo",
+       "--lr", "5e-3", "--update-epochs", "2", "--group-advantage", "mean", "--loss-agg", "dr-grpo",
        "--reward", "turn")
 
 
@@ -290,8 +303,7 @@ def test_grpo_script_end_to_end(script_run, tiny_model_dir):
     assert [m["ratio_first"] for m in metrics] == pytest.approx([1.0, 1.0], abs=1e-6)
     with open(out / "rollouts.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    assert [(r["iteration"], r["group"], r["sample"]) for r in rows] == \
-        [(i, g, s) for i in (1, 2) for g in (0, 1) for s in (0, 1)]
+    assert [(r["iteration"], r["sample"]) for r in rows] == [(i, s) for i in (1, 2) for g in (0, 1) for s in (0, 1)]
     config = json.load(open(out / "config.json"))
     assert config["loss_agg"] == "dr-grpo" and config["group_size"] == 2 and config["model"] == tiny_model_dir
     adapter = os.path.join(out, "checkpoints", "iter_000002", "default")
@@ -360,7 +372,7 @@ def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(warm
             "--seed", "1", "--lr", "5e-2", "--ent-coef", "0.01"]
     grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "skip", *argv))
     def scoring_pass_always(model, batch, args, batch_size):  # old_logprobs_of without its shortcut
-        return False, rollout.batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+        return False, rollout.eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
     monkeypatch.setattr(grpo, "old_logprobs_of", scoring_pass_always)
     grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "pass", *argv))
     skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")

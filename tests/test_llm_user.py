@@ -97,10 +97,7 @@ def test_grpo_trains_on_an_llm_users_stated_judgments(tiny_model_dir, many_perso
     dialogues, metrics = check_replay(out)
     assert any(d["end_reason"] == "unread" for d in dialogues)
     # a group's statistics are over its read dialogues: a group with fewer than two has nothing to learn
-    for m in metrics:
-        groups = {}
-        for d in dialogues:
-            if d["iteration"] == m["iteration"] and d["end_reason"] != "unread":
-                groups.setdefault(d["group"], []).append(d["final_emotion"])
-        flat = sum(len(set(g)) < 2 for g in groups.values()) + 4 - len(groups)
-        assert m["zero_spread_groups"] == flat
+    for m in metrics:  # a group: 3 consecutive dialogues of an iteration
+        mine = [d for d in dialogues if d["iteration"] == m["iteration"]]
+        groups = [[d["final_emotion"] for d in mine[k:k + 3] if d["end_reason"] != "unread"] for k in (0, 3, 6, 9)]
+        assert m["zero_spread_groups"] == sum(len(set(g)) < 2 for g in groups)

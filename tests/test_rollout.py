@@ -16,10 +16,9 @@ import re
 import pytest
 import torch
 
-import run  # noqa: E402
 import rollout
 import simulator
-from rollout import SILENCE, ChatTokens, batched_logprobs, pad_records, play_dialogues, split_thought
+from rollout import SILENCE, ChatTokens, eval_logprobs, pad_records, play_dialogues, split_thought
 from conftest import BF16_ATOL, BF16_RTOL, loose, reply
 from simulator import RulesBackend, Simulator, load_personas
 
@@ -83,7 +82,7 @@ def assert_same_dialogues(runs, policy, tokenizer, dtype):
     device = next(policy.parameters()).device
     for records in runs:
         batch = pad_records(records, tokenizer.pad_token_id, device)
-        fresh = batched_logprobs(policy, batch)                                              # (B, T)
+        fresh = eval_logprobs(policy, batch)                                              # (B, T)
         mask = batch["action_mask"].bool()
         torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=BF16_ATOL,
                                    rtol=BF16_RTOL)
@@ -197,7 +196,7 @@ def test_play_counts_format_cases_and_sends_silence(tiny_model, personas):
         assert turn["raw"] == text and turn["violation"] == violation
         assert turn["text"] == shown  # what the simulator appraised
         assert record["violations"] == (violation is not None)
-    summary = run.summarize(records, stats)
+    summary = rollout.summarize(records, [stats])
     assert summary["think_violation_rate"] == pytest.approx(5 / 6)
     # thinking off: tags are just text, nothing is a violation unless the reply is empty
     records, stats = play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=1),
@@ -339,13 +338,13 @@ def test_stored_logprobs_equal_a_fresh_forward_pass(tiny_model_dir, personas, te
     records, _ = play_dialogues(policy, tokenizer, rules_simulator(max_turns=2), personas(3),
                                 temperature=temperature, max_new_tokens=8, progress=False)
     batch = pad_records(records, tokenizer.pad_token_id, device)
-    fresh = batched_logprobs(policy, batch, temperature=temperature, micro_batch_size=2)   # (B, T)
+    fresh = eval_logprobs(policy, batch, temperature=temperature, micro_batch_size=2)   # (B, T)
     mask = batch["action_mask"].bool()
     assert mask.sum() == sum(r["policy_tokens"] for r in records) > 0
     torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=loose(dtype, 1e-4),
                                rtol=1e-4)
     # the adapter matters here: the reference (adapter off) gives other numbers
-    reference = batched_logprobs(policy, batch, temperature=temperature, reference=True)
+    reference = eval_logprobs(policy, batch, temperature=temperature, reference=True)
     assert (reference[mask] - fresh[mask]).abs().max() > 1e-3
 
 
@@ -456,7 +455,7 @@ def test_logits_in_chunks_equal_one_pass_gradients_included(tiny_model_dir, chun
 
 
 def test_length_sorted_scoring_equals_each_dialogue_alone(tiny_model_dir):
-    """batched_logprobs runs dialogues of similar length together at their own width: every row's
+    """eval_logprobs runs dialogues of similar length together at their own width: every row's
     log-probs equal that dialogue's pass on its own."""
     policy, tokenizer = new_policy(tiny_model_dir, perturb=0.05)
     lengths = [9, 17, 5, 12, 16]
@@ -469,7 +468,7 @@ def test_length_sorted_scoring_equals_each_dialogue_alone(tiny_model_dir):
     assert [[int(r) for r in rows] for rows, _ in rollout.length_sorted(batch["attention_mask"], 2)] == \
         [[1, 4], [3, 0], [2]]
     assert [w for _, w in rollout.length_sorted(batch["attention_mask"], 2)] == [17, 12, 5]
-    scored = batched_logprobs(policy, batch, micro_batch_size=2)                          # (B, T)
+    scored = eval_logprobs(policy, batch, micro_batch_size=2)                          # (B, T)
     for b, n in enumerate(lengths):
         row = slice(b, b + 1)
         alone, _ = rollout.token_logprobs(policy, batch["input_ids"][row, :n],
@@ -490,30 +489,30 @@ def _hand_batch(tokenizer):
 
 
 def test_reference_is_the_base_model_before_and_after_training(tiny_model_dir, tmp_path):
-    base, tokenizer = run.load_model(tiny_model_dir)
+    base, tokenizer = rollout.load_model(tiny_model_dir)
     batch = _hand_batch(tokenizer)
     with torch.no_grad():
         base_lp, _ = rollout.token_logprobs(base, batch["input_ids"], batch["attention_mask"])
     real = batch["attention_mask"].bool()
     policy, _ = new_policy(tiny_model_dir)
     # a fresh adapter (B = 0): policy, reference and base all agree
-    torch.testing.assert_close(batched_logprobs(policy, batch)[real], base_lp[real], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(batched_logprobs(policy, batch, reference=True)[real], base_lp[real],
+    torch.testing.assert_close(eval_logprobs(policy, batch)[real], base_lp[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eval_logprobs(policy, batch, reference=True)[real], base_lp[real],
                                atol=1e-5, rtol=1e-5)
     # "training": move the adapter; the policy moves, the reference stays on the base
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.add_(torch.randn_like(p) * 0.05)
-    trained = batched_logprobs(policy, batch)
+    trained = eval_logprobs(policy, batch)
     assert (trained[real] - base_lp[real]).abs().max() > 1e-3
-    torch.testing.assert_close(batched_logprobs(policy, batch, reference=True)[real], base_lp[real],
+    torch.testing.assert_close(eval_logprobs(policy, batch, reference=True)[real], base_lp[real],
                                atol=1e-5, rtol=1e-5)
     # a saved adapter loaded again: the adapter comes back, and its reference is still the base
     policy.save_pretrained(str(tmp_path / "adapter"))
     loaded, _ = rollout.load_policy(tiny_model_dir, device="cpu", adapter=str(tmp_path / "adapter"))
-    torch.testing.assert_close(batched_logprobs(loaded, batch)[real], trained[real], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(batched_logprobs(loaded, batch, reference=True)[real], base_lp[real],
+    torch.testing.assert_close(eval_logprobs(loaded, batch)[real], trained[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eval_logprobs(loaded, batch, reference=True)[real], base_lp[real],
                                atol=1e-5, rtol=1e-5)
     assert any(p.requires_grad for n, p in loaded.named_parameters() if "lora_" in n)
     assert not any(p.requires_grad for n, p in loaded.named_parameters() if "lora_" not in n)
@@ -565,7 +564,7 @@ def test_each_dialogue_keeps_its_own_user_when_others_end(tiny_model_dir, person
     torch.manual_seed(0)
     records, _ = play_dialogues(policy, tokenizer, sim, personas, samples_per_persona=2,
                                 max_new_tokens=6, progress=False)
-    assert [(r["group"], r["sample"]) for r in records] == [(g, s) for g in range(4) for s in range(2)]
+    assert [(r["persona_id"], r["sample"]) for r in records] == [(p.id, s) for p in personas for s in range(2)]
     for r in records:
         name = next(n for n in PAIRING if n.lower() == r["persona_id"])
         changes, reason = PAIRING[name]
@@ -620,13 +619,13 @@ def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_e
     assert all(r["turn_ends"][-1] == len(r["token_ids"]) - 1 for r in records)  # ends on an agent token
     # the transcript keeps the user's last message, which the agent never got to see
     assert all(r["turns"][-1]["role"] == "user" for r in records)
-    assert run.summarize(records, stats)["end_context"] == 3
+    assert rollout.summarize(records, [stats])["end_context"] == 3
     # a prompt that does not fit at all: the dialogue ends before the agent speaks, without a crash
     records, stats = play_dialogues(policy, tokenizer, rules_simulator(), group,
                                     max_new_tokens=max_new_tokens, max_context=prompt_length, progress=False)
     assert [r["end_reason"] for r in records] == ["context"] * 3
     assert all(r["policy_tokens"] == 0 and r["turn_ends"] == [] for r in records)
-    assert run.summarize(records, stats)["end_context"] == 3
+    assert rollout.summarize(records, [stats])["end_context"] == 3
 
 
 def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, persona_entry, write_personas,
@@ -688,7 +687,7 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_b
         torch.manual_seed(0)
         records, stats = play_dialogues(model, tokenizer, rules_simulator(max_turns=4), personas(3),
                                         max_new_tokens=24, reuse_cache=reuse, progress=False)
-        runs.append((records, run.summarize(records, stats)))
+        runs.append((records, rollout.summarize(records, [stats])))
     (cached, cached_summary), (plain, plain_summary) = runs
     # ragged replies; also a check that sampling uses the whole softmax: cut to the top 50 tokens,
     # this model's +10 end-of-turn logit wins almost every time and every reply is one token long
@@ -700,7 +699,7 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_b
                                    atol=1e-4, rtol=1e-4)
     assert cached_summary["policy_cache_hit"] > 0.5 and plain_summary["policy_cache_hit"] == 0
     batch = pad_records(cached, tokenizer.pad_token_id, "cpu")
-    fresh = batched_logprobs(model, batch, micro_batch_size=2)
+    fresh = eval_logprobs(model, batch, micro_batch_size=2)
     mask = batch["action_mask"].bool()
     torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=1e-4, rtol=1e-4)
 
@@ -712,16 +711,12 @@ def test_rollout_rates_and_cache_hits_come_from_every_process():
              "policy_prompt_tokens": 100, "policy_reused_tokens": 60, "format_ok": 3}
     second = {"policy_tokens": 50, "policy_seconds": 4.0, "simulator_tokens": 14, "simulator_seconds": 0.5,
               "policy_prompt_tokens": 300, "policy_reused_tokens": 60, "format_ok": 4, "no_think": 1}
-    merged = run.merge_stats([first, second])
-    assert merged["policy_tokens"] == 80 and merged["format_ok"] == 7 and merged["no_think"] == 1
-    assert merged["policy_seconds"] == 4.0 and merged["simulator_seconds"] == 1.0
-    records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0,
-                "fallbacks": 0}]
-    s = run.summarize(records, merged)
+    records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0}]
+    s = rollout.summarize(records, [first, second])
     assert s["policy_tokens"] == 80 and s["policy_tokens_per_s"] == 80 / 4.0
+    assert s["policy_seconds"] == 4.0 and s["simulator_seconds"] == 1.0
     assert s["simulator_tokens_per_s"] == 24 / 1.0
     assert s["policy_cache_hit"] == 120 / 400
-    assert run.merge_stats([first]) == first  # one process: its own stats, unchanged
 
 
 # ----------------------------------------------------------------------------------------------

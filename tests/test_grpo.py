@@ -50,9 +50,9 @@ def test_a_groups_statistics_are_over_its_read_dialogues():
     nan = float("nan")
     rewards = torch.tensor([0.3, nan, 0.5, 0.6, nan, nan], dtype=torch.float64)
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
-    advantages = grpo.group_advantages(rewards, groups, "none")
+    advantages = grpo.group_advantages(rewards, groups, "mean")
     assert advantages.tolist() == pytest.approx([-0.1, 0.0, 0.1, 0.0, 0.0, 0.0])
-    scaled = grpo.group_advantages(rewards, groups, "group")
+    scaled = grpo.group_advantages(rewards, groups, "mean-std")
     std = torch.tensor([0.3, 0.5]).std().item()
     assert scaled.tolist() == pytest.approx([-0.1 / (std + 1e-4), 0.0, 0.1 / (std + 1e-4), 0.0, 0.0, 0.0])
 

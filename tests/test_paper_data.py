@@ -447,7 +447,7 @@ def test_a_sage_sized_dialogue_is_appraised_in_memory_linear_in_its_context(tiny
     # builds (4, T, T) masks, 0.9 GB in float32 alone and more than 1.5 GB in all; chunked prefill needs
     # (4, 1024, T) at most.
     model = with_window(tiny_model_dir, tmp_path / "model", 16384)
-    recorded_file, profiles = sage_sized(tmp_path, run_module.load_tokenizer(model))
+    recorded_file, profiles = sage_sized(tmp_path, rollout.load_tokenizer(model))
     command = ["--agreement", recorded_file, "--personas", profiles, "--simulator", "same", "--model", model,
                "--max-context", "16384", "--bootstrap", "20",
                "--out", str(tmp_path / "out")]

@@ -127,9 +127,9 @@ def test_non_finite_metrics_are_written_as_null(tmp_path):
     the_run = run.Run(args, "ppo.py", adapters=[])
     try:
         assert the_run.begin(layer, optimizer, scheduler) == 0
-        record = {"end_reason": "success", "turn_ends": [3], "final_emotion": 100, "violations": 0,
-                  "fallbacks": 0, "token_ids": [1, 2, 3]}
-        the_run.log([record], {}, {"a": [math.nan], "b": [1.0, 2.0]}, {"reward_mean": math.inf, "c": 2.5})
+        dialogue = {"end_reason": "success", "final_emotion": 100}
+        the_run.log({"reward_mean": math.inf, "c": 2.5, "final_emotion_mean": 100.0},
+                    {"a": [math.nan], "b": [1.0, 2.0]}, [dialogue])
     finally:
         the_run.accelerator.end_training()
         run.release()
@@ -138,7 +138,7 @@ def test_non_finite_metrics_are_written_as_null(tmp_path):
     assert (row["a"], row["b"], row["c"], row["reward_mean"]) == (None, 1.5, 2.5, None)
     assert row["iteration"] == 1
     (dialogue,) = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").open()]
-    assert dialogue["iteration"] == 1 and "token_ids" not in dialogue
+    assert dialogue == {"iteration": 1, "end_reason": "success", "final_emotion": 100}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, build_simulator,
                      check_openings_fit, default_device, load_policy, make_backend, play_dialogues,
-                     sampling_settings, transcript_record)
+                     sampling_settings, TOKEN_ARRAYS)
 from run import (append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
                  new_folder, parse_settings, public_config, read_json_lines, read_run, read_text, redact,
                  release, setting, within, write_atomically, write_failure)
@@ -272,7 +272,8 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models):
         with use_model(policy, adapter_name):
             records, _ = play_dialogues(policy, tokenizer, simulator, personas, **{**sampling_settings(args),
                                         "greedy": True}, desc=f"{label}: dialogues")
-        append_lines(f"{args.out}/transcripts.jsonl", [transcript_record(r, model=label) for r in records])
+        append_lines(f"{args.out}/transcripts.jsonl",
+                     [{"model": label, **{k: v for k, v in r.items() if k not in TOKEN_ARRAYS}} for r in records])
         summary = {"label": label, "adapter": path,
                    **model_summary(records, args.bootstrap, args.seed), "seconds": time.time() - t0}
         if adapter_name:

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from run import above, at_least, fail, one_of, random_streams_kept, redact, setting, within
-from simulator import (OpenAIBackend, RulesBackend, Simulator, load_personas_or_exit, transcript_turns)
+from simulator import OpenAIBackend, RulesBackend, Simulator, load_personas_or_exit
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project)
@@ -368,15 +368,6 @@ def chat_ids(tokenizer, messages):
 # keys/values it has and those keys/values. The next call reuses the longest common prefix of the stored
 # ids and the new prompt, so it does not matter where prompts stop sharing: reuse is exact up to the
 # first differing token and nothing after it is kept.
-def common_prefix(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def cached_batch(rows, slots, pad_id, device):
     """Lay out a batch of prompts so that every row's reusable prefix lies in the first P columns
     (left-padded) and its new tokens in the last S (left-padded too): [pad, prefix, pad, new].
@@ -385,7 +376,9 @@ def cached_batch(rows, slots, pad_id, device):
     Position ids follow from the attention mask, so the holes do not shift any token."""
     from transformers import DynamicCache
 
-    reuse = [min(common_prefix(slot.get("ids", ()), row), len(row) - 1) for row, slot in zip(rows, slots)]
+    # each row's reusable prefix: what it shares with its slot's ids (commonprefix compares lists element by
+    # element), all but its last token, which generate() must run to sample the next
+    reuse = [min(len(os.path.commonprefix([slot.get("ids", []), row])), len(row) - 1) for row, slot in zip(rows, slots)]
     P, S = max(reuse), max(len(row) - n for row, n in zip(rows, reuse))
     ids, mask = [], []
     for row, n in zip(rows, reuse):
@@ -521,6 +514,7 @@ def make_simulator(args, policy, tokenizer, run):
 # ----------------------------------------------------------------------------------------------
 # Dialogues
 # ----------------------------------------------------------------------------------------------
+@dataclass
 class SampledLogprobs:
     """A logits processor that records log softmax(logits / temperature) of each token generate()
     samples, without keeping every step's logits: output_logits=True holds (B, N, vocabulary) fp32
@@ -529,9 +523,9 @@ class SampledLogprobs:
     token sampled at t - 1, so that is when its log-prob is read; finish() reads the last one.
     transformers runs processors passed to generate() before its own temperature and top-p warpers,
     so `scores` are the raw logits; the test against a fresh forward pass (temperature 0.7) holds it."""
-
-    def __init__(self, temperature):
-        self.temperature, self.last, self.picked = temperature, None, []
+    temperature: float
+    last: torch.Tensor = None                          # the latest step's log-probs (B, V)
+    picked: list = field(default_factory=list)         # the sampled tokens' log-probs, (B,) a step
 
     def __call__(self, input_ids, scores):
         if self.last is not None:
@@ -545,71 +539,61 @@ class SampledLogprobs:
         return torch.stack(self.picked + [self.last.gather(-1, sequences[:, -1:])[:, 0]], 1)
 
 
-class MergedAdapter:
+@torch.no_grad()
+def merged_weights(model):
     """The policy's active LoRA adapter folded into a copy of every adapted weight, W + s B A, to
-    sample from: a decode step then runs one matmul per projection instead of three (about 20%
-    more tokens/s for SmolLM2 on 2 CPU cores; on a GPU, where decoding is launch-bound, the
-    adapter's extra kernels cost more). The base weights are never written: inside `with`, each
-    projection points at its merged copy and the adapter is switched off; on leaving, it points at
-    its own weight again, so the base is bit for bit what it was (merging and then subtracting
-    is not exact, and the reference model and the 'same' user would drift).
-    The trainers recompute every log-prob they train on with the adapter itself, so the update
-    stays exact; what the merge changes is which tokens are sampled, by the rounding of W + s B A
-    (logged as sample_logprob_gap: about 1e-6 in float32). Costs one copy of the adapted weights
-    while the rollout lasts. of() answers None where W + s B A is not the adapter's function, and the
-    rollout samples through the adapter: 4-bit weights, DoRA, a LoRA bias (lora_bias=True: not in
-    the delta weight), a base weight another module shares (lm_head on a model with tied embeddings:
-    its merged copy would change the input embeddings too), and modules_to_save or trainable-token
-    copies, which the adapter-off context inside bypasses. (LoraConfig's bias="all" only makes the
-    base biases trainable: the merged layers use them as the adapter does.)"""
+    sample from (merged_sampling): a decode step then runs one matmul per projection instead of three
+    (about 20% more tokens/s for SmolLM2 on 2 CPU cores; on a GPU, where decoding is launch-bound, the
+    adapter's extra kernels cost more). The base weights are never written (merging and then
+    subtracting is not exact, and the reference model and the 'same' user would drift). The trainers
+    recompute every log-prob they train on with the adapter itself, so the update stays exact; what the
+    merge changes is which tokens are sampled, by the rounding of W + s B A (logged as
+    sample_logprob_gap: about 1e-6 in float32). Costs one copy of the adapted weights, in one buffer
+    (as ~200 separate tensors they stayed in the CPU heap, fragmented, and PPO's peak memory in the
+    update grew by 0.5-1.1 GiB) while the rollout lasts.
+    Returns [(projection, its own weight, its merged weight)], or None where there is no adapter, it is
+    off (evaluate.py's base), or W + s B A is not the adapter's function and the rollout samples through
+    the adapter: 4-bit weights, DoRA, a LoRA bias (lora_bias=True: not in the delta weight), a base
+    weight another module shares (lm_head on a model with tied embeddings: its merged copy would change
+    the input embeddings too), modules_to_save or trainable-token copies (which the adapter-off context
+    of `merged` bypasses), weights of more than one dtype or device. (LoraConfig's bias="all" only makes
+    the base biases trainable: the merged layers use them as the adapter does.)"""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import AuxiliaryTrainingWrapper
 
-    def __init__(self, model, swaps):
-        self.model, self.swaps = model, swaps  # swaps: (projection, its own weight, its merged weight)
+    adapter = getattr(model, "active_adapter", None)
+    layers = [(m, m.get_base_layer()) for m in model.modules()
+              if isinstance(m, LoraLayer) and adapter in m.lora_A]  # (LoRA layer, its base layer)
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # tied: 2
+    if (not layers or layers[0][0].disable_adapters
+            or len({(b.weight.dtype, b.weight.device) for _, b in layers}) > 1
+            or any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
+                   or not b.weight.dtype.is_floating_point or uses[id(b.weight)] > 1 for m, b in layers)
+            or any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
+                   for m in model.modules())):
+        return None
+    sizes = [b.weight.numel() for _, b in layers]
+    buffer = torch.empty(sum(sizes), dtype=layers[0][1].weight.dtype, device=layers[0][1].weight.device)
+    swaps = []
+    for (m, b), merged in zip(layers, buffer.split(sizes)):
+        merged = merged.view(b.weight.shape)
+        merged.copy_(b.weight + m.get_delta_weight(adapter).to(merged.dtype))
+        swaps.append((b, b.weight.data, merged))
+    return swaps
 
-    @classmethod
-    @torch.no_grad()
-    def of(cls, model):
-        from peft.tuners.lora import Linear as LoraLinear
-        from peft.tuners.lora import LoraLayer
-        from peft.utils import AuxiliaryTrainingWrapper
 
-        adapter = getattr(model, "active_adapter", None)
-        layers = [(m, m.get_base_layer()) for m in model.modules()
-                  if isinstance(m, LoraLayer) and adapter in m.lora_A]  # (LoRA layer, its base layer)
-        uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # tied: 2
-        # None: no adapter, or it is switched off (evaluate.py's base), and the rollout samples the base;
-        # or one of the cases above, and it samples through the adapter
-        if (not layers or layers[0][0].disable_adapters
-                or any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
-                       or not b.weight.dtype.is_floating_point or uses[id(b.weight)] > 1 for m, b in layers)
-                or any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
-                       for m in model.modules())):
-            return None
-        # One buffer per (dtype, device) holds every merged weight: freed in one piece after the
-        # rollout, it goes back to the system. As ~200 separate tensors they stayed in the CPU heap,
-        # fragmented, and PPO's peak memory in the update grew by 0.5-1.1 GiB (SmolLM2, 2 cores).
-        groups = {}  # (dtype, device) -> its layers
-        for m, b in layers:
-            groups.setdefault((b.weight.dtype, b.weight.device), []).append((m, b))
-        swaps = []
-        for (dtype, device), mine in groups.items():
-            sizes = [b.weight.numel() for _, b in mine]
-            buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
-            for (m, b), merged in zip(mine, buffer.split(sizes)):
-                merged = merged.view(b.weight.shape)
-                merged.copy_(b.weight + m.get_delta_weight(adapter).to(dtype))
-                swaps.append((b, b.weight.data, merged))
-        return cls(model, swaps)
-
-    def __enter__(self):
-        for layer, _, merged in self.swaps:
-            layer.weight.data = merged
-        self.off = self.model.disable_adapter()
-        self.off.__enter__()
-
-    def __exit__(self, *error):
-        self.off.__exit__(*error)
-        for layer, own, _ in self.swaps:
+@contextlib.contextmanager
+def merged(model, swaps):
+    """Inside: each projection points at its merged weight (merged_weights) and the adapter is off; on
+    leaving, each points at its own weight again, so the base is bit for bit what it was."""
+    for layer, _, weight in swaps:
+        layer.weight.data = weight
+    try:
+        with model.disable_adapter():
+            yield
+    finally:
+        for layer, own, _ in swaps:
             layer.weight.data = own
 
 
@@ -662,7 +646,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     With reuse_cache each dialogue keeps its KV cache between turns, so a turn runs only the tokens
     added since the last one (generate_turn); without it every turn runs the whole prompt.
     With merged_sampling the agent samples from its adapter merged into a copy of the base weights
-    (MergedAdapter), where the model allows it.
+    (merged_weights), where the model allows it.
     Returns (records, stats): one flat dict per dialogue, and counts and timings."""
     from transformers import GenerationConfig
 
@@ -686,18 +670,19 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
             simulator.end(d.state, "context")
     was_training = policy.training
     policy.eval()
-    merged = MergedAdapter.of(policy) if merged_sampling else None
+    swaps = merged_weights(policy) if merged_sampling else None
     stats = Counter({k: -v for k, v in simulator_counts(simulator).items()})  # + the counts at the end
     # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
-    bar = tqdm(total=len(dialogues), initial=sum(d.state.done for d in dialogues), desc=desc,
+    bar = tqdm(total=len(dialogues), initial=sum(bool(d.state.end_reason) for d in dialogues), desc=desc,
                disable=not progress, leave=False, file=sys.stderr)
     turns_played = 0
-    while active := [d for d in dialogues if not d.state.done]:
+    while active := [d for d in dialogues if not d.state.end_reason]:
         t0 = time.time()
         recorder = SampledLogprobs(1.0 if greedy else temperature)
         # the caches are kept only if a dialogue can go on: on its last allowed turn every one ends
         keep = reuse_cache and not all(d.state.turns + 1 >= simulator.max_turns for d in active)
-        with merged or contextlib.nullcontext():  # the user's turns below run on the base's own weights
+        # the user's turns below run on the base's own weights
+        with merged(policy, swaps) if swaps else contextlib.nullcontext():
             new, (prompt, reused) = generate_turn(policy, [d.ids for d in active], [d.cache for d in active],
                                                   tokenizer.pad_token_id, keep, generation_config=gen_config,
                                                   logits_processor=[recorder])                # (B, N)
@@ -724,7 +709,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
         simulator.step([d.state for d in active], replies)
         turns_played += len(active)
         for d in active:
-            if not d.state.done:
+            if not d.state.end_reason:
                 delta = chat.user_turn(d.state.history[-1]["text"], d.ids[-1])
                 if len(d.ids) + len(delta) + max_new_tokens > max_context:
                     # No room for the user's message and a full reply: end here, so that no stored
@@ -732,7 +717,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                     simulator.end(d.state, "context")
                 else:
                     d.add(delta)
-            if d.state.done:
+            if d.state.end_reason:
                 bar.update(1)
                 d.cache.clear()  # free a finished dialogue's KV cache (the user frees its own)
         bar.set_postfix(turns=turns_played)  # and redraw, once per turn
@@ -756,11 +741,10 @@ def to_record(d, start_emotion):
     its last token (turn_ends), the emotion after it and its change (None where the appraisal could
     not be read: such a dialogue ends there, end_reason "unread")."""
     s = d.state
-    turns = transcript_turns(s)
-    agent = iter(d.agent_turns)
-    for t in turns:
-        if t["role"] == "agent":
-            t.update(next(agent))
+    # the dialogue turn by turn; an agent turn with its sampling (agent_turns) and its appraisal
+    agent = iter({**a, **sampled} for a, sampled in zip(s.appraisals, d.agent_turns))
+    turns = [{"role": m["role"], "text": m["text"], **(next(agent) if m["role"] == "agent" else {})}
+             for m in s.history]
     return {
         "persona_id": s.persona.id, "sample": d.sample,
         "token_ids": d.ids, "action_mask": d.action_mask, "logprobs": d.logprobs,
@@ -775,10 +759,7 @@ def to_record(d, start_emotion):
     }
 
 
-def transcript_record(r, **extra):
-    """What goes to rollouts.jsonl: a dialogue's record without the token-level arrays."""
-    return {**extra, **{k: v for k, v in r.items() if k not in ("token_ids", "action_mask", "logprobs",
-                                                                   "turn_ends")}}
+TOKEN_ARRAYS = ("token_ids", "action_mask", "logprobs", "turn_ends")  # what rollouts.jsonl leaves out
 
 
 def summarize(records, per_process):
@@ -817,31 +798,16 @@ def pad_records(records, pad_id, device):
     lengths = torch.tensor([len(r["token_ids"]) for r in records], device=device)          # (B,)
     read = torch.tensor([r["end_reason"] != "unread" for r in records], device=device)     # (B,)
     width = int(lengths.max())
-
-    def pad(key, value, dtype):
-        return torch.tensor([r[key] + [value] * (width - len(r[key])) for r in records],
-                            dtype=dtype, device=device)
-
-    return {
-        "input_ids": pad("token_ids", pad_id, torch.long),                                  # (B, T)
-        "attention_mask": (torch.arange(width, device=device) < lengths[:, None]).long(),   # (B, T)
-        "action_mask": pad("action_mask", 0, torch.float32) * read[:, None],                # (B, T)
-        "sample_logprobs": pad("logprobs", 0.0, torch.float32),                             # (B, T)
-    }
+    padded = {key: torch.tensor([r[key] + [value] * (width - len(r[key])) for r in records], dtype=dtype,
+                                device=device)                                               # (B, T)
+              for key, value, dtype in (("token_ids", pad_id, torch.long), ("action_mask", 0, torch.float32),
+                                        ("logprobs", 0.0, torch.float32))}
+    return {"input_ids": padded["token_ids"],
+            "attention_mask": (torch.arange(width, device=device) < lengths[:, None]).long(),   # (B, T)
+            "action_mask": padded["action_mask"] * read[:, None], "sample_logprobs": padded["logprobs"]}
 
 
 LOGITS_CHUNK_TOKENS = 1024  # rows x positions projected onto the vocabulary at once (token_logprobs)
-
-
-def length_sorted(attention_mask, micro_batch_size):
-    """Micro-batches for passes where the order of dialogues does not matter (scoring): a list of
-    (rows, width), the rows sorted by length, longest first, and width their longest row, so that
-    a micro-batch of short dialogues is not run at the width of the batch's longest one.
-    The batch is right-padded (pad_records), so a row's tokens are its first `length` columns."""
-    lengths = attention_mask.sum(1)                                                          # (B,)
-    order = torch.argsort(lengths, descending=True, stable=True)
-    return [(order[i:i + micro_batch_size], int(lengths[order[i]]))
-            for i in range(0, len(order), micro_batch_size)]
 
 
 def _chunk_logprobs(head, hidden, targets, temperature, with_entropy, entropy_grad):
@@ -900,12 +866,16 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
 @torch.no_grad()
 def eval_scores(model, batch, micro_batch_size, score):
     """score(input_ids, attention_mask, action_mask) -> (b, w) over a padded batch (B, T), in eval mode
-    and without gradients, in micro-batches of dialogues of similar length, each at its own width
-    (length_sorted): the scoring passes of both trainers. Returns (B, T) float32."""
+    and without gradients: the scoring passes of both trainers. The dialogues go longest first, in
+    micro-batches of similar length, each at the width of its longest (the batch is right-padded), so
+    that short dialogues are not run at the width of the longest one. Returns (B, T) float32."""
     out = torch.zeros_like(batch["action_mask"])                                            # (B, T) float32
+    lengths = batch["attention_mask"].sum(1)                                                # (B,)
+    order = torch.argsort(lengths, descending=True, stable=True)
     was_training = model.training
     model.eval()
-    for rows, width in length_sorted(batch["attention_mask"], micro_batch_size):
+    for i in range(0, len(order), micro_batch_size):
+        rows, width = order[i:i + micro_batch_size], int(lengths[order[i]])
         out[rows, :width] = score(*(batch[k][rows, :width]
                                     for k in ("input_ids", "attention_mask", "action_mask")))
     model.train(was_training)
@@ -1057,7 +1027,7 @@ def iteration_report(run, all_records, stats, batch, old_logprobs, ref_logprobs,
                "update_tokens": int(update_tokens),  # every process's, x epochs
                "update_tokens_per_s": update_tokens / max(*run.gather([t_update]), 1e-9),
                **summarize(all_records, run.gather([stats]))}
-    return figures, [transcript_record(r) for r in all_records]
+    return figures, [{k: v for k, v in r.items() if k not in TOKEN_ARRAYS} for r in all_records]
 
 
 def pick_personas(personas, n, seed, iteration):

@@ -739,13 +739,7 @@ class Run:
 
     def save_if_due(self, now=False):
         """(A collective call) after an iteration: a checkpoint every --save-every iterations, at the last
-        one, and `now` (a run that stops); then the next iteration's clock and peak memory start. Every
-        process hands in its RNG state; the main process writes checkpoints/iter_N: each adapter in
-        peft's format (PeftModel.from_pretrained loads it) and state.pt (optimizer, schedule, modules,
-        every process's RNG, the iteration, the logs' sizes), into a temporary folder renamed into place,
-        so a kill leaves the last complete one, then records it in checkpoints.txt. Then the oldest it
-        recorded beyond --keep-checkpoints go. Weights that are not all finite are never a checkpoint; a
-        write that fails (a full disk) leaves nothing half-written; each ends the run with one line."""
+        one, and `now` (a run that stops); then the next iteration's clock and peak memory start."""
         if now or self.done % self.args.save_every == 0 or self.done == self.args.iterations:
             self.save(self.done)
         self.accelerator.wait_for_everyone()
@@ -754,7 +748,13 @@ class Run:
             torch.cuda.reset_peak_memory_stats()
 
     def save(self, iteration):
-        """save_if_due's checkpoint of `iteration`."""
+        """(A collective call: every process hands in its RNG state.) The main process writes
+        checkpoints/iter_N: each adapter in peft's format (PeftModel.from_pretrained loads it) with its
+        role beside it, and state.pt (optimizer, schedule, modules, every process's RNG, the iteration, the
+        logs' sizes), into a temporary folder renamed into place, so a kill leaves the last complete one,
+        then records it in checkpoints.txt. Then the oldest it recorded beyond --keep-checkpoints go.
+        Weights that are not all finite are never a checkpoint; a write that fails (a full disk) leaves
+        nothing half-written; each ends the run with one line."""
         from safetensors import SafetensorError
 
         rngs = self.gather([rng_state()])
@@ -768,9 +768,9 @@ class Run:
             tmp = final + ".tmp"  # a killed save's is overwritten (the same files), then renamed
             try:
                 for adapter in self.adapters:
-                    # peft writes 'default' into the folder given and any other adapter into a subfolder
-                    # of its name: either way each lands in tmp/<adapter>/, with its role beside it
-                    # (evaluate.py scores only a policy, wherever its folder was copied)
+                    # peft writes 'default' into the folder given and any other adapter into a subfolder of
+                    # its name: either way each lands in tmp/<adapter>/, with its role (evaluate.py scores
+                    # only a policy, wherever its folder was copied)
                     self.model.save_pretrained(f"{tmp}/default" if adapter == "default" else tmp,
                                                selected_adapters=[adapter])
                     Path(f"{tmp}/{adapter}/role").write_text(adapter, encoding="utf-8")
@@ -783,9 +783,8 @@ class Run:
             except (OSError, RuntimeError, SafetensorError) as e:
                 why = write_failure(e, final)  # before the removal gives the space back
                 shutil.rmtree(tmp, ignore_errors=True)
-                fail(f"iteration {iteration}: the checkpoint {final} could not be written "
-                     f"({why}); what was written of it is removed; "
-                     f"{self.resume_advice()}", code=1)
+                fail(f"iteration {iteration}: the checkpoint {final} could not be written ({why}); what was "
+                     f"written of it is removed; {self.resume_advice()}", code=1)
             for old in checkpoints(out)[:-self.args.keep_checkpoints]:  # the oldest it recorded go (0: none)
                 shutil.rmtree(old, ignore_errors=True)
         self.saving = None
@@ -794,7 +793,7 @@ class Run:
         """A simulator that cannot answer ends the run with one line and exit code 2; a finished iteration
         not yet saved is saved first (with one process: a save is collective)."""
         if self.done > self.saved_at and self.world == 1:
-            self.save(self.done)
+            self.save_if_due(now=True)
         fail(f"{error}; {self.resume_advice()}")
 
     def finish(self):

@@ -237,20 +237,8 @@ class UserState:
     history: list = field(default_factory=list)     # {"role": "user"|"agent", "text": str}
     turns: int = 0                                   # agent replies appraised so far
     appraisals: list = field(default_factory=list)  # {"change", "emotion", "appraisal"}; None: unread
-    end_reason: str | None = None  # success | left | goodbye | max_turns | context | unread
+    end_reason: str | None = None  # None while it goes on | success | left | goodbye | max_turns | context | unread
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # the backend's KV slot
-
-    @property
-    def done(self):
-        return self.end_reason is not None
-
-
-def transcript_turns(state):
-    """The dialogue as a list of turns; agent turns carry their appraisal: the change, the emotion after
-    it (both None where the appraisal could not be read) and the appraisal's text."""
-    appraisals = iter(state.appraisals)
-    return [{"role": m["role"], "text": m["text"], **(next(appraisals) if m["role"] == "agent" else {})}
-            for m in state.history]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,7 +312,7 @@ PROMPTS = {
         "feelings": {"S": "understood and relieved", "A": "fairly good, opening up",
                      "B": "neutral and still guarded", "C": "misunderstood and annoyed", "F": "fed up"},
         "retry": ("Your change line could not be read, or it was outside the scale. Write only one line, "
-                  "'{change}: N', with N a single whole number from -{m} to +{m}: how much the reply "
+                  "'Change: N', with N a single whole number from -{m} to +{m}: how much the reply "
                   "moved the mood, not the mood itself."),
         "speakers": {"user": "You", "agent": "Chatbot"},
         # the openings writer's request, where an agent's first message would be
@@ -377,7 +365,7 @@ PROMPTS = {
             "change": "变化：N"},
         "feelings": {"S": "被理解，如释重负", "A": "感觉不错，正在敞开", "B": "情绪平平，仍有戒备",
                      "C": "觉得被误解，有些烦躁", "F": "受够了"},
-        "retry": ("无法读取你的变化那一行，或者它超出了范围。只写一行“{change}：N”，N 是 -{m} 到 +{m} 之间的一个"
+        "retry": ("无法读取你的变化那一行，或者它超出了范围。只写一行“变化：N”，N 是 -{m} 到 +{m} 之间的一个"
                   "整数：这句回复让心情变化了多少，而不是心情本身。"),
         "speakers": {"user": "你", "agent": "机器人"},
         "opening": ("你刚打开和心理支持聊天机器人的对话。写出你的第一条消息：用你自己的口吻，开始说你心里的事，"
@@ -424,13 +412,9 @@ def mood_note(emotion, lang="en", reaction=None):
 AGENT_ESCAPE = str.maketrans({"[": "(", "]": ")", "<": "\u2039", ">": "\u203a"})
 
 
-def escape_agent(text):
-    return text.translate(AGENT_ESCAPE)
-
-
 def quoted(text):
-    """One JSON string: quotes and newlines escaped, so nothing inside can end it early."""
-    return json.dumps(escape_agent(text), ensure_ascii=False)
+    """Agent text as one JSON string: quotes and newlines escaped, so nothing inside can end it early."""
+    return json.dumps(text.translate(AGENT_ESCAPE), ensure_ascii=False)
 
 
 def appraisal_messages(state, reply, max_change=10):
@@ -444,13 +428,6 @@ def appraisal_messages(state, reply, max_change=10):
                                      m=max_change)
     return [{"role": "system", "content": persona_card(state.persona, "forgiveness")},
             {"role": "user", "content": ask}]
-
-
-def retry_message(state, max_change=10):
-    """The one re-ask of an appraisal whose change line could not be read or was off the scale."""
-    prompts = PROMPTS[persona_language(state.persona)]
-    change = re.split("[:：]", prompts["fields"]["change"])[0]
-    return {"role": "user", "content": prompts["retry"].format(change=change, m=max_change)}
 
 
 REACTION_LINE = re.compile(rf"^\W*(?:{'|'.join(LABELS['reaction'])})\s*[:：]\s*(.+)$", re.I | re.M)
@@ -471,11 +448,11 @@ def user_turn_messages(state):
             messages.append({"role": "assistant", "content": m["text"]})
         else:
             note = mood_note(next(moods), lang)
-            messages.append({"role": "user", "content": f"{note}\n{escape_agent(m['text'])}"})
+            messages.append({"role": "user", "content": f"{note}\n{m['text'].translate(AGENT_ESCAPE)}"})
     # the latest appraisal's one-line reaction (its last reaction line), for the user's own
     # private note only, never for anything the agent reads
     found = REACTION_LINE.findall(state.appraisals[-1]["appraisal"]) if state.appraisals else []
-    reaction = escape_agent(found[-1].strip()[:240]) if found else None
+    reaction = found[-1].strip()[:240].translate(AGENT_ESCAPE) if found else None
     note = mood_note(state.emotion, lang, reaction)
     if messages[-1]["role"] == "assistant":
         messages.append({"role": "user", "content": note})
@@ -731,9 +708,9 @@ class Simulator:
         texts = self.backend.chat(asked, self.appraisal_tokens, [s.cache for s in states], 1.0)
         changes = [parse_change(t) for t in texts]
         again = [k for k, c in enumerate(changes) if c is None or abs(c) > self.max_change]
-        if again:
-            retry = [asked[k] + [{"role": "assistant", "content": texts[k]},
-                                 retry_message(states[k], self.max_change)] for k in again]
+        if again:  # the change line alone, by its label in the persona's language
+            retry = [asked[k] + [{"role": "assistant", "content": texts[k]}, {"role": "user", "content": PROMPTS[
+                persona_language(states[k].persona)]["retry"].format(m=self.max_change)}] for k in again]
             answers = self.backend.chat(retry, self.retry_tokens, [states[k].cache for k in again], 1.0)
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
@@ -760,7 +737,7 @@ class Simulator:
             s.appraisals.append({"change": change, "emotion": s.emotion, "appraisal": text})
             s.end_reason = ("success" if s.emotion >= 100 else "left" if s.emotion < self.leave_below
                             else "max_turns" if s.turns >= self.max_turns else None)
-        talking = [s for s in states if not s.done]
+        talking = [s for s in states if not s.end_reason]
         if self.readout == "rules":
             texts = [s.persona.band_lines.get(band(s.emotion), GENERIC_LINES[band(s.emotion)])
                      for s in talking]
@@ -773,7 +750,7 @@ class Simulator:
             if says_goodbye(text, self.goodbye):
                 s.end_reason = "goodbye"
         for s in states:
-            if s.done:
+            if s.end_reason:
                 s.cache.clear()  # free the finished dialogue's KV cache
         self.seconds += time.time() - t0
 

@@ -621,11 +621,11 @@ def test_cli_base_vs_adapter_end_to_end(trained_adapter, tmp_path):
     out = tmp_path / "eval"
     code, stdout, err = cli("evaluate.py", "--model", "smollm2", "--adapter", trained_adapter, "--personas",
                             "personas.json", "--split", "test", "--dialogues", "2", "--max-turns", "2",
-                            "--max-new-tokens", "12", "--user-reply-tokens", "16", "--simulator", "same",
+                            "--max-new-tokens", "12", "--user-reply-tokens", "16", "--simulator", "rules",
                             "--bootstrap", "200", "--out", str(out))
     assert code == 0, err[-3000:]
     results = check_output_folder(str(out), ["base", "trained"], 2)
-    assert results["readout"] == "reasoned"
+    assert results["readout"] == "rules"  # (the `same` user's 300-token appraisals cost minutes on 2 cores)
     lines = transcripts(out)
     base_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "base"]
     trained_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "trained"]

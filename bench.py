@@ -92,7 +92,7 @@ import ppo
 import rollout
 from run import (above, at_least, command, fail, one_of, parse_settings, peak_memory_gb, read_run,
                  read_text, set_seed, setting, within, write_atomically)
-from simulator import RulesBackend, Simulator, load_personas_or_exit
+from simulator import RulesBackend, Simulator, load_personas
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -178,7 +178,7 @@ def bench_rollout(args):
     """One rollout against plain generate's speed, timed before and after it."""
     set_seed(0)  # the same dialogues every run
     policy, tokenizer = rollout.load_policy(args.model, trainable=False)
-    personas = load_personas_or_exit(args.personas, "train")[:args.dialogues]
+    personas = load_personas(args.personas, "train")[:args.dialogues]
     backend = rollout.make_backend(args.simulator, policy, tokenizer, args.reuse_cache)
     simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns)  # same: the reasoned read-out
     prompts = [rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT).prompt(p.opening) for p in personas]
@@ -603,7 +603,7 @@ def bench_gpu(args):
     # transformers turns the KV cache off and the baseline would crawl.
     model.eval()
     system_prompt = rollout.THINK_PROMPT if settings["thinking"] else rollout.PLAIN_PROMPT
-    personas = rollout.pick_personas(load_personas_or_exit("personas.json", "train"),
+    personas = rollout.pick_personas(load_personas("personas.json", "train"),
                                      settings["dialogues_per_iteration"], settings["seed"], 0)
     prompts = [rollout.ChatTokens(tokenizer, system_prompt).prompt(p.opening) for p in personas]
     plain = plain_rate(model, tokenizer, prompts, settings["max_new_tokens"])
@@ -679,7 +679,7 @@ def check_rollout_rates(dry_run):
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.01)
-    personas = load_personas_or_exit("personas.json", "train")[:dialogues]
+    personas = load_personas("personas.json", "train")[:dialogues]
     rates = {}
     routes = {"adapter": {"merged_sampling": False}, "merged": {}}
     for route, flags in routes.items():
@@ -755,14 +755,8 @@ def gpu_check(args):
              "tiny sizes")
     if os.path.isdir(args.out):  # a folder gets the results inside it
         args.out = os.path.join(args.out, "check.json")
-    try:  # only a results file of this check is ever replaced: never a run's config.json or another file
-        with open(args.out, encoding="utf-8") as f:
-            ours = "steps" in json.load(f)
-    except FileNotFoundError:
-        ours = True
-    except (OSError, ValueError, TypeError):
-        ours = False
-    if not ours:
+    # only a results file of this check is ever replaced: never a run's config.json or another file
+    if os.path.exists(args.out) and '"steps"' not in read_text(args.out, fail):
         fail(f"--out {args.out} exists and is not a results file of this check: give a new file or a folder")
     folder = os.path.dirname(os.path.abspath(args.out))
     try:  # every step writes its log there, and the results after it

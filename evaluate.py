@@ -41,10 +41,9 @@ from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSetting
                      check_openings_fit, default_device, load_policy, make_backend, play_dialogues,
                      sampling_settings, TOKEN_ARRAYS)
 from run import (append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
-                 new_folder, parse_settings, public_config, read_json_lines, read_run, read_text, redact,
-                 release, setting, within, write_atomically, write_failure)
-from simulator import (PROMPTS, PersonaError, SimulatorError, SimulatorSettings, UserState, apply_change,
-                       clean_user_text, load_personas, load_personas_or_exit, persona_language,
+                 new_folder, parse_settings, public_config, read_json_lines, read_run, read_text, release, setting, within, write_atomically, write_failure)
+from simulator import (PROMPTS, PersonaError, RulesBackend, SimulatorError, SimulatorSettings, UserState, apply_change,
+                       clean_user_text, load_personas, persona_language,
                        user_turn_messages)
 
 
@@ -509,38 +508,6 @@ def agreement_table(report):
     return "\n".join(lines) + "\n"
 
 
-def plot_agreement(rows, path, title="", max_change=10):
-    """Recorded against simulated change per reply as a heat map: one cell per pair of whole changes,
-    coloured by how many replies fall there (log scale; empty cells blank). It reads the same at 20
-    replies and at 20,000, where dots sized by their count cover the plot. Written whole or not at
-    all (a temporary file renamed over, as run.write_atomically), so that a full disk or a kill never
-    leaves half a PNG. Returns the figure."""
-    from matplotlib.colors import LogNorm
-    from matplotlib.figure import Figure  # without pyplot: nothing to display, nothing to close
-
-    m = max(max_change, int(np.abs(rows).max()))  # cells -m..m on both axes
-    edges = np.arange(-m - 0.5, m + 1)
-    fig = Figure(figsize=(6, 5))
-    ax = fig.subplots()
-    # counts under 1 (cmin) are NaN: an empty cell is blank
-    *_, cells = ax.hist2d(*np.rint(rows).T, bins=edges, cmin=1, norm=LogNorm())  # the same edges on x and y
-    fig.colorbar(cells, ax=ax, label="replies")
-    ax.plot([-m, m], [-m, m], color="red", ls="--", lw=0.8)
-    ax.set(xlabel="recorded change (SAGE's judge)", ylabel="simulated change (this simulator)")
-    ax.locator_params(integer=True)  # the cells are whole changes
-    ax.set_title(f"{title}\nSpearman {STATISTICS['spearman'](rows):.2f}; dashed: perfect agreement",
-                 fontsize=9)
-    fig.tight_layout()
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return fig
-
-
 BATCH_DIALOGUES = 4  # dialogues whose replies go to the simulator in one call
 
 
@@ -550,7 +517,7 @@ def agreement_main(args):
     at once, exit 130 / 143) is run again whole; the appraisals made until then stay in
     appraisals.jsonl, written whole line by line, and no result file is half written (each is renamed
     into place)."""
-    personas = {p.id: p for p in load_personas_or_exit(args.personas, difficulty=args.difficulty)}
+    personas = {p.id: p for p in load_personas(args.personas, difficulty=args.difficulty)}
     dialogues, seen = [], {}
     for path in args.agreement:
         dialogues += read_sage_dialogues(path, personas)[:args.dialogues or None]
@@ -565,7 +532,7 @@ def agreement_main(args):
     # KV cache is kept for it
     simulator = build_simulator(args, None, None, reuse_cache=False)
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
-          f"{redact(args.simulator)} (read-out {simulator.readout}); every appraisal goes to {store}",
+          f"{args.simulator} (read-out {simulator.readout}); every appraisal goes to {store}",
           file=sys.stderr)
     try:
         # The simulator's (change, appraisal) for every judged reply: each batch of
@@ -592,17 +559,12 @@ def agreement_main(args):
         results = {"settings": {**public_config(args, "evaluate.py"), "readout": simulator.readout}, **report}
         table = agreement_table(results)
         write_results(args.out, results, table)
-        rows = np.concatenate([agreement_rows(d, c, args.max_change) for d, c in zip(dialogues, changes)])
-        plot_agreement(rows, f"{args.out}/agreement.png", f"{redact(args.simulator)} ({simulator.readout}) "
-                       f"vs SAGE's judge: {len(rows)} replies", args.max_change)
-    except SimulatorError as e:
-        fail(e)
     except OSError as e:  # a full disk: the appraisal lines written whole stay, no result is half written
         fail(f"cannot write in {args.out} ({write_failure(e, args.out)}); the appraisals made so far are in "
              f"{store}")
     release()
     print(table)
-    print(f"-> {args.out}/results.json, results.md, agreement.png, appraisals.jsonl")
+    print(f"-> {args.out}/results.json, results.md, appraisals.jsonl")
     return results
 
 
@@ -640,26 +602,20 @@ def write_openings(args):
     except PersonaError as e:
         fail(f"{e} (--write-openings takes JSON-lines profiles: SAGE's, RLVER's)")
     todo = [p for p in personas if not p.opening.strip()]
-    print(f"{len(personas)} profiles in {source}: {len(todo)} to write with {redact(args.simulator)} at mood "
+    print(f"{len(personas)} profiles in {source}: {len(todo)} to write with {args.simulator} at mood "
           f"{args.start_emotion}", file=sys.stderr)
     exit_on_signals(lambda: f"; {out} not written")
-    backend = make_backend(args.simulator, args=args) if todo else None  # no model when none is missing
-    written = []
+    backend = make_backend(args.simulator, args=args) if todo else RulesBackend()  # no model when none is missing
     try:
-        for start in range(0, len(todo), 8):
-            part = todo[start:start + 8]
-            # the user's own chat, in the persona's language, with the request where an agent's first
-            # message would be
-            asked = [user_turn_messages(UserState(p, args.start_emotion, [
-                {"role": "agent", "text": PROMPTS[persona_language(p)]["opening"]}])) for p in part]
-            texts = ([RULES_OPENING[persona_language(p)] for p in part] if backend.name == "rules" else
-                     [clean_user_text(t) for t in backend.chat(asked, OPENING_TOKENS)])
-            if "..." in texts:  # nothing usable was left after cleaning
-                empty = part[texts.index("...")]
-                raise SimulatorError(f"the simulator wrote nothing usable for id {empty.id}")
-            written += texts
-            print(f"openings: {start + len(part)} of {len(todo)}", file=sys.stderr)
-        texts = iter(written)
+        # the user's own chat, in the persona's language, with the request where an agent's first message
+        # would be
+        asked = [user_turn_messages(UserState(p, args.start_emotion, [
+            {"role": "agent", "text": PROMPTS[persona_language(p)]["opening"]}])) for p in todo]
+        texts = ([RULES_OPENING[persona_language(p)] for p in todo] if backend.name == "rules" else
+                 [clean_user_text(t) for t in backend.chat(asked, OPENING_TOKENS)])
+        if "..." in texts:  # nothing usable was left after cleaning
+            raise SimulatorError(f"the simulator wrote nothing usable for id {todo[texts.index('...')].id}")
+        texts = iter(texts)
         filled = [entry if p.opening.strip() else {**entry, "first_talk": next(texts),
                                                    "first_talk_emotion": args.start_emotion}
                   for p, (_, entry) in zip(personas, lines)]
@@ -668,7 +624,6 @@ def write_openings(args):
         fail(f"--write-openings {out}: {e}; nothing written")
     except OSError as e:
         fail(f"--write-openings {out}: {write_failure(e, out)}; nothing written")
-    release()  # the signal handlers as they were
     print(f"-> {out}: {len(personas)} profiles, every one with an opening", file=sys.stderr)
 
 
@@ -678,19 +633,17 @@ def main(argv=None):
         return agreement_main(args)
     if args.write_openings:  # the first messages RLVER's training profiles lack
         return write_openings(args)
-    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)[:args.dialogues or None]
+    personas = load_personas(args.personas, args.split, args.difficulty)[:args.dialogues or None]
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
     new_folder(args.out)  # before any model loads
     policy, tokenizer, models = load_models(args)
     simulator = build_simulator(args, policy, tokenizer, goodbye="sage")
     print(f"{len(models)} models x {len(personas)} personas, one greedy dialogue each; simulator "
-          f"{redact(args.simulator)} (read-out {simulator.readout})", file=sys.stderr)
-    try:
-        results = run_evaluation(args, policy, tokenizer, simulator, personas, models)
-    except SimulatorError as e:  # the models finished before it are in transcripts.jsonl
-        fail(e)
-    release()
+          f"{args.simulator} (read-out {simulator.readout})", file=sys.stderr)
+    # a simulator that stops answering ends it with one line: the models finished before are in
+    # transcripts.jsonl
+    results = run_evaluation(args, policy, tokenizer, simulator, personas, models)
     print(results_table(results))
     print(f"-> {args.out}/results.json, results.md, transcripts.jsonl")
     return results

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from run import above, at_least, fail, one_of, random_streams_kept, redact, setting, within
-from simulator import OpenAIBackend, RulesBackend, Simulator, load_personas_or_exit
+from run import above, at_least, fail, one_of, random_streams_kept, setting, within
+from simulator import OpenAIBackend, RulesBackend, Simulator, load_personas
 
 # ----------------------------------------------------------------------------------------------
 # System prompts (written for this project)
@@ -507,7 +507,7 @@ def make_simulator(args, policy, tokenizer, run):
     if run.is_main:
         merged = "off (4-bit weights do not merge)" if args.load_in_4bit else args.merged_sampling
         print(f"policy {args.model} on {run.device} x {run.world} process(es), merged sampling {merged}; "
-              f"simulator {redact(args.simulator)}, read-out {simulator.readout}")
+              f"simulator {args.simulator}, read-out {simulator.readout}")
     return simulator
 
 
@@ -764,8 +764,10 @@ TOKEN_ARRAYS = ("token_ids", "action_mask", "logprobs", "turn_ends")  # what rol
 
 def summarize(records, per_process):
     """Batch-level numbers of every script's log, from the dialogues' records and each process's
-    rollout counts and timings: counts add up; the *_seconds, spent at the same time, are the longest
-    one's, so count / seconds is the whole job's rate."""
+    rollout counts and timings, which it holds too: counts add up; the *_seconds, spent at the same
+    time, are the longest one's, so count / seconds is the whole job's rate (policy_tokens /
+    policy_seconds; policy_reused_tokens / policy_prompt_tokens is the share of prompt tokens read from
+    a dialogue's KV cache instead of being run again)."""
     stats, reasons = Counter(), Counter(r["end_reason"] for r in records)  # a count not reported is 0
     for mine in per_process:
         for key, value in mine.items():
@@ -777,16 +779,10 @@ def summarize(records, per_process):
            "success_rate": reasons["success"] / max(1, read), "failure_rate": reasons["left"] / max(1, read),
            "turns_mean": agent_turns / n,
            "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
-           "cut_reply_rate": sum(r.get("cut_replies", 0) for r in records) / max(1, agent_turns),
-           "unread_dialogues": reasons["unread"], "clamped_changes": int(stats["clamped_changes"]),
-           "policy_tokens": int(stats["policy_tokens"])}
-    for who in ("policy", "simulator"):
-        out[f"{who}_seconds"] = float(stats[f"{who}_seconds"])
-        out[f"{who}_tokens_per_s"] = stats[f"{who}_tokens"] / max(1e-9, out[f"{who}_seconds"])
-        # the share of prompt tokens read from a dialogue's KV cache instead of being run again
-        out[f"{who}_cache_hit"] = stats[f"{who}_reused_tokens"] / max(1, stats[f"{who}_prompt_tokens"])
-    ends = ("success", "left", "goodbye", "max_turns", "context")
-    return {**out, **{f"end_{reason}": reasons[reason] for reason in ends}}
+           "cut_reply_rate": sum(r["cut_replies"] for r in records) / max(1, agent_turns),
+           "unread_dialogues": reasons["unread"], **stats}
+    return {**out, **{f"end_{reason}": reasons[reason] for reason in ("success", "left", "goodbye", "max_turns",
+                                                                       "context")}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -912,7 +908,7 @@ def check_before_loading(args):
     config: --target-modules against its layers, and no change to its logits after lm_head."""
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
         fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
-    personas = load_personas_or_exit(args.personas, args.split, args.difficulty)
+    personas = load_personas(args.personas, args.split, args.difficulty)
     check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
                        args.max_context, args.max_new_tokens, args.trust_remote_code)
     check_model(args.model, args.target_modules, args.trust_remote_code)

@@ -30,7 +30,7 @@ import unicodedata
 import urllib.parse
 from dataclasses import dataclass, field
 
-from run import (REDACTED, at_least, env_name, fail, one_of, parse_json, read_json_lines, read_text, redact,
+from run import (REDACTED, Stop, at_least, env_name, fail, one_of, parse_json, read_json_lines, read_text, redact,
                  setting, within)
 
 # ----------------------------------------------------------------------------------------------
@@ -42,8 +42,8 @@ BANDS = ("S", "A", "B", "C", "F")
 MAX_FIELD_CHARS = 20_000  # a persona field longer than this is a file pasted in by mistake
 
 
-class PersonaError(ValueError):
-    """A persona file entry that is missing a field or has a wrong one."""
+class PersonaError(Stop):
+    """A persona file entry that is missing a field or has a wrong one: one line on the command line."""
 
 
 @dataclass
@@ -145,11 +145,14 @@ def _sage_persona(path, i, entry, need_opening):
     return persona
 
 
-def load_personas(path, split=None, need_opening=True):
+def load_personas(path, split=None, difficulty="all", need_opening=True):
     """Read personas.json (a JSON list) or a SAGE / RLVER profile file (JSON lines); validate every
-    entry. split: keep that split; a JSON-lines entry without a split of its own belongs to any
-    split asked for (labelled 'test' when none is). Ids stay the file's own.
+    entry. split: keep that split ("all" or None: the whole file); a JSON-lines entry without a split
+    of its own belongs to any split asked for (labelled 'test' when none is). Ids stay the file's own.
+    difficulty other than 'all' makes every persona play at that level, the simulator-difficulty
+    ablation (RLVER found that moderate users train better agents than hard ones).
     Raises PersonaError with a one-line message naming the file, the entry and the field."""
+    split = None if split == "all" else split
     text = read_text(path, PersonaError)
     if text.lstrip().startswith("["):
         entries = parse_json(text, path, PersonaError)
@@ -165,18 +168,6 @@ def load_personas(path, split=None, need_opening=True):
                 if split in (None, p.split) or p.split is None]
     if not personas:
         raise PersonaError(f"{path}: no personas" + (f" in split '{split}'" if split else ""))
-    return personas
-
-
-def load_personas_or_exit(path, split=None, difficulty="all"):
-    """The command-line form: a bad file prints one line and exits with code 2, no traceback.
-    split 'all' (or None) takes the whole file. difficulty other than 'all' makes every persona play
-    at that level, the simulator-difficulty ablation: RLVER found that moderate users train better
-    agents than hard ones."""
-    try:
-        personas = load_personas(path, None if split == "all" else split)
-    except PersonaError as e:
-        fail(e)
     return [p if difficulty == "all" else dataclasses.replace(p, difficulty=difficulty) for p in personas]
 
 
@@ -498,8 +489,9 @@ def parse_change(text):
 # ----------------------------------------------------------------------------------------------
 # Backends: one interface, chat(list of message lists) -> list of texts
 # ----------------------------------------------------------------------------------------------
-class SimulatorError(RuntimeError):
-    """A simulator backend that could not answer after its retries."""
+class SimulatorError(Stop):
+    """A simulator backend that could not answer after its retries: one line on the command line (a
+    trainer saves its finished iteration first)."""
 
 
 class ReplyError(ValueError):

@@ -530,7 +530,7 @@ def test_evaluate_ends_on_a_simulator_error_with_one_line(server, tiny_model_dir
 # Issue 30 item 12: the agreement check on a full disk, on Ctrl-C and on SIGTERM
 # ----------------------------------------------------------------------------------------------
 RECORDED = [os.path.join(DATA, "sage_results", f"{name}_result.jsonl") for name in ("warm", "cold", "mixed")]
-RESULT_FILES = ("results.json", "results.md", "agreement.png")
+RESULT_FILES = ("results.json", "results.md")
 
 
 def agreement_argv(out, *extra):

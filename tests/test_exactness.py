@@ -213,16 +213,16 @@ def test_merged_sampling_samples_the_adapter_or_steps_aside(case, tied_model_dir
     lora, merges = MERGE_CASES[case]
     policy, tokenizer = adapted(tied_model_dir, **lora)
     ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]])
-    merged = rollout.MergedAdapter.of(policy)
+    swaps = rollout.merged_weights(policy)
     with torch.no_grad():
         with_adapter = policy(input_ids=ids).logits
         with policy.disable_adapter():
             assert (policy(input_ids=ids).logits - with_adapter).abs().max() > 1e-2  # the adapter matters
-        if merged is not None:  # where it merges, the merged weights are the adapter's function
-            with merged:
+        if swaps is not None:  # where it merges, the merged weights are the adapter's function
+            with rollout.merged(policy, swaps):
                 torch.testing.assert_close(policy(input_ids=ids).logits, with_adapter, atol=1e-5, rtol=0)
-    assert (merged is not None) == merges  # and it merges wherever it can
-    if merged is None:  # stepped aside: the rollout samples through the adapter itself, as with merging off
+    assert (swaps is not None) == merges  # and it merges wherever it can
+    if swaps is None:  # stepped aside: the rollout samples through the adapter itself, as with merging off
         return
     # where it merges, the dialogues it samples are those of sampling through the adapter, token for token
     personas = simulator.load_personas(personas_file)

@@ -51,7 +51,7 @@ def test_a_servers_echo_of_the_key_is_scrubbed(server, persona_entry, write_pers
     sim = simulator.Simulator(simulator.OpenAIBackend(srv.url), max_turns=1)
     state = sim.start(persona)
     sim.step([state], ["hello"])
-    assert "plainsecret7" not in json.dumps(simulator.transcript_turns(state)) and state.emotion == 41
+    assert "plainsecret7" not in json.dumps(state.appraisals) and state.emotion == 41
 
 
 # ----------------------------------------------------------------------------------------------

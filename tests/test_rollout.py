@@ -374,7 +374,7 @@ def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_mo
         with_adapter = policy(input_ids=ids).logits.float()
         with policy.disable_adapter():
             base = policy(input_ids=ids).logits.float()
-        with rollout.MergedAdapter.of(policy):
+        with rollout.merged(policy, rollout.merged_weights(policy)):
             merged = policy(input_ids=ids).logits.float()
     torch.testing.assert_close(merged, with_adapter, atol=loose(dtype, 1e-5), rtol=0)
     effect = (merged - base).abs().max()
@@ -385,13 +385,13 @@ def test_merged_sampling_steps_aside_where_it_cannot_merge(tiny_model_dir):
     """No merge for a switched-off adapter (evaluate.py's base run) or a weight that is not a float
     (a 4-bit base), and none for a plain model."""
     policy, _ = new_policy(tiny_model_dir, perturb=0.1)
-    assert rollout.MergedAdapter.of(policy) is not None
+    assert rollout.merged_weights(policy) is not None
     with policy.disable_adapter():
-        assert rollout.MergedAdapter.of(policy) is None
-    assert rollout.MergedAdapter.of(policy.get_base_model()) is None
+        assert rollout.merged_weights(policy) is None
+    assert rollout.merged_weights(policy.get_base_model()) is None
     layer = next(m.get_base_layer() for m in policy.modules() if hasattr(m, "lora_A"))
     layer.weight = torch.nn.Parameter(torch.zeros(layer.weight.shape, dtype=torch.uint8), requires_grad=False)
-    assert rollout.MergedAdapter.of(policy) is None
+    assert rollout.merged_weights(policy) is None
 
 
 def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_model_dir):
@@ -465,9 +465,14 @@ def test_length_sorted_scoring_equals_each_dialogue_alone(tiny_model_dir):
         records.append({"token_ids": row, "action_mask": [0, 0] + [1] * (n - 2), "logprobs": [0.0] * n,
                         "end_reason": "max_turns"})
     batch = pad_records(records, tokenizer.pad_token_id, "cpu")
-    assert [[int(r) for r in rows] for rows, _ in rollout.length_sorted(batch["attention_mask"], 2)] == \
-        [[1, 4], [3, 0], [2]]
-    assert [w for _, w in rollout.length_sorted(batch["attention_mask"], 2)] == [17, 12, 5]
+    seen = []  # each micro-batch's rows (found by their tokens) and width
+
+    def spy(ids, att, m):
+        seen.append(([next(b for b in range(5) if torch.equal(batch["input_ids"][b, :ids.shape[1]], row))
+                      for row in ids], ids.shape[1]))
+        return torch.zeros(ids.shape)
+    rollout.eval_scores(policy, batch, 2, spy)
+    assert seen == [([1, 4], 17), ([3, 0], 12), ([2], 5)]  # longest first, each at its own width
     scored = eval_logprobs(policy, batch, micro_batch_size=2)                          # (B, T)
     for b, n in enumerate(lengths):
         row = slice(b, b + 1)
@@ -666,7 +671,7 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir):
     frozen = {n: p.dtype for n, p in policy.named_parameters() if "lora_" not in n}
     assert set(frozen.values()) == {torch.bfloat16, torch.uint8}, frozen  # the NF4 weights are packed bytes
     assert not any(p.requires_grad for n, p in policy.named_parameters() if "lora_" not in n)
-    assert rollout.MergedAdapter.of(policy) is None  # NF4 weights never merge: sampling goes through the adapter
+    assert rollout.merged_weights(policy) is None  # NF4 weights never merge: sampling goes through the adapter
     policy.train()
     ids = torch.tensor([tokenizer("i didn't get the promotion")["input_ids"]])
     out = policy(input_ids=ids, output_hidden_states=True)
@@ -697,7 +702,8 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_b
         assert a["token_ids"] == b["token_ids"]
         torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
                                    atol=1e-4, rtol=1e-4)
-    assert cached_summary["policy_cache_hit"] > 0.5 and plain_summary["policy_cache_hit"] == 0
+    hit = [s["policy_reused_tokens"] / s["policy_prompt_tokens"] for s in (cached_summary, plain_summary)]
+    assert hit[0] > 0.5 and hit[1] == 0  # the share of prompt tokens read from a kept cache
     batch = pad_records(cached, tokenizer.pad_token_id, "cpu")
     fresh = eval_logprobs(model, batch, micro_batch_size=2)
     mask = batch["action_mask"].bool()
@@ -713,10 +719,9 @@ def test_rollout_rates_and_cache_hits_come_from_every_process():
               "policy_prompt_tokens": 300, "policy_reused_tokens": 60, "format_ok": 4, "no_think": 1}
     records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0}]
     s = rollout.summarize(records, [first, second])
-    assert s["policy_tokens"] == 80 and s["policy_tokens_per_s"] == 80 / 4.0
-    assert s["policy_seconds"] == 4.0 and s["simulator_seconds"] == 1.0
-    assert s["simulator_tokens_per_s"] == 24 / 1.0
-    assert s["policy_cache_hit"] == 120 / 400
+    assert s["policy_tokens"] == 80 and s["format_ok"] == 7 and s["no_think"] == 1
+    assert s["policy_seconds"] == 4.0 and s["simulator_seconds"] == 1.0  # overlapping: the longest
+    assert (s["simulator_tokens"], s["policy_prompt_tokens"], s["policy_reused_tokens"]) == (24, 400, 120)
 
 
 # ----------------------------------------------------------------------------------------------

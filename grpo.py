@@ -13,85 +13,103 @@ log-probs, the loss aggregations, the k3 KL, AdamW with its warm-up, the figures
 rollout.py, once. In the loop the `run.` calls are the processes and the run folder (run.py);
 run.sum sets the loss denominators over every process.
 
-    python grpo.py                      # the paper's GRPO setup on a CUDA machine (Qwen2.5-7B-Instruct)
-    python grpo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
-    accelerate launch --num_processes 8 grpo.py   # data parallel on one node
+    python grpo.py               # the paper's GRPO setup on a CUDA machine (Qwen2.5-7B-Instruct)
+    python grpo.py --preset cpu  # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
+    accelerate launch --num_processes 8 grpo.py  # data parallel on one node
 """
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from rollout import (REWARDS, AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup, adapter_params,
-                     aggregate, check_before_loading, eval_logprobs, iteration_report, kl_k3, load_policy,
-                     make_simulator, old_logprobs_of, pad_records, pick_personas, play_dialogues, policy_settings,
-                     sampling_settings, token_logprobs, turn_rewards)
-from run import Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting, within
+from rollout import (REWARDS, AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup,
+                     adapter_params, aggregate, check_before_loading, iteration_report, kl_k3,
+                     load_policy, make_simulator, old_logprobs_of, pad_records, pick_personas,
+                     play_dialogues, policy_settings, ref_logprobs_of, sampling_settings,
+                     token_logprobs, turn_rewards)
+from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
+                 within)
 from simulator import SimulatorError, SimulatorSettings
 
 
-# --group-advantage: a dialogue's advantage from its reward r and its group's mean, std and size (over the
-# group's read dialogues, group_stats); each row one choice of the flag
+# --group-advantage: a dialogue's advantage from its reward r and its group's mean, std and size
+# (over the group's read dialogues, group_stats); each row one choice of the flag
 ADVANTAGES = {
     # GRPO (Shao et al. 2024, DeepSeekMath); eps 1e-4 as TRL
     "mean-std": lambda r, mean, std, size: (r - mean) / (std + 1e-4),
-    # Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): dividing by the std favours too-easy and too-hard groups
+    # Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): dividing by the std favours too-easy and
+    # too-hard groups
     "mean": lambda r, mean, std, size: r - mean,
 }
 
 
 @dataclass
 class GRPOSettings:
-    """GRPO's own settings (the policy's, the user's and the run's are declared where they are read)."""
+    """GRPO's own settings (the policy's, the user's and the run's are declared where they are
+    read)."""
     title = "GRPO"
-    personas_per_iteration: int = setting(8, "personas (groups) per iteration, over all processes: 8 x 4 = "
-                                             "PPO's 32 dialogues (RLVER's GRPO: 32 x 4)", at_least(1))
-    group_size: int = setting(4, "dialogues per persona, all from its opening (RLVER: 4)", at_least(2))
-    reward: str = setting("final", "final: final emotion / 100 | turn: sum of the turns' changes / 100 "
-                                   "(REWARDS)", one_of(*REWARDS))
-    format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
-    kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
-    group_advantage: str = setting("mean-std", "a dialogue's advantage against its group (ADVANTAGES): "
-                                                "mean-std (GRPO) | mean (Dr. GRPO)", one_of(*ADVANTAGES))
-    update_epochs: int = setting(1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
-    minibatch_size: int = setting(32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
+    personas_per_iteration: int = setting(
+        8, "personas (groups) per iteration, over all processes: 8 x 4 = PPO's 32 dialogues "
+           "(RLVER's GRPO: 32 x 4)", at_least(1))
+    group_size: int = setting(
+        4, "dialogues per persona, all from its opening (RLVER: 4)", at_least(2))
+    reward: str = setting(
+        "final", "final: final emotion / 100 | turn: sum of the turns' changes / 100 "
+                 "(REWARDS)", one_of(*REWARDS))
+    format_penalty: float = setting(
+        0.0, "subtracted per think-format violation (thinking on)", at_least(0))
+    kl_loss_coef: float = setting(
+        0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
+    group_advantage: str = setting(
+        "mean-std", "a dialogue's advantage against its group (ADVANTAGES): "
+                    "mean-std (GRPO) | mean (Dr. GRPO)", one_of(*ADVANTAGES))
+    update_epochs: int = setting(
+        1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
+    minibatch_size: int = setting(
+        32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
     clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
                               within(0, 1, low_open=True, high_open=True))
-    clip_high: float = setting(0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
+    clip_high: float = setting(
+        0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
     ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
-    loss_agg: str = setting("seq-mean-token-mean", "seq-mean-token-mean (GRPO paper) | token-mean | dr-grpo "
-                                                   "(token sum / fixed budget)",
-                            one_of("seq-mean-token-mean", "token-mean", "dr-grpo"))
-    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
-    warmup_steps: int = setting(20, "optimizer steps of linear learning-rate warm-up (RLVER: 2%% of 1,000)",
-                                at_least(0))
+    loss_agg: str = setting(
+        "seq-mean-token-mean", "seq-mean-token-mean (GRPO paper) | token-mean | dr-grpo "
+                               "(token sum / fixed budget)",
+        one_of("seq-mean-token-mean", "token-mean", "dr-grpo"))
+    lr: float = setting(
+        1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
+    warmup_steps: int = setting(
+        20, "optimizer steps of linear learning-rate warm-up (RLVER: 2%% of 1,000)", at_least(0))
     max_grad_norm: float = setting(1.0, "gradient norm clipping", above(0))
-    greedy: bool = setting(False, "decode greedily: for tests and debugging (a group's dialogues would be "
-                                  "equal)")
-    micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1),
-                                    operational=True)
-    log_kl_every: int = setting(1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
-                                   "reference pass in the others", at_least(1), operational=True)
+    greedy: bool = setting(
+        False, "decode greedily: for tests and debugging (a group's dialogues would be "
+               "equal)")
+    micro_batch_size: int = setting(
+        2, "dialogues per forward pass (gradient accumulation)", at_least(1), operational=True)
+    log_kl_every: int = setting(
+        1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
+           "reference pass in the others", at_least(1), operational=True)
 
     @staticmethod
     def check(args):
         batch = args.personas_per_iteration * args.group_size
         if batch % args.minibatch_size:
-            fail(f"--minibatch-size {args.minibatch_size} must divide the batch of {batch} dialogues "
-                 f"(--personas-per-iteration x --group-size)")
+            fail(f"--minibatch-size {args.minibatch_size} must divide the batch of {batch} "
+                 "dialogues (--personas-per-iteration x --group-size)")
 
 
-SETTINGS = (GRPOSettings, SamplingSettings, SimulatorSettings, PolicySettings, AdapterSettings, RunSettings)
+SETTINGS = (GRPOSettings, SamplingSettings, SimulatorSettings, PolicySettings, AdapterSettings,
+            RunSettings)
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
     # model never writes the tags, and the instructions about them only make its replies worse. The
     # rules user: the 135M model writes no appraisal a reasoned read-out can read.
-    "cpu": dict(model="smollm2", simulator="rules", personas_per_iteration=2, group_size=2, max_turns=2,
-                max_new_tokens=32, user_reply_tokens=24, max_context=1024, minibatch_size=4,
-                micro_batch_size=2, gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
-                lr=5e-5, iterations=3, save_every=1, warmup_steps=0,
-                # the value before the paper preset took RLVER's (0.001): the CPU results stand
+    "cpu": dict(model="smollm2", simulator="rules", personas_per_iteration=2, group_size=2,
+                max_turns=2, max_new_tokens=32, user_reply_tokens=24, max_context=1024,
+                minibatch_size=4, micro_batch_size=2, gradient_checkpointing=False, thinking=False,
+                lora_r=8, lora_alpha=16, lr=5e-5, iterations=3, save_every=1, warmup_steps=0,
+                # not RLVER's 0.001: the CPU results are measured without an entropy bonus
                 ent_coef=0.0),
 }
 
@@ -101,18 +119,19 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 def dialogue_rewards(records, mode="final", format_penalty=0.0):
     """One reward per dialogue (B,), the scalar GRPO compares within a group: the sum of its
-    rollout.turn_rewards (REWARDS[mode] less the format penalty per violating agent turn); NaN for an
-    unread dialogue, which its group leaves out."""
+    rollout.turn_rewards (REWARDS[mode] less the format penalty per violating agent turn); NaN for
+    an unread dialogue, which its group leaves out."""
     return torch.tensor([sum(turn_rewards(r, mode, format_penalty)) if r["end_reason"] != "unread"
                          else torch.nan for r in records], dtype=torch.float64)
 
 
 def group_stats(rewards, group_ids):
-    """Per dialogue (B,): its group's mean reward, std (with Bessel's correction, as torch.std, TRL and
-    verl use) and size over the group's read dialogues (an unread one's reward is NaN), and whether the
-    group has nothing to learn from: fewer than two read dialogues, or all their rewards equal."""
-    mean, std, size = torch.zeros_like(rewards), torch.zeros_like(rewards), torch.zeros_like(rewards)
-    flat = torch.zeros(len(rewards), dtype=torch.bool)
+    """Per dialogue (B,): its group's mean reward, std (with Bessel's correction, as torch.std, TRL
+    and verl use) and size over the group's read dialogues (an unread one's reward is NaN), and
+    whether the group has nothing to learn from: fewer than two read dialogues, or all their
+    rewards equal."""
+    mean, std, size = torch.zeros(3, len(rewards), dtype=rewards.dtype)
+    flat = torch.zeros_like(rewards, dtype=torch.bool)
     for g in group_ids.unique():
         members = group_ids == g
         r = rewards[members & ~rewards.isnan()]
@@ -123,8 +142,9 @@ def group_stats(rewards, group_ids):
 
 
 def group_advantages(rewards, group_ids, kind="mean-std"):
-    """Advantage of each dialogue (B,) from its reward and its group's statistics (ADVANTAGES[kind]). A
-    group with nothing to learn from (group_stats) and an unread dialogue get exactly 0."""
+    """Advantage of each dialogue (B,) from its reward and its group's statistics
+    (ADVANTAGES[kind]). A group with nothing to learn from (group_stats) and an unread dialogue get
+    exactly 0."""
     rewards = rewards.double()
     mean, std, size, flat = group_stats(rewards, group_ids)
     return ADVANTAGES[kind](rewards, mean, std, size).masked_fill(flat | rewards.isnan(), 0.0)
@@ -135,7 +155,8 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
     Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high)).
     Until the first optimizer step of an iteration, old_logprobs (its scoring pass) are the current
     weights' own log-probs, so r = 1, nothing is clipped, and the gradient is the plain policy
-    gradient -A grad log p (with one pass and one step per batch: GRPO with mu = 1, TRL's default)."""
+    gradient -A grad log p (with one pass and one step per batch: GRPO with mu = 1, TRL's
+    default)."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -156,8 +177,8 @@ def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, 
     with torch.no_grad():
         logratio = logprobs - old_logprobs
         approx_kl = torch.exp(logratio) - 1 - logratio  # the k3 estimator of KL(old || new)
-    return loss, {"policy_loss": pg, "entropy": entropy, "approx_kl": approx_kl, "clip_frac": clipped,
-                  "kl_ref_loss": kl_ref, "ratio": ratio}
+    return loss, {"policy_loss": pg, "entropy": entropy, "approx_kl": approx_kl,
+                  "clip_frac": clipped, "kl_ref_loss": kl_ref, "ratio": ratio}
 
 
 LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ratio_first",
@@ -165,7 +186,8 @@ LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ra
 
 
 def main(argv=None):
-    args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="grpo.py")  # --resume: the run's own settings
+    # --resume: the run's own settings
+    args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="grpo.py")
     personas = check_before_loading(args)  # the personas, and every check that needs no weights
     run = Run(args, "grpo.py", adapters=["default"],  # a group stays in one process
               per_process=["personas_per_iteration", "minibatch_size"])
@@ -179,10 +201,12 @@ def main(argv=None):
     sampling = sampling_settings(args)
     for iteration in range(first_iteration, args.iterations):
         # --- 1. collect dialogues: this process's whole groups (its share of the personas) --------
-        chosen = run.share(pick_personas(personas, args.personas_per_iteration, args.seed, iteration))
+        chosen = run.share(pick_personas(personas, args.personas_per_iteration, args.seed,
+                                         iteration))
         try:
             records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling,
-                                             samples_per_persona=args.group_size, progress=run.show_progress)
+                                             samples_per_persona=args.group_size,
+                                             progress=run.show_progress)
         except SimulatorError as e:
             run.stop(e)  # one line; a finished iteration not yet saved is saved first
         run.lap("rollout")
@@ -190,16 +214,14 @@ def main(argv=None):
         # --- 2. score: old log-probs, reference log-probs, rewards --------------------------------
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # the sampling policy's log-probs (NaN where the update's own pass fills them in), and the
-        # reference's (adapter off)
-        from_update, old_logprobs = old_logprobs_of(model, batch, args, len(records) * run.world)  # (B, T)
-        # the reference pass feeds a KL term, or only the kl_ref figure: then every --log-kl-every iterations
-        need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
-        ref_logprobs = eval_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                     reference=True) if need_ref else None                       # (B, T)
-        # The rewards of the whole iteration, on every process (its figures are global). The gather is
-        # in rank order, so this process's rows are its share (run.share), and each process's dialogues
-        # come group after group, --group-size each (play_dialogues), so a row's place names its group.
+        # the sampling policy's log-probs (B, T) (NaN where the update's own pass fills them in),
+        # and the reference's (adapter off; None on an iteration without the reference pass)
+        from_update, old_logprobs = old_logprobs_of(model, batch, args, len(records) * run.world)
+        ref_logprobs = ref_logprobs_of(model, batch, args, iteration)                      # (B, T)
+        # The rewards of the whole iteration, on every process (its figures are global). The
+        # gather is in rank order, so this process's rows are its share (run.share), and each
+        # process's dialogues come group after group, --group-size each (play_dialogues), so a
+        # row's place names its group.
         all_records = run.gather(records)
         all_rewards = dialogue_rewards(all_records, args.reward, args.format_penalty)       # (N,)
         all_groups = torch.arange(len(all_records)) // args.group_size                      # (N,)
@@ -224,20 +246,25 @@ def main(argv=None):
                 optimizer.zero_grad(set_to_none=True)
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
-                    w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
-                    ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
+                    # the micro-batch's longest row: no pass runs over a padding-only tail
+                    w = int(batch["attention_mask"][idx].sum(1).max())
+                    ids = batch["input_ids"][idx, :w]                                       # (b, w)
+                    att = batch["attention_mask"][idx, :w]                                  # (b, w)
+                    m = mask[idx, :w]                                                       # (b, w)
                     agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
                                   total_seqs=run.sum(mask[mb_inds].any(1).sum()),
                                   token_budget=args.max_turns * args.max_new_tokens)
-                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
-                                                         with_entropy=True, entropy_grad=args.ent_coef > 0)
+                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature,
+                                                         action_mask=m, with_entropy=True,
+                                                         entropy_grad=args.ent_coef > 0)
                     if from_update:  # the rollout's weights: these are the old log-probs
                         old_logprobs[idx, :w] = newlogprob.detach()
                     loss, terms = policy_objective(
                         newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
                         None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)
                     loss.backward()
-                    run.append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
+                    # their means, for the log
+                    run.append_means(logs, terms, m, first=epoch == start == m0 == 0)
                 run.sum_gradients(params)  # over the processes
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                 if run.skip_or_stop(grad_norm):  # not finite: no step
@@ -249,9 +276,10 @@ def main(argv=None):
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
-        figures, dialogues = iteration_report(run, all_records, rstats, batch, old_logprobs, ref_logprobs, args,
-                                              t_update)
-        # every group holds --group-size dialogues: a mean over the dialogues is the mean over the groups
+        figures, dialogues = iteration_report(run, all_records, rstats, batch, old_logprobs,
+                                              ref_logprobs, args, t_update)
+        # every group holds --group-size dialogues: a mean over the dialogues is the mean over the
+        # groups
         run.log({**figures, "group_reward_std": float(all_std[~all_rewards.isnan()].mean()),
                  "zero_spread_groups": int(all_flat.sum()) // args.group_size,
                  "lr": optimizer.param_groups[0]["lr"]}, logs, dialogues)

@@ -13,9 +13,9 @@ log-probs, the loss aggregations, the k3 KL, AdamW with its warm-up, the figures
 rollout.py, once. In the loop the `run.` calls are the processes and the run folder (run.py);
 run.sum sets the loss denominators over every process.
 
-    python ppo.py                      # the paper's setup on a CUDA machine (Qwen2.5-7B-Instruct)
-    python ppo.py --preset cpu         # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
-    accelerate launch --num_processes 8 ppo.py   # data parallel on one node
+    python ppo.py               # the paper's setup on a CUDA machine (Qwen2.5-7B-Instruct)
+    python ppo.py --preset cpu  # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
+    accelerate launch --num_processes 8 ppo.py  # data parallel on one node
 """
 import contextlib
 import copy
@@ -26,48 +26,63 @@ import numpy as np
 import torch
 
 from rollout import (REWARDS, AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup,
-                     adapter_params, aggregate, check_before_loading, eval_logprobs, eval_scores, iteration_report,
-                     kl_k3, load_policy, make_simulator, old_logprobs_of, pad_records, pick_personas,
-                     play_dialogues, policy_settings, sampling_settings, token_logprobs, turn_rewards,
-                     use_adapter)
-from run import Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting, within
+                     adapter_params, aggregate, check_before_loading, eval_scores, iteration_report,
+                     kl_k3, load_policy, make_simulator, old_logprobs_of, pad_records,
+                     pick_personas, play_dialogues, policy_settings, ref_logprobs_of,
+                     sampling_settings, token_logprobs, turn_rewards, use_adapter)
+from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
+                 within)
 from simulator import SimulatorError, SimulatorSettings
 
 
 @dataclass
 class PPOSettings:
-    """PPO's own settings (the policy's, the user's and the run's are declared where they are read)."""
+    """PPO's own settings (the policy's, the user's and the run's are declared where they are
+    read)."""
     title = "PPO"
-    dialogues_per_iteration: int = setting(32, "dialogues per iteration, over all processes (RLVER: 32)",
-                                           at_least(1))
-    reward: str = setting("final", "final: emotion/100 on the last agent token | turn: each change/100 on "
-                                   "its turn (REWARDS)", one_of(*REWARDS))
-    format_penalty: float = setting(0.0, "subtracted per think-format violation (thinking on)", at_least(0))
-    kl_loss_coef: float = setting(0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
+    dialogues_per_iteration: int = setting(
+        32, "dialogues per iteration, over all processes (RLVER: 32)", at_least(1))
+    reward: str = setting(
+        "final", "final: emotion/100 on the last agent token | turn: each change/100 on "
+                 "its turn (REWARDS)", one_of(*REWARDS))
+    format_penalty: float = setting(
+        0.0, "subtracted per think-format violation (thinking on)", at_least(0))
+    kl_loss_coef: float = setting(
+        0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
     gamma: float = setting(1.0, "discount over agent tokens (RLVER's trainer: 1.0)", within(0, 1))
     lam: float = setting(1.0, "GAE lambda (RLVER's trainer: 1.0)", within(0, 1))
     whiten_advantages: bool = setting(True, "normalise advantages over the batch's agent tokens")
     update_epochs: int = setting(1, "passes over each iteration's dialogues", at_least(1))
-    minibatch_size: int = setting(32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
+    minibatch_size: int = setting(
+        32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
     clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
                               within(0, 1, low_open=True, high_open=True))
-    clip_high: float = setting(0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
-    value_clip: float = setting(0.5, "values move at most this far from the rollout's (RLVER: 0.5)", above(0))
-    vf_coef: float = setting(1.0, "value loss coefficient (1: RLVER's 0.5 x the squared error's mean)", at_least(0))
+    clip_high: float = setting(
+        0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
+    value_clip: float = setting(
+        0.5, "values move at most this far from the rollout's (RLVER: 0.5)", above(0))
+    vf_coef: float = setting(
+        1.0, "value loss coefficient (1: RLVER's 0.5 x the squared error's mean)", at_least(0))
     ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
     loss_agg: str = setting("token-mean", "token-mean | seq-mean-token-mean",
                             one_of("token-mean", "seq-mean-token-mean"))
-    lr: float = setting(1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
-    critic_lr: float = setting(5e-5, "critic adapter and value head learning rate (5x --lr)", above(0))
-    warmup_steps: int = setting(20, "optimizer steps of the policy's linear learning-rate warm-up (RLVER: 2%% "
-                                    "of 1,000)", at_least(0))
-    critic_warmup_steps: int = setting(50, "the critic's warm-up steps (RLVER: 5%% of 1,000)", at_least(0))
+    lr: float = setting(
+        1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
+    critic_lr: float = setting(
+        5e-5, "critic adapter and value head learning rate (5x --lr)", above(0))
+    warmup_steps: int = setting(
+        20, "optimizer steps of the policy's linear learning-rate warm-up (RLVER: 2%% "
+            "of 1,000)", at_least(0))
+    critic_warmup_steps: int = setting(
+        50, "the critic's warm-up steps (RLVER: 5%% of 1,000)", at_least(0))
     max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
-    greedy: bool = setting(False, "decode greedily: reproducible dialogues for tests and debugging")
-    micro_batch_size: int = setting(2, "dialogues per forward pass (gradient accumulation)", at_least(1),
-                                    operational=True)
-    log_kl_every: int = setting(1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
-                                   "reference pass in the others", at_least(1), operational=True)
+    greedy: bool = setting(
+        False, "decode greedily: reproducible dialogues for tests and debugging")
+    micro_batch_size: int = setting(
+        2, "dialogues per forward pass (gradient accumulation)", at_least(1), operational=True)
+    log_kl_every: int = setting(
+        1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
+           "reference pass in the others", at_least(1), operational=True)
 
     @staticmethod
     def check(args):
@@ -76,17 +91,19 @@ class PPOSettings:
                  f"--minibatch-size {args.minibatch_size}")
 
 
-SETTINGS = (PPOSettings, SamplingSettings, SimulatorSettings, PolicySettings, AdapterSettings, RunSettings)
+SETTINGS = (PPOSettings, SamplingSettings, SimulatorSettings, PolicySettings, AdapterSettings,
+            RunSettings)
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
     # model never writes the tags, and the instructions about them only make its replies worse. The
     # rules user: the 135M model writes no appraisal a reasoned read-out can read.
-    "cpu": dict(model="smollm2", simulator="rules", dialogues_per_iteration=4, max_turns=2, max_new_tokens=32,
-                user_reply_tokens=24, max_context=1024, minibatch_size=4, micro_batch_size=2,
-                gradient_checkpointing=False, thinking=False, lora_r=8, lora_alpha=16,
-                lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1, warmup_steps=0, critic_warmup_steps=0,
-                # the values before the paper preset took RLVER's (0.5, 0.001, 1): the CPU results stand
+    "cpu": dict(model="smollm2", simulator="rules", dialogues_per_iteration=4, max_turns=2,
+                max_new_tokens=32, user_reply_tokens=24, max_context=1024, minibatch_size=4,
+                micro_batch_size=2, gradient_checkpointing=False, thinking=False, lora_r=8,
+                lora_alpha=16, lr=5e-5, critic_lr=2.5e-4, iterations=3, save_every=1,
+                warmup_steps=0, critic_warmup_steps=0,
+                # not RLVER's (0.5, 0.001, 1): the CPU results are measured with these
                 value_clip=0.2, ent_coef=0.0, vf_coef=0.5),
 }
 
@@ -95,9 +112,10 @@ PRESETS = {
 # The method: small pure functions (tests/test_ppo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
 def place_rewards(records, shape, mode="final", format_penalty=0.0):
-    """Per-token rewards (B, T): zero except on the last token of each agent turn of a read dialogue, which
-    gets that turn's value of rollout.turn_rewards (REWARDS[mode] less the format penalty where the turn
-    broke the think format). An unread dialogue earns nothing: it enters no loss."""
+    """Per-token rewards (B, T): zero except on the last token of each agent turn of a read
+    dialogue, which gets that turn's value of rollout.turn_rewards (REWARDS[mode] less the format
+    penalty where the turn broke the think format). An unread dialogue earns nothing: it enters no
+    loss."""
     rewards = torch.zeros(shape)
     for b, r in enumerate(records):
         if r["end_reason"] != "unread":
@@ -125,8 +143,8 @@ def compute_gae(rewards, values, action_mask, gamma=1.0, lam=1.0):
 
 
 def whiten(advantages, mask, total=lambda x: x):
-    """Advantages (B, T) to zero mean and unit variance over the agent tokens; total sums a tensor over
-    the processes (run.sum), so the moments are every process's tokens'."""
+    """Advantages (B, T) to zero mean and unit variance over the agent tokens; total sums a tensor
+    over the processes (run.sum), so the moments are every process's tokens'."""
     n = total(mask.sum())
     mean = total((advantages * mask).sum()) / n
     var = total((((advantages - mean) * mask) ** 2).sum()) / n
@@ -138,7 +156,8 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
     Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high)).
     Until the first optimizer step of an iteration, old_logprobs (its scoring pass) are the current
     weights' own log-probs, so r = 1, nothing is clipped, and the gradient is the plain policy
-    gradient -A grad log p (with one pass and one step per batch: GRPO with mu = 1, TRL's default)."""
+    gradient -A grad log p (with one pass and one step per batch: GRPO with mu = 1, TRL's
+    default)."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -159,8 +178,8 @@ def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, 
     with torch.no_grad():
         logratio = logprobs - old_logprobs
         approx_kl = torch.exp(logratio) - 1 - logratio  # the k3 estimator of KL(old || new)
-    return loss, {"policy_loss": pg, "entropy": entropy, "approx_kl": approx_kl, "clip_frac": clipped,
-                  "kl_ref_loss": kl_ref, "ratio": ratio}
+    return loss, {"policy_loss": pg, "entropy": entropy, "approx_kl": approx_kl,
+                  "clip_frac": clipped, "kl_ref_loss": kl_ref, "ratio": ratio}
 
 
 def clipped_value_loss(values, old_values, returns, clip):
@@ -171,13 +190,17 @@ def clipped_value_loss(values, old_values, returns, clip):
 
 
 def explained_variance(values, returns):
-    """1 - Var(R - V) / Var(R) over the agent tokens of every process (N,): 1 is a perfect critic, 0 one
-    no better than the mean return, below 0 worse; None where the returns do not vary."""
-    return 1 - np.var(returns - values) / np.var(returns) if np.var(returns) > 0 else None
+    """1 - Var(R - V) / Var(R) over the agent tokens of every process (N,): 1 is a perfect critic,
+    0 one no better than the mean return, below 0 worse; None where the returns do not vary."""
+    spread = np.var(returns)
+    if spread > 0:
+        return 1 - np.var(returns - values) / spread
+    return None
 
 
-LOGGED = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "value_clip_frac", "kl_ref_loss",
-          "ratio_first", "actor_grad_norm", "critic_grad_norm")  # by the update; metrics.jsonl: their means
+# by the update; metrics.jsonl: their means
+LOGGED = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "value_clip_frac",
+          "kl_ref_loss", "ratio_first", "actor_grad_norm", "critic_grad_norm")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,46 +223,52 @@ def adapter_active(model, name):
 
 def critic_values(model, value_head, input_ids, attention_mask):
     """V(s_t) for every position (B, T) under the 'critic' adapter, aligned with token_logprobs: the
-    value at t is that of the state the token at t was sampled in, read from the hidden state at t - 1
-    (position 0 gets 0). Read at t, it would see the action it is a baseline for, and a critic that
-    learned that would cancel the advantage. Call it, and the backward pass of its loss, inside
+    value at t is that of the state the token at t was sampled in, read from the hidden state at
+    t - 1 (position 0 gets 0). Read at t, it would see the action it is a baseline for, and a critic
+    that learned that would cancel the advantage. Call it, and the backward pass of its loss, inside
     `with adapter_active(model, "critic"):`."""
     if model.active_adapter != "critic":
-        raise RuntimeError("critic_values runs under the 'critic' adapter: call it, and the backward pass "
-                           "of its loss, inside `with adapter_active(model, 'critic'):`")
+        raise RuntimeError("critic_values runs under the 'critic' adapter: call it, and the "
+                           "backward pass of its loss, inside "
+                           "`with adapter_active(model, 'critic'):`")
     decoder = model.get_base_model().get_decoder()
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    values = value_head(hidden[:, :-1].to(value_head.weight.dtype)).squeeze(-1)           # (B, T-1)
-    return torch.nn.functional.pad(values, (1, 0))                                        # (B, T)
+    output = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = output.last_hidden_state[:, :-1].to(value_head.weight.dtype)             # (B, T-1, H)
+    values = value_head(hidden).squeeze(-1)                                              # (B, T-1)
+    return torch.nn.functional.pad(values, (1, 0))                                      # (B, T)
 
 
 def main(argv=None):
-    args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="ppo.py")  # --resume: the run's own settings
+    # --resume: the run's own settings
+    args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="ppo.py")
     personas = check_before_loading(args)  # the personas, and every check that needs no weights
-    run = Run(args, "ppo.py", adapters=["default", "critic"], per_process=["dialogues_per_iteration",
-                                                                           "minibatch_size"])
+    run = Run(args, "ppo.py", adapters=["default", "critic"],
+              per_process=["dialogues_per_iteration", "minibatch_size"])
 
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
     model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
-    # the critic: a second LoRA adapter of the actor's shape on the shared base, and a value head that
-    # starts at the return of an unmoved emotion
+    # the critic: a second LoRA adapter of the actor's shape on the shared base, and a value head
+    # that starts at the return of an unmoved emotion
     model.add_adapter("critic", copy.deepcopy(model.peft_config["default"]))
     use_adapter(model, "default")
     value_head = torch.nn.Linear(model.config.get_text_config().hidden_size, 1).to(run.device)
     torch.nn.init.zeros_(value_head.weight)
-    unmoved = {"start_emotion": args.start_emotion, "emotions": [args.start_emotion]}  # a one-turn dialogue
+    # a one-turn dialogue that leaves the emotion where it started
+    unmoved = {"start_emotion": args.start_emotion, "emotions": [args.start_emotion]}
     torch.nn.init.constant_(value_head.bias, sum(REWARDS[args.reward](unmoved)))
     actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
     critic_params = adapter_params(model, "critic") + list(value_head.parameters())
     # one AdamW with a parameter group each, each warmed up over its own first optimizer steps
-    optimizer, scheduler = adamw_with_warmup([(actor_params, args.lr, args.warmup_steps),
-                                              (critic_params, args.critic_lr, args.critic_warmup_steps)])
+    optimizer, scheduler = adamw_with_warmup(
+        [(actor_params, args.lr, args.warmup_steps),
+         (critic_params, args.critic_lr, args.critic_warmup_steps)])
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
     sampling = sampling_settings(args)
     for iteration in range(first_iteration, args.iterations):
         # --- 1. collect dialogues: this process's share of the iteration's personas -------------
-        chosen = run.share(pick_personas(personas, args.dialogues_per_iteration, args.seed, iteration))
+        chosen = run.share(pick_personas(personas, args.dialogues_per_iteration, args.seed,
+                                         iteration))
         try:
             records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling,
                                              progress=run.show_progress)
@@ -250,20 +279,20 @@ def main(argv=None):
         # --- 2. score: old log-probs, reference log-probs, values, rewards ------------------------
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # the sampling policy's log-probs (NaN where the update's own pass fills them in), and the
-        # reference's (adapters off)
-        from_update, old_logprobs = old_logprobs_of(model, batch, args, len(records) * run.world)  # (B, T)
-        # the reference pass feeds a KL term, or only the kl_ref figure: then every --log-kl-every iterations
-        need_ref = args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0
-        ref_logprobs = eval_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                     reference=True) if need_ref else None                       # (B, T)
+        # the sampling policy's log-probs (B, T) (NaN where the update's own pass fills them in),
+        # and the reference's (adapters off; None on an iteration without the reference pass)
+        from_update, old_logprobs = old_logprobs_of(model, batch, args, len(records) * run.world)
+        ref_logprobs = ref_logprobs_of(model, batch, args, iteration)                      # (B, T)
         with adapter_active(model, "critic"):  # in length-sorted micro-batches, without gradients
             old_values = eval_scores(model, batch, args.micro_batch_size,                   # (B, T)
-                                     lambda ids, att, _: critic_values(model, value_head, ids, att)) * mask
-        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty)  # (B, T) on the CPU
+                                     lambda ids, att, _: critic_values(model, value_head, ids, att))
+        old_values = old_values * mask                                                      # (B, T)
+        # per-token rewards (B, T), on the CPU as the GAE loop runs there
+        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty)
 
         # --- 3. advantages: GAE over the agent's tokens ------------------------------------------
-        advantages, returns = compute_gae(rewards, old_values.cpu(), mask.cpu(), args.gamma, args.lam)
+        advantages, returns = compute_gae(rewards, old_values.cpu(), mask.cpu(), args.gamma,
+                                          args.lam)
         advantages, returns = advantages.to(run.device), returns.to(run.device)
         if args.whiten_advantages:  # over every process's agent tokens
             advantages = whiten(advantages, mask, run.sum)
@@ -283,12 +312,17 @@ def main(argv=None):
                 optimizer.zero_grad(set_to_none=True)
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
-                    w = int(batch["attention_mask"][idx].sum(1).max())  # the micro-batch's longest row
-                    ids, att, m = batch["input_ids"][idx, :w], batch["attention_mask"][idx, :w], mask[idx, :w]
+                    # the micro-batch's longest row: no pass runs over a padding-only tail
+                    w = int(batch["attention_mask"][idx].sum(1).max())
+                    ids = batch["input_ids"][idx, :w]                                       # (b, w)
+                    att = batch["attention_mask"][idx, :w]                                  # (b, w)
+                    m = mask[idx, :w]                                                       # (b, w)
+                    # its share of the loss
                     agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
-                                  total_seqs=run.sum(mask[mb_inds].any(1).sum()))  # its share of the loss
-                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature, action_mask=m,
-                                                         with_entropy=True, entropy_grad=args.ent_coef > 0)
+                                  total_seqs=run.sum(mask[mb_inds].any(1).sum()))
+                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature,
+                                                         action_mask=m, with_entropy=True,
+                                                         entropy_grad=args.ent_coef > 0)
                     if from_update:  # the rollout's weights: these are the old log-probs
                         old_logprobs[idx, :w] = newlogprob.detach()
                     actor_loss, terms = policy_objective(
@@ -300,7 +334,8 @@ def main(argv=None):
                         terms["value_loss"], terms["value_clip_frac"] = clipped_value_loss(
                             values, old_values[idx, :w], returns[idx, :w], args.value_clip)
                         (args.vf_coef * agg(terms["value_loss"])).backward()
-                    run.append_means(logs, terms, m, first=epoch == start == m0 == 0)  # their means, for the log
+                    # their means, for the log
+                    run.append_means(logs, terms, m, first=epoch == start == m0 == 0)
                 run.sum_gradients(actor_params + critic_params)  # over the processes
                 actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)
                 critic_norm = torch.nn.utils.clip_grad_norm_(critic_params, args.max_grad_norm)
@@ -316,10 +351,11 @@ def main(argv=None):
         # --- 5. log: global figures over every process's dialogues -------------------------------
         figures, dialogues = iteration_report(run, run.gather(records), rstats, batch, old_logprobs,
                                               ref_logprobs, args, t_update)
-        values, targets = (np.array(run.gather(x[mask > 0].tolist())) for x in (old_values, returns))
+        values = np.array(run.gather(old_values[mask > 0].tolist()))                       # (N,)
+        targets = np.array(run.gather(returns[mask > 0].tolist()))                         # (N,)
         run.log({**figures, "explained_variance": explained_variance(values, targets),
-                 "actor_lr": optimizer.param_groups[0]["lr"], "critic_lr": optimizer.param_groups[1]["lr"]},
-                logs, dialogues)
+                 "actor_lr": optimizer.param_groups[0]["lr"],
+                 "critic_lr": optimizer.param_groups[1]["lr"]}, logs, dialogues)
 
         # --- 6. checkpoint -----------------------------------------------------------------------
         run.save_if_due()  # every --save-every iterations and at the last

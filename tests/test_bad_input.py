@@ -122,7 +122,8 @@ def test_help_lists_the_choices():
     """Every choice of a table a fork adds to (rollout.REWARDS, grpo.ADVANTAGES) is a choice --help lists."""
     import rollout
 
-    for script, table, flag in (("ppo.py", rollout.REWARDS, "--reward"), ("grpo.py", rollout.REWARDS, "--reward"),
+    for script, table, flag in (("ppo.py", rollout.REWARDS, "--reward"),
+                                ("grpo.py", rollout.REWARDS, "--reward"),
                                 ("grpo.py", grpo.ADVANTAGES, "--group-advantage")):
         code, out, err, _ = cli(script, "--help")
         listed = re.search(rf"{flag} {{([^}}]*)}}", out).group(1).split(",")

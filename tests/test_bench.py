@@ -89,8 +89,9 @@ def test_incomplete_runs_are_named_not_averaged(fake_runs, monkeypatch):
 
 
 def test_window_must_not_overlap(tmp_path, capsys):
+    argv = ["learning", "--out", str(tmp_path / "bench"), "--iterations", "6", "--window", "4"]
     with pytest.raises(SystemExit) as stop:  # bad input: one line, exit code 2, before any run starts
-        command_line(bench.main)(["learning", "--out", str(tmp_path / "bench"), "--iterations", "6", "--window", "4"])
+        command_line(bench.main)(argv)
     assert stop.value.code == 2 and "error: --window 4" in capsys.readouterr().err
     assert not (tmp_path / "bench").exists()
 

@@ -490,8 +490,9 @@ def test_an_adapter_for_another_model_width_says_why(tiny_model_dir, personas_fi
     adapter = tmp_path / "adapter"
     lora = LoraConfig(r=2, target_modules=["q_proj"])
     get_peft_model(LlamaForCausalLM(config), lora).save_pretrained(adapter)
+    argv = ev(tiny_model_dir, personas_file, tmp_path / "eval", "--adapter", str(adapter))
     with pytest.raises(SystemExit) as stop:
-        run.command(evaluate.main)(ev(tiny_model_dir, personas_file, tmp_path / "eval", "--adapter", str(adapter)))
+        run.command(evaluate.main)(argv)
     err = capsys.readouterr().err
     assert_one_line(stop.value.code, err, str(adapter))
     why = error_lines(err)[0].replace(str(adapter), "").replace(tiny_model_dir, "")

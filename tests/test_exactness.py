@@ -129,7 +129,8 @@ def model_with(folder, tmp_path, **changes):
 
 
 @pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
-def test_a_base_models_own_dropout_takes_the_scoring_pass_too(script, tiny_model_dir, personas_file, tmp_path):
+def test_a_base_models_own_dropout_takes_the_scoring_pass_too(script, tiny_model_dir, personas_file,
+                                                               tmp_path):
     """Attention dropout is a rate in the model's config, not a module: the update's train-mode pass is not
     the sampling policy there either, and the old log-probs come from the scoring pass (the shortcut took
     the train-mode pass and logged a gap of 0.0158 and kl_ref 2.2e-4 where both are 0)."""
@@ -147,8 +148,10 @@ def test_masked_positions_make_no_nan(script, tiny_model_dir, write_personas, pe
     skipped (the stop then blamed the learning rate). Off the mask the difference is 0 now, and k3's
     exponent is clamped: two iterations train with finite gradients."""
     model = model_with(tiny_model_dir, tmp_path, head=300.0)
-    openings = ["i lost my job.", "my sister did not invite me to her wedding and i found out online.",
-                "i can't sleep.", "my dog died last week and everyone says it was just a dog, so i stay quiet."]
+    openings = ["i lost my job.",
+                "my sister did not invite me to her wedding and i found out online.",
+                "i can't sleep.",
+                "my dog died last week and everyone says it was just a dog, so i stay quiet."]
     personas = write_personas([persona_entry(id=f"p{k}", opening=o) for k, o in enumerate(openings)])
     sizes = ["--dialogues-per-iteration", "4"] if script is ppo else ["--personas-per-iteration", "2"]
     script.main(tiny_run(script, model, personas, tmp_path / "run", *sizes, "--minibatch-size", "4",
@@ -360,7 +363,8 @@ def test_load_in_4bit_without_its_parts_is_one_line_before_any_model_loads(scrip
         run.command(script.main)(four_bit_argv(script, tiny_model_dir, personas_file, tmp_path / "run"))
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert "--load-in-4bit" in err and ("install bitsandbytes" if missing == "bitsandbytes" else "CPU") in err, err
+    advice = "install bitsandbytes" if missing == "bitsandbytes" else "CPU"
+    assert "--load-in-4bit" in err and advice in err, err
     assert not (tmp_path / "run").exists()  # nothing written either
 
 

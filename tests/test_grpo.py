@@ -81,7 +81,8 @@ def test_group_advantages_flat_group_alone():
     flat = grpo.group_advantages(torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64), torch.tensor([5, 5, 5]))
     assert flat.tolist() == [0.0, 0.0, 0.0]  # not round-off / eps
     unit = grpo.group_advantages(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0]))
-    assert unit.tolist() == pytest.approx([-1 / (1 + EPS), 0.0, 1 / (1 + EPS)])  # std (Bessel) of 1, 2, 3 is 1
+    # std (Bessel) of 1, 2, 3 is 1
+    assert unit.tolist() == pytest.approx([-1 / (1 + EPS), 0.0, 1 / (1 + EPS)])
 
 
 @pytest.mark.parametrize("kind", list(grpo.ADVANTAGES))
@@ -303,7 +304,8 @@ def test_grpo_script_end_to_end(script_run, tiny_model_dir):
     assert [m["ratio_first"] for m in metrics] == pytest.approx([1.0, 1.0], abs=1e-6)
     with open(out / "rollouts.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    assert [(r["iteration"], r["sample"]) for r in rows] == [(i, s) for i in (1, 2) for g in (0, 1) for s in (0, 1)]
+    expected = [(i, s) for i in (1, 2) for g in (0, 1) for s in (0, 1)]
+    assert [(r["iteration"], r["sample"]) for r in rows] == expected
     config = json.load(open(out / "config.json"))
     assert config["loss_agg"] == "dr-grpo" and config["group_size"] == 2 and config["model"] == tiny_model_dir
     adapter = os.path.join(out, "checkpoints", "iter_000002", "default")

@@ -63,7 +63,8 @@ def test_a_folder_the_run_did_not_record_is_no_checkpoint(two_checkpoints, tmp_p
     shutil.copytree(two_checkpoints, stranger)
     code, _, err, _ = resume(capsys, run)
     assert code == 0, err[-2000:]
-    assert f"from {run}/checkpoints/iter_000002" in err and [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
+    assert f"from {run}/checkpoints/iter_000002" in err
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("damage", ["truncated state", "truncated adapter", "another trainer's state"])
@@ -81,7 +82,8 @@ def test_a_checkpoint_that_does_not_load_is_named_and_the_one_before_is_taken(da
         torch.save(state, newest / "state.pt")
     code, _, err, _ = resume(capsys, run)
     assert code == 0 and "Traceback" not in err, err[-2000:]
-    assert f"the checkpoint {newest} does not load" in err and "from " + str(run / "checkpoints" / "iter_000001") in err
+    before = run / "checkpoints" / "iter_000001"
+    assert f"the checkpoint {newest} does not load" in err and "from " + str(before) in err
     assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]  # iteration 2 ran again, from 1
 
 
@@ -129,7 +131,8 @@ def test_resume_from_another_folder_uses_the_runs_own_files(tiny_model_dir, writ
     assert code == 0, err[-2000:]
     config = json.loads((here / "run" / "config.json").read_text())
     assert (config["personas"], config["out"]) == (str(here / "p.json"), str(here / "run"))
-    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(here / "run"), "--iterations", "2", cwd=elsewhere)
+    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(here / "run"), "--iterations", "2",
+                              cwd=elsewhere)
     assert code == 0, err[-2000:]
     with open(here / "run" / "rollouts.jsonl") as f:
         assert {json.loads(line)["persona_id"] for line in f} == {"mine"}
@@ -154,7 +157,8 @@ def test_a_run_folder_deleted_while_it_writes_ends_with_one_line(tiny_model_dir,
         shutil.rmtree(out)
     monkeypatch.setattr(run_module.Run, "save_if_due", then_deleted)
     started = time.time()
-    code, _, err, _ = command(capsys, "ppo.py", *tiny(tiny_model_dir, personas_file, out, "--iterations", "2"))
+    argv = tiny(tiny_model_dir, personas_file, out, "--iterations", "2")
+    code, _, err, _ = command(capsys, "ppo.py", *argv)
     assert code == 1 and len([x for x in err.splitlines() if x.startswith("error:")]) == 1, err[-2000:]
     assert time.time() - started < 120
 
@@ -163,9 +167,14 @@ def test_a_run_folder_deleted_while_it_writes_ends_with_one_line(tiny_model_dir,
 # 4. Every number is in range and finite
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("script, flags", [
-    ("ppo.py", ["--seed", "-1"]), ("ppo.py", ["--seed", str(2**70)]), ("grpo.py", ["--kl-loss-coef", "inf"]),
-    ("ppo.py", ["--ent-coef", "inf"]), ("ppo.py", ["--vf-coef", "inf"]), ("grpo.py", ["--format-penalty", "inf"]),
-    ("ppo.py", ["--api-timeout", "1e300"]), ("evaluate.py", ["--seed", "-1"]),
+    ("ppo.py", ["--seed", "-1"]),
+    ("ppo.py", ["--seed", str(2**70)]),
+    ("grpo.py", ["--kl-loss-coef", "inf"]),
+    ("ppo.py", ["--ent-coef", "inf"]),
+    ("ppo.py", ["--vf-coef", "inf"]),
+    ("grpo.py", ["--format-penalty", "inf"]),
+    ("ppo.py", ["--api-timeout", "1e300"]),
+    ("evaluate.py", ["--seed", "-1"]),
     ("bench.py", ["rollout", "--max-new-tokens", "100000000000"])])
 def test_numbers_out_of_range_are_one_line_before_a_folder_is_made(script, flags, tmp_path, capsys):
     out = ["--out", str(tmp_path / "run")] * (script != "bench.py")
@@ -202,9 +211,9 @@ def test_hostile_persona_files_are_one_line_before_a_model_loads(kind, tmp_path,
 def test_a_recorded_file_nested_deep_is_one_line(tmp_path, capsys):
     path = tmp_path / "deep_result.jsonl"
     path.write_text('{"id": "x", "history": ' + deep() + "}\n")
-    code, _, err, _ = command(capsys, "evaluate.py", "--agreement", str(path), "--personas",
-                              os.path.join(ROOT, "tests", "data", "sage_sample.jsonl"), "--simulator", "rules",
-                              "--out", str(tmp_path / "check"))
+    sage = os.path.join(ROOT, "tests", "data", "sage_sample.jsonl")
+    code, _, err, _ = command(capsys, "evaluate.py", "--agreement", str(path), "--personas", sage,
+                              "--simulator", "rules", "--out", str(tmp_path / "check"))
     assert_one_line(code, err, str(path), "nested too deep")
 
 
@@ -217,8 +226,8 @@ def test_a_signal_while_the_model_loads_is_one_line(number, code, tmp_path, pers
     script = ("import sys, time, evaluate, run\n"
               "def slow(*a, **k):\n    print('loading', flush=True)\n    time.sleep(120)\n"
               "evaluate.load_models = slow\n"
-              f"run.command(evaluate.main)(['--personas', {personas_file!r}, '--simulator', 'rules', '--out', "
-              f"{str(tmp_path / 'e')!r}])\n")
+              f"run.command(evaluate.main)(['--personas', {personas_file!r}, '--simulator', 'rules', "
+              f"'--out', {str(tmp_path / 'e')!r}])\n")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "loading"
@@ -243,16 +252,18 @@ def test_a_hard_link_of_a_recorded_file_is_the_same_file(tmp_path, capsys):
     original = os.path.join(ROOT, "tests", "data", "sage_results", "warm_result.jsonl")
     shutil.copy(original, tmp_path / "a_result.jsonl")
     os.link(tmp_path / "a_result.jsonl", tmp_path / "b_result.jsonl")
+    sage = os.path.join(ROOT, "tests", "data", "sage_sample.jsonl")
     code, _, err, _ = command(capsys, "evaluate.py", "--agreement", str(tmp_path / "a_result.jsonl"),
-                              str(tmp_path / "b_result.jsonl"), "--personas",
-                              os.path.join(ROOT, "tests", "data", "sage_sample.jsonl"), "--simulator", "rules",
-                              "--out", str(tmp_path / "check"))
+                              str(tmp_path / "b_result.jsonl"), "--personas", sage,
+                              "--simulator", "rules", "--out", str(tmp_path / "check"))
     assert_one_line(code, err, "b_result.jsonl", "again")
 
 
-def test_an_adapter_of_a_run_is_judged_by_the_runs_own_user(two_checkpoints, tmp_path, capsys, personas_file):
-    code, _, err, _ = command(capsys, "evaluate.py", "--adapter", str(two_checkpoints), "--personas", personas_file,
-                              "--dialogues", "1", "--max-turns", "1", "--out", str(tmp_path / "e"))
+def test_an_adapter_of_a_run_is_judged_by_the_runs_own_user(two_checkpoints, tmp_path, capsys,
+                                                            personas_file):
+    code, _, err, _ = command(capsys, "evaluate.py", "--adapter", str(two_checkpoints),
+                              "--personas", personas_file, "--dialogues", "1", "--max-turns", "1",
+                              "--out", str(tmp_path / "e"))
     assert code == 0, err[-2000:]
     assert "simulator rules (read-out rules)" in err  # the run trained against the rules user
     assert json.loads((tmp_path / "e" / "results.json").read_text())["settings"]["simulator"] == "rules"

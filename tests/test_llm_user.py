@@ -15,7 +15,8 @@ import ppo
 from conftest import corpus, read_metrics
 
 MARK = "\n\n(re-asked for the change) "  # how the simulator stores an appraisal and its re-ask
-STATED = {e["text"].strip(): None if e["change"] == "unread" else e["change"] for e in corpus("appraisals.jsonl")}
+STATED = {e["text"].strip(): None if e["change"] == "unread" else e["change"]
+          for e in corpus("appraisals.jsonl")}
 CLOSES = {e["text"].strip(): e["closes"] for e in corpus("farewells.jsonl")}
 START, MAX_CHANGE, LEAVE_BELOW, MAX_TURNS = 30, 10, 10, 2
 
@@ -37,8 +38,10 @@ def replay(record):
         moved = max(0, min(100, emotion + max(-MAX_CHANGE, min(MAX_CHANGE, stated)))) - emotion
         emotion += moved
         changes.append(moved)
-        for reason, ends in (("success", emotion >= 100), ("left", emotion < LEAVE_BELOW),
-                             ("max_turns", k + 1 >= MAX_TURNS), ("goodbye", k < len(users) and CLOSES[users[k]])):
+        for reason, ends in (("success", emotion >= 100),
+                             ("left", emotion < LEAVE_BELOW),
+                             ("max_turns", k + 1 >= MAX_TURNS),
+                             ("goodbye", k < len(users) and CLOSES[users[k]])):
             if ends:
                 return changes, reason
     raise AssertionError("a dialogue that never ended")
@@ -99,5 +102,6 @@ def test_grpo_trains_on_an_llm_users_stated_judgments(tiny_model_dir, many_perso
     # a group's statistics are over its read dialogues: a group with fewer than two has nothing to learn
     for m in metrics:  # a group: 3 consecutive dialogues of an iteration
         mine = [d for d in dialogues if d["iteration"] == m["iteration"]]
-        groups = [[d["final_emotion"] for d in mine[k:k + 3] if d["end_reason"] != "unread"] for k in (0, 3, 6, 9)]
+        groups = [[d["final_emotion"] for d in mine[k:k + 3] if d["end_reason"] != "unread"]
+                  for k in (0, 3, 6, 9)]
         assert m["zero_spread_groups"] == sum(len(set(g)) < 2 for g in groups)

@@ -204,8 +204,9 @@ def appraising_server(server, fail_on=None):
 
 
 def agreement(out, simulator_arg, *extra):
-    return run_module.command(evaluate.main)(["--agreement", *RESULTS, "--personas", SAGE, "--simulator", simulator_arg,
-                          "--bootstrap", "300", "--out", str(out), *extra])
+    argv = ["--agreement", *RESULTS, "--personas", SAGE, "--simulator", simulator_arg,
+            "--bootstrap", "300", "--out", str(out), *extra]
+    return run_module.command(evaluate.main)(argv)
 
 
 def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server, capsys):
@@ -322,9 +323,10 @@ def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, 
     path = tmp_path / "bad_result.jsonl"
     text = [x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in lines]
     path.write_text("".join(line + "\n" for line in text), encoding="utf-8")
+    argv = ["--agreement", str(path), "--personas", SAGE, "--simulator", "same",
+            "--model", tiny_model_dir, "--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as stop:
-        run_module.command(evaluate.main)(["--agreement", str(path), "--personas", SAGE, "--simulator", "same",
-                       "--model", tiny_model_dir, "--out", str(tmp_path / "out")])
+        run_module.command(evaluate.main)(argv)
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {path}: ") and message in err, err

@@ -189,12 +189,14 @@ def paper_path_args(trainer, model_dir, personas, out):
 
 
 @pytest.mark.parametrize("trainer", [ppo, grpo])
-def test_the_paper_preset_paths_run_on_a_tiny_model(trainer, tiny_model_dir, personas_file, tmp_path, fake_user):
+def test_the_paper_preset_paths_run_on_a_tiny_model(trainer, tiny_model_dir, personas_file, tmp_path,
+                                                     fake_user):
     # checkpointing, thinking, bf16 weights, 2 minibatches of 2 micro-batches, the default loss aggregation
     # (and PPO's whitening), and an LLM user: the paper preset's `same` user on a random model writes no
     # appraisal that can be read (the next test), so the user is a server that writes as models do
     out = tmp_path / "run"
-    trainer.main(paper_path_args(trainer, tiny_model_dir, personas_file, out) + ["--simulator", fake_user.url])
+    args = paper_path_args(trainer, tiny_model_dir, personas_file, out)
+    trainer.main(args + ["--simulator", fake_user.url])
     metrics = read_metrics(out)
     config = json.load(open(out / "config.json"))
     defaults = vars(run.parse_settings(trainer.SETTINGS, argv=['--preset', 'paper']))
@@ -241,8 +243,8 @@ def test_qlora_trains_on_the_cpu(trainer, tiny_model_dir, personas_file, tmp_pat
     make = ppo_args if trainer is ppo else grpo_args
     out = tmp_path / "run"
     # (a group's dialogues may all end alike: the entropy bonus gives the update a gradient anyway)
-    model = trainer.main(make(tiny_model_dir, personas_file, out, "--load-in-4bit", "true", "--iterations", "1",
-                              "--ent-coef", "0.01"))
+    model = trainer.main(make(tiny_model_dir, personas_file, out, "--load-in-4bit", "true",
+                              "--iterations", "1", "--ent-coef", "0.01"))
     assert "merged sampling off (4-bit weights do not merge)" in capsys.readouterr().out
     policy = model[0] if trainer is ppo else model
     assert sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in policy.modules()) == 14
@@ -311,10 +313,10 @@ def test_the_stop_after_non_finite_updates_keeps_the_last_complete_checkpoint(tr
     make = ppo_args if trainer is ppo else grpo_args
     out = tmp_path / "run"
     sizes = ["--dialogues-per-iteration", "6"] if trainer is ppo else ["--personas-per-iteration", "3"]
+    args = make(tiny_model_dir, personas_file, out, "--iterations", "4", "--save-every", "1",
+                "--minibatch-size", "2", "--micro-batch-size", "2", "--max-bad-updates", "2", *sizes)
     with pytest.raises(SystemExit) as stop:
-        run.command(trainer.main)(make(tiny_model_dir, personas_file, out, "--iterations", "4", "--save-every", "1",
-                          "--minibatch-size", "2", "--micro-batch-size", "2", "--max-bad-updates", "2",
-                          *sizes))
+        run.command(trainer.main)(args)
     assert stop.value.code == 1
     err = capsys.readouterr().err
     folder = out / "checkpoints"

@@ -59,8 +59,9 @@ SAME = {"both": ("reward_mean", "reward_std", "final_emotion_mean", "policy_loss
                  "kl_ref_loss", "approx_kl", "ratio_first", "turns_mean"),
         "ppo.py": ("value_loss", "explained_variance", "actor_grad_norm", "critic_grad_norm"),
         "grpo.py": ("group_reward_std", "zero_spread_groups", "grad_norm")}
-COUNTS = ("policy_tokens", "update_tokens", "end_max_turns", "end_left", "end_context", "policy_prompt_tokens",
-          "policy_reused_tokens", "simulator_prompt_tokens", "simulator_reused_tokens")
+COUNTS = ("policy_tokens", "update_tokens", "end_max_turns", "end_left", "end_context",
+          "policy_prompt_tokens", "policy_reused_tokens",
+          "simulator_prompt_tokens", "simulator_reused_tokens")
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py"])

@@ -364,7 +364,8 @@ def test_a_skipped_step_does_not_advance_the_warmup(tiny_model_dir, personas_fil
         return (loss * float("nan") if len(calls) == 1 else loss), clipped
     monkeypatch.setattr(ppo, "clipped_value_loss", poisoned)
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "2",
-                       "--warmup-steps", "2", "--critic-warmup-steps", "2", "--lr", "1e-3", "--critic-lr", "4e-3"))
+                       "--warmup-steps", "2", "--critic-warmup-steps", "2",
+                       "--lr", "1e-3", "--critic-lr", "4e-3"))
     m = read_metrics(tmp_path / "run")
     assert m[0]["critic_grad_norm"] is None  # the one step of iteration 1 was skipped, none logged
     assert [r["actor_lr"] for r in m] == pytest.approx([0.5e-3, 1e-3])
@@ -377,7 +378,8 @@ def test_paper_preset_takes_rlvers_update_settings():
     import grpo
     from run import parse_settings
 
-    rows = [line.split(" | ")[2] for line in open(os.path.join(ROOT, "docs", "paper-preset.md"), encoding="utf-8")
+    preset_doc = os.path.join(ROOT, "docs", "paper-preset.md")
+    rows = [line.split(" | ")[2] for line in open(preset_doc, encoding="utf-8")
             if line.startswith("| ") and line.count(" | ") >= 3]
     given = re.findall(r"`(--[a-z0-9-]+) ([^`]+)`", " ".join(rows))
     assert len(given) >= 20
@@ -402,7 +404,8 @@ def test_whiten_by_hand():
 
 
 def test_explained_variance_by_hand():
-    # returns 1, 2, 3 (variance 2/3); errors R - V of 0, 1, -1 (variance 2/3): a critic no better than the mean
+    # returns 1, 2, 3 (variance 2/3); errors R - V of 0, 1, -1 (variance 2/3):
+    # a critic no better than the mean
     returns = np.array([1.0, 2.0, 3.0])
     assert ppo.explained_variance(np.array([1.0, 1.0, 4.0]), returns) == pytest.approx(0.0)
     assert ppo.explained_variance(returns, returns) == pytest.approx(1.0)

@@ -488,7 +488,8 @@ def _hand_batch(tokenizer):
     texts = ["I hear you. That sounds exhausting.",
              "Maybe. I don't know what to do about work anymore, honestly."]
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    records = [{"token_ids": r, "action_mask": [1] * len(r), "logprobs": [0.0] * len(r), "end_reason": "max_turns"}
+    records = [{"token_ids": r, "action_mask": [1] * len(r), "logprobs": [0.0] * len(r),
+                "end_reason": "max_turns"}
                for r in rows]
     return pad_records(records, tokenizer.pad_token_id, "cpu")
 
@@ -569,7 +570,8 @@ def test_each_dialogue_keeps_its_own_user_when_others_end(tiny_model_dir, person
     torch.manual_seed(0)
     records, _ = play_dialogues(policy, tokenizer, sim, personas, samples_per_persona=2,
                                 max_new_tokens=6, progress=False)
-    assert [(r["persona_id"], r["sample"]) for r in records] == [(p.id, s) for p in personas for s in range(2)]
+    expected = [(p.id, s) for p in personas for s in range(2)]
+    assert [(r["persona_id"], r["sample"]) for r in records] == expected
     for r in records:
         name = next(n for n in PAIRING if n.lower() == r["persona_id"])
         changes, reason = PAIRING[name]
@@ -667,11 +669,13 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir):
     # on the GPU, in the paper's bf16
     policy, tokenizer = rollout.load_policy(tiny_model_dir, device="cpu", lora_r=4, load_in_4bit=True,
                                             gradient_checkpointing=True, dtype="bfloat16")
-    assert sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in policy.modules()) == 14  # 7 projections x 2 layers
+    # 7 projections x 2 layers
+    assert sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in policy.modules()) == 14
     frozen = {n: p.dtype for n, p in policy.named_parameters() if "lora_" not in n}
     assert set(frozen.values()) == {torch.bfloat16, torch.uint8}, frozen  # the NF4 weights are packed bytes
     assert not any(p.requires_grad for n, p in policy.named_parameters() if "lora_" not in n)
-    assert rollout.merged_weights(policy) is None  # NF4 weights never merge: sampling goes through the adapter
+    # NF4 weights never merge: sampling goes through the adapter
+    assert rollout.merged_weights(policy) is None
     policy.train()
     ids = torch.tensor([tokenizer("i didn't get the promotion")["input_ids"]])
     out = policy(input_ids=ids, output_hidden_states=True)
@@ -717,7 +721,8 @@ def test_rollout_rates_and_cache_hits_come_from_every_process():
              "policy_prompt_tokens": 100, "policy_reused_tokens": 60, "format_ok": 3}
     second = {"policy_tokens": 50, "policy_seconds": 4.0, "simulator_tokens": 14, "simulator_seconds": 0.5,
               "policy_prompt_tokens": 300, "policy_reused_tokens": 60, "format_ok": 4, "no_think": 1}
-    records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0, "cut_replies": 0}]
+    records = [{"final_emotion": 40, "end_reason": "max_turns", "turn_ends": [3], "violations": 0,
+                "cut_replies": 0}]
     s = rollout.summarize(records, [first, second])
     assert s["policy_tokens"] == 80 and s["format_ok"] == 7 and s["no_think"] == 1
     assert s["policy_seconds"] == 4.0 and s["simulator_seconds"] == 1.0  # overlapping: the longest
@@ -752,5 +757,6 @@ def test_special_tokens_from_an_opening_and_a_url_users_reply_stay_text(tiny_mod
     assert INJECTED in tokenizer.decode(r["token_ids"])        # the characters are there, as text
     state = simulator.UserState(personas[0], 30, [{"role": "user", "text": users[0]}])
     messages = simulator.user_turn_messages(state)
-    assert rollout.chat_ids(tokenizer, messages).count(start) == len(messages) + 1  # and the generation prompt
+    # and the generation prompt
+    assert rollout.chat_ids(tokenizer, messages).count(start) == len(messages) + 1
     assert rollout.chat_ids(tokenizer, messages).count(end) == len(messages)

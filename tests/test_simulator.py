@@ -287,7 +287,8 @@ def test_the_prompt_states_the_rule_the_parser_reads(persona):
         assert parse_change(f"{label}: +2") == 2 and parse_change(f"**{label}：**\n-3") == -3
     state = simulator.UserState(persona, 30, [{"role": "user", "text": "hi"}])
     assert "\nChange: N\n" in simulator.appraisal_messages(state, "ok")[1]["content"]
-    assert "'Change: N'" in simulator.PROMPTS["en"]["retry"] and "“变化：N”" in simulator.PROMPTS["zh"]["retry"]
+    en_retry, zh_retry = simulator.PROMPTS["en"]["retry"], simulator.PROMPTS["zh"]["retry"]
+    assert "'Change: N'" in en_retry and "“变化：N”" in zh_retry
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,7 +375,8 @@ def test_every_language_has_the_same_prompts_fields_and_slots():
     every language holds the same entries, the same appraisal fields in the same order, the same slots."""
     shapes = {lang: slots_and_keys(prompts) for lang, prompts in simulator.PROMPTS.items()}
     assert shapes["zh"] == shapes["en"]
-    assert [list(p["fields"]) for p in simulator.PROMPTS.values()] == [list(simulator.PROMPTS["en"]["fields"])] * 2
+    en_fields = list(simulator.PROMPTS["en"]["fields"])
+    assert [list(p["fields"]) for p in simulator.PROMPTS.values()] == [en_fields] * 2
     assert list(simulator.PROMPTS["en"]["fields"])[-1] == "change"  # the change line comes last
 
 
@@ -397,8 +399,14 @@ def test_the_closing_rule_classifies_every_farewell_of_the_corpus():
         assert len(mine) >= 30 and sum(e["lang"] == "zh" for e in mine) >= 10
     assert [e for e in entries if says_goodbye(e["text"]) != e["closes"]] == []
     texts = {e["text"] for e in entries}
-    assert {"Bye, thanks for listening.", "I'll go now. Take care.", "Alright, see you", "gotta run, thanks!",
-            "谢谢你，拜拜", "I never got to say goodbye to him", "bye-bye to my savings", "我不想再见到他"} <= texts
+    assert {"Bye, thanks for listening.",
+            "I'll go now. Take care.",
+            "Alright, see you",
+            "gotta run, thanks!",
+            "谢谢你，拜拜",
+            "I never got to say goodbye to him",
+            "bye-bye to my savings",
+            "我不想再见到他"} <= texts
 
 
 def test_the_closing_rule_reads_a_long_message_at_once():
@@ -411,7 +419,9 @@ def test_the_closing_rule_reads_a_long_message_at_once():
 @pytest.mark.parametrize("rule", ["closing", "sage"])
 @pytest.mark.parametrize("text,closes", [("He just said bye and left me there", False),
                                          ("I think I can talk to Karim tonight. Thank you for listening, "
-                                          "goodbye.", True), ("我再也不想再见到他了", False), ("那我先走了。再见。", True)])
+                                          "goodbye.", True),
+                                         ("我再也不想再见到他了", False),
+                                         ("那我先走了。再见。", True)])
 def test_a_user_leaves_on_a_closing_farewell_and_sage_on_any_farewell_word(persona, rule, text, closes):
     chosen = {"goodbye": rule} if rule == "sage" else {}  # the closing rule is the default (training's)
     sim = Simulator(ScriptedBackend(["Change: +1"], [text]), **chosen)
@@ -485,7 +495,8 @@ def test_reasoned_reasks_once_then_clamps_or_ends_unread(persona):
     assert turns[-1]["change"] is None and turns[-1]["emotion"] is None
     assert turns[5]["emotion"] == 31
     # appraisals are decoded without a repetition penalty; the user's replies keep the backend's own
-    asked = [(c, p) for (c, _), p in zip(backend.calls, backend.penalties) if c]  # (the last step asks no reply)
+    # (the last step asks no reply)
+    asked = [(c, p) for (c, _), p in zip(backend.calls, backend.penalties) if c]
     appraising = ["Change: N" in c[0][-1]["content"] for c, _ in asked]
     assert {p for a, (_, p) in zip(appraising, asked) if a} == {1.0}
     assert {p for a, (_, p) in zip(appraising, asked) if not a} == {None}
@@ -1446,7 +1457,8 @@ def test_write_openings_with_a_server_writes_all_or_nothing(tmp_path, server):
     # the user's own prompt family, in the persona's language
     personas = simulator.load_personas(RLVER, need_opening=False)
     zh = [a for a in asked if "韩小北" in a[0]][-1]
-    ask = {"role": "agent", "text": simulator.PROMPTS["zh"]["opening"]}  # where an agent's first message would be
+    # where an agent's first message would be
+    ask = {"role": "agent", "text": simulator.PROMPTS["zh"]["opening"]}
     expected = simulator.user_turn_messages(simulator.UserState(personas[2], 30, [ask]))
     assert list(zh) == [m["content"] for m in expected]
     # at the mood training starts from (issue 30, item 6), declared once, with the trainers' settings

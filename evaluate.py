@@ -1,28 +1,31 @@
 """Evaluation: the base model and trained adapters against the same simulated users.
 
 A Sentient-style benchmark (SAGE, arXiv 2505.02847): every persona of a set talks with each model
-under test, SAGE's protocol by default (start emotion 40, the opening first, up to 9 judged agent replies,
-the user leaves on a goodbye, at 100 or below 10; greedy agent decoding; see docs/evaluate.md).
-The score is the mean final emotion (0-100) over the personas, with a 95% bootstrap interval; each
-adapter is compared with the base on the same personas (mean paired difference, paired bootstrap).
-The models under test are the base (every adapter disabled) and each --adapter on top of it; the
-weights are loaded once. With --simulator same the simulated user is the frozen base for all of them.
+under test, SAGE's protocol by default (start emotion 40, the opening first, up to 9 judged agent
+replies, the user leaves on a goodbye, at 100 or below 10; greedy agent decoding; see
+docs/evaluate.md). The score is the mean final emotion (0-100) over the personas, with a 95%
+bootstrap interval; each adapter is compared with the base on the same personas (mean paired
+difference, paired bootstrap). The models under test are the base (every adapter disabled) and each
+--adapter on top of it; the weights are loaded once. With --simulator same the simulated user is the
+frozen base for all of them.
 
     python evaluate.py --model smollm2 --personas personas.json --split test
     python evaluate.py --adapter runs/ppo__0__1700000000 [another adapter ...] --out runs/eval_ppo
 
 Each run writes into a folder of its own (--out, created; default runs/eval__<time>): results.json
-(every number, per persona), results.md (the table for a README) and transcripts.jsonl (one dialogue a
-line, tagged with its model; appended as each model finishes).
+(every number, per persona), results.md (the table for a README) and transcripts.jsonl (one
+dialogue a line, tagged with its model; appended as each model finishes).
 
-Capability retention (RLVER reports that math and code stay intact) is for a standard harness, such as
-lm-evaluation-harness on the base with the adapter (`--model hf --model_args pretrained=BASE,peft=ADAPTER`).
+Capability retention (RLVER reports that math and code stay intact) is for a standard harness, such
+as lm-evaluation-harness on the base with the adapter
+(`--model hf --model_args pretrained=BASE,peft=ADAPTER`).
 
 Does a simulated user agree with the judge behind SAGE's numbers? Its changes on SAGE's recorded
 dialogues against the recorded ones (a check that was stopped is run again):
 
     python evaluate.py --agreement SAGE/dataset/<judge>_based_simulator/*_result.jsonl \\
-        --personas SAGE/profile/simulator_profile_withfirsttalk.jsonl --simulator URL --out runs/agreement
+        --personas SAGE/profile/simulator_profile_withfirsttalk.jsonl \\
+        --simulator URL --out runs/agreement
 """
 import contextlib
 import json
@@ -37,13 +40,14 @@ from itertools import groupby
 import numpy as np
 from tqdm import tqdm
 
-from rollout import (PLAIN_PROMPT, THINK_PROMPT, PolicySettings, SamplingSettings, build_simulator,
-                     check_openings_fit, default_device, load_policy, make_backend, play_dialogues,
-                     sampling_settings, TOKEN_ARRAYS)
+from rollout import (PLAIN_PROMPT, THINK_PROMPT, TOKEN_ARRAYS, PolicySettings, SamplingSettings,
+                     build_simulator, check_openings_fit, default_device, load_policy, make_backend,
+                     play_dialogues, sampling_settings)
 from run import (append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
-                 new_folder, parse_settings, public_config, read_json_lines, read_run, read_text, release, setting, within, write_atomically, write_failure)
-from simulator import (PROMPTS, PersonaError, RulesBackend, SimulatorError, SimulatorSettings, UserState, apply_change,
-                       clean_user_text, load_personas, persona_language,
+                 new_folder, parse_settings, public_config, read_json_lines, read_run, read_text,
+                 release, setting, within, write_atomically, write_failure)
+from simulator import (PROMPTS, PersonaError, RulesBackend, SimulatorError, SimulatorSettings,
+                       UserState, apply_change, clean_user_text, load_personas, persona_language,
                        user_turn_messages)
 
 
@@ -55,55 +59,65 @@ class EvalSettings:
     """What evaluate.py compares, and how (the policy's, the sampling's and the user's settings are
     declared where they are read; evaluate.py gives them SAGE's defaults)."""
     title = "evaluate.py"
-    adapter: list[str] = setting([], "LoRA adapters to compare with the base: adapter folders, a trainer's "
-                                     "checkpoints (their policy) or run folders (their newest checkpoint)")
-    dialogues: int = setting(0, "the first N personas of the split; with --agreement the first N dialogues "
-                                "of each file (0 = all)", at_least(0))
+    adapter: list[str] = setting(
+        [], "LoRA adapters to compare with the base: adapter folders, a trainer's checkpoints "
+            "(their policy) or run folders (their newest checkpoint)")
+    dialogues: int = setting(
+        0, "the first N personas of the split; with --agreement the first N dialogues of each file "
+           "(0 = all)", at_least(0))
     bootstrap: int = setting(2000, "bootstrap resamples for the 95%% intervals", at_least(1))
     seed: int = setting(0, "random seed of the bootstrap", within(0, 2**32 - 1))
-    agreement: list[str] = setting([], "SAGE result files (JSON lines: id, emo_point, history), one per "
-                                       "evaluated model: check the simulator against their judge instead of "
-                                       "evaluating (docs/evaluate.md)")
+    agreement: list[str] = setting(
+        [], "SAGE result files (JSON lines: id, emo_point, history), one per evaluated model: "
+            "check the simulator against their judge instead of evaluating (docs/evaluate.md)")
     out: str = setting("", "a new folder for the results, created here (or an empty one); default "
                            "runs/eval__<time>")
-    write_openings: str = setting("", "a new file: the JSON-lines profiles of --personas with the first_talk "
-                                      "they lack, written by the simulated user, instead of evaluating")
+    write_openings: str = setting(
+        "", "a new file: the JSON-lines profiles of --personas with the first_talk they lack, "
+            "written by the simulated user, instead of evaluating")
 
     @staticmethod
     def check(args):
-        """--adapter as policy adapter folders, and the settings they were trained with. A run folder
-        gives its newest complete checkpoint, a checkpoint its policy (default/); PPO's critic is a
-        value model, known by the role its run saved beside it (wherever it was copied). An adapter of a
-        trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it was trained: the base model,
-        thinking, tokens a reply and context, and the simulated user that judged it, come from the
-        run's config.json unless given here. With evaluate.py's own defaults a think-then-say agent trained
-        with 512 tokens would be cut at 128, mid-thought, and the user would hear silence. Runs that
-        disagree: one line (which to take is not guessed); fewer tokens a reply than in training: a
-        warning."""
+        """--adapter as policy adapter folders, and the settings they were trained with. A run
+        folder gives its newest complete checkpoint, a checkpoint its policy (default/); PPO's
+        critic is a value model, known by the role its run saved beside it (wherever it was copied).
+        An adapter of a trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it was
+        trained: the base model, thinking, tokens a reply and context, and the simulated user that
+        judged it, come from the run's config.json unless given here. With evaluate.py's own
+        defaults a think-then-say agent trained with 512 tokens would be cut at 128, mid-thought,
+        and the user would hear silence. Runs that disagree: one line (which to take is not
+        guessed); fewer tokens a reply than in training: a warning."""
         runs = []
         for i, path in enumerate(args.adapter):
             path = os.path.normpath((checkpoints(path) or [path])[-1])
             if os.path.isdir(f"{path}/default"):
                 path = f"{path}/default"
-            role = read_text(f"{path}/role", fail) if os.path.isfile(f"{path}/role") else "default"
+            role = "default"
+            if os.path.isfile(f"{path}/role"):
+                role = read_text(f"{path}/role", fail)
             if role != "default" or not os.path.isfile(f"{path}/adapter_config.json"):
-                fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; PPO's "
-                     "critic is a value model)")
+                fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; "
+                     "PPO's critic is a value model)")
             args.adapter[i] = path
             # RUN/checkpoints/iter_N/default: the saved settings of the run it comes from
-            if path.split(os.sep)[-3:-2] == ["checkpoints"] and (run := read_run(f"{path}/../../..")):
+            from_run = path.split(os.sep)[-3:-2] == ["checkpoints"]
+            if from_run and (run := read_run(f"{path}/../../..")):
                 runs.append(run)
-        for name in ("model", "thinking", "max_new_tokens", "max_context", "simulator", "api_model", "api_key_env"):
+        # what an adapter from a run is evaluated with, unless given here
+        taken = "model thinking max_new_tokens max_context simulator api_model api_key_env".split()
+        for name in taken:
             values = {run[name] for run in runs if name in run}  # a setting its run had
             if values and name not in args.given:
                 if len(values) > 1:
-                    fail(f"--adapter: the runs were trained with different --{name.replace('_', '-')} "
-                         f"({sorted(values)}): give it to evaluate them alike")
+                    fail("--adapter: the runs were trained with different "
+                         f"--{name.replace('_', '-')} ({sorted(values)}): "
+                         "give it to evaluate them alike")
                 setattr(args, name, values.pop())
         trained = max([run["max_new_tokens"] for run in runs], default=0)
         if args.max_new_tokens < trained:
-            print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} tokens a "
-                  f"reply the adapter trained with: cut replies are counted in results.md", file=sys.stderr)
+            print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} "
+                  "tokens a reply the adapter trained with: cut replies are counted in "
+                  "results.md", file=sys.stderr)
         SamplingSettings.check(args)  # the context taken must still hold a whole reply
         args.out = args.out or f"runs/eval__{int(time.time())}"
 
@@ -116,8 +130,8 @@ class EvalSettings:
 SAGE_START, SAGE_JUDGED_REPLIES, SAGE_SUCCESS, SAGE_LEAVE_BELOW = 40, 9, 100, 10
 SETTINGS = (PolicySettings, SamplingSettings, SimulatorSettings, EvalSettings)
 # Sizes for a reply, not a long thought (an adapter from a run takes the run's own).
-DEFAULTS = dict(model="smollm2", max_new_tokens=128, max_context=4096, split="test", start_emotion=SAGE_START,
-                max_turns=SAGE_JUDGED_REPLIES, user_reply_tokens=64)
+DEFAULTS = dict(model="smollm2", max_new_tokens=128, max_context=4096, split="test",
+                start_emotion=SAGE_START, max_turns=SAGE_JUDGED_REPLIES, user_reply_tokens=64)
 
 
 def parse_args(argv=None):
@@ -131,15 +145,19 @@ def parse_args(argv=None):
 def with_interval(groups, statistic=np.mean, n_boot=2000, seed=0):
     """{value, low, high}: statistic(rows) of all groups' rows, and its 95% percentile bootstrap
     interval when whole groups are resampled with replacement (groups: a list of arrays, or an array
-    whose first axis is the groups). A group is what is independent: a
-    persona's score, or a dialogue's (replies, 2) rows, since its replies share a persona and a
-    history (resampling them one by one would make the interval too narrow). Resamples where the
-    statistic is undefined (NaN) are dropped."""
-    idx = np.random.default_rng(seed).integers(0, len(groups), size=(n_boot, len(groups)))  # (n_boot, groups)
+    whose first axis is the groups). A group is what is independent: a persona's score, or a
+    dialogue's (replies, 2) rows, since its replies share a persona and a history (resampling them
+    one by one would make the interval too narrow). Resamples where the statistic is undefined (NaN)
+    are dropped."""
+    # (n_boot, groups)
+    idx = np.random.default_rng(seed).integers(0, len(groups), size=(n_boot, len(groups)))
     values = np.array([statistic(np.concatenate([groups[k] for k in row])) for row in idx])
     values = values[np.isfinite(values)]
-    # the quantiles (1 -+ level) / 2, level 0.95, written so as to give the numbers they always gave
-    low, high = np.percentile(values, [50 * (1 - 0.95), 50 * (1 + 0.95)]) if len(values) else (np.nan, np.nan)
+    low = high = np.nan  # no resample defined: no interval
+    if len(values):
+        # the quantiles (1 -+ level) / 2 at level 0.95, as computed (2.500000000000002, not 2.5):
+        # written out as 2.5 and 97.5, an interval's last digits would move
+        low, high = np.percentile(values, [50 * (1 - 0.95), 50 * (1 + 0.95)])
     return {"value": statistic(np.concatenate(groups)), "low": low, "high": high}
 
 
@@ -153,21 +171,21 @@ def paired_difference(treated, base, n_boot=2000, seed=0):
 
 def model_summary(records, n_boot=2000, seed=0):
     """The benchmark's numbers for one model, from its one dialogue per persona: the score (the mean
-    final emotion) and its interval over personas, SAGE's successes (emotion reached 100) and failures
-    (the user left below the threshold), and the counts that explain a score: turns, replies cut at
-    --max-new-tokens (a cut thought reaches the user as "..."), reply length, think-format
-    violations, dialogues ended by an appraisal that could not be read."""
+    final emotion) and its interval over personas, SAGE's successes (emotion reached 100) and
+    failures (the user left below the threshold), and the counts that explain a score: turns,
+    replies cut at --max-new-tokens (a cut thought reaches the user as "..."), reply length,
+    think-format violations, dialogues ended by an appraisal that could not be read."""
     per_persona = {r["persona_id"]: float(r["final_emotion"]) for r in records}
     score = with_interval(np.array([*per_persona.values()])[:, None], np.mean, n_boot, seed)
-    turns = sum(len(r["turn_ends"]) for r in records)  # at least one a dialogue (check_openings_fit)
+    # at least one a dialogue (check_openings_fit)
+    turns = sum(len(r["turn_ends"]) for r in records)
     total = {k: sum(r[k] for r in records)
              for k in ("cut_replies", "policy_tokens", "violations")}
     reasons = Counter(r["end_reason"] for r in records)
     return {"score": score["value"], "ci_low": score["low"], "ci_high": score["high"],
             "dialogues": len(records), "successes": reasons["success"], "failures": reasons["left"],
-            "unread": reasons["unread"],
-            "turns_mean": turns / len(records), **total, "reply_tokens_mean": total["policy_tokens"] / turns,
-            "per_persona": per_persona}
+            "unread": reasons["unread"], "turns_mean": turns / len(records), **total,
+            "reply_tokens_mean": total["policy_tokens"] / turns, "per_persona": per_persona}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,26 +194,31 @@ def model_summary(records, n_boot=2000, seed=0):
 def load_models(args):
     """One PeftModel: the first adapter as 'default' (or a fresh LoRA, the identity since B = 0),
     further adapters by name. Returns (policy, tokenizer, models): (label, adapter name, adapter
-    folder) each, models[0] the base (None, None). Each one is labelled by its folder (a checkpoint's
-    policy by the checkpoint). An adapter whose weights do not all load into the base (made for
-    another model) ends the program with one line naming both, instead of being scored half-loaded."""
+    folder) each, models[0] the base (None, None). Each one is labelled by its folder (a
+    checkpoint's policy by the checkpoint). An adapter whose weights do not all load into the base
+    (made for another model) ends the program with one line naming both, instead of being scored
+    half-loaded."""
     path = (args.adapter or [None])[0]
     models = [("base", None, None)]
     try:
-        policy, tokenizer = load_policy(args.model, adapter=path, trainable=False, device=default_device(),
-                                        load_in_4bit=args.load_in_4bit, dtype=args.dtype,
-                                        trust_remote_code=args.trust_remote_code)
+        policy, tokenizer = load_policy(args.model, adapter=path, trainable=False,
+                                        device=default_device(), load_in_4bit=args.load_in_4bit,
+                                        dtype=args.dtype, trust_remote_code=args.trust_remote_code)
         for i, path in enumerate(args.adapter):
             name = "default" if i == 0 else f"adapter_{i}"
-            # loaded (the first again) for peft's missing and unexpected keys, which it only warns of
+            # loaded (the first again) for peft's missing and unexpected keys,
+            # which it only warns of
             result = policy.load_adapter(path, adapter_name=name, is_trainable=False)
             missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
             if missing or result.unexpected_keys:
-                raise RuntimeError(f"{len(missing)} of its weights missing (e.g. {(missing or ['-'])[0]}), "
+                raise RuntimeError(f"{len(missing)} of its weights missing "
+                                   f"(e.g. {(missing or ['-'])[0]}), "
                                    f"{len(result.unexpected_keys)} unexpected")
-            label = os.path.basename(path.removesuffix("/default"))  # a checkpoint's policy: the checkpoint
+            # a checkpoint's policy: the checkpoint
+            label = os.path.basename(path.removesuffix("/default"))
             models.append((label, name, path))
-    except RuntimeError as e:  # torch's size mismatches (another hidden size): the first says why, in shapes
+    except RuntimeError as e:
+        # torch's size mismatches (another hidden size): the first says why, in shapes
         why = re.findall(r"size mismatch.*", str(e)) + str(e).splitlines()
         fail(f"--adapter {path} does not fit --model {args.model}: {why[0][:300]}")
     return policy, tokenizer, models
@@ -220,7 +243,8 @@ def shown(x, digits=2, sign=""):
         return "- (needs 2 files or more that share scenarios)"
     if not np.isfinite(x["value"]):
         return "undefined (one side never varies)"
-    return f"{x['value']:{sign}.{digits}f} [{x['low']:{sign}.{digits}f}, {x['high']:{sign}.{digits}f}]"
+    spec = f"{sign}.{digits}f"
+    return f"{x['value']:{spec}} [{x['low']:{spec}}, {x['high']:{spec}}]"
 
 
 def results_table(results):
@@ -231,10 +255,10 @@ def results_table(results):
         f"(split {s['split']}), 1 greedy dialogue each; simulator `{s['simulator']}` (read-out "
         f"{results['readout']}), start emotion {s['start_emotion']}, up to "
         f"{s['max_turns']} turns, thinking {'on' if s['thinking'] else 'off'}. "
-        f"Score = mean final emotion (0-100); [95% bootstrap interval over personas, {s['bootstrap']} "
-        "resamples]; vs base = mean paired difference over the same personas; cut replies = agent turns "
-        f"that reached --max-new-tokens {s['max_new_tokens']} unfinished; reply tokens = policy tokens per "
-        "agent turn, thought included.",
+        "Score = mean final emotion (0-100); [95% bootstrap interval over personas, "
+        f"{s['bootstrap']} resamples]; vs base = mean paired difference over the same personas; "
+        f"cut replies = agent turns that reached --max-new-tokens {s['max_new_tokens']} "
+        "unfinished; reply tokens = policy tokens per agent turn, thought included.",
         "",
         "| model | score | cut replies | vs base | successes | failures | turns | reply tokens "
         "| think violations | unread |",
@@ -252,10 +276,10 @@ def results_table(results):
 
 
 def write_results(out, results, table):
-    """results.json and results.md, each replaced whole (run.write_atomically). results.json is strict
-    JSON: a statistic that is undefined (NaN) is written as null."""
-    write_atomically(f"{out}/results.json", json.dumps(finite(results), indent=1, ensure_ascii=False,
-                                                       allow_nan=False))
+    """results.json and results.md, each replaced whole (run.write_atomically). results.json is
+    strict JSON: a statistic that is undefined (NaN) is written as null."""
+    write_atomically(f"{out}/results.json",
+                     json.dumps(finite(results), indent=1, ensure_ascii=False, allow_nan=False))
     write_atomically(f"{out}/results.md", table)
 
 
@@ -266,18 +290,20 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models):
     ids = [p.id for p in personas]
     results = {"complete": False, "settings": public_config(args, "evaluate.py"),
                "readout": simulator.readout, "persona_ids": ids, "models": []}
+    sampling = {**sampling_settings(args), "greedy": True}
     for done, (label, adapter_name, path) in enumerate(models, 1):
         t0 = time.time()
         with use_model(policy, adapter_name):
-            records, _ = play_dialogues(policy, tokenizer, simulator, personas, **{**sampling_settings(args),
-                                        "greedy": True}, desc=f"{label}: dialogues")
-        append_lines(f"{args.out}/transcripts.jsonl",
-                     [{"model": label, **{k: v for k, v in r.items() if k not in TOKEN_ARRAYS}} for r in records])
+            records, _ = play_dialogues(policy, tokenizer, simulator, personas, **sampling,
+                                        desc=f"{label}: dialogues")
+        # each dialogue tagged with its model, its token arrays left out
+        lines = [{"model": label, **{k: r[k] for k in r if k not in TOKEN_ARRAYS}} for r in records]
+        append_lines(f"{args.out}/transcripts.jsonl", lines)
         summary = {"label": label, "adapter": path,
                    **model_summary(records, args.bootstrap, args.seed), "seconds": time.time() - t0}
         if adapter_name:
-            summary["vs_base"] = paired_difference(list(summary["per_persona"].values()),
-                                                   list(results["models"][0]["per_persona"].values()),
+            base = list(results["models"][0]["per_persona"].values())
+            summary["vs_base"] = paired_difference(list(summary["per_persona"].values()), base,
                                                    args.bootstrap, args.seed)
         results["models"].append(summary)
         results["complete"] = done == len(models)
@@ -289,16 +315,20 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models):
 # A simulated user measured against SAGE's recorded judgments (--agreement)
 # ----------------------------------------------------------------------------------------------
 def average_ranks(x):
-    """1-based ranks, ties sharing the mean of the ranks they span: [10, 20, 20, 30] -> [1, 2.5, 2.5, 4]."""
+    """1-based ranks, ties sharing the mean of the ranks they span:
+    [10, 20, 20, 30] -> [1, 2.5, 2.5, 4]."""
     _, where, counts = np.unique(x, return_inverse=True, return_counts=True)
-    return (np.cumsum(counts) - (counts - 1) / 2)[where]  # a tie group's last rank, less half its width
+    # a tie group's last rank, less half its width
+    return (np.cumsum(counts) - (counts - 1) / 2)[where]
 
 
 def pearson(x, y):
     """Pearson correlation; NaN when either side is constant (no correlation is defined)."""
     dx, dy = (np.asarray(v, dtype=float) - np.mean(v) for v in (x, y))
     denominator = np.sqrt((dx * dx).sum() * (dy * dy).sum())
-    return (dx * dy).sum() / denominator if denominator > 0 else np.nan
+    if denominator > 0:
+        return (dx * dy).sum() / denominator
+    return np.nan
 
 
 def spearman(x, y):
@@ -307,12 +337,14 @@ def spearman(x, y):
 
 
 def kendall_tau_b(x, y):
-    """Kendall's tau-b of two arrays: (concordant - discordant) / sqrt(pairs untied in x * pairs untied
-    in y) over the n(n-1)/2 pairs; NaN when either side is constant."""
+    """Kendall's tau-b of two arrays: (concordant - discordant) / sqrt(pairs untied in x * pairs
+    untied in y) over the n(n-1)/2 pairs; NaN when either side is constant."""
     i, j = np.triu_indices(len(x), 1)
     sx, sy = np.sign(x[i] - x[j]), np.sign(y[i] - y[j])  # (pairs,) each
     denominator = np.sqrt((sx != 0).sum() * (sy != 0).sum())
-    return (sx * sy).sum() / denominator if denominator > 0 else np.nan
+    if denominator > 0:
+        return (sx * sy).sum() / denominator
+    return np.nan
 
 
 # What is compared, each a function of (replies, 2) rows of (recorded, simulated) changes: r.T is
@@ -331,7 +363,8 @@ def kendall_with_interval(finals, n_boot=2000, seed=0):
     None for fewer than 2 files or no scenario."""
     if len(finals) < 2 or finals.shape[1] == 0:
         return None
-    tau = lambda rows: kendall_tau_b(*rows.mean(0).T)  # noqa: E731  rows (draws, files, 2) -> files' means
+    # rows (draws, files, 2) -> files' means
+    tau = lambda rows: kendall_tau_b(*rows.mean(0).T)  # noqa: E731
     return with_interval(finals.transpose(1, 0, 2)[:, None], tau, n_boot, seed)
 
 
@@ -342,18 +375,19 @@ def is_emotion(value):
 
 
 def read_sage_dialogues(path, personas):
-    """SAGE's recorded dialogues: one JSON object per line with id, emo_point (the final emotion) and
-    history, a list of {role: user|assistant, content}; each user message carries the judge's
-    `emotion-point` when it was written (the first: 40). Returns [{file, line, id, final,
-    history: [{role: user|agent, text}], points: {message index: emotion}}]. Bad input (as strict as
-    a persona file: an id without a persona or twice, an emotion outside 0-100 or not finite): one
+    """SAGE's recorded dialogues: one JSON object per line with id, emo_point (the final emotion)
+    and history, a list of {role: user|assistant, content}; each user message carries the judge's
+    `emotion-point` when it was written (the first: 40). Returns [{file, line, id, final, history:
+    [{role: user|agent, text}], points: {message index: emotion}}]. Bad input (as strict as a
+    persona file: an id without a persona or twice, an emotion outside 0-100 or not finite): one
     line naming the file, the line and the field, exit 2."""
     dialogues, lines = [], {}
     for i, record in read_json_lines(path, fail):
         where = f"{path}: line {i + 1}"
         name = str(record.get("id")) if isinstance(record, dict) else None
         if name not in personas:
-            fail(f"{where}: must be an object whose field 'id' names a persona of the --personas file")
+            fail(f"{where}: must be an object whose field 'id' names a persona "
+                 "of the --personas file")
         where += f" (id {name})"
         if name in lines:  # a second "model" or a repeated line would count its replies twice
             fail(f"{where}: field 'id' is on line {lines[name]} too: one dialogue per scenario")
@@ -368,15 +402,16 @@ def read_sage_dialogues(path, personas):
         messages, points = [], {}
         for k, m in enumerate(history):
             role = "assistant" if k % 2 else "user"
-            if not isinstance(m, dict) or m.get("role") != role or not isinstance(m.get("content"), str):
-                fail(f"{where}: field 'history[{k}]' must be {{role: {role}, content: text}} (messages "
-                     "alternate, the user's first)")
+            in_turn = isinstance(m, dict) and m.get("role") == role
+            if not in_turn or not isinstance(m.get("content"), str):
+                fail(f"{where}: field 'history[{k}]' must be {{role: {role}, content: text}} "
+                     "(messages alternate, the user's first)")
             messages.append({"role": "agent" if k % 2 else "user", "text": m["content"]})
             if role == "user":
                 points[k] = m.get("emotion-point")
                 if not is_emotion(points[k]):
-                    fail(f"{where}: field 'history[{k}].emotion-point' must be a number from 0 to 100, "
-                         f"not {points[k]!r}")
+                    fail(f"{where}: field 'history[{k}].emotion-point' must be a number "
+                         f"from 0 to 100, not {points[k]!r}")
         dialogues.append({"file": path, "line": i + 1, "id": name, "final": record["emo_point"],
                           "history": messages, "points": points})
     return dialogues or fail(f"{path}: no dialogues")
@@ -392,8 +427,8 @@ def judged_replies(dialogue):
 def recorded_state(persona, dialogue, k):
     """The simulated user as it was when agent message k arrived: the recorded conversation before
     it, the recorded emotion, and one appraisal per earlier reply whose move is the recorded change,
-    so that the appraisal sees the recorded moods. It is appraised once (the check's `same` user keeps
-    no KV cache)."""
+    so that the appraisal sees the recorded moods. It is appraised once (the check's `same` user
+    keeps no KV cache)."""
     moods = [dialogue["points"][j] for j in range(0, k, 2)]  # e_0 .. e_m
     appraisals = [{"change": after - before, "emotion": after, "appraisal": ""}
                   for before, after in zip(moods, moods[1:])]
@@ -402,10 +437,10 @@ def recorded_state(persona, dialogue, k):
 
 
 def simulated_final(start, changes, max_change=10):
-    """The final emotion from adding the simulator's changes along a recorded dialogue, each
-    clamped as the simulator clamps it (apply_change): to +-max_change, the mood to [0, 100]; it
-    stops where SAGE and Simulator.step stop, at 100 (a success) or below 10 (a failure), and where an
-    appraisal could not be read (None: a dialogue in training would end there)."""
+    """The final emotion from adding the simulator's changes along a recorded dialogue, each clamped
+    as the simulator clamps it (apply_change): to +-max_change, the mood to [0, 100]; it stops where
+    SAGE and Simulator.step stop, at 100 (a success) or below 10 (a failure), and where an appraisal
+    could not be read (None: a dialogue in training would end there)."""
     emotion = start
     for change in changes:
         if change is None:
@@ -416,9 +451,9 @@ def simulated_final(start, changes, max_change=10):
 
 
 def agreement_rows(dialogue, changes, max_change=10):
-    """(replies, 2) array of (recorded change, simulated move) for one dialogue's read appraisals: the
-    simulator's move starts from the recorded emotion before each reply, so the two are compared reply
-    by reply. A reply whose appraisal could not be read (None) is left out."""
+    """(replies, 2) array of (recorded change, simulated move) for one dialogue's read appraisals:
+    the simulator's move starts from the recorded emotion before each reply, so the two are compared
+    reply by reply. A reply whose appraisal could not be read (None) is left out."""
     return np.array([(after - before, apply_change(before, change, max_change)[1])
                      for (_, before, after), change in zip(judged_replies(dialogue), changes)
                      if change is not None], dtype=float).reshape(-1, 2)
@@ -426,8 +461,9 @@ def agreement_rows(dialogue, changes, max_change=10):
 
 def agreement_report(dialogues, changes, max_change=10, n_boot=2000, seed=0):
     """Every number of the agreement check. dialogues: read_sage_dialogues rows; changes: the
-    simulator's change per judged reply (None where unread), per dialogue, in the same order. Per reply, per dialogue's final emotion (rebuilt with SAGE's exits), per file (one
-    file is one evaluated model) and the ranking of the files."""
+    simulator's change per judged reply (None where unread), per dialogue, in the same order. Per
+    reply, per dialogue's final emotion (rebuilt with SAGE's exits), per file (one file is one
+    evaluated model) and the ranking of the files."""
     groups = [agreement_rows(d, c, max_change) for d, c in zip(dialogues, changes)]
     rows = np.concatenate(groups)                                          # (replies, 2)
     recorded, simulated = rows.T                                           # (replies,) each
@@ -448,16 +484,19 @@ def agreement_report(dialogues, changes, max_change=10, n_boot=2000, seed=0):
     shared = [i for i in first if all(i in mine for mine in others)]
     # (files, shared, 2); (files, 0) when they share none
     shared_finals = np.array([[mine[i] for i in shared] for mine in by_file.values()])
+    final_difference = paired_difference(finals[:, 1], finals[:, 0], n_boot, seed)
     return {
         "replies": {"n": len(rows), "dialogues": len(dialogues),
                     "unread": sum(change is None for mine in changes for change in mine),
                     **{name: with_interval(groups, statistic, n_boot, seed)
                        for name, statistic in STATISTICS.items()},
-                    # what a simulator that knows nothing gets: the commonest recorded direction; never moving
+                    # what a simulator that knows nothing gets: the commonest recorded
+                    # direction; never moving
                     "direction_baseline": max(np.mean(np.sign(recorded) == d) for d in (-1, 0, 1)),
                     "mae_of_no_change": np.abs(recorded).mean(),
-                    "recorded_mean_change": recorded.mean(), "simulated_mean_change": simulated.mean()},
-        "final": {"simulated_minus_recorded": paired_difference(finals[:, 1], finals[:, 0], n_boot, seed),
+                    "recorded_mean_change": recorded.mean(),
+                    "simulated_mean_change": simulated.mean()},
+        "final": {"simulated_minus_recorded": final_difference,
                   **{name: with_interval(finals[:, None], STATISTICS[name], n_boot, seed)
                      for name in ("mae", "spearman", "pearson")}},
         "files": files,
@@ -476,13 +515,16 @@ def ranking(files, side):
 def agreement_table(report):
     """results.md of an agreement run (its results.json: the report and the settings)."""
     r, f, settings = report["replies"], report["final"], report["settings"]
-    model = f" (model `{settings['model']}`)" if settings["simulator"] == "same" else ""
+    model = ""
+    if settings["simulator"] == "same":
+        model = f" (model `{settings['model']}`)"
     lines = [
         f"Simulator `{settings['simulator']}`{model}, read-out {settings['readout']}, against "
         f"{r['dialogues']} recorded SAGE dialogues ({r['n']} judged replies) of "
-        f"{len(report['files'])} file(s). [95% bootstrap interval over dialogues, {settings['bootstrap']} "
-        "resamples.] Changes: the recorded one is the next user message's emotion-point minus the one "
-        "before; the simulator's is its move from the recorded emotion.",
+        f"{len(report['files'])} file(s). [95% bootstrap interval over dialogues, "
+        f"{settings['bootstrap']} resamples.] "
+        "Changes: the recorded one is the next user message's emotion-point minus the one before; "
+        "the simulator's is its move from the recorded emotion.",
         "", "| per reply | value |", "|---|---|",
         f"| Spearman of the changes | {shown(r['spearman'])} |",
         f"| Pearson of the changes | {shown(r['pearson'])} |",
@@ -496,15 +538,19 @@ def agreement_table(report):
         f"| mean absolute error | {shown(f['mae'], 1)} |",
         f"| simulated - recorded | {shown(f['simulated_minus_recorded'], 1, '+')} |",
         f"| Spearman | {shown(f['spearman'])} |",
-        "", "| file (model) | dialogues | recorded score | simulated score | recorded successes / failures "
-        "| simulated successes / failures |", "|---|---|---|---|---|---|"]
+        "",
+        "| file (model) | dialogues | recorded score | simulated score | recorded successes "
+        "/ failures | simulated successes / failures |", "|---|---|---|---|---|---|"]
     for m in report["files"]:
         rec, sim = m["recorded"], m["simulated"]
-        lines.append(f"| {m['label']} | {m['dialogues']} | {shown(rec, 1)} | {shown(sim, 1)} "
-                     f"| {rec['successes']} / {rec['failures']} | {sim['successes']} / {sim['failures']} |")
-    lines += ["", f"Rank order of the models, Kendall's tau-b over the {report['models']['scenarios']} "
-              f"scenarios every file holds: {shown(report['models']['kendall_tau_b'])}; recorded "
-              f"{ranking(report['files'], 'recorded')}, simulated {ranking(report['files'], 'simulated')}."]
+        lines += [f"| {m['label']} | {m['dialogues']} | {shown(rec, 1)} | {shown(sim, 1)} "
+                  f"| {rec['successes']} / {rec['failures']} "
+                  f"| {sim['successes']} / {sim['failures']} |"]
+    lines += ["", "Rank order of the models, Kendall's tau-b over the "
+              f"{report['models']['scenarios']} scenarios every file holds: "
+              f"{shown(report['models']['kendall_tau_b'])}; "
+              f"recorded {ranking(report['files'], 'recorded')}, "
+              f"simulated {ranking(report['files'], 'simulated')}."]
     return "\n".join(lines) + "\n"
 
 
@@ -513,10 +559,10 @@ BATCH_DIALOGUES = 4  # dialogues whose replies go to the simulator in one call
 
 def agreement_main(args):
     """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--dialogues N];
-    everything is read and checked before any model loads. A stopped check (Ctrl-C, SIGTERM: one line
-    at once, exit 130 / 143) is run again whole; the appraisals made until then stay in
-    appraisals.jsonl, written whole line by line, and no result file is half written (each is renamed
-    into place)."""
+    everything is read and checked before any model loads. A stopped check (Ctrl-C, SIGTERM: one
+    line at once, exit 130 / 143) is run again whole; the appraisals made until then stay in
+    appraisals.jsonl, written whole line by line, and no result file is half written (each is
+    renamed into place)."""
     personas = {p.id: p for p in load_personas(args.personas, difficulty=args.difficulty)}
     dialogues, seen = [], {}
     for path in args.agreement:
@@ -528,40 +574,44 @@ def agreement_main(args):
     new_folder(args.out)
     store = f"{args.out}/appraisals.jsonl"
     exit_on_signals(lambda: f"; the appraisals made so far are in {store}")
-    # `same`: the base model alone (no policy, no adapters); each recorded state is appraised once, so no
-    # KV cache is kept for it
+    # `same`: the base model alone (no policy, no adapters); each recorded state is appraised once,
+    # so no KV cache is kept for it
     simulator = build_simulator(args, None, None, reuse_cache=False)
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
           f"{args.simulator} (read-out {simulator.readout}); every appraisal goes to {store}",
           file=sys.stderr)
     try:
-        # The simulator's (change, appraisal) for every judged reply: each batch of
-        # BATCH_DIALOGUES dialogues is one call to simulator.appraise (all their replies at once), and
-        # each finished dialogue is appended to the store at once, the record of every appraisal. The
-        # progress bar counts replies.
+        # The simulator's (change, appraisal) for every judged reply: each batch of BATCH_DIALOGUES
+        # dialogues is one call to simulator.appraise (all their replies at once), and each finished
+        # dialogue is appended to the store at once, the record of every appraisal. The progress bar
+        # counts replies.
         answers = []  # per dialogue, in order
         bar = tqdm(total=sum(len(judged_replies(d)) for d in dialogues), desc="agreement: replies")
         for start in range(0, len(dialogues), BATCH_DIALOGUES):
             part = dialogues[start:start + BATCH_DIALOGUES]
             jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
-            told = iter(simulator.appraise([recorded_state(personas[d["id"]], d, k) for d, k in jobs],
-                                           [d["history"][k]["text"] for d, k in jobs]))
-            rows = [{"id": d["id"], "appraisals": [next(told) for _ in judged_replies(d)]} for d in part]
+            states = [recorded_state(personas[d["id"]], d, k) for d, k in jobs]
+            told = iter(simulator.appraise(states, [d["history"][k]["text"] for d, k in jobs]))
+            rows = []
+            for d in part:
+                rows.append({"id": d["id"], "appraisals": [next(told) for _ in judged_replies(d)]})
             append_lines(store, rows)
             answers += [row["appraisals"] for row in rows]
             bar.update(len(jobs))
         bar.close()
         changes = [[change for change, _ in mine] for mine in answers]
         if all(change is None for mine in changes for change in mine):
-            raise SimulatorError("not one of its appraisals could be read: check the simulator's answers "
-                                 f"in {store}")
+            raise SimulatorError("not one of its appraisals could be read: check the simulator's "
+                                 f"answers in {store}")
         report = agreement_report(dialogues, changes, args.max_change, args.bootstrap, args.seed)
-        results = {"settings": {**public_config(args, "evaluate.py"), "readout": simulator.readout}, **report}
+        settings = {**public_config(args, "evaluate.py"), "readout": simulator.readout}
+        results = {"settings": settings, **report}
         table = agreement_table(results)
         write_results(args.out, results, table)
-    except OSError as e:  # a full disk: the appraisal lines written whole stay, no result is half written
-        fail(f"cannot write in {args.out} ({write_failure(e, args.out)}); the appraisals made so far are in "
-             f"{store}")
+    except OSError as e:
+        # a full disk: the appraisal lines written whole stay, no result is half written
+        fail(f"cannot write in {args.out} ({write_failure(e, args.out)}); "
+             f"the appraisals made so far are in {store}")
     release()
     print(table)
     print(f"-> {args.out}/results.json, results.md, appraisals.jsonl")
@@ -580,20 +630,22 @@ OPENING_TOKENS = 64
 
 
 def write_openings(args):
-    """python evaluate.py --write-openings OUT --personas FILE [--model MODEL | --simulator URL]: FILE's
-    lines with first_talk filled (lines that have one keep it) and the mood it was written at (the
-    trainers' --start-emotion unless given; first_talk_emotion records it), everything else unchanged,
-    written to OUT once, whole (a temporary file renamed), or not at all. Bad input, an existing OUT
-    and a missing folder for it: one line, exit 2, before any model loads; so is a simulator that
-    fails or writes nothing usable, and a disk that fills or turns read-only while writing; Ctrl-C and
-    SIGTERM: one line at once, exit 130 / 143 (run.exit_on_signals). A failed write is simply run
-    again: it runs once per profile file, so it keeps no partial progress and asks a failed batch
-    nothing again."""
+    """python evaluate.py --write-openings OUT --personas FILE [--model MODEL | --simulator URL]:
+    FILE's lines with first_talk filled (lines that have one keep it) and the mood it was written at
+    (the trainers' --start-emotion unless given; first_talk_emotion records it), everything else
+    unchanged, written to OUT once, whole (a temporary file renamed), or not at all. Bad input, an
+    existing OUT and a missing folder for it: one line, exit 2, before any model loads; so is a
+    simulator that fails or writes nothing usable, and a disk that fills or turns read-only while
+    writing; Ctrl-C and SIGTERM: one line at once, exit 130 / 143 (run.exit_on_signals). A failed
+    write is simply run again: it runs once per profile file, so it keeps no partial progress and
+    asks a failed batch nothing again."""
     source, out = args.personas, args.write_openings
-    if "start_emotion" not in args.given:  # the mood a trainer's dialogues start at, not the benchmark's
+    if "start_emotion" not in args.given:
+        # the mood a trainer's dialogues start at, not the benchmark's
         args.start_emotion = SimulatorSettings.start_emotion
     if os.path.exists(out):
-        fail(f"--write-openings {out}: the file exists; give a new file (nothing is ever overwritten)")
+        fail(f"--write-openings {out}: the file exists; give a new file "
+             "(nothing is ever overwritten)")
     if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
         fail(f"--write-openings {out}: its folder does not exist")
     try:
@@ -602,24 +654,29 @@ def write_openings(args):
     except PersonaError as e:
         fail(f"{e} (--write-openings takes JSON-lines profiles: SAGE's, RLVER's)")
     todo = [p for p in personas if not p.opening.strip()]
-    print(f"{len(personas)} profiles in {source}: {len(todo)} to write with {args.simulator} at mood "
-          f"{args.start_emotion}", file=sys.stderr)
+    print(f"{len(personas)} profiles in {source}: {len(todo)} to write with {args.simulator} "
+          f"at mood {args.start_emotion}", file=sys.stderr)
     exit_on_signals(lambda: f"; {out} not written")
-    backend = make_backend(args.simulator, args=args) if todo else RulesBackend()  # no model when none is missing
+    backend = RulesBackend()  # no model when none is missing
+    if todo:
+        backend = make_backend(args.simulator, args=args)
     try:
-        # the user's own chat, in the persona's language, with the request where an agent's first message
-        # would be
+        # the user's own chat, in the persona's language, with the request where an agent's first
+        # message would be
         asked = [user_turn_messages(UserState(p, args.start_emotion, [
             {"role": "agent", "text": PROMPTS[persona_language(p)]["opening"]}])) for p in todo]
-        texts = ([RULES_OPENING[persona_language(p)] for p in todo] if backend.name == "rules" else
-                 [clean_user_text(t) for t in backend.chat(asked, OPENING_TOKENS)])
+        if backend.name == "rules":
+            texts = [RULES_OPENING[persona_language(p)] for p in todo]
+        else:
+            texts = [clean_user_text(t) for t in backend.chat(asked, OPENING_TOKENS)]
         if "..." in texts:  # nothing usable was left after cleaning
-            raise SimulatorError(f"the simulator wrote nothing usable for id {todo[texts.index('...')].id}")
+            raise SimulatorError("the simulator wrote nothing usable for id "
+                                 f"{todo[texts.index('...')].id}")
         texts = iter(texts)
-        filled = [entry if p.opening.strip() else {**entry, "first_talk": next(texts),
-                                                   "first_talk_emotion": args.start_emotion}
-                  for p, (_, entry) in zip(personas, lines)]
-        write_atomically(out, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in filled))
+        for p, (_, entry) in zip(personas, lines):
+            if not p.opening.strip():
+                entry.update(first_talk=next(texts), first_talk_emotion=args.start_emotion)
+        write_atomically(out, "".join(json.dumps(e, ensure_ascii=False) + "\n" for _, e in lines))
     except SimulatorError as e:
         fail(f"--write-openings {out}: {e}; nothing written")
     except OSError as e:

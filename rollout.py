@@ -818,7 +818,8 @@ def to_record(d, start_emotion):
     }
 
 
-TOKEN_ARRAYS = ("token_ids", "action_mask", "logprobs", "turn_ends")  # what rollouts.jsonl leaves out
+# what rollouts.jsonl leaves out
+TOKEN_ARRAYS = ("token_ids", "action_mask", "logprobs", "turn_ends")
 
 
 def summarize(records, per_process):
@@ -827,7 +828,8 @@ def summarize(records, per_process):
     time, are the longest one's, so count / seconds is the whole job's rate (policy_tokens /
     policy_seconds; policy_reused_tokens / policy_prompt_tokens is the share of prompt tokens read
     from a dialogue's KV cache instead of being run again)."""
-    stats, reasons = Counter(), Counter(r["end_reason"] for r in records)  # a count not reported is 0
+    # a count not reported is 0
+    stats, reasons = Counter(), Counter(r["end_reason"] for r in records)
     for mine in per_process:
         for key, value in mine.items():
             if key.endswith("_seconds"):
@@ -869,7 +871,8 @@ def pad_records(records, pad_id, device):
             "sample_logprobs": padded("logprobs", 0.0)}
 
 
-LOGITS_CHUNK_TOKENS = 1024  # rows x positions projected onto the vocabulary at once (token_logprobs)
+# rows x positions projected onto the vocabulary at once (token_logprobs)
+LOGITS_CHUNK_TOKENS = 1024
 
 
 def _chunk_logprobs(head, hidden, targets, temperature, with_entropy, entropy_grad):
@@ -912,7 +915,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
     output = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                  use_cache=False)
     hidden = output.last_hidden_state[:, keep]                                           # (B, K, H)
-    head, targets = model.get_output_embeddings(), input_ids[:, keep + 1]                    # (B, K)
+    head, targets = model.get_output_embeddings(), input_ids[:, keep + 1]                   # (B, K)
     step = max(1, (chunk_tokens or B * len(keep)) // B)                        # positions a chunk
     chunk = _chunk_logprobs
     if torch.is_grad_enabled() and len(keep) > step:  # only then is there a peak to bound
@@ -965,7 +968,7 @@ def check_openings_fit(model_name, personas, system_prompt, max_context, max_new
     """Every persona's first prompt (system prompt and opening) with room for a whole reply must fit
     max_context, or its dialogue would end before the agent speaks (and its metrics would be NaN).
     Needs only the tokenizer, so it runs before the weights load. Bad input: one line, exit 2."""
-    chat = ChatTokens(load_tokenizer(model_name, trust_remote_code=trust_remote_code), system_prompt)
+    chat = ChatTokens(load_tokenizer(model_name, trust_remote_code), system_prompt)
     for p in personas:
         n = len(chat.prompt(p.opening))
         if n + max_new_tokens > max_context:
@@ -987,14 +990,15 @@ def check_before_loading(args):
 
 
 def policy_settings(args):
-    """load_policy's keyword arguments from a trainer's settings: every field of PolicySettings (but the
-    model, its first argument) and of AdapterSettings."""
-    return {f.name: getattr(args, f.name) for cls in (PolicySettings, AdapterSettings) for f in fields(cls)
-            if f.name != "model"}
+    """load_policy's keyword arguments from a trainer's settings: every field of PolicySettings (but
+    the model, its first argument) and of AdapterSettings."""
+    declared = fields(PolicySettings) + fields(AdapterSettings)
+    return {f.name: getattr(args, f.name) for f in declared if f.name != "model"}
 
 
 def sampling_settings(args):
-    """play_dialogues' keyword arguments from a script's SamplingSettings (and a trainer's --greedy)."""
+    """play_dialogues' keyword arguments from a script's SamplingSettings (and a trainer's
+    --greedy)."""
     return {**{f.name: getattr(args, f.name) for f in fields(SamplingSettings)},
             "greedy": getattr(args, "greedy", False)}
 
@@ -1004,9 +1008,9 @@ def old_logprobs_of(model, batch, args, batch_size):
     batch (one pass, the whole batch one minibatch) the weights that would score the rollout are the
     ones the update runs, so its own forward pass gives them and the scoring pass is skipped (TRL
     skips it too; it was a fifth of an iteration of `bench.py step --algo grpo`): then they are NaN
-    until the update fills them, never zeros that read as log-probs. Not with any dropout (LoRA's, or a
-    rate in the model's config: attention dropout is a call, not a module), whose train-mode pass is not
-    the sampling policy."""
+    until the update fills them, never zeros that read as log-probs. Not with any dropout (LoRA's,
+    or a rate in the model's config: attention dropout is a call, not a module), whose train-mode
+    pass is not the sampling policy."""
     config = model.config.get_text_config().to_dict()
     rates = [p for k, p in config.items() if "dropout" in k or k.endswith("pdrop")]
     rates += [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
@@ -1025,47 +1029,50 @@ def ref_logprobs_of(model, batch, args, iteration):
     return eval_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
 
 
-# --reward: what each agent turn of a read dialogue earns, one value per agent turn, read off its record
-# (start_emotion, emotions: the emotion after each agent turn). PPO puts each value on its turn's last
-# token; GRPO compares their sum.
+# --reward: what each agent turn of a read dialogue earns, one value per agent turn, read off its
+# record (start_emotion, emotions: the emotion after each agent turn). PPO puts each value on its
+# turn's last token; GRPO compares their sum.
 REWARDS = {
     # the paper: final emotion / 100 on the agent's last turn
     "final": lambda r: [0.0] * (len(r["emotions"]) - 1) + [r["emotions"][-1] / 100],
-    # each turn's emotion change / 100 on that turn: with gamma = 1 the same return up to the constant
-    # start emotion / 100, with the credit nearer its cause
-    "turn": lambda r: [(after - before) / 100
-                       for before, after in zip([r["start_emotion"]] + r["emotions"], r["emotions"])],
+    # each turn's emotion change / 100 on that turn: with gamma = 1 the same return up to the
+    # constant start emotion / 100, with the credit nearer its cause
+    "turn": lambda r: [(new - old) / 100
+                       for old, new in zip([r["start_emotion"]] + r["emotions"], r["emotions"])],
 }
 
 
 def turn_rewards(record, mode, format_penalty=0.0):
     """REWARDS[mode] of a read dialogue, less format_penalty on each agent turn that broke the think
-    format: one value per agent turn, in order. A mode that gives another number of values is an error."""
+    format: one value per agent turn, in order. A mode that gives another number of values is an
+    error."""
     values = REWARDS[mode](record)
     broke = [t["violation"] is not None for t in record["turns"] if t["role"] == "agent"]
     if len(values) != len(broke):
-        raise ValueError(f"REWARDS[{mode!r}] gave {len(values)} values for {len(broke)} agent turns")
+        raise ValueError(f"REWARDS[{mode!r}] gave {len(values)} values "
+                         f"for {len(broke)} agent turns")
     return [value - format_penalty * bad for value, bad in zip(values, broke)]
 
 
 def kl_k3(logprobs, ref_logprobs):
     """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
     always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020). The exponent is
-    clamped to [-20, 20] as verl clamps it, so that a token the policy has moved far from the reference
-    gives a large, finite loss, never an infinite one."""
+    clamped to [-20, 20] as verl clamps it, so that a token the policy has moved far from the
+    reference gives a large, finite loss, never an infinite one."""
     d = (ref_logprobs - logprobs).clamp(-20, 20)
     return torch.exp(d) - d - 1
 
 
 def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
     """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so that
-    summing the micro-batches gives the minibatch loss whatever the split (each trainer offers some).
+    summing the micro-batches gives the minibatch loss whatever the split (each trainer offers
+    some).
     token-mean: every agent token weighs the same (DAPO); long dialogues weigh more.
     seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice); a token of a
                          short dialogue weighs more than one of a long dialogue.
-    dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget (Dr. GRPO):
-             no length-dependent normalisation at all. GRPO takes the budget as the most tokens a
-             dialogue can hold, max_turns x max_new_tokens."""
+    dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget
+             (Dr. GRPO): no length-dependent normalisation at all. GRPO takes the budget as the
+             most tokens a dialogue can hold, max_turns x max_new_tokens."""
     masked = loss * mask                                                                    # (b, T)
     if mode == "token-mean":
         return masked.sum() / total_tokens
@@ -1075,31 +1082,38 @@ def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
 
 
 def adamw_with_warmup(groups):
-    """AdamW over (parameters, learning rate, warm-up steps) groups, each group's rate rising linearly
-    over its first warm-up steps, then constant, as verl's warm-up: counted by the scheduler's own steps
-    (the trainers step it only after an optimizer step, so a skipped non-finite step advances neither,
-    and --resume restores both). Unlike verl's, the first step takes 1 / warm-up of the rate, not 0."""
-    optimizer = torch.optim.AdamW([{"params": params, "lr": lr} for params, lr, _ in groups], weight_decay=0.0)
-    # a group's rate factor after `steps` steps; the default argument binds each group's own warm-up
-    factors = [lambda steps, warmup=max(1, warmup): min(1.0, (steps + 1) / warmup) for *_, warmup in groups]
+    """AdamW over (parameters, learning rate, warm-up steps) groups, each group's rate rising
+    linearly over its first warm-up steps, then constant, as verl's warm-up: counted by the
+    scheduler's own steps (the trainers step it only after an optimizer step, so a skipped
+    non-finite step advances neither, and --resume restores both). Unlike verl's, the first step
+    takes 1 / warm-up of the rate, not 0."""
+    param_groups = [{"params": params, "lr": lr} for params, lr, _ in groups]
+    optimizer = torch.optim.AdamW(param_groups, weight_decay=0.0)
+    # a group's rate factor after `steps` steps; the default argument n binds each group's own
+    # warm-up
+    factors = [lambda steps, n=max(1, warmup): min(1.0, (steps + 1) / n) for *_, warmup in groups]
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
 
 def iteration_report(run, all_records, stats, batch, old_logprobs, ref_logprobs, args, t_update):
-    """Step 5 of both trainers: (figures, dialogues) of an iteration, over every process. The figures:
-    the read dialogues' rewards' mean and std (--reward, no format penalty; the std without Bessel's
-    correction; None when every dialogue was unread), kl_ref (None on an iteration without the
-    reference pass) and the sampler-trainer gap over every token the loss trained on, the update's
-    tokens (those tokens, x epochs) and their rate (against the slowest process's update), and the
-    rollout's summary. The dialogues: every record as rollouts.jsonl holds it."""
-    rewards = np.array([sum(turn_rewards(r, args.reward)) for r in all_records if r["end_reason"] != "unread"])
-    acted = batch["action_mask"]
+    """Step 5 of both trainers: (figures, dialogues) of an iteration, over every process. The
+    figures: the read dialogues' rewards' mean and std (--reward, no format penalty; the std without
+    Bessel's correction; None when every dialogue was unread), kl_ref (None on an iteration without
+    the reference pass) and the sampler-trainer gap over every token the loss trained on, the
+    update's tokens (those tokens, x epochs) and their rate (against the slowest process's update),
+    and the rollout's summary. The dialogues: every record as rollouts.jsonl holds it."""
+    totals = [sum(turn_rewards(r, args.reward)) for r in all_records if r["end_reason"] != "unread"]
+    rewards = np.array(totals)
+    acted, sampled = batch["action_mask"], batch["sample_logprobs"]
     update_tokens = run.sum(acted.sum()).item() * args.update_epochs
     read = len(rewards) > 0
+    kl_ref = None  # an iteration without the reference pass
+    if ref_logprobs is not None:
+        kl_ref = run.masked_mean(kl_k3(old_logprobs, ref_logprobs), acted)
     figures = {"reward_mean": float(rewards.mean()) if read else None,
                "reward_std": float(rewards.std()) if read else None,
-               "kl_ref": None if ref_logprobs is None else run.masked_mean(kl_k3(old_logprobs, ref_logprobs), acted),
-               "sample_logprob_gap": run.masked_mean((old_logprobs - batch["sample_logprobs"]).abs(), acted),
+               "kl_ref": kl_ref,
+               "sample_logprob_gap": run.masked_mean((old_logprobs - sampled).abs(), acted),
                "update_tokens": int(update_tokens),  # every process's, x epochs
                "update_tokens_per_s": update_tokens / max(*run.gather([t_update]), 1e-9),
                **summarize(all_records, run.gather([stats]))}
@@ -1109,7 +1123,9 @@ def iteration_report(run, all_records, stats, batch, old_logprobs, ref_logprobs,
 def pick_personas(personas, n, seed, iteration):
     """The iteration's n personas, the same on every process (each then plays its own share)."""
     pick = random.Random(seed * 1_000_003 + iteration)
-    return pick.sample(personas, n) if len(personas) >= n else [pick.choice(personas) for _ in range(n)]
+    if len(personas) >= n:
+        return pick.sample(personas, n)
+    return [pick.choice(personas) for _ in range(n)]
 
 
 def use_adapter(model, name):

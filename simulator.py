@@ -505,7 +505,8 @@ DASHES = str.maketrans({c: "-" for c in "\u2212\u2010\u2011\u2012\u2013\u2014\u2
 # colon; a sentence about a change ("The change is 7 points lower") is never one. Its value: one
 # whole number, a unit or a parenthesis after it allowed ("5 points", "+1 (small)").
 CHANGE_LINE = re.compile(rf"^[\s>#*_•+-]*(?:\d+[.)]\s*)?[*_]*"
-                         rf"(?:(?:emotional|emotion|mood)\s+|情绪|心情)?(?:{'|'.join(LABELS['change'])})"
+                         r"(?:(?:emotional|emotion|mood)\s+|情绪|心情)?"
+                         rf"(?:{'|'.join(LABELS['change'])})"
                          rf"[*_]*\s*(?:\([^()]*\))?\s*[*_]*:(.*)$", re.I)
 CHANGE_VALUE = re.compile(r"([+-]?)\s*(\d+)[*_]*\s*(?:(?:points?|pts?|分)\s*)?"
                           r"(?:\([^()]*\)\s*)?[.。!]?", re.I)

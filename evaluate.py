@@ -92,10 +92,9 @@ class EvalSettings:
             path = os.path.normpath((checkpoints(path) or [path])[-1])
             if os.path.isdir(f"{path}/default"):
                 path = f"{path}/default"
-            role = "default"
-            if os.path.isfile(f"{path}/role"):
-                role = read_text(f"{path}/role", fail)
-            if role != "default" or not os.path.isfile(f"{path}/adapter_config.json"):
+            # a saved role other than the policy's (PPO's critic), or no adapter at all
+            if (os.path.isfile(f"{path}/role") and read_text(f"{path}/role", fail) != "default"
+                    or not os.path.isfile(f"{path}/adapter_config.json")):
                 fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; "
                      "PPO's critic is a value model)")
             args.adapter[i] = path
@@ -150,7 +149,7 @@ def with_interval(groups, statistic=np.mean, n_boot=2000, seed=0):
     one by one would make the interval too narrow). Resamples where the statistic is undefined (NaN)
     are dropped."""
     # (n_boot, groups)
-    idx = np.random.default_rng(seed).integers(0, len(groups), size=(n_boot, len(groups)))
+    idx = np.random.default_rng(seed).integers(len(groups), size=(n_boot, len(groups)))
     values = np.array([statistic(np.concatenate([groups[k] for k in row])) for row in idx])
     values = values[np.isfinite(values)]
     low = high = np.nan  # no resample defined: no interval
@@ -215,8 +214,7 @@ def load_models(args):
                                    f"(e.g. {(missing or ['-'])[0]}), "
                                    f"{len(result.unexpected_keys)} unexpected")
             # a checkpoint's policy: the checkpoint
-            label = os.path.basename(path.removesuffix("/default"))
-            models.append((label, name, path))
+            models.append((os.path.basename(path.removesuffix("/default")), name, path))
     except RuntimeError as e:
         # torch's size mismatches (another hidden size): the first says why, in shapes
         why = re.findall(r"size mismatch.*", str(e)) + str(e).splitlines()
@@ -287,9 +285,8 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models):
     """Every model plays every persona; writes into args.out and returns the results dict.
     results.json and results.md are rewritten after each model (complete after the last), so a
     failure half way leaves the finished models' numbers and transcripts on disk."""
-    ids = [p.id for p in personas]
     results = {"complete": False, "settings": public_config(args, "evaluate.py"),
-               "readout": simulator.readout, "persona_ids": ids, "models": []}
+               "readout": simulator.readout, "persona_ids": [p.id for p in personas], "models": []}
     sampling = {**sampling_settings(args), "greedy": True}
     for done, (label, adapter_name, path) in enumerate(models, 1):
         t0 = time.time()
@@ -297,8 +294,9 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models):
             records, _ = play_dialogues(policy, tokenizer, simulator, personas, **sampling,
                                         desc=f"{label}: dialogues")
         # each dialogue tagged with its model, its token arrays left out
-        lines = [{"model": label, **{k: r[k] for k in r if k not in TOKEN_ARRAYS}} for r in records]
-        append_lines(f"{args.out}/transcripts.jsonl", lines)
+        append_lines(f"{args.out}/transcripts.jsonl",
+                     [{"model": label, **{k: r[k] for k in r if k not in TOKEN_ARRAYS}}
+                      for r in records])
         summary = {"label": label, "adapter": path,
                    **model_summary(records, args.bootstrap, args.seed), "seconds": time.time() - t0}
         if adapter_name:
@@ -364,8 +362,8 @@ def kendall_with_interval(finals, n_boot=2000, seed=0):
     if len(finals) < 2 or finals.shape[1] == 0:
         return None
     # rows (draws, files, 2) -> files' means
-    tau = lambda rows: kendall_tau_b(*rows.mean(0).T)  # noqa: E731
-    return with_interval(finals.transpose(1, 0, 2)[:, None], tau, n_boot, seed)
+    return with_interval(finals.transpose(1, 0, 2)[:, None],
+                         lambda rows: kendall_tau_b(*rows.mean(0).T), n_boot, seed)
 
 
 def is_emotion(value):
@@ -432,8 +430,8 @@ def recorded_state(persona, dialogue, k):
     moods = [dialogue["points"][j] for j in range(0, k, 2)]  # e_0 .. e_m
     appraisals = [{"change": after - before, "emotion": after, "appraisal": ""}
                   for before, after in zip(moods, moods[1:])]
-    return UserState(persona=persona, emotion=moods[-1], history=dialogue["history"][:k],
-                     turns=len(appraisals), appraisals=appraisals)
+    return UserState(persona, moods[-1], dialogue["history"][:k], turns=len(appraisals),
+                     appraisals=appraisals)
 
 
 def simulated_final(start, changes, max_change=10):
@@ -465,8 +463,7 @@ def agreement_report(dialogues, changes, max_change=10, n_boot=2000, seed=0):
     reply, per dialogue's final emotion (rebuilt with SAGE's exits), per file (one file is one
     evaluated model) and the ranking of the files."""
     groups = [agreement_rows(d, c, max_change) for d, c in zip(dialogues, changes)]
-    rows = np.concatenate(groups)                                          # (replies, 2)
-    recorded, simulated = rows.T                                           # (replies,) each
+    recorded, simulated = np.concatenate(groups).T                         # (replies,) each
     finals = np.array([(d["final"], simulated_final(d["points"][0], c, max_change))
                        for d, c in zip(dialogues, changes)], dtype=float)  # (dialogues, 2)
     by_file = {}  # file -> {id: (recorded, simulated) final}; ids are unique within a file
@@ -484,9 +481,8 @@ def agreement_report(dialogues, changes, max_change=10, n_boot=2000, seed=0):
     shared = [i for i in first if all(i in mine for mine in others)]
     # (files, shared, 2); (files, 0) when they share none
     shared_finals = np.array([[mine[i] for i in shared] for mine in by_file.values()])
-    final_difference = paired_difference(finals[:, 1], finals[:, 0], n_boot, seed)
     return {
-        "replies": {"n": len(rows), "dialogues": len(dialogues),
+        "replies": {"n": len(recorded), "dialogues": len(dialogues),
                     "unread": sum(change is None for mine in changes for change in mine),
                     **{name: with_interval(groups, statistic, n_boot, seed)
                        for name, statistic in STATISTICS.items()},
@@ -496,7 +492,8 @@ def agreement_report(dialogues, changes, max_change=10, n_boot=2000, seed=0):
                     "mae_of_no_change": np.abs(recorded).mean(),
                     "recorded_mean_change": recorded.mean(),
                     "simulated_mean_change": simulated.mean()},
-        "final": {"simulated_minus_recorded": final_difference,
+        "final": {"simulated_minus_recorded": paired_difference(finals[:, 1], finals[:, 0],
+                                                                n_boot, seed),
                   **{name: with_interval(finals[:, None], STATISTICS[name], n_boot, seed)
                      for name in ("mae", "spearman", "pearson")}},
         "files": files,
@@ -592,9 +589,8 @@ def agreement_main(args):
             jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
             states = [recorded_state(personas[d["id"]], d, k) for d, k in jobs]
             told = iter(simulator.appraise(states, [d["history"][k]["text"] for d, k in jobs]))
-            rows = []
-            for d in part:
-                rows.append({"id": d["id"], "appraisals": [next(told) for _ in judged_replies(d)]})
+            rows = [{"id": d["id"], "appraisals": [next(told) for _ in judged_replies(d)]}
+                    for d in part]
             append_lines(store, rows)
             answers += [row["appraisals"] for row in rows]
             bar.update(len(jobs))
@@ -603,9 +599,9 @@ def agreement_main(args):
         if all(change is None for mine in changes for change in mine):
             raise SimulatorError("not one of its appraisals could be read: check the simulator's "
                                  f"answers in {store}")
-        report = agreement_report(dialogues, changes, args.max_change, args.bootstrap, args.seed)
-        settings = {**public_config(args, "evaluate.py"), "readout": simulator.readout}
-        results = {"settings": settings, **report}
+        results = {"settings": {**public_config(args, "evaluate.py"), "readout": simulator.readout},
+                   **agreement_report(dialogues, changes, args.max_change, args.bootstrap,
+                                      args.seed)}
         table = agreement_table(results)
         write_results(args.out, results, table)
     except OSError as e:
@@ -661,13 +657,13 @@ def write_openings(args):
     if todo:
         backend = make_backend(args.simulator, args=args)
     try:
-        # the user's own chat, in the persona's language, with the request where an agent's first
-        # message would be
-        asked = [user_turn_messages(UserState(p, args.start_emotion, [
-            {"role": "agent", "text": PROMPTS[persona_language(p)]["opening"]}])) for p in todo]
         if backend.name == "rules":
             texts = [RULES_OPENING[persona_language(p)] for p in todo]
         else:
+            # the user's own chat, in the persona's language, with the request where an agent's
+            # first message would be
+            asked = [user_turn_messages(UserState(p, args.start_emotion, [
+                {"role": "agent", "text": PROMPTS[persona_language(p)]["opening"]}])) for p in todo]
             texts = [clean_user_text(t) for t in backend.chat(asked, OPENING_TOKENS)]
         if "..." in texts:  # nothing usable was left after cleaning
             raise SimulatorError("the simulator wrote nothing usable for id "

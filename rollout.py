@@ -379,10 +379,9 @@ def chat_ids(tokenizer, messages):
     text = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
     ids = []
     for piece in re.split(r"(@@\d+@@)", text):
-        plain = piece in contents  # a message's text, else the template's own
-        encoded = tokenizer(contents.get(piece, piece), add_special_tokens=False,
-                            split_special_tokens=plain)
-        ids += encoded.input_ids
+        # a message's text as plain text, the template's own with its special tokens
+        ids += tokenizer(contents.get(piece, piece), add_special_tokens=False,
+                         split_special_tokens=piece in contents).input_ids
     return ids
 
 
@@ -460,7 +459,6 @@ def generate_turn(model, rows, slots, pad_id, keep, **generation):
     new tokens (B, N) and (prompt tokens, those read from a cache)."""
     ids, mask, cache = cached_batch(rows, slots, pad_id, model.device)
     reused = cache.get_seq_length()  # the columns read from the cache
-    counts = int(mask.sum()), int(mask[:, :reused].sum())
     position = mask.cumsum(1) - 1                                                        # (B, W)
     cached = {cache_keyword(model): cache}
     prefill_end = ids.shape[1] - 1  # generate() runs the last token itself, to sample the next
@@ -473,7 +471,7 @@ def generate_turn(model, rows, slots, pad_id, keep, **generation):
     new = sequences[:, ids.shape[1]:]                                                    # (B, N)
     if keep:
         keep_cache(slots, cache, sequences, torch.cat([mask, (new != pad_id).long()], 1))
-    return new, counts
+    return new, (int(mask.sum()), int(mask[:, :reused].sum()))
 
 
 @dataclass(eq=False)
@@ -511,8 +509,8 @@ class LocalBackend:
                 self.prompt_tokens += prompt
                 self.reused_tokens += reused
                 self.generated_tokens += int((new != pad).sum())
-                replies = self.tokenizer.batch_decode(new, skip_special_tokens=True)
-                out += [t.strip() for t in replies]
+                out += [reply.strip()
+                        for reply in self.tokenizer.batch_decode(new, skip_special_tokens=True)]
         self.model.train(was_training)
         return out
 
@@ -620,14 +618,12 @@ def merged_weights(model):
                    for m in model.modules())):
         return None
     sizes = [b.weight.numel() for _, b in layers]
-    weight = layers[0][1].weight  # every weight's dtype and device (checked above)
-    buffer = torch.empty(sum(sizes), dtype=weight.dtype, device=weight.device)
-    swaps = []
-    for (m, b), merged in zip(layers, buffer.split(sizes)):
-        merged = merged.view(b.weight.shape)
-        merged.copy_(b.weight + m.get_delta_weight(adapter).to(merged.dtype))
-        swaps.append((b, b.weight.data, merged))
-    return swaps
+    # one buffer for them all, of the dtype and device every weight has (checked above)
+    buffer = layers[0][1].weight.new_empty(sum(sizes))
+    # each merged weight is a view of it, filled in place (copy_ returns the view)
+    return [(b, b.weight.data, merged.view_as(b.weight).copy_(
+                b.weight + m.get_delta_weight(adapter).to(buffer.dtype)))
+            for (m, b), merged in zip(layers, buffer.split(sizes))]
 
 
 @contextlib.contextmanager
@@ -725,11 +721,11 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
     policy.eval()
     swaps = merged_sampling and merged_weights(policy)
     # the simulator's counts at the end, less those at the start
-    stats = Counter({k: -v for k, v in simulator_counts(simulator).items()})
+    stats = Counter()
+    stats.subtract(simulator_counts(simulator))
     # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
-    ended = sum(bool(d.state.end_reason) for d in dialogues)
-    bar = tqdm(total=len(dialogues), initial=ended, desc=desc, disable=not progress, leave=False,
-               file=sys.stderr)
+    bar = tqdm(total=len(dialogues), initial=sum(bool(d.state.end_reason) for d in dialogues),
+               desc=desc, disable=not progress, leave=False, file=sys.stderr)
     turns_played = 0
     while active := [d for d in dialogues if not d.state.end_reason]:
         t0 = time.time()
@@ -743,9 +739,8 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                                                   keep, generation_config=gen_config,
                                                   logits_processor=[recorder])           # (B, N)
         new_logp = recorder.finish(new).cpu()                                           # (B, N)
-        stats["policy_prompt_tokens"] += prompt
-        stats["policy_reused_tokens"] += reused
-        stats["policy_seconds"] += time.time() - t0
+        stats.update(policy_prompt_tokens=prompt, policy_reused_tokens=reused,
+                     policy_seconds=time.time() - t0)  # Counter.update adds
         replies = []
         for d, row, logp in zip(active, new.tolist(), new_logp):
             # the turn ends with its EOS, kept
@@ -799,7 +794,7 @@ def to_record(d, start_emotion):
     could not be read: such a dialogue ends there, end_reason "unread")."""
     s = d.state
     # the dialogue turn by turn; an agent turn with its sampling (agent_turns) and its appraisal
-    agent = iter({**a, **sampled} for a, sampled in zip(s.appraisals, d.agent_turns))
+    agent = ({**a, **sampled} for a, sampled in zip(s.appraisals, d.agent_turns))
     turns = [{"role": m["role"], "text": m["text"]} for m in s.history]
     for turn in turns:
         if turn["role"] == "agent":
@@ -840,7 +835,6 @@ def summarize(records, per_process):
     agent_turns = sum(len(r["turn_ends"]) for r in records)
     read = n - reasons["unread"]  # the emotions of unread dialogues enter no statistic
     emotions = sum(r["final_emotion"] for r in records if r["end_reason"] != "unread")
-    ends = ("success", "left", "goodbye", "max_turns", "context")
     return {"final_emotion_mean": emotions / read if read else None,
             "success_rate": reasons["success"] / max(1, read),
             "failure_rate": reasons["left"] / max(1, read),
@@ -848,7 +842,8 @@ def summarize(records, per_process):
             "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
             "cut_reply_rate": sum(r["cut_replies"] for r in records) / max(1, agent_turns),
             "unread_dialogues": reasons["unread"], **stats,
-            **{f"end_{reason}": reasons[reason] for reason in ends}}
+            **{f"end_{reason}": reasons[reason]
+               for reason in ("success", "left", "goodbye", "max_turns", "context")}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -862,13 +857,13 @@ def pad_records(records, pad_id, device):
     read = torch.tensor([r["end_reason"] != "unread" for r in records], device=device)     # (B,)
     width = int(lengths.max())
 
-    def padded(key, value, dtype=torch.float32):  # (B, T): every record's list, padded with value
-        rows = [r[key] + [value] * (width - len(r[key])) for r in records]
-        return torch.tensor(rows, dtype=dtype, device=device)
+    def padded(key, value=0, dtype=torch.float32):  # (B, T): every record's list, padded with value
+        return torch.tensor([r[key] + [value] * (width - len(r[key])) for r in records],
+                            dtype=dtype, device=device)
     return {"input_ids": padded("token_ids", pad_id, torch.long),
             "attention_mask": (torch.arange(width, device=device) < lengths[:, None]).long(),
-            "action_mask": padded("action_mask", 0) * read[:, None],
-            "sample_logprobs": padded("logprobs", 0.0)}
+            "action_mask": padded("action_mask") * read[:, None],
+            "sample_logprobs": padded("logprobs")}
 
 
 # rows x positions projected onto the vocabulary at once (token_logprobs)
@@ -912,22 +907,21 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
     if not len(keep):
         keep = keep.new_zeros(1)
     # (a PeftModel hands get_decoder and get_output_embeddings on to its base model)
-    output = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                 use_cache=False)
-    hidden = output.last_hidden_state[:, keep]                                           # (B, K, H)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 use_cache=False).last_hidden_state[:, keep]             # (B, K, H)
     head, targets = model.get_output_embeddings(), input_ids[:, keep + 1]                   # (B, K)
     step = max(1, (chunk_tokens or B * len(keep)) // B)                        # positions a chunk
     chunk = _chunk_logprobs
     if torch.is_grad_enabled() and len(keep) > step:  # only then is there a peak to bound
         chunk = partial(checkpoint, _chunk_logprobs, use_reentrant=False)
-    parts = [chunk(head, hidden[:, c:c + step], targets[:, c:c + step], temperature, with_entropy,
-                   entropy_grad) for c in range(0, len(keep), step)]
+    logps, entropies = zip(*[chunk(head, hidden[:, c:c + step], targets[:, c:c + step],
+                                   temperature, with_entropy, entropy_grad)
+                             for c in range(0, len(keep), step)])
 
     def placed(chunks):  # (B, K) in chunks -> (B, T), 0 off each row's own agent tokens
         values = torch.cat(chunks, 1)
         full = values.new_zeros(B, T).index_copy(1, keep + 1, values)
         return torch.where(action_mask.bool(), full, 0)
-    logps, entropies = zip(*parts)
     return placed(logps), placed(entropies) if with_entropy else None
 
 
@@ -992,8 +986,8 @@ def check_before_loading(args):
 def policy_settings(args):
     """load_policy's keyword arguments from a trainer's settings: every field of PolicySettings (but
     the model, its first argument) and of AdapterSettings."""
-    declared = fields(PolicySettings) + fields(AdapterSettings)
-    return {f.name: getattr(args, f.name) for f in declared if f.name != "model"}
+    return {f.name: getattr(args, f.name)
+            for f in fields(PolicySettings) + fields(AdapterSettings) if f.name != "model"}
 
 
 def sampling_settings(args):
@@ -1011,8 +1005,8 @@ def old_logprobs_of(model, batch, args, batch_size):
     until the update fills them, never zeros that read as log-probs. Not with any dropout (LoRA's,
     or a rate in the model's config: attention dropout is a call, not a module), whose train-mode
     pass is not the sampling policy."""
-    config = model.config.get_text_config().to_dict()
-    rates = [p for k, p in config.items() if "dropout" in k or k.endswith("pdrop")]
+    rates = [p for k, p in model.config.get_text_config().to_dict().items()
+             if "dropout" in k or k.endswith("pdrop")]
     rates += [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
     dropout = any(isinstance(p, (int, float)) and p > 0 for p in rates)
     if args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout:
@@ -1087,8 +1081,8 @@ def adamw_with_warmup(groups):
     scheduler's own steps (the trainers step it only after an optimizer step, so a skipped
     non-finite step advances neither, and --resume restores both). Unlike verl's, the first step
     takes 1 / warm-up of the rate, not 0."""
-    param_groups = [{"params": params, "lr": lr} for params, lr, _ in groups]
-    optimizer = torch.optim.AdamW(param_groups, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([{"params": params, "lr": lr} for params, lr, _ in groups],
+                                  weight_decay=0.0)
     # a group's rate factor after `steps` steps; the default argument n binds each group's own
     # warm-up
     factors = [lambda steps, n=max(1, warmup): min(1.0, (steps + 1) / n) for *_, warmup in groups]
@@ -1102,9 +1096,9 @@ def iteration_report(run, all_records, stats, batch, old_logprobs, ref_logprobs,
     the reference pass) and the sampler-trainer gap over every token the loss trained on, the
     update's tokens (those tokens, x epochs) and their rate (against the slowest process's update),
     and the rollout's summary. The dialogues: every record as rollouts.jsonl holds it."""
-    totals = [sum(turn_rewards(r, args.reward)) for r in all_records if r["end_reason"] != "unread"]
-    rewards = np.array(totals)
-    acted, sampled = batch["action_mask"], batch["sample_logprobs"]
+    rewards = np.array([sum(turn_rewards(r, args.reward))
+                        for r in all_records if r["end_reason"] != "unread"])
+    acted = batch["action_mask"]
     update_tokens = run.sum(acted.sum()).item() * args.update_epochs
     read = len(rewards) > 0
     kl_ref = None  # an iteration without the reference pass
@@ -1113,7 +1107,8 @@ def iteration_report(run, all_records, stats, batch, old_logprobs, ref_logprobs,
     figures = {"reward_mean": float(rewards.mean()) if read else None,
                "reward_std": float(rewards.std()) if read else None,
                "kl_ref": kl_ref,
-               "sample_logprob_gap": run.masked_mean((old_logprobs - sampled).abs(), acted),
+               "sample_logprob_gap": run.masked_mean(
+                   (old_logprobs - batch["sample_logprobs"]).abs(), acted),
                "update_tokens": int(update_tokens),  # every process's, x epochs
                "update_tokens_per_s": update_tokens / max(*run.gather([t_update]), 1e-9),
                **summarize(all_records, run.gather([stats]))}

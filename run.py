@@ -238,12 +238,12 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
         for f in dataclasses.fields(cls):
             fields.append(f)
             default = getattr(declared, f.name)
-            flag = f"--{f.name.replace('_', '-')}"
             group = groups[cls.title]
             if f.metadata["operational"]:
                 group = operational
             kind = KINDS.get(type(default), dict(type=type(default)))
-            group.add_argument(flag, default=default, help=f.metadata["help"],
+            group.add_argument(f"--{f.name.replace('_', '-')}", default=default,
+                               help=f.metadata["help"],
                                choices=getattr(f.metadata["check"], "choices", None), **kind)
     # set_defaults replaces the fields' defaults: the script's own, then the preset's (read by a
     # first pass; its flag's choices refuse an unknown one), so that every flag given wins over both
@@ -284,8 +284,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
 def read_run(folder):
     """The saved settings of a run folder (its config.json, the run's mark), or None."""
     try:
-        with open(f"{folder}/config.json", encoding="utf-8") as f:
-            saved = json.load(f)
+        saved = json.loads(Path(f"{folder}/config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
     if isinstance(saved, dict) and "script" in saved:
@@ -312,15 +311,14 @@ def resume_settings(args, fields, prog=None):
         # folder is the one resumed (a run folder may have been moved or copied since it was made)
         if f.name not in saved or f.name in ("resume", "out", "trust_remote_code"):
             continue
-        flag = f"--{f.name.replace('_', '-')}"
         now = getattr(args, f.name)
         then = saved[f.name]
         if f.name not in args.given:
             setattr(args, f.name, then)
             taken.add(f.name)
         elif redact(now) != then and f.name not in RESUMABLE and not f.metadata["operational"]:
-            fail(f"{flag} {redact(now)!r}: the run in {args.resume} has {then!r}, "
-                 f"and --resume keeps it (it may change only {', '.join(RESUMABLE)} "
+            fail(f"--{f.name.replace('_', '-')} {redact(now)!r}: the run in {args.resume} has "
+                 f"{then!r}, and --resume keeps it (it may change only {', '.join(RESUMABLE)} "
                  "and the operational settings)")
     args.out = os.path.abspath(args.resume)
     return taken
@@ -329,9 +327,9 @@ def resume_settings(args, fields, prog=None):
 def public_config(args, script):
     """The settings as config.json holds them: the script that made the run, and every value with
     anything that looks like a secret hidden (redact; a secret comes only from the environment)."""
-    out = {"script": script, **{name: redact(value) for name, value in vars(args).items()}}
-    out.pop("given", None)  # which flags were typed: parse_settings' note, not a setting
-    return out
+    # given (which flags were typed) is parse_settings' note, not a setting
+    return {"script": script,
+            **{name: redact(value) for name, value in vars(args).items() if name != "given"}}
 
 
 @dataclasses.dataclass
@@ -438,7 +436,7 @@ def append_lines(path, rows):
     here skips."""
     lines = [json.dumps(finite(row), ensure_ascii=False, allow_nan=False) + "\n" for row in rows]
     with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(lines))
+        f.writelines(lines)
         f.flush()
         os.fsync(f.fileno())
 
@@ -450,8 +448,7 @@ def read_text(path, error=ValueError):
     if os.path.exists(path) and not os.path.isfile(path):
         raise error(f"{path}: not a regular file")
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise error(f"{path}: cannot read: {e.strerror}")
     except UnicodeDecodeError as e:
@@ -530,8 +527,7 @@ def checkpoints(run_dir):
     appends each one's name to checkpoints.txt after renaming it into place, so a folder the run did
     not finish, or did not write (another run's, moved in), never counts."""
     try:
-        with open(f"{run_dir}/checkpoints.txt", encoding="utf-8") as f:
-            names = f.read().split()
+        names = Path(f"{run_dir}/checkpoints.txt").read_text(encoding="utf-8").split()
     except OSError:
         return []
     return [f"{run_dir}/checkpoints/{n}" for n in names
@@ -564,8 +560,9 @@ class Run:
     def __init__(self, args, script, adapters, per_process=()):
         from accelerate import Accelerator
 
-        new_run_folder = f"runs/{script[:-3]}__{args.seed}__{int(time.time())}"  # as CleanRL's
-        args.out = os.path.abspath(args.out or new_run_folder)
+        # without --out, a new folder named as CleanRL's
+        args.out = os.path.abspath(args.out
+                                   or f"runs/{script[:-3]}__{args.seed}__{int(time.time())}")
         self.args = args
         self.script = script
         self.adapters = adapters
@@ -593,9 +590,9 @@ class Run:
                 lock(args.out, "--resume")
             else:
                 new_folder(args.out)
-            config = json.dumps(public_config(args, script), indent=1)
             try:
-                write_atomically(f"{args.out}/config.json", config)
+                write_atomically(f"{args.out}/config.json",
+                                 json.dumps(public_config(args, script), indent=1))
             except OSError as e:
                 fail(f"--out {args.out} cannot be written ({write_failure(e, args.out)})")
         self.show_progress = self.is_main and sys.stderr.isatty()  # the rollout's own bar
@@ -734,8 +731,7 @@ class Run:
         """The mean of x where mask is 1, over every process's positions (what x holds elsewhere,
         such as an overflow at padding, is never read)."""
         total = self.sum(torch.where(mask > 0, x, 0.0).sum())
-        count = self.sum(mask.sum()).clamp(min=1)
-        return (total / count).item()
+        return (total / self.sum(mask.sum()).clamp(min=1)).item()
 
     def mean(self, values):
         """The mean of a logged quantity over the processes that logged it (each one's own mean,
@@ -848,8 +844,7 @@ class Run:
         if not all(torch.isfinite(p).all() for p in self.trained):
             self.halt(f"iteration {iteration}: the trained weights hold NaN or infinity, "
                       "so they are no checkpoint")
-        self.saving = iteration
-        self.saved_at = iteration
+        self.saving = self.saved_at = iteration
         out = self.args.out
         if self.is_main:
             name = f"iter_{iteration:06d}"
@@ -863,9 +858,9 @@ class Run:
                     self.model.save_pretrained(f"{tmp}/default" if adapter == "default" else tmp,
                                                selected_adapters=[adapter])
                     Path(f"{tmp}/{adapter}/role").write_text(adapter, encoding="utf-8")
-                log_sizes = {log: os.path.getsize(f"{out}/{log}") for log in LOGS}
                 state = {**{part: value.state_dict() for part, value in self.parts.items()},
-                         "rng": rngs, "iteration": iteration, "log_sizes": log_sizes}
+                         "rng": rngs, "iteration": iteration,
+                         "log_sizes": {log: os.path.getsize(f"{out}/{log}") for log in LOGS}}
                 torch.save(state, f"{tmp}/state.pt")
                 os.rename(tmp, final)
                 # the record: it is complete

@@ -167,11 +167,11 @@ def load_personas(path, split=None, difficulty="all", need_opening=True):
         split = None
     text = read_text(path, PersonaError)
     if text.lstrip().startswith("["):
-        entries = parse_json(text, path, PersonaError)
-        personas = [_project_persona(path, i, e) for i, e in enumerate(entries)]
+        personas = [_project_persona(path, i, e)
+                    for i, e in enumerate(parse_json(text, path, PersonaError))]
     else:  # SAGE / RLVER: one JSON object per line
-        lines = read_json_lines(path, PersonaError)
-        personas = [_sage_persona(path, i, e, need_opening) for i, e in lines]
+        personas = [_sage_persona(path, i, e, need_opening)
+                    for i, e in read_json_lines(path, PersonaError)]
     seen = set()
     for p in personas:  # a unique id, then the split and the difficulty asked for
         if p.id in seen:
@@ -452,10 +452,11 @@ def appraisal_messages(state, reply, max_change=10):
     """The anchored appraisal of `reply`, asked of the persona itself. The hidden intention is only
     in the system message; the agent's words only inside their quotes."""
     prompts = PROMPTS[persona_language(state.persona)]
-    speakers = prompts["speakers"]
-    transcript = "\n".join(f"{speakers[m['role']]}: {quoted(m['text'])}" for m in state.history)
-    feeling = prompts["feelings"][band(state.emotion)]
-    ask = prompts["appraise"].format(transcript=transcript, feeling=feeling, reply=quoted(reply),
+    transcript = "\n".join(f"{prompts['speakers'][m['role']]}: {quoted(m['text'])}"
+                           for m in state.history)
+    ask = prompts["appraise"].format(transcript=transcript,
+                                     feeling=prompts["feelings"][band(state.emotion)],
+                                     reply=quoted(reply),
                                      fields="\n".join(prompts["fields"].values()), m=max_change)
     return [{"role": "system", "content": persona_card(state.persona, "forgiveness")},
             {"role": "user", "content": ask}]
@@ -473,14 +474,13 @@ def user_turn_messages(state):
     lang = persona_language(state.persona)
     # the mood before each agent turn: each appraisal's mood before its turn, then the present one
     moods = iter([a["emotion"] - a["change"] for a in state.appraisals] + [state.emotion])
-    system = persona_card(state.persona) + PROMPTS[lang]["reply_rules"]
-    messages = [{"role": "system", "content": system}]
+    messages = [{"role": "system",
+                 "content": persona_card(state.persona) + PROMPTS[lang]["reply_rules"]}]
     for m in state.history:
         if m["role"] == "user":
             messages.append({"role": "assistant", "content": m["text"]})
         else:
-            note = mood_note(next(moods), lang)
-            content = f"{note}\n{m['text'].translate(AGENT_ESCAPE)}"
+            content = f"{mood_note(next(moods), lang)}\n{m['text'].translate(AGENT_ESCAPE)}"
             messages.append({"role": "user", "content": content})
     # the latest appraisal's one-line reaction (its last reaction line), for the user's own
     # private note only, never for anything the agent reads
@@ -529,9 +529,8 @@ def parse_change(text):
             if not number:
                 return None
             values.add(int(number.group(1) + number.group(2)))
-    if len(values) == 1:
+    if len(values) == 1:  # else None: unread
         return values.pop()
-    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -601,8 +600,8 @@ class OpenAIBackend:
             connection = kind(self.url.hostname, self.url.port, timeout=seconds)
             try:
                 connection.connect()
-                left = end - time.monotonic()
-                timer = threading.Timer(left, connection.sock.shutdown, [socket.SHUT_RDWR])
+                timer = threading.Timer(end - time.monotonic(), connection.sock.shutdown,
+                                        [socket.SHUT_RDWR])
                 timer.start()
                 try:
                     connection.request("POST", path, body, headers)
@@ -653,8 +652,8 @@ class OpenAIBackend:
         prompts are built so that each turn's prompt extends the last one's. repetition_penalty is
         unused too: the request sends none, so the server applies none."""
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            texts = pool.map(lambda m: self._post(m, max_new_tokens), conversations)
-            return [text.strip() for text in texts]
+            return [text.strip()
+                    for text in pool.map(lambda m: self._post(m, max_new_tokens), conversations)]
 
 
 # The rules user: a deterministic lexicon and form check, written here to test the RL loop on a
@@ -681,7 +680,6 @@ def rules_appraisal(state, reply):
     lowers it for dismissive phrases, lists of advice, off-topic text and very long or empty
     replies. Harder users count the good parts less and the bad parts more."""
     text = reply.lower()
-    words = len(reply.split())
     user_words = content_words(" ".join(m["text"] for m in state.history if m["role"] == "user"))
     echoed = len(content_words(reply) & user_words)
     # each part: its points x how often it occurs (at most twice; a yes-or-no part: 0 or 1 times).
@@ -693,7 +691,7 @@ def rules_appraisal(state, reply):
            "lectures": 3 * min(2, sum(p in text for p in ADVICE)
                                + len(re.findall(r"(?m)^\s*(\d+\.|-|\*)\s", reply))),
            "off_topic": 3 * (echoed == 0 and good["acknowledges"] == 0),
-           "too_long": 3 * (words > 120),
+           "too_long": 3 * (len(reply.split()) > 120),
            "empty": 5 * (not re.search(r"\w", reply))}
     weight_good, weight_bad = {"easy": (1.5, 0.7), "normal": (1.0, 1.0),
                                "hard": (0.6, 1.5)}[state.persona.difficulty]
@@ -743,8 +741,7 @@ class Simulator:
         self.readout = "rules" if self.backend.name == "rules" else "reasoned"  # reports print it
 
     def start(self, persona):
-        return UserState(persona=persona, emotion=self.start_emotion,
-                         history=[{"role": "user", "text": persona.opening}])
+        return UserState(persona, self.start_emotion, [{"role": "user", "text": persona.opening}])
 
     def end(self, state, reason):
         """End a dialogue for a reason of the rollout's ("context": no room for another turn),
@@ -766,14 +763,12 @@ class Simulator:
         changes = [parse_change(t) for t in texts]
         again = [k for k, c in enumerate(changes) if c is None or abs(c) > self.max_change]
         if again:  # the change line alone, by its label in the persona's language
-            retry = []
-            for k in again:
-                prompt = PROMPTS[persona_language(states[k].persona)]["retry"]
-                retry.append(asked[k] + [
-                    {"role": "assistant", "content": texts[k]},
-                    {"role": "user", "content": prompt.format(m=self.max_change)}])
-            slots = [states[k].cache for k in again]
-            answers = self.backend.chat(retry, self.retry_tokens, slots, 1.0)
+            retry = [asked[k] + [
+                {"role": "assistant", "content": texts[k]},
+                {"role": "user", "content": PROMPTS[persona_language(states[k].persona)]["retry"]
+                 .format(m=self.max_change)}] for k in again]
+            answers = self.backend.chat(retry, self.retry_tokens,
+                                        [states[k].cache for k in again], 1.0)
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
                 if parse_change(text) is not None:
@@ -808,9 +803,9 @@ class Simulator:
             texts = [s.persona.band_lines.get(band(s.emotion), GENERIC_LINES[band(s.emotion)])
                      for s in talking]
         else:
-            asked = [user_turn_messages(s) for s in talking]
-            texts = self.backend.chat(asked, self.reply_tokens, [s.cache for s in talking])
-            texts = list(map(clean_user_text, texts))
+            texts = map(clean_user_text, self.backend.chat(
+                [user_turn_messages(s) for s in talking], self.reply_tokens,
+                [s.cache for s in talking]))
         for s, text in zip(talking, texts):
             s.history.append({"role": "user", "text": text})
             if says_goodbye(text, self.goodbye):
@@ -835,9 +830,8 @@ def clean_user_text(text):
     """Keep the simulator's message itself: drop any private note, appraisal field or score it
     may echo, a role label, and anything after a blank line (small models like to continue the
     dialogue on both sides). What is left is at most three sentences, or "..." if nothing is."""
-    text = PRIVATE_NOTE.sub("", text)
-    lines = [line for line in text.strip().splitlines() if not PRIVATE_LINE.match(line)]
-    text = "\n".join(lines).strip()
+    lines = PRIVATE_NOTE.sub("", text).strip().splitlines()
+    text = "\n".join(line for line in lines if not PRIVATE_LINE.match(line)).strip()
     text = re.sub(r"^\s*(you|user|me|assistant|你|用户)\s*[:：]\s*", "", text, flags=re.IGNORECASE)
     text = next((p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()), "")
     sentences = [s for s in SENTENCE.findall(text) if not SCORE.search(s)]

@@ -150,7 +150,10 @@ def test_a_run_folder_deleted_while_it_writes_ends_with_one_line(tiny_model_dir,
                                                                  monkeypatch, capsys):
     import run as run_module
 
-    out, real = tmp_path / "run", run_module.Run.save_if_due
+    # a relative --out: the parent of "run" is "", which never exists, so a search for the nearest
+    # folder still there must start from the absolute path
+    monkeypatch.chdir(tmp_path)
+    out, real = "run", run_module.Run.save_if_due
 
     def then_deleted(self):  # someone removes the folder after the first iteration
         real(self)

@@ -93,8 +93,10 @@ class EvalSettings:
             if os.path.isdir(f"{path}/default"):
                 path = f"{path}/default"
             # a saved role other than the policy's (PPO's critic), or no adapter at all
-            if (os.path.isfile(f"{path}/role") and read_text(f"{path}/role", fail) != "default"
-                    or not os.path.isfile(f"{path}/adapter_config.json")):
+            role = "default"
+            if os.path.isfile(f"{path}/role"):
+                role = read_text(f"{path}/role", fail)
+            if role != "default" or not os.path.isfile(f"{path}/adapter_config.json"):
                 fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; "
                      "PPO's critic is a value model)")
             args.adapter[i] = path
@@ -599,9 +601,9 @@ def agreement_main(args):
         if all(change is None for mine in changes for change in mine):
             raise SimulatorError("not one of its appraisals could be read: check the simulator's "
                                  f"answers in {store}")
-        results = {"settings": {**public_config(args, "evaluate.py"), "readout": simulator.readout},
-                   **agreement_report(dialogues, changes, args.max_change, args.bootstrap,
-                                      args.seed)}
+        report = agreement_report(dialogues, changes, args.max_change, args.bootstrap, args.seed)
+        settings = {**public_config(args, "evaluate.py"), "readout": simulator.readout}
+        results = {"settings": settings, **report}
         table = agreement_table(results)
         write_results(args.out, results, table)
     except OSError as e:

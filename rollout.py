@@ -620,10 +620,12 @@ def merged_weights(model):
     sizes = [b.weight.numel() for _, b in layers]
     # one buffer for them all, of the dtype and device every weight has (checked above)
     buffer = layers[0][1].weight.new_empty(sum(sizes))
-    # each merged weight is a view of it, filled in place (copy_ returns the view)
-    return [(b, b.weight.data, merged.view_as(b.weight).copy_(
-                b.weight + m.get_delta_weight(adapter).to(buffer.dtype)))
-            for (m, b), merged in zip(layers, buffer.split(sizes))]
+    swaps = []
+    for (m, b), merged in zip(layers, buffer.split(sizes)):
+        merged = merged.view_as(b.weight)  # a view of the buffer, filled in place
+        merged.copy_(b.weight + m.get_delta_weight(adapter).to(buffer.dtype))
+        swaps.append((b, b.weight.data, merged))
+    return swaps
 
 
 @contextlib.contextmanager
@@ -739,8 +741,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
                                                   keep, generation_config=gen_config,
                                                   logits_processor=[recorder])           # (B, N)
         new_logp = recorder.finish(new).cpu()                                           # (B, N)
-        stats.update(policy_prompt_tokens=prompt, policy_reused_tokens=reused,
-                     policy_seconds=time.time() - t0)  # Counter.update adds
+        stats["policy_prompt_tokens"] += prompt
+        stats["policy_reused_tokens"] += reused
+        stats["policy_seconds"] += time.time() - t0
         replies = []
         for d, row, logp in zip(active, new.tolist(), new_logp):
             # the turn ends with its EOS, kept

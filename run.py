@@ -561,8 +561,8 @@ class Run:
         from accelerate import Accelerator
 
         # without --out, a new folder named as CleanRL's
-        args.out = os.path.abspath(args.out
-                                   or f"runs/{script[:-3]}__{args.seed}__{int(time.time())}")
+        new_run_folder = f"runs/{script[:-3]}__{args.seed}__{int(time.time())}"  # as CleanRL's
+        args.out = os.path.abspath(args.out or new_run_folder)
         self.args = args
         self.script = script
         self.adapters = adapters

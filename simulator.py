@@ -763,12 +763,14 @@ class Simulator:
         changes = [parse_change(t) for t in texts]
         again = [k for k, c in enumerate(changes) if c is None or abs(c) > self.max_change]
         if again:  # the change line alone, by its label in the persona's language
-            retry = [asked[k] + [
-                {"role": "assistant", "content": texts[k]},
-                {"role": "user", "content": PROMPTS[persona_language(states[k].persona)]["retry"]
-                 .format(m=self.max_change)}] for k in again]
-            answers = self.backend.chat(retry, self.retry_tokens,
-                                        [states[k].cache for k in again], 1.0)
+            retry = []
+            for k in again:
+                prompt = PROMPTS[persona_language(states[k].persona)]["retry"]
+                retry.append(asked[k] + [
+                    {"role": "assistant", "content": texts[k]},
+                    {"role": "user", "content": prompt.format(m=self.max_change)}])
+            slots = [states[k].cache for k in again]
+            answers = self.backend.chat(retry, self.retry_tokens, slots, 1.0)
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
                 if parse_change(text) is not None:
@@ -803,9 +805,9 @@ class Simulator:
             texts = [s.persona.band_lines.get(band(s.emotion), GENERIC_LINES[band(s.emotion)])
                      for s in talking]
         else:
-            texts = map(clean_user_text, self.backend.chat(
-                [user_turn_messages(s) for s in talking], self.reply_tokens,
-                [s.cache for s in talking]))
+            asked = [user_turn_messages(s) for s in talking]
+            texts = self.backend.chat(asked, self.reply_tokens, [s.cache for s in talking])
+            texts = [clean_user_text(text) for text in texts]
         for s, text in zip(talking, texts):
             s.history.append({"role": "user", "text": text})
             if says_goodbye(text, self.goodbye):

@@ -99,8 +99,6 @@ from run import (above, at_least, command, fail, one_of, parse_settings, peak_me
 from simulator import RulesBackend, Simulator, load_personas
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# The agent's system prompt, by the trainers' --thinking setting
-SYSTEM_PROMPTS = {True: rollout.THINK_PROMPT, False: rollout.PLAIN_PROMPT}
 
 
 def comma_list(item, what):
@@ -199,8 +197,8 @@ def bench_rollout(args):
     backend = rollout.make_backend(args.simulator, policy, tokenizer, args.reuse_cache)
     # same: the reasoned read-out
     simulator = Simulator(backend, start_emotion=30, max_turns=args.max_turns)
-    prompts = [rollout.ChatTokens(tokenizer, rollout.THINK_PROMPT).prompt(p.opening)
-               for p in personas]
+    chat = rollout.ChatTokens(tokenizer)
+    prompts = [chat.prompt(p.opening) for p in personas]
     print(f"bench rollout: {args.model} on {policy.device} ({torch.get_num_threads()} threads), "
           f"{len(personas)} dialogues x {args.max_turns} turns x {args.max_new_tokens} new tokens, "
           f"simulator '{args.simulator}' with the {simulator.readout} read-out, "
@@ -210,7 +208,8 @@ def bench_rollout(args):
     # during the run (shared CPUs) tilts the ratio less.
     before = plain_rate(policy, tokenizer, prompts, args.max_new_tokens)
     t0 = time.time()
-    records, stats = rollout.play_dialogues(policy, tokenizer, simulator, personas,
+    records, stats = rollout.play_dialogues(policy, simulator, personas, chat=chat,
+                                            merged_sampling=rollout.mergeable(policy),
                                             max_new_tokens=args.max_new_tokens,
                                             reuse_cache=args.reuse_cache, progress=False)
     wall = time.time() - t0
@@ -288,19 +287,17 @@ def bench_step(args):
              "--model", args.model, "--personas", args.personas, *args.trainer_flags]
     floors = []  # (seconds, generate seconds) of each iteration's floor
 
-    def play_after_the_floor(policy, tokenizer, simulator, personas, samples_per_persona=1,
-                             **kwargs):
-        chat = rollout.ChatTokens(tokenizer, SYSTEM_PROMPTS[kwargs["thinking"]])
+    def play_after_the_floor(policy, simulator, personas, samples_per_persona=1, **kwargs):
+        chat = kwargs["chat"]
         prompts = [chat.prompt(p.opening) for p in personas for _ in range(samples_per_persona)]
         value_head = None
         if args.algo == "ppo":
             # PPO's floor has the critic's pass too: a value head on the critic adapter
             # (LazyLinear takes the model's hidden size at its first call)
             value_head = torch.nn.LazyLinear(1).to(policy.device)
-        floors.append(step_floor(policy, tokenizer, prompts, kwargs["max_new_tokens"],
+        floors.append(step_floor(policy, chat.tokenizer, prompts, kwargs["max_new_tokens"],
                                  args.micro_batch_size, value_head))
-        return rollout.play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona,
-                                      **kwargs)
+        return rollout.play_dialogues(policy, simulator, personas, samples_per_persona, **kwargs)
 
     # The trainer calls play_dialogues by its own module's name: there the floor goes in before each
     # rollout. The run goes into a new folder inside a temporary one.
@@ -604,7 +601,7 @@ def chatml_tokenizer(vocab_size=4096):
     from transformers import PreTrainedTokenizerFast
 
     texts = [*text_strings(json.loads(read_text(os.path.join(HERE, "personas.json")))),
-             *SYSTEM_PROMPTS.values()]
+             rollout.THINK_PROMPT, rollout.PLAIN_PROMPT]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -678,7 +675,7 @@ def bench_gpu(args):
     model.eval()
     personas = rollout.pick_personas(load_personas("personas.json", "train"),
                                      settings["dialogues_per_iteration"], settings["seed"], 0)
-    chat = rollout.ChatTokens(tokenizer, SYSTEM_PROMPTS[settings["thinking"]])
+    chat = rollout.ChatTokens(tokenizer, settings["thinking"])
     prompts = [chat.prompt(p.opening) for p in personas]
     plain = plain_rate(model, tokenizer, prompts, settings["max_new_tokens"])
     rate = m["policy_tokens"] / m["time_rollout"]
@@ -762,13 +759,14 @@ def check_rollout_rates(dry_run):
                 p.normal_(0, 0.01)
     personas = load_personas("personas.json", "train")[:dialogues]
     rates = {}
-    routes = {"adapter": {"merged_sampling": False}, "merged": {}}
+    routes = {"adapter": {"merged_sampling": False}, "merged": {"merged_sampling": True}}
     for route, flags in routes.items():
         for _ in range(2):
             set_seed(0)
             simulator = Simulator(RulesBackend(), max_turns=2)
-            records, stats = rollout.play_dialogues(policy, tokenizer, simulator, personas,
-                                                    thinking=False, max_new_tokens=new_tokens,
+            records, stats = rollout.play_dialogues(policy, simulator, personas,
+                                                    chat=rollout.ChatTokens(tokenizer, False),
+                                                    max_new_tokens=new_tokens,
                                                     progress=False, **flags)
         batch = rollout.pad_records(records, tokenizer.pad_token_id, device)
         # the stored log-probs against a fresh pass through the adapter, (B, T)

@@ -40,14 +40,14 @@ from itertools import groupby
 import numpy as np
 from tqdm import tqdm
 
-from rollout import (PLAIN_PROMPT, THINK_PROMPT, TOKEN_ARRAYS, PolicySettings, SamplingSettings,
-                     build_simulator, check_openings_fit, default_device, load_policy, make_backend,
-                     play_dialogues, sampling_settings)
+from rollout import (TOKEN_ARRAYS, PolicySettings, SamplingSettings, build_simulator,
+                     check_openings_fit, default_device, load_policy, make_backend, play_dialogues,
+                     sampling_settings)
 from run import (append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
                  new_folder, parse_settings, public_config, read_json_lines, read_run, read_text,
                  release, setting, within, write_atomically, write_failure)
 from simulator import (PROMPTS, PersonaError, RulesBackend, SimulatorError, SimulatorSettings,
-                       UserState, apply_change, clean_user_text, load_personas, persona_language,
+                       UserState, apply_change, clean_user_text, load_personas,
                        user_turn_messages)
 
 
@@ -289,11 +289,12 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models):
     failure half way leaves the finished models' numbers and transcripts on disk."""
     results = {"complete": False, "settings": public_config(args, "evaluate.py"),
                "readout": simulator.readout, "persona_ids": [p.id for p in personas], "models": []}
-    sampling = {**sampling_settings(args), "greedy": True}
     for done, (label, adapter_name, path) in enumerate(models, 1):
         t0 = time.time()
         with use_model(policy, adapter_name):
-            records, _ = play_dialogues(policy, tokenizer, simulator, personas, **sampling,
+            # merged where this model can be (the base cannot: no adapter is on)
+            sampling = {**sampling_settings(args, policy, tokenizer), "greedy": True}
+            records, _ = play_dialogues(policy, simulator, personas, **sampling,
                                         desc=f"{label}: dialogues")
         # each dialogue tagged with its model, its token arrays left out
         append_lines(f"{args.out}/transcripts.jsonl",
@@ -660,12 +661,12 @@ def write_openings(args):
         backend = make_backend(args.simulator, args=args)
     try:
         if backend.name == "rules":
-            texts = [RULES_OPENING[persona_language(p)] for p in todo]
+            texts = [RULES_OPENING[p.language] for p in todo]
         else:
             # the user's own chat, in the persona's language, with the request where an agent's
             # first message would be
             asked = [user_turn_messages(UserState(p, args.start_emotion, [
-                {"role": "agent", "text": PROMPTS[persona_language(p)]["opening"]}])) for p in todo]
+                {"role": "agent", "text": PROMPTS[p.language]["opening"]}])) for p in todo]
             texts = [clean_user_text(t) for t in backend.chat(asked, OPENING_TOKENS)]
         if "..." in texts:  # nothing usable was left after cleaning
             raise SimulatorError("the simulator wrote nothing usable for id "
@@ -689,8 +690,8 @@ def main(argv=None):
     if args.write_openings:  # the first messages RLVER's training profiles lack
         return write_openings(args)
     personas = load_personas(args.personas, args.split, args.difficulty)[:args.dialogues or None]
-    check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
-                       args.max_context, args.max_new_tokens, args.trust_remote_code)
+    check_openings_fit(args.model, personas, args.thinking, args.max_context, args.max_new_tokens,
+                       args.trust_remote_code)
     new_folder(args.out)  # before any model loads
     policy, tokenizer, models = load_models(args)
     simulator = build_simulator(args, policy, tokenizer, goodbye="sage")

@@ -198,13 +198,13 @@ def main(argv=None):
     optimizer, scheduler = adamw_with_warmup([(params, args.lr, args.warmup_steps)])
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler)
-    sampling = sampling_settings(args)
+    sampling = sampling_settings(args, model, tokenizer)
     for iteration in range(first_iteration, args.iterations):
         # --- 1. collect dialogues: this process's whole groups (its share of the personas) --------
         chosen = run.share(pick_personas(personas, args.personas_per_iteration, args.seed,
                                          iteration))
         try:
-            records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling,
+            records, rstats = play_dialogues(model, simulator, chosen, **sampling,
                                              samples_per_persona=args.group_size,
                                              progress=run.show_progress)
         except SimulatorError as e:

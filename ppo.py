@@ -264,13 +264,13 @@ def main(argv=None):
          (critic_params, args.critic_lr, args.critic_warmup_steps)])
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
-    sampling = sampling_settings(args)
+    sampling = sampling_settings(args, model, tokenizer)
     for iteration in range(first_iteration, args.iterations):
         # --- 1. collect dialogues: this process's share of the iteration's personas -------------
         chosen = run.share(pick_personas(personas, args.dialogues_per_iteration, args.seed,
                                          iteration))
         try:
-            records, rstats = play_dialogues(model, tokenizer, simulator, chosen, **sampling,
+            records, rstats = play_dialogues(model, simulator, chosen, **sampling,
                                              progress=run.show_progress)
         except SimulatorError as e:
             run.stop(e)  # one line; a finished iteration not yet saved is saved first

@@ -227,6 +227,12 @@ def load_model(name, device="cpu", dtype=None, load_in_4bit=False, trust_remote_
                                                      trust_remote_code=trust_remote_code)
     if not four_bit:
         model.to(device)
+    # bitsandbytes repacks NF4 weights for a CPU with AVX512-BF16 at their first eval-mode pass
+    # without gradients (a rollout); that layout has no training path (it adds the bias in place),
+    # so the update after it would fail: the weights keep the one layout both take
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
     tokenizer = load_tokenizer(name, trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
@@ -315,13 +321,18 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
 # Chat-template token deltas
 # ----------------------------------------------------------------------------------------------
 class ChatTokens:
-    """Turns a chat template into token pieces that can be appended to a growing dialogue.
-    The template is rendered once with marker strings; what lies between the markers is what the
-    template adds after an agent turn and around a user message."""
+    """The agent's chat: its tokenizer, its system prompt (thinking: the think-then-say scaffold's,
+    else the plain one) and its template as token pieces that can be appended to a growing
+    dialogue. The template is rendered once with marker strings; what lies between the markers is
+    what the template adds after an agent turn and around a user message. Built once a run."""
     AGENT, USER = "@@AGENT_TURN@@", "@@USER_TURN@@"
 
-    def __init__(self, tokenizer, system_prompt):
-        self.tokenizer, self.system_prompt = tokenizer, system_prompt
+    def __init__(self, tokenizer, thinking=True):
+        self.tokenizer, self.thinking = tokenizer, thinking
+        system_prompt = PLAIN_PROMPT
+        if thinking:
+            system_prompt = THINK_PROMPT
+        self.system_prompt = system_prompt
         base = [{"role": "system", "content": system_prompt}, {"role": "user", "content": "hello"},
                 {"role": "assistant", "content": self.AGENT}]
         before = tokenizer.apply_chat_template(base, tokenize=False)
@@ -544,9 +555,7 @@ def make_simulator(args, policy, tokenizer, run):
     and which read-out the user gives."""
     simulator = build_simulator(args, policy, tokenizer)
     if run.is_main:
-        merged = args.merged_sampling
-        if args.load_in_4bit:
-            merged = "off (4-bit weights do not merge)"
+        merged = args.merged_sampling and mergeable(policy)
         print(f"policy {args.model} on {run.device} x {run.world} process(es), merged sampling "
               f"{merged}; simulator {args.simulator}, read-out {simulator.readout}")
     return simulator
@@ -581,26 +590,16 @@ class SampledLogprobs:
         return torch.stack(self.picked + [self.last.gather(-1, sequences[:, -1:])[:, 0]], 1)
 
 
-@torch.no_grad()
-def merged_weights(model):
-    """The policy's active LoRA adapter folded into a copy of every adapted weight, W + s B A, to
-    sample from (merged_sampling): a decode step then runs one matmul per projection instead of
-    three (about 20% more tokens/s for SmolLM2 on 2 CPU cores; on a GPU, where decoding is
-    launch-bound, the adapter's extra kernels cost more). The base weights are never written
-    (merging and then subtracting is not exact, and the reference model and the 'same' user would
-    drift). The trainers recompute every log-prob they train on with the adapter itself, so the
-    update stays exact; what the merge changes is which tokens are sampled, by the rounding of
-    W + s B A (logged as sample_logprob_gap: about 1e-6 in float32). Costs one copy of the adapted
-    weights while the rollout lasts, in one buffer: as ~200 separate tensors they would stay in the
-    CPU heap, fragmented, and raise PPO's peak memory in the update by 0.5-1.1 GiB.
-    Returns [(projection, its own weight, its merged weight)], or None where there is no adapter, it
-    is off (evaluate.py's base), or W + s B A is not the adapter's function and the rollout samples
-    through the adapter: 4-bit weights, DoRA, a LoRA bias (lora_bias=True: not in the delta weight),
-    a base weight another module shares (lm_head on a model with tied embeddings: its merged copy
+def mergeable(model):
+    """Whether merged sampling (merged_weights) samples the model's own function: an active LoRA
+    adapter whose every adapted weight is a float of one dtype and device, and W + s B A all it
+    does. Not for 4-bit weights, DoRA, a LoRA bias (lora_bias=True: not in the delta weight), a
+    base weight another module shares (lm_head on a model with tied embeddings: its merged copy
     would change the input embeddings too), modules_to_save or trainable-token copies (which the
-    adapter-off context of `merged` bypasses), weights of more than one dtype or device.
-    (LoraConfig's bias="all" only makes the base biases trainable: the merged layers use them as
-    the adapter does.)"""
+    adapter-off context of `merged` bypasses), nor a switched-off adapter (evaluate.py's base):
+    those sample through the adapter. (LoraConfig's bias="all" only makes the base biases
+    trainable: the merged layers use them as the adapter does.) Asked once, where a script sets
+    up its sampling."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
     from peft.utils import AuxiliaryTrainingWrapper
@@ -609,16 +608,36 @@ def merged_weights(model):
     layers = [(m, m.get_base_layer()) for m in model.modules()
               if isinstance(m, LoraLayer) and adapter in m.lora_A]  # (LoRA layer, its base layer)
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # tied: 2
-    if (not layers or layers[0][0].disable_adapters
-            or len({(b.weight.dtype, b.weight.device) for _, b in layers}) > 1
-            or any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
-                   or not b.weight.dtype.is_floating_point or uses[id(b.weight)] > 1
-                   for m, b in layers)
-            or any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
-                   for m in model.modules())):
-        return None
+    return bool(layers) and not (
+        layers[0][0].disable_adapters
+        or len({(b.weight.dtype, b.weight.device) for _, b in layers}) > 1
+        or any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
+               or not b.weight.dtype.is_floating_point or uses[id(b.weight)] > 1
+               for m, b in layers)
+        or any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
+               for m in model.modules()))
+
+
+@torch.no_grad()
+def merged_weights(model):
+    """The policy's active LoRA adapter folded into a copy of every adapted weight, W + s B A, to
+    sample from (merged_sampling, for a model mergeable() accepts): a decode step then runs one
+    matmul per projection instead of three (about 20% more tokens/s for SmolLM2 on 2 CPU cores; on
+    a GPU, where decoding is launch-bound, the adapter's extra kernels cost more). The base weights
+    are never written (merging and then subtracting is not exact, and the reference model and the
+    'same' user would drift). The trainers recompute every log-prob they train on with the adapter
+    itself, so the update stays exact; what the merge changes is which tokens are sampled, by the
+    rounding of W + s B A (logged as sample_logprob_gap: about 1e-6 in float32). Costs one copy of
+    the adapted weights while the rollout lasts, in one buffer: as ~200 separate tensors they would
+    stay in the CPU heap, fragmented, and raise PPO's peak memory in the update by 0.5-1.1 GiB.
+    Returns [(projection, its own weight, its merged weight)]."""
+    from peft.tuners.lora import LoraLayer
+
+    adapter = model.active_adapter
+    layers = [(m, m.get_base_layer()) for m in model.modules()
+              if isinstance(m, LoraLayer) and adapter in m.lora_A]  # (LoRA layer, its base layer)
     sizes = [b.weight.numel() for _, b in layers]
-    # one buffer for them all, of the dtype and device every weight has (checked above)
+    # one buffer for them all, of the dtype and device every weight has (mergeable)
     buffer = layers[0][1].weight.new_empty(sum(sizes))
     swaps = []
     for (m, b), merged in zip(layers, buffer.split(sizes)):
@@ -686,19 +705,20 @@ class SamplingSettings:
 
 
 @torch.no_grad()
-def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1, *, thinking=True,
-                   temperature=1.0, max_new_tokens=256, max_context=4096, greedy=False,
-                   reuse_cache=True, merged_sampling=True, progress=True, desc="dialogues"):
+def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, temperature=1.0,
+                   max_new_tokens=256, max_context=4096, greedy=False, reuse_cache=True,
+                   merged_sampling=False, progress=True, desc="dialogues"):
     """Play len(personas) x samples_per_persona dialogues in lockstep: one batched generate for all
     active agents, then one batched simulator step; finished dialogues leave the batch.
     With reuse_cache each dialogue keeps its KV cache between turns, so a turn runs only the tokens
     added since the last one (generate_turn); without it every turn runs the whole prompt.
     With merged_sampling the agent samples from its adapter merged into a copy of the base weights
-    (merged_weights), where the model allows it.
-    Returns (records, stats): one flat dict per dialogue, and counts and timings."""
+    (merged_weights; only where mergeable(policy)).
+    chat: the agent's ChatTokens. Returns (records, stats): one flat dict per dialogue, and counts
+    and timings."""
     from transformers import GenerationConfig
 
-    chat = ChatTokens(tokenizer, THINK_PROMPT if thinking else PLAIN_PROMPT)
+    tokenizer = chat.tokenizer
     # An explicit config, so that a model's own defaults (top_k=20, repetition_penalty=1.05 in
     # Qwen2.5's generation_config) cannot change the sampling distribution. top_k must be 0, not
     # None: transformers reads None as "unset" and fills in the model's top_k, or 50; top_p 1
@@ -721,7 +741,9 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
             simulator.end(d.state, "context")
     was_training = policy.training
     policy.eval()
-    swaps = merged_sampling and merged_weights(policy)
+    swaps = []
+    if merged_sampling:
+        swaps = merged_weights(policy)
     # the simulator's counts at the end, less those at the start
     stats = Counter()
     stats.subtract(simulator_counts(simulator))
@@ -752,7 +774,7 @@ def play_dialogues(policy, tokenizer, simulator, personas, samples_per_persona=1
             d.add(tokens, logp[:n].tolist())
             d.turn_ends.append(len(d.ids) - 1)
             raw = tokenizer.decode(tokens, skip_special_tokens=True)
-            thought, reply, violation = split_thought(raw, thinking)
+            thought, reply, violation = split_thought(raw, chat.thinking)
             stats[violation or "format_ok"] += 1
             stats["policy_tokens"] += n
             # cut: the reply reached max_new_tokens unfinished (a thought cut there reaches the user
@@ -960,12 +982,12 @@ def eval_logprobs(model, batch, temperature=1.0, micro_batch_size=4, reference=F
 # ----------------------------------------------------------------------------------------------
 # What the trainers take from here: their personas, and the pieces of an iteration both run alike
 # ----------------------------------------------------------------------------------------------
-def check_openings_fit(model_name, personas, system_prompt, max_context, max_new_tokens,
+def check_openings_fit(model_name, personas, thinking, max_context, max_new_tokens,
                        trust_remote_code=False):
     """Every persona's first prompt (system prompt and opening) with room for a whole reply must fit
     max_context, or its dialogue would end before the agent speaks (and its metrics would be NaN).
     Needs only the tokenizer, so it runs before the weights load. Bad input: one line, exit 2."""
-    chat = ChatTokens(load_tokenizer(model_name, trust_remote_code), system_prompt)
+    chat = ChatTokens(load_tokenizer(model_name, trust_remote_code), thinking)
     for p in personas:
         n = len(chat.prompt(p.opening))
         if n + max_new_tokens > max_context:
@@ -980,8 +1002,8 @@ def check_before_loading(args):
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
         fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas(args.personas, args.split, args.difficulty)
-    check_openings_fit(args.model, personas, THINK_PROMPT if args.thinking else PLAIN_PROMPT,
-                       args.max_context, args.max_new_tokens, args.trust_remote_code)
+    check_openings_fit(args.model, personas, args.thinking, args.max_context, args.max_new_tokens,
+                       args.trust_remote_code)
     check_model(args.model, args.target_modules, args.trust_remote_code)
     return personas
 
@@ -993,11 +1015,15 @@ def policy_settings(args):
             for f in fields(PolicySettings) + fields(AdapterSettings) if f.name != "model"}
 
 
-def sampling_settings(args):
+def sampling_settings(args, policy, tokenizer):
     """play_dialogues' keyword arguments from a script's SamplingSettings (and a trainer's
-    --greedy)."""
-    return {**{f.name: getattr(args, f.name) for f in fields(SamplingSettings)},
-            "greedy": getattr(args, "greedy", False)}
+    --greedy): the agent's chat, its system prompt as --thinking says, and how it samples, merged
+    where --merged-sampling asks it and the policy allows it (mergeable)."""
+    sampling = {f.name: getattr(args, f.name) for f in fields(SamplingSettings)}
+    thinking = sampling.pop("thinking")
+    sampling["merged_sampling"] = args.merged_sampling and mergeable(policy)
+    greedy = getattr(args, "greedy", False)
+    return {**sampling, "chat": ChatTokens(tokenizer, thinking), "greedy": greedy}
 
 
 def old_logprobs_of(model, batch, args, batch_size):

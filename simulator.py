@@ -61,6 +61,10 @@ class Persona:
     reactions: dict
     # optional: one line per band, for --simulator rules
     band_lines: dict = field(default_factory=dict)
+    language: str = field(init=False)  # of its own text: which prompts it is played with
+
+    def __post_init__(self):
+        self.language = persona_language(self)
 
 
 def band_lines_problem(lines):
@@ -148,7 +152,7 @@ def _sage_persona(path, i, entry, need_opening):
         hidden_intention="(the hidden theme is part of the background above)", opening=opening,
         reactions={"good": "opens up", "bad": "withdraws"})
     # the card around a Chinese profile is Chinese: no English in it
-    if persona_language(persona) == "zh":
+    if persona.language == "zh":
         keys = {"character": "性格类型", "description": "人物画像", "traits": "性格特点"}
         persona.hidden_intention = "（隐藏主题写在上面的背景里）"
         persona.profile = {keys[k]: v for k, v in profile.items()}
@@ -418,7 +422,7 @@ def persona_card(persona, temper="difficulty"):
     """Who the user is, in the persona's language, with the temper of its difficulty: "difficulty"
     for the user's own messages, "forgiveness" for the appraisal. It never changes within a
     dialogue; the mood goes in the notes."""
-    prompts = PROMPTS[persona_language(persona)]
+    prompts = PROMPTS[persona.language]
     return prompts["card"].format(
         profile="\n".join(f"- {k.replace('_', ' ')}: {v}" for k, v in persona.profile.items()),
         background=persona.background, goal=persona.goal, hidden=persona.hidden_intention,
@@ -451,7 +455,7 @@ def quoted(text):
 def appraisal_messages(state, reply, max_change=10):
     """The anchored appraisal of `reply`, asked of the persona itself. The hidden intention is only
     in the system message; the agent's words only inside their quotes."""
-    prompts = PROMPTS[persona_language(state.persona)]
+    prompts = PROMPTS[state.persona.language]
     transcript = "\n".join(f"{prompts['speakers'][m['role']]}: {quoted(m['text'])}"
                            for m in state.history)
     ask = prompts["appraise"].format(transcript=transcript,
@@ -471,7 +475,7 @@ def user_turn_messages(state):
     turns. A last note gives the present mood and the latest appraisal's private reaction, for the
     user's next message; the openings writer's request, where an agent's first message would be and
     never appraised, comes last itself."""
-    lang = persona_language(state.persona)
+    lang = state.persona.language
     # the mood before each agent turn: each appraisal's mood before its turn, then the present one
     moods = iter([a["emotion"] - a["change"] for a in state.appraisals] + [state.emotion])
     messages = [{"role": "system",
@@ -765,7 +769,7 @@ class Simulator:
         if again:  # the change line alone, by its label in the persona's language
             retry = []
             for k in again:
-                prompt = PROMPTS[persona_language(states[k].persona)]["retry"]
+                prompt = PROMPTS[states[k].persona.language]["retry"]
                 retry.append(asked[k] + [
                     {"role": "assistant", "content": texts[k]},
                     {"role": "user", "content": prompt.format(m=self.max_change)}])

@@ -303,7 +303,7 @@ def test_chatml_tokenizer_is_the_same_every_build_and_grows_dialogues_token_by_t
     text = "ça va? 再见 🙂 </think> i didn't get the promotion"
     ids = first(text, add_special_tokens=False)["input_ids"]
     assert first.decode(ids) == text and len(ids) < len(text.encode())  # merges learned, bytes kept
-    chat = rollout.ChatTokens(first, rollout.THINK_PROMPT)
+    chat = rollout.ChatTokens(first)
     agent = first("I hear you.", add_special_tokens=False)["input_ids"] + [2]  # the sampled reply and its EOS
     grown = chat.prompt("hello") + agent + chat.user_turn("thanks", agent[-1])
     whole = first.apply_chat_template([{"role": "system", "content": rollout.THINK_PROMPT},

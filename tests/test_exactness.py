@@ -216,7 +216,9 @@ def test_merged_sampling_samples_the_adapter_or_steps_aside(case, tied_model_dir
     lora, merges = MERGE_CASES[case]
     policy, tokenizer = adapted(tied_model_dir, **lora)
     ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]])
-    swaps = rollout.merged_weights(policy)
+    swaps = None
+    if rollout.mergeable(policy):
+        swaps = rollout.merged_weights(policy)
     with torch.no_grad():
         with_adapter = policy(input_ids=ids).logits
         with policy.disable_adapter():
@@ -229,7 +231,8 @@ def test_merged_sampling_samples_the_adapter_or_steps_aside(case, tied_model_dir
         return
     # where it merges, the dialogues it samples are those of sampling through the adapter, token for token
     personas = simulator.load_personas(personas_file)
-    runs = [rollout.play_dialogues(policy, tokenizer, rules_user(2), personas, greedy=True, max_new_tokens=6,
+    runs = [rollout.play_dialogues(policy, rules_user(2), personas, chat=rollout.ChatTokens(tokenizer),
+                                   greedy=True, max_new_tokens=6,
                                    merged_sampling=m, progress=False)[0] for m in (True, False)]
     assert_same_dialogues(*runs)
 

@@ -16,7 +16,7 @@ import torch
 import grpo
 import run
 from conftest import ROOT, read_metrics
-from rollout import play_dialogues
+from rollout import ChatTokens, play_dialogues
 from simulator import RulesBackend, Simulator, load_personas
 
 
@@ -152,8 +152,9 @@ def test_group_members_share_persona_and_opening_and_differ_in_samples(tiny_mode
                                              persona_entry(id="b",
                                                            opening="my sister stopped talking to me.")]))
     torch.manual_seed(0)
-    records, _ = play_dialogues(model, tokenizer, Simulator(RulesBackend(), max_turns=2), personas,
-                                samples_per_persona=3, thinking=False, temperature=1.0, max_new_tokens=6,
+    records, _ = play_dialogues(model, Simulator(RulesBackend(), max_turns=2), personas,
+                                chat=ChatTokens(tokenizer, False),
+                                samples_per_persona=3, temperature=1.0, max_new_tokens=6,
                                 max_context=512, progress=False)
     assert len(records) == 6
     for g, persona in enumerate(personas):

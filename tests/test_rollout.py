@@ -187,8 +187,9 @@ FORMAT_CASES = [  # (agent text, violation, what the simulated user is shown)
 def test_play_counts_format_cases_and_sends_silence(tiny_model, personas):
     _, tokenizer = tiny_model
     texts = [text for text, _, _ in FORMAT_CASES]
-    records, stats = play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=1),
-                                    personas(len(texts)), max_new_tokens=32, progress=False)
+    records, stats = play_dialogues(ScriptedPolicy(tokenizer, texts), rules_simulator(max_turns=1),
+                                    personas(len(texts)), chat=ChatTokens(tokenizer),
+                                    max_new_tokens=32, progress=False)
     assert stats["format_ok"] == 1 and stats["no_think"] == 1 and stats["unclosed"] == 1
     assert stats["empty_thought"] == 1 and stats["empty_reply"] == 2
     for record, (text, violation, shown) in zip(records, FORMAT_CASES):
@@ -199,8 +200,9 @@ def test_play_counts_format_cases_and_sends_silence(tiny_model, personas):
     summary = rollout.summarize(records, [stats])
     assert summary["think_violation_rate"] == pytest.approx(5 / 6)
     # thinking off: tags are just text, nothing is a violation unless the reply is empty
-    records, stats = play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=1),
-                                    personas(len(texts)), thinking=False, max_new_tokens=32, progress=False)
+    records, stats = play_dialogues(ScriptedPolicy(tokenizer, texts), rules_simulator(max_turns=1),
+                                    personas(len(texts)), chat=ChatTokens(tokenizer, False),
+                                    max_new_tokens=32, progress=False)
     assert stats["format_ok"] == 5 and stats["empty_reply"] == 1
     assert [agent_turns(r)[0]["text"] for r in records] == [t.strip() or SILENCE for t in texts]
 
@@ -210,12 +212,14 @@ def test_progress_bar_counts_dialogues_and_turns_on_stderr(tiny_model, personas,
     2 turns); stdout stays clean. The trainers turn it on only on the main process at a terminal."""
     _, tokenizer = tiny_model
     texts = ["That sounds hard."] * 3
-    play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=2), personas(3),
+    play_dialogues(ScriptedPolicy(tokenizer, texts), rules_simulator(max_turns=2), personas(3),
+                   chat=ChatTokens(tokenizer),
                    max_new_tokens=16, progress=True, desc="rollout")
     out, err = capsys.readouterr()
     assert out == ""
     assert "rollout" in err and "3/3" in err and "turns=6" in err
-    play_dialogues(ScriptedPolicy(tokenizer, texts), tokenizer, rules_simulator(max_turns=2), personas(3),
+    play_dialogues(ScriptedPolicy(tokenizer, texts), rules_simulator(max_turns=2), personas(3),
+                   chat=ChatTokens(tokenizer),
                    max_new_tokens=16, progress=False)
     assert capsys.readouterr().err == ""
 
@@ -247,8 +251,9 @@ def test_think_text_never_reaches_the_simulator(tiny_model, personas):
     _, tokenizer = tiny_model
     spy = PromptSpy()
     sim = Simulator(spy, max_turns=1)
-    records, stats = play_dialogues(ScriptedPolicy(tokenizer, THOUGHTFUL), tokenizer, sim,
-                                    personas(len(THOUGHTFUL)), max_new_tokens=48, progress=False)
+    records, stats = play_dialogues(ScriptedPolicy(tokenizer, THOUGHTFUL), sim,
+                                    personas(len(THOUGHTFUL)), chat=ChatTokens(tokenizer),
+                                    max_new_tokens=48, progress=False)
     assert len(spy.prompts) == len(THOUGHTFUL)
     assert not any("SECRET" in m["content"] for prompt in spy.prompts for m in prompt)
     assert stats["stray_tags"] == 4 and stats["format_ok"] == 1 and stats["unclosed"] == 1
@@ -261,9 +266,10 @@ def test_think_text_never_reaches_the_simulator(tiny_model, personas):
 def test_action_mask_covers_exactly_the_sampled_tokens(tiny_model_dir, personas):
     policy, tokenizer = new_policy(tiny_model_dir)
     torch.manual_seed(0)
-    records, stats = play_dialogues(policy, tokenizer, rules_simulator(max_turns=3), personas(3),
+    records, stats = play_dialogues(policy, rules_simulator(max_turns=3), personas(3),
+                                    chat=ChatTokens(tokenizer),
                                     max_new_tokens=8, progress=False)
-    chat = ChatTokens(tokenizer, rollout.THINK_PROMPT)
+    chat = ChatTokens(tokenizer)
     assert stats["policy_tokens"] == sum(r["policy_tokens"] for r in records)
     for r in records:
         ids, mask, logps = r["token_ids"], r["action_mask"], r["logprobs"]
@@ -292,7 +298,7 @@ def test_action_mask_covers_exactly_the_sampled_tokens(tiny_model_dir, personas)
 def test_tokens_render_as_the_chat_template_when_turns_end_with_eos(eos_biased_model, personas):
     model, tokenizer = eos_biased_model
     torch.manual_seed(0)
-    records, _ = play_dialogues(model, tokenizer, rules_simulator(max_turns=3), personas(3),
+    records, _ = play_dialogues(model, rules_simulator(max_turns=3), personas(3), chat=ChatTokens(tokenizer),
                                 max_new_tokens=24, progress=False)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert sum(len(r["turn_ends"]) for r in records) >= 6
@@ -311,9 +317,9 @@ def test_truncated_turns_get_the_template_end_that_was_never_sampled(tiny_model,
     never sampled and that no token of the record holds."""
     model, tokenizer = tiny_model  # near-uniform over 49k tokens: never ends by itself in 4 tokens
     torch.manual_seed(0)
-    records, _ = play_dialogues(model, tokenizer, rules_simulator(max_turns=2), personas(2),
+    records, _ = play_dialogues(model, rules_simulator(max_turns=2), personas(2), chat=ChatTokens(tokenizer),
                                 max_new_tokens=4, progress=False)
-    chat = ChatTokens(tokenizer, rollout.THINK_PROMPT)
+    chat = ChatTokens(tokenizer)
     end_of_turn = chat.encode(chat.after_agent)  # "<|im_end|>\n"
     for r in records:
         assert [t["tokens"] for t in agent_turns(r)] == [4, 4]
@@ -335,7 +341,7 @@ def test_truncated_turns_get_the_template_end_that_was_never_sampled(tiny_model,
 def test_stored_logprobs_equal_a_fresh_forward_pass(tiny_model_dir, personas, temperature, device, dtype):
     policy, tokenizer = new_policy(tiny_model_dir, perturb=0.05, device=device, dtype=dtype)
     torch.manual_seed(1)
-    records, _ = play_dialogues(policy, tokenizer, rules_simulator(max_turns=2), personas(3),
+    records, _ = play_dialogues(policy, rules_simulator(max_turns=2), personas(3), chat=ChatTokens(tokenizer),
                                 temperature=temperature, max_new_tokens=8, progress=False)
     batch = pad_records(records, tokenizer.pad_token_id, device)
     fresh = eval_logprobs(policy, batch, temperature=temperature, micro_batch_size=2)   # (B, T)
@@ -362,7 +368,8 @@ def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_mo
     for merged in (True, False):
         sim = Simulator(rollout.LocalBackend(policy, tokenizer, use_base=True), max_turns=3, reply_tokens=6,
                         appraisal_tokens=8, retry_tokens=4, leave_below=0)
-        runs.append(play_dialogues(policy, tokenizer, sim, personas(3), greedy=True, max_new_tokens=8,
+        runs.append(play_dialogues(policy, sim, personas(3),
+                                   chat=ChatTokens(tokenizer), greedy=True, max_new_tokens=8,
                                    merged_sampling=merged, progress=False)[0])
     assert_same_dialogues(runs, policy, tokenizer, dtype)
     assert sum(len(r["turn_ends"]) for r in runs[0]) == 9
@@ -385,13 +392,13 @@ def test_merged_sampling_steps_aside_where_it_cannot_merge(tiny_model_dir):
     """No merge for a switched-off adapter (evaluate.py's base run) or a weight that is not a float
     (a 4-bit base), and none for a plain model."""
     policy, _ = new_policy(tiny_model_dir, perturb=0.1)
-    assert rollout.merged_weights(policy) is not None
+    assert rollout.mergeable(policy)
     with policy.disable_adapter():
-        assert rollout.merged_weights(policy) is None
-    assert rollout.merged_weights(policy.get_base_model()) is None
+        assert not rollout.mergeable(policy)
+    assert not rollout.mergeable(policy.get_base_model())
     layer = next(m.get_base_layer() for m in policy.modules() if hasattr(m, "lora_A"))
     layer.weight = torch.nn.Parameter(torch.zeros(layer.weight.shape, dtype=torch.uint8), requires_grad=False)
-    assert rollout.merged_weights(policy) is None
+    assert not rollout.mergeable(policy)
 
 
 def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_model_dir):
@@ -568,7 +575,7 @@ def test_each_dialogue_keeps_its_own_user_when_others_end(tiny_model_dir, person
                     start_emotion=50, max_change=100, max_turns=3)
     policy, tokenizer = new_policy(tiny_model_dir)
     torch.manual_seed(0)
-    records, _ = play_dialogues(policy, tokenizer, sim, personas, samples_per_persona=2,
+    records, _ = play_dialogues(policy, sim, personas, chat=ChatTokens(tokenizer), samples_per_persona=2,
                                 max_new_tokens=6, progress=False)
     expected = [(p.id, s) for p in personas for s in range(2)]
     assert [(r["persona_id"], r["sample"]) for r in records] == expected
@@ -593,10 +600,12 @@ def test_each_dialogue_keeps_its_own_user_when_others_end(tiny_model_dir, person
 def test_batched_and_one_at_a_time_rollouts_agree(tiny_model_dir, personas):
     policy, tokenizer = new_policy(tiny_model_dir, perturb=0.05)
     group = personas(3)
-    together, _ = play_dialogues(policy, tokenizer, rules_simulator(max_turns=2), group, greedy=True,
+    together, _ = play_dialogues(policy, rules_simulator(max_turns=2), group,
+                                 chat=ChatTokens(tokenizer), greedy=True,
                                  max_new_tokens=6, progress=False)
     for persona, record in zip(group, together):
-        (alone,), _ = play_dialogues(policy, tokenizer, rules_simulator(max_turns=2), [persona], greedy=True,
+        (alone,), _ = play_dialogues(policy, rules_simulator(max_turns=2), [persona],
+                                     chat=ChatTokens(tokenizer), greedy=True,
                                      max_new_tokens=6, progress=False)
         assert alone["token_ids"] == record["token_ids"]
         assert alone["action_mask"] == record["action_mask"]
@@ -612,13 +621,13 @@ def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_e
     policy, tokenizer = new_policy(tiny_model_dir)
     group = load_personas(write_personas([persona_entry(id=f"c{i}", difficulty=d)
                                           for i, d in enumerate(("easy", "normal", "hard"))]))
-    chat = ChatTokens(tokenizer, rollout.THINK_PROMPT)
+    chat = ChatTokens(tokenizer)
     prompt_length = len(chat.prompt(group[0].opening))
     max_new_tokens = 8
     # room for the prompt and one reply, not for a user turn (over 10 tokens) and a second reply
     max_context = prompt_length + max_new_tokens + 10
     torch.manual_seed(0)
-    records, stats = play_dialogues(policy, tokenizer, rules_simulator(max_turns=5), group,
+    records, stats = play_dialogues(policy, rules_simulator(max_turns=5), group, chat=ChatTokens(tokenizer),
                                     max_new_tokens=max_new_tokens, max_context=max_context, progress=False)
     assert [r["end_reason"] for r in records] == ["context"] * 3
     assert all(len(r["turn_ends"]) == 1 for r in records)
@@ -628,7 +637,7 @@ def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_e
     assert all(r["turns"][-1]["role"] == "user" for r in records)
     assert rollout.summarize(records, [stats])["end_context"] == 3
     # a prompt that does not fit at all: the dialogue ends before the agent speaks, without a crash
-    records, stats = play_dialogues(policy, tokenizer, rules_simulator(), group,
+    records, stats = play_dialogues(policy, rules_simulator(), group, chat=ChatTokens(tokenizer),
                                     max_new_tokens=max_new_tokens, max_context=prompt_length, progress=False)
     assert [r["end_reason"] for r in records] == ["context"] * 3
     assert all(r["policy_tokens"] == 0 and r["turn_ends"] == [] for r in records)
@@ -641,7 +650,7 @@ def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, p
     # there. One that ends because the next user turn and reply would not fit must be freed too.
     policy, tokenizer = new_policy(tiny_model_dir)
     group = load_personas(write_personas([persona_entry(id=f"c{i}") for i in range(2)]))
-    chat = ChatTokens(tokenizer, rollout.PLAIN_PROMPT)
+    chat = ChatTokens(tokenizer, False)
     max_context = len(chat.prompt(group[0].opening)) + 8 + 10  # one reply; no room for a user turn and more
     sim = Simulator(rollout.make_backend("same", policy, tokenizer), max_turns=5,
                     reply_tokens=6, appraisal_tokens=8, retry_tokens=4, leave_below=0)
@@ -654,7 +663,7 @@ def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, p
         filled.append(sum(bool(s.cache) for s in active))
     sim.step = step_and_look
     torch.manual_seed(0)
-    records, _ = play_dialogues(policy, tokenizer, sim, group, thinking=False, max_new_tokens=8,
+    records, _ = play_dialogues(policy, sim, group, chat=ChatTokens(tokenizer, False), max_new_tokens=8,
                                 max_context=max_context, progress=False)
     assert [r["end_reason"] for r in records] == ["context"] * 2
     assert filled == [2]                      # after its step the user still held both caches
@@ -675,7 +684,7 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir):
     assert set(frozen.values()) == {torch.bfloat16, torch.uint8}, frozen  # the NF4 weights are packed bytes
     assert not any(p.requires_grad for n, p in policy.named_parameters() if "lora_" not in n)
     # NF4 weights never merge: sampling goes through the adapter
-    assert rollout.merged_weights(policy) is None
+    assert not rollout.mergeable(policy)
     policy.train()
     ids = torch.tensor([tokenizer("i didn't get the promotion")["input_ids"]])
     out = policy(input_ids=ids, output_hidden_states=True)
@@ -694,7 +703,8 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_b
     runs = []
     for reuse in (True, False):
         torch.manual_seed(0)
-        records, stats = play_dialogues(model, tokenizer, rules_simulator(max_turns=4), personas(3),
+        records, stats = play_dialogues(model, rules_simulator(max_turns=4), personas(3),
+                                        chat=ChatTokens(tokenizer),
                                         max_new_tokens=24, reuse_cache=reuse, progress=False)
         runs.append((records, rollout.summarize(records, [stats])))
     (cached, cached_summary), (plain, plain_summary) = runs
@@ -746,8 +756,8 @@ def test_special_tokens_from_an_opening_and_a_url_users_reply_stay_text(tiny_mod
     url = server(answer).url
     personas = load_personas(write_personas([persona_entry(id="x", opening=f"hello {INJECTED}sure")]))
     policy, tokenizer = new_policy(tiny_model_dir)
-    records, _ = play_dialogues(policy, tokenizer, Simulator(simulator.OpenAIBackend(url), max_turns=3),
-                                personas, max_new_tokens=4, progress=False)
+    records, _ = play_dialogues(policy, Simulator(simulator.OpenAIBackend(url), max_turns=3),
+                                personas, chat=ChatTokens(tokenizer), max_new_tokens=4, progress=False)
     start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     (r,) = records
     users = [t["text"] for t in r["turns"] if t["role"] == "user"]

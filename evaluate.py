@@ -690,8 +690,7 @@ def main(argv=None):
     if args.write_openings:  # the first messages RLVER's training profiles lack
         return write_openings(args)
     personas = load_personas(args.personas, args.split, args.difficulty)[:args.dialogues or None]
-    check_openings_fit(args.model, personas, args.thinking, args.max_context, args.max_new_tokens,
-                       args.trust_remote_code)
+    check_openings_fit(args, personas)
     new_folder(args.out)  # before any model loads
     policy, tokenizer, models = load_models(args)
     simulator = build_simulator(args, policy, tokenizer, goodbye="sage")

@@ -54,7 +54,8 @@ def split_thought(text, thinking):
     """(thought, reply, violation). With thinking on, the reply is the text after the last
     </think>, so that no thought can reach the simulated user. violation is None or one of:
       no_think       no tags at all: the whole text is the reply
-      unclosed       <think> without </think>: all of it is thought, the reply is empty
+      unclosed       <think> without </think>: what follows the first tag is thought, the
+                     reply is empty
       stray_tags     any other tag than one <think> at the start and one </think>; all text before
                      the last </think> is thought, and a <think> after it starts thought again
       empty_thought  the tags hold nothing
@@ -66,26 +67,23 @@ def split_thought(text, thinking):
         return "", "", "empty_reply"
     if not thinking:  # tags are just text: the whole text is the reply
         return "", text, None
-    tags = list(THINK_TAG.finditer(text))
-    closes = [t for t in tags if t.group().startswith("</")]
-    if not closes:
-        if tags:
-            return THINK_TAG.sub(" ", text[tags[0].end():]).strip(), "", "unclosed"
+    tags = THINK_TAG.findall(text)
+    parts = THINK_TAG.split(text)  # the text around the tags: parts[k] lies before tags[k]
+    closes = [k for k, tag in enumerate(tags) if tag.startswith("</")]
+    if not tags:
         return "", text, "no_think"
+    if not closes:
+        return " ".join(p.strip() for p in parts[1:] if p.strip()), "", "unclosed"
     last = closes[-1]
-    before, reply = text[:last.start()], text[last.end():]
-    opening = THINK_TAG.search(reply)  # a thought opened after the last close is never shown
-    if opening:
-        before, reply = before + " " + reply[opening.end():], reply[:opening.start()]
-    # well placed: at most one other tag, an opening one at the very start (a thought opened after
-    # the last close is one more tag, never at the start: it is stray too)
-    inner = [t for t in tags if t is not last]
-    stray = len(inner) > 1 or any(t.start() or t in closes for t in inner)
-    thought = " ".join(part.strip() for part in THINK_TAG.split(before) if part.strip())
-    reply = reply.strip()
+    # the reply: what follows the last </think>, up to a thought opened after it (never shown)
+    reply = parts[last + 1].strip()
+    thought = " ".join(p.strip() for p in parts[:last + 1] + parts[last + 2:] if p.strip())
+    # well placed: one </think>, the last tag, after at most one <think>, which opens the text
+    opened_at_start = len(tags) == 2 and not parts[0]
+    well_placed = closes == [len(tags) - 1] and (len(tags) == 1 or opened_at_start)
     if not reply:
         return thought, "", "empty_reply"
-    if stray:
+    if not well_placed:
         return thought, reply, "stray_tags"
     return thought, reply, None if thought else "empty_thought"
 
@@ -329,12 +327,11 @@ class ChatTokens:
 
     def __init__(self, tokenizer, thinking=True):
         self.tokenizer, self.thinking = tokenizer, thinking
-        system_prompt = PLAIN_PROMPT
-        if thinking:
-            system_prompt = THINK_PROMPT
-        self.system_prompt = system_prompt
-        base = [{"role": "system", "content": system_prompt}, {"role": "user", "content": "hello"},
-                {"role": "assistant", "content": self.AGENT}]
+        self.system_prompt = THINK_PROMPT
+        if not thinking:
+            self.system_prompt = PLAIN_PROMPT
+        base = [{"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": "hello"}, {"role": "assistant", "content": self.AGENT}]
         before = tokenizer.apply_chat_template(base, tokenize=False)
         after = tokenizer.apply_chat_template(base + [{"role": "user", "content": self.USER}],
                                               tokenize=False, add_generation_prompt=True)
@@ -490,7 +487,9 @@ class LocalBackend:
     """A local model plays the user, greedily: the policy's own PeftModel with its adapters
     disabled, the frozen base (use_base, --simulator same), or evaluate.py's --model alone
     (--agreement, --write-openings). With reuse_cache each dialogue's KV cache stays in its state's
-    slot between calls: the appraisal, its re-ask and the reply share it, and so do the turns."""
+    slot between calls: the appraisal, its re-ask and the reply share it, and so do the turns.
+    The model runs in the mode it is in, which is eval (no dropout) wherever a user speaks: the
+    rollout sets it (play_dialogues), and evaluate.py's models load in it."""
     model: object
     tokenizer: object
     use_base: bool = False
@@ -509,8 +508,6 @@ class LocalBackend:
         pad = self.tokenizer.pad_token_id
         out = []
         n = self.micro_batch_size
-        was_training = self.model.training
-        self.model.eval()  # no dropout
         with self.model.disable_adapter() if self.use_base else contextlib.nullcontext():
             for i in range(0, len(rows), n):
                 new, (prompt, reused) = generate_turn(
@@ -522,7 +519,6 @@ class LocalBackend:
                 self.generated_tokens += int((new != pad).sum())
                 out += [reply.strip()
                         for reply in self.tokenizer.batch_decode(new, skip_special_tokens=True)]
-        self.model.train(was_training)
         return out
 
 
@@ -593,7 +589,7 @@ class SampledLogprobs:
 def mergeable(model):
     """Whether merged sampling (merged_weights) samples the model's own function: an active LoRA
     adapter whose every adapted weight is a float of one dtype and device, and W + s B A all it
-    does. Not for 4-bit weights, DoRA, a LoRA bias (lora_bias=True: not in the delta weight), a
+    does. Not for 4-bit weights (bitsandbytes' LoRA layers), DoRA, a LoRA bias (lora_bias=True: not in the delta weight), a
     base weight another module shares (lm_head on a model with tied embeddings: its merged copy
     would change the input embeddings too), modules_to_save or trainable-token copies (which the
     adapter-off context of `merged` bypasses), nor a switched-off adapter (evaluate.py's base):
@@ -612,7 +608,7 @@ def mergeable(model):
         layers[0][0].disable_adapters
         or len({(b.weight.dtype, b.weight.device) for _, b in layers}) > 1
         or any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
-               or not b.weight.dtype.is_floating_point or uses[id(b.weight)] > 1
+               or uses[id(b.weight)] > 1
                for m, b in layers)
         or any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
                for m in model.modules()))
@@ -982,17 +978,17 @@ def eval_logprobs(model, batch, temperature=1.0, micro_batch_size=4, reference=F
 # ----------------------------------------------------------------------------------------------
 # What the trainers take from here: their personas, and the pieces of an iteration both run alike
 # ----------------------------------------------------------------------------------------------
-def check_openings_fit(model_name, personas, thinking, max_context, max_new_tokens,
-                       trust_remote_code=False):
+def check_openings_fit(args, personas):
     """Every persona's first prompt (system prompt and opening) with room for a whole reply must fit
-    max_context, or its dialogue would end before the agent speaks (and its metrics would be NaN).
+    --max-context, or its dialogue would end before the agent speaks (and its metrics would be NaN).
     Needs only the tokenizer, so it runs before the weights load. Bad input: one line, exit 2."""
-    chat = ChatTokens(load_tokenizer(model_name, trust_remote_code), thinking)
+    chat = ChatTokens(load_tokenizer(args.model, args.trust_remote_code), args.thinking)
     for p in personas:
         n = len(chat.prompt(p.opening))
-        if n + max_new_tokens > max_context:
+        if n + args.max_new_tokens > args.max_context:
             fail(f"persona {p.id}: its opening makes a first prompt of {n} tokens, which with "
-                 f"--max-new-tokens {max_new_tokens} does not fit --max-context {max_context}")
+                 f"--max-new-tokens {args.max_new_tokens} does not fit --max-context "
+                 f"{args.max_context}")
 
 
 def check_before_loading(args):
@@ -1002,8 +998,7 @@ def check_before_loading(args):
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
         fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas(args.personas, args.split, args.difficulty)
-    check_openings_fit(args.model, personas, args.thinking, args.max_context, args.max_new_tokens,
-                       args.trust_remote_code)
+    check_openings_fit(args, personas)
     check_model(args.model, args.target_modules, args.trust_remote_code)
     return personas
 
@@ -1020,10 +1015,10 @@ def sampling_settings(args, policy, tokenizer):
     --greedy): the agent's chat, its system prompt as --thinking says, and how it samples, merged
     where --merged-sampling asks it and the policy allows it (mergeable)."""
     sampling = {f.name: getattr(args, f.name) for f in fields(SamplingSettings)}
-    thinking = sampling.pop("thinking")
+    sampling["chat"] = ChatTokens(tokenizer, sampling.pop("thinking"))
     sampling["merged_sampling"] = args.merged_sampling and mergeable(policy)
-    greedy = getattr(args, "greedy", False)
-    return {**sampling, "chat": ChatTokens(tokenizer, thinking), "greedy": greedy}
+    sampling["greedy"] = getattr(args, "greedy", False)
+    return sampling
 
 
 def old_logprobs_of(model, batch, args, batch_size):

@@ -64,7 +64,12 @@ class Persona:
     language: str = field(init=False)  # of its own text: which prompts it is played with
 
     def __post_init__(self):
-        self.language = persona_language(self)
+        """The language: 'zh' when the persona's own text is mostly Chinese (more CJK characters
+        than a quarter of its Latin letters), else 'en'."""
+        text = " ".join([self.opening, self.background, self.goal,
+                         *map(str, self.profile.values())])
+        cjk = len(re.findall(r"[\u4e00-\u9fff]", text))
+        self.language = "zh" if cjk > len(re.findall(r"[A-Za-z]", text)) / 4 else "en"
 
 
 def band_lines_problem(lines):
@@ -407,15 +412,6 @@ PROMPTS = {
 # template
 LABELS = {name: [re.split("[:：]", p["fields"][name])[0] for p in PROMPTS.values()]
           for name in PROMPTS["en"]["fields"]}
-
-
-def persona_language(persona):
-    """'zh' when the persona's own text is mostly Chinese (more CJK characters than a quarter of
-    its Latin letters), else 'en'."""
-    text = " ".join([persona.opening, persona.background, persona.goal,
-                     *map(str, persona.profile.values())])
-    cjk = len(re.findall(r"[\u4e00-\u9fff]", text))
-    return "zh" if cjk > len(re.findall(r"[A-Za-z]", text)) / 4 else "en"
 
 
 def persona_card(persona, temper="difficulty"):

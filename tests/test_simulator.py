@@ -634,7 +634,7 @@ CHINESE = {"profile": {"name": "李雷", "age": 30, "job": "工程师", "persona
 def test_prompts_follow_the_persona_language(persona_entry, write_personas):
     entries = [persona_entry(id="zh", **CHINESE), persona_entry(id="en")]
     chinese, english = load_personas(write_personas(entries))
-    assert simulator.persona_language(chinese) == "zh" and simulator.persona_language(english) == "en"
+    assert chinese.language == "zh" and english.language == "en"
     backend = SpyBackend(["说对了：有一点。\n内心反应：还好。\n变化：-3"], ["嗯。"])
     sim = Simulator(backend)
     s = sim.start(chinese)
@@ -1419,7 +1419,7 @@ def test_rlver_fields_reach_the_card_in_the_personas_language(tmp_path):
     assert owen.profile == {"character": "passive", "description": entries[0]["player"],
                             "traits": "dry, proud, tired"}
     card = simulator.persona_card(han)
-    assert simulator.persona_language(han) == "zh"
+    assert han.language == "zh"
     assert "回避型" in card and "温和, 敏感, 固执" in card
     assert not re.search(r"[A-Za-z]{3,}", card), card  # no English words around a Chinese profile
 

@@ -589,13 +589,13 @@ class SampledLogprobs:
 def mergeable(model):
     """Whether merged sampling (merged_weights) samples the model's own function: an active LoRA
     adapter whose every adapted weight is a float of one dtype and device, and W + s B A all it
-    does. Not for 4-bit weights (bitsandbytes' LoRA layers), DoRA, a LoRA bias (lora_bias=True: not in the delta weight), a
-    base weight another module shares (lm_head on a model with tied embeddings: its merged copy
-    would change the input embeddings too), modules_to_save or trainable-token copies (which the
-    adapter-off context of `merged` bypasses), nor a switched-off adapter (evaluate.py's base):
-    those sample through the adapter. (LoraConfig's bias="all" only makes the base biases
-    trainable: the merged layers use them as the adapter does.) Asked once, where a script sets
-    up its sampling."""
+    does. Not for 4-bit weights (bitsandbytes' LoRA layers), DoRA, a LoRA bias (lora_bias=True:
+    not in the delta weight), a base weight another module shares (lm_head on a model with tied
+    embeddings: its merged copy would change the input embeddings too), modules_to_save or
+    trainable-token copies (which the adapter-off context of `merged` bypasses), nor a
+    switched-off adapter (evaluate.py's base): those sample through the adapter. (LoraConfig's
+    bias="all" only makes the base biases trainable: the merged layers use them as the adapter
+    does.) Asked once, where a script sets up its sampling."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
     from peft.utils import AuxiliaryTrainingWrapper

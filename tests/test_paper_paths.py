@@ -253,6 +253,35 @@ def test_qlora_trains_on_the_cpu(trainer, tiny_model_dir, personas_file, tmp_pat
     assert any((p != 0).any() for n, p in policy.named_parameters() if "lora_B" in n)  # the adapter moved
 
 
+def test_a_4bit_policy_trains_alike_after_a_rollout(tiny_model_dir):
+    """The update's gradients through NF4 weights are those of a policy that never sampled. On a CPU
+    with AVX512-BF16, bitsandbytes repacks 4-bit weights at their first eval-mode pass without
+    gradients (a rollout) into a layout whose kernel has no backward: the gradients of the first layer
+    came out 43% off (this machine, 2026-12-02), and a model with biases stopped. load_model keeps the
+    layout (on other CPUs there is no repacking, and this test passes either way)."""
+    from rollout import load_policy
+
+    def first_layer_grads(sampled_first):
+        torch.manual_seed(0)
+        policy, tokenizer = load_policy(tiny_model_dir, device="cpu", lora_r=4, load_in_4bit=True)
+        with torch.no_grad():  # an adapter as if trained: with B = 0 no gradient reaches layer 0's A
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+        ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]])
+        if sampled_first:
+            with torch.no_grad():
+                policy.eval()(input_ids=ids)
+        policy.train()
+        policy(input_ids=ids).logits.float().pow(2).mean().backward()
+        return {n: p.grad for n, p in policy.named_parameters() if p.grad is not None and "layers.0." in n}
+
+    fresh, after = first_layer_grads(False), first_layer_grads(True)
+    assert fresh.keys() == after.keys() and fresh
+    for name in fresh:
+        torch.testing.assert_close(after[name], fresh[name], atol=0, rtol=0, msg=name)
+
+
 # ----------------------------------------------------------------------------------------------
 # Micro-batches and minibatches
 # ----------------------------------------------------------------------------------------------

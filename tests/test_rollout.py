@@ -265,11 +265,10 @@ def test_think_text_never_reaches_the_simulator(tiny_model, personas):
 # ----------------------------------------------------------------------------------------------
 def test_action_mask_covers_exactly_the_sampled_tokens(tiny_model_dir, personas):
     policy, tokenizer = new_policy(tiny_model_dir)
-    torch.manual_seed(0)
-    records, stats = play_dialogues(policy, rules_simulator(max_turns=3), personas(3),
-                                    chat=ChatTokens(tokenizer),
-                                    max_new_tokens=8, progress=False)
     chat = ChatTokens(tokenizer)
+    torch.manual_seed(0)
+    records, stats = play_dialogues(policy, rules_simulator(max_turns=3), personas(3), chat=chat,
+                                    max_new_tokens=8, progress=False)
     assert stats["policy_tokens"] == sum(r["policy_tokens"] for r in records)
     for r in records:
         ids, mask, logps = r["token_ids"], r["action_mask"], r["logprobs"]
@@ -316,10 +315,10 @@ def test_truncated_turns_get_the_template_end_that_was_never_sampled(tiny_model,
     truncated final turn stays open: the template's rendering adds an "<|im_end|>" that the policy
     never sampled and that no token of the record holds."""
     model, tokenizer = tiny_model  # near-uniform over 49k tokens: never ends by itself in 4 tokens
-    torch.manual_seed(0)
-    records, _ = play_dialogues(model, rules_simulator(max_turns=2), personas(2), chat=ChatTokens(tokenizer),
-                                max_new_tokens=4, progress=False)
     chat = ChatTokens(tokenizer)
+    torch.manual_seed(0)
+    records, _ = play_dialogues(model, rules_simulator(max_turns=2), personas(2), chat=chat,
+                                max_new_tokens=4, progress=False)
     end_of_turn = chat.encode(chat.after_agent)  # "<|im_end|>\n"
     for r in records:
         assert [t["tokens"] for t in agent_turns(r)] == [4, 4]
@@ -624,7 +623,7 @@ def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_e
     # room for the prompt and one reply, not for a user turn (over 10 tokens) and a second reply
     max_context = prompt_length + max_new_tokens + 10
     torch.manual_seed(0)
-    records, stats = play_dialogues(policy, rules_simulator(max_turns=5), group, chat=ChatTokens(tokenizer),
+    records, stats = play_dialogues(policy, rules_simulator(max_turns=5), group, chat=chat,
                                     max_new_tokens=max_new_tokens, max_context=max_context, progress=False)
     assert [r["end_reason"] for r in records] == ["context"] * 3
     assert all(len(r["turn_ends"]) == 1 for r in records)
@@ -634,7 +633,7 @@ def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_e
     assert all(r["turns"][-1]["role"] == "user" for r in records)
     assert rollout.summarize(records, [stats])["end_context"] == 3
     # a prompt that does not fit at all: the dialogue ends before the agent speaks, without a crash
-    records, stats = play_dialogues(policy, rules_simulator(), group, chat=ChatTokens(tokenizer),
+    records, stats = play_dialogues(policy, rules_simulator(), group, chat=chat,
                                     max_new_tokens=max_new_tokens, max_context=prompt_length, progress=False)
     assert [r["end_reason"] for r in records] == ["context"] * 3
     assert all(r["policy_tokens"] == 0 and r["turn_ends"] == [] for r in records)
@@ -660,7 +659,7 @@ def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, p
         filled.append(sum(bool(s.cache) for s in active))
     sim.step = step_and_look
     torch.manual_seed(0)
-    records, _ = play_dialogues(policy, sim, group, chat=ChatTokens(tokenizer, False), max_new_tokens=8,
+    records, _ = play_dialogues(policy, sim, group, chat=chat, max_new_tokens=8,
                                 max_context=max_context, progress=False)
     assert [r["end_reason"] for r in records] == ["context"] * 2
     assert filled == [2]                      # after its step the user still held both caches

@@ -773,8 +773,9 @@ class Simulator:
             answers = self.backend.chat(retry, self.retry_tokens, slots, 1.0)
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
-                if parse_change(text) is not None:
-                    changes[k] = parse_change(text)
+                answer = parse_change(text)
+                if answer is not None:
+                    changes[k] = answer
         return list(zip(changes, texts))
 
     def step(self, states, replies):

@@ -24,9 +24,9 @@ import torch
 
 from rollout import (REWARDS, AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup,
                      adapter_params, aggregate, check_before_loading, iteration_report, kl_k3,
-                     load_policy, make_simulator, old_logprobs_of, pad_records, pick_personas,
-                     play_dialogues, policy_settings, ref_logprobs_of, sampling_settings,
-                     token_logprobs, turn_rewards)
+                     load_policy, make_simulator, old_logprobs_from_update, old_logprobs_of,
+                     pad_records, pick_personas, play_dialogues, policy_settings, ref_logprobs_of,
+                     sampling_settings, token_logprobs, turn_rewards)
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
                  within)
 from simulator import SimulatorError, SimulatorSettings
@@ -199,6 +199,9 @@ def main(argv=None):
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler)
     sampling = sampling_settings(args, model, tokenizer)
+    # whether the update's own pass gives the old log-probs (one step a batch, no dropout)
+    batch_size = args.personas_per_iteration * args.group_size  # dialogues an iteration, in all
+    from_update = old_logprobs_from_update(model, args, batch_size)
     for iteration in range(first_iteration, args.iterations):
         # --- 1. collect dialogues: this process's whole groups (its share of the personas) --------
         chosen = run.share(pick_personas(personas, args.personas_per_iteration, args.seed,
@@ -216,7 +219,7 @@ def main(argv=None):
         mask = batch["action_mask"]                                                         # (B, T)
         # the sampling policy's log-probs (B, T) (NaN where the update's own pass fills them in),
         # and the reference's (adapter off; None on an iteration without the reference pass)
-        from_update, old_logprobs = old_logprobs_of(model, batch, args, len(records) * run.world)
+        old_logprobs = old_logprobs_of(model, batch, args, from_update)
         ref_logprobs = ref_logprobs_of(model, batch, args, iteration)                      # (B, T)
         # The rewards of the whole iteration, on every process (its figures are global). The
         # gather is in rank order, so this process's rows are its share (run.share), and each

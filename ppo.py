@@ -27,8 +27,8 @@ import torch
 
 from rollout import (REWARDS, AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup,
                      adapter_params, aggregate, check_before_loading, eval_scores, iteration_report,
-                     kl_k3, load_policy, make_simulator, old_logprobs_of, pad_records,
-                     pick_personas, play_dialogues, policy_settings, ref_logprobs_of,
+                     kl_k3, load_policy, make_simulator, old_logprobs_from_update, old_logprobs_of,
+                     pad_records, pick_personas, play_dialogues, policy_settings, ref_logprobs_of,
                      sampling_settings, token_logprobs, turn_rewards, use_adapter)
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
                  within)
@@ -265,6 +265,8 @@ def main(argv=None):
     simulator = make_simulator(args, model, tokenizer, run)
     first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
     sampling = sampling_settings(args, model, tokenizer)
+    # whether the update's own pass gives the old log-probs (one step a batch, no dropout)
+    from_update = old_logprobs_from_update(model, args, args.dialogues_per_iteration)
     for iteration in range(first_iteration, args.iterations):
         # --- 1. collect dialogues: this process's share of the iteration's personas -------------
         chosen = run.share(pick_personas(personas, args.dialogues_per_iteration, args.seed,
@@ -281,7 +283,7 @@ def main(argv=None):
         mask = batch["action_mask"]                                                         # (B, T)
         # the sampling policy's log-probs (B, T) (NaN where the update's own pass fills them in),
         # and the reference's (adapters off; None on an iteration without the reference pass)
-        from_update, old_logprobs = old_logprobs_of(model, batch, args, len(records) * run.world)
+        old_logprobs = old_logprobs_of(model, batch, args, from_update)
         ref_logprobs = ref_logprobs_of(model, batch, args, iteration)                      # (B, T)
         with adapter_active(model, "critic"):  # in length-sorted micro-batches, without gradients
             old_values = eval_scores(model, batch, args.micro_batch_size,                   # (B, T)

@@ -1021,21 +1021,28 @@ def sampling_settings(args, policy, tokenizer):
     return sampling
 
 
-def old_logprobs_of(model, batch, args, batch_size):
-    """Step 2 of both trainers: (from_update, the old log-probs (B, T)). With one optimizer step per
-    batch (one pass, the whole batch one minibatch) the weights that would score the rollout are the
-    ones the update runs, so its own forward pass gives them and the scoring pass is skipped (TRL
-    skips it too; it was a fifth of an iteration of `bench.py step --algo grpo`): then they are NaN
-    until the update fills them, never zeros that read as log-probs. Not with any dropout (LoRA's,
-    or a rate in the model's config: attention dropout is a call, not a module), whose train-mode
-    pass is not the sampling policy."""
+def old_logprobs_from_update(model, args, batch_size):
+    """Whether the update's own forward pass can give the old log-probs (step 2 of both trainers),
+    decided once at set-up. It can with one optimizer step per batch (one pass, the whole batch of
+    batch_size dialogues one minibatch): the weights that would score the rollout are then the ones
+    the update runs, so the scoring pass is skipped (TRL skips it too; it was a fifth of an
+    iteration of `bench.py step --algo grpo`). Not with any dropout (LoRA's, or a rate in the
+    model's config: attention dropout is a call, not a module), whose train-mode pass is not the
+    sampling policy."""
     rates = [p for k, p in model.config.get_text_config().to_dict().items()
              if "dropout" in k or k.endswith("pdrop")]
     rates += [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
     dropout = any(isinstance(p, (int, float)) and p > 0 for p in rates)
-    if args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout:
-        return True, torch.full_like(batch["action_mask"], torch.nan)
-    return False, eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
+    return args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout
+
+
+def old_logprobs_of(model, batch, args, from_update):
+    """Step 2 of both trainers: the old log-probs (B, T). from_update (old_logprobs_from_update):
+    NaN until the update's own pass fills them, never zeros that read as log-probs; else the
+    scoring pass's."""
+    if from_update:
+        return torch.full_like(batch["action_mask"], torch.nan)
+    return eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
 
 
 def ref_logprobs_of(model, batch, args, iteration):

@@ -369,14 +369,11 @@ def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(warm
     # pass. Forcing the separate scoring pass must give the same run: rewards, losses, diagnostics and
     # adapters, iteration after iteration. The learning rate is high enough that iteration 2's
     # dialogues depend on iteration 1's step.
-    import rollout
-
     argv = ["--group-size", "4", "--minibatch-size", "8", "--micro-batch-size", "4", "--iterations", "2",
             "--seed", "1", "--lr", "5e-2", "--ent-coef", "0.01"]
     grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "skip", *argv))
-    def scoring_pass_always(model, batch, args, batch_size):  # old_logprobs_of without its shortcut
-        return False, rollout.eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
-    monkeypatch.setattr(grpo, "old_logprobs_of", scoring_pass_always)
+    # without the shortcut: the separate scoring pass every iteration
+    monkeypatch.setattr(grpo, "old_logprobs_from_update", lambda *_: False)
     grpo.main(tiny_args(warm_model_dir, personas_file, tmp_path / "pass", *argv))
     skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")
     assert full[1]["kl_ref"] > 1e-6 and full[0]["grad_norm"] > 0  # the policy moved: a real comparison

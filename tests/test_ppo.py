@@ -450,20 +450,14 @@ def adapter_of(out, iteration, name):
     return load_file(os.path.join(folder, "adapter_model.safetensors"))
 
 
-def scoring_pass_always(model, batch, args, batch_size):
-    """rollout.old_logprobs_of without its shortcut: the separate scoring pass every iteration."""
-    import rollout
-
-    return False, rollout.eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
-
-
 def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny_model_dir, personas_file,
                                                                              tmp_path, monkeypatch):
     # One step per batch: the old log-probs are the update's own forward pass. Forcing the separate
     # scoring pass must give the same run.
     argv = ["--iterations", "2", "--lr", "2e-2", "--ent-coef", "0.01", "--micro-batch-size", "2"]
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "skip", *argv))
-    monkeypatch.setattr(ppo, "old_logprobs_of", scoring_pass_always)
+    # without the shortcut: the separate scoring pass every iteration
+    monkeypatch.setattr(ppo, "old_logprobs_from_update", lambda *_: False)
     ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "pass", *argv))
     skip, full = read_metrics(tmp_path / "skip"), read_metrics(tmp_path / "pass")
     assert full[1]["kl_ref"] > 1e-6 and full[0]["actor_grad_norm"] > 0  # the policy moved

@@ -735,18 +735,14 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
         # the first prompt must leave room for a whole reply
         if len(d.ids) + max_new_tokens > max_context:
             simulator.end(d.state, "context")
-    was_training = policy.training
-    policy.eval()
+    policy.eval()  # no dropout while sampling (the trainers switch to train mode for the update)
     swaps = []
     if merged_sampling:
         swaps = merged_weights(policy)
     # the simulator's counts at the end, less those at the start
     stats = Counter()
     stats.subtract(simulator_counts(simulator))
-    # dialogues finished (the bar) and agent turns played so far (its postfix), on stderr
-    bar = tqdm(total=len(dialogues), initial=sum(bool(d.state.end_reason) for d in dialogues),
-               desc=desc, disable=not progress, leave=False, file=sys.stderr)
-    turns_played = 0
+    bar = tqdm(total=len(dialogues), desc=desc, disable=not progress, leave=False)  # finished ones
     while active := [d for d in dialogues if not d.state.end_reason]:
         t0 = time.time()
         recorder = SampledLogprobs(temperature)
@@ -780,7 +776,6 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
                                   "cut": n == max_new_tokens and tokens[-1] not in chat.eos_ids})
             replies.append(reply or SILENCE)
         simulator.step([d.state for d in active], replies)
-        turns_played += len(active)
         for d in active:
             if not d.state.end_reason:
                 delta = chat.user_turn(d.state.history[-1]["text"], d.ids[-1])
@@ -793,9 +788,7 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
             if d.state.end_reason:
                 bar.update(1)
                 d.cache.clear()  # free a finished dialogue's KV cache (the user frees its own)
-        bar.set_postfix(turns=turns_played)  # and redraw, once per turn
     bar.close()
-    policy.train(was_training)
     stats.update(simulator_counts(simulator))
     return [to_record(d, simulator.start_emotion) for d in dialogues], dict(stats)
 
@@ -956,14 +949,12 @@ def eval_scores(model, batch, micro_batch_size, score):
     out = torch.zeros_like(batch["action_mask"])                                    # (B, T) float32
     lengths = batch["attention_mask"].sum(1)                                                # (B,)
     order = torch.argsort(lengths, descending=True, stable=True)
-    was_training = model.training
-    model.eval()
+    model.eval()  # no dropout (the trainers switch to train mode for the update)
     for i in range(0, len(order), micro_batch_size):
         rows = order[i:i + micro_batch_size]
         width = int(lengths[order[i]])  # the longest row's
         out[rows, :width] = score(*(batch[k][rows, :width]
                                     for k in ("input_ids", "attention_mask", "action_mask")))
-    model.train(was_training)
     return out
 
 

@@ -809,7 +809,7 @@ def test_prefill_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model_h
                                        rtol=0)
 
 
-def test_chat_batched_equals_alone_and_restores_mode(tiny_model):
+def test_chat_batched_equals_alone_and_leaves_the_mode(tiny_model):
     model, tokenizer = tiny_model
     backend = LocalBackend(model, tokenizer)
     backend.micro_batch_size = 2
@@ -819,7 +819,7 @@ def test_chat_batched_equals_alone_and_restores_mode(tiny_model):
                      [{"role": "user", "content": "ok"}]]
     model.train()
     together = backend.chat(conversations, 8)
-    assert model.training  # chat() switches to eval for generation and back
+    assert model.training  # chat() leaves the mode as it found it (the rollout sets eval)
     model.eval()
     alone = [backend.chat([c], 8)[0] for c in conversations]
     assert together == alone and len(together) == 3

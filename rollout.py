@@ -496,7 +496,7 @@ class LocalBackend:
     reuse_cache: bool = True
     name = "local"
     micro_batch_size = 16  # conversations a generate() call takes
-    generated_tokens = prompt_tokens = reused_tokens = 0
+    counts: Counter = field(default_factory=Counter, init=False)  # generated, prompt, reused tokens
 
     @torch.no_grad()
     def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=1.2):
@@ -514,9 +514,9 @@ class LocalBackend:
                     self.model, rows[i:i + n], slots[i:i + n], pad, self.reuse_cache,
                     do_sample=False, max_new_tokens=max_new_tokens,
                     repetition_penalty=repetition_penalty, pad_token_id=pad)
-                self.prompt_tokens += prompt
-                self.reused_tokens += reused
-                self.generated_tokens += int((new != pad).sum())
+                self.counts["simulator_prompt_tokens"] += prompt
+                self.counts["simulator_reused_tokens"] += reused
+                self.counts["simulator_tokens"] += int((new != pad).sum())
                 out += [reply.strip()
                         for reply in self.tokenizer.batch_decode(new, skip_special_tokens=True)]
         return out
@@ -741,7 +741,7 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
         swaps = merged_weights(policy)
     # the simulator's counts at the end, less those at the start
     stats = Counter()
-    stats.subtract(simulator_counts(simulator))
+    stats.subtract(simulator.counts)
     bar = tqdm(total=len(dialogues), desc=desc, disable=not progress, leave=False)  # finished ones
     while active := [d for d in dialogues if not d.state.end_reason]:
         t0 = time.time()
@@ -789,17 +789,8 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
                 bar.update(1)
                 d.cache.clear()  # free a finished dialogue's KV cache (the user frees its own)
     bar.close()
-    stats.update(simulator_counts(simulator))
+    stats.update(simulator.counts)
     return [to_record(d, simulator.start_emotion) for d in dialogues], dict(stats)
-
-
-def simulator_counts(simulator):
-    """The simulator's running totals, which a rollout reports the growth of."""
-    backend = simulator.backend
-    return {"simulator_seconds": simulator.seconds, "simulator_tokens": backend.generated_tokens,
-            "clamped_changes": simulator.clamped,
-            "simulator_prompt_tokens": getattr(backend, "prompt_tokens", 0),
-            "simulator_reused_tokens": getattr(backend, "reused_tokens", 0)}
 
 
 def to_record(d, start_emotion):

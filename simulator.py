@@ -29,6 +29,7 @@ import threading
 import time
 import unicodedata
 import urllib.parse
+from collections import Counter
 from dataclasses import dataclass, field
 
 from run import (REDACTED, Stop, at_least, env_name, fail, one_of, parse_json, read_json_lines,
@@ -568,7 +569,7 @@ class OpenAIBackend:
     concurrency: int = 8
     max_reply_bytes: int = 1_000_000
     # a server's replies are not counted in tokens (the simulator's tokens/s: 0)
-    generated_tokens = 0
+    counts: Counter = field(default_factory=Counter, init=False)
     name = "url"
 
     def __post_init__(self):
@@ -709,11 +710,12 @@ GENERIC_LINES = {
 }
 
 
+@dataclass
 class RulesBackend:
     """Marker backend for --simulator rules: Simulator uses rules_appraisal() and the persona's
     band_lines instead of a language model."""
     name = "rules"
-    generated_tokens = 0
+    counts: Counter = field(default_factory=Counter, init=False)  # nothing generated: 0 tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -733,12 +735,17 @@ class Simulator:
     appraisal_tokens: int = 300
     retry_tokens: int = 24
     goodbye: str = "closing"
-    # wall time spent inside the simulator, for tokens/s
-    seconds: float = field(default=0.0, init=False)
-    clamped: int = field(default=0, init=False)  # changes stated beyond +-max_change, clamped to it
 
     def __post_init__(self):
         self.readout = "rules" if self.backend.name == "rules" else "reasoned"  # reports print it
+        # The user's running totals, whose growth a rollout reports, in its backend's Counter (one
+        # tally): the tokens the backend counts (a local model's), the seconds spent in step(), and
+        # the changes stated beyond +-max_change and clamped to it. Each starts at 0, so that every
+        # rollout reports each one.
+        self.counts = self.backend.counts
+        totals = ["simulator_seconds", "simulator_tokens", "clamped_changes",
+                  "simulator_prompt_tokens", "simulator_reused_tokens"]
+        self.counts.update(dict.fromkeys(totals, 0))
 
     def start(self, persona):
         return UserState(persona, self.start_emotion, [{"role": "user", "text": persona.opening}])
@@ -792,7 +799,7 @@ class Simulator:
                 s.appraisals.append({"change": None, "emotion": None, "appraisal": text})
                 s.end_reason = "unread"
                 continue
-            self.clamped += abs(change) > self.max_change
+            self.counts["clamped_changes"] += abs(change) > self.max_change
             s.emotion, change = apply_change(s.emotion, change, self.max_change)
             s.appraisals.append({"change": change, "emotion": s.emotion, "appraisal": text})
             if s.emotion >= 100:
@@ -816,7 +823,7 @@ class Simulator:
         for s in states:
             if s.end_reason:
                 s.cache.clear()  # free the finished dialogue's KV cache
-        self.seconds += time.time() - t0
+        self.counts["simulator_seconds"] += time.time() - t0
 
 
 # What must never reach the agent from the user's side: a private note echoed back (bracketed,

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import types
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -297,12 +298,12 @@ def test_the_prompt_states_the_rule_the_parser_reads(persona):
 class ScriptedBackend:
     """A stand-in for a chat backend: appraisal requests get the next scripted appraisal, user-turn
     requests the next scripted user line (the last one repeats). Records every call."""
-    generated_tokens = 0
 
     def __init__(self, appraisals, user_lines=("Okay.",), name="url"):
         self.name = name
         self.appraisals, self.user_lines = list(appraisals), list(user_lines)
         self.calls, self.penalties = [], []
+        self.counts = Counter()
 
     def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
         self.calls.append((conversations, max_new_tokens))
@@ -475,7 +476,7 @@ def test_reasoned_reasks_once_then_clamps_or_ends_unread(persona):
     sim = Simulator(backend)
     s = sim.start(persona)
     sim.step([s], ["first"])
-    assert (s.emotion, s.appraisals[-1]["change"], sim.clamped) == (37, -3, 0)
+    assert (s.emotion, s.appraisals[-1]["change"], sim.counts["clamped_changes"]) == (37, -3, 0)
     text = s.appraisals[-1]["appraisal"]
     assert text.startswith("I am not sure") and text.endswith("(re-asked for the change) Change: -3")
     retry = backend.calls[1][0][0]  # the re-ask extends the appraisal with the model's own answer
@@ -483,7 +484,7 @@ def test_reasoned_reasks_once_then_clamps_or_ends_unread(persona):
     assert retry[2] == {"role": "assistant", "content": "I am not sure what to make of this."}
     assert "could not be read" in retry[3]["content"] and backend.calls[1][1] == sim.retry_tokens
     sim.step([s], ["second"])
-    assert (s.emotion, s.appraisals[-1]["change"], sim.clamped) == (27, -10, 1)  # never 0
+    assert (s.emotion, s.appraisals[-1]["change"], sim.counts["clamped_changes"]) == (27, -10, 1)  # never 0
     calls = len(backend.calls)
     sim.step([s], ["third"])
     assert (s.emotion, s.end_reason) == (31, None)
@@ -507,7 +508,7 @@ def test_an_off_scale_change_reasked_into_the_scale_takes_the_new_answer(persona
     sim = Simulator(backend)
     s = sim.start(persona)
     sim.step([s], ["first"])
-    assert (s.emotion, sim.clamped) == (46, 0) and len(backend.calls) == 3
+    assert (s.emotion, sim.counts["clamped_changes"]) == (46, 0) and len(backend.calls) == 3
 
 
 def test_the_readout_follows_from_the_backend(tiny_model, capsys):
@@ -823,7 +824,7 @@ def test_chat_batched_equals_alone_and_leaves_the_mode(tiny_model):
     model.eval()
     alone = [backend.chat([c], 8)[0] for c in conversations]
     assert together == alone and len(together) == 3
-    assert backend.generated_tokens > 0
+    assert backend.counts["simulator_tokens"] > 0
 
 
 def test_chat_repetition_penalty_is_a_parameter(smollm2):
@@ -1041,7 +1042,7 @@ def test_reasoned_readout_against_a_fake_server(serve, persona):
     turns = transcript(state)
     agent = [t for t in turns if t["role"] == "agent"]
     assert [t["change"] for t in agent] == [c for _, _, c in SERVER_CASES]
-    assert state.end_reason == "unread" and sim.clamped == 1
+    assert state.end_reason == "unread" and sim.counts["clamped_changes"] == 1
     assert sum("(re-asked for the change)" in t["appraisal"] for t in agent) == 3
     assert state.emotion == 50 + sum(c for _, _, c in SERVER_CASES[:-1])
     users = [t["text"] for t in turns if t["role"] == "user"][1:]
@@ -1098,7 +1099,9 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_
         backend.micro_batch_size = 3
         sim = Simulator(backend, max_turns=4, reply_tokens=6, appraisal_tokens=8, retry_tokens=4,
                         leave_below=0)
-        runs.append((play_both_agents(sim, [persona] * 3), backend.reused_tokens / backend.prompt_tokens))
+        dialogues = play_both_agents(sim, [persona] * 3)
+        counts = backend.counts
+        runs.append((dialogues, counts["simulator_reused_tokens"] / counts["simulator_prompt_tokens"]))
     (cached, hit), (plain, no_hit) = runs
     assert sum(map(len, cached)) >= 6 * 8  # 6 dialogues, 4 turns each, two lines a turn
     assert cached == plain

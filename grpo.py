@@ -117,7 +117,7 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_grpo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
-def dialogue_rewards(records, mode="final", format_penalty=0.0):
+def dialogue_rewards(records, mode, format_penalty):
     """One reward per dialogue (B,), the scalar GRPO compares within a group: the sum of its
     rollout.turn_rewards (REWARDS[mode] less the format penalty per violating agent turn); NaN for
     an unread dialogue, which its group leaves out."""
@@ -141,11 +141,10 @@ def group_stats(rewards, group_ids):
     return mean, std, size, flat
 
 
-def group_advantages(rewards, group_ids, kind="mean-std"):
+def group_advantages(rewards, group_ids, kind):
     """Advantage of each dialogue (B,) from its reward and its group's statistics
     (ADVANTAGES[kind]). A group with nothing to learn from (group_stats) and an unread dialogue get
-    exactly 0."""
-    rewards = rewards.double()
+    exactly 0. In the dtype of rewards (dialogue_rewards: float64)."""
     mean, std, size, flat = group_stats(rewards, group_ids)
     return ADVANTAGES[kind](rewards, mean, std, size).masked_fill(flat | rewards.isnan(), 0.0)
 

@@ -111,7 +111,7 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_ppo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
-def place_rewards(records, shape, mode="final", format_penalty=0.0):
+def place_rewards(records, shape, mode, format_penalty):
     """Per-token rewards (B, T): zero except on the last token of each agent turn of a read
     dialogue, which gets that turn's value of rollout.turn_rewards (REWARDS[mode] less the format
     penalty where the turn broke the think format). An unread dialogue earns nothing: it enters no

@@ -710,8 +710,9 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
     added since the last one (generate_turn); without it every turn runs the whole prompt.
     With merged_sampling the agent samples from its adapter merged into a copy of the base weights
     (merged_weights; only where mergeable(policy)).
-    chat: the agent's ChatTokens. Returns (records, stats): one flat dict per dialogue, and counts
-    and timings."""
+    chat: the agent's ChatTokens. Every persona's first prompt must leave room for a whole reply
+    within max_context (check_openings_fit, which every script runs at set-up). Returns (records,
+    stats): one flat dict per dialogue, and counts and timings."""
     from transformers import GenerationConfig
 
     tokenizer = chat.tokenizer
@@ -730,11 +731,8 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
     # each persona's samples one after another: GRPO's groups are consecutive --group-size dialogues
     dialogues = [Dialogue(persona, s, simulator.start(persona)) for persona in personas
                  for s in range(samples_per_persona)]
-    for d in dialogues:
+    for d in dialogues:  # each leaves room for a whole reply (check_openings_fit)
         d.add(chat.prompt(d.persona.opening))
-        # the first prompt must leave room for a whole reply
-        if len(d.ids) + max_new_tokens > max_context:
-            simulator.end(d.state, "context")
     policy.eval()  # no dropout while sampling (the trainers switch to train mode for the update)
     swaps = []
     if merged_sampling:
@@ -800,7 +798,7 @@ def to_record(d, start_emotion):
     s = d.state
     # the dialogue turn by turn; an agent turn with its sampling (agent_turns) and its appraisal
     agent = ({**a, **sampled} for a, sampled in zip(s.appraisals, d.agent_turns))
-    turns = [{"role": m["role"], "text": m["text"]} for m in s.history]
+    turns = [dict(m) for m in s.history]  # copies, {role, text}
     for turn in turns:
         if turn["role"] == "agent":
             turn.update(next(agent))
@@ -949,12 +947,10 @@ def eval_scores(model, batch, micro_batch_size, score):
     return out
 
 
-def eval_logprobs(model, batch, temperature=1.0, micro_batch_size=4, reference=False):
-    """token_logprobs over a padded batch (B, T), without gradients (batched). reference=True runs
-    the base weights with every adapter disabled: the reference policy, no second copy."""
-    with model.disable_adapter() if reference else contextlib.nullcontext():
-        return eval_scores(model, batch, micro_batch_size, lambda ids, att, m: token_logprobs(
-            model, ids, att, temperature, action_mask=m)[0])
+def eval_logprobs(model, batch, temperature=1.0, micro_batch_size=4):
+    """token_logprobs over a padded batch (B, T), without gradients (eval_scores)."""
+    return eval_scores(model, batch, micro_batch_size, lambda ids, att, m: token_logprobs(
+        model, ids, att, temperature, action_mask=m)[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1033,7 +1029,8 @@ def ref_logprobs_of(model, batch, args, iteration):
     kl_ref figure, every --log-kl-every iterations."""
     if args.kl_loss_coef == 0 and iteration % args.log_kl_every:
         return None
-    return eval_logprobs(model, batch, args.temperature, args.micro_batch_size, reference=True)
+    with model.disable_adapter():  # the base weights: the reference policy, no second copy
+        return eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
 
 
 # --reward: what each agent turn of a read dialogue earns, one value per agent turn, read off its

@@ -36,8 +36,8 @@ def fake_record(changes, final, violations=(), end_reason="max_turns"):
 def test_dialogue_rewards_final_turn_and_format_penalty():
     records = [fake_record([4, -2, 8], 70, violations=(0, 2)), fake_record([10], 40),
                fake_record([3], 33, end_reason="unread")]
-    final = grpo.dialogue_rewards(records, "final")
-    turn = grpo.dialogue_rewards(records, "turn")
+    final = grpo.dialogue_rewards(records, "final", 0.0)
+    turn = grpo.dialogue_rewards(records, "turn", 0.0)
     penalised = grpo.dialogue_rewards(records, "final", format_penalty=0.1)
     assert final.tolist()[:2] == pytest.approx([0.70, 0.40]) and final[2].isnan()  # unread: no reward
     assert turn.tolist()[:2] == pytest.approx([0.10, 0.10])
@@ -78,9 +78,10 @@ def test_group_advantages_by_hand(kind, expected):
 
 
 def test_group_advantages_flat_group_alone():
-    flat = grpo.group_advantages(torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64), torch.tensor([5, 5, 5]))
+    flat = grpo.group_advantages(torch.tensor([0.3, 0.3, 0.3], dtype=torch.float64), torch.tensor([5, 5, 5]),
+                                "mean-std")
     assert flat.tolist() == [0.0, 0.0, 0.0]  # not round-off / eps
-    unit = grpo.group_advantages(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0]))
+    unit = grpo.group_advantages(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0]), "mean-std")
     # std (Bessel) of 1, 2, 3 is 1
     assert unit.tolist() == pytest.approx([-1 / (1 + EPS), 0.0, 1 / (1 + EPS)])
 

@@ -82,14 +82,14 @@ def fake_record(turn_ends, changes, final, violations=(), end_reason="max_turns"
 
 def test_final_reward_lands_on_last_agent_token_only():
     records = [fake_record([5, 12, 20], [4, -2, 8], 70), fake_record([7], [10], 40)]
-    r = ppo.place_rewards(records, (2, 25), "final")
+    r = ppo.place_rewards(records, (2, 25), "final", 0.0)
     assert r[0, 20] == pytest.approx(0.70) and r[1, 7] == pytest.approx(0.40)
     assert r.sum() == pytest.approx(1.10)  # nothing anywhere else (not on user tokens after it)
 
 
 def test_turn_reward_puts_each_change_on_its_turn():
     records = [fake_record([5, 12, 20], [4, -2, 8], 70)]
-    r = ppo.place_rewards(records, (1, 25), "turn")
+    r = ppo.place_rewards(records, (1, 25), "turn", 0.0)
     assert [r[0, t].item() for t in (5, 12, 20)] == pytest.approx([0.04, -0.02, 0.08])
     assert (r != 0).sum() == 3
 
@@ -103,7 +103,7 @@ def test_format_penalty_lands_on_the_violating_turn():
 def test_an_unread_dialogue_earns_nothing():
     unread = fake_record([5, 12], [4, 0], 34, end_reason="unread")
     unread["changes"], unread["emotions"] = [4, None], [34, None]
-    r = ppo.place_rewards([fake_record([7], [10], 40), unread], (2, 20), "final")
+    r = ppo.place_rewards([fake_record([7], [10], 40), unread], (2, 20), "final", 0.0)
     assert r[0, 7] == pytest.approx(0.40) and (r[1] == 0).all()
 
 
@@ -116,14 +116,14 @@ def test_a_reward_mode_gives_one_value_per_agent_turn_or_fails(monkeypatch):
     mean = lambda r: [0.0] * (len(r["emotions"]) - 1) + [sum(r["emotions"]) / len(r["emotions"]) / 100]  # noqa: E731
     monkeypatch.setitem(rollout.REWARDS, "mean", mean)
     records = [fake_record([5, 12, 20], [4, -2, 8], 70)]  # emotions 64, 62, 70: mean 65.33
-    r = ppo.place_rewards(records, (1, 25), "mean")
+    r = ppo.place_rewards(records, (1, 25), "mean", 0.0)
     assert r[0, 20] == pytest.approx(196 / 300) and (r != 0).sum() == 1
-    assert grpo.dialogue_rewards(records, "mean").tolist() == pytest.approx([196 / 300])
+    assert grpo.dialogue_rewards(records, "mean", 0.0).tolist() == pytest.approx([196 / 300])
     monkeypatch.setitem(rollout.REWARDS, "mean", lambda r: [sum(r["emotions"]) / len(r["emotions"]) / 100])
     with pytest.raises(ValueError, match="1 values for 3 agent turns"):
-        ppo.place_rewards(records, (1, 25), "mean")
+        ppo.place_rewards(records, (1, 25), "mean", 0.0)
     with pytest.raises(ValueError, match="1 values for 3 agent turns"):
-        grpo.dialogue_rewards(records, "mean")
+        grpo.dialogue_rewards(records, "mean", 0.0)
 
 
 # ----------------------------------------------------------------------------------------------

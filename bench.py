@@ -209,7 +209,7 @@ def bench_rollout(args):
     before = plain_rate(policy, tokenizer, prompts, args.max_new_tokens)
     t0 = time.time()
     records, stats = rollout.play_dialogues(policy, simulator, personas, chat=chat,
-                                            merged_sampling=rollout.mergeable(policy),
+                                            merge=rollout.mergeable_layers(policy),
                                             max_new_tokens=args.max_new_tokens,
                                             reuse_cache=args.reuse_cache, progress=False)
     wall = time.time() - t0
@@ -759,7 +759,7 @@ def check_rollout_rates(dry_run):
                 p.normal_(0, 0.01)
     personas = load_personas("personas.json", "train")[:dialogues]
     rates = {}
-    routes = {"adapter": {"merged_sampling": False}, "merged": {"merged_sampling": True}}
+    routes = {"adapter": {"merge": []}, "merged": {"merge": rollout.mergeable_layers(policy)}}
     for route, flags in routes.items():
         for _ in range(2):
             set_seed(0)

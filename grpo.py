@@ -256,8 +256,8 @@ def main(argv=None):
                     agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
                                   total_seqs=run.sum(mask[mb_inds].any(1).sum()),
                                   token_budget=args.max_turns * args.max_new_tokens)
-                    newlogprob, entropy = token_logprobs(model, ids, att, args.temperature,
-                                                         action_mask=m, with_entropy=True,
+                    newlogprob, entropy = token_logprobs(model, ids, att, m, args.temperature,
+                                                         with_entropy=True,
                                                          entropy_grad=args.ent_coef > 0)
                     if from_update:  # the rollout's weights: these are the old log-probs
                         old_logprobs[idx, :w] = newlogprob.detach()

@@ -551,7 +551,7 @@ def make_simulator(args, policy, tokenizer, run):
     and which read-out the user gives."""
     simulator = build_simulator(args, policy, tokenizer)
     if run.is_main:
-        merged = args.merged_sampling and mergeable(policy)
+        merged = args.merged_sampling and bool(mergeable_layers(policy))
         print(f"policy {args.model} on {run.device} x {run.world} process(es), merged sampling "
               f"{merged}; simulator {args.simulator}, read-out {simulator.readout}")
     return simulator
@@ -586,16 +586,17 @@ class SampledLogprobs:
         return torch.stack(self.picked + [self.last.gather(-1, sequences[:, -1:])[:, 0]], 1)
 
 
-def mergeable(model):
-    """Whether merged sampling (merged_weights) samples the model's own function: an active LoRA
-    adapter whose every adapted weight is a float of one dtype and device, and W + s B A all it
-    does. Not for 4-bit weights (bitsandbytes' LoRA layers), DoRA, a LoRA bias (lora_bias=True:
-    not in the delta weight), a base weight another module shares (lm_head on a model with tied
-    embeddings: its merged copy would change the input embeddings too), modules_to_save or
-    trainable-token copies (which the adapter-off context of `merged` bypasses), nor a
-    switched-off adapter (evaluate.py's base): those sample through the adapter. (LoraConfig's
-    bias="all" only makes the base biases trainable: the merged layers use them as the adapter
-    does.) Asked once, where a script sets up its sampling."""
+def mergeable_layers(model):
+    """The (LoRA layer, its base layer) pairs of the model's active adapter that merged sampling
+    folds (merged_weights), found once where a script sets up its sampling; none where that would
+    not sample the model's own function. It does for an active LoRA adapter whose every adapted
+    weight is a float of one dtype and device, and W + s B A all it does; not for 4-bit weights
+    (bitsandbytes' LoRA layers), DoRA, a LoRA bias (lora_bias=True: not in the delta weight), a
+    base weight another module shares (lm_head on a model with tied embeddings: its merged copy
+    would change the input embeddings too), modules_to_save or trainable-token copies (which the
+    adapter-off context of `merged` bypasses), nor a switched-off adapter (evaluate.py's base):
+    those sample through the adapter. (LoraConfig's bias="all" only makes the base biases
+    trainable: the merged layers use them as the adapter does.)"""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
     from peft.utils import AuxiliaryTrainingWrapper
@@ -604,20 +605,22 @@ def mergeable(model):
     layers = [(m, m.get_base_layer()) for m in model.modules()
               if isinstance(m, LoraLayer) and adapter in m.lora_A]  # (LoRA layer, its base layer)
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # tied: 2
-    return bool(layers) and not (
-        layers[0][0].disable_adapters
-        or len({(b.weight.dtype, b.weight.device) for _, b in layers}) > 1
-        or any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
-               or uses[id(b.weight)] > 1
-               for m, b in layers)
-        or any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
-               for m in model.modules()))
+    if not layers or (
+            layers[0][0].disable_adapters
+            or len({(b.weight.dtype, b.weight.device) for _, b in layers}) > 1
+            or any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
+                   or uses[id(b.weight)] > 1
+                   for m, b in layers)
+            or any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
+                   for m in model.modules())):
+        return []
+    return layers
 
 
 @torch.no_grad()
-def merged_weights(model):
+def merged_weights(model, layers):
     """The policy's active LoRA adapter folded into a copy of every adapted weight, W + s B A, to
-    sample from (merged_sampling, for a model mergeable() accepts): a decode step then runs one
+    sample from (layers: mergeable_layers(model), not empty): a decode step then runs one
     matmul per projection instead of three (about 20% more tokens/s for SmolLM2 on 2 CPU cores; on
     a GPU, where decoding is launch-bound, the adapter's extra kernels cost more). The base weights
     are never written (merging and then subtracting is not exact, and the reference model and the
@@ -627,13 +630,9 @@ def merged_weights(model):
     the adapted weights while the rollout lasts, in one buffer: as ~200 separate tensors they would
     stay in the CPU heap, fragmented, and raise PPO's peak memory in the update by 0.5-1.1 GiB.
     Returns [(projection, its own weight, its merged weight)]."""
-    from peft.tuners.lora import LoraLayer
-
     adapter = model.active_adapter
-    layers = [(m, m.get_base_layer()) for m in model.modules()
-              if isinstance(m, LoraLayer) and adapter in m.lora_A]  # (LoRA layer, its base layer)
     sizes = [b.weight.numel() for _, b in layers]
-    # one buffer for them all, of the dtype and device every weight has (mergeable)
+    # one buffer for them all, of the dtype and device every weight has (mergeable_layers)
     buffer = layers[0][1].weight.new_empty(sum(sizes))
     swaps = []
     for (m, b), merged in zip(layers, buffer.split(sizes)):
@@ -702,14 +701,14 @@ class SamplingSettings:
 
 @torch.no_grad()
 def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, temperature=1.0,
-                   max_new_tokens=256, max_context=4096, greedy=False, reuse_cache=True,
-                   merged_sampling=False, progress=True, desc="dialogues"):
+                   max_new_tokens=256, max_context=4096, greedy=False, reuse_cache=True, merge=(),
+                   progress=True, desc="dialogues"):
     """Play len(personas) x samples_per_persona dialogues in lockstep: one batched generate for all
     active agents, then one batched simulator step; finished dialogues leave the batch.
     With reuse_cache each dialogue keeps its KV cache between turns, so a turn runs only the tokens
     added since the last one (generate_turn); without it every turn runs the whole prompt.
-    With merged_sampling the agent samples from its adapter merged into a copy of the base weights
-    (merged_weights; only where mergeable(policy)).
+    merge: the layers of mergeable_layers(policy), where the agent samples from its adapter merged
+    into a copy of their weights (merged_weights); none: through the adapter.
     chat: the agent's ChatTokens. Every persona's first prompt must leave room for a whole reply
     within max_context (check_openings_fit, which every script runs at set-up). Returns (records,
     stats): one flat dict per dialogue, and counts and timings."""
@@ -735,8 +734,8 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
         d.add(chat.prompt(d.persona.opening))
     policy.eval()  # no dropout while sampling (the trainers switch to train mode for the update)
     swaps = []
-    if merged_sampling:
-        swaps = merged_weights(policy)
+    if merge:
+        swaps = merged_weights(policy, merge)
     # the simulator's counts at the end, less those at the start
     stats = Counter()
     stats.subtract(simulator.counts)
@@ -767,11 +766,10 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
             thought, reply, violation = split_thought(raw, chat.thinking)
             stats[violation or "format_ok"] += 1
             stats["policy_tokens"] += n
-            # cut: the reply reached max_new_tokens unfinished (a thought cut there reaches the user
-            # as "...")
+            # cut: no end-of-turn token, so the reply reached max_new_tokens unfinished (a thought
+            # cut there reaches the user as "...")
             d.agent_turns.append({"thought": thought, "raw": raw, "violation": violation,
-                                  "tokens": n,
-                                  "cut": n == max_new_tokens and tokens[-1] not in chat.eos_ids})
+                                  "tokens": n, "cut": tokens[-1] not in chat.eos_ids})
             replies.append(reply or SILENCE)
         simulator.step([d.state for d in active], replies)
         for d in active:
@@ -834,16 +832,14 @@ def summarize(records, per_process):
                 stats[key] = max(stats[key], value)
             else:
                 stats[key] += value
-    n = len(records)
+    # every dialogue has an agent turn: its first prompt leaves room for one (check_openings_fit)
     agent_turns = sum(len(r["turn_ends"]) for r in records)
-    read = n - reasons["unread"]  # the emotions of unread dialogues enter no statistic
-    emotions = sum(r["final_emotion"] for r in records if r["end_reason"] != "unread")
-    return {"final_emotion_mean": emotions / read if read else None,
-            "success_rate": reasons["success"] / max(1, read),
-            "failure_rate": reasons["left"] / max(1, read),
-            "turns_mean": agent_turns / n,
-            "think_violation_rate": sum(r["violations"] for r in records) / max(1, agent_turns),
-            "cut_reply_rate": sum(r["cut_replies"] for r in records) / max(1, agent_turns),
+    # the emotions of unread dialogues enter no statistic
+    emotions = [r["final_emotion"] for r in records if r["end_reason"] != "unread"]
+    return {"final_emotion_mean": sum(emotions) / len(emotions) if emotions else None,
+            "turns_mean": agent_turns / len(records),
+            "think_violation_rate": sum(r["violations"] for r in records) / agent_turns,
+            "cut_reply_rate": sum(r["cut_replies"] for r in records) / agent_turns,
             "unread_dialogues": reasons["unread"], **stats,
             **{f"end_{reason}": reasons[reason]
                for reason in ("success", "left", "goodbye", "max_turns", "context")}}
@@ -884,11 +880,11 @@ def _chunk_logprobs(head, hidden, targets, temperature, with_entropy, entropy_gr
         return picked, -(logp_all.exp() * logp_all).sum(-1)                                 # (B, C)
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=False,
-                   action_mask=None, chunk_tokens=LOGITS_CHUNK_TOKENS, entropy_grad=True):
+def token_logprobs(model, input_ids, attention_mask, action_mask, temperature=1.0,
+                   with_entropy=False, chunk_tokens=LOGITS_CHUNK_TOKENS, entropy_grad=True):
     """log p(token t | tokens < t) under `model`, aligned with input_ids (position 0 gets 0),
     computed as log softmax(logits / temperature), the distribution the rollout sampled from.
-    With action_mask (B, T), each row's values are its own agent tokens' (0 elsewhere, so that a
+    Each row's values are its own agent tokens' (action_mask (B, T); 0 elsewhere, so that a
     difference of two passes is 0 off the mask before anything exponentiates it), and the
     vocabulary projection and softmax run only at the positions that predict an agent token in some
     row.
@@ -902,8 +898,6 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
     from torch.utils.checkpoint import checkpoint
 
     B, T = input_ids.shape
-    if action_mask is None:
-        action_mask = torch.ones_like(input_ids)                                # every position
     keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                     # (K,) predictors
     # with nothing to train on (every dialogue unread) one position still runs, so that the
     # backward pass gives zero gradients, not none, and every process sums the same gradients
@@ -950,7 +944,7 @@ def eval_scores(model, batch, micro_batch_size, score):
 def eval_logprobs(model, batch, temperature=1.0, micro_batch_size=4):
     """token_logprobs over a padded batch (B, T), without gradients (eval_scores)."""
     return eval_scores(model, batch, micro_batch_size, lambda ids, att, m: token_logprobs(
-        model, ids, att, temperature, action_mask=m)[0])
+        model, ids, att, m, temperature)[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -991,10 +985,10 @@ def policy_settings(args):
 def sampling_settings(args, policy, tokenizer):
     """play_dialogues' keyword arguments from a script's SamplingSettings (and a trainer's
     --greedy): the agent's chat, its system prompt as --thinking says, and how it samples, merged
-    where --merged-sampling asks it and the policy allows it (mergeable)."""
+    where --merged-sampling asks it and the policy allows it (mergeable_layers)."""
     sampling = {f.name: getattr(args, f.name) for f in fields(SamplingSettings)}
     sampling["chat"] = ChatTokens(tokenizer, sampling.pop("thinking"))
-    sampling["merged_sampling"] = args.merged_sampling and mergeable(policy)
+    sampling["merge"] = mergeable_layers(policy) if sampling.pop("merged_sampling") else []
     sampling["greedy"] = getattr(args, "greedy", False)
     return sampling
 

@@ -217,8 +217,9 @@ def test_merged_sampling_samples_the_adapter_or_steps_aside(case, tied_model_dir
     policy, tokenizer = adapted(tied_model_dir, **lora)
     ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]])
     swaps = None
-    if rollout.mergeable(policy):
-        swaps = rollout.merged_weights(policy)
+    layers = rollout.mergeable_layers(policy)
+    if layers:
+        swaps = rollout.merged_weights(policy, layers)
     with torch.no_grad():
         with_adapter = policy(input_ids=ids).logits
         with policy.disable_adapter():
@@ -233,7 +234,7 @@ def test_merged_sampling_samples_the_adapter_or_steps_aside(case, tied_model_dir
     personas = simulator.load_personas(personas_file)
     runs = [rollout.play_dialogues(policy, rules_user(2), personas, chat=rollout.ChatTokens(tokenizer),
                                    greedy=True, max_new_tokens=6,
-                                   merged_sampling=m, progress=False)[0] for m in (True, False)]
+                                   merge=m, progress=False)[0] for m in (layers, [])]
     assert_same_dialogues(*runs)
 
 
@@ -298,7 +299,8 @@ def test_the_trainers_logprobs_skip_what_these_models_apply_after_lm_head(after_
     kind, _, model, tokenizer = after_head_model
     ids = torch.tensor([tokenizer("i feel so stupid for hoping. they gave it to the new guy.")["input_ids"]])
     with torch.no_grad():
-        trainer, _ = rollout.token_logprobs(model, ids, torch.ones_like(ids))                # (1, T)
+        everywhere = torch.ones_like(ids)
+        trainer, _ = rollout.token_logprobs(model, ids, everywhere, everywhere)              # (1, T)
         own = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)             # (T-1, V)
     gap = (trainer[0, 1:] - own.gather(-1, ids[0, 1:, None])[:, 0]).abs().max()
     assert gap > 0.1, (kind, gap)

@@ -371,7 +371,8 @@ def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_mo
                         appraisal_tokens=8, retry_tokens=4, leave_below=0)
         runs.append(play_dialogues(policy, sim, personas(3),
                                    chat=ChatTokens(tokenizer), greedy=True, max_new_tokens=8,
-                                   merged_sampling=merged, progress=False)[0])
+                                   merge=rollout.mergeable_layers(policy) if merged else [],
+                                   progress=False)[0])
     assert_same_dialogues(runs, policy, tokenizer, dtype)
     assert sum(len(r["turn_ends"]) for r in runs[0]) == 9
     for n, p in policy.named_parameters():
@@ -382,7 +383,7 @@ def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_mo
         with_adapter = policy(input_ids=ids).logits.float()
         with policy.disable_adapter():
             base = policy(input_ids=ids).logits.float()
-        with rollout.merged(policy, rollout.merged_weights(policy)):
+        with rollout.merged(policy, rollout.merged_weights(policy, rollout.mergeable_layers(policy))):
             merged = policy(input_ids=ids).logits.float()
     torch.testing.assert_close(merged, with_adapter, atol=loose(dtype, 1e-5), rtol=0)
     effect = (merged - base).abs().max()
@@ -393,10 +394,10 @@ def test_merged_sampling_steps_aside_where_it_cannot_merge(tiny_model_dir):
     """No merge for a switched-off adapter (evaluate.py's base run), and none for a plain model (a
     4-bit base: the NF4 test below)."""
     policy, _ = new_policy(tiny_model_dir, perturb=0.1)
-    assert rollout.mergeable(policy)
+    assert rollout.mergeable_layers(policy)
     with policy.disable_adapter():
-        assert not rollout.mergeable(policy)
-    assert not rollout.mergeable(policy.get_base_model())
+        assert rollout.mergeable_layers(policy) == []
+    assert rollout.mergeable_layers(policy.get_base_model()) == []
 
 
 def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_model_dir):
@@ -409,9 +410,9 @@ def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_mo
     mask[0, 3:6], mask[1, 8:11] = 1, 1                  # two agent turns at different places
     lora = [p for n, p in policy.named_parameters() if "lora_" in n]
     results = []
-    for action_mask in (None, mask):
+    for action_mask in (torch.ones_like(ids), mask):  # every position, then the agent's only
         policy.zero_grad()
-        lp, ent = rollout.token_logprobs(policy, ids, att, with_entropy=True, action_mask=action_mask)
+        lp, ent = rollout.token_logprobs(policy, ids, att, action_mask, with_entropy=True)
         ((lp + 0.1 * ent) * mask).sum().backward()
         results.append((lp, ent, [p.grad.clone() for p in lora]))
     (lp_full, ent_full, g_full), (lp_kept, ent_kept, g_kept) = results
@@ -441,8 +442,7 @@ def test_logits_in_chunks_equal_one_pass_gradients_included(tiny_model_dir, chun
     results = []
     for chunk in (None, chunk_tokens):
         policy.zero_grad()
-        lp, ent = rollout.token_logprobs(policy, ids, att, with_entropy=True, action_mask=mask,
-                                         chunk_tokens=chunk)
+        lp, ent = rollout.token_logprobs(policy, ids, att, mask, with_entropy=True, chunk_tokens=chunk)
         ((lp - 0.3 * ent) * mask).sum().backward()
         results.append((lp, ent, [p.grad.clone() for p in lora]))
     (lp_one, ent_one, g_one), (lp_chunked, ent_chunked, g_chunked) = results
@@ -453,7 +453,7 @@ def test_logits_in_chunks_equal_one_pass_gradients_included(tiny_model_dir, chun
     for a, b in zip(g_one, g_chunked):  # float32 sums in another order: round-off only
         assert (b - a).abs().max() <= 1e-5 * scale, ((b - a).abs().max(), scale)
     # without a gradient through the entropy (an entropy bonus of 0), the same values
-    lp_nograd, ent_nograd = rollout.token_logprobs(policy, ids, att, with_entropy=True, action_mask=mask,
+    lp_nograd, ent_nograd = rollout.token_logprobs(policy, ids, att, mask, with_entropy=True,
                                                    chunk_tokens=chunk_tokens, entropy_grad=False)
     assert lp_nograd.requires_grad and not ent_nograd.requires_grad
     torch.testing.assert_close(ent_nograd, ent_one.detach(), atol=1e-6, rtol=1e-6)
@@ -482,8 +482,7 @@ def test_length_sorted_scoring_equals_each_dialogue_alone(tiny_model_dir):
     for b, n in enumerate(lengths):
         row = slice(b, b + 1)
         alone, _ = rollout.token_logprobs(policy, batch["input_ids"][row, :n],
-                                          batch["attention_mask"][row, :n],
-                                          action_mask=batch["action_mask"][row, :n])
+                                          batch["attention_mask"][row, :n], batch["action_mask"][row, :n])
         torch.testing.assert_close(scored[b, :n], alone[0], atol=1e-5, rtol=1e-5)
         assert (scored[b, 2:n] != 0).all()
     assert (scored[2, 5:] == 0).all()  # the shortest row ran alone at its own width: nothing past it
@@ -510,7 +509,8 @@ def test_reference_is_the_base_model_before_and_after_training(tiny_model_dir, t
     base, tokenizer = rollout.load_model(tiny_model_dir)
     batch = _hand_batch(tokenizer)
     with torch.no_grad():
-        base_lp, _ = rollout.token_logprobs(base, batch["input_ids"], batch["attention_mask"])
+        base_lp, _ = rollout.token_logprobs(base, batch["input_ids"], batch["attention_mask"],
+                                            torch.ones_like(batch["input_ids"]))
     real = batch["attention_mask"].bool()
     policy, _ = new_policy(tiny_model_dir)
     # a fresh adapter (B = 0): policy, reference and base all agree
@@ -683,7 +683,7 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir):
     assert set(frozen.values()) == {torch.bfloat16, torch.uint8}, frozen  # the NF4 weights are packed bytes
     assert not any(p.requires_grad for n, p in policy.named_parameters() if "lora_" not in n)
     # NF4 weights never merge: sampling goes through the adapter
-    assert not rollout.mergeable(policy)
+    assert rollout.mergeable_layers(policy) == []
     policy.train()
     ids = torch.tensor([tokenizer("i didn't get the promotion")["input_ids"]])
     out = policy(input_ids=ids, output_hidden_states=True)

@@ -204,7 +204,8 @@ def load_models(args):
     try:
         policy, tokenizer = load_policy(args.model, adapter=path, trainable=False,
                                         device=default_device(), load_in_4bit=args.load_in_4bit,
-                                        dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+                                        dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                                        fp32_head=args.fp32_head)
         for i, path in enumerate(args.adapter):
             name = "default" if i == 0 else f"adapter_{i}"
             # loaded (the first again) for peft's missing and unexpected keys,

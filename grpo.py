@@ -28,7 +28,7 @@ from rollout import (REWARDS, AdapterSettings, PolicySettings, SamplingSettings,
                      pad_records, pick_personas, play_dialogues, policy_settings, ref_logprobs_of,
                      sampling_settings, token_logprobs, turn_rewards)
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
-                 within)
+                 within, zero_or_at_least)
 from simulator import SimulatorError, SimulatorSettings
 
 
@@ -60,6 +60,9 @@ class GRPOSettings:
         0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     kl_loss_coef: float = setting(
         0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
+    tis_cap: float = setting(
+        2.0, "truncated importance sampling: each token's policy-gradient term x min(pi_old / "
+             "pi_sampler, cap) (TRL: 2); 0: off", zero_or_at_least(1))
     group_advantage: str = setting(
         "mean-std", "a dialogue's advantage against its group (ADVANTAGES): "
                     "mean-std (GRPO) | mean (Dr. GRPO)", one_of(*ADVANTAGES))
@@ -162,26 +165,47 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
     return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
 
 
-def policy_objective(logprobs, entropy, old_logprobs, advantages, ref_logprobs, agg, args):
+def policy_objective(logprobs, entropy, old_logprobs, sample_logprobs, advantages, ref_logprobs,
+                     agg, args):
     """The policy's loss on one micro-batch, from per-token (b, T) tensors to its share of the
-    minibatch loss (agg: aggregate with the minibatch's counts): the clipped surrogate, minus
-    --ent-coef x the entropy, plus --kl-loss-coef x the k3 KL to the reference (ref_logprobs,
-    None when no reference pass ran). Returns (loss, the per-token terms the update logs)."""
-    pg, ratio, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low,
-                                             args.clip_high)
-    kl_ref = None if ref_logprobs is None else kl_k3(logprobs, ref_logprobs)
+    minibatch loss (agg: aggregate with the minibatch's counts): the clipped surrogate, each token's
+    weighted by truncated importance sampling, minus --ent-coef x the entropy, plus --kl-loss-coef
+    x the k3 KL to the reference (ref_logprobs, None when no reference pass ran).
+    Truncated importance sampling (TIS; Yao et al. 2025, as verl, TRL and OpenRLHF correct it): the
+    rollout sampled each token with its own computation (generate with a KV cache, bf16 kernels),
+    whose log-prob sample_logprobs differs from the trainer's old_logprobs by rounding; the
+    surrogate assumes the trainer's policy sampled. Each token's term is weighted by
+    w = min(pi_old / pi_sampler, --tis-cap), a constant (old_logprobs carry no gradient), which
+    corrects the expectation and caps the variance; --tis-cap 0: w = 1. Returns (loss, the
+    per-token terms the update logs, also those of the rollout's policy: its KL to the reference
+    and its mismatch with the sampler, the k3 estimate of KL(sampler || trainer))."""
+    pg, _, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low,
+                                         args.clip_high)
+    sampler_ratio = torch.exp(old_logprobs - sample_logprobs)  # 1 off the mask: both are 0 there
+    weight, cut = torch.ones_like(pg), torch.zeros_like(pg)
+    if args.tis_cap:
+        weight = sampler_ratio.clamp(max=args.tis_cap)
+        cut = (sampler_ratio > args.tis_cap).float()
+    pg = weight * pg
+    kl_ref = kl_ref_loss = None  # an iteration without the reference pass
+    if ref_logprobs is not None:
+        kl_ref, kl_ref_loss = kl_k3(old_logprobs, ref_logprobs), kl_k3(logprobs, ref_logprobs)
     loss = agg(pg) - args.ent_coef * agg(entropy)
     if args.kl_loss_coef > 0:
-        loss = loss + args.kl_loss_coef * agg(kl_ref)
+        loss = loss + args.kl_loss_coef * agg(kl_ref_loss)
     with torch.no_grad():
         logratio = logprobs - old_logprobs
         approx_kl = torch.exp(logratio) - 1 - logratio  # the k3 estimator of KL(old || new)
     return loss, {"policy_loss": pg, "entropy": entropy, "approx_kl": approx_kl,
-                  "clip_frac": clipped, "kl_ref_loss": kl_ref, "ratio": ratio}
+                  "clip_frac": clipped, "kl_ref": kl_ref, "kl_ref_loss": kl_ref_loss,
+                  "sample_logprob_gap": (old_logprobs - sample_logprobs).abs(),
+                  "mismatch_kl": kl_k3(sample_logprobs, old_logprobs),
+                  "tis_weight_mean": weight, "tis_clip_frac": cut}
 
 
-LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref_loss", "ratio_first",
-          "grad_norm")  # by the update; metrics.jsonl: their means
+# by the update; metrics.jsonl: their means over every trained token (grad_norm: over the steps)
+LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref", "kl_ref_loss",
+          "sample_logprob_gap", "mismatch_kl", "tis_weight_mean", "tis_clip_frac", "grad_norm")
 
 
 def main(argv=None):
@@ -216,8 +240,8 @@ def main(argv=None):
         # --- 2. score: old log-probs, reference log-probs, rewards --------------------------------
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # the sampling policy's log-probs (B, T) (NaN where the update's own pass fills them in),
-        # and the reference's (adapter off; None on an iteration without the reference pass)
+        # the old log-probs (B, T) (None where the update's own pass gives them), and the
+        # reference's (adapter off; None on an iteration without the reference pass)
         old_logprobs = old_logprobs_of(model, batch, args, from_update)
         ref_logprobs = ref_logprobs_of(model, batch, args, iteration)                      # (B, T)
         # The rewards of the whole iteration, on every process (its figures are global). The
@@ -230,13 +254,13 @@ def main(argv=None):
 
         # --- 3. advantages: each dialogue against its group --------------------------------------
         all_advantages = group_advantages(all_rewards, all_groups, args.group_advantage)    # (N,)
-        _, all_std, _, all_flat = group_stats(all_rewards, all_groups)                      # (N,)
+        _, all_std, all_size, all_flat = group_stats(all_rewards, all_groups)               # (N,)
         advantages = run.share(all_advantages).float().to(run.device)[:, None] * mask       # (B, T)
         run.lap("score")
 
         # --- 4. update: passes x minibatches x micro-batches ------------------------------------
         model.train()
-        logs = {k: [] for k in LOGGED}
+        logs = {k: [0.0, 0.0] for k in LOGGED}  # each figure's sum and count (run.add_sums)
         local_mb = args.minibatch_size // run.world
         for epoch in range(args.update_epochs):
             order = torch.randperm(len(records)).tolist()
@@ -259,14 +283,14 @@ def main(argv=None):
                     newlogprob, entropy = token_logprobs(model, ids, att, m, args.temperature,
                                                          with_entropy=True,
                                                          entropy_grad=args.ent_coef > 0)
-                    if from_update:  # the rollout's weights: these are the old log-probs
-                        old_logprobs[idx, :w] = newlogprob.detach()
+                    # the old log-probs: the scoring pass's, or (one step a batch) this pass's own
+                    old = newlogprob.detach() if old_logprobs is None else old_logprobs[idx, :w]
                     loss, terms = policy_objective(
-                        newlogprob, entropy, old_logprobs[idx, :w], advantages[idx, :w],
+                        newlogprob, entropy, old, batch["sample_logprobs"][idx, :w],
+                        advantages[idx, :w],
                         None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)
                     loss.backward()
-                    # their means, for the log
-                    run.append_means(logs, terms, m, first=epoch == start == m0 == 0)
+                    run.add_sums(logs, terms, m)  # for the log: global means over the tokens
                 run.sum_gradients(params)  # over the processes
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                 if run.skip_or_stop(grad_norm):  # not finite: no step
@@ -274,16 +298,17 @@ def main(argv=None):
                     continue
                 optimizer.step()
                 scheduler.step()
-                logs["grad_norm"].append(grad_norm.item())
+                run.add_sums(logs, {"grad_norm": grad_norm}, torch.ones_like(grad_norm))
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
-        figures, dialogues = iteration_report(run, all_records, rstats, batch, old_logprobs,
-                                              ref_logprobs, args, t_update)
-        # every group holds --group-size dialogues: a mean over the dialogues is the mean over the
-        # groups
-        run.log({**figures, "group_reward_std": float(all_std[~all_rewards.isnan()].mean()),
-                 "zero_spread_groups": int(all_flat.sum()) // args.group_size,
+        figures, dialogues = iteration_report(run, all_records, rstats, batch, args, t_update)
+        # a group's figures, read off its first dialogue (each of its dialogues holds them); the
+        # reward std over the groups with a std, those with two read dialogues or more
+        first = slice(None, None, args.group_size)
+        spread = all_std[first][all_size[first] >= 2]                                    # (groups,)
+        run.log({**figures, "group_reward_std": float(spread.mean()) if len(spread) else None,
+                 "zero_spread_groups": int(all_flat[first].sum()),
                  "lr": optimizer.param_groups[0]["lr"]}, logs, dialogues)
 
         # --- 6. checkpoint -----------------------------------------------------------------------

@@ -270,6 +270,9 @@ class PolicySettings:
         lambda on: on and four_bit_problem() or None)
     trust_remote_code: bool = setting(
         False, "allow model code from the hub (off unless you trust it)")
+    fp32_head: bool = setting(
+        True, "in bf16: the output layer and its logits in float32, for the sampler and the "
+              "trainer alike (less sampler-trainer mismatch, docs/gpu.md)")
 
 
 @dataclass
@@ -288,7 +291,7 @@ class AdapterSettings:
 def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=0.0,
                 target_modules=DEFAULT_TARGETS, adapter=None, load_in_4bit=False,
                 gradient_checkpointing=False, trust_remote_code=False, trainable=True,
-                dtype="auto"):
+                dtype="auto", fp32_head=True):
     """A PeftModel with one adapter named 'default' (fresh, or loaded from `adapter`).
     LoRA dropout defaults to 0 so that the importance ratio is exactly 1 before the first update.
     With load_in_4bit the linear layers are NF4 and everything else stays in the compute dtype
@@ -298,13 +301,17 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
     memory per token); TRL removed the same upcast (huggingface/trl#4457). The rest of what it
     does is done anyway: get_peft_model freezes the base, and with gradient checkpointing the
     inputs are made to require grad below.
-    dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 (the base weights)."""
+    dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 (the base weights).
+    fp32_head: in a dtype other than float32, the output layer computes in float32
+    (float32_head)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     base, tokenizer = load_model(model_name, device=device or default_device(),
                                  load_in_4bit=load_in_4bit,
                                  dtype=None if dtype == "auto" else getattr(torch, dtype),
                                  trust_remote_code=trust_remote_code)
+    if fp32_head and base.dtype != torch.float32:
+        float32_head(base)
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.enable_input_require_grads()
@@ -313,6 +320,17 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
     config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                         target_modules=target_names(target_modules), task_type="CAUSAL_LM")
     return get_peft_model(base, config), tokenizer
+
+
+def float32_head(model):
+    """The output layer in float32: its weight a float32 copy (a tied one's own copy: the input
+    embeddings keep theirs), its input cast up. Every next-token distribution of a bf16 model is
+    then computed from float32 logits, in generate() and in token_logprobs alike: bf16 logits (8
+    bits of mantissa) round a peaked distribution's log-probs differently in the sampler's and the
+    trainer's kernels, the largest share of their mismatch (docs/gpu.md has the measurements)."""
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().float(), requires_grad=False)
+    head.register_forward_pre_hook(lambda module, args: (args[0].float(),))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,18 +435,29 @@ def cached_batch(rows, slots, pad_id, device):
         new = row[n:]
         ids.append([pad_id] * (P - n) + row[:n] + [pad_id] * (S - len(new)) + new)
         mask.append([0] * (P - n) + [1] * n + [0] * (S - len(new)) + [1] * len(new))
-    # each layer's keys and values (B, heads, P, head size): a row's prefix at the end, zeros before
-    layers = []
-    if P:  # shaped as the slot with the longest prefix holds them
-        layers = [[t.new_zeros(len(rows), t.shape[1], P, t.shape[3]) for t in kv]
-                  for kv in slots[reuse.index(P)]["kv"]]
-    for b, (slot, n) in enumerate(zip(slots, reuse)):
-        if not n:  # nothing to copy (a new dialogue's slot is empty)
-            continue
-        for layer, kept in zip(layers, slot["kv"]):
-            for part, t in zip(layer, kept):
-                part[b, :, P - n:] = t[0, :, :n]
-    cache = DynamicCache(layers or None)
+    # Each row's layers move out of its slot into the batch's cache, which keep_cache hands back.
+    # The slot is emptied here: what it held is in the batch now, or was not reusable.
+    kept = [slot.pop("kv", []) for slot in slots]
+    for slot in slots:
+        slot.clear()
+
+    def layers():
+        """Each layer's keys and values (B, heads, P, head size), a row's prefix at the end, zeros
+        before, built as the cache takes them in (it copies each), and each row's own copy of the
+        layer dropped once it is in: the dialogues' caches and the batch's are never alive whole
+        at the same time, so a turn holds its KV cache once."""
+        longest = kept[reuse.index(P)]  # shaped as the slot with the longest prefix holds them
+        for i in range(len(longest)):
+            layer = [t.new_zeros(len(rows), t.shape[1], P, t.shape[3]) for t in longest[i]]
+            for b, n in enumerate(reuse):
+                if n:  # nothing to copy where a new dialogue's slot was empty
+                    for part, t in zip(layer, kept[b][i]):
+                        part[b, :, P - n:] = t[0, :, :n]
+            for row in kept:
+                if row:
+                    row[i] = None
+            yield layer
+    cache = DynamicCache(layers() if P else None)
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device), cache
 
 
@@ -445,13 +474,18 @@ def cache_keyword(model):
 def keep_cache(slots, cache, ids, mask):
     """After running ids (B, W) with attention mask (B, W) into `cache`, store in each row's slot
     the row's real tokens that have keys/values in the cache (the last sampled token of a
-    generate() call has none yet) and those keys/values, without the padding."""
+    generate() call has none yet) and those keys/values, without the padding. The cache is emptied
+    a layer at a time as its rows are copied out, so the turn's cache and the dialogues' copies are
+    never alive whole at the same time."""
     length = cache.get_seq_length()
-    layers = [(k, v) for k, v, *_ in cache]
-    for b, slot in enumerate(slots):
-        pos = mask[b, :length].nonzero()[:, 0]
-        slot["ids"] = ids[b, pos].tolist()
-        slot["kv"] = [(k[b:b + 1, :, pos], v[b:b + 1, :, pos]) for k, v in layers]
+    positions = [mask[b, :length].nonzero()[:, 0] for b in range(len(slots))]
+    for slot, row, pos in zip(slots, ids, positions):
+        slot["ids"] = row[pos].tolist()
+        slot["kv"] = []
+    while cache.layers:
+        layer = cache.layers.pop(0)
+        for b, (slot, pos) in enumerate(zip(slots, positions)):
+            slot["kv"].append((layer.keys[b:b + 1, :, pos], layer.values[b:b + 1, :, pos]))
 
 
 PREFILL_CHUNK = 1024  # prompt tokens a forward pass takes into the KV cache (generate_turn)
@@ -590,12 +624,14 @@ def mergeable_layers(model):
     """The (LoRA layer, its base layer) pairs of the model's active adapter that merged sampling
     folds (merged_weights), found once where a script sets up its sampling; none where that would
     not sample the model's own function. It does for an active LoRA adapter whose every adapted
-    weight is a float of one dtype and device, and W + s B A all it does; not for 4-bit weights
-    (bitsandbytes' LoRA layers), DoRA, a LoRA bias (lora_bias=True: not in the delta weight), a
-    base weight another module shares (lm_head on a model with tied embeddings: its merged copy
-    would change the input embeddings too), modules_to_save or trainable-token copies (which the
-    adapter-off context of `merged` bypasses), nor a switched-off adapter (evaluate.py's base):
-    those sample through the adapter. (LoraConfig's bias="all" only makes the base biases
+    weight is float32 on one device, and W + s B A all it does; not in bf16 (rounding W + s B A to
+    bf16's 8 bits of mantissa drops most of a small adapter's delta: the merged copy would sample
+    another policy, nearly doubling the sampler-trainer mismatch, docs/gpu.md), nor for 4-bit
+    weights (bitsandbytes' LoRA layers), DoRA, a LoRA bias (lora_bias=True: not in the delta
+    weight), a base weight another module shares (lm_head on a model with tied embeddings: its
+    merged copy would change the input embeddings too), modules_to_save or trainable-token copies
+    (which the adapter-off context of `merged` bypasses), nor a switched-off adapter (evaluate.py's
+    base): those sample through the adapter. (LoraConfig's bias="all" only makes the base biases
     trainable: the merged layers use them as the adapter does.)"""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
@@ -607,7 +643,8 @@ def mergeable_layers(model):
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # tied: 2
     if not layers or (
             layers[0][0].disable_adapters
-            or len({(b.weight.dtype, b.weight.device) for _, b in layers}) > 1
+            or {(b.weight.dtype, b.weight.device) for _, b in layers}
+            != {(torch.float32, layers[0][1].weight.device)}
             or any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
                    or uses[id(b.weight)] > 1
                    for m, b in layers)
@@ -1009,11 +1046,11 @@ def old_logprobs_from_update(model, args, batch_size):
 
 
 def old_logprobs_of(model, batch, args, from_update):
-    """Step 2 of both trainers: the old log-probs (B, T). from_update (old_logprobs_from_update):
-    NaN until the update's own pass fills them, never zeros that read as log-probs; else the
-    scoring pass's."""
+    """Step 2 of both trainers: the old log-probs (B, T), from the scoring pass; None where the
+    update's own pass gives them (from_update, old_logprobs_from_update): the update then takes
+    that pass's log-probs, detached, as it makes them."""
     if from_update:
-        return torch.full_like(batch["action_mask"], torch.nan)
+        return None
     return eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
 
 
@@ -1093,26 +1130,18 @@ def adamw_with_warmup(groups):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
 
-def iteration_report(run, all_records, stats, batch, old_logprobs, ref_logprobs, args, t_update):
+def iteration_report(run, all_records, stats, batch, args, t_update):
     """Step 5 of both trainers: (figures, dialogues) of an iteration, over every process. The
     figures: the read dialogues' rewards' mean and std (--reward, no format penalty; the std without
-    Bessel's correction; None when every dialogue was unread), kl_ref (None on an iteration without
-    the reference pass) and the sampler-trainer gap over every token the loss trained on, the
-    update's tokens (those tokens, x epochs) and their rate (against the slowest process's update),
-    and the rollout's summary. The dialogues: every record as rollouts.jsonl holds it."""
+    Bessel's correction; None when every dialogue was unread), the update's tokens (those the loss
+    trained on, x epochs) and their rate (against the slowest process's update), and the rollout's
+    summary. The dialogues: every record as rollouts.jsonl holds it."""
     rewards = np.array([sum(turn_rewards(r, args.reward))
                         for r in all_records if r["end_reason"] != "unread"])
-    acted = batch["action_mask"]
-    update_tokens = run.sum(acted.sum()).item() * args.update_epochs
+    update_tokens = run.sum(batch["action_mask"].sum()).item() * args.update_epochs
     read = len(rewards) > 0
-    kl_ref = None  # an iteration without the reference pass
-    if ref_logprobs is not None:
-        kl_ref = run.masked_mean(kl_k3(old_logprobs, ref_logprobs), acted)
     figures = {"reward_mean": float(rewards.mean()) if read else None,
                "reward_std": float(rewards.std()) if read else None,
-               "kl_ref": kl_ref,
-               "sample_logprob_gap": run.masked_mean(
-                   (old_logprobs - batch["sample_logprobs"]).abs(), acted),
                "update_tokens": int(update_tokens),  # every process's, x epochs
                "update_tokens_per_s": update_tokens / max(*run.gather([t_update]), 1e-9),
                **summarize(all_records, run.gather([stats]))}

@@ -145,6 +145,14 @@ def above(low):
     return check
 
 
+def zero_or_at_least(low):
+    """0 (off), or finite and at least low."""
+    def check(value):
+        if value != 0 and not low <= value < math.inf:
+            return f"must be 0 (off) or a finite number, at least {low}"
+    return check
+
+
 def within(low, high, low_open=False, high_open=False):
     """From low to high, both included; low_open or high_open leaves that end out."""
     def check(value):
@@ -545,7 +553,7 @@ class Run:
     model loads; hands it what a checkpoint holds once the models exist (begin); then calls it by
     name in its loop: share() for this process's dialogues, lap() at the end of a step (its
     seconds), sum() and friends for global figures (sum() also makes the loss's denominators global
-    counts), append_means() for what the update logs, sum_gradients() before the clip,
+    counts), add_sums() for what the update logs, sum_gradients() before the clip,
     skip_or_stop() for a non-finite step, log() and save_if_due() after each iteration, stop() when
     the simulator cannot answer, finish() at the end. It holds no loop; it counts the iterations
     done (log).
@@ -727,21 +735,6 @@ class Run:
         """A tensor summed over every process."""
         return self.accelerator.reduce(x, "sum")  # with one process: a copy
 
-    def masked_mean(self, x, mask):
-        """The mean of x where mask is 1, over every process's positions (what x holds elsewhere,
-        such as an overflow at padding, is never read)."""
-        total = self.sum(torch.where(mask > 0, x, 0.0).sum())
-        return (total / self.sum(mask.sum()).clamp(min=1)).item()
-
-    def mean(self, values):
-        """The mean of a logged quantity over the processes that logged it (each one's own mean,
-        averaged), or None where none did. A collective call: every process makes it, with values
-        or without."""
-        means = self.gather([float(np.mean(values))] if values else [])
-        if means:
-            return float(np.mean(means))
-        return None
-
     def gather(self, items):
         """Every process's list items, in rank order (a collective call)."""
         from accelerate.utils import gather_object
@@ -777,28 +770,31 @@ class Run:
         return True
 
     @torch.no_grad()
-    def append_means(self, logs, terms, mask, first):
-        """The update's per-token terms (b, T) as their means over the agent tokens, appended to
-        logs[name]. `ratio` counts only on the first micro-batch of an iteration (first): those
-        weights scored the rollout, so it is 1 (to round-off in float32: the scoring pass runs other
-        micro-batches); a term that is None is left out."""
+    def add_sums(self, logs, terms, mask):
+        """Add each of the update's per-token terms (b, T), summed over the agent tokens of mask,
+        and the count of those tokens, to logs[name] ([sum, count]; a term that is None is left
+        out). log() sums both over the processes before it divides, so a figure is its mean over
+        every token the iteration trained on, however they were split into micro-batches and
+        processes (a mean of means would weigh a micro-batch of one token as one of a thousand). A
+        figure of one value a step (a gradient norm) comes with a mask of 1."""
         for key, x in terms.items():
-            if key == "ratio":
-                if not first:
-                    continue
-                key = "ratio_first"
-            if x is not None and mask.any():  # a micro-batch with nothing trained on has no mean
-                logs[key].append(((x * mask).sum() / mask.sum()).item())
+            if x is not None:
+                logs[key][0] += torch.where(mask > 0, x, 0.0).sum().item()
+                logs[key][1] += mask.sum().item()
 
     # --- after an iteration ----------------------------------------------------------------------
     def log(self, figures, update_logs, dialogues):
         """Step 5 of both trainers (a collective call): one metrics.jsonl line of the iteration's
-        figures (already global), the means over processes of what the update logged, the laps'
+        figures (already global), the global means of what the update logged (add_sums: every
+        process's sums over every process's counts; None where nothing was counted), the laps'
         timings and peak memory (a number that is not finite is written as null); the dialogues
         (JSON objects) to rollouts.jsonl, each with its iteration; every number to the tracker."""
         iteration = self.done + 1
+        sums = self.sum(torch.tensor(list(update_logs.values()), dtype=torch.float64,
+                                     device=self.device))                                   # (K, 2)
         metrics = {"iteration": iteration, **figures,
-                   **{k: self.mean(v) for k, v in update_logs.items()},
+                   **{k: (total / n).item() if n else None
+                      for k, (total, n) in zip(update_logs, sums)},
                    **self.times, "time_iteration": time.time() - self.t_iteration,
                    "peak_memory_gb": peak_memory_gb(), "processes": self.world}
         if self.is_main:

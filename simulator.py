@@ -12,7 +12,7 @@ holds everything on the user's side of the table:
   prompts       PROMPTS: one template per language for the appraisal, the re-ask and the
                 user's messages
   the read-out  parse_change() reads the change line the appraisal prompt asks for ("Change:
-                N"), re-asked once when unread or off the scale; an appraisal that stays unread
+                N"), re-asked once when unread or off the scale; an appraisal that stays so
                 ends its dialogue ("unread"), which the trainers keep out of training. The rules
                 user appraises by its rules
   backends      OpenAIBackend (any /v1/chat/completions server) and RulesBackend (a
@@ -740,8 +740,8 @@ class Simulator:
         self.readout = "rules" if self.backend.name == "rules" else "reasoned"  # reports print it
         # The user's running totals, whose growth a rollout reports, in its backend's Counter (one
         # tally): the tokens the backend counts (a local model's), the seconds spent in step(), and
-        # the changes stated beyond +-max_change and clamped to it. Each starts at 0, so that every
-        # rollout reports each one.
+        # the rules user's changes beyond +-max_change, clamped to it. Each starts at 0, so that
+        # every rollout reports each one.
         self.counts = self.backend.counts
         totals = ["simulator_seconds", "simulator_tokens", "clamped_changes",
                   "simulator_prompt_tokens", "simulator_reused_tokens"]
@@ -758,17 +758,19 @@ class Simulator:
 
     def appraise(self, states, replies):
         """The change each reply would make in its state, with nothing moved or stored: a list of
-        (change, appraisal text), the change as stated (apply_change clamps it) or None where it
-        could not be read. A model's appraisal whose change is unread or beyond +-max_change is
-        re-asked once for the change line alone; an off-scale answer that stays so is kept (and
-        clamped), an unread one stays None. evaluate.py --agreement appraises recorded replies in
-        recorded states."""
+        (change, appraisal text), the change as stated or None where it could not be read. A
+        model's appraisal whose change is unread or beyond +-max_change is re-asked once for the
+        change line alone; an answer that is still unread or off the scale is None: a model that
+        writes its mood where the change belongs ("Change: 33" at mood 30) says nothing readable
+        about the reply, and clamping it would give +max_change a turn whatever the agent said.
+        (The rules user's changes may exceed the scale: apply_change clamps them.) evaluate.py
+        --agreement appraises recorded replies in recorded states."""
         if self.readout == "rules":
             return [rules_appraisal(s, r) for s, r in zip(states, replies)]
         asked = [appraisal_messages(s, r, self.max_change) for s, r in zip(states, replies)]
         texts = self.backend.chat(asked, self.appraisal_tokens, [s.cache for s in states], 1.0)
         changes = [parse_change(t) for t in texts]
-        again = [k for k, c in enumerate(changes) if c is None or abs(c) > self.max_change]
+        again = [k for k, c in enumerate(changes) if not self.on_scale(c)]
         if again:  # the change line alone, by its label in the persona's language
             retry = []
             for k in again:
@@ -780,10 +782,12 @@ class Simulator:
             answers = self.backend.chat(retry, self.retry_tokens, slots, 1.0)
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
-                answer = parse_change(text)
-                if answer is not None:
-                    changes[k] = answer
-        return list(zip(changes, texts))
+                changes[k] = parse_change(text)
+        return [(c if self.on_scale(c) else None, t) for c, t in zip(changes, texts)]
+
+    def on_scale(self, change):
+        """Whether a model's stated change was read and lies within +-max_change."""
+        return change is not None and abs(change) <= self.max_change
 
     def step(self, states, replies):
         """Appraise each state's agent reply, update emotion, end or write the next user message.

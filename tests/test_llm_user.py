@@ -23,7 +23,7 @@ START, MAX_CHANGE, LEAVE_BELOW, MAX_TURNS = 30, 10, 10, 2
 
 def replay(record):
     """(changes, end reason) of a stored dialogue, rebuilt from the corpora's values: the change a text
-    states, re-asked when unread or off the scale, clamped to the scale and the mood to [0, 100]."""
+    states, re-asked when unread or off the scale, unread when still so, the mood clamped to [0, 100]."""
     emotion, changes = START, []
     agent = [t for t in record["turns"] if t["role"] == "agent"]
     users = [t["text"] for t in record["turns"] if t["role"] == "user"][1:]  # after the opening
@@ -31,11 +31,11 @@ def replay(record):
         first, asked, again = turn["appraisal"].partition(MARK)
         stated = STATED[first]
         assert bool(asked) == (stated is None or abs(stated) > MAX_CHANGE)  # re-asked exactly then
-        if asked and STATED[again.strip()] is not None:
+        if asked:
             stated = STATED[again.strip()]
-        if stated is None:
+        if stated is None or abs(stated) > MAX_CHANGE:
             return changes + [None], "unread"
-        moved = max(0, min(100, emotion + max(-MAX_CHANGE, min(MAX_CHANGE, stated)))) - emotion
+        moved = max(0, min(100, emotion + stated)) - emotion
         emotion += moved
         changes.append(moved)
         for reason, ends in (("success", emotion >= 100),

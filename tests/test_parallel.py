@@ -56,7 +56,8 @@ def launch_two(args):
 # Every logged figure is global: the same with one process as with two, to float tolerance
 # (timings aside; the token counts behind the rates must agree exactly).
 SAME = {"both": ("reward_mean", "reward_std", "final_emotion_mean", "policy_loss", "entropy", "kl_ref",
-                 "kl_ref_loss", "approx_kl", "ratio_first", "turns_mean"),
+                 "kl_ref_loss", "approx_kl", "turns_mean", "sample_logprob_gap", "mismatch_kl",
+                 "tis_weight_mean", "tis_clip_frac", "clip_frac"),
         "ppo.py": ("value_loss", "explained_variance", "actor_grad_norm", "critic_grad_norm"),
         "grpo.py": ("group_reward_std", "zero_spread_groups", "grad_norm")}
 COUNTS = ("policy_tokens", "update_tokens", "end_max_turns", "end_left", "end_context",

@@ -186,13 +186,14 @@ def test_updates_first_ratio_is_one_kl_zero_base_frozen_adapters_move(tiny_model
     model, value_head = ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run",
                                            "--iterations", "2", "--lr", "2e-3"))
     m, m2 = read_metrics(tmp_path / "run")
-    # one epoch, one minibatch: the scoring pass and the update run the same weights
-    assert m["ratio_first"] == pytest.approx(1.0, abs=1e-6)
+    # one epoch, one minibatch: the update's one step runs the weights that sampled (ratio 1, nothing
+    # clipped), and in float32 the trainer's log-probs are the sampler's (no correction to make)
+    for row in (m, m2):
+        assert row["approx_kl"] == 0.0 and row["clip_frac"] == 0.0
+        assert row["mismatch_kl"] < 1e-9 and row["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert row["tis_clip_frac"] == 0.0
     assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)        # LoRA B starts at zero: policy == reference
-    # iteration 2, after an update: the first minibatch of the first epoch still sees the weights that
-    # scored the rollout (ratio 1, in float32), and the policy is now off the reference
-    assert m2["ratio_first"] == pytest.approx(1.0, abs=1e-6)
-    assert m2["kl_ref"] > 1e-7
+    assert m2["kl_ref"] > 1e-7                                # iteration 2: the policy moved off it
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     live = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
             for k, v in model.state_dict().items() if "lora_" not in k}
@@ -424,9 +425,10 @@ def test_policy_objective_matches_a_hand_computation_and_is_the_same_in_both_tra
     old, adv = torch.tensor([[-1.5, -2.0]]), torch.tensor([[1.0, -2.0]])
     entropy, ref = torch.tensor([[0.5, 1.5]]), torch.tensor([[-1.0, -2.0]])
     mask = torch.ones(1, 2)
-    args = SimpleNamespace(clip_low=0.2, clip_high=0.2, ent_coef=0.1, kl_loss_coef=0.5)
+    args = SimpleNamespace(clip_low=0.2, clip_high=0.2, ent_coef=0.1, kl_loss_coef=0.5, tis_cap=2.0)
     agg = partial(ppo.aggregate, mask=mask, mode="token-mean", total_tokens=2.0, total_seqs=1.0)
-    loss, terms = ppo.policy_objective(logprobs, entropy, old, adv, ref, agg, args)
+    # the sampler's log-probs are the old ones: every importance weight is 1
+    loss, terms = ppo.policy_objective(logprobs, entropy, old, old, adv, ref, agg, args)
     r2 = np.exp(-0.1)
     pg = [-1.0 * 1.2, max(2.0 * r2, 2.0 * 0.8)]              # max(-A r, -A clip(r))
     kl = [0.0, np.exp(0.1) - 0.1 - 1]                          # k3 with ref - lp = 0 and 0.1
@@ -436,7 +438,7 @@ def test_policy_objective_matches_a_hand_computation_and_is_the_same_in_both_tra
     loss.backward()  # token 0 is clipped and at the reference: no gradient; token 1 gets both terms
     assert logprobs.grad[0, 0].item() == pytest.approx(0.0, abs=1e-7)
     assert logprobs.grad[0, 1].item() == pytest.approx(r2 - 0.25 * (np.exp(0.1) - 1), abs=1e-6)
-    again, _ = grpo.policy_objective(logprobs, entropy, old, adv, ref, agg, args)
+    again, _ = grpo.policy_objective(logprobs, entropy, old, old, adv, ref, agg, args)
     assert again.item() == loss.item()
 
 
@@ -465,9 +467,9 @@ def test_old_logprobs_from_the_update_pass_give_the_run_of_the_scoring_pass(tiny
         for key in ("reward_mean", "final_emotion_mean", "policy_tokens"):
             assert a[key] == b[key], key
         for key in ("policy_loss", "value_loss", "entropy", "kl_ref", "kl_ref_loss", "actor_grad_norm",
-                    "critic_grad_norm", "sample_logprob_gap", "explained_variance"):
+                    "critic_grad_norm", "sample_logprob_gap", "explained_variance", "mismatch_kl",
+                    "tis_weight_mean", "approx_kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
-        assert a["ratio_first"] == 1.0 and b["ratio_first"] == pytest.approx(1.0, abs=1e-6)
     for name in ("default", "critic"):
         skipped, forced = adapter_of(tmp_path / "skip", 2, name), adapter_of(tmp_path / "pass", 2, name)
         for k in forced:

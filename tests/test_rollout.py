@@ -680,6 +680,8 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir):
     # 7 projections x 2 layers
     assert sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in policy.modules()) == 14
     frozen = {n: p.dtype for n, p in policy.named_parameters() if "lora_" not in n}
+    head = frozen.pop("base_model.model.lm_head.weight")
+    assert head == torch.float32  # the output layer in float32 (--fp32-head, the default)
     assert set(frozen.values()) == {torch.bfloat16, torch.uint8}, frozen  # the NF4 weights are packed bytes
     assert not any(p.requires_grad for n, p in policy.named_parameters() if "lora_" not in n)
     # NF4 weights never merge: sampling goes through the adapter

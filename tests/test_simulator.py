@@ -467,16 +467,16 @@ def test_mixed_batch_keeps_dialogues_apart(persona):
     assert len(backend.calls[-1][0]) == 2
 
 
-def test_reasoned_reasks_once_then_clamps_or_ends_unread(persona):
-    # step 1: garbage, and the one re-ask answers; step 2: beyond the scale, twice: clamped and counted;
+def test_reasoned_reasks_once_then_reads_or_ends_unread(persona):
+    # step 1: garbage, and the one re-ask answers; step 2: beyond the scale, then within it;
     # step 3: read at once, no re-ask; step 4: unread twice: the dialogue ends there, nothing moved
     backend = ScriptedBackend(["I am not sure what to make of this.", "Change: -3",
-                               "Change: -15", "Change: -15", "Change: +4", "Change: 41 \u2192 38",
+                               "Change: -15", "Change: -6", "Change: +4", "Change: 41 \u2192 38",
                                "I'd rather not say."], ["Hm."])
     sim = Simulator(backend)
     s = sim.start(persona)
     sim.step([s], ["first"])
-    assert (s.emotion, s.appraisals[-1]["change"], sim.counts["clamped_changes"]) == (37, -3, 0)
+    assert (s.emotion, s.appraisals[-1]["change"]) == (37, -3)
     text = s.appraisals[-1]["appraisal"]
     assert text.startswith("I am not sure") and text.endswith("(re-asked for the change) Change: -3")
     retry = backend.calls[1][0][0]  # the re-ask extends the appraisal with the model's own answer
@@ -484,17 +484,18 @@ def test_reasoned_reasks_once_then_clamps_or_ends_unread(persona):
     assert retry[2] == {"role": "assistant", "content": "I am not sure what to make of this."}
     assert "could not be read" in retry[3]["content"] and backend.calls[1][1] == sim.retry_tokens
     sim.step([s], ["second"])
-    assert (s.emotion, s.appraisals[-1]["change"], sim.counts["clamped_changes"]) == (27, -10, 1)  # never 0
+    assert (s.emotion, s.appraisals[-1]["change"]) == (31, -6)
     calls = len(backend.calls)
     sim.step([s], ["third"])
-    assert (s.emotion, s.end_reason) == (31, None)
+    assert (s.emotion, s.end_reason) == (35, None)
     assert len(backend.calls) == calls + 2  # the appraisal and the user's reply, no re-ask
     sim.step([s], ["fourth"])
-    assert (s.emotion, s.end_reason, s.history[-1]["role"]) == (31, "unread", "agent")  # no reply after it
+    assert (s.emotion, s.end_reason, s.history[-1]["role"]) == (35, "unread", "agent")  # no reply after it
     turns = transcript(s)
     assert [t["role"] for t in turns] == ["user", "agent", "user", "agent", "user", "agent", "user", "agent"]
     assert turns[-1]["change"] is None and turns[-1]["emotion"] is None
-    assert turns[5]["emotion"] == 31
+    assert turns[5]["emotion"] == 35
+    assert sim.counts["clamped_changes"] == 0
     # appraisals are decoded without a repetition penalty; the user's replies keep the backend's own
     # (the last step asks no reply)
     asked = [(c, p) for (c, _), p in zip(backend.calls, backend.penalties) if c]
@@ -509,6 +510,23 @@ def test_an_off_scale_change_reasked_into_the_scale_takes_the_new_answer(persona
     s = sim.start(persona)
     sim.step([s], ["first"])
     assert (s.emotion, sim.counts["clamped_changes"]) == (46, 0) and len(backend.calls) == 3
+
+
+@pytest.mark.parametrize("first, again", [
+    ("Inner reaction: fine.\nChange: 33", "Change: 33"),   # the mood level where the change belongs
+    ("Change: +25", "Change: +25"),                          # a URL user off the scale twice
+    ("Change: 33", "I'd rather not say."),                   # off the scale, then unread
+    ("Change: N", "Change: -40")])                           # unread, then off the scale
+def test_a_change_still_off_the_scale_after_the_reask_is_unread(persona, first, again):
+    """Never clamped into a reward: a user writing its mood level (33 at mood 30) would otherwise
+    give +10 a turn, emotion 100 in seven turns, whatever the agent said."""
+    backend = ScriptedBackend([first, again], ["Hm."])
+    sim = Simulator(backend, start_emotion=30)
+    s = sim.start(persona)
+    sim.step([s], ["first"])
+    assert (s.emotion, s.end_reason, s.appraisals[-1]["change"]) == (30, "unread", None)
+    assert sim.counts["clamped_changes"] == 0
+    assert len([c for c, _ in backend.calls if c]) == 2  # the appraisal and its re-ask; no reply
 
 
 def test_the_readout_follows_from_the_backend(tiny_model, capsys):
@@ -1007,7 +1025,7 @@ SERVER_CASES = [
     ("Inner reaction: R3.\nChange: \u20132", None, -2),
     ("Inner reaction: R4.\n**Change:** +4", None, 4),
     ("Inner reaction: R5.\nChange: 41 \u2192 38", "Change: -3", -3),       # unread, then read on retry
-    ("Inner reaction: R6.\nChange: 45", "Change: 45", 10),               # beyond the scale twice: clamped
+    ("Inner reaction: R6.\nChange: 45", "Change: +4", 4),                # beyond the scale, then within
     ("On a scale from -10 to +10 it is fine.\nInner reaction: R7.\nChange: +2", None, 2),
     ("Inner reaction: R8.\nChange: N", "I'd rather not say.", None),       # unread twice: the end
 ]
@@ -1042,7 +1060,7 @@ def test_reasoned_readout_against_a_fake_server(serve, persona):
     turns = transcript(state)
     agent = [t for t in turns if t["role"] == "agent"]
     assert [t["change"] for t in agent] == [c for _, _, c in SERVER_CASES]
-    assert state.end_reason == "unread" and sim.counts["clamped_changes"] == 1
+    assert state.end_reason == "unread" and sim.counts["clamped_changes"] == 0
     assert sum("(re-asked for the change)" in t["appraisal"] for t in agent) == 3
     assert state.emotion == 50 + sum(c for _, _, c in SERVER_CASES[:-1])
     users = [t["text"] for t in turns if t["role"] == "user"][1:]
@@ -1090,13 +1108,18 @@ def play_both_agents(sim, personas):
 def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_model, persona, monkeypatch):
     """The simulated user keeps its KV cache between turns and between the appraisal, its re-asking and
     the reply; greedy dialogues (emotions, appraisals, user messages) must not change, only get cheaper.
-    The random model writes no change line, so a stand-in reads every text as off the scale: each
-    appraisal is re-asked, then clamped, and the dialogues go on for their four turns."""
-    monkeypatch.setattr(simulator, "parse_change", lambda text: 15)
+    The random model writes no change line, so a stand-in reads every appraisal as off the scale
+    and every re-ask's answer as within it: each appraisal is re-asked, and the dialogues go on for
+    their four turns."""
+    asked = {}  # the tokens of the backend's latest call: 8 for an appraisal, 4 for its re-ask
+    monkeypatch.setattr(simulator, "parse_change", lambda text: 15 if asked["tokens"] == 8 else 3)
     runs = []
     for reuse in (True, False):
         backend = LocalBackend(*tiny_model, reuse_cache=reuse)
         backend.micro_batch_size = 3
+        chat = backend.chat
+        backend.chat = lambda rows, tokens, *rest, chat=chat: (asked.update(tokens=tokens),
+                                                               chat(rows, tokens, *rest))[1]
         sim = Simulator(backend, max_turns=4, reply_tokens=6, appraisal_tokens=8, retry_tokens=4,
                         leave_below=0)
         dialogues = play_both_agents(sim, [persona] * 3)

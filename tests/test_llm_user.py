@@ -8,6 +8,7 @@ corpora's own values: each change, each end, each reward and the count of unread
 exactly what the replay gives."""
 import json
 
+import numpy as np
 import pytest
 
 import grpo
@@ -105,3 +106,6 @@ def test_grpo_trains_on_an_llm_users_stated_judgments(tiny_model_dir, many_perso
         groups = [[d["final_emotion"] for d in mine[k:k + 3] if d["end_reason"] != "unread"]
                   for k in (0, 3, 6, 9)]
         assert m["zero_spread_groups"] == sum(len(set(g)) < 2 for g in groups)
+        # the std of the groups with one: those with two read dialogues or more
+        stds = [np.std(g, ddof=1) / 100 for g in groups if len(g) >= 2]
+        assert m["group_reward_std"] == (pytest.approx(np.mean(stds)) if stds else None)

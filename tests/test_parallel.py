@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, read_metrics
+from conftest import ROOT, is_appraisal, read_metrics, reply
 
 
 def run(cmd, out):
@@ -17,29 +17,46 @@ def run(cmd, out):
     return read_metrics(out)
 
 
+# Four personas, each judged alike every turn by the user behind the server below: three read (each
+# its own change, so any two of them earn different rewards) and one never read (its dialogues end
+# "unread" and enter no loss). Different openings: with one opening every dialogue's first turn is
+# the same greedy reply, the whitened advantages cancel on it, and what is left of the gradient is
+# round-off (about 1e-8), which Adam's first step (about lr x sign) turns into different weights in
+# any two runs. PPO samples all four an iteration (2 a process), so each iteration one process holds
+# an unread dialogue beside a read one and the other two read ones: a figure averaged per process,
+# not over every trained token, would differ from one process's.
+OPENINGS = {"i didn't get the promotion. they gave it to the new guy.": "Change: +4",
+            "my sister hasn't spoken to me since the wedding and i don't know what i did.": "Change: -2",
+            "i failed the driving test again today. third time.": "Change: +1",
+            "my flatmate moved out without telling me and left me the rent.": "I'd rather not say."}
+
+
 @pytest.fixture
 def personas_file(write_personas, persona_entry):
-    # Three difficulties: the rules user weighs the same reply differently at each, so any two
-    # personas (GRPO's two groups, one per process) get different rewards. Were the gathered groups
-    # mixed up, a group would see a spread and the adapters would differ from one process's.
-    # Different openings: with one opening every dialogue's first turn is the same greedy reply, the
-    # whitened advantages cancel on it, and what is left of the gradient is round-off (about 1e-8),
-    # which Adam's first step (about lr x sign) turns into different weights in any two runs.
-    openings = ["i didn't get the promotion. they gave it to the new guy.",
-                "my sister hasn't spoken to me since the wedding and i don't know what i did.",
-                "i failed the driving test again today. third time."]
-    return write_personas([persona_entry(id=f"p{i}", difficulty=d, opening=o)
-                           for i, (d, o) in enumerate(zip(["easy", "normal", "hard"], openings))])
+    return write_personas([persona_entry(id=f"p{i}", opening=o) for i, o in enumerate(OPENINGS)])
 
 
-def args_for(script, model, personas, out, *extra):
+@pytest.fixture
+def user(server):
+    """The user on 127.0.0.1: an appraisal (or its re-ask) gets its persona's line, found by the
+    opening it holds; a message of the user is always the same."""
+    def handle(handler, n, body):
+        messages = json.dumps(body["messages"])
+        text = next((line for opening, line in OPENINGS.items() if opening in messages), "")
+        if not is_appraisal(body["messages"]):
+            text = "okay. go on."
+        reply(handler, 200, json.dumps({"choices": [{"message": {"content": text}}]}).encode())
+    return server(handle)
+
+
+def args_for(script, model, personas, user, out, *extra):
     # grpo: greedy groups are identical (zero advantages), so an entropy bonus makes the step move the adapter
     # a learning rate large enough that iteration 2's policy is measurably off the reference
     size = ["--dialogues-per-iteration", "4", "--lr", "2e-3"] if script == "ppo.py" else \
         ["--personas-per-iteration", "2", "--group-size", "2", "--ent-coef", "0.01", "--lr", "2e-3"]
     # one minibatch of the whole batch and greedy dialogues: both runs see the same dialogues and
     # take the same optimizer step, so their adapters must agree to float tolerance
-    return [script, "--preset", "cpu", "--model", model, "--simulator", "rules", "--personas", personas,
+    return [script, "--preset", "cpu", "--model", model, "--simulator", user.url, "--personas", personas,
             "--split", "test", *size, "--minibatch-size", "4", "--micro-batch-size", "1", "--max-turns", "2",
             "--max-new-tokens", "6", "--lora-r", "4", "--lora-alpha", "8", "--greedy", "true",
             "--iterations", "2", "--save-every", "1", "--out", str(out), *extra]
@@ -60,29 +77,32 @@ SAME = {"both": ("reward_mean", "reward_std", "final_emotion_mean", "policy_loss
                  "tis_weight_mean", "tis_clip_frac", "clip_frac"),
         "ppo.py": ("value_loss", "explained_variance", "actor_grad_norm", "critic_grad_norm"),
         "grpo.py": ("group_reward_std", "zero_spread_groups", "grad_norm")}
-COUNTS = ("policy_tokens", "update_tokens", "end_max_turns", "end_left", "end_context",
+COUNTS = ("policy_tokens", "update_tokens", "unread_dialogues", "end_max_turns", "end_left", "end_context",
           "policy_prompt_tokens", "policy_reused_tokens",
           "simulator_prompt_tokens", "simulator_reused_tokens")
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py"])
-def test_two_processes_match_one(script, tiny_model_dir, personas_file, tmp_path):
+def test_two_processes_match_one(script, tiny_model_dir, personas_file, user, tmp_path):
     from safetensors.torch import load_file
 
     one, two = tmp_path / "one", tmp_path / "two"
-    single = run([sys.executable, *args_for(script, tiny_model_dir, personas_file, one)], one)
-    double = run(launch_two(args_for(script, tiny_model_dir, personas_file, two)), two)
+    single = run([sys.executable, *args_for(script, tiny_model_dir, personas_file, user, one)], one)
+    double = run(launch_two(args_for(script, tiny_model_dir, personas_file, user, two)), two)
     assert [m["processes"] for m in double] == [2, 2]
     with open(two / "rollouts.jsonl") as f:
         assert len([json.loads(line) for line in f]) == 2 * 4  # every process's dialogues, both iterations
-    assert all(m["reward_std"] > 0 for m in single)  # the dialogues (GRPO: the groups) differ in reward
+    # the read dialogues (GRPO: the groups) differ in reward (GRPO's first iteration: one group read)
+    assert all(m["reward_std"] > 0 for m in single[script == "grpo.py":])
+    # PPO: an unread dialogue an iteration, beside a read one on its process; GRPO: a whole group
+    assert [m["unread_dialogues"] for m in single] == ([1, 1] if script == "ppo.py" else [2, 0])
     assert single[1]["kl_ref"] > 0  # the adapter moved in iteration 1
     for a, b in zip(single, double):  # the same dialogues, so the same global metrics
         for key in SAME["both"] + SAME[script]:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
         for key in COUNTS:
             assert a[key] == b[key], key
-        assert a["policy_tokens"] > 0 and a["update_tokens"] == a["policy_tokens"]  # one pass over them
+        assert 0 < a["update_tokens"] <= a["policy_tokens"]  # one pass over the read dialogues
     for iteration in (1, 2):
         ckpt = os.path.join("checkpoints", f"iter_{iteration:06d}")
         for adapter in ("default", "critic") if script == "ppo.py" else ("default",):

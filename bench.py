@@ -165,6 +165,7 @@ def plain_rate(model, tokenizer, prompts, max_new_tokens):
 # rollout: multi-turn rollout throughput against plain batched generation
 # ----------------------------------------------------------------------------------------------
 ROLLOUT_TARGET = 0.9  # the multi-turn rollout keeps 0.9 of plain generate's tokens/s
+KV_PEAK_TARGET = 1.2  # a turn holds its KV cache once: at most 1.2 x what it keeps
 
 
 @dataclass
@@ -204,22 +205,46 @@ def bench_rollout(args):
           f"simulator '{args.simulator}' with the {simulator.readout} read-out, "
           f"turn caches {args.reuse_cache}")
 
+    # The KV cache of each turn (the policy's or the user's generate_turn) when keep_cache takes
+    # it: the bytes alive at the turn's fullest point (the turn's cache at its longest, what the
+    # dialogues still hold, and the one layer of copies made while the cache holds the rest), and
+    # the bytes kept after it.
+    turns = []
+
+    def kept_and_measured(slots, cache, ids, mask):
+        alive = kv_bytes(slots) + kv_bytes([{"kv": [(k.keys, k.values) for k in cache.layers]}])
+        layers = len(cache.layers)
+        keep_cache(slots, cache, ids, mask)
+        turns.append((alive + kv_bytes(slots) / layers, kv_bytes(slots)))
+
     # The baseline runs before and after the rollout, averaged, so that a machine whose load changes
     # during the run (shared CPUs) tilts the ratio less.
     before = plain_rate(policy, tokenizer, prompts, args.max_new_tokens)
+    keep_cache = rollout.keep_cache
     t0 = time.time()
-    records, stats = rollout.play_dialogues(policy, simulator, personas, chat=chat,
-                                            merge=rollout.mergeable_layers(policy),
-                                            max_new_tokens=args.max_new_tokens,
-                                            reuse_cache=args.reuse_cache, progress=False)
+    with mock.patch.object(rollout, "keep_cache", kept_and_measured):
+        records, stats = rollout.play_dialogues(policy, simulator, personas, chat=chat,
+                                                merge=rollout.mergeable_layers(policy),
+                                                max_new_tokens=args.max_new_tokens,
+                                                reuse_cache=args.reuse_cache, progress=False)
     wall = time.time() - t0
     plain = (before + plain_rate(policy, tokenizer, prompts, args.max_new_tokens)) / 2
     rate = (stats["policy_tokens"] + stats["simulator_tokens"]) / wall
+    kv_peak = max((alive / kept for alive, kept in turns), default=None)  # None: no turn kept
     result = {"plain_tokens_per_s": plain, "rollout_tokens_per_s": rate, "ratio": rate / plain,
-              "rollout_seconds": wall}
+              "rollout_seconds": wall, "kv_peak_ratio": kv_peak}
     return report(result,
                   f"ratio: the rollout's {rate:.1f} tok/s (policy and simulator, {wall:.1f} s) / "
-                  f"plain generate's {plain:.1f} = {rate / plain:.2f} (target >= {ROLLOUT_TARGET})")
+                  f"plain generate's {plain:.1f} = {rate / plain:.2f} (target >= {ROLLOUT_TARGET})",
+                  f"kv_peak_ratio: a turn's KV cache at its fullest / the caches kept after it, at "
+                  f"most {kv_peak} (target <= {KV_PEAK_TARGET})")
+
+
+def kv_bytes(slots):
+    """The bytes of the keys and values the slots hold (a layer already dropped, None, holds
+    none)."""
+    return sum(t.numel() * t.element_size() for slot in slots for kv in slot.get("kv", [])
+               for t in kv if t is not None)
 
 
 # ----------------------------------------------------------------------------------------------

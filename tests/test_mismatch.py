@@ -146,6 +146,7 @@ def test_in_bf16_the_defaults_add_no_mismatch_of_their_own(sharp_model_dir):
         head = policy.get_output_embeddings().weight.dtype
         assert head == (torch.float32 if fp32_head else torch.bfloat16)
         measured[dtype, fp32_head] = mismatch_kl(policy, rollout_batch(policy, tokenizer))
+    print("mismatch_kl", measured)  # docs/gpu.md: python -m pytest -s tests/test_mismatch.py -k defaults
     assert measured["float32", True] < 1e-7
     assert measured["bfloat16", False] > 1e-4  # the rounding this test is about
     assert measured["bfloat16", True] < measured["bfloat16", False] / 2, measured

@@ -632,8 +632,10 @@ class OpenAIBackend:
                     if not isinstance(content, str):
                         raise ReplyError(f"choices[0].message.content is {type(content).__name__}, "
                                          "not a string")
-                    if key:  # a proxy may echo the key
-                        content = content.replace(key, REDACTED)
+                    # a proxy may echo the key: scrubbed where it stands whole, never from
+                    # inside a longer word, so that no other text changes
+                    if key:
+                        content = re.sub(rf"(?<!\w){re.escape(key)}(?!\w)", REDACTED, content)
                     return content
                 problem = f"HTTP {status}"
                 if status in (401, 403):
@@ -903,6 +905,13 @@ class SimulatorSettings:
         if "api_key_env" in args.given and args.api_key_env not in os.environ:
             fail("--api-key-env <redacted>: no environment variable of that name is set; give the "
                  "name of the variable that holds the key (exported), never the key itself")
+        key = os.environ.get(args.api_key_env, "").strip()
         # http.client would refuse such a header with an error that quotes it, key and all
-        if not os.environ.get(args.api_key_env, "").strip().isprintable():
+        if not key.isprintable():
             fail(f"${args.api_key_env} holds a line break or another control character in the key")
+        # Every reply is scrubbed of the key (a proxy may echo it): a placeholder such as "1" or
+        # "x" would be scrubbed out of the appraisal itself ("Change: 1"). No real key is that
+        # short; without a key the client sends no Authorization header at all.
+        if 0 < len(key) < 8 and args.simulator.startswith("http"):
+            fail(f"${args.api_key_env} holds {len(key)} characters, too few for an API key; for a "
+                 f"server that needs no key, unset {args.api_key_env}")

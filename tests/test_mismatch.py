@@ -23,7 +23,7 @@ from test_bad_input import exits_with_one_line
 @pytest.fixture(scope="module")
 def sharp_model_dir(tmp_path_factory):
     """A 2-layer random Llama whose output layer is scaled up 100x: its next-token distributions are
-    peaked (about 1 nat a token, as a trained model's), so bf16 rounding shows in its log-probs."""
+    peaked (about 0.4 nats a token, as a trained model's), so bf16 rounding shows in its log-probs."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = tiny_tokenizer()

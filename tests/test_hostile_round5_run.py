@@ -1,0 +1,172 @@
+"""Hostile cases, round 5 (issue 44), the run's part: a resume never loses a log, everything read back
+from a run is checked before it is used, evaluate.py checks an adapter before any model loads, every
+line tells the truth, and bench.py reads its trainer flags. Each test holds one of the issue's cases
+through the command line (the script's run.command(main) in this process), as tests/test_hostile.py
+and tests/test_hostile_round4.py do for the earlier rounds.
+
+A run's checkpoints are the folders RUN/checkpoints/iter_NNNNNN: a save writes iter_NNNNNN.tmp and
+renames it into place. The kill points are tested by building the states a kill leaves."""
+import os
+import shutil
+
+import pytest
+import torch
+
+import evaluate
+from conftest import read_metrics
+from test_bad_input import assert_one_line, tiny
+from test_hostile import command, copy_run, produce
+
+CHECKPOINT = os.path.join("checkpoints", "iter_{:06d}")
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tiny_model_dir, personas_file, tmp_path_factory):
+    """A PPO run of 2 iterations with a checkpoint after each (not itself a case)."""
+    out = tmp_path_factory.mktemp("r5") / "run"
+    produce("ppo.py", *tiny(tiny_model_dir, personas_file, out, "--iterations", "2", "--save-every", "1"))
+    return out
+
+
+def resume(capsys, run, *extra):
+    return command(capsys, "ppo.py", "--resume", str(run), "--iterations", "3", *extra)
+
+
+def checkpoint(run, n):
+    return run / CHECKPOINT.format(n)
+
+
+def resumed_from(err, run, n):
+    return f"resuming {run} from {checkpoint(run, n)}" in err
+
+
+def lines(path):
+    return path.read_bytes().splitlines(keepends=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. The checkpoints are the folders: no list beside them can disagree, no log is lost
+# ----------------------------------------------------------------------------------------------
+LISTS = {  # a checkpoints.txt an older save left beside the folders (the run reads none)
+    "naming only the older": b"iter_000001\n",  # a kill between the rename and the list's append
+    "empty": b"",
+    "in another order": b"iter_000002\niter_000001\n",
+    "not UTF-8": b"iter_000001\n\xff\xfe\n",
+}
+
+
+@pytest.mark.parametrize("kind", [*LISTS, "a folder"])
+def test_the_newest_checkpoint_folder_is_resumed_whatever_a_list_beside_it_says(kind, two_checkpoints,
+                                                                               tmp_path, capsys):
+    run = copy_run(two_checkpoints, tmp_path)
+    listed = run / "checkpoints.txt"
+    shutil.rmtree(listed, ignore_errors=True)
+    listed.unlink(missing_ok=True)
+    if kind == "a folder":
+        listed.mkdir()
+    else:
+        listed.write_bytes(LISTS[kind])
+    rollouts = lines(run / "rollouts.jsonl")
+    code, _, err, _ = resume(capsys, run)
+    assert code == 0 and "Traceback" not in err, err[-2000:]
+    assert resumed_from(err, run, 2)
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
+    assert lines(run / "rollouts.jsonl")[:len(rollouts)] == rollouts  # nothing of iterations 1-2 lost
+
+
+@pytest.mark.parametrize("kind", ["not UTF-8", "naming only the older"])
+def test_evaluate_takes_a_runs_newest_checkpoint_folder(kind, two_checkpoints, tmp_path):
+    run = copy_run(two_checkpoints, tmp_path)
+    (run / "checkpoints.txt").write_bytes(LISTS[kind])
+    args = evaluate.parse_args(["--adapter", str(run)])
+    assert args.adapter == [str(checkpoint(run, 2) / "default")]
+
+
+def test_a_save_killed_while_writing_leaves_a_tmp_folder_the_next_save_replaces(two_checkpoints, tmp_path,
+                                                                                 capsys):
+    run = copy_run(two_checkpoints, tmp_path)
+    killed = run / (CHECKPOINT.format(3) + ".tmp")  # what a kill in the save of iteration 3 left
+    shutil.copytree(checkpoint(run, 2), killed)
+    (killed / "state.pt").write_bytes(b"half")
+    (killed / "from_the_killed_save").write_text("x")
+    code, _, err, _ = resume(capsys, run)
+    assert code == 0, err[-2000:]
+    assert not killed.exists() and sorted(os.listdir(checkpoint(run, 3))) == sorted(
+        os.listdir(checkpoint(run, 2)))  # a checkpoint holds what one save wrote, nothing else
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
+
+
+def test_a_save_killed_after_the_rename_before_the_pruning(two_checkpoints, tmp_path, capsys):
+    # iteration 2's checkpoint was renamed into place, iteration 1's not yet pruned (--keep-checkpoints
+    # 1), and a list an older save kept names only iteration 1
+    run = copy_run(two_checkpoints, tmp_path)
+    (run / "checkpoints.txt").write_bytes(LISTS["naming only the older"])
+    code, _, err, _ = resume(capsys, run, "--keep-checkpoints", "1")
+    assert code == 0, err[-2000:]
+    assert resumed_from(err, run, 2)
+    assert os.listdir(run / "checkpoints") == ["iter_000003"]
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
+
+
+def test_a_save_killed_while_pruning(two_checkpoints, tmp_path, capsys):
+    # the pruning of iteration 1's checkpoint stopped half way: its state.pt and policy are gone
+    run = copy_run(two_checkpoints, tmp_path)
+    (run / "checkpoints.txt").write_bytes(LISTS["naming only the older"])
+    for part in ("state.pt", "default"):
+        shutil.rmtree(checkpoint(run, 1) / part, ignore_errors=True)
+        (checkpoint(run, 1) / part).unlink(missing_ok=True)
+    code, _, err, _ = resume(capsys, run, "--keep-checkpoints", "1")
+    assert code == 0, err[-2000:]
+    assert resumed_from(err, run, 2)
+    # the remains hold no state.pt, so they are never taken for a checkpoint to delete
+    assert sorted(os.listdir(run / "checkpoints")) == ["iter_000001", "iter_000003"]
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
+
+
+def test_a_broken_checkpoint_that_cannot_be_moved_aside_is_one_line_and_nothing_is_cut(two_checkpoints,
+                                                                                       tmp_path, capsys):
+    run = copy_run(two_checkpoints, tmp_path)
+    (checkpoint(run, 2) / "state.pt").write_bytes(b"broken")
+    earlier = run / (CHECKPOINT.format(2) + ".broken")  # an earlier broken copy, kept
+    (earlier / "notes").mkdir(parents=True)
+    before = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "rollouts.jsonl")}
+    code, _, err, _ = resume(capsys, run)
+    assert_one_line(code, err, str(checkpoint(run, 2)), "does not load", "cannot be moved", str(earlier),
+                    f"python ppo.py --resume {run}")
+    assert "warning:" not in err  # no line claims it was moved
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert (checkpoint(run, 2) / "state.pt").exists() and (earlier / "notes").is_dir()
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. state.pt's layout is checked before anything of it is used
+# ----------------------------------------------------------------------------------------------
+def not_a_dict(state):
+    return 5
+
+
+def without_log_sizes(state):
+    del state["log_sizes"]
+    return state
+
+
+def rng_of_strings(state):
+    return {**state, "rng": ["x"]}
+
+
+def a_log_size_as_text(state):
+    return {**state, "log_sizes": {**state["log_sizes"], "metrics.jsonl": "12"}}
+
+
+@pytest.mark.parametrize("damage, words", [(not_a_dict, "not a dict"), (without_log_sizes, "'log_sizes'"),
+                                           (rng_of_strings, "'rng'"), (a_log_size_as_text, "'log_sizes'")])
+def test_a_state_of_another_layout_is_a_broken_checkpoint(damage, words, two_checkpoints, tmp_path, capsys):
+    run = copy_run(two_checkpoints, tmp_path)
+    path = checkpoint(run, 2) / "state.pt"
+    torch.save(damage(torch.load(path, weights_only=False)), path)
+    code, _, err, _ = resume(capsys, run)
+    assert code == 0 and "Traceback" not in err, err[-2000:]
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and str(path) in warnings[0] and words in warnings[0], warnings
+    assert resumed_from(err, run, 1)
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]

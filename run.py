@@ -38,6 +38,10 @@ from tqdm import tqdm
 
 # What this process holds for its run folder: lock descriptors, and signal handlers to restore
 HELD = []
+# The settings this command took from a file instead of its command line, until they are checked
+# and a run begins: what a line says of one (its flag, or a path's value) -> the file and field it
+# came from. A Stop about one names them.
+TAKEN = {}
 
 
 def release():
@@ -58,6 +62,10 @@ class Stop(Exception):
     """What ends a command with one line: bad input (code 2) or a run that cannot go on (code 1)."""
 
     def __init__(self, message, code=2):
+        # a line about a value the command did not get on its command line says where it came from
+        for said, where in TAKEN.items():
+            if said in message and where not in message:
+                message = f"{where}: {message}"
         super().__init__(message)
         self.code = code
 
@@ -227,6 +235,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     with one line, exit code 2."""
     if argv is None:
         argv = sys.argv[1:]
+    TAKEN.clear()  # a new command's settings
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     parser.error = fail
     groups = {cls.title: parser.add_argument_group(cls.title) for cls in classes}
@@ -251,9 +260,8 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
         parser.set_defaults(**presets[parser.parse_args(argv).preset])
     args = parser.parse_args(argv)
     args.given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    saved = set()  # the settings taken from config.json
     if getattr(args, "resume", ""):
-        saved = resume_settings(args, fields, prog)
+        resume_settings(args, fields, prog)
     for f in fields:
         check = f.metadata["check"]
         value = getattr(args, f.name)
@@ -268,10 +276,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
             shown = repr(redact(value))
             if getattr(check, "secret", False):
                 shown = REDACTED
-            where = f"--{f.name.replace('_', '-')}"
-            if f.name in saved:
-                where = f"{args.resume}/config.json: field '{f.name}'"
-            fail(f"{where} {shown}: {problem}")
+            fail(f"--{f.name.replace('_', '-')} {shown}: {problem}")
         if f.metadata["path"] and os.path.exists(value):
             setattr(args, f.name, os.path.abspath(value))
     for cls in classes:
@@ -292,19 +297,20 @@ def read_run(folder):
 
 
 def resume_settings(args, fields, prog=None):
-    """--resume DIR: the run's saved settings replace the defaults; a flag given now may change only
-    what RESUMABLE and the operational settings allow. Every check runs after this, on what is kept.
-    Returns the names of the settings taken from config.json."""
+    """--resume DIR: the run's saved settings replace the defaults, each one TAKEN from config.json;
+    a flag given now may change only what RESUMABLE and the operational settings allow. Every check
+    runs after this, on what is kept."""
     saved = read_run(args.resume)
     if saved is None:
         fail(f"--resume {args.resume}: not a run folder (no config.json written by a trainer)")
     if saved["script"] != prog:  # the other trainer's checkpoints hold other parts
-        fail(f"--resume {args.resume}: the run was made by {saved['script']}; resume it with "
-             f"`python {saved['script']} --resume {args.resume}`")
+        advice = "it is not a training run"
+        if saved["script"] in ("ppo.py", "grpo.py"):
+            advice = f"resume it with `python {saved['script']} --resume {args.resume}`"
+        fail(f"--resume {args.resume}: the run was made by {saved['script']}; {advice}")
     if "out" in args.given and os.path.abspath(args.out) != os.path.abspath(args.resume):
         fail(f"--out {args.out} with --resume {args.resume}: "
              "a resume continues in the run's own folder")
-    taken = set()  # the settings taken from config.json
     for f in fields:
         # a setting added since keeps today's default; consent to hub code is never inherited; the
         # folder is the one resumed (a run folder may have been moved or copied since it was made)
@@ -314,13 +320,16 @@ def resume_settings(args, fields, prog=None):
         then = saved[f.name]
         if f.name not in args.given:
             setattr(args, f.name, then)
-            taken.add(f.name)
+            # a line about its flag, or about a path's value, names where it came from (Stop)
+            where = f"{args.resume}/config.json: field '{f.name}'"
+            TAKEN[f"--{f.name.replace('_', '-')}"] = where
+            if f.metadata["path"]:
+                TAKEN[str(then)] = where
         elif redact(now) != then and f.name not in RESUMABLE and not f.metadata["operational"]:
             fail(f"--{f.name.replace('_', '-')} {redact(now)!r}: the run in {args.resume} has "
                  f"{then!r}, and --resume keeps it (it may change only {', '.join(RESUMABLE)} "
                  "and the operational settings)")
     args.out = os.path.abspath(args.resume)
-    return taken
 
 
 def public_config(args, script):
@@ -624,6 +633,7 @@ class Run:
         self.model = model
         self.parts = {"optimizer": optimizer, "scheduler": scheduler, **(modules or {})}
         self.trained = [p for group in optimizer.param_groups for p in group["params"]]
+        TAKEN.clear()  # the settings are checked: a line from here on is about the run
         folder, start, log_sizes = self.restore()
         if self.is_main:
             # the logs as long as they were when the checkpoint was written (empty without one: the
@@ -720,6 +730,9 @@ class Run:
         """What holds now and the command that continues (every one tested)."""
         found = checkpoints(self.args.out)
         how = f"python {self.script} --resume {self.args.out}"
+        if read_run(self.args.out) is None:  # deleted: --resume would find no run folder there
+            return (f"{self.args.out} holds no run any more (no config.json): start a new run, "
+                    f"`python {self.script}` with the flags it was started with")
         if found:
             return f"the newest complete checkpoint is {found[-1]}; `{how}` continues from it"
         return f"there is no checkpoint yet; `{how}` starts the run again from its beginning"

@@ -6,6 +6,8 @@ and tests/test_hostile_round4.py do for the earlier rounds.
 
 A run's checkpoints are the folders RUN/checkpoints/iter_NNNNNN: a save writes iter_NNNNNN.tmp and
 renames it into place. The kill points are tested by building the states a kill leaves."""
+import importlib.util
+import json
 import os
 import shutil
 
@@ -13,8 +15,9 @@ import pytest
 import torch
 
 import evaluate
+import run as run_module
 from conftest import read_metrics
-from test_bad_input import assert_one_line, tiny
+from test_bad_input import assert_one_line, error_lines, tiny
 from test_hostile import command, copy_run, produce
 
 CHECKPOINT = os.path.join("checkpoints", "iter_{:06d}")
@@ -170,3 +173,69 @@ def test_a_state_of_another_layout_is_a_broken_checkpoint(damage, words, two_che
     assert len(warnings) == 1 and str(path) in warnings[0] and words in warnings[0], warnings
     assert resumed_from(err, run, 1)
     assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Every line tells the truth
+# ----------------------------------------------------------------------------------------------
+def test_a_run_made_by_no_trainer_is_not_told_to_resume_with_it(two_checkpoints, tmp_path, capsys):
+    run = copy_run(two_checkpoints, tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "script": "evaluate.py"}))
+    code, _, err, _ = resume(capsys, run)
+    assert_one_line(code, err, "evaluate.py", "not a training run")
+    assert "--resume" not in error_lines(err)[0].split("evaluate.py", 1)[1]
+
+
+def test_after_the_run_folder_is_deleted_the_advice_is_a_new_run_and_that_works(tiny_model_dir,
+                                                                                personas_file, tmp_path,
+                                                                                monkeypatch, capsys):
+    out, real = tmp_path / "run", run_module.Run.save_if_due
+
+    def then_deleted(self):  # someone removes the folder after the first iteration
+        real(self)
+        shutil.rmtree(out)
+    monkeypatch.setattr(run_module.Run, "save_if_due", then_deleted)
+    argv = tiny(tiny_model_dir, personas_file, out, "--iterations", "2")
+    code, _, err, _ = command(capsys, "ppo.py", *argv)
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 1 and len(line) == 1, err[-2000:]
+    assert "--resume" not in line[0] and "start a new run" in line[0] and "`python ppo.py`" in line[0]
+    monkeypatch.undo()
+    code, _, err, _ = command(capsys, "ppo.py", *argv)  # the new run, with the flags it was started with
+    assert code == 0, err[-2000:]
+    assert [m["iteration"] for m in read_metrics(out)] == [1, 2]
+
+
+def two_processes(monkeypatch):
+    import accelerate
+
+    monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
+
+
+SAVED = [  # (config.json's edits, what else the case needs, the words of the line besides config.json)
+    ({"max_context": 6}, None, ["'max_context'", "--max-context 6"]),                # SamplingSettings.check
+    ({"dialogues_per_iteration": 3}, None, ["'dialogues_per_iteration'", "--minibatch-size 2"]),  # PPO's
+    ({"personas": "/nonexistent/personas.json"}, None, ["'personas'", "/nonexistent/personas.json"]),
+    ({"target_modules": "q_proj,nope"}, None, ["'target_modules'", "'nope' is no layer"]),  # check_model
+    ({"dialogues_per_iteration": 3, "minibatch_size": 1}, two_processes,
+     ["'dialogues_per_iteration'", "divide by the 2 processes"]),                             # Run's
+    ({"report_to": "wandb"}, None, ["'report_to'", "pip install wandb"]),                     # Run's tracker
+]
+
+
+@pytest.mark.parametrize("edits, setup, words", SAVED, ids=["joint check", "trainer's check", "path",
+                                                          "model check", "processes", "tracker"])
+def test_a_bad_value_from_config_json_names_the_file_and_field(edits, setup, words, two_checkpoints, tmp_path,
+                                                               capsys, monkeypatch):
+    if "report_to" in edits and importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    run = copy_run(two_checkpoints, tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, **edits}))
+    if setup:
+        setup(monkeypatch)
+    before = (run / "metrics.jsonl").read_bytes()
+    code, _, err, _ = resume(capsys, run)
+    assert_one_line(code, err, f"{run}/config.json", *words)
+    assert (run / "metrics.jsonl").read_bytes() == before

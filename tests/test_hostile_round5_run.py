@@ -176,6 +176,63 @@ def test_a_state_of_another_layout_is_a_broken_checkpoint(damage, words, two_che
 
 
 # ----------------------------------------------------------------------------------------------
+# 5. evaluate.py checks the adapter folder before any model loads
+# ----------------------------------------------------------------------------------------------
+def no_model_loads(monkeypatch):
+    def loaded(*a, **k):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(evaluate, "load_policy", loaded)
+
+
+def config_text(text):
+    return lambda adapter: (adapter / "adapter_config.json").write_text(text)
+
+
+def config_edit(**fields):
+    def edit(adapter):
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        (adapter / "adapter_config.json").write_text(json.dumps({**config, **fields}))
+    return edit
+
+
+def weights(data):
+    def write(adapter):
+        (adapter / "adapter_model.safetensors").unlink()
+        if data is not None:
+            (adapter / "adapter_model.safetensors").write_bytes(data)
+    return write
+
+
+@pytest.mark.parametrize("damage, file, words", [
+    (config_text("{"), "adapter_config.json", "not valid JSON"),
+    (config_text("[1]"), "adapter_config.json", "LoRA"),
+    (config_edit(peft_type="IA3"), "adapter_config.json", "LoRA"),
+    (config_edit(target_modules=["q_proj", "nope"]), "adapter_config.json", "'nope' is no layer"),
+    (weights(None), "adapter_model.safetensors", "missing"),
+    (weights(b"{"), "adapter_model.safetensors", "not a safetensors file"),
+], ids=["broken JSON", "not an object", "not LoRA", "another model's layers", "no weights", "not weights"])
+def test_a_bad_adapter_is_one_line_before_any_model_loads(damage, file, words, two_checkpoints, tmp_path,
+                                                          capsys, monkeypatch, tiny_model_dir, personas_file):
+    adapter = tmp_path / "adapter"
+    shutil.copytree(checkpoint(two_checkpoints, 2) / "default", adapter)
+    damage(adapter)
+    no_model_loads(monkeypatch)
+    code, _, err, _ = command(capsys, "evaluate.py", "--model", tiny_model_dir, "--adapter", str(adapter),
+                              "--personas", personas_file, "--simulator", "rules",
+                              "--out", str(tmp_path / "e"))
+    assert_one_line(code, err, str(adapter / file), words)
+    assert not (tmp_path / "e").exists()
+
+
+def test_a_role_file_with_a_line_break_is_read_stripped(two_checkpoints, tmp_path, tiny_model_dir):
+    adapter = tmp_path / "adapter"
+    shutil.copytree(checkpoint(two_checkpoints, 2) / "default", adapter)
+    (adapter / "role").write_text("default\n")
+    args = evaluate.parse_args(["--model", tiny_model_dir, "--adapter", str(adapter)])
+    assert args.adapter == [str(adapter)]
+
+
+# ----------------------------------------------------------------------------------------------
 # 6. Every line tells the truth
 # ----------------------------------------------------------------------------------------------
 def test_a_run_made_by_no_trainer_is_not_told_to_resume_with_it(two_checkpoints, tmp_path, capsys):

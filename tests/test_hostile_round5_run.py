@@ -10,10 +10,12 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
 
+import bench
 import evaluate
 import run as run_module
 from conftest import read_metrics
@@ -296,3 +298,43 @@ def test_a_bad_value_from_config_json_names_the_file_and_field(edits, setup, wor
     code, _, err, _ = resume(capsys, run)
     assert_one_line(code, err, f"{run}/config.json", *words)
     assert (run / "metrics.jsonl").read_bytes() == before
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. bench.py reads the flags it hands a trainer
+# ----------------------------------------------------------------------------------------------
+def test_the_gpu_checks_trainer_flags_are_checked_before_any_step(tmp_path, capsys, monkeypatch):
+    def ran(*a, **k):
+        raise AssertionError("a step ran")
+    monkeypatch.setattr(bench, "run_command", ran)
+    out = tmp_path / "check" / "check.json"
+    code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
+                              "--out", str(out), "--", "--bogus-flag", "3")
+    assert_one_line(code, err, "unrecognized arguments: --bogus-flag 3")
+    assert not out.exists()
+
+
+def test_the_gpu_check_hands_its_trainer_flags_to_the_bench_gpu_step(tmp_path, capsys, monkeypatch):
+    commands = []
+
+    def ran(command, log=None, cores=None, timeout=None, env=None):
+        commands.append(command)
+        with open(log, "w") as f:
+            f.write('{"policy_tokens": 8}\n')
+        return 0
+    monkeypatch.setattr(bench, "run_command", ran)
+    code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "bench-gpu",
+                              "--out", str(tmp_path / "check.json"), "--", "--max-new-tokens", "2")
+    assert code == 0, err[-2000:]
+    assert commands == [[sys.executable, "bench.py", "gpu", "--tiny", "--", "--max-new-tokens", "2"]]
+
+
+def test_learnings_trainer_flags_are_checked_before_any_run(tmp_path, capsys, monkeypatch):
+    def ran(*a, **k):
+        raise AssertionError("a run started")
+    monkeypatch.setattr(bench, "run_command", ran)
+    out = tmp_path / "bench"
+    code, _, err, _ = command(capsys, "bench.py", "learning", "--out", str(out), "--iterations", "2",
+                              "--window", "1", "--", "--bogus-flag", "3")
+    assert_one_line(code, err, "unrecognized arguments: --bogus-flag 3")
+    assert not out.exists()

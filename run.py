@@ -24,7 +24,6 @@ import importlib.util
 import json
 import math
 import os
-import pickle
 import random
 import re
 import shutil
@@ -39,6 +38,10 @@ from tqdm import tqdm
 
 # What this process holds for its run folder: lock descriptors, and signal handlers to restore
 HELD = []
+# The settings this command took from a file instead of its command line, until they are checked
+# and a run begins: what a line says of one (its flag, or a path's value) -> the file and field it
+# came from. A Stop about one names them.
+TAKEN = {}
 
 
 def release():
@@ -59,6 +62,10 @@ class Stop(Exception):
     """What ends a command with one line: bad input (code 2) or a run that cannot go on (code 1)."""
 
     def __init__(self, message, code=2):
+        # a line about a value the command did not get on its command line says where it came from
+        for said, where in TAKEN.items():
+            if said in message and where not in message:
+                message = f"{where}: {message}"
         super().__init__(message)
         self.code = code
 
@@ -236,6 +243,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     with one line, exit code 2."""
     if argv is None:
         argv = sys.argv[1:]
+    TAKEN.clear()  # a new command's settings
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     parser.error = fail
     groups = {cls.title: parser.add_argument_group(cls.title) for cls in classes}
@@ -260,9 +268,8 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
         parser.set_defaults(**presets[parser.parse_args(argv).preset])
     args = parser.parse_args(argv)
     args.given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    saved = set()  # the settings taken from config.json
     if getattr(args, "resume", ""):
-        saved = resume_settings(args, fields, prog)
+        resume_settings(args, fields, prog)
     for f in fields:
         check = f.metadata["check"]
         value = getattr(args, f.name)
@@ -277,10 +284,7 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
             shown = repr(redact(value))
             if getattr(check, "secret", False):
                 shown = REDACTED
-            where = f"--{f.name.replace('_', '-')}"
-            if f.name in saved:
-                where = f"{args.resume}/config.json: field '{f.name}'"
-            fail(f"{where} {shown}: {problem}")
+            fail(f"--{f.name.replace('_', '-')} {shown}: {problem}")
         if f.metadata["path"] and os.path.exists(value):
             setattr(args, f.name, os.path.abspath(value))
     for cls in classes:
@@ -301,19 +305,20 @@ def read_run(folder):
 
 
 def resume_settings(args, fields, prog=None):
-    """--resume DIR: the run's saved settings replace the defaults; a flag given now may change only
-    what RESUMABLE and the operational settings allow. Every check runs after this, on what is kept.
-    Returns the names of the settings taken from config.json."""
+    """--resume DIR: the run's saved settings replace the defaults, each one TAKEN from config.json;
+    a flag given now may change only what RESUMABLE and the operational settings allow. Every check
+    runs after this, on what is kept."""
     saved = read_run(args.resume)
     if saved is None:
         fail(f"--resume {args.resume}: not a run folder (no config.json written by a trainer)")
     if saved["script"] != prog:  # the other trainer's checkpoints hold other parts
-        fail(f"--resume {args.resume}: the run was made by {saved['script']}; resume it with "
-             f"`python {saved['script']} --resume {args.resume}`")
+        advice = "it is not a training run"
+        if saved["script"] in ("ppo.py", "grpo.py"):
+            advice = f"resume it with `python {saved['script']} --resume {args.resume}`"
+        fail(f"--resume {args.resume}: the run was made by {saved['script']}; {advice}")
     if "out" in args.given and os.path.abspath(args.out) != os.path.abspath(args.resume):
         fail(f"--out {args.out} with --resume {args.resume}: "
              "a resume continues in the run's own folder")
-    taken = set()  # the settings taken from config.json
     for f in fields:
         # a setting added since keeps today's default; consent to hub code is never inherited; the
         # folder is the one resumed (a run folder may have been moved or copied since it was made)
@@ -323,13 +328,16 @@ def resume_settings(args, fields, prog=None):
         then = saved[f.name]
         if f.name not in args.given:
             setattr(args, f.name, then)
-            taken.add(f.name)
+            # a line about its flag, or about a path's value, names where it came from (Stop)
+            where = f"{args.resume}/config.json: field '{f.name}'"
+            TAKEN[f"--{f.name.replace('_', '-')}"] = where
+            if f.metadata["path"]:
+                TAKEN[str(then)] = where
         elif redact(now) != then and f.name not in RESUMABLE and not f.metadata["operational"]:
             fail(f"--{f.name.replace('_', '-')} {redact(now)!r}: the run in {args.resume} has "
                  f"{then!r}, and --resume keeps it (it may change only {', '.join(RESUMABLE)} "
                  "and the operational settings)")
     args.out = os.path.abspath(args.resume)
-    return taken
 
 
 def public_config(args, script):
@@ -531,15 +539,32 @@ def lock(folder, flag):
 
 
 def checkpoints(run_dir):
-    """The checkpoint folders a run recorded finishing, oldest first, that are still there: save()
-    appends each one's name to checkpoints.txt after renaming it into place, so a folder the run did
-    not finish, or did not write (another run's, moved in), never counts."""
-    try:
-        names = Path(f"{run_dir}/checkpoints.txt").read_text(encoding="utf-8").split()
-    except OSError:
-        return []
-    return [f"{run_dir}/checkpoints/{n}" for n in names
-            if re.fullmatch(r"iter_\d{6}", n) and os.path.isdir(f"{run_dir}/checkpoints/{n}")]
+    """The run's checkpoints, oldest first: the folders of RUN/checkpoints named iter_NNNNNN (six
+    digits: sorted as names, they are sorted by iteration). save() writes each one into
+    iter_NNNNNN.tmp and renames it into place, so the name is the mark of a complete one, whatever
+    a kill interrupted; no list beside them can disagree with the folders."""
+    folder = f"{run_dir}/checkpoints"
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    return [f"{folder}/{n}" for n in names
+            if re.fullmatch(r"iter_\d{6}", n) and os.path.isdir(f"{folder}/{n}")]
+
+
+def state_problem(state, parts):
+    """What keeps a checkpoint's state.pt from being what save() writes, or None: a dict with each
+    part's state dict, a list with each process's random streams (a dict of their python, numpy
+    and torch states) and the size of each log (an int). Its 'iteration' is not read: the folder's
+    name is the checkpoint's iteration."""
+    if not isinstance(state, dict):
+        return f"holds a value of type {type(state).__name__}, not a dict"
+    layout = {**dict.fromkeys(parts, dict), "rng": list, "log_sizes": dict}
+    for key, kind in layout.items():
+        if not isinstance(state.get(key), kind):
+            return f"its '{key}' is not a {kind.__name__}"
+    if not all(isinstance(r, dict) and {"python", "numpy", "torch"} <= r.keys()
+               for r in state["rng"]):
+        return "its 'rng' is not one dict of python, numpy and torch states a process"
+    if not all(isinstance(state["log_sizes"].get(log), int) for log in LOGS):
+        return f"its 'log_sizes' has no int for each of {', '.join(LOGS)}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -616,19 +641,14 @@ class Run:
         self.model = model
         self.parts = {"optimizer": optimizer, "scheduler": scheduler, **(modules or {})}
         self.trained = [p for group in optimizer.param_groups for p in group["params"]]
-        folder, state = self.restore()
-        start = state["iteration"]
-        # as many processes as before: each one's stream continues; else each is seeded apart
-        if len(state["rng"]) == self.world:
-            set_rng_state(state["rng"][self.rank])
-        else:  # a new run (start 0), or a resume on another number of processes
-            set_seed(args.seed + self.rank + 7919 * start)
+        TAKEN.clear()  # the settings are checked: a line from here on is about the run
+        folder, start, log_sizes = self.restore()
         if self.is_main:
-            # the logs as long as they were when the checkpoint was written (empty without one):
-            # what came after belongs to iterations that run again, a torn last line included; a log
-            # cut shorter than that is never appended to
+            # the logs as long as they were when the checkpoint was written (empty without one: the
+            # run starts again from its beginning): what came after belongs to iterations that run
+            # again, a torn last line included; a log cut shorter than that is never appended to
             for name in LOGS:
-                size = state["log_sizes"][name]
+                size = log_sizes[name]
                 with open(f"{args.out}/{name}", "a", encoding="utf-8") as f:
                     if f.tell() < size:
                         fail(f"{args.out}/{name} is shorter than {folder} recorded ({f.tell()} of "
@@ -656,19 +676,23 @@ class Run:
         return start
 
     def restore(self):
-        """(checkpoint folder, its state) of the newest recorded checkpoint that loads, loaded into
-        the adapters, the optimizer, the schedule, the modules; (None, a new run's state) where
-        there is none. One that does not load (a truncated file, another trainer's state) is named
-        in a warning, moved aside to NAME.broken, and the one before it is tried; where none
-        loads, one line."""
+        """(checkpoint folder, its iteration, the logs' sizes it recorded) of the newest checkpoint
+        that loads, loaded into the adapters, the optimizer, the schedule, the modules and (with as
+        many processes as it was saved by) each process's random streams; (None, 0, empty logs)
+        where there is none, each process seeded apart. Everything of it is read here: one that
+        does not load (a truncated file, another trainer's state, a state.pt of another layout) is
+        named in a warning, moved aside to NAME.broken, and the one before it is tried; where none
+        loads, or one cannot be moved aside, one line."""
         from peft import set_peft_model_state_dict
-        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         found = checkpoints(self.args.out)
         for folder in reversed(found):
             try:
                 state = torch.load(f"{folder}/state.pt", map_location="cpu", weights_only=False)
+                problem = state_problem(state, self.parts)
+                if problem:
+                    raise ValueError(f"{folder}/state.pt: {problem}")
                 weights = {name: load_file(f"{folder}/{name}/adapter_model.safetensors")
                            for name in self.adapters}
                 for name, part in self.parts.items():
@@ -676,19 +700,33 @@ class Run:
                 for name, adapter in weights.items():
                     # copied onto the device
                     set_peft_model_state_dict(self.model, adapter, adapter_name=name)
-                return folder, state
-            except (OSError, EOFError, RuntimeError, KeyError, ValueError, SafetensorError,
-                    pickle.UnpicklingError) as e:
+                # as many processes as before: each one's stream continues; else each is seeded
+                # apart
+                start = int(folder[-6:])  # iter_NNNNNN: the next save is never this folder
+                if len(state["rng"]) == self.world:
+                    set_rng_state(state["rng"][self.rank])
+                else:
+                    set_seed(self.args.seed + self.rank + 7919 * start)
+                return folder, start, state["log_sizes"]
+            # whatever a file that is not this run's checkpoint makes torch, safetensors or peft
+            # raise (the layout is checked first, so a bug of this code shows in the message)
+            except Exception as e:
                 why = f"{type(e).__name__}: {str(e).partition(chr(10))[0][:160]}"
+                if self.is_main:  # kept, out of the way of the iteration's new checkpoint
+                    try:
+                        os.rename(folder, f"{folder}.broken")
+                    except OSError as moved:
+                        fail(f"the checkpoint {folder} does not load ({why}) and cannot be moved "
+                             f"to {folder}.broken ({moved.strerror}): move it out of "
+                             f"{self.args.out}/checkpoints, then run "
+                             f"`python {self.script} --resume {self.args.out}` again")
                 tqdm.write(f"warning: the checkpoint {folder} does not load ({why}); "
                            f"moved to {folder}.broken", file=sys.stderr)
-                if self.is_main:  # kept, out of the way of the iteration's new checkpoint
-                    with contextlib.suppress(OSError):
-                        os.rename(folder, f"{folder}.broken")
         if found:
             fail(f"--resume {self.args.out}: none of its {len(found)} checkpoints loads; "
                  f"move the broken ones out of {self.args.out}/checkpoints, or start a new run")
-        return None, {"iteration": 0, "rng": [], "log_sizes": dict.fromkeys(LOGS, 0)}
+        set_seed(self.args.seed + self.rank)
+        return None, 0, dict.fromkeys(LOGS, 0)
 
     def lap(self, step):
         """The seconds since the last lap (or since the iteration began), logged as time_<step>."""
@@ -700,6 +738,9 @@ class Run:
         """What holds now and the command that continues (every one tested)."""
         found = checkpoints(self.args.out)
         how = f"python {self.script} --resume {self.args.out}"
+        if read_run(self.args.out) is None:  # deleted: --resume would find no run folder there
+            return (f"{self.args.out} holds no run any more (no config.json): start a new run, "
+                    f"`python {self.script}` with the flags it was started with")
         if found:
             return f"the newest complete checkpoint is {found[-1]}; `{how}` continues from it"
         return f"there is no checkpoint yet; `{how}` starts the run again from its beginning"
@@ -829,13 +870,11 @@ class Run:
         """(A collective call: every process hands in its RNG state.) The main process writes
         checkpoints/iter_N: each adapter in peft's format (PeftModel.from_pretrained loads it) with
         its role beside it, and state.pt (optimizer, schedule, modules, every process's RNG, the
-        iteration, the logs' sizes), into a temporary folder renamed into place, so a kill leaves
-        the last complete one, then records it in checkpoints.txt. Then the oldest it recorded
-        beyond --keep-checkpoints go. Weights that are not all finite are never a checkpoint; a
-        write that fails (a full disk) leaves nothing half-written; either ends the run with one
-        line on stderr."""
-        from safetensors import SafetensorError
-
+        iteration, the logs' sizes), into iter_N.tmp renamed into place: the rename makes it a
+        checkpoint (checkpoints), so a kill at any moment leaves the ones before whole. Then the
+        oldest beyond --keep-checkpoints go. Weights that are not all finite are never a
+        checkpoint; a write that fails (a full disk) leaves nothing half-written; either ends the
+        run with one line on stderr."""
         rngs = self.gather([rng_state()])
         if not all(torch.isfinite(p).all() for p in self.trained):
             self.halt(f"iteration {iteration}: the trained weights hold NaN or infinity, "
@@ -843,9 +882,9 @@ class Run:
         self.saving = self.saved_at = iteration
         out = self.args.out
         if self.is_main:
-            name = f"iter_{iteration:06d}"
-            final = f"{out}/checkpoints/{name}"
-            tmp = f"{final}.tmp"  # a killed save's is overwritten (the same files), then renamed
+            final = f"{out}/checkpoints/iter_{iteration:06d}"
+            tmp = f"{final}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left: none of it is kept
             try:
                 for adapter in self.adapters:
                     # peft writes 'default' into the folder given and any other adapter into a
@@ -858,18 +897,18 @@ class Run:
                          "rng": rngs, "iteration": iteration,
                          "log_sizes": {log: os.path.getsize(f"{out}/{log}") for log in LOGS}}
                 torch.save(state, f"{tmp}/state.pt")
-                os.rename(tmp, final)
-                # the record: it is complete
-                with open(f"{out}/checkpoints.txt", "a", encoding="utf-8") as f:
-                    f.write(f"{name}\n")
-            except (OSError, RuntimeError, SafetensorError) as e:
+                os.rename(tmp, final)  # the one step that makes it a checkpoint
+            # an OSError, or what torch (RuntimeError) and safetensors say of a full disk
+            except Exception as e:
                 why = write_failure(e, final)  # before the removal gives the space back
                 shutil.rmtree(tmp, ignore_errors=True)
                 fail(f"iteration {iteration}: the checkpoint {final} could not be written ({why}); "
                      f"what was written of it is removed; {self.resume_advice()}", code=1)
-            # the oldest it recorded go (--keep-checkpoints 0: none)
+            # the oldest go (--keep-checkpoints 0: none); a folder without state.pt is no
+            # checkpoint anything saved (someone's notes, named like one) and is never deleted
             for old in checkpoints(out)[:-self.args.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
+                if os.path.isfile(f"{old}/state.pt"):
+                    shutil.rmtree(old, ignore_errors=True)
         self.saving = None
 
     def stop(self, error):

@@ -378,7 +378,6 @@ def run_folder(folder, adapter, iterations=1, **settings):
             shutil.copytree(adapter, checkpoint / name)
         torch.save({"iteration": n}, checkpoint / "state.pt")
         (checkpoint / "critic" / "role").write_text("critic")
-    (folder / "checkpoints.txt").write_text("".join(f"iter_{n:06d}\n" for n in range(1, iterations + 1)))
     config = {"script": "ppo.py", "model": "smollm2", "thinking": True, "max_new_tokens": 512,
               "max_context": 6144, "lora_r": 4, **settings}
     (folder / "config.json").write_text(json.dumps(config, indent=2))

@@ -850,7 +850,7 @@ def check_command(step, args):
             # bf16, gradient checkpointing and thinking (tests/test_learning.py, PAPER_SETUP);
             # 1 of 4 on CPU
             "learning": [*pytest, "bfloat16", "-s", "tests/test_learning.py",
-                         *(["-k", "grpo_learns_a_known_reward"] if dry_run else [])],
+                         *(["-k", "ppo_learns_a_known_reward"] if dry_run else [])],
             "bench-gpu": [sys.executable, "bench.py", "gpu", *["--tiny"] * dry_run, "--"]
                          + args.trainer_flags,
             }.get(step) or [sys.executable, "-c", f"import bench; bench.report("

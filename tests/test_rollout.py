@@ -364,6 +364,9 @@ def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_mo
     bf16: assert_same_dialogues). After it, every weight is the same tensor with the same values as
     before."""
     policy, tokenizer = new_policy(tiny_model_dir, perturb=0.3, device=device, dtype=dtype)
+    if dtype != torch.float32:  # float32 only: a bf16 merged copy rounds the adapter away
+        assert rollout.mergeable_layers(policy) == []
+        return
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in policy.named_parameters()}
     runs = []
     for merged in (True, False):

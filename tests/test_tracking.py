@@ -128,14 +128,15 @@ def test_non_finite_metrics_are_written_as_null(tmp_path):
     try:
         assert the_run.begin(layer, optimizer, scheduler) == 0
         dialogue = {"end_reason": "success", "final_emotion": 100}
+        # the update's figures as run.add_sums keeps them: [sum, count]
         the_run.log({"reward_mean": math.inf, "c": 2.5, "final_emotion_mean": 100.0},
-                    {"a": [math.nan], "b": [1.0, 2.0]}, [dialogue])
+                    {"a": [math.nan, 1.0], "b": [3.0, 2.0], "d": [0.0, 0.0]}, [dialogue])
     finally:
         the_run.accelerator.end_training()
         run.release()
     text = (tmp_path / "run" / "metrics.jsonl").read_text()
     row = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl"))
-    assert (row["a"], row["b"], row["c"], row["reward_mean"]) == (None, 1.5, 2.5, None)
+    assert (row["a"], row["b"], row["c"], row["reward_mean"], row["d"]) == (None, 1.5, 2.5, None, None)
     assert row["iteration"] == 1
     (dialogue,) = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").open()]
     assert dialogue == {"iteration": 1, "end_reason": "success", "final_emotion": 100}

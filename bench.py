@@ -47,16 +47,16 @@ gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with ra
 (QWEN25_7B_CONFIG below; nothing is downloaded) and a ChatML tokenizer built at run time from this
 project's own text (chatml_tokenizer: 4096 ids, all below Qwen's vocabulary size; the GPU machine
 has no embedded model to take SmolLM2's from). The model is built in memory and handed to ppo.main()
-by replacing the loaders rollout.py calls, so no 15 GB folder is written; the run goes through
-ppo.main() unchanged otherwise (--iterations 1, into a new folder under a temporary one). It prints
-rollout tokens/s (policy tokens / rollout time), update tokens/s, peak memory, and the ratio of the
-rollout's speed to one plain batched generate of the same batch size and new tokens. Random weights
-sample every id of the 152064-row vocabulary nearly uniformly: 97% lie past the tokenizer's 4096 and
-decode to nothing, and end-of-turn is almost never drawn, so every turn runs to its token limit.
-That is what a throughput benchmark wants; the text itself is noise. Sized (GPU_SHAPES) to finish
-well inside 8 minutes on one H200; flags after `--` go to ppo.py and win
-(`-- --max-turns 2 --merged-sampling false`). --tiny swaps in a 2-layer, 64-wide model of the same
-family on CPU, so the tests run the same path.
+by replacing the loaders that policy.py, rollout.py and rl.py call, so no 15 GB folder is written;
+the run goes through ppo.main() unchanged otherwise (--iterations 1, into a new folder under a
+temporary one). It prints rollout tokens/s (policy tokens / rollout time), update tokens/s, peak
+memory, and the ratio of the rollout's speed to one plain batched generate of the same batch size
+and new tokens. Random weights sample every id of the 152064-row vocabulary nearly uniformly: 97%
+lie past the tokenizer's 4096 and decode to nothing, and end-of-turn is almost never drawn, so every
+turn runs to its token limit. That is what a throughput benchmark wants; the text itself is noise.
+Sized (GPU_SHAPES) to finish well inside 8 minutes on one H200; flags after `--` go to ppo.py and
+win (`-- --max-turns 2 --merged-sampling false`). --tiny swaps in a 2-layer, 64-wide model of the
+same family on CPU, so the tests run the same path.
 
 gpu --check: the GPU path checked in one command, the first thing to run when a GPU is lent (about 7
 minutes on one H200, never more than --budget seconds). Steps, each in its own subprocess with its
@@ -98,9 +98,12 @@ import torch
 
 import ppo
 import rollout
+from personas import load_personas
+from policy import DEFAULT_TARGETS, load_policy, mergeable_layers, model_problem
+from rl import eval_logprobs, pad_records, pick_personas
 from run import (above, at_least, command, fail, one_of, parse_settings, peak_memory_gb, read_run,
                  read_text, set_seed, setting, within, write_atomically)
-from simulator import RulesBackend, Simulator, load_personas
+from simulator import RulesBackend, Simulator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -184,7 +187,7 @@ class ModelSettings:
     """The policy and the personas of the CPU benchmarks (rollout, step)."""
     title = "the model"
     model: str = setting("smollm2", "policy: smollm2 (embedded), a hub id or a path",
-                         rollout.model_problem)
+                         model_problem)
     personas: str = setting("personas.json", "persona file (its train split)")
 
 
@@ -204,7 +207,7 @@ class RolloutSettings:
 def bench_rollout(args):
     """One rollout against plain generate's speed, timed before and after it."""
     set_seed(0)  # the same dialogues every run
-    policy, tokenizer = rollout.load_policy(args.model, trainable=False)
+    policy, tokenizer = load_policy(args.model, trainable=False)
     personas = load_personas(args.personas, "train")[:args.dialogues]
     backend = rollout.make_backend(args.simulator, policy, tokenizer, args.reuse_cache)
     # same: the reasoned read-out
@@ -235,7 +238,7 @@ def bench_rollout(args):
     t0 = time.time()
     with mock.patch.object(rollout, "keep_cache", kept_and_measured):
         records, stats = rollout.play_dialogues(policy, simulator, personas, chat=chat,
-                                                merge=rollout.mergeable_layers(policy),
+                                                merge=mergeable_layers(policy),
                                                 max_new_tokens=args.max_new_tokens,
                                                 reuse_cache=args.reuse_cache, progress=False)
     wall = time.time() - t0
@@ -597,7 +600,7 @@ GPU_SHAPES = {
 
 def random_model(config, tokenizer, device):
     """A causal LM of `config` with random weights, built straight on `device`: bf16 on a GPU
-    (initialised there, in seconds), fp32 on CPU as rollout.load_model does."""
+    (initialised there, in seconds), fp32 on CPU as load_model does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**config, pad_token_id=tokenizer.pad_token_id,
@@ -630,7 +633,7 @@ def chatml_tokenizer(vocab_size=4096):
     SmolLM2 (and its tokenizer) is not installed, as on the GPU machine: a byte-level BPE (any text
     encodes) trained on this project's own text (personas.json, the system prompts), with SmolLM2's
     special tokens at SmolLM2's ids (<|endoftext|> 0, <|im_start|> 1, <|im_end|> 2) and a plain
-    ChatML chat template (no default system message), set up as rollout.load_model sets a tokenizer
+    ChatML chat template (no default system message), set up as load_model sets a tokenizer
     up (left padding, pad = eos = <|im_end|>). The BPE trainer breaks ties in a fixed order, so
     every build gives the same vocabulary and ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -690,12 +693,13 @@ def bench_gpu(args):
         sample(model, tokenizer, [[tokenizer.eos_token_id] * 8], 4)
         return model, tokenizer
 
-    # ppo.main() loads its policy by name, through rollout.py's loaders: answer with the random
+    # ppo.main() loads its policy by name, through policy.py's loaders: answer with the random
     # model built in memory instead of reading 15 GB of weights from disk (it has no config file to
     # check).
-    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp, mock.patch.multiple(
-            rollout, load_model=load_model, load_tokenizer=lambda *a, **k: tokenizer,
-            check_model=lambda *a, **k: None):
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp, \
+            mock.patch("policy.load_model", load_model), \
+            mock.patch("rollout.load_tokenizer", lambda *a, **k: tokenizer), \
+            mock.patch("rl.check_model", lambda *a, **k: None):
         print(f"bench gpu: "
               f"{'tiny Qwen2 (2 layers, hidden 64)' if args.tiny else 'Qwen2.5-7B architecture'}, "
               f"random weights: ppo.py {' '.join(argv)}", flush=True)
@@ -709,7 +713,7 @@ def bench_gpu(args):
     # rollout's first-turn prompts. eval() matters: in train mode with gradient checkpointing,
     # transformers turns the KV cache off and the baseline would crawl.
     model.eval()
-    personas = rollout.pick_personas(load_personas("personas.json", "train"),
+    personas = pick_personas(load_personas("personas.json", "train"),
                                      settings.dialogues_per_iteration, settings.seed, 0)
     chat = rollout.ChatTokens(tokenizer, settings.thinking)
     prompts = [chat.prompt(p.opening) for p in personas]
@@ -787,7 +791,7 @@ def check_rollout_rates(dry_run):
     set_seed(0)
     base = random_model(TINY_CONFIG if dry_run else QWEN25_7B_CONFIG, tokenizer, device)
     policy = get_peft_model(base, LoraConfig(r=32, lora_alpha=64, task_type="CAUSAL_LM",
-                                             target_modules=rollout.DEFAULT_TARGETS.split(",")))
+                                             target_modules=DEFAULT_TARGETS.split(",")))
     with torch.no_grad():  # as if trained: with B = 0 the merged weights would equal the base
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -795,7 +799,7 @@ def check_rollout_rates(dry_run):
     personas = load_personas("personas.json", "train")[:dialogues]
     rates = {}
     # each route's layers sampled merged: none (through the adapter), or all that can be
-    routes = {"adapter": [], "merged": rollout.mergeable_layers(policy)}
+    routes = {"adapter": [], "merged": mergeable_layers(policy)}
     for route, merge in routes.items():
         for _ in range(2):
             set_seed(0)
@@ -804,9 +808,9 @@ def check_rollout_rates(dry_run):
                                                     chat=rollout.ChatTokens(tokenizer, False),
                                                     max_new_tokens=new_tokens,
                                                     progress=False, merge=merge)
-        batch = rollout.pad_records(records, tokenizer.pad_token_id, device)
+        batch = pad_records(records, tokenizer.pad_token_id, device)
         # the stored log-probs against a fresh pass through the adapter, (B, T)
-        gap = rollout.eval_logprobs(policy, batch, micro_batch_size=4) - batch["sample_logprobs"]
+        gap = eval_logprobs(policy, batch, micro_batch_size=4) - batch["sample_logprobs"]
         rates[f"{route}_tokens_per_s"] = stats["policy_tokens"] / stats["policy_seconds"]
         rates[f"{route}_logprob_gap_max"] = gap[batch["action_mask"].bool()].abs().max().item()
         report(rates)

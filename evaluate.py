@@ -40,15 +40,15 @@ from itertools import groupby
 import numpy as np
 from tqdm import tqdm
 
-from rollout import (TOKEN_ARRAYS, PolicySettings, SamplingSettings, build_simulator,
-                     check_model, check_openings_fit, default_device, load_policy, make_backend,
-                     play_dialogues, sampling_settings)
+from personas import PersonaError, load_personas
+from policy import PolicySettings, check_model, default_device, load_policy
+from rollout import (TOKEN_ARRAYS, SamplingSettings, build_simulator, check_openings_fit,
+                     make_backend, play_dialogues, sampling_settings)
 from run import (TAKEN, append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
                  new_folder, parse_json, parse_settings, public_config, read_json_lines, read_run,
                  read_text, release, setting, within, write_atomically, write_failure)
-from simulator import (PROMPTS, PersonaError, RulesBackend, SimulatorError, SimulatorSettings,
-                       UserState, apply_change, clean_user_text, load_personas,
-                       user_turn_messages)
+from simulator import (PROMPTS, RulesBackend, SimulatorError, SimulatorSettings, UserState,
+                       apply_change, clean_user_text, user_turn_messages)
 
 
 # ----------------------------------------------------------------------------------------------

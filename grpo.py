@@ -22,11 +22,12 @@ from functools import partial
 
 import torch
 
-from rollout import (REWARDS, AdapterSettings, PolicySettings, SamplingSettings, adamw_with_warmup,
-                     adapter_params, aggregate, check_before_loading, iteration_report, kl_k3,
-                     load_policy, make_simulator, old_logprobs_from_update, old_logprobs_of,
-                     pad_records, pick_personas, play_dialogues, policy_settings, ref_logprobs_of,
-                     sampling_settings, token_logprobs, turn_rewards)
+from policy import (AdapterSettings, PolicySettings, adapter_params, load_policy,
+                    policy_settings)
+from rl import (REWARDS, adamw_with_warmup, aggregate, check_before_loading, iteration_report,
+                kl_k3, old_logprobs_from_update, old_logprobs_of, pad_records, pick_personas,
+                ref_logprobs_of, token_logprobs, turn_rewards)
+from rollout import SamplingSettings, make_simulator, play_dialogues, sampling_settings
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
                  within, zero_or_at_least)
 from simulator import SimulatorError, SimulatorSettings

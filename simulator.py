@@ -1,199 +1,35 @@
-"""The simulated user: personas, emotion bookkeeping, the prompts and the parser of the appraisal.
+"""The simulated user: emotion bookkeeping, the prompts and the parser of the appraisal.
 
 RLVER (arXiv 2507.03112) trains an agent against an LLM that plays a person with a profile, a
 background, an open goal and a hidden intention. After every agent reply the simulator appraises
 the reply and moves an emotion score in [0, 100]; the final emotion / 100 is the reward. This file
-holds everything on the user's side of the table:
+holds the user's side of the table, for personas that personas.py has read:
 
-  personas      load_personas() reads personas.json or a SAGE / RLVER profile file and
-                validates it
-  emotion       band(), apply_change(), the farewell rules, Simulator.step() (appraise -> clamp
+  emotion       band(), apply_change(), the farewell rules, Simulator.step() (appraise -> move
                 -> end rules -> next user message)
   prompts       PROMPTS: one template per language for the appraisal, the re-ask and the
                 user's messages
   the read-out  parse_change() reads the change line the appraisal prompt asks for ("Change:
                 N"), re-asked once when unread or off the scale; an appraisal that stays so
                 ends its dialogue ("unread"), which the trainers keep out of training. The rules
-                user appraises by its rules
-  backends      OpenAIBackend (any /v1/chat/completions server) and RulesBackend (a
-                written-here lexicon check, only for testing the RL loop); the `same` user runs
-                on the policy's weights and lives with generation, in rollout.py (LocalBackend)
+                user appraises by its rules (rules_appraisal, RulesBackend)
+
+Who writes the user's text is a backend with chat(conversations, max_new_tokens) -> texts: a
+server behind a URL (client.py), the policy's own frozen base (`same`, rollout.LocalBackend, which
+runs with generation), or none for the rules user. This file holds no model and no HTTP; it imports
+personas.py and run.py only.
 """
-import concurrent.futures
-import http.client
 import json
 import os
 import re
-import socket
-import threading
 import time
 import unicodedata
 import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 
-from run import (REDACTED, Stop, at_least, env_name, fail, one_of, parse_json, read_json_lines,
-                 read_text, redact, setting, within)
-
-# ----------------------------------------------------------------------------------------------
-# Personas
-# ----------------------------------------------------------------------------------------------
-SPLITS = ("train", "test")
-DIFFICULTIES = ("easy", "normal", "hard")
-BANDS = ("S", "A", "B", "C", "F")
-MAX_FIELD_CHARS = 20_000  # a persona field longer than this is a file pasted in by mistake
-
-
-class PersonaError(Stop):
-    """A persona file entry that is missing a field or has a wrong one: one line on the command
-    line."""
-
-
-@dataclass
-class Persona:
-    id: str
-    split: str
-    difficulty: str
-    profile: dict
-    background: str
-    goal: str
-    hidden_intention: str
-    opening: str
-    reactions: dict
-    # optional: one line per band, for --simulator rules
-    band_lines: dict = field(default_factory=dict)
-    language: str = field(init=False)  # of its own text: which prompts it is played with
-
-    def __post_init__(self):
-        """The language: 'zh' when the persona's own text is mostly Chinese (more CJK characters
-        than a quarter of its Latin letters), else 'en'."""
-        text = " ".join([self.opening, self.background, self.goal,
-                         *map(str, self.profile.values())])
-        cjk = len(re.findall(r"[\u4e00-\u9fff]", text))
-        self.language = "zh" if cjk > len(re.findall(r"[A-Za-z]", text)) / 4 else "en"
-
-
-def band_lines_problem(lines):
-    if isinstance(lines, dict) and set(lines) <= set(BANDS) and all(
-            isinstance(line, str) and line.strip() for line in lines.values()):
-        return None
-    return f"must map bands {BANDS} to non-empty lines"
-
-
-# What a persona file's entries hold, one rule a field: a type (a tuple: one of them), a check of
-# the value as the settings have (None when it is allowed, else what is), or the table of a nested
-# object.
-PERSONA_FIELDS = {
-    "id": str, "split": one_of(*SPLITS), "difficulty": one_of(*DIFFICULTIES),
-    "profile": {"name": str, "age": int, "job": str, "personality": str, "speaking_style": str},
-    "background": str, "goal": str, "hidden_intention": str, "opening": str,
-    "reactions": {"good": str, "bad": str}, "band_lines": band_lines_problem,
-}
-# SAGE and RLVER profile lines; first_talk is the opening, which RLVER's training profiles lack.
-# They all play at normal: a difficulty field is not read.
-SAGE_FIELDS = {"id": (str, int), "player": str, "scene": (str, dict), "first_talk": str,
-               "split": PERSONA_FIELDS["split"]}
-
-
-def _check(path, where, entry, fields, optional=()):
-    """PersonaError (one line naming the file, the entry and the field) for the first field of
-    `entry` that is longer than MAX_FIELD_CHARS with all it holds (a megabyte background would go
-    into every prompt and ask the model for more memory than any machine has), missing (unless
-    optional) or not what its rule in `fields` allows. A bool is no int here, though Python's
-    isinstance says it is."""
-    if not isinstance(entry, dict):
-        raise PersonaError(f"{path}: {where}: must be a JSON object")
-    for name, value in entry.items():
-        if len(str(value)) > MAX_FIELD_CHARS:
-            raise PersonaError(f"{path}: {where}: field '{name}' is {len(str(value)):,} characters "
-                               f"long; at most {MAX_FIELD_CHARS:,} are allowed")
-    for name, rule in fields.items():
-        value, kind = entry.get(name), dict if isinstance(rule, dict) else rule
-        if name not in entry:
-            problem = name not in optional and "is missing"
-        elif isinstance(kind, (type, tuple)):
-            names = "/".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-            wrong = isinstance(value, bool) or not isinstance(value, kind)
-            problem = wrong and f"must be {names}, got {type(value).__name__}"
-        else:
-            problem = kind(value) and f"{kind(value)}, got {value!r}"
-        if problem:
-            raise PersonaError(f"{path}: {where}: field '{name}' {problem}")
-        if isinstance(rule, dict):
-            _check(path, f"{where}: {name}", value, rule)
-
-
-def _project_persona(path, i, entry):
-    where = f"entry {entry.get('id', i) if isinstance(entry, dict) else i}"
-    _check(path, where, entry, PERSONA_FIELDS, optional=("band_lines",))
-    for name in ("opening", "goal"):
-        if not entry[name].strip():
-            raise PersonaError(f"{path}: {where}: field '{name}' is empty")
-    return Persona(**{k: entry.get(k, {}) for k in PERSONA_FIELDS})
-
-
-def _sage_persona(path, i, entry, need_opening):
-    """SAGE and RLVER profile lines carry free text and no difficulty (normal). A line may carry a
-    `split`; one without belongs to whichever split the reading script asks for (load_personas).
-    main_cha is a character type in both (负面型, 被动型, ...), cha_group (RLVER) three traits.
-    need_opening=False: a missing first_talk is the empty opening the openings writer fills."""
-    where = f"line {i + 1}"
-    if isinstance(entry, dict) and "id" in entry:
-        where += f" (id {entry['id']})"
-    _check(path, where, entry, SAGE_FIELDS, optional=("first_talk", "split"))
-    opening, scene = entry.get("first_talk", ""), entry["scene"]
-    if need_opening and not opening.strip():
-        state = "empty" if "first_talk" in entry else "missing"
-        raise PersonaError(f"{path}: {where}: field 'first_talk' is {state}; profiles without "
-                           f"openings (as RLVER's) need them written once: python evaluate.py "
-                           f"--write-openings NEW_FILE --personas {path} --model MODEL")
-    profile = {"character": str(entry.get("main_cha") or "-"), "description": entry["player"]}
-    if isinstance(entry.get("cha_group"), list):
-        profile["traits"] = ", ".join(map(str, entry["cha_group"]))
-    if isinstance(scene, dict):  # RLVER's scene: named parts, one a line
-        scene = "\n".join(f"{k}: {v}" for k, v in scene.items())
-    persona = Persona(
-        id=str(entry["id"]), split=entry.get("split"), difficulty="normal", profile=profile,
-        background=scene, goal=str(entry.get("task") or entry.get("topic") or "to talk it through"),
-        hidden_intention="(the hidden theme is part of the background above)", opening=opening,
-        reactions={"good": "opens up", "bad": "withdraws"})
-    # the card around a Chinese profile is Chinese: no English in it
-    if persona.language == "zh":
-        keys = {"character": "性格类型", "description": "人物画像", "traits": "性格特点"}
-        persona.hidden_intention = "（隐藏主题写在上面的背景里）"
-        persona.profile = {keys[k]: v for k, v in profile.items()}
-        persona.reactions = {"good": "会敞开心扉。", "bad": "会退缩。"}
-    return persona
-
-
-def load_personas(path, split=None, difficulty="all", need_opening=True):
-    """Read personas.json (a JSON list) or a SAGE / RLVER profile file (JSON lines); validate every
-    entry. split: keep that split ("all" or None: the whole file); a JSON-lines entry without a
-    split of its own belongs to any split asked for (labelled 'test' when none is). Ids stay the
-    file's own. difficulty other than 'all' makes every persona play at that level, the
-    simulator-difficulty ablation (RLVER found that moderate users train better agents than hard
-    ones). Raises PersonaError with a one-line message naming the file, the entry and the field."""
-    if split == "all":
-        split = None
-    text = read_text(path, PersonaError)
-    if text.lstrip().startswith("["):
-        personas = [_project_persona(path, i, e)
-                    for i, e in enumerate(parse_json(text, path, PersonaError))]
-    else:  # SAGE / RLVER: one JSON object per line
-        personas = [_sage_persona(path, i, e, need_opening)
-                    for i, e in read_json_lines(path, PersonaError)]
-    seen = set()
-    for p in personas:  # a unique id, then the split and the difficulty asked for
-        if p.id in seen:
-            raise PersonaError(f"{path}: entry {p.id}: field 'id' is a duplicate")
-        seen.add(p.id)
-        p.split = p.split or split or "test"
-        if difficulty != "all":
-            p.difficulty = difficulty
-    personas = [p for p in personas if split in (None, p.split)]
-    if not personas:
-        raise PersonaError(f"{path}: no personas" + (f" in split '{split}'" if split else ""))
-    return personas
+from personas import DIFFICULTIES, SPLITS, Persona
+from run import Stop, at_least, env_name, fail, one_of, setting, within
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,10 +62,16 @@ FAREWELL = (r"(?:good[\s-]?)?bye|farewell|see (?:you|ya)(?: later| soon| around)
             r"until next time|signing off|i'm off|(?:i )?(?:gotta|got to|have to|need to|should) "
             r"(?:go|run)|i(?:'ll| will|'m going to) go|i'll leave it there|"
             r"再见|拜拜|回头聊|(?:下次|改天)再?聊|先这样|我?先走|我?先下|晚安")
+
+
 PLEASANTRY = (r"ok(?:ay)?|alright|well|so|anyway|and|then|now|for now|again|really|"
               r"thanks?(?: you)?(?: so much| a lot| for (?:listening|everything))?|"
               r"好的?|嗯|谢谢你?(?:听我说)?|那就?|今天|[啦吧了哈就]")
+
+
 SAGE_GOODBYE = re.compile(r"\b(?:good\s*+-?\s*+bye|bye|farewell)\b|再见|拜拜", re.IGNORECASE)
+
+
 # a clause of farewells and pleasantries only, read once (possessive: no backtracking on long text)
 CLOSING_CLAUSE = re.compile(rf"(?:(?:{FAREWELL}|{PLEASANTRY})\s*)++", re.IGNORECASE)
 
@@ -409,6 +251,8 @@ PROMPTS = {
                    "开始说你心里的事，但不要说出真正能帮到你的东西。",
     },
 }
+
+
 # Each field's label in every language ({"change": ["Change", "变化"], ...}), read off the
 # template
 LABELS = {name: [re.split("[:：]", p["fields"][name])[0] for p in PROMPTS.values()]
@@ -504,6 +348,8 @@ def user_turn_messages(state):
 # What models write in place of ASCII signs: NFKC (in parse_change) maps the full-width forms
 # (：＋－０-９); these are the dashes and minus signs it leaves alone.
 DASHES = str.maketrans({c: "-" for c in "\u2212\u2010\u2011\u2012\u2013\u2014\u2015\ufe63"})
+
+
 # The change line: after a bullet, a list number or markdown, the change label of either language
 # (a mood word may stand before it: "Mood change", 情绪变化), a parenthesis ("(-10 to +10)") and a
 # colon; a sentence about a change ("The change is 7 points lower") is never one. Its value: one
@@ -516,6 +362,8 @@ CHANGE_LINE = re.compile(rf"^[\s>#*_•+-]*+(?:\d++[.)]\s*+)?[*_]*+"
                          r"(?:(?:emotional|emotion|mood)\s++|情绪|心情)?"
                          rf"(?:{'|'.join(LABELS['change'])})"
                          rf"[*_]*+\s*+(?:\([^()]*+\))?\s*+[*_]*+:(.*)$", re.I)
+
+
 CHANGE_VALUE = re.compile(r"([+-]?)\s*+(\d{1,6}+)[*_]*+\s*+(?:(?:points?|pts?|分)\s*+)?"
                           r"(?:\([^()]*+\)\s*+)?[.。!]?", re.I)
 
@@ -543,138 +391,29 @@ def parse_change(text):
 
 
 # ----------------------------------------------------------------------------------------------
-# Backends: one interface, chat(list of message lists) -> list of texts
+# The rules user, and a backend that cannot answer
 # ----------------------------------------------------------------------------------------------
 class SimulatorError(Stop):
     """A simulator backend that could not answer after its retries: one line on the command line (a
     trainer saves its finished iteration first)."""
 
 
-class ReplyError(ValueError):
-    """A server reply that is not a usable chat completion."""
-
-
-@dataclass
-class OpenAIBackend:
-    """Any OpenAI-compatible /v1/chat/completions server (vLLM, SGLang, llama.cpp, a hosted
-    API).
-    The key comes from an environment variable and is never logged or saved.
-
-    Limits, so that no server can hang or flood a run: each request has a total deadline of
-    `timeout` seconds from connecting to its last byte, however slowly the server trickles; each
-    call (all its tries and waits) at most timeout x (max_retries + 1); a reply is read up to
-    max_reply_bytes. A failed try (a 429, a 5xx, a broken connection, a malformed reply) is tried
-    again after an exponential backoff (backoff x 1, 2, 4 ... seconds) while the call's deadline
-    allows; a Retry-After header is not read. A reply whose choices[0].message.content is not a
-    string is a malformed response. Errors name the server (any password in its URL redacted),
-    never the key."""
-    base_url: str
-    model: str = "default"
-    api_key_env: str = "OPENAI_API_KEY"
-    timeout: float = 60.0
-    max_retries: int = 4
-    backoff: float = 1.0
-    concurrency: int = 8
-    max_reply_bytes: int = 1_000_000
-    # a server's replies are not counted in tokens (the simulator's tokens/s: 0)
-    counts: Counter = field(default_factory=Counter, init=False)
-    name = "url"
-
-    def __post_init__(self):
-        # the path grows; a query (?api_key=...) stays after it
-        parts = urllib.parse.urlsplit(self.base_url)
-        self.url = parts._replace(path=parts.path.rstrip("/") + "/chat/completions")
-
-    def _post(self, messages, max_new_tokens):
-        """The reply's text, every type on the way checked. Each try takes at most its `seconds`
-        in all: the socket timeout bounds each read, and a timer that shuts the socket down bounds
-        their sum, which a server sending one byte at a time would otherwise stretch forever
-        (shutting a socket down wakes a read blocked on it; the timer holds the socket itself,
-        which the connection hands over to the response)."""
-        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_new_tokens,
-                           "temperature": 0.0}).encode()
-        # stripped: a key pasted with its newline still works
-        key = os.environ.get(self.api_key_env, "").strip()
-        headers = {"Content-Type": "application/json"}
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        kind = http.client.HTTPConnection
-        if self.url.scheme == "https":
-            kind = http.client.HTTPSConnection
-        path = self.url._replace(scheme="", netloc="").geturl()
-        deadline = time.monotonic() + self.timeout * (self.max_retries + 1)
-        for attempt in range(self.max_retries + 1):
-            seconds = min(self.timeout, deadline - time.monotonic())
-            end = time.monotonic() + seconds
-            connection = kind(self.url.hostname, self.url.port, timeout=seconds)
-            try:
-                connection.connect()
-                timer = threading.Timer(end - time.monotonic(), connection.sock.shutdown,
-                                        [socket.SHUT_RDWR])
-                timer.start()
-                try:
-                    connection.request("POST", path, body, headers)
-                    response = connection.getresponse()
-                    status, data = response.status, response.read(self.max_reply_bytes + 1)
-                finally:
-                    timer.cancel()
-                    connection.close()
-                if time.monotonic() >= end:  # a read the timer cut short
-                    raise TimeoutError
-                if len(data) > self.max_reply_bytes:
-                    raise ReplyError(f"reply longer than the {self.max_reply_bytes} bytes allowed")
-                if status == 200:
-                    try:
-                        content = json.loads(data)["choices"][0]["message"]["content"]
-                    # not UTF-8 nor JSON: ValueErrors
-                    except (ValueError, TypeError, KeyError, IndexError):
-                        raise ReplyError("no choices[0].message.content in a JSON reply") from None
-                    if not isinstance(content, str):
-                        raise ReplyError(f"choices[0].message.content is {type(content).__name__}, "
-                                         "not a string")
-                    # a proxy may echo the key: scrubbed where it stands whole, never from
-                    # inside a longer word, so that no other text changes
-                    if key:
-                        content = re.sub(rf"(?<!\w){re.escape(key)}(?!\w)", REDACTED, content)
-                    return content
-                problem = f"HTTP {status}"
-                if status in (401, 403):
-                    problem += f" (is the key in ${self.api_key_env} right?)"
-                if status != 429 and status < 500:  # a client error (a wrong key too) stays one
-                    break
-            except ReplyError as e:
-                problem = f"malformed response ({e})"
-            except (OSError, http.client.HTTPException) as e:
-                # a timeout, or any error past the deadline
-                late = isinstance(e, TimeoutError) or time.monotonic() >= end
-                why = getattr(e, "reason", None) or e or type(e).__name__
-                problem = (f"no complete reply within {seconds:.3g} s" if late
-                           else f"connection failed ({why})")
-
-            pause = self.backoff * 2 ** attempt
-            if attempt == self.max_retries or time.monotonic() + pause >= deadline:
-                break
-            time.sleep(pause)
-        raise SimulatorError(f"simulator server {redact(self.url.geturl())}: {problem} "
-                             f"after {attempt + 1} tries")
-
-    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
-        """slots is unused: a server keeps its own prefix cache (vLLM and SGLang do), and the
-        prompts are built so that each turn's prompt extends the last one's. repetition_penalty is
-        unused too: the request sends none, so the server applies none."""
-        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            return [text.strip()
-                    for text in pool.map(lambda m: self._post(m, max_new_tokens), conversations)]
-
-
 # The rules user: a deterministic lexicon and form check, written here to test the RL loop on a
 # real model in minutes. It is not a model of people.
 ACKNOWLEDGE = ("sounds", "that must", "i hear", "understand", "makes sense", "sorry", "no wonder",
                "it's okay to", "it is okay to", "painful", "frustrating", "exhausting", "hard")
+
+
 DISMISSIVE = ("calm down", "get over", "not a big deal", "whatever", "at least", "cheer up",
               "stop worrying", "overreacting", "just relax", "move on")
+
+
 ADVICE = ("you should", "you need to", "you must", "have you tried", "try to")
+
+
 OPEN_QUESTION = re.compile(r"\b(what|how|which|would you|could you|tell me)\b[^?.!]*\?", re.I)
+
+
 STOPWORDS = set("about after again also been being could didn't doesn't don't even every from have "
                 "just know like more much never only really should since still that their them "
                 "then there these they thing think this those through want what when where which "
@@ -844,11 +583,17 @@ class Simulator:
 # closed or not), a field of the appraisal, or a score. Any of them would show the agent its reward.
 # Possessive, as the change line's patterns: a message of any length is read in one pass.
 PRIVATE_NOTE = re.compile(r"\[[^\]]*+(?:\]|$)|【[^】]*+(?:】|$)", re.DOTALL)
+
+
 PRIVATE_LINE = re.compile(rf"^\W*+(?:{'|'.join(sum(LABELS.values(), []))}|"
                           rf"(?:private |their )?reaction|mood|emotion|score|note|"
                           rf"心情|情绪|分数|备注)\s*+[:：=]", re.I)
+
+
 # (?<!\d): a search never starts again inside a run of digits, each start reading the run to its end
 SCORE = re.compile(r"(?<!\d)\d++\s*+(?:(?:out of|/|of)\s*+100|分)", re.IGNORECASE)
+
+
 SENTENCE = re.compile(r"[^.!?。！？]++[.!?。！？]*+")
 
 
@@ -867,7 +612,7 @@ def clean_user_text(text):
 
 
 # ----------------------------------------------------------------------------------------------
-# Settings of the simulated user, and building it from them
+# Settings of the simulated user
 # ----------------------------------------------------------------------------------------------
 def simulator_problem(value):
     """same (the policy's frozen base), rules, or a server: a model of its own as the user runs

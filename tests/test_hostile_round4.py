@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+from client import OpenAIBackend
+from personas import load_personas
 import simulator
 from conftest import ROOT, read_metrics, reply
 from test_bad_input import ENV, assert_one_line, tiny
@@ -47,8 +49,8 @@ def test_a_servers_echo_of_the_key_is_scrubbed(server, persona_entry, write_pers
     monkeypatch.setenv("OPENAI_API_KEY", "plainsecret7")
     srv = server(lambda handler, n, body: reply(handler, 200, json.dumps({"choices": [{"message": {
         "content": f"seen {handler.headers['Authorization']}\nChange: +1"}}]}).encode()))
-    persona = simulator.load_personas(write_personas([persona_entry()]))[0]
-    sim = simulator.Simulator(simulator.OpenAIBackend(srv.url), max_turns=1)
+    persona = load_personas(write_personas([persona_entry()]))[0]
+    sim = simulator.Simulator(OpenAIBackend(srv.url), max_turns=1)
     state = sim.start(persona)
     sim.step([state], ["hello"])
     assert "plainsecret7" not in json.dumps(state.appraisals) and state.emotion == 41

@@ -14,14 +14,16 @@ import time
 
 import pytest
 
-import rollout
+from client import OpenAIBackend
+from personas import load_personas
+from policy import EMBEDDED, load_model, load_policy, resolve_model
 import simulator
 from conftest import ROOT, is_appraisal, reply
 from test_bad_input import ENV, assert_one_line, tiny
 from test_hostile import command, faulty
 
 MB = 1_000_000
-PERSONA = simulator.load_personas(os.path.join(ROOT, "personas.json"))[0]
+PERSONA = load_personas(os.path.join(ROOT, "personas.json"))[0]
 # B of the issue: the embedded model, the rules user, one iteration of two one-turn dialogues
 B = ["--preset", "cpu", "--iterations", "1", "--dialogues-per-iteration", "2", "--minibatch-size", "2",
      "--max-turns", "1"]
@@ -104,7 +106,7 @@ def url_simulator(server, answer, max_turns=8):
         content = json.dumps({"choices": [{"message": {"content": answer(n, body["messages"])}}]})
         reply(handler, 200, content.encode())
     srv = server(handle)
-    sim = simulator.Simulator(simulator.OpenAIBackend(srv.url, max_retries=0), max_turns=max_turns)
+    sim = simulator.Simulator(OpenAIBackend(srv.url, max_retries=0), max_turns=max_turns)
     return sim, sim.start(PERSONA)
 
 
@@ -124,7 +126,7 @@ def fill(unit, then=""):
     """`unit` repeated to about the most a URL reply may hold (OpenAIBackend.max_reply_bytes, in its JSON:
     a newline takes two bytes there), then `then`; the client strips a reply, so a run of blank lines
     needs a word after it to arrive."""
-    return unit * ((simulator.OpenAIBackend.max_reply_bytes - 100) // (len(json.dumps(unit)) - 2)) + then
+    return unit * ((OpenAIBackend.max_reply_bytes - 100) // (len(json.dumps(unit)) - 2)) + then
 
 
 @pytest.mark.parametrize("appraisal, message, end", [
@@ -150,7 +152,7 @@ def test_a_url_users_reply_of_a_megabyte_ends_unread_or_goes_on_at_once(appraisa
 # ----------------------------------------------------------------------------------------------
 def cache_target(cache):
     """Where resolve_model converts the embedded model to in the cache folder `cache`."""
-    package, gguf_file = rollout.EMBEDDED["smollm2"]
+    package, gguf_file = EMBEDDED["smollm2"]
     folder = importlib.util.find_spec(package).submodule_search_locations[0]
     version = importlib.metadata.version(package.replace("_", "-"))
     return cache / f"smollm2-{version}-{os.path.getsize(os.path.join(folder, gguf_file))}"
@@ -161,7 +163,7 @@ def half_converted(cache):
     could leave it (and a stray file, to see that the folder is replaced, not filled in)."""
     target = cache_target(cache)
     target.mkdir(parents=True)
-    shutil.copy(os.path.join(rollout.resolve_model("smollm2"), "config.json"), target)
+    shutil.copy(os.path.join(resolve_model("smollm2"), "config.json"), target)
     (target / "stray.txt").write_text("left by a crash")
     return target
 
@@ -198,13 +200,13 @@ def test_a_read_only_cache_is_one_line(held, tmp_path, monkeypatch):
 def test_a_half_converted_model_is_converted_again_and_replaces_it(tmp_path, monkeypatch):
     """Case 6: a writable cache holding half a model: converted again into a temporary folder, which
     replaces it whole (the one conversion of this module, about 30 s), and the model loads."""
-    whole = rollout.resolve_model("smollm2")  # the machine's own cache
+    whole = resolve_model("smollm2")  # the machine's own cache
     target = half_converted(tmp_path / "cache")
     environ(monkeypatch, "RLVER_CACHE", str(tmp_path / "cache"))
-    assert rollout.resolve_model("smollm2") == str(target)
+    assert resolve_model("smollm2") == str(target)
     assert sorted(os.listdir(target)) == sorted(os.listdir(whole))  # the stray file went with the half
     assert os.listdir(tmp_path / "cache") == [target.name]  # no temporary folder left
-    model, _ = rollout.load_model("smollm2")
+    model, _ = load_model("smollm2")
     assert model.config.num_hidden_layers > 0
 
 
@@ -261,9 +263,9 @@ def test_a_key_in_rlver_cache_is_in_no_file_peft_writes(tmp_path, monkeypatch):
     machine's converted model, so nothing converts): the policy's saved adapter names no key."""
     cache = tmp_path / KEY
     cache.mkdir()
-    cache_target(cache).symlink_to(rollout.resolve_model("smollm2"))
+    cache_target(cache).symlink_to(resolve_model("smollm2"))
     environ(monkeypatch, "RLVER_CACHE", str(cache))
-    policy, _ = rollout.load_policy("smollm2", device="cpu", lora_r=2)
+    policy, _ = load_policy("smollm2", device="cpu", lora_r=2)
     policy.save_pretrained(tmp_path / "adapter")
     texts = {path.name: path.read_text() for path in (tmp_path / "adapter").iterdir()
              if path.suffix != ".safetensors"}

@@ -12,11 +12,14 @@ import os
 import pytest
 import torch
 
+from personas import load_personas
+from policy import load_policy, mergeable_layers
+from rl import pad_records, token_logprobs
 import grpo
 import ppo
 import rollout
 from conftest import read_metrics, tiny_tokenizer
-from simulator import RulesBackend, Simulator, load_personas
+from simulator import RulesBackend, Simulator
 from test_bad_input import exits_with_one_line
 
 
@@ -49,13 +52,13 @@ def rollout_batch(policy, tokenizer, merge=(), dialogues=6):
     records, _ = rollout.play_dialogues(policy, Simulator(RulesBackend(), max_turns=2),
                                         personas[:dialogues], chat=rollout.ChatTokens(tokenizer, False),
                                         max_new_tokens=16, merge=merge, progress=False)
-    return rollout.pad_records(records, tokenizer.pad_token_id, "cpu")
+    return pad_records(records, tokenizer.pad_token_id, "cpu")
 
 
 def update_logprobs(policy, batch):
     """The update's own pass (train mode, with gradients): log-probs (B, T) and entropy."""
     policy.train()
-    return rollout.token_logprobs(policy, batch["input_ids"], batch["attention_mask"],
+    return token_logprobs(policy, batch["input_ids"], batch["attention_mask"],
                                   batch["action_mask"], with_entropy=True)
 
 
@@ -75,7 +78,7 @@ def test_the_truncated_importance_weight_by_hand_on_a_bf16_model(sharp_model_dir
     from functools import partial
     from types import SimpleNamespace
 
-    policy, tokenizer = rollout.load_policy(sharp_model_dir, device="cpu", lora_r=4, dtype="bfloat16")
+    policy, tokenizer = load_policy(sharp_model_dir, device="cpu", lora_r=4, dtype="bfloat16")
     batch = rollout_batch(policy, tokenizer)
     mask = batch["action_mask"]
     newlogprob, entropy = update_logprobs(policy, batch)
@@ -136,13 +139,13 @@ def test_in_bf16_the_defaults_add_no_mismatch_of_their_own(sharp_model_dir):
     leaves the sampler and the trainer less apart than bf16 logits do."""
     measured = {}
     for dtype, fp32_head in (("float32", True), ("bfloat16", False), ("bfloat16", True)):
-        policy, tokenizer = rollout.load_policy(sharp_model_dir, device="cpu", lora_r=4, dtype=dtype,
+        policy, tokenizer = load_policy(sharp_model_dir, device="cpu", lora_r=4, dtype=dtype,
                                                 fp32_head=fp32_head)
         with torch.no_grad():  # as if trained: a merged copy would differ from the base
             for name, p in policy.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0, 0.02)
-        assert bool(rollout.mergeable_layers(policy)) == (dtype == "float32")
+        assert bool(mergeable_layers(policy)) == (dtype == "float32")
         head = policy.get_output_embeddings().weight.dtype
         assert head == (torch.float32 if fp32_head else torch.bfloat16)
         measured[dtype, fp32_head] = mismatch_kl(policy, rollout_batch(policy, tokenizer))

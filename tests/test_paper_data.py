@@ -17,8 +17,9 @@ import sys
 import numpy as np
 import pytest
 
+from personas import load_personas
+from policy import load_tokenizer
 import evaluate
-import rollout
 import run as run_module
 import simulator
 from conftest import ROOT, reply
@@ -144,7 +145,7 @@ def test_kendall_interval_draws_the_same_scenarios_for_every_file():
 
 
 def personas_of(path=SAGE):
-    return {p.id: p for p in simulator.load_personas(path)}
+    return {p.id: p for p in load_personas(path)}
 
 
 def test_recorded_state_sees_the_recorded_moods():
@@ -318,7 +319,7 @@ def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
 ])
 def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, monkeypatch, capsys, broken,
                                                       message):
-    monkeypatch.setattr(rollout, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr("policy.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     lines = broken(read_lines(RESULTS[0]))
     path = tmp_path / "bad_result.jsonl"
     text = [x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in lines]
@@ -431,7 +432,7 @@ def test_a_sage_sized_dialogue_is_appraised_in_memory_linear_in_its_context(tiny
     # builds (4, T, T) masks, 0.9 GB in float32 alone and more than 1.5 GB in all; chunked prefill needs
     # (4, 1024, T) at most.
     model = with_window(tiny_model_dir, tmp_path / "model", 16384)
-    recorded_file, profiles = sage_sized(tmp_path, rollout.load_tokenizer(model))
+    recorded_file, profiles = sage_sized(tmp_path, load_tokenizer(model))
     command = ["--agreement", recorded_file, "--personas", profiles, "--simulator", "same", "--model", model,
                "--max-context", "16384", "--bootstrap", "20",
                "--out", str(tmp_path / "out")]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from rl import REWARDS
 import ppo
-import rollout
 import run
 from conftest import ROOT, read_metrics
 
@@ -108,18 +108,18 @@ def test_an_unread_dialogue_earns_nothing():
 
 
 def test_a_reward_mode_gives_one_value_per_agent_turn_or_fails(monkeypatch):
-    """A fork adds a mode in one place, rollout.REWARDS: here the mean emotion over the agent's turns on
+    """A fork adds a mode in one place, REWARDS: here the mean emotion over the agent's turns on
     the last turn. PPO puts it on that turn's last token, GRPO compares it; a mode that gives one value
     for three turns is an error, never a reward on the first turn."""
     import grpo
 
     mean = lambda r: [0.0] * (len(r["emotions"]) - 1) + [sum(r["emotions"]) / len(r["emotions"]) / 100]  # noqa: E731
-    monkeypatch.setitem(rollout.REWARDS, "mean", mean)
+    monkeypatch.setitem(REWARDS, "mean", mean)
     records = [fake_record([5, 12, 20], [4, -2, 8], 70)]  # emotions 64, 62, 70: mean 65.33
     r = ppo.place_rewards(records, (1, 25), "mean", 0.0)
     assert r[0, 20] == pytest.approx(196 / 300) and (r != 0).sum() == 1
     assert grpo.dialogue_rewards(records, "mean", 0.0).tolist() == pytest.approx([196 / 300])
-    monkeypatch.setitem(rollout.REWARDS, "mean", lambda r: [sum(r["emotions"]) / len(r["emotions"]) / 100])
+    monkeypatch.setitem(REWARDS, "mean", lambda r: [sum(r["emotions"]) / len(r["emotions"]) / 100])
     with pytest.raises(ValueError, match="1 values for 3 agent turns"):
         ppo.place_rewards(records, (1, 25), "mean", 0.0)
     with pytest.raises(ValueError, match="1 values for 3 agent turns"):

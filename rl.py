@@ -1,0 +1,269 @@
+"""What ppo.py and grpo.py share: their set-up checks, the batch, the log-prob passes, the
+reward table, the k3 KL, the loss aggregations, AdamW with its warm-up and the iteration's report.
+
+Each trainer shows its whole method in its own file (the advantages, the losses, the optimizer step
+in its loop); what both do alike, in the same way, is here once. It plays no dialogue (rollout.py)
+and writes no file (run.py).
+"""
+import random
+from functools import partial
+
+import numpy as np
+import torch
+
+from personas import load_personas
+from policy import check_model
+from rollout import TOKEN_ARRAYS, check_openings_fit, summarize
+from run import fail
+
+
+# ----------------------------------------------------------------------------------------------
+# Set-up: what an iteration takes, decided before it runs
+# ----------------------------------------------------------------------------------------------
+def check_before_loading(args):
+    """The personas of --split (all: the whole file) at --difficulty, each opening checked to fit
+    --max-context; and, since this is the trainers' last check before the weights load, the model's
+    config: --target-modules against its layers, and no change to its logits after lm_head."""
+    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
+        fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
+    personas = load_personas(args.personas, args.split, args.difficulty)
+    check_openings_fit(args, personas)
+    check_model(args.model, args.target_modules, args.trust_remote_code)
+    return personas
+
+
+def pick_personas(personas, n, seed, iteration):
+    """The iteration's n personas, the same on every process (each then plays its own share)."""
+    pick = random.Random(seed * 1_000_003 + iteration)
+    if len(personas) >= n:
+        return pick.sample(personas, n)
+    return [pick.choice(personas) for _ in range(n)]
+
+
+def old_logprobs_from_update(model, args, batch_size):
+    """Whether the update's own forward pass can give the old log-probs (step 2 of both trainers),
+    decided once at set-up. It can with one optimizer step per batch (one pass, the whole batch of
+    batch_size dialogues one minibatch): the weights that would score the rollout are then the ones
+    the update runs, so the scoring pass is skipped (TRL skips it too; it was a fifth of an
+    iteration of `bench.py step --algo grpo`). Not with any dropout (LoRA's, or a rate in the
+    model's config: attention dropout is a call, not a module), whose train-mode pass is not the
+    sampling policy."""
+    rates = [p for k, p in model.config.get_text_config().to_dict().items()
+             if "dropout" in k or k.endswith("pdrop")]
+    rates += [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    dropout = any(isinstance(p, (int, float)) and p > 0 for p in rates)
+    return args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches and log-probabilities
+# ----------------------------------------------------------------------------------------------
+def pad_records(records, pad_id, device):
+    """Right-pad dialogues into tensors (B, T): input_ids, attention_mask, action_mask (1 on the
+    tokens the loss trains on: the policy's own, none of an unread dialogue's) and
+    sample_logprobs."""
+    lengths = torch.tensor([len(r["token_ids"]) for r in records], device=device)          # (B,)
+    read = torch.tensor([r["end_reason"] != "unread" for r in records], device=device)     # (B,)
+    width = int(lengths.max())
+
+    def padded(key, value=0, dtype=torch.float32):  # (B, T): every record's list, padded with value
+        return torch.tensor([r[key] + [value] * (width - len(r[key])) for r in records],
+                            dtype=dtype, device=device)
+    return {"input_ids": padded("token_ids", pad_id, torch.long),
+            "attention_mask": (torch.arange(width, device=device) < lengths[:, None]).long(),
+            "action_mask": padded("action_mask") * read[:, None],
+            "sample_logprobs": padded("logprobs")}
+
+
+# rows x positions projected onto the vocabulary at once (token_logprobs)
+LOGITS_CHUNK_TOKENS = 1024
+
+
+def _chunk_logprobs(head, hidden, targets, temperature, with_entropy, entropy_grad):
+    """log-probs of `targets` (B, C) and, with with_entropy, the entropy (B, C) of the softmax
+    over head(hidden) / temperature, for hidden (B, C, H): one chunk of token_logprobs."""
+    logp_all = torch.log_softmax(head(hidden).float() / temperature, -1)                 # (B, C, V)
+    picked = logp_all.gather(-1, targets[..., None])[..., 0]                                # (B, C)
+    if not with_entropy:
+        return picked, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return picked, -(logp_all.exp() * logp_all).sum(-1)                                 # (B, C)
+
+
+def token_logprobs(model, input_ids, attention_mask, action_mask, temperature=1.0,
+                   with_entropy=False, chunk_tokens=LOGITS_CHUNK_TOKENS, entropy_grad=True):
+    """log p(token t | tokens < t) under `model`, aligned with input_ids (position 0 gets 0),
+    computed as log softmax(logits / temperature), the distribution the rollout sampled from.
+    Each row's values are its own agent tokens' (action_mask (B, T); 0 elsewhere, so that a
+    difference of two passes is 0 off the mask before anything exponentiates it), and the
+    vocabulary projection and softmax run only at the positions that predict an agent token in some
+    row.
+    The (B, K, vocab) logits are the largest tensor of the update (vocab is 49k for SmolLM2, 152k
+    for Qwen2.5, K up to 6,144 positions), so they are made in chunks of about chunk_tokens rows x
+    positions; with gradients each chunk is recomputed in the backward pass (activation
+    checkpointing), so at most one chunk's logits are alive at a time (chunk_tokens=None: one
+    chunk). entropy_grad=False computes the entropy without a gradient (an entropy bonus of 0
+    needs none, and its backward through the softmax costs as much as the log-probs').
+    No KV cache is built: nothing reads it. Returns (logprobs (B, T), entropy (B, T) or None)."""
+    from torch.utils.checkpoint import checkpoint
+
+    B, T = input_ids.shape
+    keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                     # (K,) predictors
+    # with nothing to train on (every dialogue unread) one position still runs, so that the
+    # backward pass gives zero gradients, not none, and every process sums the same gradients
+    if not len(keep):
+        keep = keep.new_zeros(1)
+    # (a PeftModel hands get_decoder and get_output_embeddings on to its base model)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 use_cache=False).last_hidden_state[:, keep]             # (B, K, H)
+    head, targets = model.get_output_embeddings(), input_ids[:, keep + 1]                   # (B, K)
+    step = max(1, (chunk_tokens or B * len(keep)) // B)                        # positions a chunk
+    chunk = _chunk_logprobs
+    if torch.is_grad_enabled() and len(keep) > step:  # only then is there a peak to bound
+        chunk = partial(checkpoint, _chunk_logprobs, use_reentrant=False)
+    logps, entropies = zip(*[chunk(head, hidden[:, c:c + step], targets[:, c:c + step],
+                                   temperature, with_entropy, entropy_grad)
+                             for c in range(0, len(keep), step)])
+
+    def placed(chunks):  # (B, K) in chunks -> (B, T), 0 off each row's own agent tokens
+        values = torch.cat(chunks, 1)
+        full = values.new_zeros(B, T).index_copy(1, keep + 1, values)
+        return torch.where(action_mask.bool(), full, 0)
+    return placed(logps), placed(entropies) if with_entropy else None
+
+
+@torch.no_grad()
+def eval_scores(model, batch, micro_batch_size, score):
+    """score(input_ids, attention_mask, action_mask) -> (b, w) over a padded batch (B, T), in eval
+    mode and without gradients: the scoring passes of both trainers. The dialogues go longest first,
+    in micro-batches of similar length, each at the width of its longest (the batch is
+    right-padded), so that short dialogues are not run at the width of the longest one. Returns
+    (B, T) float32."""
+    out = torch.zeros_like(batch["action_mask"])                                    # (B, T) float32
+    lengths = batch["attention_mask"].sum(1)                                                # (B,)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    model.eval()  # no dropout (the trainers switch to train mode for the update)
+    for i in range(0, len(order), micro_batch_size):
+        rows = order[i:i + micro_batch_size]
+        width = int(lengths[order[i]])  # the longest row's
+        out[rows, :width] = score(*(batch[k][rows, :width]
+                                    for k in ("input_ids", "attention_mask", "action_mask")))
+    return out
+
+
+def eval_logprobs(model, batch, temperature=1.0, micro_batch_size=4):
+    """token_logprobs over a padded batch (B, T), without gradients (eval_scores)."""
+    return eval_scores(model, batch, micro_batch_size, lambda ids, att, m: token_logprobs(
+        model, ids, att, m, temperature)[0])
+
+
+def old_logprobs_of(model, batch, args, from_update):
+    """Step 2 of both trainers: the old log-probs (B, T), from the scoring pass; None where the
+    update's own pass gives them (from_update, old_logprobs_from_update): the update then takes
+    that pass's log-probs, detached, as it makes them."""
+    if from_update:
+        return None
+    return eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
+
+
+def ref_logprobs_of(model, batch, args, iteration):
+    """Step 2 of both trainers: the reference's log-probs (B, T) (the adapter off), or None on an
+    iteration that needs none: the pass feeds the KL loss term when it has a weight, else only the
+    kl_ref figure, every --log-kl-every iterations."""
+    if args.kl_loss_coef == 0 and iteration % args.log_kl_every:
+        return None
+    with model.disable_adapter():  # the base weights: the reference policy, no second copy
+        return eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards
+# ----------------------------------------------------------------------------------------------
+# --reward: what each agent turn of a read dialogue earns, one value per agent turn, read off its
+# record (start_emotion, emotions: the emotion after each agent turn). PPO puts each value on its
+# turn's last token; GRPO compares their sum.
+REWARDS = {
+    # the paper: final emotion / 100 on the agent's last turn
+    "final": lambda r: [0.0] * (len(r["emotions"]) - 1) + [r["emotions"][-1] / 100],
+    # each turn's emotion change / 100 on that turn: with gamma = 1 the same return up to the
+    # constant start emotion / 100, with the credit nearer its cause
+    "turn": lambda r: [(new - old) / 100
+                       for old, new in zip([r["start_emotion"]] + r["emotions"], r["emotions"])],
+}
+
+
+def turn_rewards(record, mode, format_penalty=0.0):
+    """REWARDS[mode] of a read dialogue, less format_penalty on each agent turn that broke the think
+    format: one value per agent turn, in order. A mode that gives another number of values is an
+    error."""
+    values = REWARDS[mode](record)
+    broke = [t["violation"] is not None for t in record["turns"] if t["role"] == "agent"]
+    if len(values) != len(broke):
+        raise ValueError(f"REWARDS[{mode!r}] gave {len(values)} values "
+                         f"for {len(broke)} agent turns")
+    return [value - format_penalty * bad for value, bad in zip(values, broke)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses and the optimizer
+# ----------------------------------------------------------------------------------------------
+def kl_k3(logprobs, ref_logprobs):
+    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
+    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020). The exponent is
+    clamped to [-20, 20] as verl clamps it, so that a token the policy has moved far from the
+    reference gives a large, finite loss, never an infinite one."""
+    d = (ref_logprobs - logprobs).clamp(-20, 20)
+    return torch.exp(d) - d - 1
+
+
+def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
+    """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so that
+    summing the micro-batches gives the minibatch loss whatever the split (each trainer offers
+    some).
+    token-mean: every agent token weighs the same (DAPO); long dialogues weigh more.
+    seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice); a token of a
+                         short dialogue weighs more than one of a long dialogue.
+    dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget
+             (Dr. GRPO): no length-dependent normalisation at all. GRPO takes the budget as the
+             most tokens a dialogue can hold, max_turns x max_new_tokens."""
+    masked = loss * mask                                                                    # (b, T)
+    if mode == "token-mean":
+        return masked.sum() / total_tokens
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
+    return masked.sum() / (total_seqs * token_budget)  # dr-grpo
+
+
+def adamw_with_warmup(groups):
+    """AdamW over (parameters, learning rate, warm-up steps) groups, each group's rate rising
+    linearly over its first warm-up steps, then constant, as verl's warm-up: counted by the
+    scheduler's own steps (the trainers step it only after an optimizer step, so a skipped
+    non-finite step advances neither, and --resume restores both). Unlike verl's, the first step
+    takes 1 / warm-up of the rate, not 0."""
+    optimizer = torch.optim.AdamW([{"params": params, "lr": lr} for params, lr, _ in groups],
+                                  weight_decay=0.0)
+    # a group's rate factor after `steps` steps; the default argument n binds each group's own
+    # warm-up
+    factors = [lambda steps, n=max(1, warmup): min(1.0, (steps + 1) / n) for *_, warmup in groups]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+
+
+# ----------------------------------------------------------------------------------------------
+# The iteration's report
+# ----------------------------------------------------------------------------------------------
+def iteration_report(run, all_records, stats, batch, args, t_update):
+    """Step 5 of both trainers: (figures, dialogues) of an iteration, over every process. The
+    figures: the read dialogues' rewards' mean and std (--reward, no format penalty; the std without
+    Bessel's correction; None when every dialogue was unread), the update's tokens (those the loss
+    trained on, x epochs) and their rate (against the slowest process's update), and the rollout's
+    summary. The dialogues: every record as rollouts.jsonl holds it."""
+    rewards = np.array([sum(turn_rewards(r, args.reward))
+                        for r in all_records if r["end_reason"] != "unread"])
+    update_tokens = run.sum(batch["action_mask"].sum()).item() * args.update_epochs
+    read = len(rewards) > 0
+    figures = {"reward_mean": float(rewards.mean()) if read else None,
+               "reward_std": float(rewards.std()) if read else None,
+               "update_tokens": int(update_tokens),  # every process's, x epochs
+               "update_tokens_per_s": update_tokens / max(*run.gather([t_update]), 1e-9),
+               **summarize(all_records, run.gather([stats]))}
+    return figures, [{k: v for k, v in r.items() if k not in TOKEN_ARRAYS} for r in all_records]

@@ -1,31 +1,16 @@
-"""Evaluation: the base model and trained adapters against the same simulated users.
+"""Evaluation: the base and trained adapters against the same users; a user against SAGE's judge.
 
 A Sentient-style benchmark (SAGE, arXiv 2505.02847): every persona of a set talks with each model
-under test, SAGE's protocol by default (start emotion 40, the opening first, up to 9 judged agent
-replies, the user leaves on a goodbye, at 100 or below 10; greedy agent decoding; see
-docs/evaluate.md). The score is the mean final emotion (0-100) over the personas, with a 95%
-bootstrap interval; each adapter is compared with the base on the same personas (mean paired
-difference, paired bootstrap). The models under test are the base (every adapter disabled) and each
---adapter on top of it; the weights are loaded once. With --simulator same the simulated user is the
-frozen base for all of them.
+under test (the base, every adapter disabled, and each --adapter on top of it; the weights load
+once) under SAGE's protocol by default; the score is the mean final emotion (0-100) with a 95%
+bootstrap interval, each adapter compared with the base on the same personas. --agreement checks a
+simulated user's changes against SAGE's recorded ones; --write-openings writes the first messages
+RLVER's profiles lack. Each run writes into a folder of its own: docs/evaluate.md.
 
     python evaluate.py --model smollm2 --personas personas.json --split test
     python evaluate.py --adapter runs/ppo__0__1700000000 [another adapter ...] --out runs/eval_ppo
-
-Each run writes into a folder of its own (--out, created; default runs/eval__<time>): results.json
-(every number, per persona), results.md (the table for a README) and transcripts.jsonl (one
-dialogue a line, tagged with its model; appended as each model finishes).
-
-Capability retention (RLVER reports that math and code stay intact) is for a standard harness, such
-as lm-evaluation-harness on the base with the adapter
-(`--model hf --model_args pretrained=BASE,peft=ADAPTER`).
-
-Does a simulated user agree with the judge behind SAGE's numbers? Its changes on SAGE's recorded
-dialogues against the recorded ones (a check that was stopped is run again):
-
     python evaluate.py --agreement SAGE/dataset/<judge>_based_simulator/*_result.jsonl \\
-        --personas SAGE/profile/simulator_profile_withfirsttalk.jsonl \\
-        --simulator URL --out runs/agreement
+        --personas SAGE/profile/simulator_profile_withfirsttalk.jsonl --simulator URL
 """
 import contextlib
 import json
@@ -78,15 +63,10 @@ class EvalSettings:
 
     @staticmethod
     def check(args):
-        """--adapter as policy adapter folders, and the settings they were trained with. A run
-        folder gives its newest complete checkpoint, a checkpoint its policy (default/); PPO's
-        critic is a value model, known by the role its run saved beside it (wherever it was copied).
-        An adapter of a trainer's run (RUN/checkpoints/iter_N/default) is evaluated as it was
-        trained: the base model, thinking, tokens a reply and context, and the simulated user that
-        judged it, come from the run's config.json unless given here. With evaluate.py's own
-        defaults a think-then-say agent trained with 512 tokens would be cut at 128, mid-thought,
-        and the user would hear silence. Runs that disagree: one line (which to take is not
-        guessed); fewer tokens a reply than in training: a warning."""
+        """--adapter as policy adapter folders (a run folder: its newest checkpoint's policy; PPO's
+        critic refused), each evaluated as it was trained: the model, thinking, reply and context
+        sizes and the user come from its run's config.json unless given here (docs/evaluate.md).
+        Runs that disagree: one line; fewer tokens a reply than in training: a warning."""
         runs = []
         for i, path in enumerate(args.adapter):
             path = os.path.normpath((checkpoints(path) or [path])[-1])
@@ -126,11 +106,9 @@ class EvalSettings:
 
 
 def check_adapter(path, args):
-    """An adapter folder as load_models reads it, checked before any model loads: its
-    adapter_config.json a LoRA adapter's (a JSON object, peft_type LORA) whose target modules are
-    layers of --model (rollout.check_model reads them off the model's skeleton, no weights), and its
-    adapter_model.safetensors a safetensors file (safe_open reads only the header). Bad: one line
-    naming the file."""
+    """An adapter folder checked before any model loads: adapter_config.json a LoRA adapter's whose
+    target modules are layers of --model (policy.check_model reads its skeleton, no weights), and
+    adapter_model.safetensors a safetensors file (safe_open reads the header). Bad: one line."""
     from safetensors import safe_open
 
     file = f"{path}/adapter_config.json"
@@ -173,11 +151,9 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------
 def with_interval(groups, statistic=np.mean, n_boot=2000, seed=0):
     """{value, low, high}: statistic(rows) of all groups' rows, and its 95% percentile bootstrap
-    interval when whole groups are resampled with replacement (groups: a list of arrays, or an array
-    whose first axis is the groups). A group is what is independent: a persona's score, or a
-    dialogue's (replies, 2) rows, since its replies share a persona and a history (resampling them
-    one by one would make the interval too narrow). Resamples where the statistic is undefined (NaN)
-    are dropped."""
+    interval when whole groups (a list of arrays, or an array's first axis) are resampled with
+    replacement. A group is what is independent: a persona's score, or a dialogue's replies, which
+    share a persona and a history. Resamples where the statistic is undefined (NaN) are dropped."""
     # (n_boot, groups)
     idx = np.random.default_rng(seed).integers(len(groups), size=(n_boot, len(groups)))
     values = np.array([statistic(np.concatenate([groups[k] for k in row])) for row in idx])
@@ -200,10 +176,9 @@ def paired_difference(treated, base, n_boot=2000, seed=0):
 
 def model_summary(records, n_boot=2000, seed=0):
     """The benchmark's numbers for one model, from its one dialogue per persona: the score (the mean
-    final emotion) and its interval over personas, SAGE's successes (emotion reached 100) and
-    failures (the user left below the threshold), and the counts that explain a score: turns,
-    replies cut at --max-new-tokens (a cut thought reaches the user as "..."), reply length,
-    think-format violations, dialogues ended by an appraisal that could not be read."""
+    final emotion) and its interval over personas, SAGE's successes (100) and failures (the user
+    left), and the counts that explain a score: turns, replies cut at --max-new-tokens, reply
+    length, think-format violations, dialogues ended unread."""
     per_persona = {r["persona_id"]: float(r["final_emotion"]) for r in records}
     score = with_interval(np.array([*per_persona.values()])[:, None], np.mean, n_boot, seed)
     # at least one a dialogue (check_openings_fit)
@@ -223,10 +198,8 @@ def model_summary(records, n_boot=2000, seed=0):
 def load_models(args):
     """One PeftModel: the first adapter as 'default' (or a fresh LoRA, the identity since B = 0),
     further adapters by name. Returns (policy, tokenizer, models): (label, adapter name, adapter
-    folder) each, models[0] the base (None, None). Each one is labelled by its folder (a
-    checkpoint's policy by the checkpoint). An adapter whose weights do not all load into the base
-    (made for another model) ends the program with one line naming both, instead of being scored
-    half-loaded."""
+    folder) each, labelled by its folder, models[0] the base (None, None). An adapter whose weights
+    do not all load into the base is one line naming both, never scored half-loaded."""
     path = (args.adapter or [None])[0]
     models = [("base", None, None)]
     try:
@@ -254,9 +227,8 @@ def load_models(args):
 
 
 def use_model(policy, adapter_name):
-    """The base (every adapter disabled) for adapter_name None, else that adapter switched on.
-    The 'same' simulator disables adapters again inside: peft's LoRA context only re-enables on
-    exit what was enabled on entry, so the nested context leaves the base base (tested)."""
+    """The base (every adapter disabled) for adapter_name None, else that adapter on. The `same`
+    user's nested disable_adapter leaves the base base: peft re-enables only what it disabled."""
     if adapter_name is None:
         return policy.disable_adapter()
     policy.set_adapter(adapter_name)
@@ -321,7 +293,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models):
     for done, (label, adapter_name, path) in enumerate(models, 1):
         t0 = time.time()
         with use_model(policy, adapter_name):
-            # merged where this model can be (the base cannot: no adapter is on)
+            # merged where this model can be (not the base: no adapter is on)
             sampling = {**sampling_settings(args, policy, tokenizer), "greedy": True}
             records, _ = play_dialogues(policy, simulator, personas, **sampling,
                                         desc=f"{label}: dialogues")
@@ -386,11 +358,10 @@ STATISTICS = {"spearman": lambda r: spearman(*r.T),
 
 
 def kendall_with_interval(finals, n_boot=2000, seed=0):
-    """Kendall's tau-b between the files' (models') mean recorded and mean simulated final emotions
-    over the same scenarios, with an interval from resampling scenarios: one draw for every file, so
-    the comparison stays paired (SAGE's models all played the same 100 scenarios, and a scenario's
-    difficulty moves every model alike). finals: (files, scenarios, 2) of (recorded, simulated).
-    None for fewer than 2 files or no scenario."""
+    """Kendall's tau-b between the files' (models') mean recorded and simulated final emotions over
+    the same scenarios (finals: (files, scenarios, 2)), with an interval from resampling scenarios,
+    one draw for every file (paired: a scenario's difficulty moves every model alike). None for
+    fewer than 2 files or no scenario."""
     if len(finals) < 2 or finals.shape[1] == 0:
         return None
     # rows (draws, files, 2) -> files' means
@@ -405,12 +376,10 @@ def is_emotion(value):
 
 
 def read_sage_dialogues(path, personas):
-    """SAGE's recorded dialogues: one JSON object per line with id, emo_point (the final emotion)
-    and history, a list of {role: user|assistant, content}; each user message carries the judge's
-    `emotion-point` when it was written (the first: 40). Returns [{file, line, id, final, history:
-    [{role: user|agent, text}], points: {message index: emotion}}]. Bad input (as strict as a
-    persona file: an id without a persona or twice, an emotion outside 0-100 or not finite): one
-    line naming the file, the line and the field, exit 2."""
+    """SAGE's recorded dialogues, one JSON object a line: id, emo_point (the final emotion) and
+    history, {role: user|assistant, content} each, a user message with the judge's `emotion-point`.
+    Returns [{file, line, id, final, history: [{role: user|agent, text}], points: {message index:
+    emotion}}]. Bad input, as strict as a persona file: one line naming file, line and field."""
     dialogues, lines = [], {}
     for i, record in read_json_lines(path, fail):
         where = f"{path}: line {i + 1}"
@@ -587,11 +556,9 @@ BATCH_DIALOGUES = 4  # dialogues whose replies go to the simulator in one call
 
 
 def agreement_main(args):
-    """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--dialogues N];
-    everything is read and checked before any model loads. A stopped check (Ctrl-C, SIGTERM: one
-    line at once, exit 130 / 143) is run again whole; the appraisals made until then stay in
-    appraisals.jsonl, written whole line by line, and no result file is half written (each is
-    renamed into place)."""
+    """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--dialogues N],
+    everything checked before any model loads. A stopped check is run again whole; its appraisals
+    stay in appraisals.jsonl, line by line, and no result file is half written."""
     personas = {p.id: p for p in load_personas(args.personas, difficulty=args.difficulty)}
     dialogues, seen = [], {}
     for path in args.agreement:
@@ -659,14 +626,10 @@ OPENING_TOKENS = 64
 
 def write_openings(args):
     """python evaluate.py --write-openings OUT --personas FILE [--model MODEL | --simulator URL]:
-    FILE's lines with first_talk filled (lines that have one keep it) and the mood it was written at
-    (the trainers' --start-emotion unless given; first_talk_emotion records it), everything else
-    unchanged, written to OUT once, whole (a temporary file renamed), or not at all. Bad input, an
-    existing OUT and a missing folder for it: one line, exit 2, before any model loads; so is a
-    simulator that fails or writes nothing usable, and a disk that fills or turns read-only while
-    writing; Ctrl-C and SIGTERM: one line at once, exit 130 / 143 (run.exit_on_signals). A failed
-    write is simply run again: it runs once per profile file, so it keeps no partial progress and
-    asks a failed batch nothing again."""
+    FILE's lines with first_talk filled where it is missing, written by the user at the trainers'
+    --start-emotion (first_talk_emotion records it), into OUT once, whole (renamed into place), or
+    not at all; a failure (bad input, the simulator, the disk, a signal) is one line, and a failed
+    write is simply run again (docs/evaluate.md)."""
     source, out = args.personas, args.write_openings
     if "start_emotion" not in args.given:
         # the mood a trainer's dialogues start at, not the benchmark's

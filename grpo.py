@@ -22,11 +22,10 @@ from functools import partial
 
 import torch
 
-from policy import (AdapterSettings, PolicySettings, adapter_params, load_policy,
-                    policy_settings)
-from rl import (REWARDS, adamw_with_warmup, aggregate, check_before_loading, iteration_report,
-                kl_k3, old_logprobs_from_update, old_logprobs_of, pad_records, pick_personas,
-                ref_logprobs_of, token_logprobs, turn_rewards)
+from policy import AdapterSettings, PolicySettings, adapter_params, load_policy, policy_settings
+from rl import (RewardSettings, adamw_with_warmup, aggregate, check_before_loading,
+                iteration_report, kl_k3, old_logprobs_from_update, old_logprobs_of, pad_records,
+                pick_personas, ref_logprobs_of, token_logprobs, turn_rewards)
 from rollout import SamplingSettings, make_simulator, play_dialogues, sampling_settings
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
                  within, zero_or_at_least)
@@ -54,11 +53,6 @@ class GRPOSettings:
            "(RLVER's GRPO: 32 x 4)", at_least(1))
     group_size: int = setting(
         4, "dialogues per persona, all from its opening (RLVER: 4)", at_least(2))
-    reward: str = setting(
-        "final", "final: final emotion / 100 | turn: sum of the turns' changes / 100 "
-                 "(REWARDS)", one_of(*REWARDS))
-    format_penalty: float = setting(
-        0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     kl_loss_coef: float = setting(
         0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
     tis_cap: float = setting(
@@ -102,8 +96,8 @@ class GRPOSettings:
                  "dialogues (--personas-per-iteration x --group-size)")
 
 
-SETTINGS = (GRPOSettings, SamplingSettings, SimulatorSettings, PolicySettings, AdapterSettings,
-            RunSettings)
+SETTINGS = (GRPOSettings, RewardSettings, SamplingSettings, SimulatorSettings, PolicySettings,
+            AdapterSettings, RunSettings)
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
@@ -121,12 +115,13 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_grpo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
-def dialogue_rewards(records, mode, format_penalty):
+def dialogue_rewards(records, args):
     """One reward per dialogue (B,), the scalar GRPO compares within a group: the sum of its
-    rollout.turn_rewards (REWARDS[mode] less the format penalty per violating agent turn); NaN for
+    rl.turn_rewards (REWARDS[--reward] less the format penalty per violating agent turn); NaN for
     an unread dialogue, which its group leaves out."""
-    return torch.tensor([sum(turn_rewards(r, mode, format_penalty)) if r["end_reason"] != "unread"
-                         else torch.nan for r in records], dtype=torch.float64)
+    return torch.tensor([sum(turn_rewards(r, args, args.format_penalty))
+                         if r["end_reason"] != "unread" else torch.nan for r in records],
+                        dtype=torch.float64)
 
 
 def group_stats(rewards, group_ids):
@@ -250,7 +245,7 @@ def main(argv=None):
         # process's dialogues come group after group, --group-size each (play_dialogues), so a
         # row's place names its group.
         all_records = run.gather(records)
-        all_rewards = dialogue_rewards(all_records, args.reward, args.format_penalty)       # (N,)
+        all_rewards = dialogue_rewards(all_records, args)                                   # (N,)
         all_groups = torch.arange(len(all_records)) // args.group_size                      # (N,)
 
         # --- 3. advantages: each dialogue against its group --------------------------------------

@@ -72,23 +72,29 @@ PERSONA_FIELDS = {
 
 
 # SAGE and RLVER profile lines; first_talk is the opening, which RLVER's training profiles lack.
-# They all play at normal: a difficulty field is not read.
+# They all play at normal: a difficulty field is not read. Their other fields are free text, read
+# as they come (_sage_persona; first_talk_emotion is what --write-openings adds).
 SAGE_FIELDS = {"id": (str, int), "player": str, "scene": (str, dict), "first_talk": str,
                "split": PERSONA_FIELDS["split"]}
+SAGE_FREE_TEXT = ("main_cha", "cha_group", "task", "topic", "first_talk_emotion")
 
 
-def _check(path, where, entry, fields, optional=()):
+def _check(path, where, entry, fields, optional=(), free=()):
     """PersonaError (one line naming the file, the entry and the field) for the first field of
     `entry` that is longer than MAX_FIELD_CHARS with all it holds (a megabyte background would go
-    into every prompt and ask the model for more memory than any machine has), missing (unless
-    optional) or not what its rule in `fields` allows. A bool is no int here, though Python's
-    isinstance says it is."""
+    into every prompt and ask the model for more memory than any machine has), that the format
+    does not read (neither in `fields` nor `free`: a typo, or a field added to a file but not to
+    its schema, would be dropped without a word), missing (unless optional) or not what its rule
+    in `fields` allows. A bool is no int here, though Python's isinstance says it is."""
     if not isinstance(entry, dict):
         raise PersonaError(f"{path}: {where}: must be a JSON object")
     for name, value in entry.items():
         if len(str(value)) > MAX_FIELD_CHARS:
             raise PersonaError(f"{path}: {where}: field '{name}' is {len(str(value)):,} characters "
                                f"long; at most {MAX_FIELD_CHARS:,} are allowed")
+        if name not in fields and name not in free:
+            raise PersonaError(f"{path}: {where}: field '{name}' is not one this file's format "
+                               f"reads ({', '.join([*fields, *free])})")
     for name, rule in fields.items():
         value, kind = entry.get(name), dict if isinstance(rule, dict) else rule
         if name not in entry:
@@ -122,7 +128,7 @@ def _sage_persona(path, i, entry, need_opening):
     where = f"line {i + 1}"
     if isinstance(entry, dict) and "id" in entry:
         where += f" (id {entry['id']})"
-    _check(path, where, entry, SAGE_FIELDS, optional=("first_talk", "split"))
+    _check(path, where, entry, SAGE_FIELDS, optional=("first_talk", "split"), free=SAGE_FREE_TEXT)
     opening, scene = entry.get("first_talk", ""), entry["scene"]
     if need_opening and not opening.strip():
         state = "empty" if "first_talk" in entry else "missing"
@@ -139,11 +145,10 @@ def _sage_persona(path, i, entry, need_opening):
         background=scene, goal=str(entry.get("task") or entry.get("topic") or "to talk it through"),
         hidden_intention="(the hidden theme is part of the background above)", opening=opening,
         reactions={"good": "opens up", "bad": "withdraws"})
-    # the card around a Chinese profile is Chinese: no English in it
+    # the card around a Chinese profile is Chinese: no English in it (its profile's labels are
+    # the prompts', simulator.PROMPTS)
     if persona.language == "zh":
-        keys = {"character": "性格类型", "description": "人物画像", "traits": "性格特点"}
         persona.hidden_intention = "（隐藏主题写在上面的背景里）"
-        persona.profile = {keys[k]: v for k, v in profile.items()}
         persona.reactions = {"good": "会敞开心扉。", "bad": "会退缩。"}
     return persona
 

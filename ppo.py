@@ -27,9 +27,9 @@ import torch
 
 from policy import (AdapterSettings, PolicySettings, adapter_params, load_policy, policy_settings,
                     use_adapter)
-from rl import (REWARDS, adamw_with_warmup, aggregate, check_before_loading, eval_scores,
+from rl import (RewardSettings, adamw_with_warmup, aggregate, check_before_loading, eval_scores,
                 iteration_report, kl_k3, old_logprobs_from_update, old_logprobs_of, pad_records,
-                pick_personas, ref_logprobs_of, token_logprobs, turn_rewards)
+                pick_personas, ref_logprobs_of, token_logprobs, turn_rewards, unmoved_return)
 from rollout import SamplingSettings, make_simulator, play_dialogues, sampling_settings
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
                  within, zero_or_at_least)
@@ -43,11 +43,6 @@ class PPOSettings:
     title = "PPO"
     dialogues_per_iteration: int = setting(
         32, "dialogues per iteration, over all processes (RLVER: 32)", at_least(1))
-    reward: str = setting(
-        "final", "final: emotion/100 on the last agent token | turn: each change/100 on "
-                 "its turn (REWARDS)", one_of(*REWARDS))
-    format_penalty: float = setting(
-        0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     kl_loss_coef: float = setting(
         0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
     tis_cap: float = setting(
@@ -95,8 +90,8 @@ class PPOSettings:
                  f"--minibatch-size {args.minibatch_size}")
 
 
-SETTINGS = (PPOSettings, SamplingSettings, SimulatorSettings, PolicySettings, AdapterSettings,
-            RunSettings)
+SETTINGS = (PPOSettings, RewardSettings, SamplingSettings, SimulatorSettings, PolicySettings,
+            AdapterSettings, RunSettings)
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
@@ -115,15 +110,15 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_ppo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
-def place_rewards(records, shape, mode, format_penalty):
+def place_rewards(records, shape, args):
     """Per-token rewards (B, T): zero except on the last token of each agent turn of a read
-    dialogue, which gets that turn's value of rollout.turn_rewards (REWARDS[mode] less the format
+    dialogue, which gets that turn's value of rl.turn_rewards (REWARDS[--reward] less the format
     penalty where the turn broke the think format). An unread dialogue earns nothing: it enters no
     loss."""
     rewards = torch.zeros(shape)
     for b, r in enumerate(records):
         if r["end_reason"] != "unread":
-            rewards[b, r["turn_ends"]] = torch.tensor(turn_rewards(r, mode, format_penalty))
+            rewards[b, r["turn_ends"]] = torch.tensor(turn_rewards(r, args, args.format_penalty))
     return rewards
 
 
@@ -273,14 +268,12 @@ def main(argv=None):
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
     model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
     # the critic: a second LoRA adapter of the actor's shape on the shared base, and a value head
-    # that starts at the return of an unmoved emotion
+    # that starts at the return of an unmoved emotion (rl.unmoved_return)
     model.add_adapter("critic", copy.deepcopy(model.peft_config["default"]))
     use_adapter(model, "default")
     value_head = torch.nn.Linear(model.config.get_text_config().hidden_size, 1).to(run.device)
     torch.nn.init.zeros_(value_head.weight)
-    # a one-turn dialogue that leaves the emotion where it started
-    unmoved = {"start_emotion": args.start_emotion, "emotions": [args.start_emotion]}
-    torch.nn.init.constant_(value_head.bias, sum(REWARDS[args.reward](unmoved)))
+    torch.nn.init.constant_(value_head.bias, unmoved_return(args))
     actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
     critic_params = adapter_params(model, "critic") + list(value_head.parameters())
     # one AdamW with a parameter group each, each warmed up over its own first optimizer steps
@@ -315,7 +308,7 @@ def main(argv=None):
                                      lambda ids, att, _: critic_values(model, value_head, ids, att))
         old_values = old_values * mask                                                      # (B, T)
         # per-token rewards (B, T), on the CPU as the GAE loop runs there
-        rewards = place_rewards(records, mask.shape, args.reward, args.format_penalty)
+        rewards = place_rewards(records, mask.shape, args)
 
         # --- 3. advantages: GAE over the agent's tokens ------------------------------------------
         advantages, returns = compute_gae(rewards, old_values.cpu(), mask.cpu(), args.gamma,

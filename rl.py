@@ -6,6 +6,7 @@ in its loop); what both do alike, in the same way, is here once. It plays no dia
 and writes no file (run.py).
 """
 import random
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from personas import load_personas
 from policy import check_model
 from rollout import TOKEN_ARRAYS, check_openings_fit, summarize
-from run import fail
+from run import at_least, fail, one_of, setting, within
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,7 +73,7 @@ def pad_records(records, pad_id, device):
     return {"input_ids": padded("token_ids", pad_id, torch.long),
             "attention_mask": (torch.arange(width, device=device) < lengths[:, None]).long(),
             "action_mask": padded("action_mask") * read[:, None],
-            "sample_logprobs": padded("logprobs")}
+            "sample_logprobs": padded("sample_logprobs")}
 
 
 # rows x positions projected onto the vocabulary at once (token_logprobs)
@@ -179,27 +180,81 @@ def ref_logprobs_of(model, batch, args, iteration):
 # ----------------------------------------------------------------------------------------------
 # Rewards
 # ----------------------------------------------------------------------------------------------
-# --reward: what each agent turn of a read dialogue earns, one value per agent turn, read off its
-# record (start_emotion, emotions: the emotion after each agent turn). PPO puts each value on its
-# turn's last token; GRPO compares their sum.
+def changes(record):
+    """Each agent turn's emotion change / 100, from the record's start_emotion and emotions (the
+    emotion after each agent turn)."""
+    emotions = record["emotions"]
+    return [(new - old) / 100 for old, new in zip([record["start_emotion"]] + emotions, emotions)]
+
+
+def mixed_credit(record, args):
+    """RLVER's public fork's turn credit (llsune/RLVER, its Scheme 2): each turn's change mixed with
+    the discounted return of the changes from that turn on, (1 - alpha) x change_t + alpha x G_t,
+    G_t = change_t + gamma x G_(t+1), alpha --mixed-alpha, gamma --mixed-gamma (a discount from turn
+    to turn; PPO's --gamma, from token to token, multiplies it where both are below 1)."""
+    credit, later = [], 0.0
+    for change in reversed(changes(record)):
+        later = change + args.mixed_gamma * later
+        credit.append((1 - args.mixed_alpha) * change + args.mixed_alpha * later)
+    return credit[::-1]
+
+
+# --reward: what each agent turn of a read dialogue earns, one value per agent turn, from its record
+# and the run's settings. PPO puts each value on its turn's last token; GRPO compares their sum. A
+# fork adds a mode here, its coefficients to RewardSettings and their names to MODE_FLAGS.
 REWARDS = {
     # the paper: final emotion / 100 on the agent's last turn
-    "final": lambda r: [0.0] * (len(r["emotions"]) - 1) + [r["emotions"][-1] / 100],
+    "final": lambda record, args: [0.0] * (len(record["emotions"]) - 1)
+    + [record["emotions"][-1] / 100],
     # each turn's emotion change / 100 on that turn: with gamma = 1 the same return up to the
     # constant start emotion / 100, with the credit nearer its cause
-    "turn": lambda r: [(new - old) / 100
-                       for old, new in zip([r["start_emotion"]] + r["emotions"], r["emotions"])],
+    "turn": lambda record, args: changes(record),
+    # RLVER's fork: a turn's change and the discounted return from it
+    "mixed": mixed_credit,
 }
+MODE_FLAGS = {"mixed": ("mixed_alpha", "mixed_gamma")}  # a mode's own settings: no other mode's
 
 
-def turn_rewards(record, mode, format_penalty=0.0):
-    """REWARDS[mode] of a read dialogue, less format_penalty on each agent turn that broke the think
-    format: one value per agent turn, in order. A mode that gives another number of values is an
-    error."""
-    values = REWARDS[mode](record)
+@dataclass
+class RewardSettings:
+    """What a dialogue earns, read by REWARDS' modes (both trainers)."""
+    title = "the reward"
+    reward: str = setting(
+        "final", "final: emotion / 100 on the last agent turn | turn: each change / 100 on its "
+                 "turn | mixed: a turn's change and the discounted return from it (RLVER's fork) "
+                 "(REWARDS)", one_of(*REWARDS))
+    format_penalty: float = setting(
+        0.0, "subtracted per think-format violation (thinking on)", at_least(0))
+    mixed_alpha: float = setting(
+        0.4, "--reward mixed: the discounted return's share of a turn's credit", within(0, 1))
+    mixed_gamma: float = setting(
+        0.97, "--reward mixed: the discount from one turn to the next", within(0, 1))
+
+    @staticmethod
+    def check(args):
+        for mode, names in MODE_FLAGS.items():
+            for name in names:
+                if name in args.given and args.reward != mode:
+                    fail(f"--{name.replace('_', '-')} is --reward {mode}'s: with --reward "
+                         f"{args.reward} it would be ignored")
+
+
+def unmoved_return(args):
+    """The return of a dialogue that leaves the emotion where it started, over every turn it may
+    have, under --reward: PPO's critic starts there, whatever a mode's credit over turns."""
+    start = args.start_emotion
+    unmoved = {"start_emotion": start, "emotions": [start] * args.max_turns}
+    return sum(REWARDS[args.reward](unmoved, args))
+
+
+def turn_rewards(record, args, format_penalty=0.0):
+    """REWARDS[--reward] of a read dialogue, less format_penalty on each agent turn that broke the
+    think format: one value per agent turn, in order. A mode that gives another number of values
+    is an error."""
+    values = REWARDS[args.reward](record, args)
     broke = [t["violation"] is not None for t in record["turns"] if t["role"] == "agent"]
     if len(values) != len(broke):
-        raise ValueError(f"REWARDS[{mode!r}] gave {len(values)} values "
+        raise ValueError(f"REWARDS[{args.reward!r}] gave {len(values)} values "
                          f"for {len(broke)} agent turns")
     return [value - format_penalty * bad for value, bad in zip(values, broke)]
 
@@ -257,7 +312,7 @@ def iteration_report(run, all_records, stats, batch, args, t_update):
     Bessel's correction; None when every dialogue was unread), the update's tokens (those the loss
     trained on, x epochs) and their rate (against the slowest process's update), and the rollout's
     summary. The dialogues: every record as rollouts.jsonl holds it."""
-    rewards = np.array([sum(turn_rewards(r, args.reward))
+    rewards = np.array([sum(turn_rewards(r, args))
                         for r in all_records if r["end_reason"] != "unread"])
     update_tokens = run.sum(batch["action_mask"].sum()).item() * args.update_epochs
     read = len(rewards) > 0

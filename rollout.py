@@ -380,24 +380,24 @@ class SampledLogprobs:
 
 @dataclass
 class Dialogue:
-    """One agent-user dialogue as it grows. ids/action_mask/logprobs stay aligned token by
+    """One agent-user dialogue as it grows. ids/action_mask/sample_logprobs stay aligned token by
     token."""
     persona: object
     sample: int                     # which sample of the persona (GRPO: its group of --group-size)
     state: object                   # simulator.UserState, paired with this dialogue for its life
     ids: list = field(default_factory=list)
     action_mask: list = field(default_factory=list)  # 1 on sampled policy tokens, else 0
-    logprobs: list = field(default_factory=list)     # sampling log-prob of an action token, else 0
+    sample_logprobs: list = field(default_factory=list)  # an action token's when sampled, else 0
     turn_ends: list = field(default_factory=list)    # index of the last token of each agent turn
     agent_turns: list = field(default_factory=list)  # {raw, thought, reply, violation, tokens, cut}
     cache: dict = field(default_factory=dict, repr=False)  # the policy's KV cache between turns
 
-    def add(self, tokens, logprobs=None):
+    def add(self, tokens, sample_logprobs=None):
         """Append tokens: the policy's sampled ones with their log-probs (action tokens), else
         others."""
         self.ids += tokens
-        self.action_mask += [int(logprobs is not None)] * len(tokens)
-        self.logprobs += logprobs or [0.0] * len(tokens)
+        self.action_mask += [int(sample_logprobs is not None)] * len(tokens)
+        self.sample_logprobs += sample_logprobs or [0.0] * len(tokens)
 
 
 @dataclass
@@ -524,7 +524,7 @@ def to_record(d, start_emotion):
             turn.update(next(agent))
     return {
         "persona_id": s.persona.id, "sample": d.sample,
-        "token_ids": d.ids, "action_mask": d.action_mask, "logprobs": d.logprobs,
+        "token_ids": d.ids, "action_mask": d.action_mask, "sample_logprobs": d.sample_logprobs,
         "turn_ends": d.turn_ends,
         "start_emotion": start_emotion, "emotions": [a["emotion"] for a in s.appraisals],
         "changes": [a["change"] for a in s.appraisals],
@@ -537,7 +537,7 @@ def to_record(d, start_emotion):
 
 
 # what rollouts.jsonl leaves out
-TOKEN_ARRAYS = ("token_ids", "action_mask", "logprobs", "turn_ends")
+TOKEN_ARRAYS = ("token_ids", "action_mask", "sample_logprobs", "turn_ends")
 
 
 def summarize(records, per_process):

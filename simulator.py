@@ -139,6 +139,10 @@ PROMPTS = {
             "hard": "You forgive little: you have heard comforting words before, every miss or "
                     "stock phrase costs more, and a rise must be earned by proof that it "
                     "listened to you."},
+        # a profile field's label on the card (our personas.json's, then SAGE's and RLVER's)
+        "profile": {"name": "name", "age": "age", "job": "job", "personality": "personality",
+                    "speaking_style": "speaking style", "character": "character",
+                    "description": "description", "traits": "traits"},
         "reply_rules": "\nWrite only your next message: one to three short sentences in your "
                        "speaking style. Never mention being an AI or playing a role.",
         # the private note before each agent message, and the present one before the user's
@@ -212,6 +216,9 @@ PROMPTS = {
             "normal": "你评判公道：失误就按失误算，只有真正贴合你的话才有帮助。",
             "hard": "你很少原谅：安慰话你早就听过，每一次偏差或套话都代价更高，"
                     "只有证明它真的听懂了你，心情才会上升。"},
+        "profile": {"name": "名字", "age": "年龄", "job": "职业", "personality": "性格",
+                    "speaking_style": "说话风格", "character": "性格类型",
+                    "description": "人物画像", "traits": "性格特点"},
         "reply_rules": "\n只写你的下一条消息：用你的说话风格写一到三个短句。永远不要提到自己是 AI "
                        "或在扮演角色。",
         "note": "[只有你能看到的备注。你的心情：{mood}/100。{style}{reaction}]",
@@ -265,7 +272,8 @@ def persona_card(persona, temper="difficulty"):
     dialogue; the mood goes in the notes."""
     prompts = PROMPTS[persona.language]
     return prompts["card"].format(
-        profile="\n".join(f"- {k.replace('_', ' ')}: {v}" for k, v in persona.profile.items()),
+        profile="\n".join(f"- {prompts['profile'][name]}: {value}"
+                           for name, value in persona.profile.items()),
         background=persona.background, goal=persona.goal, hidden=persona.hidden_intention,
         good=persona.reactions["good"], bad=persona.reactions["bad"],
         temper=prompts[temper][persona.difficulty])

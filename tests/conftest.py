@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import threading
+from collections import Counter
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import run  # noqa: E402
+from personas import load_personas  # noqa: E402
 from policy import EMBEDDED, load_model, resolve_model
 
 # One intra-op thread unless told otherwise. On a 2-core machine that is also running anything else,
@@ -151,7 +154,6 @@ BASE_PERSONA = {
     "id": "p1",
     "split": "test",
     "difficulty": "normal",
-    "topic": "work",
     "profile": {"name": "Maya Lin", "age": 29, "job": "graphic designer",
                 "personality": "quiet, self-critical", "speaking_style": "short sentences, lowercase"},
     "background": "Maya was passed over for a promotion she had been promised, and her manager "
@@ -317,3 +319,107 @@ def fake_user(server):
         entry = picked(appraisals if is_appraisal(body["messages"]) else farewells, body)
         reply(handler, 200, json.dumps({"choices": [{"message": {"content": entry["text"]}}]}).encode())
     return server(handle)
+
+
+# ----------------------------------------------------------------------------------------------
+# A simulated user without a model: one persona, a scripted backend, a dialogue read back
+# ----------------------------------------------------------------------------------------------
+class ScriptedBackend:
+    """A stand-in for a chat backend: appraisal requests get the next scripted appraisal, user-turn
+    requests the next scripted user line (the last one repeats). Records every call."""
+
+    def __init__(self, appraisals, user_lines=("Okay.",), name="url"):
+        self.name = name
+        self.appraisals, self.user_lines = list(appraisals), list(user_lines)
+        self.calls, self.penalties = [], []
+        self.counts = Counter()
+
+    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
+        self.calls.append((conversations, max_new_tokens))
+        self.penalties.append(repetition_penalty)
+        out = []
+        for messages in conversations:
+            asked = messages[-1]["content"]
+            script = self.appraisals if "Change: N" in asked or "变化：N" in asked else self.user_lines
+            out.append(script.pop(0) if len(script) > 1 else script[0])
+        return out
+
+
+@pytest.fixture
+def persona(persona_entry, write_personas):
+    return load_personas(write_personas([persona_entry(id="p1")]))[0]
+
+
+def transcript(state):
+    """A user's dialogue turn by turn, each agent turn with its appraisal (as a record's turns hold it)."""
+    appraisals = iter(state.appraisals)
+    return [{"role": m["role"], "text": m["text"], **(next(appraisals) if m["role"] == "agent" else {})}
+            for m in state.history]
+
+
+# ----------------------------------------------------------------------------------------------
+# Servers that answer as OpenAI-compatible ones do, and the commands the tests run
+# ----------------------------------------------------------------------------------------------
+class FakeServer(LocalServer):
+    """A /v1/chat/completions server on 127.0.0.1 whose answer to request n (from 0) is
+    respond(n, body), returning (status, body bytes) or the string "hang". Records headers and
+    bodies."""
+
+    def __init__(self, respond):
+        self.requests, lock = [], threading.Lock()
+
+        def handle(handler, _, body):
+            with lock:
+                n = len(self.requests)
+                self.requests.append({"path": handler.path, "headers": dict(handler.headers), "body": body})
+            answer = respond(n, body)
+            if answer == "hang":
+                self.stop.wait(10)  # until the test is over
+                return
+            status, data = answer
+            reply(handler, status, data, [("Content-Type", "application/json")])
+
+        super().__init__(handle)
+
+
+def completion(text, tokens=3):
+    return 200, json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}],
+                            "usage": {"completion_tokens": tokens}}).encode()
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(respond):
+        servers.append(FakeServer(respond))
+        return servers[-1]
+    yield start
+    for s in servers:
+        s.close()
+    assert not any(s.thread.is_alive() for s in servers)
+
+
+def chat_completion(text):
+    return json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+
+
+DATA = os.path.join(ROOT, "tests", "data")
+RLVER = os.path.join(DATA, "rlver_sample.jsonl")  # RLVER-format profiles, no first_talk (one Chinese)
+SAGE = os.path.join(DATA, "sage_sample.jsonl")    # SAGE-format profiles with first_talk (sage-004 is Chinese)
+
+
+def in_process(main, argv, capsys):
+    """main(argv) as `python SCRIPT ARGV` runs it, in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        run.command(main)([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def openings(out, model, personas=RLVER):
+    return ["evaluate.py", "--write-openings", out, "--personas", personas, "--simulator", model]

@@ -43,7 +43,7 @@ def assert_same_dialogues(first, second):
     assert len(first) == len(second)
     for a, b in zip(first, second):
         assert a["token_ids"] == b["token_ids"] and a["turns"] == b["turns"]
-        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
+        torch.testing.assert_close(torch.tensor(a["sample_logprobs"]), torch.tensor(b["sample_logprobs"]),
                                    atol=1e-5, rtol=0)
 
 

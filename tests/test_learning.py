@@ -104,19 +104,21 @@ def test_grpo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, mon
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("reward", ["turn", "mixed"])
 def test_ppo_learns_over_two_turns_with_per_turn_rewards(tiny_model_dir, personas_file, tmp_path,
-                                                         monkeypatch, setup):
+                                                         monkeypatch, setup, reward):
     # Two agent turns with a user message between them: the user's tokens are masked out, GAE runs
-    # across them, and each turn's change is its own reward. The critic must learn something too.
+    # across them, and each turn's change is its own reward (mixed: with the discounted return from
+    # it, RLVER's fork). The critic must learn something too.
     import ppo
 
     install_stand_in(monkeypatch, ppo, turns=2)
     out = tmp_path / "ppo2"
     ppo.main(COMMON + setup + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
-                       "--max-turns", "2", "--reward", "turn", "--iterations", "16",
+                       "--max-turns", "2", "--reward", reward, "--iterations", "16",
                        "--dialogues-per-iteration", "8", "--minibatch-size", "8", "--micro-batch-size", "4",
                        "--lr", "3e-2", "--critic-lr", "3e-2", "--update-epochs", "2"])
-    assert_learned(rewards_of(out), "ppo, 2 turns")
+    assert_learned(rewards_of(out), f"ppo, 2 turns, {reward}")
     metrics = read_metrics(out)
     assert all(m["turns_mean"] == 2 for m in metrics)
     late = [m["explained_variance"] for m in metrics[-4:]]

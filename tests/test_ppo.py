@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from rl import REWARDS
 import ppo
 import run
 from conftest import ROOT, read_metrics
+from rl import REWARDS, RewardSettings, unmoved_return
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,30 +80,81 @@ def fake_record(turn_ends, changes, final, violations=(), end_reason="max_turns"
             "start_emotion": final - sum(changes), "emotions": emotions, "end_reason": end_reason}
 
 
+def reward_args(*flags):
+    """The reward's settings as the trainers parse them (rl.RewardSettings)."""
+    return run.parse_settings([RewardSettings], list(flags))
+
+
 def test_final_reward_lands_on_last_agent_token_only():
     records = [fake_record([5, 12, 20], [4, -2, 8], 70), fake_record([7], [10], 40)]
-    r = ppo.place_rewards(records, (2, 25), "final", 0.0)
+    r = ppo.place_rewards(records, (2, 25), reward_args("--reward", "final"))
     assert r[0, 20] == pytest.approx(0.70) and r[1, 7] == pytest.approx(0.40)
     assert r.sum() == pytest.approx(1.10)  # nothing anywhere else (not on user tokens after it)
 
 
 def test_turn_reward_puts_each_change_on_its_turn():
     records = [fake_record([5, 12, 20], [4, -2, 8], 70)]
-    r = ppo.place_rewards(records, (1, 25), "turn", 0.0)
+    r = ppo.place_rewards(records, (1, 25), reward_args("--reward", "turn"))
     assert [r[0, t].item() for t in (5, 12, 20)] == pytest.approx([0.04, -0.02, 0.08])
     assert (r != 0).sum() == 3
 
 
+def test_mixed_credit_by_hand_on_each_turns_last_token():
+    """RLVER's fork: turn t gets (1 - alpha) x its change + alpha x G_t, G_t = change_t + gamma x
+    G_(t+1). Changes 0.04, -0.02, 0.08; alpha 0.4, gamma 0.97 (the defaults): G = 0.04 + 0.97 x
+    0.0576, -0.02 + 0.97 x 0.08 = 0.0576, 0.08."""
+    import grpo
+
+    records = [fake_record([5, 12, 20], [4, -2, 8], 70)]
+    returns = [0.04 + 0.97 * 0.0576, 0.0576, 0.08]
+    expected = [0.6 * c + 0.4 * g for c, g in zip([0.04, -0.02, 0.08], returns)]
+    r = ppo.place_rewards(records, (1, 25), reward_args("--reward", "mixed"))
+    assert [r[0, t].item() for t in (5, 12, 20)] == pytest.approx(expected)  # each on its own turn
+    assert (r != 0).sum() == 3
+    assert grpo.dialogue_rewards(records, reward_args("--reward", "mixed")).tolist() == pytest.approx(
+        [sum(expected)])
+    # the coefficients are flags: alpha 0 is --reward turn, alpha 1 and gamma 1 the reward-to-go
+    plain = ppo.place_rewards(records, (1, 25), reward_args("--reward", "mixed", "--mixed-alpha", "0"))
+    assert [plain[0, t].item() for t in (5, 12, 20)] == pytest.approx([0.04, -0.02, 0.08])
+    to_go = ppo.place_rewards(records, (1, 25), reward_args("--reward", "mixed", "--mixed-alpha", "1",
+                                                            "--mixed-gamma", "1"))
+    assert [to_go[0, t].item() for t in (5, 12, 20)] == pytest.approx([0.10, 0.06, 0.08])
+
+
+@pytest.mark.parametrize("flag", ["--mixed-alpha", "--mixed-gamma"])
+def test_a_flag_of_a_mode_not_selected_is_one_line(flag, capsys):
+    with pytest.raises(SystemExit) as stop:
+        run.command(ppo.main)(["--preset", "cpu", "--reward", "turn", flag, "0.5"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag} is --reward mixed's: with --reward turn it would be ignored" in err
+
+
+def test_the_critic_starts_at_the_return_of_an_unmoved_dialogue_over_every_turn(monkeypatch):
+    """An unmoved emotion is the value the critic starts from: 0.3 for final at start 30, 0 for turn
+    and mixed; a mode that credits every turn (a fork's) is credited over every turn the dialogue
+    may have, not one."""
+    args = reward_args("--reward", "final")
+    args.start_emotion, args.max_turns = 30, 4
+    assert unmoved_return(args) == pytest.approx(0.3)
+    for mode in ("turn", "mixed"):
+        args.reward = mode
+        assert unmoved_return(args) == 0
+    monkeypatch.setitem(REWARDS, "each", lambda record, args: [e / 100 for e in record["emotions"]])
+    args.reward = "each"
+    assert unmoved_return(args) == pytest.approx(4 * 0.3)
+
+
 def test_format_penalty_lands_on_the_violating_turn():
     records = [fake_record([5, 12], [4, 6], 40, violations=(0,))]
-    r = ppo.place_rewards(records, (1, 20), "final", format_penalty=0.1)
+    r = ppo.place_rewards(records, (1, 20), reward_args("--reward", "final", "--format-penalty", "0.1"))
     assert r[0, 5] == pytest.approx(-0.1) and r[0, 12] == pytest.approx(0.40)
 
 
 def test_an_unread_dialogue_earns_nothing():
     unread = fake_record([5, 12], [4, 0], 34, end_reason="unread")
     unread["changes"], unread["emotions"] = [4, None], [34, None]
-    r = ppo.place_rewards([fake_record([7], [10], 40), unread], (2, 20), "final", 0.0)
+    r = ppo.place_rewards([fake_record([7], [10], 40), unread], (2, 20), reward_args())
     assert r[0, 7] == pytest.approx(0.40) and (r[1] == 0).all()
 
 
@@ -113,17 +164,19 @@ def test_a_reward_mode_gives_one_value_per_agent_turn_or_fails(monkeypatch):
     for three turns is an error, never a reward on the first turn."""
     import grpo
 
-    mean = lambda r: [0.0] * (len(r["emotions"]) - 1) + [sum(r["emotions"]) / len(r["emotions"]) / 100]  # noqa: E731
+    mean = lambda r, args: [0.0] * (len(r["emotions"]) - 1) + [sum(r["emotions"]) / len(r["emotions"]) / 100]  # noqa: E731
     monkeypatch.setitem(REWARDS, "mean", mean)
+    args = reward_args()
+    args.reward = "mean"  # a fork's mode (the flag's choices are fixed when ppo.py is imported)
     records = [fake_record([5, 12, 20], [4, -2, 8], 70)]  # emotions 64, 62, 70: mean 65.33
-    r = ppo.place_rewards(records, (1, 25), "mean", 0.0)
+    r = ppo.place_rewards(records, (1, 25), args)
     assert r[0, 20] == pytest.approx(196 / 300) and (r != 0).sum() == 1
-    assert grpo.dialogue_rewards(records, "mean", 0.0).tolist() == pytest.approx([196 / 300])
-    monkeypatch.setitem(REWARDS, "mean", lambda r: [sum(r["emotions"]) / len(r["emotions"]) / 100])
+    assert grpo.dialogue_rewards(records, args).tolist() == pytest.approx([196 / 300])
+    monkeypatch.setitem(REWARDS, "mean", lambda r, args: [sum(r["emotions"]) / len(r["emotions"]) / 100])
     with pytest.raises(ValueError, match="1 values for 3 agent turns"):
-        ppo.place_rewards(records, (1, 25), "mean", 0.0)
+        ppo.place_rewards(records, (1, 25), args)
     with pytest.raises(ValueError, match="1 values for 3 agent turns"):
-        grpo.dialogue_rewards(records, "mean", 0.0)
+        grpo.dialogue_rewards(records, args)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def assert_same_dialogues(runs, policy, tokenizer, dtype):
     if dtype == torch.float32:
         for a, b in zip(*runs):
             assert a["token_ids"] == b["token_ids"] and a["turns"] == b["turns"]
-            torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
+            torch.testing.assert_close(torch.tensor(a["sample_logprobs"]), torch.tensor(b["sample_logprobs"]),
                                        atol=1e-5, rtol=0)
         return
     device = next(policy.parameters()).device
@@ -277,7 +277,7 @@ def test_action_mask_covers_exactly_the_sampled_tokens(tiny_model_dir, personas)
                                     max_new_tokens=8, progress=False)
     assert stats["policy_tokens"] == sum(r["policy_tokens"] for r in records)
     for r in records:
-        ids, mask, logps = r["token_ids"], r["action_mask"], r["logprobs"]
+        ids, mask, logps = r["token_ids"], r["action_mask"], r["sample_logprobs"]
         assert len(ids) == len(mask) == len(logps)
         turns = agent_turns(r)
         assert len(turns) == len(r["turn_ends"]) == len(r["changes"]) >= 1
@@ -474,7 +474,7 @@ def test_length_sorted_scoring_equals_each_dialogue_alone(tiny_model_dir):
     records = []
     for n in lengths:
         row = torch.randint(3, tokenizer.vocab_size, (n,)).tolist()
-        records.append({"token_ids": row, "action_mask": [0, 0] + [1] * (n - 2), "logprobs": [0.0] * n,
+        records.append({"token_ids": row, "action_mask": [0, 0] + [1] * (n - 2), "sample_logprobs": [0.0] * n,
                         "end_reason": "max_turns"})
     batch = pad_records(records, tokenizer.pad_token_id, "cpu")
     seen = []  # each micro-batch's rows (found by their tokens) and width
@@ -499,7 +499,7 @@ def _hand_batch(tokenizer):
     texts = ["I hear you. That sounds exhausting.",
              "Maybe. I don't know what to do about work anymore, honestly."]
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    records = [{"token_ids": r, "action_mask": [1] * len(r), "logprobs": [0.0] * len(r),
+    records = [{"token_ids": r, "action_mask": [1] * len(r), "sample_logprobs": [0.0] * len(r),
                 "end_reason": "max_turns"}
                for r in rows]
     return pad_records(records, tokenizer.pad_token_id, "cpu")
@@ -622,8 +622,8 @@ def test_batched_and_one_at_a_time_rollouts_agree(tiny_model_dir, personas):
         assert alone["token_ids"] == record["token_ids"]
         assert alone["action_mask"] == record["action_mask"]
         assert alone["turns"] == record["turns"]
-        torch.testing.assert_close(torch.tensor(alone["logprobs"]), torch.tensor(record["logprobs"]),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(alone["sample_logprobs"]),
+                                   torch.tensor(record["sample_logprobs"]), atol=1e-4, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -722,7 +722,7 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_b
     assert sum(len(r["turn_ends"]) for r in cached) >= 9
     for a, b in zip(cached, plain):
         assert a["token_ids"] == b["token_ids"]
-        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]),
+        torch.testing.assert_close(torch.tensor(a["sample_logprobs"]), torch.tensor(b["sample_logprobs"]),
                                    atol=1e-4, rtol=1e-4)
     hit = [s["policy_reused_tokens"] / s["policy_prompt_tokens"] for s in (cached_summary, plain_summary)]
     assert hit[0] > 0.5 and hit[1] == 0  # the share of prompt tokens read from a kept cache

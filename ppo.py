@@ -210,8 +210,9 @@ def clipped_value_loss(values, old_values, returns, clip):
 
 def explained_variance(values, returns):
     """1 - Var(R - V) / Var(R) over the agent tokens of every process (N,): 1 is a perfect critic,
-    0 one no better than the mean return, below 0 worse; None where the returns do not vary."""
-    spread = np.var(returns)
+    0 one no better than the mean return, below 0 worse; None where the returns do not vary (or
+    there are none: every dialogue unread)."""
+    spread = np.var(returns) if len(returns) else 0.0
     if spread > 0:
         return 1 - np.var(returns - values) / spread
     return None

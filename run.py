@@ -22,6 +22,7 @@ import fcntl
 import functools
 import importlib.util
 import json
+import logging
 import math
 import os
 import random
@@ -30,6 +31,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +101,7 @@ def command(main):
         for name in ("stdout", "stderr"):
             if not isinstance(getattr(sys, name), Redacted):
                 setattr(sys, name, Redacted(getattr(sys, name)))
+        quiet_libraries()
         exit_on_signals(lambda: "")
         try:
             return main(argv)
@@ -109,6 +112,18 @@ def command(main):
         finally:
             release()
     return run_command
+
+
+def quiet_libraries():
+    """Keep off the command line what the libraries print that never applies to a run here:
+    bitsandbytes' advice, at its import, to fetch a kernel package from a hub (nothing is fetched:
+    its own CPU kernels serve), transformers' progress bars while it loads or saves weights, and
+    its deprecation of an attribute peft reads. The project's own lines and bar are what is left."""
+    from transformers.utils import logging as transformers_logging
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    transformers_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
 
 
 def exit_on_signals(say):

@@ -62,7 +62,7 @@ gpu --check: the GPU path checked in one command, the first thing to run when a 
 minutes on one H200, never more than --budget seconds). Steps, each in its own subprocess with its
 own time limit, so that a failed or hung step ends only itself: versions (software, device, the
 built tokenizer's fingerprint); tests-fp32 and tests-bf16 (the tests marked gpu in
-tests/test_rollout.py and tests/test_simulator.py with `--device cuda` in each dtype: stored vs
+tests/test_rollout.py and tests/test_local_user.py with `--device cuda` in each dtype: stored vs
 fresh log-probs, merged vs adapter logits, the 'same' user with and without merged sampling);
 bench-gpu (the quick shape above); learning (tests/test_learning.py on CUDA in bf16 with gradient
 checkpointing and thinking); rollout-rates (tokens/s of one 7B rollout through the adapter and
@@ -737,7 +737,7 @@ def bench_gpu(args):
 # be cut.
 CHECK_STEPS = {"versions": 60, "tests-fp32": 180, "tests-bf16": 180, "bench-gpu": 150,
                "learning": 150, "rollout-rates": 180, "4bit": 90}
-GPU_TEST_FILES = ["tests/test_rollout.py", "tests/test_simulator.py"]  # their tests marked gpu
+GPU_TEST_FILES = ["tests/test_rollout.py", "tests/test_local_user.py"]  # their tests marked gpu
 PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|error|deselected)")
 
 

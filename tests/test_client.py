@@ -15,7 +15,7 @@ from personas import load_personas
 import evaluate
 from conftest import chat_completion, completion, in_process, openings, reply, transcript
 from test_bad_input import ENV, assert_one_line, cli, error_lines
-from simulator import (Simulator, SimulatorError)
+from simulator import Simulator, SimulatorError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = ("That sounds really painful, especially after you were promised it. It makes sense that you "

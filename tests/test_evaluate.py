@@ -361,7 +361,7 @@ def test_an_existing_out_is_refused_before_any_model_loads(tiny_model_dir, perso
 @pytest.fixture(scope="module")
 def tiny_adapter(tiny_model_dir, tmp_path_factory):
     """A LoRA adapter folder (rank 4) for the tiny model, saved by peft."""
-    from rollout import load_policy
+    from policy import load_policy
 
     policy, _ = load_policy(tiny_model_dir, lora_r=4, device="cpu")
     folder = tmp_path_factory.mktemp("adapter") / "default"
@@ -602,7 +602,7 @@ def test_agreement_stopped_by_a_signal_keeps_its_appraisals(server, tmp_path, na
 @pytest.fixture(scope="module")
 def trained_adapter(tmp_path_factory):
     """A LoRA adapter on smollm2 whose B matrices were perturbed, so it is not the base."""
-    from rollout import load_policy
+    from policy import load_policy
 
     policy, _ = load_policy("smollm2", device="cpu")
     torch.manual_seed(0)

@@ -62,7 +62,7 @@ def two_adapter_model(model_dir, checkpointing):
     (the same numbers in every call), and a random value head."""
     from peft import LoraConfig
 
-    from rollout import DEFAULT_TARGETS, load_policy
+    from policy import DEFAULT_TARGETS, load_policy
 
     model, _ = load_policy(model_dir, lora_r=4, lora_alpha=8, gradient_checkpointing=checkpointing)
     model.add_adapter("critic", LoraConfig(r=4, lora_alpha=8, target_modules=DEFAULT_TARGETS.split(","),
@@ -259,7 +259,7 @@ def test_a_4bit_policy_trains_alike_after_a_rollout(tiny_model_dir):
     gradients (a rollout) into a layout whose kernel has no backward: the gradients of the first layer
     came out 43% off (this machine, 2026-12-02), and a model with biases stopped. load_model keeps the
     layout (on other CPUs there is no repacking, and this test passes either way)."""
-    from rollout import load_policy
+    from policy import load_policy
 
     def first_layer_grads(sampled_first):
         torch.manual_seed(0)

@@ -374,7 +374,7 @@ def test_value_of_a_token_does_not_see_that_token(tiny_model_dir):
     # V at position t is the baseline for the token sampled there, so it must come from the state
     # before it: changing the token at t may change V at t + 1 onwards, never at t or before.
     from peft import LoraConfig
-    from rollout import load_policy
+    from policy import load_policy
 
     model, _ = load_policy(tiny_model_dir, lora_r=4, lora_alpha=8)
     model.add_adapter("critic", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],

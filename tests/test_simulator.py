@@ -12,15 +12,15 @@ import types
 
 import pytest
 
-from personas import load_personas, PersonaError
+from personas import PersonaError, load_personas
 import evaluate
 import rollout
 import run  # noqa: E402
 import simulator
-from conftest import RLVER, in_process, ScriptedBackend, transcript
+from conftest import RLVER, ScriptedBackend, in_process, transcript
 from test_bad_input import assert_one_line, cli
-from simulator import (GENERIC_LINES, RulesBackend, Simulator, apply_change, band,
-                       parse_change, rules_appraisal, says_goodbye)
+from simulator import (GENERIC_LINES, RulesBackend, Simulator, apply_change, band, parse_change,
+                       rules_appraisal, says_goodbye)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,7 @@ import torch
 from personas import load_personas
 from policy import check_model
 from rollout import TOKEN_ARRAYS, check_openings_fit, summarize
-from run import at_least, fail, one_of, setting, within
+from run import above, at_least, fail, one_of, setting, within, zero_or_at_least
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,6 +257,89 @@ def turn_rewards(record, args, format_penalty=0.0):
         raise ValueError(f"REWARDS[{args.reward!r}] gave {len(values)} values "
                          f"for {len(broke)} agent turns")
     return [value - format_penalty * bad for value, bad in zip(values, broke)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The policy loss, and the settings both trainers' updates read
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class TrainingSettings:
+    """What both trainers' updates read alike (each trainer declares its method's own)."""
+    title = "training (both trainers)"
+    update_epochs: int = setting(
+        1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
+    minibatch_size: int = setting(
+        32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
+    clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
+                              within(0, 1, low_open=True, high_open=True))
+    clip_high: float = setting(
+        0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
+    tis_cap: float = setting(
+        2.0, "truncated importance sampling: each token's policy-gradient term x min(pi_old / "
+             "pi_sampler, cap) (TRL: 2); 0: off", zero_or_at_least(1))
+    ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
+    kl_loss_coef: float = setting(
+        0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
+    max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
+    greedy: bool = setting(
+        False, "decode greedily: reproducible dialogues for tests and debugging (GRPO: a "
+               "group's would be equal)")
+    micro_batch_size: int = setting(
+        2, "dialogues per forward pass (gradient accumulation)", at_least(1), operational=True)
+    log_kl_every: int = setting(
+        1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
+           "reference pass in the others", at_least(1), operational=True)
+
+
+def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
+    """Per-token PPO surrogate (Schulman et al. 2017) with an asymmetric clip (clip-higher, DAPO).
+    Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high)).
+    Until the first optimizer step of an iteration, old_logprobs (its scoring pass) are the current
+    weights' own log-probs, so r = 1, nothing is clipped, and the gradient is the plain policy
+    gradient -A grad log p (with one pass and one step per batch: GRPO with mu = 1, TRL's
+    default)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
+
+
+def policy_objective(logprobs, entropy, old_logprobs, sample_logprobs, advantages, ref_logprobs,
+                     agg, args):
+    """The policy's loss on one micro-batch, from per-token (b, T) tensors to its share of the
+    minibatch loss (agg: aggregate with the minibatch's counts): the clipped surrogate, each token's
+    weighted by truncated importance sampling, minus --ent-coef x the entropy, plus --kl-loss-coef
+    x the k3 KL to the reference (ref_logprobs, None when no reference pass ran).
+    Truncated importance sampling (TIS; Yao et al. 2025, as verl, TRL and OpenRLHF correct it): the
+    rollout sampled each token with its own computation (generate with a KV cache, bf16 kernels),
+    whose log-prob sample_logprobs differs from the trainer's old_logprobs by rounding; the
+    surrogate assumes the trainer's policy sampled. Each token's term is weighted by
+    w = min(pi_old / pi_sampler, --tis-cap), a constant (old_logprobs carry no gradient), which
+    corrects the expectation and caps the variance; --tis-cap 0: w = 1. Returns (loss, the
+    per-token terms the update logs, also those of the rollout's policy: its KL to the reference
+    and its mismatch with the sampler, the k3 estimate of KL(sampler || trainer))."""
+    pg, _, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low,
+                                         args.clip_high)
+    sampler_ratio = torch.exp(old_logprobs - sample_logprobs)  # 1 off the mask: both are 0 there
+    weight, cut = torch.ones_like(pg), torch.zeros_like(pg)
+    if args.tis_cap:
+        weight = sampler_ratio.clamp(max=args.tis_cap)
+        cut = (sampler_ratio > args.tis_cap).float()
+    pg = weight * pg
+    kl_ref = kl_ref_loss = None  # an iteration without the reference pass
+    if ref_logprobs is not None:
+        kl_ref, kl_ref_loss = kl_k3(old_logprobs, ref_logprobs), kl_k3(logprobs, ref_logprobs)
+    loss = agg(pg) - args.ent_coef * agg(entropy)
+    if args.kl_loss_coef > 0:
+        loss = loss + args.kl_loss_coef * agg(kl_ref_loss)
+    with torch.no_grad():
+        logratio = logprobs - old_logprobs
+        approx_kl = torch.exp(logratio) - 1 - logratio  # the k3 estimator of KL(old || new)
+    return loss, {"policy_loss": pg, "entropy": entropy, "approx_kl": approx_kl,
+                  "clip_frac": clipped, "kl_ref": kl_ref, "kl_ref_loss": kl_ref_loss,
+                  "sample_logprob_gap": (old_logprobs - sample_logprobs).abs(),
+                  "mismatch_kl": kl_k3(sample_logprobs, old_logprobs),
+                  "tis_weight_mean": weight, "tis_clip_frac": cut}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import grpo
+import rl
 import run
 from conftest import ROOT, read_metrics
 from personas import load_personas
@@ -125,11 +126,11 @@ BUDGET = 8
     ("dr-grpo", (1 + 2 + 3 + 4 + 5 + 6) / (3 * BUDGET)),
 ])
 def test_loss_aggregation_by_hand(mode, expected):
-    whole = grpo.aggregate(LOSS, MASK, mode, MASK.sum(), 3, BUDGET)
+    whole = rl.aggregate(LOSS, MASK, mode, MASK.sum(), 3, BUDGET)
     assert whole.item() == pytest.approx(expected)
     # split into micro-batches, the shares add up to the same minibatch loss
-    parts = (grpo.aggregate(LOSS[:1], MASK[:1], mode, MASK.sum(), 3, BUDGET)
-             + grpo.aggregate(LOSS[1:], MASK[1:], mode, MASK.sum(), 3, BUDGET))
+    parts = (rl.aggregate(LOSS[:1], MASK[:1], mode, MASK.sum(), 3, BUDGET)
+             + rl.aggregate(LOSS[1:], MASK[1:], mode, MASK.sum(), 3, BUDGET))
     assert parts.item() == pytest.approx(expected)
 
 
@@ -137,12 +138,12 @@ def test_clipped_policy_loss_and_k3_by_hand():
     old = torch.zeros(5)
     new = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.7, 1.0]))
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 2.0])
-    loss, ratio, clipped = grpo.clipped_policy_loss(new, old, adv, 0.2, 0.28)
+    loss, ratio, clipped = rl.clipped_policy_loss(new, old, adv, 0.2, 0.28)
     # A>0: -A min(r, 1.28) -> -1.28, -0.5 ; A<0: -A max(r, 0.8) -> 1.1, 0.8 ; r = 1: -A
     torch.testing.assert_close(loss, torch.tensor([-1.28, -0.5, 1.1, 0.8, -2.0]))
     assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
     lp, ref = torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([0.5, 0.4]))
-    k3 = grpo.kl_k3(lp, ref)   # ratio ref/p = 1 and 2: 1 - 0 - 1 = 0 ; 2 - ln 2 - 1
+    k3 = rl.kl_k3(lp, ref)   # ratio ref/p = 1 and 2: 1 - 0 - 1 = 0 ; 2 - ln 2 - 1
     assert k3[0].item() == pytest.approx(0.0, abs=1e-7) and k3[1].item() == pytest.approx(1 - math.log(2))
 
 

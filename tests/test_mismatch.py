@@ -17,6 +17,7 @@ from policy import load_policy, mergeable_layers
 from rl import pad_records, token_logprobs
 import grpo
 import ppo
+import rl
 import rollout
 from conftest import read_metrics, tiny_tokenizer
 from simulator import RulesBackend, Simulator
@@ -67,7 +68,7 @@ def mismatch_kl(policy, batch):
     with torch.no_grad():
         trained, _ = update_logprobs(policy, batch)
     mask = batch["action_mask"].bool()
-    return ppo.kl_k3(batch["sample_logprobs"], trained)[mask].mean().item()
+    return rl.kl_k3(batch["sample_logprobs"], trained)[mask].mean().item()
 
 
 def test_the_truncated_importance_weight_by_hand_on_a_bf16_model(sharp_model_dir):
@@ -91,8 +92,8 @@ def test_the_truncated_importance_weight_by_hand_on_a_bf16_model(sharp_model_dir
     adv = torch.randn(mask.shape, generator=g) * mask
     n = mask.sum()
     args = SimpleNamespace(clip_low=0.2, clip_high=0.28, ent_coef=0.0, kl_loss_coef=0.0, tis_cap=2.0)
-    agg = partial(ppo.aggregate, mask=mask, mode="token-mean", total_tokens=n, total_seqs=len(mask))
-    loss, terms = ppo.policy_objective(newlogprob, entropy, old, sample, adv, None, agg, args)
+    agg = partial(rl.aggregate, mask=mask, mode="token-mean", total_tokens=n, total_seqs=len(mask))
+    loss, terms = rl.policy_objective(newlogprob, entropy, old, sample, adv, None, agg, args)
     loss.backward()
     grads = {k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None}
     # by hand, in float64
@@ -118,7 +119,7 @@ def test_the_truncated_importance_weight_by_hand_on_a_bf16_model(sharp_model_dir
     assert terms["tis_clip_frac"][on].mean().item() == pytest.approx(
         (torch.exp(old64 - sample64)[on] > 2).double().mean().item())
     # --tis-cap 0: no correction, every weight 1, nothing cut
-    off = ppo.policy_objective(newlogprob, entropy, old, sample, adv, None, agg,
+    off = rl.policy_objective(newlogprob, entropy, old, sample, adv, None, agg,
                                SimpleNamespace(**{**vars(args), "tis_cap": 0.0}))[1]
     assert off["tis_weight_mean"][on].unique().tolist() == [1.0] and off["tis_clip_frac"].sum() == 0
     assert torch.equal(off["mismatch_kl"], terms["mismatch_kl"])  # what is measured does not change

@@ -13,6 +13,7 @@ import torch
 
 import grpo
 import ppo
+import rl
 import run
 from conftest import read_metrics
 
@@ -332,13 +333,13 @@ def test_the_stop_after_non_finite_updates_keeps_the_last_complete_checkpoint(tr
 
     # 3 optimizer steps an iteration. Iteration 1 is clean and saved; in iteration 2 the first step
     # is clean (the weights move on) and every later one is non-finite, so the run stops part-way.
-    real, calls = trainer.clipped_policy_loss, []
+    real, calls = rl.clipped_policy_loss, []
 
     def poisoned(*args, **kwargs):
         calls.append(1)
         loss, ratio, clipped = real(*args, **kwargs)
         return (loss * float("nan") if len(calls) > 4 else loss), ratio, clipped
-    monkeypatch.setattr(trainer, "clipped_policy_loss", poisoned)
+    monkeypatch.setattr(rl, "clipped_policy_loss", poisoned)
     make = ppo_args if trainer is ppo else grpo_args
     out = tmp_path / "run"
     sizes = ["--dialogues-per-iteration", "6"] if trainer is ppo else ["--personas-per-iteration", "3"]

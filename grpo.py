@@ -230,7 +230,8 @@ def main(argv=None):
         # reward std over the groups with a std, those with two read dialogues or more
         first = slice(None, None, args.group_size)
         spread = all_std[first][all_size[first] >= 2]                                    # (groups,)
-        run.log({**figures, "group_reward_std": float(spread.mean()) if len(spread) else None,
+        # (no group with a std: NaN, which the log writes as null)
+        run.log({**figures, "group_reward_std": float(spread.mean()),
                  "zero_spread_groups": int(all_flat[first].sum()),
                  "lr": optimizer.param_groups[0]["lr"]}, logs, dialogues)
 

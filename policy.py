@@ -103,15 +103,14 @@ def four_bit_problem():
         return "needs the bitsandbytes package: pip install bitsandbytes (or drop the flag)"
     if torch.cuda.is_available():
         return None
-    import bitsandbytes
     import bitsandbytes.functional
 
     try:
         bitsandbytes.functional.quantize_4bit(torch.ones(64), quant_type="nf4")
     # whatever a build without CPU kernels raises (NotImplementedError, RuntimeError)
     except Exception as e:
-        return (f"bitsandbytes {bitsandbytes.__version__} has no NF4 kernels for the CPU "
-                f"({type(e).__name__}); use a GPU, bitsandbytes >= 0.50, or drop the flag")
+        return (f"this bitsandbytes has no NF4 kernels for the CPU ({type(e).__name__}); use a "
+                "GPU, bitsandbytes >= 0.50, or drop the flag")
     return None
 
 

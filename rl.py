@@ -5,6 +5,7 @@ Each trainer shows its whole method in its own file (the advantages, the losses,
 in its loop); what both do alike, in the same way, is here once. It plays no dialogue (rollout.py)
 and writes no file (run.py).
 """
+import math
 import random
 from dataclasses import dataclass
 from functools import partial
@@ -15,7 +16,7 @@ import torch
 from personas import load_personas
 from policy import check_model
 from rollout import TOKEN_ARRAYS, check_openings_fit, summarize
-from run import above, at_least, fail, one_of, setting, within, zero_or_at_least
+from run import above, at_least, fail, one_of, setting, within
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,6 +261,50 @@ def turn_rewards(record, args, format_penalty=0.0):
 
 
 # ----------------------------------------------------------------------------------------------
+# Losses and the optimizer
+# ----------------------------------------------------------------------------------------------
+def kl_k3(logprobs, ref_logprobs):
+    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
+    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020). The exponent is
+    clamped to [-20, 20] as verl clamps it, so that a token the policy has moved far from the
+    reference gives a large, finite loss, never an infinite one."""
+    d = (ref_logprobs - logprobs).clamp(-20, 20)
+    return torch.exp(d) - d - 1
+
+
+def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
+    """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so that
+    summing the micro-batches gives the minibatch loss whatever the split (each trainer offers
+    some).
+    token-mean: every agent token weighs the same (DAPO); long dialogues weigh more.
+    seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice); a token of a
+                         short dialogue weighs more than one of a long dialogue.
+    dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget
+             (Dr. GRPO): no length-dependent normalisation at all. GRPO takes the budget as the
+             most tokens a dialogue can hold, max_turns x max_new_tokens."""
+    masked = loss * mask                                                                    # (b, T)
+    if mode == "token-mean":
+        return masked.sum() / total_tokens
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
+    return masked.sum() / (total_seqs * token_budget)  # dr-grpo
+
+
+def adamw_with_warmup(groups):
+    """AdamW over (parameters, learning rate, warm-up steps) groups, each group's rate rising
+    linearly over its first warm-up steps, then constant, as verl's warm-up: counted by the
+    scheduler's own steps (the trainers step it only after an optimizer step, so a skipped
+    non-finite step advances neither, and --resume restores both). Unlike verl's, the first step
+    takes 1 / warm-up of the rate, not 0."""
+    optimizer = torch.optim.AdamW([{"params": params, "lr": lr} for params, lr, _ in groups],
+                                  weight_decay=0.0)
+    # a group's rate factor after `steps` steps; the default argument n binds each group's own
+    # warm-up
+    factors = [lambda steps, n=max(1, warmup): min(1.0, (steps + 1) / n) for *_, warmup in groups]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+
+
+# ----------------------------------------------------------------------------------------------
 # The policy loss, and the settings both trainers' updates read
 # ----------------------------------------------------------------------------------------------
 @dataclass
@@ -276,7 +321,9 @@ class TrainingSettings:
         0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
     tis_cap: float = setting(
         2.0, "truncated importance sampling: each token's policy-gradient term x min(pi_old / "
-             "pi_sampler, cap) (TRL: 2); 0: off", zero_or_at_least(1))
+             "pi_sampler, cap) (TRL: 2); 0: off",
+        lambda cap: None if cap == 0 or 1 <= cap < math.inf else "must be 0 (off) or a finite "
+                                                                  "number, at least 1")
     ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
     kl_loss_coef: float = setting(
         0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
@@ -332,58 +379,12 @@ def policy_objective(logprobs, entropy, old_logprobs, sample_logprobs, advantage
     loss = agg(pg) - args.ent_coef * agg(entropy)
     if args.kl_loss_coef > 0:
         loss = loss + args.kl_loss_coef * agg(kl_ref_loss)
-    with torch.no_grad():
-        logratio = logprobs - old_logprobs
-        approx_kl = torch.exp(logratio) - 1 - logratio  # the k3 estimator of KL(old || new)
-    return loss, {"policy_loss": pg, "entropy": entropy, "approx_kl": approx_kl,
+    return loss, {"policy_loss": pg, "entropy": entropy,
+                  "approx_kl": kl_k3(old_logprobs, logprobs.detach()),  # KL(old || new)
                   "clip_frac": clipped, "kl_ref": kl_ref, "kl_ref_loss": kl_ref_loss,
                   "sample_logprob_gap": (old_logprobs - sample_logprobs).abs(),
                   "mismatch_kl": kl_k3(sample_logprobs, old_logprobs),
                   "tis_weight_mean": weight, "tis_clip_frac": cut}
-
-
-# ----------------------------------------------------------------------------------------------
-# Losses and the optimizer
-# ----------------------------------------------------------------------------------------------
-def kl_k3(logprobs, ref_logprobs):
-    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
-    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020). The exponent is
-    clamped to [-20, 20] as verl clamps it, so that a token the policy has moved far from the
-    reference gives a large, finite loss, never an infinite one."""
-    d = (ref_logprobs - logprobs).clamp(-20, 20)
-    return torch.exp(d) - d - 1
-
-
-def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
-    """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so that
-    summing the micro-batches gives the minibatch loss whatever the split (each trainer offers
-    some).
-    token-mean: every agent token weighs the same (DAPO); long dialogues weigh more.
-    seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice); a token of a
-                         short dialogue weighs more than one of a long dialogue.
-    dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget
-             (Dr. GRPO): no length-dependent normalisation at all. GRPO takes the budget as the
-             most tokens a dialogue can hold, max_turns x max_new_tokens."""
-    masked = loss * mask                                                                    # (b, T)
-    if mode == "token-mean":
-        return masked.sum() / total_tokens
-    if mode == "seq-mean-token-mean":
-        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
-    return masked.sum() / (total_seqs * token_budget)  # dr-grpo
-
-
-def adamw_with_warmup(groups):
-    """AdamW over (parameters, learning rate, warm-up steps) groups, each group's rate rising
-    linearly over its first warm-up steps, then constant, as verl's warm-up: counted by the
-    scheduler's own steps (the trainers step it only after an optimizer step, so a skipped
-    non-finite step advances neither, and --resume restores both). Unlike verl's, the first step
-    takes 1 / warm-up of the rate, not 0."""
-    optimizer = torch.optim.AdamW([{"params": params, "lr": lr} for params, lr, _ in groups],
-                                  weight_decay=0.0)
-    # a group's rate factor after `steps` steps; the default argument n binds each group's own
-    # warm-up
-    factors = [lambda steps, n=max(1, warmup): min(1.0, (steps + 1) / n) for *_, warmup in groups]
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -211,9 +211,8 @@ def cached_batch(rows, slots, pad_id, device):
                 if n:  # nothing to copy where a new dialogue's slot was empty
                     for part, t in zip(layer, kept[b][i]):
                         part[b, :, P - n:] = t[0, :, :n]
-            for row in kept:
-                if row:
-                    row[i] = None
+                if kept[b]:
+                    kept[b][i] = None
             yield layer
     cache = DynamicCache(layers() if P else None)
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device), cache
@@ -325,7 +324,7 @@ def make_backend(simulator, policy=None, tokenizer=None, reuse_cache=True, args=
                              args.api_retries)
     if policy is None:
         policy, tokenizer = load_model(args.model, default_device(),
-                                       trust_remote_code=getattr(args, "trust_remote_code", False))
+                                       trust_remote_code=args.trust_remote_code)
     # the frozen base: a PeftModel's with its adapters off; a plain model is its own base
     return LocalBackend(policy, tokenizer, use_base=hasattr(policy, "disable_adapter"),
                         reuse_cache=reuse_cache)
@@ -343,7 +342,7 @@ def make_simulator(args, policy, tokenizer, run):
     and which read-out the user gives."""
     simulator = build_simulator(args, policy, tokenizer)
     if run.is_main:
-        merged = args.merged_sampling and bool(mergeable_layers(policy))
+        merged = bool(mergeable_layers(policy))
         print(f"policy {args.model} on {run.device} x {run.world} process(es), merged sampling "
               f"{merged}; simulator {args.simulator}, read-out {simulator.readout}")
     return simulator
@@ -410,9 +409,6 @@ class SamplingSettings:
     max_new_tokens: int = setting(512, "tokens per agent turn", at_least(1))
     max_context: int = setting(
         6144, "tokens per dialogue; past it the dialogue ends with 'context'", at_least(2))
-    merged_sampling: bool = setting(
-        True, "sample from the adapter merged into a copy of the weights: faster, the update "
-              "stays exact (off: less memory; 4-bit bases never merge)", operational=True)
 
     @staticmethod
     def check(args):
@@ -582,10 +578,10 @@ def check_openings_fit(args, personas):
 
 def sampling_settings(args, policy, tokenizer):
     """play_dialogues' keyword arguments from a script's SamplingSettings (and a trainer's
-    --greedy): the agent's chat, its system prompt as --thinking says, and how it samples, merged
-    where --merged-sampling asks it and the policy allows it (mergeable_layers)."""
+    --greedy): the agent's chat, its system prompt as --thinking says, and how it samples: merged
+    where the policy allows it (mergeable_layers: float32 weights only)."""
     sampling = {f.name: getattr(args, f.name) for f in fields(SamplingSettings)}
     sampling["chat"] = ChatTokens(tokenizer, sampling.pop("thinking"))
-    sampling["merge"] = mergeable_layers(policy) if sampling.pop("merged_sampling") else []
+    sampling["merge"] = mergeable_layers(policy)
     sampling["greedy"] = getattr(args, "greedy", False)
     return sampling

@@ -167,14 +167,6 @@ def above(low):
     return check
 
 
-def zero_or_at_least(low):
-    """0 (off), or finite and at least low."""
-    def check(value):
-        if value != 0 and not low <= value < math.inf:
-            return f"must be 0 (off) or a finite number, at least {low}"
-    return check
-
-
 def within(low, high, low_open=False, high_open=False):
     """From low to high, both included; low_open or high_open leaves that end out."""
     def check(value):

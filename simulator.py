@@ -526,8 +526,9 @@ class Simulator:
             return [rules_appraisal(s, r) for s, r in zip(states, replies)]
         asked = [appraisal_messages(s, r, self.max_change) for s, r in zip(states, replies)]
         texts = self.backend.chat(asked, self.appraisal_tokens, [s.cache for s in states], 1.0)
+        scale = range(-self.max_change, self.max_change + 1)  # None is not in it: unread
         changes = [parse_change(t) for t in texts]
-        again = [k for k, c in enumerate(changes) if not self.on_scale(c)]
+        again = [k for k, c in enumerate(changes) if c not in scale]
         if again:  # the change line alone, by its label in the persona's language
             retry = []
             for k in again:
@@ -540,11 +541,7 @@ class Simulator:
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
                 changes[k] = parse_change(text)
-        return [(c if self.on_scale(c) else None, t) for c, t in zip(changes, texts)]
-
-    def on_scale(self, change):
-        """Whether a model's stated change was read and lies within +-max_change."""
-        return change is not None and abs(change) <= self.max_change
+        return [(c if c in scale else None, t) for c, t in zip(changes, texts)]
 
     def step(self, states, replies):
         """Appraise each state's agent reply, update emotion, end or write the next user message.

@@ -53,7 +53,7 @@ def no_trainer(*args, **kwargs):
 
 def test_report_means_std_and_target(fake_runs, monkeypatch, capsys):
     """Every run complete: no trainer starts; the table (first and last 2 of 6 iterations, mean ± std over
-    seeds with ddof=1, the rise, the target), learning.png and learning.md are written and printed."""
+    seeds with ddof=1, the rise, the target) is written to learning.md and printed."""
     monkeypatch.setattr(bench, "run_command", no_trainer)
     learning(fake_runs)
     with open(os.path.join(fake_runs, "learning.md")) as f:
@@ -70,10 +70,6 @@ def test_report_means_std_and_target(fake_runs, monkeypatch, capsys):
     assert lines[5] == (f"| grpo | 3 | 0.300 ± {std[0]} | 0.348 ± {std[1]} | +{rise.mean():.3f} ± {std[2]} "
                         "| no | - |")
     assert lines[4] in capsys.readouterr().out
-    png = os.path.join(fake_runs, "learning.png")
-    with open(png, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert os.path.getsize(png) > 5000
 
 
 def test_incomplete_runs_are_named_not_averaged(fake_runs, monkeypatch):
@@ -129,7 +125,6 @@ def test_learning_driver_skips_resumes_and_passes_flags(fake_runs, monkeypatch, 
         assert c.index("--max-new-tokens") > c.index("--max-turns")  # extra flags come later, so they win
     printed = capsys.readouterr().out
     assert "| ppo | 3 | 0.310 ± 0.020 | 0.510 ± 0.020 | +0.200 ± 0.000 | yes | - |" in printed
-    assert os.path.getsize(os.path.join(fake_runs, "learning.png")) > 0
 
 
 def test_minutes_per_run_from_the_logged_iteration_times(fake_runs, monkeypatch):
@@ -407,7 +402,6 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert n["learning"] == {"passed": 1, "deselected": 4}  # the reward rose by more than 0.2
     assert n["bench-gpu"]["policy_tokens"] == 2 * 2 * 4
     rates = n["rollout-rates"]
-    for route in ("adapter", "merged"):
-        assert rates[f"{route}_tokens_per_s"] > 0
-        assert rates[f"{route}_logprob_gap_max"] < 1e-4  # float32 on the CPU
+    assert rates["tokens_per_s"] > 0
+    assert rates["logprob_gap_max"] < 1e-4 and abs(rates["mismatch_kl"]) < 1e-9  # float32 on the CPU
     assert n["4bit"]["linear4bit_layers"] > 0 and 0 <= n["4bit"]["reward_mean"] <= 1  # NF4 on the CPU

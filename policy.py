@@ -10,6 +10,7 @@ simulator.py, rl.py) and imports only run.py.
 """
 import contextlib
 import importlib.util
+import io
 import os
 import re
 import shutil
@@ -74,7 +75,9 @@ def resolve_model(name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
-    with random_streams_kept():  # a fresh model's initialisation must not shift the run's streams
+    # a fresh model's initialisation must not shift the run's streams; transformers' bar of its
+    # GGUF reader is not the run's (the line above says what happens)
+    with random_streams_kept(), contextlib.redirect_stderr(io.StringIO()):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
         gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file,
                                                           dtype=torch.float32)
@@ -287,7 +290,7 @@ def float32_head(model):
     bits of mantissa) round a peaked distribution's log-probs differently in the sampler's and the
     trainer's kernels, the largest share of their mismatch (docs/gpu.md has the measurements)."""
     head = model.get_output_embeddings()
-    head.weight = torch.nn.Parameter(head.weight.detach().float(), requires_grad=False)
+    head.weight = torch.nn.Parameter(head.weight.detach().float())  # frozen with the base (peft)
     head.register_forward_pre_hook(lambda module, args: (args[0].float(),))
 
 

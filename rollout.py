@@ -342,9 +342,9 @@ def make_simulator(args, policy, tokenizer, run):
     and which read-out the user gives."""
     simulator = build_simulator(args, policy, tokenizer)
     if run.is_main:
-        merged = bool(mergeable_layers(policy))
         print(f"policy {args.model} on {run.device} x {run.world} process(es), merged sampling "
-              f"{merged}; simulator {args.simulator}, read-out {simulator.readout}")
+              f"{bool(mergeable_layers(policy))}; simulator {args.simulator}, read-out "
+              f"{simulator.readout}")
     return simulator
 
 

@@ -1,5 +1,6 @@
 """Every command's --help prints and exits 0 (argparse formats each help string with %, so a bare
 '95%' in one of them crashes --help while every other use of the parser works)."""
+import os
 import re
 import subprocess
 import sys
@@ -36,3 +37,19 @@ def test_the_trainers_share_one_name_per_idea_method_first_operational_last(scri
     stop = subprocess.run([sys.executable, script, "--ppo-epochs", "2"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert stop.returncode == 2 and stop.stderr.strip() == "error: unrecognized arguments: --ppo-epochs 2"
+
+
+def test_a_first_run_prints_only_the_projects_own_lines(tmp_path):
+    """`python ppo.py --preset cpu` from an empty model cache, as a newcomer's first run: stdout and
+    stderr hold the project's own lines and its progress bar, no library's warning, advice or bar
+    (bitsandbytes' kernel-hub advice, transformers' deprecation and its GGUF and loading bars)."""
+    env = {**os.environ, "RLVER_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "ppo.py", "--preset", "cpu", "--iterations", "1",
+                           "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--max-turns", "1",
+                           "--max-new-tokens", "8", "--out", str(tmp_path / "run")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    frames = [line for line in re.split(r"[\r\n]", done.stdout + done.stderr) if line.strip()]
+    ours = re.compile(r"(policy smollm2 on cpu|converting .*\.gguf to |run /|done: |ppo: )")
+    assert frames and all(ours.match(line) for line in frames), [f for f in frames if not ours.match(f)]
+    assert "converting" in done.stderr  # it was a first run: the model was converted

@@ -187,7 +187,9 @@ def test_ctrl_c_in_an_iteration_names_it_and_the_resume_goes_on(tiny_model_dir, 
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, err[-2000:]
     line = next(line for line in err.splitlines() if line.startswith("stopped by SIGINT"))
-    assert re.search(r"(in iteration|while the checkpoint of iteration) \d+ of", line), line
+    # the signal lands in an iteration, or (as it may on a fast machine) in a checkpoint's save
+    assert re.search(r"(in iteration \d+|while the checkpoint of iteration \d+ was written) of",
+                     line), line
     assert "the newest complete checkpoint is" in line
     code, err = cli(*line.split("`")[1].split()[1:])
     assert code == 0, err[-2000:]

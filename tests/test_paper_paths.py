@@ -211,6 +211,9 @@ def test_the_paper_preset_paths_run_on_a_tiny_model(trainer, tiny_model_dir, per
                 + m["end_context"] + m["unread_dialogues"] == 4)
     grad_norm = "actor_grad_norm" if trainer is ppo else "grad_norm"
     assert metrics[0][grad_norm] > 0 and metrics[1]["kl_ref"] > 0   # the policy moved in iteration 1
+    # two minibatches: the second one's old log-probs are the scoring pass's, from before the first
+    # step, so its ratios move off 1 (old log-probs taken from the current pass would keep them at 1)
+    assert any(m["approx_kl"] > 0 for m in metrics)
     if trainer is ppo:
         assert defaults["whiten_advantages"] and metrics[1]["critic_grad_norm"] is not None  # it stepped
 

@@ -199,22 +199,21 @@ def cached_batch(rows, slots, pad_id, device):
     for slot in slots:
         slot.clear()
 
-    def layers():
-        """Each layer's keys and values (B, heads, P, head size), a row's prefix at the end, zeros
-        before, built as the cache takes them in (it copies each), and each row's own copy of the
-        layer dropped once it is in: the dialogues' caches and the batch's are never alive whole
-        at the same time, so a turn holds its KV cache once."""
-        longest = kept[reuse.index(P)]  # shaped as the slot with the longest prefix holds them
-        for i in range(len(longest)):
-            layer = [t.new_zeros(len(rows), t.shape[1], P, t.shape[3]) for t in longest[i]]
-            for b, n in enumerate(reuse):
-                if n:  # nothing to copy where a new dialogue's slot was empty
-                    for part, t in zip(layer, kept[b][i]):
-                        part[b, :, P - n:] = t[0, :, :n]
-                if kept[b]:
-                    kept[b][i] = None
-            yield layer
-    cache = DynamicCache(layers() if P else None)
+    # Each layer's keys and values (B, heads, P, head size), a row's prefix at the end, zeros
+    # before, go into the cache (which copies them) one layer at a time, and each row's own copy of
+    # the layer is dropped once it is in: the dialogues' caches and the batch's are never alive
+    # whole at the same time, so a turn holds its KV cache once.
+    cache = DynamicCache()
+    longest = kept[reuse.index(P)] if P else []  # shaped as the slot with the longest prefix's
+    for i in range(len(longest)):
+        layer = [t.new_zeros(len(rows), t.shape[1], P, t.shape[3]) for t in longest[i]]
+        for b, n in enumerate(reuse):
+            if n:  # nothing to copy where a new dialogue's slot was empty
+                for part, t in zip(layer, kept[b][i]):
+                    part[b, :, P - n:] = t[0, :, :n]
+            if kept[b]:
+                kept[b][i] = None
+        cache.update(*layer, i)
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device), cache
 
 

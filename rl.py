@@ -322,8 +322,8 @@ class TrainingSettings:
     tis_cap: float = setting(
         2.0, "truncated importance sampling: each token's policy-gradient term x min(pi_old / "
              "pi_sampler, cap) (TRL: 2); 0: off",
-        lambda cap: None if cap == 0 or 1 <= cap < math.inf else "must be 0 (off) or a finite "
-                                                                  "number, at least 1")
+        lambda cap: None if cap == 0 or 1 <= cap < math.inf
+        else "must be 0 (off) or a finite number, at least 1")
     ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
     kl_loss_coef: float = setting(
         0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))

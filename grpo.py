@@ -25,9 +25,9 @@ import torch
 
 from policy import AdapterSettings, PolicySettings, adapter_params, load_policy, policy_settings
 from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, aggregate,
-                check_before_loading, iteration_report, old_logprobs_from_update, old_logprobs_of,
-                pad_records, pick_personas, policy_objective, ref_logprobs_of, token_logprobs,
-                turn_rewards)
+                check_before_loading, iteration_report, old_and_ref_logprobs,
+                old_logprobs_from_update, pad_records, pick_personas, policy_objective,
+                token_logprobs, turn_rewards)
 from rollout import SamplingSettings, make_simulator, play_dialogues, sampling_settings
 from run import Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting
 from simulator import SimulatorError, SimulatorSettings
@@ -165,8 +165,8 @@ def main(argv=None):
         mask = batch["action_mask"]                                                         # (B, T)
         # the old log-probs (B, T) (None where the update's own pass gives them), and the
         # reference's (adapter off; None on an iteration without the reference pass)
-        old_logprobs = old_logprobs_of(model, batch, args, from_update)
-        ref_logprobs = ref_logprobs_of(model, batch, args, iteration)                      # (B, T)
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(model, batch, args, iteration,
+                                                          from_update)
         # The rewards of the whole iteration, on every process (its figures are global). The
         # gather is in rank order, so this process's rows are its share (run.share), and each
         # process's dialogues come group after group, --group-size each (play_dialogues), so a

@@ -29,8 +29,8 @@ import torch
 from policy import (AdapterSettings, PolicySettings, adapter_params, load_policy, policy_settings,
                     use_adapter)
 from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, aggregate,
-                check_before_loading, eval_scores, iteration_report, old_logprobs_from_update,
-                old_logprobs_of, pad_records, pick_personas, policy_objective, ref_logprobs_of,
+                check_before_loading, eval_scores, iteration_report, old_and_ref_logprobs,
+                old_logprobs_from_update, pad_records, pick_personas, policy_objective,
                 token_logprobs, turn_rewards, unmoved_return)
 from rollout import SamplingSettings, make_simulator, play_dialogues, sampling_settings
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
@@ -232,8 +232,8 @@ def main(argv=None):
         mask = batch["action_mask"]                                                         # (B, T)
         # the old log-probs (B, T) (None where the update's own pass gives them), and the
         # reference's (adapters off; None on an iteration without the reference pass)
-        old_logprobs = old_logprobs_of(model, batch, args, from_update)
-        ref_logprobs = ref_logprobs_of(model, batch, args, iteration)                      # (B, T)
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(model, batch, args, iteration,
+                                                          from_update)
         with adapter_active(model, "critic"):  # in length-sorted micro-batches, without gradients
             old_values = eval_scores(model, batch, args.micro_batch_size,                   # (B, T)
                                      lambda ids, att, _: critic_values(model, value_head, ids, att))

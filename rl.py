@@ -67,14 +67,15 @@ def pad_records(records, pad_id, device):
     lengths = torch.tensor([len(r["token_ids"]) for r in records], device=device)          # (B,)
     read = torch.tensor([r["end_reason"] != "unread" for r in records], device=device)     # (B,)
     width = int(lengths.max())
-
-    def padded(key, value=0, dtype=torch.float32):  # (B, T): every record's list, padded with value
-        return torch.tensor([r[key] + [value] * (width - len(r[key])) for r in records],
-                            dtype=dtype, device=device)
-    return {"input_ids": padded("token_ids", pad_id, torch.long),
-            "attention_mask": (torch.arange(width, device=device) < lengths[:, None]).long(),
-            "action_mask": padded("action_mask") * read[:, None],
-            "sample_logprobs": padded("sample_logprobs")}
+    batch = {"attention_mask": (torch.arange(width, device=device) < lengths[:, None]).long()}
+    # (B, T) each: every record's list, padded with its value
+    for name, key, value, dtype in (("input_ids", "token_ids", pad_id, torch.long),
+                                    ("action_mask", "action_mask", 0, torch.float32),
+                                    ("sample_logprobs", "sample_logprobs", 0, torch.float32)):
+        batch[name] = torch.tensor([r[key] + [value] * (width - len(r[key])) for r in records],
+                                   dtype=dtype, device=device)
+    batch["action_mask"] *= read[:, None]
+    return batch
 
 
 # rows x positions projected onto the vocabulary at once (token_logprobs)
@@ -126,12 +127,13 @@ def token_logprobs(model, input_ids, attention_mask, action_mask, temperature=1.
     logps, entropies = zip(*[chunk(head, hidden[:, c:c + step], targets[:, c:c + step],
                                    temperature, with_entropy, entropy_grad)
                              for c in range(0, len(keep), step)])
-
-    def placed(chunks):  # (B, K) in chunks -> (B, T), 0 off each row's own agent tokens
-        values = torch.cat(chunks, 1)
-        full = values.new_zeros(B, T).index_copy(1, keep + 1, values)
-        return torch.where(action_mask.bool(), full, 0)
-    return placed(logps), placed(entropies) if with_entropy else None
+    # each one's chunks (B, K) placed in (B, T), 0 off each row's own agent tokens
+    placed = []
+    for chunks in (logps, entropies)[:1 + with_entropy]:
+        values = torch.cat(chunks, 1)                                                       # (B, K)
+        full = values.new_zeros(B, T).index_copy(1, keep + 1, values)                     # (B, T)
+        placed.append(torch.where(action_mask.bool(), full, 0))
+    return placed[0], placed[1] if with_entropy else None
 
 
 @torch.no_grad()
@@ -159,23 +161,19 @@ def eval_logprobs(model, batch, temperature=1.0, micro_batch_size=4):
         model, ids, att, m, temperature)[0])
 
 
-def old_logprobs_of(model, batch, args, from_update):
-    """Step 2 of both trainers: the old log-probs (B, T), from the scoring pass; None where the
-    update's own pass gives them (from_update, old_logprobs_from_update): the update then takes
-    that pass's log-probs, detached, as it makes them."""
-    if from_update:
-        return None
-    return eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
-
-
-def ref_logprobs_of(model, batch, args, iteration):
-    """Step 2 of both trainers: the reference's log-probs (B, T) (the adapter off), or None on an
-    iteration that needs none: the pass feeds the KL loss term when it has a weight, else only the
-    kl_ref figure, every --log-kl-every iterations."""
-    if args.kl_loss_coef == 0 and iteration % args.log_kl_every:
-        return None
-    with model.disable_adapter():  # the base weights: the reference policy, no second copy
-        return eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
+def old_and_ref_logprobs(model, batch, args, iteration, from_update):
+    """Step 2 of both trainers, the scoring passes: the old log-probs (B, T), or None where the
+    update's own pass gives them (from_update, old_logprobs_from_update: the update then takes that
+    pass's log-probs, detached, as it makes them); and the reference's (B, T) (the adapter off), or
+    None on an iteration that needs none: the pass feeds the KL loss term when it has a weight,
+    else only the kl_ref figure, every --log-kl-every iterations."""
+    old = ref = None
+    if not from_update:
+        old = eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
+    if args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0:
+        with model.disable_adapter():  # the base weights: the reference policy, no second copy
+            ref = eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
+    return old, ref
 
 
 # ----------------------------------------------------------------------------------------------

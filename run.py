@@ -599,6 +599,7 @@ class Run:
 
     def __init__(self, args, script, adapters, per_process=()):
         from accelerate import Accelerator
+        from accelerate.utils import gather_object
 
         # without --out, a new folder named as CleanRL's
         new_run_folder = f"runs/{script[:-3]}__{args.seed}__{int(time.time())}"  # as CleanRL's
@@ -621,6 +622,10 @@ class Run:
         self.is_main = self.accelerator.is_main_process
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
+        # collective calls: sum(tensor) over every process (with one: a copy), and gather(list),
+        # every process's items in rank order (with one: the list itself)
+        self.sum = self.accelerator.reduce
+        self.gather = gather_object
         for name in per_process:  # counts that every process takes an equal share of
             if getattr(args, name) % self.world:
                 fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the "
@@ -778,16 +783,6 @@ class Run:
         """This process's part of a list every process drew alike: an equal slice, in rank order."""
         n = len(items) // self.world
         return items[self.rank * n:(self.rank + 1) * n]
-
-    def sum(self, x):
-        """A tensor summed over every process."""
-        return self.accelerator.reduce(x, "sum")  # with one process: a copy
-
-    def gather(self, items):
-        """Every process's list items, in rank order (a collective call)."""
-        from accelerate.utils import gather_object
-
-        return gather_object(list(items))  # with one process: the list itself
 
     def sum_gradients(self, params):
         """Sum the gradients of `params` over every process (each loss was already divided by the

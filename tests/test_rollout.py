@@ -21,7 +21,7 @@ import torch
 from client import OpenAIBackend
 from personas import load_personas
 from policy import load_model, load_policy, mergeable_layers, merged, merged_weights
-from rl import eval_logprobs, eval_scores, pad_records, ref_logprobs_of, token_logprobs
+from rl import eval_logprobs, eval_scores, old_and_ref_logprobs, pad_records, token_logprobs
 import rollout
 import simulator
 from rollout import SILENCE, ChatTokens, play_dialogues, split_thought
@@ -506,10 +506,13 @@ def _hand_batch(tokenizer):
 
 
 def reference_logprobs(model, batch, temperature=1.0):
-    """The trainers' reference pass (ref_logprobs_of, on an iteration that runs it)."""
+    """The trainers' reference pass (old_and_ref_logprobs, on an iteration that runs it; the old
+    log-probs from the update's own pass)."""
     args = types.SimpleNamespace(kl_loss_coef=0.0, log_kl_every=1, temperature=temperature,
                                  micro_batch_size=4)
-    return ref_logprobs_of(model, batch, args, iteration=0)
+    old, ref = old_and_ref_logprobs(model, batch, args, iteration=0, from_update=True)
+    assert old is None
+    return ref
 
 
 def test_reference_is_the_base_model_before_and_after_training(tiny_model_dir, tmp_path):

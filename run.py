@@ -584,11 +584,11 @@ class Run:
     """One training run. The trainer makes it once its settings and data are checked and before any
     model loads; hands it what a checkpoint holds once the models exist (begin); then calls it by
     name in its loop: share() for this process's dialogues, lap() at the end of a step (its
-    seconds), sum() and friends for global figures (sum() also makes the loss's denominators global
-    counts), add_sums() for what the update logs, sum_gradients() before the clip,
-    skip_or_stop() for a non-finite step, log() and save_if_due() after each iteration, stop() when
-    the simulator cannot answer, finish() at the end. It holds no loop; it counts the iterations
-    done (log).
+    seconds), sum() and gather() for global figures (accelerate's reduce and gather_object; sum()
+    also makes the loss's denominators global counts), add_sums() for what the update logs,
+    sum_gradients() before the clip, skip_or_stop() for a non-finite step, log() and save_if_due()
+    after each iteration, stop() when the simulator cannot answer, finish() at the end. It holds
+    no loop; it counts the iterations done (log).
 
     The folder: a new run creates it (new_folder); --resume takes the run's own (its settings came
     back in parse_settings). Either way it holds a lock, and config.json (the settings, the run's

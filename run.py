@@ -623,8 +623,9 @@ class Run:
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
         # collective calls: sum(tensor) over every process (with one: a copy), and gather(list),
-        # every process's items in rank order (with one: the list itself)
-        self.sum = self.accelerator.reduce
+        # every process's items in rank order (with one: the list itself); the reduction is named,
+        # not left to accelerate's default, since the loss denominators depend on it
+        self.sum = functools.partial(self.accelerator.reduce, reduction="sum")
         self.gather = gather_object
         for name in per_process:  # counts that every process takes an equal share of
             if getattr(args, name) % self.world:

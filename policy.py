@@ -68,10 +68,13 @@ def resolve_model(name):
     # finds a complete folder, and the loser's rename fails on the winner's
     tmp = f"{target}.tmp{os.getpid()}"
     try:
+        # a file in the folder's place, in a cache or as the cache, or a read-only cache: found
+        # here, before 30 s of converting
+        os.makedirs(target, exist_ok=True)
         os.makedirs(tmp, exist_ok=True)
-    except OSError as e:  # a file, a read-only folder: found before 30 s of converting
-        fail(f"--model {name} is converted once into {cache}, which is not a folder this user "
-             f"can write ({e.strerror}); set RLVER_CACHE to one that is")
+    except OSError as e:
+        fail(f"--model {name} is converted once into the folder {target}, which this user cannot "
+             f"make or write ({e.strerror}); set RLVER_CACHE to a folder this user can write")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)

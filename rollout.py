@@ -103,9 +103,7 @@ class ChatTokens:
 
     def __init__(self, tokenizer, thinking=True):
         self.tokenizer, self.thinking = tokenizer, thinking
-        self.system_prompt = THINK_PROMPT
-        if not thinking:
-            self.system_prompt = PLAIN_PROMPT
+        self.system_prompt = THINK_PROMPT if thinking else PLAIN_PROMPT
         base = [{"role": "system", "content": self.system_prompt},
                 {"role": "user", "content": "hello"}, {"role": "assistant", "content": self.AGENT}]
         before = tokenizer.apply_chat_template(base, tokenize=False)

@@ -182,6 +182,21 @@ def test_a_cache_path_that_is_a_file_is_one_line(variable, tmp_path, monkeypatch
 
 
 @pytest.mark.smollm2
+def test_a_file_where_the_converted_model_goes_is_one_line(tmp_path, monkeypatch, capsys):
+    """Case 6: a writable cache holding a file of the converted folder's name: one line naming that
+    path, before 30 s of converting, and the file is left as it was."""
+    target = cache_target(tmp_path / "cache")
+    target.parent.mkdir()
+    target.write_text("not a model")
+    environ(monkeypatch, "RLVER_CACHE", str(tmp_path / "cache"))
+    code, _, err, seconds = command(capsys, "ppo.py", *B, "--out", str(tmp_path / "run"))
+    assert_one_line(code, err, str(target), "File exists", "set RLVER_CACHE")
+    assert seconds < 20
+    assert target.read_text() == "not a model"
+    assert os.listdir(tmp_path / "cache") == [target.name]  # no temporary folder made
+
+
+@pytest.mark.smollm2
 @pytest.mark.parametrize("held", ["nothing", "half a model"])
 def test_a_read_only_cache_is_one_line(held, tmp_path, monkeypatch):
     """Case 6: a read-only cache (tests/faults.py: root writes through chmod) that holds no model, or

@@ -68,6 +68,9 @@ class GRPOSettings:
 
     @staticmethod
     def check(args):
+        if args.reward == "mixed":
+            fail("--reward mixed credits each turn apart, which needs PPO's per-token returns; "
+                 "GRPO gives every token of a dialogue one advantage: use --reward final or turn")
         batch = args.personas_per_iteration * args.group_size
         if batch % args.minibatch_size:
             fail(f"--minibatch-size {args.minibatch_size} must divide the batch of {batch} "
@@ -95,8 +98,9 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 def dialogue_rewards(records, args):
     """One reward per dialogue (B,), the scalar GRPO compares within a group: the sum of its
-    rl.turn_rewards (REWARDS[--reward] less the format penalty per violating agent turn); NaN for
-    an unread dialogue, which its group leaves out."""
+    rl.turn_rewards, its return (REWARDS[--reward]'s credit of its first turn: the final emotion /
+    100 for final, less the start emotion for turn) less the format penalty per violating agent
+    turn; NaN for an unread dialogue, which its group leaves out."""
     return torch.tensor([sum(turn_rewards(r, args, args.format_penalty))
                          if r["end_reason"] != "unread" else torch.nan for r in records],
                         dtype=torch.float64)

@@ -186,11 +186,22 @@ def changes(record):
     return [(new - old) / 100 for old, new in zip([record["start_emotion"]] + emotions, emotions)]
 
 
+def changes_to_go(record, args):
+    """Each turn's change and every later one, / 100: the final emotion less the one before the
+    turn, / 100."""
+    later, to_go = 0.0, []
+    for change in reversed(changes(record)):
+        later += change
+        to_go.append(later)
+    return to_go[::-1]
+
+
 def mixed_credit(record, args):
     """RLVER's public fork's turn credit (llsune/RLVER, its Scheme 2): each turn's change mixed with
     the discounted return of the changes from that turn on, (1 - alpha) x change_t + alpha x G_t,
     G_t = change_t + gamma x G_(t+1), alpha --mixed-alpha, gamma --mixed-gamma (a discount from turn
-    to turn; PPO's --gamma, from token to token, multiplies it where both are below 1)."""
+    to turn). The fork trains each agent turn as a row of its own, so this is exactly the return
+    its turn gets."""
     credit, later = [], 0.0
     for change in reversed(changes(record)):
         later = change + args.mixed_gamma * later
@@ -198,17 +209,20 @@ def mixed_credit(record, args):
     return credit[::-1]
 
 
-# --reward: what each agent turn of a read dialogue earns, one value per agent turn, from its record
-# and the run's settings. PPO puts each value on its turn's last token; GRPO compares their sum. A
-# fork adds a mode here, its coefficients to RewardSettings and their names to MODE_FLAGS.
+# --reward: the credit of each agent turn of a read dialogue, one value per agent turn, from its
+# record and the run's settings: the return that turn's tokens get. PPO places the differences of
+# consecutive credits on the turns' last tokens, so that GAE (gamma = lambda = 1) returns each
+# turn exactly its credit (turn_rewards); the first turn's credit is the dialogue's return, which
+# GRPO compares. A fork adds a mode here, its coefficients to RewardSettings and their names to
+# MODE_FLAGS.
 REWARDS = {
-    # the paper: final emotion / 100 on the agent's last turn
-    "final": lambda record, args: [0.0] * (len(record["emotions"]) - 1)
-    + [record["emotions"][-1] / 100],
-    # each turn's emotion change / 100 on that turn: with gamma = 1 the same return up to the
-    # constant start emotion / 100, with the credit nearer its cause
-    "turn": lambda record, args: changes(record),
-    # RLVER's fork: a turn's change and the discounted return from it
+    # the paper: every turn is credited with the final emotion / 100
+    "final": lambda record, args: [record["emotions"][-1] / 100] * len(record["emotions"]),
+    # each turn with the emotion changes from it on / 100: the final emotion less the mood the
+    # turn met, so a turn is not credited with what came before it
+    "turn": changes_to_go,
+    # RLVER's fork: a turn's change and the discounted return from it (PPO only: GRPO gives a
+    # dialogue's tokens one advantage, so per-turn credit has no meaning there)
     "mixed": mixed_credit,
 }
 MODE_FLAGS = {"mixed": ("mixed_alpha", "mixed_gamma")}  # a mode's own settings: no other mode's
@@ -219,9 +233,9 @@ class RewardSettings:
     """What a dialogue earns, read by REWARDS' modes (both trainers)."""
     title = "the reward"
     reward: str = setting(
-        "final", "final: emotion / 100 on the last agent turn | turn: each change / 100 on its "
-                 "turn | mixed: a turn's change and the discounted return from it (RLVER's fork) "
-                 "(REWARDS)", one_of(*REWARDS))
+        "final", "each turn's credit (REWARDS). final: the final emotion / 100 | turn: the changes "
+                 "from the turn on / 100 | mixed (PPO): a turn's change and the discounted return "
+                 "from it (RLVER's fork)", one_of(*REWARDS))
     format_penalty: float = setting(
         0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     mixed_alpha: float = setting(
@@ -240,22 +254,24 @@ class RewardSettings:
 
 def unmoved_return(args):
     """The return of a dialogue that leaves the emotion where it started, over every turn it may
-    have, under --reward: PPO's critic starts there, whatever a mode's credit over turns."""
+    have, under --reward: PPO's critic starts there."""
     start = args.start_emotion
     unmoved = {"start_emotion": start, "emotions": [start] * args.max_turns}
-    return sum(REWARDS[args.reward](unmoved, args))
+    return REWARDS[args.reward](unmoved, args)[0]
 
 
 def turn_rewards(record, args, format_penalty=0.0):
-    """REWARDS[--reward] of a read dialogue, less format_penalty on each agent turn that broke the
-    think format: one value per agent turn, in order. A mode that gives another number of values
-    is an error."""
-    values = REWARDS[args.reward](record, args)
+    """The reward each agent turn of a read dialogue gets on its last token, in order: its credit
+    (REWARDS[--reward]) less the next turn's, so that the rewards from a turn on add up to its
+    credit; less format_penalty on each turn that broke the think format. Their sum is the
+    dialogue's return. A mode that gives another number of values than agent turns is an error."""
+    credit = REWARDS[args.reward](record, args)
     broke = [t["violation"] is not None for t in record["turns"] if t["role"] == "agent"]
-    if len(values) != len(broke):
-        raise ValueError(f"REWARDS[{args.reward!r}] gave {len(values)} values "
+    if len(credit) != len(broke):
+        raise ValueError(f"REWARDS[{args.reward!r}] gave {len(credit)} values "
                          f"for {len(broke)} agent turns")
-    return [value - format_penalty * bad for value, bad in zip(values, broke)]
+    placed = [now - later for now, later in zip(credit, credit[1:] + [0.0])]
+    return [value - format_penalty * bad for value, bad in zip(placed, broke)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,6 +333,11 @@ class TrainingSettings:
                               within(0, 1, low_open=True, high_open=True))
     clip_high: float = setting(
         0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
+    dual_clip: float = setting(
+        0.0, "dual clip (verl's clip_ratio_c, 3 there): with a negative advantage A a token's "
+             "loss is at most -A x this; 0: off (RLVER's verl has none)",
+        lambda c: None if c == 0 or 1 < c < math.inf
+        else "must be 0 (off) or a finite number above 1")
     tis_cap: float = setting(
         2.0, "truncated importance sampling: each token's policy-gradient term x min(pi_old / "
              "pi_sampler, cap) (TRL: 2); 0: off",
@@ -336,17 +357,23 @@ class TrainingSettings:
            "reference pass in the others", at_least(1), operational=True)
 
 
-def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high):
+def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip=0.0):
     """Per-token PPO surrogate (Schulman et al. 2017) with an asymmetric clip (clip-higher, DAPO).
     Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high)).
     Until the first optimizer step of an iteration, old_logprobs (its scoring pass) are the current
     weights' own log-probs, so r = 1, nothing is clipped, and the gradient is the plain policy
     gradient -A grad log p (with one pass and one step per batch: GRPO with mu = 1, TRL's
-    default)."""
+    default).
+    dual_clip c > 1 (Ye et al. 2020, "Mastering Complex Control in MOBA Games"; verl's
+    clip_ratio_c): where A < 0 the loss is at most -A c, so a token whose ratio has grown far past
+    the clip (r > c) adds no gradient and no unbounded loss; 0 leaves the loss as it is."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return torch.maximum(unclipped, clipped), ratio, (clipped > unclipped).float()
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+    return loss, ratio, (clipped > unclipped).float()
 
 
 def policy_objective(logprobs, entropy, old_logprobs, sample_logprobs, advantages, ref_logprobs,
@@ -364,7 +391,7 @@ def policy_objective(logprobs, entropy, old_logprobs, sample_logprobs, advantage
     per-token terms the update logs, also those of the rollout's policy: its KL to the reference
     and its mismatch with the sampler, the k3 estimate of KL(sampler || trainer))."""
     pg, _, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low,
-                                         args.clip_high)
+                                         args.clip_high, args.dual_clip)
     sampler_ratio = torch.exp(old_logprobs - sample_logprobs)  # 1 off the mask: both are 0 there
     weight, cut = torch.ones_like(pg), torch.zeros_like(pg)
     if args.tis_cap:

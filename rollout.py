@@ -438,8 +438,8 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
     # cut would make the sampled distribution another one than the trainers' log-probs, so there is
     # no --top-p.
     sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
-    if greedy:  # the most likely token, and its log-prob at temperature 1
-        sampling, temperature = dict(do_sample=False), 1.0
+    if greedy:  # the most likely token (at any temperature), its log-prob at the temperature
+        sampling = dict(do_sample=False)
     gen_config = GenerationConfig(**sampling, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
                                   eos_token_id=chat.eos_ids, pad_token_id=tokenizer.pad_token_id)
     # each persona's samples one after another: GRPO's groups are consecutive --group-size dialogues

@@ -1,8 +1,17 @@
 """Code that runs is not yet code that learns. Here ppo.py and grpo.py train a tiny random model
-against a stand-in user whose reward has a known, reachable optimum: the fraction of the agent's
-reply tokens that come from a target set (a quarter of the vocabulary, so a random policy scores
-about 0.25 and the best policy 1.0). The scripts run through their real main(); only the
-simulator is replaced. A sign error, a wrong mask or a detached loss keeps the reward flat.
+against a stand-in user whose reward has a known, reachable optimum: the share of the agent's reply
+tokens that come from a target set (a quarter of the vocabulary), so a random policy scores about a
+quarter of the best and the best policy ends every dialogue at 100. The scripts run through their
+real main(); only the simulator is replaced. A sign error, a wrong mask or a detached loss keeps the
+emotion flat.
+
+Each test runs three fixed seeds and needs two of them to learn, all in one unit, the final emotion
+(0-100), whatever --reward turns it into: a test that passes by one seed's luck would fail on
+another CPU, where the same seed rounds differently. The settings keep PPO inside its trust region
+(two optimizer steps a batch, the clipped fraction well below 0.3, checked). The model is the same on
+every machine: the built ChatML tokenizer (bench.chatml_tokenizer, 4,096 ids) and a 2-layer Llama
+whose output layer is scaled up 20x, so that its next-token distributions are peaked (about 4 nats,
+a trained model's are sharper still) and sampling explores among a few dozen tokens, not 4,096.
 
 The tests are marked gpu: with --device cuda they train on the GPU, and with --dtype bfloat16 in the
 paper's set-up (bf16 base weights, gradient checkpointing, the think-then-say scaffold: the random
@@ -13,6 +22,12 @@ import torch
 
 import simulator as sim_module
 from conftest import read_metrics
+
+SEEDS = ("0", "1", "2")
+RISE = 20  # the final emotion's rise, first 3 iterations to the last 3, that counts as learning
+START_CEILING = 55  # a random policy's final emotion here is about 38 (a quarter of the tokens and
+# the end-of-turn token's share of the text)
+CLIP_FRAC_BOUND = 0.2  # a run's mean clipped fraction: inside PPO's trust region
 
 
 class TargetTokenSimulator(sim_module.Simulator):
@@ -34,7 +49,7 @@ class TargetTokenSimulator(sim_module.Simulator):
             s.history.append({"role": "agent", "text": reply})
             s.turns += 1
             s.emotion += change
-            s.appraisals.append({"change": change, "emotion": s.emotion, "parsed": True,
+            s.appraisals.append({"change": change, "emotion": s.emotion,
                                  "appraisal": f"target fraction {fraction:.2f}"})
             if s.turns >= self.max_turns:
                 s.end_reason = "max_turns"
@@ -44,14 +59,47 @@ class TargetTokenSimulator(sim_module.Simulator):
 
 def install_stand_in(monkeypatch, trainer, turns=1):
     """Replace the trainer's simulated user with the stand-in (it needs the policy's tokenizer)."""
-    def make_simulator(args, model, tokenizer, accelerator, note=""):
+    def make_simulator(args, model, tokenizer, run):
         return TargetTokenSimulator(tokenizer, turns)
     monkeypatch.setattr(trainer, "make_simulator", make_simulator)
 
 
-COMMON = ["--preset", "cpu", "--simulator", "rules", "--split", "test", "--max-turns", "1",
-          "--max-new-tokens", "8", "--lora-r", "8", "--lora-alpha", "16",
-          "--target-modules", "q_proj,v_proj,lm_head", "--save-every", "1000"]
+@pytest.fixture(scope="module")
+def peaked_model_dir(tmp_path_factory):
+    """A 2-layer random Llama (seed 0) on the built tokenizer, its output layer scaled up 20x."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import bench
+
+    tokenizer = bench.chatml_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=4096,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    folder = tmp_path_factory.mktemp("peaked_llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def personas_file(write_personas, persona_entry):
+    return write_personas([persona_entry(id=f"p{i}") for i in range(4)])
+
+
+# 16 dialogues an iteration in two minibatches of 8 (the second step's ratios move off 1), one
+# pass, 32 iterations, a LoRA learning rate of 8e-3: the clipped fraction stays near 0.1
+COMMON = ["--preset", "cpu", "--simulator", "rules", "--split", "test", "--max-new-tokens", "8",
+          "--lora-r", "8", "--lora-alpha", "16", "--target-modules", "q_proj,v_proj,lm_head",
+          "--save-every", "1000", "--iterations", "32", "--update-epochs", "1", "--lr", "8e-3",
+          "--minibatch-size", "8", "--micro-batch-size", "8"]
+PPO = ["--dialogues-per-iteration", "16", "--critic-lr", "8e-3"]
+GRPO = ["--personas-per-iteration", "4", "--group-size", "4"]
 PAPER_SETUP = ["--dtype", "bfloat16", "--gradient-checkpointing", "true", "--thinking", "true"]
 
 
@@ -61,82 +109,86 @@ def setup(dtype):
     return ["--dtype", "float32", "--thinking", "false"] if dtype == torch.float32 else PAPER_SETUP
 
 
-def rewards_of(out):
-    return [m["reward_mean"] for m in read_metrics(out)]
+def mean_of(values):
+    """The mean of the values that are not None (explained_variance is None where the returns do
+    not vary), or None where there are none."""
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
 
 
-@pytest.fixture
-def personas_file(write_personas, persona_entry):
-    return write_personas([persona_entry(id=f"p{i}") for i in range(4)])
+def learns_at_two_of_three_seeds(name, train, critic=False):
+    """Run train(seed) -> its metrics for each seed; a seed learned where its final emotion starts
+    below START_CEILING and rises by RISE (with critic: and the critic explains some of the returns'
+    variance over the last 4 iterations, where they vary). Every run stays in the trust region."""
+    learned = []
+    for seed in SEEDS:
+        metrics = train(seed)
+        emotions = [m["final_emotion_mean"] for m in metrics]
+        first, last = np.mean(emotions[:3]), np.mean(emotions[-3:])
+        clip_frac = mean_of([m["clip_frac"] for m in metrics])
+        explained = mean_of([m.get("explained_variance") for m in metrics[-4:]])
+        ok = first < START_CEILING and last >= first + RISE and (
+            not critic or explained is None or explained > 0)
+        print(f"{name}, seed {seed}: final emotion {first:.1f} (first 3 iterations) -> {last:.1f} "
+              f"(last 3); clip_frac {clip_frac:.3f}; explained variance (last 4) {explained}; "
+              f"{'learned' if ok else 'did not learn'}")
+        assert clip_frac < CLIP_FRAC_BOUND, f"{name}, seed {seed}: clip_frac {clip_frac:.3f}"
+        learned.append(ok)
+    assert sum(learned) >= 2, f"{name}: learned at {sum(learned)} of 3 seeds"
 
 
-def assert_learned(rewards, name):
-    first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
-    print(f"{name}: reward {first:.3f} (first 3 iterations) -> {last:.3f} (last 3)")
-    assert first < 0.45, f"{name}: a random policy should score about 0.25, got {first:.3f}"
-    assert last > first + 0.2, f"{name}: reward did not rise clearly: {first:.3f} -> {last:.3f}"
+def trainer_run(monkeypatch, tmp_path, trainer, turns, flags):
+    """train(seed) for learns_at_two_of_three_seeds: the trainer's main() with the stand-in user."""
+    install_stand_in(monkeypatch, trainer, turns)
+
+    def train(seed):
+        out = tmp_path / f"seed{seed}"
+        trainer.main(flags + ["--max-turns", str(turns), "--seed", seed, "--out", str(out)])
+        return read_metrics(out)
+    return train
 
 
 @pytest.mark.gpu
-def test_ppo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, monkeypatch, setup):
+def test_ppo_learns_a_known_reward(peaked_model_dir, personas_file, tmp_path, monkeypatch, setup):
     import ppo
 
-    install_stand_in(monkeypatch, ppo)
-    out = tmp_path / "ppo"
-    ppo.main(COMMON + setup + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
-                       "--iterations", "16", "--dialogues-per-iteration", "8", "--minibatch-size", "8",
-                       "--micro-batch-size", "8", "--lr", "3e-2", "--critic-lr", "3e-2",
-                       "--update-epochs", "2"])
-    assert_learned(rewards_of(out), "ppo")
+    flags = COMMON + setup + PPO + ["--model", peaked_model_dir, "--personas", personas_file]
+    learns_at_two_of_three_seeds("ppo", trainer_run(monkeypatch, tmp_path, ppo, 1, flags))
 
 
 @pytest.mark.gpu
-def test_grpo_learns_a_known_reward(tiny_model_dir, personas_file, tmp_path, monkeypatch, setup):
+def test_grpo_learns_a_known_reward(peaked_model_dir, personas_file, tmp_path, monkeypatch, setup):
     import grpo
 
-    install_stand_in(monkeypatch, grpo)
-    out = tmp_path / "grpo"
-    grpo.main(COMMON + setup + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
-                        "--iterations", "16", "--personas-per-iteration", "2", "--group-size", "4",
-                        "--minibatch-size", "8", "--micro-batch-size", "8", "--lr", "3e-2",
-                        "--update-epochs", "2"])
-    assert_learned(rewards_of(out), "grpo")
+    flags = COMMON + setup + GRPO + ["--model", peaked_model_dir, "--personas", personas_file]
+    learns_at_two_of_three_seeds("grpo", trainer_run(monkeypatch, tmp_path, grpo, 1, flags))
 
 
-# The mixed credit at seed 2: at seeds 0 and 1 this tiny model stays in its flat start for all 16
-# iterations (final emotion about 36), as --reward turn does at some seeds too; at seed 2 it rises
-# from 35 to 96, where turn's default seed rises from 37 to 88 (docs/decisions.md).
 @pytest.mark.gpu
-@pytest.mark.parametrize("reward, seed", [("turn", "0"), ("mixed", "2")])
-def test_ppo_learns_over_two_turns_with_per_turn_rewards(tiny_model_dir, personas_file, tmp_path,
-                                                         monkeypatch, setup, reward, seed):
+@pytest.mark.parametrize("reward", ["turn", "mixed"])
+def test_ppo_learns_over_two_turns_with_per_turn_rewards(peaked_model_dir, personas_file, tmp_path,
+                                                         monkeypatch, setup, reward):
     # Two agent turns with a user message between them: the user's tokens are masked out, GAE runs
-    # across them, and each turn's change is its own reward (mixed: with the discounted return from
-    # it, RLVER's fork). The critic must learn something too.
+    # across them, and each turn is credited with its own change (turn: and the later ones; mixed:
+    # with the discounted return from it, RLVER's fork). The critic must learn something too.
     import ppo
 
-    install_stand_in(monkeypatch, ppo, turns=2)
-    out = tmp_path / "ppo2"
-    ppo.main(COMMON + setup + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
-                       "--max-turns", "2", "--reward", reward, "--seed", seed, "--iterations", "16",
-                       "--dialogues-per-iteration", "8", "--minibatch-size", "8", "--micro-batch-size", "4",
-                       "--lr", "3e-2", "--critic-lr", "3e-2", "--update-epochs", "2"])
-    assert_learned(rewards_of(out), f"ppo, 2 turns, {reward}")
-    metrics = read_metrics(out)
-    assert all(m["turns_mean"] == 2 for m in metrics)
-    late = [m["explained_variance"] for m in metrics[-4:]]
-    print(f"explained variance, last 4 iterations: {late}")
-    assert np.mean(late) > 0, late
+    flags = COMMON + setup + PPO + ["--model", peaked_model_dir, "--personas", personas_file,
+                                    "--reward", reward]
+    train = trainer_run(monkeypatch, tmp_path, ppo, 2, flags)
+
+    def two_turns(seed):
+        metrics = train(seed)
+        assert all(m["turns_mean"] == 2 for m in metrics)
+        return metrics
+    learns_at_two_of_three_seeds(f"ppo, 2 turns, {reward}", two_turns, critic=True)
 
 
 @pytest.mark.gpu
-def test_grpo_learns_over_two_turns(tiny_model_dir, personas_file, tmp_path, monkeypatch, setup):
+def test_grpo_learns_over_two_turns(peaked_model_dir, personas_file, tmp_path, monkeypatch, setup):
     import grpo
 
-    install_stand_in(monkeypatch, grpo, turns=2)
-    out = tmp_path / "grpo2"
-    grpo.main(COMMON + setup + ["--model", tiny_model_dir, "--personas", personas_file, "--out", str(out),
-                        "--max-turns", "2", "--reward", "turn", "--iterations", "16",
-                        "--personas-per-iteration", "4", "--group-size", "4", "--minibatch-size", "16",
-                        "--micro-batch-size", "4", "--lr", "3e-2", "--update-epochs", "2"])
-    assert_learned(rewards_of(out), "grpo, 2 turns")
+    flags = COMMON + setup + GRPO + ["--model", peaked_model_dir, "--personas", personas_file,
+                                     "--reward", "turn"]
+    learns_at_two_of_three_seeds("grpo, 2 turns",
+                                 trainer_run(monkeypatch, tmp_path, grpo, 2, flags))

@@ -100,26 +100,70 @@ def test_turn_reward_puts_each_change_on_its_turn():
     assert (r != 0).sum() == 3
 
 
-def test_mixed_credit_by_hand_on_each_turns_last_token():
-    """RLVER's fork: turn t gets (1 - alpha) x its change + alpha x G_t, G_t = change_t + gamma x
-    G_(t+1). Changes 0.04, -0.02, 0.08; alpha 0.4, gamma 0.97 (the defaults): G = 0.04 + 0.97 x
-    0.0576, -0.02 + 0.97 x 0.08 = 0.0576, 0.08."""
+def turn_returns(records, args, gamma=1.0, lam=1.0):
+    """The return GAE gives each agent turn of each record, from the rewards place_rewards puts on
+    the turns' last tokens: every turn is its last three tokens (user tokens between), values 0.
+    Each turn's tokens all get the same return with gamma = lambda = 1; the first token's is read."""
+    T = max(r["turn_ends"][-1] for r in records) + 2
+    mask = torch.zeros(len(records), T)
+    for b, r in enumerate(records):
+        for end in r["turn_ends"]:
+            mask[b, end - 2:end + 1] = 1
+    rewards = ppo.place_rewards(records, (len(records), T), args)
+    _, returns = ppo.compute_gae(rewards, torch.zeros(len(records), T), mask, gamma, lam)
+    return [[returns[b, end - 2].item() for end in r["turn_ends"]] for b, r in enumerate(records)]
+
+
+def test_each_turn_returns_exactly_its_credit_by_hand():
+    """What GAE returns each turn (gamma = lambda = 1), by hand, for changes 10, -5, 20, 3 from 30:
+    final: 0.58 on every turn; turn: the changes from the turn on; mixed (RLVER's fork, alpha 0.4,
+    gamma 0.97): (1 - alpha) x change_t + alpha x G_t with G_t = change_t + gamma x G_(t+1), which
+    the fork gives each turn as a row of its own: 0.1668, 0.0389, 0.2116, 0.03. Placing each m_t on
+    its turn would return sum_(k >= t) m_k instead (0.4473, 0.2805, 0.2416, 0.03)."""
+    records = [fake_record([5, 12, 20, 27], [10, -5, 20, 3], 58)]
+    assert turn_returns(records, reward_args("--reward", "final")) == [pytest.approx([0.58] * 4)]
+    assert turn_returns(records, reward_args("--reward", "turn")) == [
+        pytest.approx([0.28, 0.18, 0.23, 0.03])]
+    assert turn_returns(records, reward_args("--reward", "mixed")) == [
+        pytest.approx([0.1668, 0.0389, 0.2116, 0.03], abs=5e-5)]
+    # the coefficients are flags: alpha 0 credits each turn with its own change only; alpha 1 and
+    # gamma 1 is the reward-to-go, --reward turn's
+    own = turn_returns(records, reward_args("--reward", "mixed", "--mixed-alpha", "0"))
+    assert own == [pytest.approx([0.10, -0.05, 0.20, 0.03])]
+    to_go = turn_returns(records, reward_args("--reward", "mixed", "--mixed-alpha", "1",
+                                              "--mixed-gamma", "1"))
+    assert to_go == [pytest.approx([0.28, 0.18, 0.23, 0.03])]
+
+
+def test_mixed_credit_places_the_differences_of_the_credits():
+    """The rewards on the turns' last tokens: m_t - m_(t+1), the last turn its own m_T; they add up
+    to the first turn's credit, the dialogue's return."""
+    records = [fake_record([5, 12, 20], [4, -2, 8], 70)]
+    G = [0.04 + 0.97 * 0.0576, 0.0576, 0.08]
+    m = [0.6 * c + 0.4 * g for c, g in zip([0.04, -0.02, 0.08], G)]
+    r = ppo.place_rewards(records, (1, 25), reward_args("--reward", "mixed"))
+    assert [r[0, t].item() for t in (5, 12, 20)] == pytest.approx([m[0] - m[1], m[1] - m[2], m[2]])
+    assert (r != 0).sum() == 3 and r.sum().item() == pytest.approx(m[0])
+
+
+def test_grpo_refuses_the_mixed_credit_in_one_line(capsys):
     import grpo
 
-    records = [fake_record([5, 12, 20], [4, -2, 8], 70)]
-    returns = [0.04 + 0.97 * 0.0576, 0.0576, 0.08]
-    expected = [0.6 * c + 0.4 * g for c, g in zip([0.04, -0.02, 0.08], returns)]
-    r = ppo.place_rewards(records, (1, 25), reward_args("--reward", "mixed"))
-    assert [r[0, t].item() for t in (5, 12, 20)] == pytest.approx(expected)  # each on its own turn
-    assert (r != 0).sum() == 3
-    assert grpo.dialogue_rewards(records, reward_args("--reward", "mixed")).tolist() == pytest.approx(
-        [sum(expected)])
-    # the coefficients are flags: alpha 0 is --reward turn, alpha 1 and gamma 1 the reward-to-go
-    plain = ppo.place_rewards(records, (1, 25), reward_args("--reward", "mixed", "--mixed-alpha", "0"))
-    assert [plain[0, t].item() for t in (5, 12, 20)] == pytest.approx([0.04, -0.02, 0.08])
-    to_go = ppo.place_rewards(records, (1, 25), reward_args("--reward", "mixed", "--mixed-alpha", "1",
-                                                            "--mixed-gamma", "1"))
-    assert [to_go[0, t].item() for t in (5, 12, 20)] == pytest.approx([0.10, 0.06, 0.08])
+    with pytest.raises(SystemExit) as stop:
+        run.command(grpo.main)(["--preset", "cpu", "--reward", "mixed"])
+    assert stop.value.code == 2
+    assert "error: --reward mixed credits each turn apart" in capsys.readouterr().err
+
+
+def test_returns_below_gamma_one_discount_the_placed_differences():
+    """With --gamma below 1 a turn's return is no longer its credit: the placed rewards (credit
+    differences) are discounted by their distance in agent tokens (docs/ppo.md says so)."""
+    records = [fake_record([5, 12], [10, 20], 60)]
+    g = 0.9
+    # three agent tokens a turn, read at each turn's first: the final reward lies 5 agent tokens
+    # after the first turn's first token, 2 after the second's
+    assert turn_returns(records, reward_args("--reward", "final"), gamma=g) == [
+        pytest.approx([g ** 5 * 0.6, g ** 2 * 0.6])]
 
 
 @pytest.mark.parametrize("flag", ["--mixed-alpha", "--mixed-gamma"])
@@ -131,19 +175,20 @@ def test_a_flag_of_a_mode_not_selected_is_one_line(flag, capsys):
     assert f"error: {flag} is --reward mixed's: with --reward turn it would be ignored" in err
 
 
-def test_the_critic_starts_at_the_return_of_an_unmoved_dialogue_over_every_turn(monkeypatch):
+def test_the_critic_starts_at_the_return_of_an_unmoved_dialogue(monkeypatch):
     """An unmoved emotion is the value the critic starts from: 0.3 for final at start 30, 0 for turn
-    and mixed; a mode that credits every turn (a fork's) is credited over every turn the dialogue
-    may have, not one."""
+    and mixed; a fork's mode is asked for its first turn's credit, over every turn the dialogue may
+    have."""
     args = reward_args("--reward", "final")
     args.start_emotion, args.max_turns = 30, 4
     assert unmoved_return(args) == pytest.approx(0.3)
     for mode in ("turn", "mixed"):
         args.reward = mode
         assert unmoved_return(args) == 0
-    monkeypatch.setitem(REWARDS, "each", lambda record, args: [e / 100 for e in record["emotions"]])
-    args.reward = "each"
-    assert unmoved_return(args) == pytest.approx(4 * 0.3)
+    turns = lambda record, args: [len(record["emotions"]) - k for k in range(len(record["emotions"]))]  # noqa: E731
+    monkeypatch.setitem(REWARDS, "turns_left", turns)
+    args.reward = "turns_left"
+    assert unmoved_return(args) == 4
 
 
 def test_format_penalty_lands_on_the_violating_turn():
@@ -160,18 +205,17 @@ def test_an_unread_dialogue_earns_nothing():
 
 
 def test_a_reward_mode_gives_one_value_per_agent_turn_or_fails(monkeypatch):
-    """A fork adds a mode in one place, REWARDS: here the mean emotion over the agent's turns on
-    the last turn. PPO puts it on that turn's last token, GRPO compares it; a mode that gives one value
-    for three turns is an error, never a reward on the first turn."""
+    """A fork adds a mode in one place, REWARDS: here every turn credited with the mean emotion over
+    the agent's turns. PPO returns it on every turn, GRPO compares it; a mode that gives one value
+    for three turns is an error, never a credit of the first turn alone."""
     import grpo
 
-    mean = lambda r, args: [0.0] * (len(r["emotions"]) - 1) + [sum(r["emotions"]) / len(r["emotions"]) / 100]  # noqa: E731
+    mean = lambda r, args: [sum(r["emotions"]) / len(r["emotions"]) / 100] * len(r["emotions"])  # noqa: E731
     monkeypatch.setitem(REWARDS, "mean", mean)
     args = reward_args()
     args.reward = "mean"  # a fork's mode (the flag's choices are fixed when ppo.py is imported)
     records = [fake_record([5, 12, 20], [4, -2, 8], 70)]  # emotions 64, 62, 70: mean 65.33
-    r = ppo.place_rewards(records, (1, 25), args)
-    assert r[0, 20] == pytest.approx(196 / 300) and (r != 0).sum() == 1
+    assert turn_returns(records, args) == [pytest.approx([196 / 300] * 3)]
     assert grpo.dialogue_rewards(records, args).tolist() == pytest.approx([196 / 300])
     monkeypatch.setitem(REWARDS, "mean", lambda r, args: [sum(r["emotions"]) / len(r["emotions"]) / 100])
     with pytest.raises(ValueError, match="1 values for 3 agent turns"):
@@ -208,6 +252,32 @@ def test_clipped_policy_loss_by_hand():
     # A>0: min(r, 1.3) -> 1.3 and 0.5; A<0: max(r, 0.8) -> 1.1 and 0.8
     torch.testing.assert_close(loss, torch.tensor([-1.3, -0.5, 1.1, 0.8]))
     assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_dual_clip_by_hand():
+    """--dual-clip 3 (verl's clip_ratio_c): with A < 0 a token's loss is at most -3 A; A > 0 and a
+    ratio below 3 are left as they were."""
+    old = torch.zeros(5)
+    new = torch.log(torch.tensor([5.0, 2.0, 5.0, 0.5, 4.0]))
+    adv = torch.tensor([-1.0, -2.0, 1.0, -1.0, -0.5])
+    plain, _, _ = rl.clipped_policy_loss(new, old, adv, 0.2, 0.2)
+    dual, _, _ = rl.clipped_policy_loss(new, old, adv, 0.2, 0.2, dual_clip=3.0)
+    # A<0: max(r, 0.8) x -A -> 5, 4, 0.8, 2; A>0: min(r, 1.2) -> -1.2
+    torch.testing.assert_close(plain, torch.tensor([5.0, 4.0, -1.2, 0.8, 2.0]))
+    # the dual clip caps -A r at -3 A: 3 (was 5) and 1.5 (was 2); the rest unchanged
+    torch.testing.assert_close(dual, torch.tensor([3.0, 4.0, -1.2, 0.8, 1.5]))
+    # a capped token adds no gradient
+    new.requires_grad_(True)
+    rl.clipped_policy_loss(new, old, adv, 0.2, 0.2, dual_clip=3.0)[0].sum().backward()
+    assert new.grad[0] == 0 and new.grad[4] == 0 and new.grad[1] != 0
+
+
+@pytest.mark.parametrize("value", ["1", "0.5", "inf", "-3"])
+def test_a_dual_clip_of_one_or_less_is_one_line(value, capsys):
+    with pytest.raises(SystemExit) as stop:
+        run.command(ppo.main)(["--preset", "cpu", "--dual-clip", value])
+    assert stop.value.code == 2
+    assert "must be 0 (off) or a finite number above 1" in capsys.readouterr().err
 
 
 def test_value_loss_and_k3():
@@ -267,6 +337,19 @@ def test_updates_first_ratio_is_one_kl_zero_base_frozen_adapters_move(tiny_model
     torch.testing.assert_close(value_head.weight.detach(), heads[1])
     state = torch.load(os.path.join(ckpts[1], "state.pt"), weights_only=False)
     assert state["iteration"] == 2 and "optimizer" in state and "scheduler" in state and "rng" in state
+
+
+@pytest.mark.parametrize("temperature", ["1.0", "0.7"])
+def test_greedy_dialogues_record_their_log_probs_at_the_temperature(tiny_model_dir, personas_file,
+                                                                     tmp_path, temperature):
+    """--greedy picks the most likely token whatever the temperature, and records its log-prob at
+    --temperature, the distribution the trainers score: in float32 the sampler and the trainer
+    agree (no gap, no mismatch, every importance weight 1)."""
+    ppo.main(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "1",
+                       "--greedy", "true", "--temperature", temperature))
+    m, = read_metrics(tmp_path / "run")
+    assert m["sample_logprob_gap"] < 1e-5 and abs(m["mismatch_kl"]) < 1e-8
+    assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
 def test_non_finite_updates_are_skipped_then_stop_with_one_line(tiny_model_dir, personas_file, tmp_path,
@@ -483,7 +566,8 @@ def test_policy_objective_matches_a_hand_computation_and_is_the_same_in_both_tra
     old, adv = torch.tensor([[-1.5, -2.0]]), torch.tensor([[1.0, -2.0]])
     entropy, ref = torch.tensor([[0.5, 1.5]]), torch.tensor([[-1.0, -2.0]])
     mask = torch.ones(1, 2)
-    args = SimpleNamespace(clip_low=0.2, clip_high=0.2, ent_coef=0.1, kl_loss_coef=0.5, tis_cap=2.0)
+    args = SimpleNamespace(clip_low=0.2, clip_high=0.2, dual_clip=0.0, ent_coef=0.1, kl_loss_coef=0.5,
+                           tis_cap=2.0)
     agg = partial(rl.aggregate, mask=mask, mode="token-mean", total_tokens=2.0, total_seqs=1.0)
     # the sampler's log-probs are the old ones: every importance weight is 1
     loss, terms = rl.policy_objective(logprobs, entropy, old, old, adv, ref, agg, args)

@@ -131,10 +131,9 @@ class OpenAIBackend:
         raise SimulatorError(f"simulator server {redact(self.url.geturl())}: {problem} "
                              f"after {attempt + 1} tries")
 
-    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
-        """slots is unused: a server keeps its own prefix cache (vLLM and SGLang do), and the
-        prompts are built so that each turn's prompt extends the last one's. repetition_penalty is
-        unused too: the request sends none, so the server applies none."""
+    def chat(self, conversations, max_new_tokens, repetition_penalty=None):
+        """repetition_penalty is unused: the request sends none, so the server applies none (a
+        server keeps its own prefix cache, as vLLM and SGLang do)."""
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
             return [text.strip()
                     for text in pool.map(lambda m: self._post(m, max_new_tokens), conversations)]

@@ -293,7 +293,7 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models):
     for done, (label, adapter_name, path) in enumerate(models, 1):
         t0 = time.time()
         with use_model(policy, adapter_name):
-            # merged where this model can be (not the base: no adapter is on)
+            # a Decoder of its own: on CUDA its graphs hold the adapter they were captured with
             sampling = {**sampling_settings(args, policy, tokenizer), "greedy": True}
             records, _ = play_dialogues(policy, simulator, personas, **sampling,
                                         desc=f"{label}: dialogues")
@@ -570,9 +570,8 @@ def agreement_main(args):
     new_folder(args.out)
     store = f"{args.out}/appraisals.jsonl"
     exit_on_signals(lambda: f"; the appraisals made so far are in {store}")
-    # `same`: the base model alone (no policy, no adapters); each recorded state is appraised once,
-    # so no KV cache is kept for it
-    simulator = build_simulator(args, None, None, reuse_cache=False)
+    # `same`: the base model alone (no policy, no adapters)
+    simulator = build_simulator(args, None, None)
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
           f"{args.simulator} (read-out {simulator.readout}); every appraisal goes to {store}",
           file=sys.stderr)

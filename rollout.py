@@ -1,10 +1,11 @@
 """The dialogues: the agent and the simulated user in turn, token in, token out.
 
-play_dialogues() plays a batch of dialogues in lockstep, one batched generate for every agent and
+play_dialogues() plays a batch of dialogues in lockstep, one batched decode for every agent and
 one batched simulator step, and returns one flat record per dialogue. This file holds the agent's
-chat (its system prompt, the think split, the chat template's token deltas), generation with each
-dialogue's KV cache kept between turns (generate_turn, for the policy and for the `same` user,
-LocalBackend), the user's backends (make_backend) and the records. ppo.py, grpo.py and evaluate.py
+chat (its system prompt, the think split, the chat template's token deltas), generation (Decoder:
+one KV cache a batch keeps for the whole rollout and one decode step, a CUDA graph on a GPU, for
+the policy and for the `same` user, LocalBackend), the user's backends (make_backend) and the
+records. ppo.py, grpo.py and evaluate.py
 all call it; it computes no loss and no advantage (rl.py, the trainers) and reads no file.
 
 Token in, token out: the ids the policy sampled are kept exactly as sampled (never decoded and
@@ -13,19 +14,17 @@ the chat template's token delta for that message. The action mask is 1 exactly o
 sampled tokens.
 """
 import contextlib
-import inspect
-import os
 import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from client import OpenAIBackend
-from policy import (default_device, load_model, load_tokenizer, mergeable_layers, merged,
-                    merged_weights)
+from policy import default_device, load_model, load_tokenizer
 from run import above, at_least, fail, setting
 from simulator import RulesBackend, Simulator
 
@@ -165,152 +164,272 @@ def chat_ids(tokenizer, messages):
 
 
 # ----------------------------------------------------------------------------------------------
-# Generation: turn caches, and the `same` user, which runs on the policy's weights
+# Generation: one KV cache a batch of token rows keeps across calls, and one decode step
 # ----------------------------------------------------------------------------------------------
-# Turn caches. A dialogue's prompt grows by a few dozen tokens a turn, yet a plain generate() runs
-# the whole prompt again every turn: by turn 10 that prefill costs more than the reply. Each
-# dialogue (and each model role in it: the policy, the `same` user) owns a `slot`, a dict holding
-# the token ids whose keys/values it has and those keys/values. The next call reuses the longest
-# common prefix of the stored ids and the new prompt, so it does not matter where prompts stop
-# sharing: reuse is exact up to the first differing token and nothing after it is kept.
-def cached_batch(rows, slots, pad_id, device):
-    """Lay out a batch of prompts so that every row's reusable prefix lies in the first P columns
-    (left-padded) and its new tokens in the last S (left-padded too): [pad, prefix, pad, new].
-    Returns (input_ids, attention_mask, cache): a DynamicCache holding P positions for every row
-    (zeros where a row has padding), ready for generate() or a forward pass on input_ids[:, P:].
-    Position ids follow from the attention mask, so the holes do not shift any token."""
-    from transformers import DynamicCache
+class KVCache:
+    """The keys and values of a batch of token rows, (rows, kv heads, columns, head size) a layer,
+    allocated once: row b's token at position p sits in column p, so a row's cache grows by
+    appending and is never copied. The model's attention layers hand their new keys and values to
+    update(), which writes them at `columns` (rows, new tokens) and returns the first `width`
+    columns for attention, both set before each pass (run_into)."""
 
-    # each row's reusable prefix: what it shares with its slot's ids (commonprefix compares lists
-    # element by element), all but its last token, which generate() must run to sample the next
-    reuse = [min(len(os.path.commonprefix([slot.get("ids", []), row])), len(row) - 1)
-             for row, slot in zip(rows, slots)]
-    P, S = max(reuse), max(len(row) - n for row, n in zip(rows, reuse))
-    ids, mask = [], []
-    for row, n in zip(rows, reuse):
-        new = row[n:]
-        ids.append([pad_id] * (P - n) + row[:n] + [pad_id] * (S - len(new)) + new)
-        mask.append([0] * (P - n) + [1] * n + [0] * (S - len(new)) + [1] * len(new))
-    # Each row's layers move out of its slot into the batch's cache, which keep_cache hands back.
-    # The slot is emptied here: what it held is in the batch now, or was not reusable.
-    kept = [slot.pop("kv", []) for slot in slots]
-    for slot in slots:
-        slot.clear()
+    def __init__(self, model, rows, length):
+        config = model.config.get_text_config()
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        embeddings = model.get_input_embeddings().weight  # the dtype the layers compute in
+        self.keys, self.values = ([embeddings.new_zeros(rows, heads, length, size)
+                                   for _ in range(config.num_hidden_layers)] for _ in range(2))
+        self.columns = self.width = None
 
-    # Each layer's keys and values (B, heads, P, head size), a row's prefix at the end, zeros
-    # before, go into the cache (which copies them) one layer at a time, and each row's own copy of
-    # the layer is dropped once it is in: the dialogues' caches and the batch's are never alive
-    # whole at the same time, so a turn holds its KV cache once.
-    cache = DynamicCache()
-    longest = kept[reuse.index(P)] if P else []  # shaped as the slot with the longest prefix's
-    for i in range(len(longest)):
-        layer = [t.new_zeros(len(rows), t.shape[1], P, t.shape[3]) for t in longest[i]]
-        for b, n in enumerate(reuse):
-            if n:  # nothing to copy where a new dialogue's slot was empty
-                for part, t in zip(layer, kept[b][i]):
-                    part[b, :, P - n:] = t[0, :, :n]
-            if kept[b]:
-                kept[b][i] = None
-        cache.update(*layer, i)
-    return torch.tensor(ids, device=device), torch.tensor(mask, device=device), cache
+    def update(self, keys, values, layer, *args, **kwargs):
+        index = self.columns[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+        self.keys[layer].scatter_(2, index, keys)
+        self.values[layer].scatter_(2, index, values)
+        return self.keys[layer][:, :, :self.width], self.values[layer][:, :, :self.width]
 
 
-def cache_keyword(model):
-    """The keyword the installed transformers takes a KV cache by in forward() and generate():
-    `cache` where the model's forward names it (newer releases, 5.24 among them, where the old
-    `past_key_values` still works but warns, and goes in 5.40), else `past_key_values` (5.17 and
-    earlier). A PeftModel is asked about its base model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    parameters = inspect.signature(type(base).forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
+def run_into(model, cache, ids, lengths, width):
+    """Run ids (B, S) through the decoder, row b's tokens at positions lengths[b], lengths[b] + 1,
+    ..., their keys and values into those columns of cache (a column past the cache's last for
+    padding goes to the last, which no token owns), each attending to its row's columns up to its
+    own among the first `width`. Returns the hidden states (B, S, H). Padding after a row's tokens
+    writes columns its later tokens overwrite before anything attends to them."""
+    positions = lengths[:, None] + torch.arange(ids.shape[1], device=ids.device)        # (B, S)
+    cache.columns = positions.clamp(max=cache.keys[0].shape[2] - 1)
+    cache.width = width
+    seen = torch.arange(width, device=ids.device) <= positions[:, :, None]              # (B, S, W)
+    dtype = cache.keys[0].dtype
+    mask = torch.zeros(seen.shape, dtype=dtype, device=ids.device)
+    mask = mask.masked_fill(~seen, torch.finfo(dtype).min)[:, None]                  # (B, 1, S, W)
+    # (a PeftModel hands get_decoder on to its base model; its LoRA layers run inside)
+    return model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
+                               cache=cache, use_cache=True).last_hidden_state
 
 
-def keep_cache(slots, cache, ids, mask):
-    """After running ids (B, W) with attention mask (B, W) into `cache`, store in each row's slot
-    the row's real tokens that have keys/values in the cache (the last sampled token of a
-    generate() call has none yet) and those keys/values, without the padding. The cache is emptied
-    a layer at a time as its rows are copied out, so the turn's cache and the dialogues' copies are
-    never alive whole at the same time."""
-    length = cache.get_seq_length()
-    positions = [mask[b, :length].nonzero()[:, 0] for b in range(len(slots))]
-    for slot, row, pos in zip(slots, ids, positions):
-        slot["ids"] = row[pos].tolist()
-        slot["kv"] = []
-    while cache.layers:
-        layer = cache.layers.pop(0)
-        for b, (slot, pos) in enumerate(zip(slots, positions)):
-            slot["kv"].append((layer.keys[b:b + 1, :, pos], layer.values[b:b + 1, :, pos]))
+PREFILL_CHUNK = 1024  # prompt tokens a pass takes into the cache (masks linear in the context)
+WIDTH_STEP = 256  # attention runs over the cache's used columns rounded up to a multiple of this
+SYNC_EVERY = 8  # decode steps between two looks of the host at whether every row is done (CUDA)
 
 
-PREFILL_CHUNK = 1024  # prompt tokens a forward pass takes into the KV cache (generate_turn)
+class Decoder:
+    """Token-by-token generation for a batch of token rows, the policy's and the `same` user's
+    alike, with one KVCache kept between calls: generate() runs into the cache only the tokens a
+    row holds beyond those it has of it (a dialogue's new turn: its rows only grow), then decodes.
+    Each new token comes out of step(), one pass of fixed shapes that never waits for the host; on
+    CUDA it is captured once per attention width as a CUDA graph and replayed, and the host looks
+    at whether every row is done every SYNC_EVERY steps. A row that is done (or sits a call out,
+    None) stays in the batch, its writes going to a column it does not use yet."""
+
+    def __init__(self, model, eos_ids, pad_id, length=None):
+        self.model, self.pad_id, self.length = model, pad_id, length
+        device = model.get_input_embeddings().weight.device
+        self.eos = torch.tensor(eos_ids, device=device)
+        # CUDA graphs, but not for bitsandbytes' 4-bit layers (not tried under capture)
+        self.graphs = {} if device.type == "cuda" and not getattr(
+            model, "is_loaded_in_4bit", False) else None
+        self.cache = None
+        self.held = []  # the tokens the cache holds, a list a row
+
+    def allocate(self, rows, length):
+        """Buffers for `rows` rows of `length` columns (the cache's and the decode state's), the
+        old cache's rows copied in (what they hold stays); the captured graphs go with the old
+        buffers."""
+        model = self.model
+        device = self.eos.device
+        old, self.cache = self.cache, KVCache(model, rows, length)
+        if old is not None:
+            for new, kept in zip(self.cache.keys + self.cache.values, old.keys + old.values):
+                new[:kept.shape[0], :, :kept.shape[2]] = kept
+        vocabulary = model.get_output_embeddings().weight.shape[0]
+        self.state = dict(
+            token=torch.zeros(rows, dtype=torch.long, device=device),     # each row's input token
+            lengths=torch.zeros(rows, dtype=torch.long, device=device),   # its tokens in the cache
+            done=torch.ones(rows, dtype=torch.bool, device=device),
+            step=torch.zeros((), dtype=torch.long, device=device),        # the step of this call
+            seen=torch.zeros(rows, vocabulary, device=device),            # tokens it holds, counted
+            temperature=torch.ones((), device=device),
+            penalty=torch.ones((), device=device),                        # repetition penalty
+            greedy=torch.zeros((), dtype=torch.bool, device=device))
+        self.held += [[] for _ in range(rows - len(self.held))]
+        if self.graphs is not None:
+            self.graphs, self.pool = {}, torch.cuda.graph_pool_handle()
+
+    def width(self, columns):
+        """The attention width for rows that use at most `columns` columns: a multiple of
+        WIDTH_STEP (few widths: few CUDA graphs), at most the cache's."""
+        return min(self.cache.keys[0].shape[2], -(-columns // WIDTH_STEP) * WIDTH_STEP)
+
+    def step(self, width, out_tokens, out_logprobs):
+        """One token for every row, in fixed shapes and without a host synchronisation: the input
+        token's keys and values go to the row's next column, the next token is drawn from
+        log softmax(logits / temperature) (greedy: its argmax; a logit of a token the row holds is
+        divided by the repetition penalty where positive, multiplied where negative, as
+        transformers does), its log-prob kept; a row that is done stays so and draws padding."""
+        s = self.state
+        hidden = run_into(self.model, self.cache, s["token"][:, None], s["lengths"], width)
+        logits = self.model.get_output_embeddings()(hidden[:, -1]).float()               # (B, V)
+        penalised = torch.where(logits > 0, logits / s["penalty"], logits * s["penalty"])
+        logits = torch.where(s["seen"] > 0, penalised, logits)
+        logprobs = torch.log_softmax(logits / s["temperature"], -1)                       # (B, V)
+        # a draw from the softmax: the argmax of p / q with q ~ Exponential(1) (gpt-fast's); greedy
+        # q = 1, the argmax of p
+        noise = torch.where(s["greedy"], 1.0, torch.empty_like(logprobs).exponential_())
+        token = (logprobs - noise.log()).argmax(-1)                                           # (B,)
+        picked = logprobs.gather(-1, token[:, None])[:, 0]                                    # (B,)
+        token = torch.where(s["done"], self.pad_id, token)
+        out_tokens.index_copy_(1, s["step"][None], token[:, None])
+        out_logprobs.index_copy_(1, s["step"][None], torch.where(s["done"], 0.0, picked)[:, None])
+        s["seen"].scatter_add_(1, token[:, None], (~s["done"]).float()[:, None])
+        s["lengths"].add_(~s["done"])  # the input token is the row's now
+        s["done"].logical_or_(torch.isin(token, self.eos))
+        s["token"].copy_(token)
+        s["step"].add_(1)
+
+    def replay(self, width, out_tokens, out_logprobs):
+        """step() at this width: eager, or on CUDA its graph, captured at the first need (warmed up
+        on a side stream, as torch.cuda.graphs asks, with every row done so that neither the
+        warm-up nor the capture moves a row)."""
+        if self.graphs is None:
+            return self.step(width, out_tokens, out_logprobs)
+        if width not in self.graphs:
+            s = self.state
+            kept = {k: s[k].clone() for k in ("done", "token", "step")}
+            s["done"].fill_(True)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.step(width, out_tokens, out_logprobs)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graphs[width] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graphs[width], pool=self.pool):
+                self.step(width, out_tokens, out_logprobs)
+            for k, value in kept.items():
+                s[k].copy_(value)
+        self.graphs[width].replay()
+
+    @torch.no_grad()
+    def generate(self, rows, max_new_tokens, temperature=1.0, greedy=False, penalty=1.0,
+                 fresh=False, seat=False):
+        """New tokens after each of `rows` (lists of token ids; None: a row that sits this call
+        out), a (tokens, log-probs) pair a row, in order: up to and including its first
+        end-of-turn token, at most max_new_tokens (None for a row that sat out). Row k goes to the
+        cache's row k, or with seat to the free one whose tokens share the longest start with it
+        (a user's re-ask extends its appraisal); what a cache row holds of the tokens it is given,
+        up to where they differ, is kept, and only the rest runs. fresh: the cache holds nothing
+        (the policy's weights have changed since it was filled). Sets prompt_tokens and
+        reused_tokens: the given rows' tokens, and those of them read from the cache."""
+        need = max(len(r) for r in rows if r) + max_new_tokens + 1
+        if self.cache is None or len(rows) > len(self.held) or need > self.cache.keys[0].shape[2]:
+            # the length asked for, or (a growing user's conversations) steps of 1,024 columns
+            length = self.length if (self.length or 0) >= need else -(-need // 1024) * 1024
+            self.allocate(max(len(rows), len(self.held)), length)
+        if fresh:
+            self.held = [[] for _ in self.held]
+        order = list(range(len(rows)))
+        if seat:  # each row to the free cache row with the longest common start
+            free = list(range(len(self.held)))
+            for k, row in enumerate(rows):
+                if row:
+                    order[k] = max(free, key=lambda b: common_prefix(row, self.held[b]))
+                    free.remove(order[k])
+        placed = [None] * len(self.held)
+        for k, row in zip(order, rows):
+            placed[k] = row
+        # what each row keeps (all but its last token at most: the step runs that one) and adds
+        keep = [min(common_prefix(r, h), len(r) - 1) if r else len(h)
+                for r, h in zip(placed, self.held)]
+        pending = [r[k:] if r else [] for r, k in zip(placed, keep)]
+        self.prompt_tokens = sum(len(r) for r in rows if r)
+        self.reused_tokens = sum(k for r, k in zip(placed, keep) if r)
+        # all but the last added token run into the cache here, in chunks
+        device = self.eos.device
+        lengths = torch.tensor(keep, device=device)
+        for start in range(0, max(map(len, pending)) - 1, PREFILL_CHUNK):
+            chunk = [p[start:min(start + PREFILL_CHUNK, len(p) - 1)] for p in pending]
+            size = max(map(len, chunk))
+            ids = torch.tensor([c + [self.pad_id] * (size - len(c)) for c in chunk], device=device)
+            run_into(self.model, self.cache, ids, lengths, self.width(max(keep) + start + size))
+            lengths += torch.tensor([len(c) for c in chunk], device=device)
+        s = self.state
+        s["lengths"].copy_(lengths)
+        s["token"].copy_(torch.tensor([p[-1] if p else self.pad_id for p in pending]))
+        s["done"].copy_(torch.tensor([not p for p in pending]))
+        s["step"].zero_()
+        s["seen"].zero_()
+        for b, row in enumerate(placed):
+            if row and penalty != 1.0:  # the tokens each row holds, for the repetition penalty
+                s["seen"][b, row] = 1.0
+        s["temperature"].fill_(temperature)
+        s["penalty"].fill_(penalty)
+        s["greedy"].fill_(greedy)
+        out_tokens = torch.full((len(placed), max_new_tokens), self.pad_id, device=device)
+        out_logprobs = torch.zeros(len(placed), max_new_tokens, device=device)
+        top = max(len(r) for r in rows if r)  # the longest row: each step adds a column at most
+        sync = SYNC_EVERY if self.graphs is not None else 1
+        for k in range(max_new_tokens):
+            self.replay(self.width(top + k), out_tokens, out_logprobs)
+            if (k + 1) % sync == 0 and bool(s["done"].all()):
+                break
+        tokens, logprobs = out_tokens.tolist(), out_logprobs.tolist()
+        eos = set(self.eos.tolist())
+        out = []
+        for b, (row, length) in enumerate(zip(placed, s["lengths"].tolist())):
+            if row:
+                # up to and including the first end-of-turn token
+                end = next((i + 1 for i, t in enumerate(tokens[b]) if t in eos), max_new_tokens)
+                out.append((tokens[b][:end], logprobs[b][:end]))
+                self.held[b] = (row + tokens[b][:end])[:length]
+            else:
+                out.append(None)
+        return [out[k] for k in order]
 
 
-def generate_turn(model, rows, slots, pad_id, keep, **generation):
-    """model.generate(**generation) after each row's prompt (a list of token ids), in one batch, for
-    the policy and the `same` user alike. Each row's slot may hold the KV cache of an earlier prompt
-    of its dialogue, reused up to where the two differ (cached_batch); with keep, each slot then
-    holds its row's prompt and new tokens. The prompts run into the cache PREFILL_CHUNK tokens a
-    pass, so each pass's attention mask is (batch, chunk, context), linear in the context (a single
-    pass over an appraisal of SAGE's 15,000 tokens would build masks of 0.9 GB a row). Returns the
-    new tokens (B, N) and (prompt tokens, those read from a cache)."""
-    ids, mask, cache = cached_batch(rows, slots, pad_id, model.device)
-    reused = cache.get_seq_length()  # the columns read from the cache
-    position = mask.cumsum(1) - 1                                                        # (B, W)
-    cached = {cache_keyword(model): cache}
-    prefill_end = ids.shape[1] - 1  # generate() runs the last token itself, to sample the next
-    for start in range(reused, prefill_end, PREFILL_CHUNK):
-        end = min(start + PREFILL_CHUNK, prefill_end)
-        model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
-              position_ids=position[:, start:end], **cached, use_cache=True, logits_to_keep=1)
-    # (B, W + N): the prompts and the new tokens
-    sequences = model.generate(input_ids=ids, attention_mask=mask, **cached, **generation)
-    new = sequences[:, ids.shape[1]:]                                                    # (B, N)
-    if keep:
-        keep_cache(slots, cache, sequences, torch.cat([mask, (new != pad_id).long()], 1))
-    return new, (int(mask.sum()), int(mask[:, :reused].sum()))
+def common_prefix(a, b):
+    """How many tokens the lists a and b share from their start."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
 
 
 @dataclass(eq=False)
 class LocalBackend:
     """A local model plays the user, greedily: the policy's own PeftModel with its adapters
     disabled, the frozen base (use_base, --simulator same), or evaluate.py's --model alone
-    (--agreement, --write-openings). With reuse_cache each dialogue's KV cache stays in its state's
-    slot between calls: the appraisal, its re-ask and the reply share it, and so do the turns.
-    The model runs in the mode it is in, which is eval (no dropout) wherever a user speaks: the
-    rollout sets it (play_dialogues), and evaluate.py's models load in it."""
+    (--agreement, --write-openings). Its conversations run through a Decoder of its own, whose
+    KV cache stays between calls: each conversation takes the cache row that shares the longest
+    start with it (its dialogue's last appraisal, which a re-ask extends, or its last message
+    request), and runs from where they differ; the frozen weights never change what the cache
+    holds. The model runs in the mode it is in, which is eval (no dropout) wherever a user speaks:
+    the rollout sets it (play_dialogues), and evaluate.py's models load in it."""
     model: object
     tokenizer: object
     use_base: bool = False
-    reuse_cache: bool = True
     name = "local"
-    micro_batch_size = 16  # conversations a generate() call takes
     counts: Counter = field(default_factory=Counter, init=False)  # generated, prompt, reused tokens
 
+    def __post_init__(self):
+        self.decoder = Decoder(self.model, eos_ids(self.tokenizer), self.tokenizer.pad_token_id)
+
     @torch.no_grad()
-    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=1.2):
+    def chat(self, conversations, max_new_tokens, repetition_penalty=1.2):
         """Greedy replies. The repetition penalty keeps a small model from looping in the user's
         messages; appraisals pass 1.0, since it would also push the number away from digits the
         prompt already holds."""
         rows = [chat_ids(self.tokenizer, c) for c in conversations]
-        slots = slots or [{} for _ in rows]
-        pad = self.tokenizer.pad_token_id
-        out = []
-        n = self.micro_batch_size
+        if not rows:
+            return []
         with self.model.disable_adapter() if self.use_base else contextlib.nullcontext():
-            for i in range(0, len(rows), n):
-                new, (prompt, reused) = generate_turn(
-                    self.model, rows[i:i + n], slots[i:i + n], pad, self.reuse_cache,
-                    do_sample=False, max_new_tokens=max_new_tokens,
-                    repetition_penalty=repetition_penalty, pad_token_id=pad)
-                self.counts["simulator_prompt_tokens"] += prompt
-                self.counts["simulator_reused_tokens"] += reused
-                self.counts["simulator_tokens"] += int((new != pad).sum())
-                out += [reply.strip()
-                        for reply in self.tokenizer.batch_decode(new, skip_special_tokens=True)]
-        return out
+            new = self.decoder.generate(rows, max_new_tokens, greedy=True,
+                                        penalty=repetition_penalty, seat=True)
+        self.counts["simulator_prompt_tokens"] += self.decoder.prompt_tokens
+        self.counts["simulator_reused_tokens"] += self.decoder.reused_tokens
+        self.counts["simulator_tokens"] += sum(len(t) for t, _ in new)
+        return [self.tokenizer.decode(t, skip_special_tokens=True).strip() for t, _ in new]
 
 
-def make_backend(simulator, policy=None, tokenizer=None, reuse_cache=True, args=None):
+def make_backend(simulator, policy=None, tokenizer=None, args=None):
     """--simulator same (the policy's frozen base) | rules | http(s)://host:port/v1. `same` without
     a policy (evaluate.py --agreement and --write-openings) is the --model of args alone. args: the
     URL client's limits (SimulatorSettings, needed for a URL) and trust_remote_code."""
@@ -323,13 +442,12 @@ def make_backend(simulator, policy=None, tokenizer=None, reuse_cache=True, args=
         policy, tokenizer = load_model(args.model, default_device(),
                                        trust_remote_code=args.trust_remote_code)
     # the frozen base: a PeftModel's with its adapters off; a plain model is its own base
-    return LocalBackend(policy, tokenizer, use_base=hasattr(policy, "disable_adapter"),
-                        reuse_cache=reuse_cache)
+    return LocalBackend(policy, tokenizer, use_base=hasattr(policy, "disable_adapter"))
 
 
-def build_simulator(args, policy, tokenizer, goodbye="closing", reuse_cache=True):
+def build_simulator(args, policy, tokenizer, goodbye="closing"):
     """The simulated user of a script's SimulatorSettings (goodbye: see Simulator)."""
-    backend = make_backend(args.simulator, policy, tokenizer, reuse_cache, args)
+    backend = make_backend(args.simulator, policy, tokenizer, args)
     return Simulator(backend, args.start_emotion, args.max_change, args.max_turns,
                      reply_tokens=args.user_reply_tokens, goodbye=goodbye)
 
@@ -339,41 +457,14 @@ def make_simulator(args, policy, tokenizer, run):
     and which read-out the user gives."""
     simulator = build_simulator(args, policy, tokenizer)
     if run.is_main:
-        print(f"policy {args.model} on {run.device} x {run.world} process(es), merged sampling "
-              f"{bool(mergeable_layers(policy))}; simulator {args.simulator}, read-out "
-              f"{simulator.readout}")
+        print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
+              f"{args.simulator}, read-out {simulator.readout}")
     return simulator
 
 
 # ----------------------------------------------------------------------------------------------
 # Dialogues
 # ----------------------------------------------------------------------------------------------
-@dataclass
-class SampledLogprobs:
-    """A logits processor that records log softmax(logits / temperature) of each token generate()
-    samples, without keeping every step's logits: output_logits=True holds (B, N, vocabulary) fp32
-    logits (about 9.3 GiB at 32 dialogues x 512 tokens x Qwen2.5's 152k vocabulary), this holds one
-    step's (B, vocabulary). It runs one step behind: at step t the last column of input_ids is the
-    token sampled at t - 1, so that is when its log-prob is read; finish() reads the last one.
-    transformers runs processors passed to generate() before its own temperature and top-p warpers,
-    so `scores` are the raw logits; the test against a fresh forward pass (temperature 0.7) holds
-    it."""
-    temperature: float
-    last: torch.Tensor = None                          # the latest step's log-probs (B, V)
-    picked: list = field(default_factory=list)         # the sampled tokens' log-probs, (B,) a step
-
-    def __call__(self, input_ids, scores):
-        if self.last is not None:
-            self.picked.append(self.last.gather(-1, input_ids[:, -1:])[:, 0])           # (B,)
-        self.last = torch.log_softmax(scores.float() / self.temperature, -1)            # (B, V)
-        return scores
-
-    def finish(self, sequences):
-        """(B, N): the log-probs of the N tokens generate() appended to the prompt (a recorder
-        serves one generate call)."""
-        return torch.stack(self.picked + [self.last.gather(-1, sequences[:, -1:])[:, 0]], 1)
-
-
 @dataclass
 class Dialogue:
     """One agent-user dialogue as it grows. ids/action_mask/sample_logprobs stay aligned token by
@@ -386,7 +477,6 @@ class Dialogue:
     sample_logprobs: list = field(default_factory=list)  # an action token's when sampled, else 0
     turn_ends: list = field(default_factory=list)    # index of the last token of each agent turn
     agent_turns: list = field(default_factory=list)  # {raw, thought, reply, violation, tokens, cut}
-    cache: dict = field(default_factory=dict, repr=False)  # the policy's KV cache between turns
 
     def add(self, tokens, sample_logprobs=None):
         """Append tokens: the policy's sampled ones with their log-probs (action tokens), else
@@ -415,76 +505,52 @@ class SamplingSettings:
 
 
 @torch.no_grad()
-def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, temperature=1.0,
-                   max_new_tokens=256, max_context=4096, greedy=False, reuse_cache=True, merge=(),
+def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, decoder=None,
+                   temperature=1.0, max_new_tokens=256, max_context=4096, greedy=False,
                    progress=True, desc="dialogues"):
-    """Play len(personas) x samples_per_persona dialogues in lockstep: one batched generate for all
-    active agents, then one batched simulator step; finished dialogues leave the batch.
-    With reuse_cache each dialogue keeps its KV cache between turns, so a turn runs only the tokens
-    added since the last one (generate_turn); without it every turn runs the whole prompt.
-    merge: the layers of mergeable_layers(policy), where the agent samples from its adapter merged
-    into a copy of their weights (merged_weights); none: through the adapter.
+    """Play len(personas) x samples_per_persona dialogues in lockstep: one batched decode for every
+    agent (decoder, the policy's Decoder, a new one if None: each dialogue one of its rows, kept
+    between turns, so a turn runs only the tokens added since the last one), then one batched
+    simulator step; a finished dialogue sits the next turns out. The policy samples from
+    log softmax(logits / temperature), the full softmax (no top-k, no top-p: the trainers' log-probs
+    are of that distribution), greedy: its argmax, and each sampled token's log-prob is kept.
     chat: the agent's ChatTokens. Every persona's first prompt must leave room for a whole reply
     within max_context (check_openings_fit, which every script runs at set-up). Returns (records,
     stats): one flat dict per dialogue, and counts and timings."""
-    from transformers import GenerationConfig
-
     tokenizer = chat.tokenizer
-    # An explicit config, so that a model's own defaults (top_k=20, repetition_penalty=1.05 in
-    # Qwen2.5's generation_config) cannot change the sampling distribution. top_k must be 0, not
-    # None: transformers reads None as "unset" and fills in the model's top_k, or 50; top_p 1
-    # (RLVER's) for the same reason. The stored log-probs are log softmax(logits / temperature), the
-    # distribution sampled from, and the trainers compute theirs with the same temperature: a top-p
-    # cut would make the sampled distribution another one than the trainers' log-probs, so there is
-    # no --top-p.
-    sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
-    if greedy:  # the most likely token (at any temperature), its log-prob at the temperature
-        sampling = dict(do_sample=False)
-    gen_config = GenerationConfig(**sampling, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
-                                  eos_token_id=chat.eos_ids, pad_token_id=tokenizer.pad_token_id)
+    decoder = decoder or Decoder(policy, chat.eos_ids, tokenizer.pad_token_id, max_context + 1)
     # each persona's samples one after another: GRPO's groups are consecutive --group-size dialogues
     dialogues = [Dialogue(persona, s, simulator.start(persona)) for persona in personas
                  for s in range(samples_per_persona)]
     for d in dialogues:  # each leaves room for a whole reply (check_openings_fit)
         d.add(chat.prompt(d.persona.opening))
     policy.eval()  # no dropout while sampling (the trainers switch to train mode for the update)
-    swaps = []
-    if merge:
-        swaps = merged_weights(policy, merge)
     # the simulator's counts at the end, less those at the start
     stats = Counter()
     stats.subtract(simulator.counts)
     bar = tqdm(total=len(dialogues), desc=desc, disable=not progress, leave=False)  # finished ones
+    fresh = True  # the cache's keys and values are of weights an update may have changed
     while active := [d for d in dialogues if not d.state.end_reason]:
         t0 = time.time()
-        recorder = SampledLogprobs(temperature)
-        # the caches are kept only if a dialogue can go on: on its last allowed turn every one ends
-        keep = reuse_cache and not all(d.state.turns + 1 >= simulator.max_turns for d in active)
-        # the user's turns below run on the base's own weights
-        with merged(policy, swaps) if swaps else contextlib.nullcontext():
-            new, (prompt, reused) = generate_turn(policy, [d.ids for d in active],
-                                                  [d.cache for d in active], tokenizer.pad_token_id,
-                                                  keep, generation_config=gen_config,
-                                                  logits_processor=[recorder])           # (B, N)
-        new_logp = recorder.finish(new).cpu()                                           # (B, N)
-        stats["policy_prompt_tokens"] += prompt
-        stats["policy_reused_tokens"] += reused
+        rows = [d.ids if not d.state.end_reason else None for d in dialogues]
+        new = decoder.generate(rows, max_new_tokens, temperature, greedy, fresh=fresh)
+        fresh = False
+        stats["policy_prompt_tokens"] += decoder.prompt_tokens
+        stats["policy_reused_tokens"] += decoder.reused_tokens
         stats["policy_seconds"] += time.time() - t0
         replies = []
-        for d, row, logp in zip(active, new.tolist(), new_logp):
-            # the turn ends with its EOS, kept
-            n = next((i + 1 for i, t in enumerate(row) if t in chat.eos_ids), len(row))
-            tokens = row[:n]
-            d.add(tokens, logp[:n].tolist())
+        for d in active:
+            tokens, logprobs = new[dialogues.index(d)]  # the turn ends with its EOS, kept
+            d.add(tokens, logprobs)
             d.turn_ends.append(len(d.ids) - 1)
             raw = tokenizer.decode(tokens, skip_special_tokens=True)
             thought, reply, violation = split_thought(raw, chat.thinking)
             stats[violation or "format_ok"] += 1
-            stats["policy_tokens"] += n
+            stats["policy_tokens"] += len(tokens)
             # cut: no end-of-turn token, so the reply reached max_new_tokens unfinished (a thought
             # cut there reaches the user as "...")
             d.agent_turns.append({"thought": thought, "raw": raw, "violation": violation,
-                                  "tokens": n, "cut": tokens[-1] not in chat.eos_ids})
+                                  "tokens": len(tokens), "cut": tokens[-1] not in chat.eos_ids})
             replies.append(reply or SILENCE)
         simulator.step([d.state for d in active], replies)
         for d in active:
@@ -493,12 +559,11 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
                 if len(d.ids) + len(delta) + max_new_tokens > max_context:
                     # No room for the user's message and a full reply: end here, so that no stored
                     # sequence is longer than max_context and every one ends on an agent token.
-                    simulator.end(d.state, "context")
+                    d.state.end_reason = "context"
                 else:
                     d.add(delta)
             if d.state.end_reason:
                 bar.update(1)
-                d.cache.clear()  # free a finished dialogue's KV cache (the user frees its own)
     bar.close()
     stats.update(simulator.counts)
     return [to_record(d, simulator.start_emotion) for d in dialogues], dict(stats)
@@ -575,10 +640,11 @@ def check_openings_fit(args, personas):
 
 def sampling_settings(args, policy, tokenizer):
     """play_dialogues' keyword arguments from a script's SamplingSettings (and a trainer's
-    --greedy): the agent's chat, its system prompt as --thinking says, and how it samples: merged
-    where the policy allows it (mergeable_layers: float32 weights only)."""
+    --greedy): the agent's chat, its system prompt as --thinking says, and the policy's Decoder,
+    its KV cache as long as --max-context (and a column no token owns)."""
     sampling = {f.name: getattr(args, f.name) for f in fields(SamplingSettings)}
     sampling["chat"] = ChatTokens(tokenizer, sampling.pop("thinking"))
-    sampling["merge"] = mergeable_layers(policy)
+    sampling["decoder"] = Decoder(policy, sampling["chat"].eos_ids, tokenizer.pad_token_id,
+                                  args.max_context + 1)
     sampling["greedy"] = getattr(args, "greedy", False)
     return sampling

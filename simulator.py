@@ -102,7 +102,6 @@ class UserState:
     appraisals: list = field(default_factory=list)
     # None while it goes on | success | left | goodbye | max_turns | context | unread
     end_reason: str | None = None
-    cache: dict = field(default_factory=dict, repr=False, compare=False)  # the backend's KV slot
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,12 +506,6 @@ class Simulator:
     def start(self, persona):
         return UserState(persona, self.start_emotion, [{"role": "user", "text": persona.opening}])
 
-    def end(self, state, reason):
-        """End a dialogue for a reason of the rollout's ("context": no room for another turn),
-        freeing the user's KV cache."""
-        state.end_reason = reason
-        state.cache.clear()
-
     def appraise(self, states, replies):
         """The change each reply would make in its state, with nothing moved or stored: a list of
         (change, appraisal text), the change as stated or None where it could not be read. A
@@ -525,7 +518,7 @@ class Simulator:
         if self.readout == "rules":
             return [rules_appraisal(s, r) for s, r in zip(states, replies)]
         asked = [appraisal_messages(s, r, self.max_change) for s, r in zip(states, replies)]
-        texts = self.backend.chat(asked, self.appraisal_tokens, [s.cache for s in states], 1.0)
+        texts = self.backend.chat(asked, self.appraisal_tokens, 1.0)
         scale = range(-self.max_change, self.max_change + 1)  # None is not in it: unread
         changes = [parse_change(t) for t in texts]
         again = [k for k, c in enumerate(changes) if c not in scale]
@@ -536,8 +529,7 @@ class Simulator:
                 retry.append(asked[k] + [
                     {"role": "assistant", "content": texts[k]},
                     {"role": "user", "content": prompt.format(m=self.max_change)}])
-            slots = [states[k].cache for k in again]
-            answers = self.backend.chat(retry, self.retry_tokens, slots, 1.0)
+            answers = self.backend.chat(retry, self.retry_tokens, 1.0)
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
                 changes[k] = parse_change(text)
@@ -572,15 +564,12 @@ class Simulator:
                      for s in talking]
         else:
             asked = [user_turn_messages(s) for s in talking]
-            texts = self.backend.chat(asked, self.reply_tokens, [s.cache for s in talking])
+            texts = self.backend.chat(asked, self.reply_tokens)
             texts = [clean_user_text(text) for text in texts]
         for s, text in zip(talking, texts):
             s.history.append({"role": "user", "text": text})
             if says_goodbye(text, self.goodbye):
                 s.end_reason = "goodbye"
-        for s in states:
-            if s.end_reason:
-                s.cache.clear()  # free the finished dialogue's KV cache
         self.counts["simulator_seconds"] += time.time() - t0
 
 

@@ -334,7 +334,7 @@ class ScriptedBackend:
         self.calls, self.penalties = [], []
         self.counts = Counter()
 
-    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
+    def chat(self, conversations, max_new_tokens, repetition_penalty=None):
         self.calls.append((conversations, max_new_tokens))
         self.penalties.append(repetition_penalty)
         out = []

@@ -1,6 +1,6 @@
 """Same seed, same numbers, on every path (issue 25): a run whose first command converts the embedded
 model, the old log-probs under dropout (LoRA's and the model's own), masked positions that make no NaN,
-merged sampling on adapters it cannot fold, --load-in-4bit without its parts.
+the decode step on every adapter set-up, --load-in-4bit without its parts.
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_exactness.py -q
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from personas import load_personas
-from policy import load_model, mergeable_layers, merged, merged_weights, resolve_model
+from policy import load_model, resolve_model
 from rl import token_logprobs
 import grpo
 import ppo
@@ -36,15 +36,6 @@ def same_rng(a, b):
 
 def rules_user(max_turns, **kwargs):
     return simulator.Simulator(simulator.RulesBackend(), max_turns=max_turns, **kwargs)
-
-
-def assert_same_dialogues(first, second):
-    """The same tokens, and their sampling log-probs to float round-off."""
-    assert len(first) == len(second)
-    for a, b in zip(first, second):
-        assert a["token_ids"] == b["token_ids"] and a["turns"] == b["turns"]
-        torch.testing.assert_close(torch.tensor(a["sample_logprobs"]), torch.tensor(b["sample_logprobs"]),
-                                   atol=1e-5, rtol=0)
 
 
 def read_jsonl(path):
@@ -166,7 +157,7 @@ def test_masked_positions_make_no_nan(script, tiny_model_dir, write_personas, pe
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Merged sampling samples the adapter's policy, or steps aside
+# 3. The decode step samples the adapter's function, whatever the adapter holds
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tied_model_dir(tmp_path_factory):
@@ -206,39 +197,36 @@ def adapted(model_dir, **lora):
     return policy.eval(), tokenizer
 
 
-MERGE_CASES = {  # LoraConfig of each adapter set-up, and whether W + s B A is its whole function
-    "lm_head on tied embeddings": (dict(target_modules=["q_proj", "lm_head"]), False),
-    "modules_to_save": (dict(target_modules=["q_proj"], modules_to_save=["o_proj"]), False),
-    "lora_bias": (dict(target_modules=["q_proj", "v_proj"], lora_bias=True), False),
-    "bias all": (dict(target_modules=["q_proj", "v_proj"], bias="all"), True),  # base biases: no change
+ADAPTER_CASES = {  # LoraConfig of adapter set-ups whose parts are not plain LoRA matrices
+    "lm_head on tied embeddings": dict(target_modules=["q_proj", "lm_head"]),
+    "modules_to_save": dict(target_modules=["q_proj"], modules_to_save=["o_proj"]),
+    "lora_bias": dict(target_modules=["q_proj", "v_proj"], lora_bias=True),
+    "bias all": dict(target_modules=["q_proj", "v_proj"], bias="all"),
 }
 
 
-@pytest.mark.parametrize("case", list(MERGE_CASES))
-def test_merged_sampling_samples_the_adapter_or_steps_aside(case, tied_model_dir, personas_file):
-    lora, merges = MERGE_CASES[case]
-    policy, tokenizer = adapted(tied_model_dir, **lora)
+@pytest.mark.parametrize("case", list(ADAPTER_CASES))
+def test_the_decoder_samples_the_adapters_function(case, tied_model_dir, personas_file):
+    """Greedy dialogues through the rollout's Decoder (its own KV cache and decode step) have, on
+    every token, the log-prob a full pass through the adapter gives (the trainers'): a part of the
+    adapter the decode step left out would show, since each part moves the logits."""
+    from rl import eval_logprobs, pad_records
+
+    policy, tokenizer = adapted(tied_model_dir, **ADAPTER_CASES[case])
     ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]])
-    swaps = None
-    layers = mergeable_layers(policy)
-    if layers:
-        swaps = merged_weights(policy, layers)
     with torch.no_grad():
         with_adapter = policy(input_ids=ids).logits
         with policy.disable_adapter():
-            assert (policy(input_ids=ids).logits - with_adapter).abs().max() > 1e-2  # the adapter matters
-        if swaps is not None:  # where it merges, the merged weights are the adapter's function
-            with merged(policy, swaps):
-                torch.testing.assert_close(policy(input_ids=ids).logits, with_adapter, atol=1e-5, rtol=0)
-    assert (swaps is not None) == merges  # and it merges wherever it can
-    if swaps is None:  # stepped aside: the rollout samples through the adapter itself, as with merging off
-        return
-    # where it merges, the dialogues it samples are those of sampling through the adapter, token for token
+            assert (policy(input_ids=ids).logits - with_adapter).abs().max() > 1e-2  # it matters
     personas = load_personas(personas_file)
-    runs = [rollout.play_dialogues(policy, rules_user(2), personas, chat=rollout.ChatTokens(tokenizer),
-                                   greedy=True, max_new_tokens=6,
-                                   merge=m, progress=False)[0] for m in (layers, [])]
-    assert_same_dialogues(*runs)
+    records, _ = rollout.play_dialogues(policy, rules_user(2), personas,
+                                        chat=rollout.ChatTokens(tokenizer), greedy=True,
+                                        max_new_tokens=6, progress=False)
+    batch = pad_records(records, tokenizer.pad_token_id, "cpu")
+    mask = batch["action_mask"].bool()
+    assert mask.sum() > 12
+    torch.testing.assert_close(eval_logprobs(policy, batch)[mask], batch["sample_logprobs"][mask],
+                               atol=1e-5, rtol=0)
 
 
 def test_lm_head_on_tied_embeddings_trains_on_what_it_sampled(tied_model_dir, personas_file, tmp_path):

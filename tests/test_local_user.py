@@ -1,6 +1,6 @@
 """Tests for the `same` user (rollout.LocalBackend): the policy's frozen base writes the user's text,
-with each dialogue's KV cache kept between calls (the appraisal, its re-ask, the reply, the turns),
-on the embedded model and on tiny random ones.
+its KV cache kept between calls (each conversation seated in the cache row it shares the most with:
+the appraisal, its re-ask, the reply, the turns), on the embedded model and on tiny random ones.
 
     python -m pytest tests/test_local_user.py -q
 """
@@ -85,37 +85,31 @@ def tiny_model_here(tiny_model, device, dtype):
 
 @pytest.mark.gpu
 def test_prefill_from_kept_caches_in_one_batch_equals_full_forwards(tiny_model_here, persona, dtype):
-    """Three conversations prefilled together (rollout.generate_turn), each from its own kept cache of
-    a different length (so the batch has holes before and between the new tokens): the next-token
-    logits are those of one full forward of each prompt alone."""
+    """Three conversations run together, two of them seated in cache rows that hold an earlier
+    conversation of theirs (so each row keeps another number of columns and adds another number):
+    the first new token's log-prob is that of one full forward of each prompt alone."""
     model, tokenizer = tiny_model_here
     backend = LocalBackend(model, tokenizer)
     states = [Simulator(backend).start(persona) for _ in range(3)]
-    slots = [{}, {}, {}]
-    backend.chat([simulator.user_turn_messages(s) for s in states[:2]], 4, slots=slots[:2])  # not the third
+    backend.chat([simulator.user_turn_messages(s) for s in states[:2]], 4)  # not the third
     later = [simulator.user_turn_messages(simulator.UserState(
         persona=persona, emotion=30 + 10 * k,
         history=s.history + [{"role": "agent", "text": WARM * (k + 1)}])) for k, s in enumerate(states)]
-    rows, seen = [rollout.chat_ids(tokenizer, c) for c in later], []
-
-    def first_step(input_ids, scores):  # the logits of the first new token
-        seen.append(scores.clone())
-        return scores
-    pad = tokenizer.pad_token_id
-    _, (_, reused) = rollout.generate_turn(model, rows, slots, pad, False, do_sample=False, max_new_tokens=1,
-                                           logits_processor=[first_step], pad_token_id=pad)
-    assert reused > 0
+    rows = [rollout.chat_ids(tokenizer, c) for c in later]
+    first = backend.decoder.generate(rows, 1, greedy=True, seat=True)
+    assert backend.decoder.reused_tokens > 0
     with torch.no_grad():
-        for row, ids in zip(seen[0], rows):
-            alone = model(input_ids=torch.tensor([ids], device=model.device))
-            torch.testing.assert_close(row.float(), alone.logits[0, -1].float(), atol=loose(dtype, 1e-4),
-                                       rtol=0)
+        for (token, logprob), ids in zip(first, rows):
+            alone = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].float()
+            expected = torch.log_softmax(alone, -1)[token[0]]
+            assert token[0] == alone.argmax() or dtype != torch.float32
+            torch.testing.assert_close(torch.tensor(logprob[0]), expected.cpu(),
+                                       atol=loose(dtype, 1e-4), rtol=0)
 
 
 def test_chat_batched_equals_alone_and_leaves_the_mode(tiny_model):
     model, tokenizer = tiny_model
     backend = LocalBackend(model, tokenizer)
-    backend.micro_batch_size = 2
     conversations = [[{"role": "user", "content": "hi"}],
                      [{"role": "system", "content": "You are a person."},
                       {"role": "user", "content": "How was your week? Tell me everything about it."}],
@@ -142,7 +136,7 @@ def test_chat_repetition_penalty_is_a_parameter(smollm2):
                              pad_token_id=tokenizer.pad_token_id)
         expected[penalty] = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip()
     assert expected[1.0] != expected[1.2]  # the penalty does change what this model writes
-    backend = LocalBackend(model, tokenizer, reuse_cache=False)
+    backend = LocalBackend(model, tokenizer)
     assert backend.chat([conversation], 12, repetition_penalty=1.0) == [expected[1.0]]
     assert backend.chat([conversation], 12) == [expected[1.2]]
 
@@ -185,18 +179,21 @@ def play_both_agents(sim, personas):
     return [transcript(s) for _, s in jobs]
 
 
-def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_model, persona, monkeypatch):
-    """The simulated user keeps its KV cache between turns and between the appraisal, its re-asking and
-    the reply; greedy dialogues (emotions, appraisals, user messages) must not change, only get cheaper.
-    The random model writes no change line, so a stand-in reads every appraisal as off the scale
-    and every re-ask's answer as within it: each appraisal is re-asked, and the dialogues go on for
-    their four turns."""
+def test_kept_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_model, persona,
+                                                                          monkeypatch):
+    """The simulated user keeps its KV cache between calls (the appraisal, its re-asking and the
+    reply, the turns); greedy dialogues (emotions, appraisals, user messages) must not change, only
+    get cheaper. The random model writes no change line, so a stand-in reads every appraisal as off
+    the scale and every re-ask's answer as within it: each appraisal is re-asked, and the dialogues
+    go on for their four turns."""
     asked = {}  # the tokens of the backend's latest call: 8 for an appraisal, 4 for its re-ask
     monkeypatch.setattr(simulator, "parse_change", lambda text: 15 if asked["tokens"] == 8 else 3)
     runs = []
-    for reuse in (True, False):
-        backend = LocalBackend(*tiny_model, reuse_cache=reuse)
-        backend.micro_batch_size = 3
+    for forget in (False, True):
+        backend = LocalBackend(*tiny_model)
+        generate = backend.decoder.generate
+        if forget:  # every call runs its prompts whole
+            backend.decoder.generate = lambda *a, **k: generate(*a, **{**k, "fresh": True})
         chat = backend.chat
         backend.chat = lambda rows, tokens, *rest, chat=chat: (asked.update(tokens=tokens),
                                                                chat(rows, tokens, *rest))[1]
@@ -209,58 +206,6 @@ def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(tiny_
     assert sum(map(len, cached)) >= 6 * 8  # 6 dialogues, 4 turns each, two lines a turn
     assert cached == plain
     assert hit > 0.5 and no_hit == 0
-
-
-def test_cached_batch_lays_out_prefix_then_new_tokens(tiny_model):
-    """Rows with cached prefixes of different lengths and new parts of different lengths give the
-    same next-token logits as each row run alone from scratch."""
-    model, tokenizer = tiny_model
-    rows = [[5, 6, 7, 8, 9, 10], [5, 6, 11], [12, 13, 14, 15]]
-    slots = [{}, {}, {}]
-    for row, slot, n in zip(rows, slots, (4, 2, 0)):  # cache the first n tokens of each row
-        if n:
-            ids, mask, cache = rollout.cached_batch([row[:n]], [slot], tokenizer.pad_token_id, "cpu")
-            model(input_ids=ids, attention_mask=mask, **{rollout.cache_keyword(model): cache},
-                  use_cache=True)
-            rollout.keep_cache([slot], cache, ids, mask)
-    assert [s.get("ids") for s in slots] == [rows[0][:4], rows[1][:2], None]
-    ids, mask, cache = rollout.cached_batch(rows, slots, tokenizer.pad_token_id, "cpu")
-    assert cache.get_seq_length() == 4 and ids.shape == (3, 4 + 4)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids[:, 4:], attention_mask=mask, position_ids=position_ids[:, 4:],
-                   **{rollout.cache_keyword(model): cache}).logits[:, -1]
-    for k, row in enumerate(rows):
-        alone = model(input_ids=torch.tensor([row])).logits[0, -1]
-        torch.testing.assert_close(logits[k], alone, atol=1e-4, rtol=1e-4)
-
-
-def test_cache_keyword_is_the_name_the_installed_forward_takes(tiny_model):
-    """Caches go to forward()/generate() under the name the model's forward declares: `cache` in
-    newer transformers, `past_key_values` in older ones (5.17); a PeftModel answers for its base."""
-    import inspect
-
-    from peft import LoraConfig, get_peft_model
-    from transformers import DynamicCache
-
-    class Older(torch.nn.Module):
-        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None):
-            pass
-
-    class Newer(torch.nn.Module):
-        def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, **kwargs):
-            pass
-
-    assert rollout.cache_keyword(Older()) == "past_key_values"
-    assert rollout.cache_keyword(Newer()) == "cache"
-    model, _ = tiny_model
-    name = rollout.cache_keyword(model)
-    assert name in inspect.signature(type(model).forward).parameters
-    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"]))
-    assert rollout.cache_keyword(peft_model) == name
-    cache = DynamicCache()
-    with torch.no_grad():  # the cache really arrives under that name: it holds the 3 positions run
-        peft_model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True, **{name: cache})
-    assert cache.get_seq_length() == 3
 
 
 @pytest.mark.smollm2
@@ -302,7 +247,7 @@ def test_mood_notes_follow_the_emotion_through_the_floor(persona):
 # The chunked prefill (issue 30 item 14; moved from tests/test_paper_data.py)
 # ----------------------------------------------------------------------------------------------
 def test_chunked_prefill_answers_as_one_pass_does(tiny_model, monkeypatch):
-    # the conversations of different lengths (padding), the second round reusing the first's caches
+    # the conversations of different lengths (padding), the second round reusing the first's cache rows
     model, tokenizer = tiny_model
     conversations = [[{"role": "user", "content": "word " * n}] for n in (40, 7, 23)]
     longer = [c + [{"role": "assistant", "content": "yes"}, {"role": "user", "content": "and then " * 9}]
@@ -311,7 +256,6 @@ def test_chunked_prefill_answers_as_one_pass_does(tiny_model, monkeypatch):
     for chunk in (1024, 5):
         backend = LocalBackend(model, tokenizer)
         monkeypatch.setattr(rollout, "PREFILL_CHUNK", chunk)
-        slots = [{} for _ in conversations]
-        answers.append([backend.chat(c, 6, slots) for c in (conversations, longer)]
+        answers.append([backend.chat(c, 6) for c in (conversations, longer)]
                        + [backend.chat(longer, 6)])
     assert answers[0] == answers[1]

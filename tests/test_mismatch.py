@@ -1,19 +1,19 @@
 """What is trained is what was sampled, in bf16 (the paper's precision) on the CPU.
 
-The rollout samples each token with one computation (generate with a KV cache, in bf16 kernels) and
+The rollout samples each token with one computation (a decode step over a KV cache, in bf16) and
 the trainers score it with another (a full forward pass): in bf16 the two log-probs differ by
 rounding. A tiny model whose output layer is scaled up (peaked next-token distributions, as a
 trained model's) shows that rounding, which a random model's near-uniform distributions hide. Here:
 the truncated importance weight against a hand computation, the defaults that add no mismatch of
-their own (no merged sampling in bf16, the output layer in float32), the KV cache held once a turn,
-and both trainers' bf16 runs logging the mismatch and correcting it."""
+their own (the output layer in float32), the KV cache allocated once a rollout, and both trainers'
+bf16 runs logging the mismatch and correcting it."""
 import os
 
 import pytest
 import torch
 
 from personas import load_personas
-from policy import load_policy, mergeable_layers
+from policy import load_policy
 from rl import pad_records, token_logprobs
 import grpo
 import ppo
@@ -46,13 +46,13 @@ def sharp_model_dir(tmp_path_factory):
     return str(folder)
 
 
-def rollout_batch(policy, tokenizer, merge=(), dialogues=6):
+def rollout_batch(policy, tokenizer, dialogues=6):
     """Two-turn dialogues against the rules user, padded: the tokens and their sampler log-probs."""
     torch.manual_seed(0)
     personas = load_personas(os.path.join(os.path.dirname(__file__), "..", "personas.json"), "train")
     records, _ = rollout.play_dialogues(policy, Simulator(RulesBackend(), max_turns=2),
                                         personas[:dialogues], chat=rollout.ChatTokens(tokenizer, False),
-                                        max_new_tokens=16, merge=merge, progress=False)
+                                        max_new_tokens=16, progress=False)
     return pad_records(records, tokenizer.pad_token_id, "cpu")
 
 
@@ -91,7 +91,8 @@ def test_the_truncated_importance_weight_by_hand_on_a_bf16_model(sharp_model_dir
     sample = (old + 1.5 * (2 * torch.rand(mask.shape, generator=g) - 1)) * mask
     adv = torch.randn(mask.shape, generator=g) * mask
     n = mask.sum()
-    args = SimpleNamespace(clip_low=0.2, clip_high=0.28, ent_coef=0.0, kl_loss_coef=0.0, tis_cap=2.0)
+    args = SimpleNamespace(clip_low=0.2, clip_high=0.28, dual_clip=0.0, ent_coef=0.0, kl_loss_coef=0.0,
+                           tis_cap=2.0)
     agg = partial(rl.aggregate, mask=mask, mode="token-mean", total_tokens=n, total_seqs=len(mask))
     loss, terms = rl.policy_objective(newlogprob, entropy, old, sample, adv, None, agg, args)
     loss.backward()
@@ -135,52 +136,49 @@ def test_a_tis_cap_below_1_or_not_finite_is_one_line(trainer, value, capsys, mon
 
 
 def test_in_bf16_the_defaults_add_no_mismatch_of_their_own(sharp_model_dir):
-    """Merged sampling folds the adapter into a copy of the weights; in bf16 that copy rounds most of
-    the adapter's delta away, so it never merges there. The output layer in float32 (the default)
-    leaves the sampler and the trainer less apart than bf16 logits do."""
+    """In float32 the sampler and the trainer agree; in bf16 they part by rounding only, and the
+    output layer in float32 (the default) leaves them no further apart than bf16 logits do: the
+    decode step and the trainers' pass compute the logits alike (the decoder, then the output
+    layer)."""
     measured = {}
     for dtype, fp32_head in (("float32", True), ("bfloat16", False), ("bfloat16", True)):
         policy, tokenizer = load_policy(sharp_model_dir, device="cpu", lora_r=4, dtype=dtype,
                                                 fp32_head=fp32_head)
-        with torch.no_grad():  # as if trained: a merged copy would differ from the base
+        with torch.no_grad():  # as if trained
             for name, p in policy.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0, 0.02)
-        assert bool(mergeable_layers(policy)) == (dtype == "float32")
         head = policy.get_output_embeddings().weight.dtype
         assert head == (torch.float32 if fp32_head else torch.bfloat16)
         measured[dtype, fp32_head] = mismatch_kl(policy, rollout_batch(policy, tokenizer))
     print("mismatch_kl", measured)  # docs/gpu.md: python -m pytest -s tests/test_mismatch.py -k defaults
     assert measured["float32", True] < 1e-7
-    assert measured["bfloat16", False] > 1e-4  # the rounding this test is about
-    assert measured["bfloat16", True] < measured["bfloat16", False] / 2, measured
+    assert 1e-6 < measured["bfloat16", False] < 5e-4  # the rounding this test is about, and no more
+    assert measured["bfloat16", True] <= 1.2 * measured["bfloat16", False], measured
 
 
-def test_no_dialogue_holds_its_kv_cache_while_the_turns_batch_cache_exists(tiny_model):
-    """The turn's batch cache is built from the dialogues' own caches, each dropped as it goes in,
-    and handed back the same way: no per-dialogue copy is alive while generate() runs, and the
-    batch cache is empty once the turn is kept. The dialogues' tokens are those of the runs in
-    tests/test_rollout.py (their equality with caches off is tested there)."""
+def test_the_kv_cache_is_allocated_once_for_the_whole_rollout(tiny_model, personas_file):
+    """The policy's Decoder holds one KV cache for every dialogue of a rollout, allocated once (its
+    length the context's): every turn appends to it in place, nothing is copied or grown, and
+    the next rollout reuses the same memory."""
     model, tokenizer = tiny_model
-    slots = [{}, {}, {}]
-    rows = [[5, 6, 7, 8], [5, 9], [10, 11, 12]]
-    seen = []
-    generate = model.generate
+    chat = rollout.ChatTokens(tokenizer, False)
+    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 512 + 1)
+    generate, seen = decoder.generate, []
 
-    def watched(*args, **kwargs):  # the bytes of KV cache the dialogues hold while the batch runs
-        seen.append(sum(t.numel() for s in slots for kv in s.get("kv", []) for t in kv if t is not None))
-        return generate(*args, **kwargs)
-    model.generate = watched
-    try:
-        for turn in range(3):
-            new, _ = rollout.generate_turn(model, rows, slots, tokenizer.pad_token_id, True,
-                                           do_sample=False, max_new_tokens=3,
-                                           pad_token_id=tokenizer.pad_token_id)
-            assert all(s["kv"] and len(s["ids"]) == len(r) + 2 for s, r in zip(slots, rows))
-            rows = [r + t.tolist() + [13] for r, t in zip(rows, new)]
-    finally:
-        del model.generate
-    assert seen == [0, 0, 0]
+    def watched(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        seen.append([t.data_ptr() for t in decoder.cache.keys + decoder.cache.values])
+        return out
+    decoder.generate = watched
+    personas = load_personas(personas_file)
+    for _ in range(2):
+        records, _ = rollout.play_dialogues(model, Simulator(RulesBackend(), max_turns=3), personas,
+                                            chat=chat, decoder=decoder, max_new_tokens=6,
+                                            max_context=512, progress=False)
+    assert len(seen) == 6 and all(ptrs == seen[0] for ptrs in seen)
+    assert decoder.cache.keys[0].shape[:3] == (3, 2, 513)  # dialogues, kv heads, context + 1
+    assert all(len(r["turn_ends"]) == 3 for r in records)
 
 
 @pytest.mark.parametrize("trainer", [ppo, grpo])

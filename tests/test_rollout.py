@@ -20,7 +20,7 @@ import torch
 
 from client import OpenAIBackend
 from personas import load_personas
-from policy import load_model, load_policy, mergeable_layers, merged, merged_weights
+from policy import float32_head, load_model, load_policy
 from rl import eval_logprobs, eval_scores, old_and_ref_logprobs, pad_records, token_logprobs
 import rollout
 import simulator
@@ -75,7 +75,7 @@ def agent_turns(record):
 
 
 def assert_same_dialogues(runs, policy, tokenizer, dtype):
-    """Two rollouts of one greedy policy by two routes (merged or not) are the
+    """Two rollouts of one greedy policy by two routes are the
     same dialogues: token for token, log-probs to 1e-5, in float32. In bfloat16 the two routes round
     differently, so a near-tie between two tokens may break the other way and the dialogues part:
     there each route's stored log-probs must equal a fresh pass through the adapter (bf16 rounding)."""
@@ -154,30 +154,21 @@ def test_split_thought(text, thinking, expected):
     assert split_thought(text, thinking) == expected
 
 
-class ScriptedPolicy(torch.nn.Module):
-    """Stands in for the policy in play_dialogues: in every generate call, row k 'samples' the
-    tokens of texts[k] followed by the end-of-turn token, with uniform logits."""
+class ScriptedDecoder:
+    """Stands in for the policy's Decoder in play_dialogues: in every call, row k 'samples' the
+    tokens of texts[k] followed by the end-of-turn token, each with log-prob -1."""
 
     def __init__(self, tokenizer, texts):
-        super().__init__()
-        self.device = torch.device("cpu")  # play_dialogues reads it, as from a transformers model
         self.rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                      for t in texts]
-        self.vocab, self.pad = len(tokenizer), tokenizer.pad_token_id
+        self.prompt_tokens = self.reused_tokens = 0
 
-    def forward(self, **prefill):  # the prompt's run into the KV cache: this stand-in keeps none
-        return None
+    def generate(self, rows, max_new_tokens, temperature=1.0, greedy=False, fresh=False):
+        return [(self.rows[k], [-1.0] * len(self.rows[k])) if row else None
+                for k, row in enumerate(rows)]
 
-    def generate(self, input_ids, attention_mask, generation_config, past_key_values=None,
-                 logits_processor=()):
-        rows = self.rows[:input_ids.shape[0]]
-        width = max(len(r) for r in rows)
-        new = torch.tensor([r + [self.pad] * (width - len(r)) for r in rows])
-        sequences = torch.cat([input_ids, new], 1)
-        for step in range(width):  # as generate() calls its processors: before each token is sampled
-            for process in logits_processor:
-                process(sequences[:, :input_ids.shape[1] + step], torch.zeros(len(rows), self.vocab))
-        return sequences
+
+NO_POLICY = torch.nn.Linear(1, 1)  # what play_dialogues calls eval() on when a decoder is scripted
 
 
 FORMAT_CASES = [  # (agent text, violation, what the simulated user is shown)
@@ -193,9 +184,10 @@ FORMAT_CASES = [  # (agent text, violation, what the simulated user is shown)
 def test_play_counts_format_cases_and_sends_silence(tiny_model, personas):
     _, tokenizer = tiny_model
     texts = [text for text, _, _ in FORMAT_CASES]
-    records, stats = play_dialogues(ScriptedPolicy(tokenizer, texts), rules_simulator(max_turns=1),
+    records, stats = play_dialogues(NO_POLICY, rules_simulator(max_turns=1),
                                     personas(len(texts)), chat=ChatTokens(tokenizer),
-                                    max_new_tokens=32, progress=False)
+                                    decoder=ScriptedDecoder(tokenizer, texts), max_new_tokens=32,
+                                    progress=False)
     assert stats["format_ok"] == 1 and stats["no_think"] == 1 and stats["unclosed"] == 1
     assert stats["empty_thought"] == 1 and stats["empty_reply"] == 2
     for record, (text, violation, shown) in zip(records, FORMAT_CASES):
@@ -206,9 +198,10 @@ def test_play_counts_format_cases_and_sends_silence(tiny_model, personas):
     summary = rollout.summarize(records, [stats])
     assert summary["think_violation_rate"] == pytest.approx(5 / 6)
     # thinking off: tags are just text, nothing is a violation unless the reply is empty
-    records, stats = play_dialogues(ScriptedPolicy(tokenizer, texts), rules_simulator(max_turns=1),
+    records, stats = play_dialogues(NO_POLICY, rules_simulator(max_turns=1),
                                     personas(len(texts)), chat=ChatTokens(tokenizer, False),
-                                    max_new_tokens=32, progress=False)
+                                    decoder=ScriptedDecoder(tokenizer, texts), max_new_tokens=32,
+                                    progress=False)
     assert stats["format_ok"] == 5 and stats["empty_reply"] == 1
     assert [agent_turns(r)[0]["text"] for r in records] == [t.strip() or SILENCE for t in texts]
 
@@ -218,14 +211,14 @@ def test_progress_bar_counts_dialogues_on_stderr(tiny_model, personas, capsys):
     trainers turn it on only on the main process at a terminal."""
     _, tokenizer = tiny_model
     texts = ["That sounds hard."] * 3
-    play_dialogues(ScriptedPolicy(tokenizer, texts), rules_simulator(max_turns=2), personas(3),
-                   chat=ChatTokens(tokenizer),
+    play_dialogues(NO_POLICY, rules_simulator(max_turns=2), personas(3),
+                   chat=ChatTokens(tokenizer), decoder=ScriptedDecoder(tokenizer, texts),
                    max_new_tokens=16, progress=True, desc="rollout")
     out, err = capsys.readouterr()
     assert out == ""
     assert "rollout" in err and "/3 [" in err
-    play_dialogues(ScriptedPolicy(tokenizer, texts), rules_simulator(max_turns=2), personas(3),
-                   chat=ChatTokens(tokenizer),
+    play_dialogues(NO_POLICY, rules_simulator(max_turns=2), personas(3),
+                   chat=ChatTokens(tokenizer), decoder=ScriptedDecoder(tokenizer, texts),
                    max_new_tokens=16, progress=False)
     assert capsys.readouterr().err == ""
 
@@ -238,7 +231,7 @@ class PromptSpy:
         self.prompts = []
         self.counts = Counter()
 
-    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
+    def chat(self, conversations, max_new_tokens, repetition_penalty=None):
         self.prompts += conversations
         return ["Change: +1" if "Change: N" in c[-1]["content"] else "Okay." for c in conversations]
 
@@ -257,8 +250,9 @@ def test_think_text_never_reaches_the_simulator(tiny_model, personas):
     _, tokenizer = tiny_model
     spy = PromptSpy()
     sim = Simulator(spy, max_turns=1)
-    records, stats = play_dialogues(ScriptedPolicy(tokenizer, THOUGHTFUL), sim,
+    records, stats = play_dialogues(NO_POLICY, sim,
                                     personas(len(THOUGHTFUL)), chat=ChatTokens(tokenizer),
+                                    decoder=ScriptedDecoder(tokenizer, THOUGHTFUL),
                                     max_new_tokens=48, progress=False)
     assert len(spy.prompts) == len(THOUGHTFUL)
     assert not any("SECRET" in m["content"] for prompt in spy.prompts for m in prompt)
@@ -360,51 +354,35 @@ def test_stored_logprobs_equal_a_fresh_forward_pass(tiny_model_dir, personas, te
 
 
 @pytest.mark.gpu
-def test_merged_sampling_plays_the_adapter_and_leaves_the_base_untouched(tiny_model_dir, personas, device,
-                                                                         dtype, appraisals_read):
-    """Greedy dialogues against the 'same' user (the policy's own base, adapters off) are the same
-    with the adapter merged for sampling and without: the agent's tokens, their log-probs, and the
-    user's messages, which would change if the merged weights leaked into the user's turns (in
-    bf16: assert_same_dialogues). After it, every weight is the same tensor with the same values as
-    before."""
+def test_the_same_user_speaks_with_the_base_while_the_policy_samples_its_adapter(
+        tiny_model_dir, personas, device, dtype, appraisals_read):
+    """Greedy dialogues against the 'same' user (the policy's own base, adapters off): each of the
+    user's texts equals what a plain copy of the base writes for the same conversation, so nothing
+    of the adapter reaches the user's decode (on CUDA: its graphs were captured with the adapter
+    off), and the policy's tokens are its adapter's (a fresh pass through the adapter gives their
+    stored log-probs; the base would not)."""
     policy, tokenizer = new_policy(tiny_model_dir, perturb=0.3, device=device, dtype=dtype)
-    if dtype != torch.float32:  # float32 only: a bf16 merged copy rounds the adapter away
-        assert mergeable_layers(policy) == []
-        return
-    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in policy.named_parameters()}
-    runs = []
-    for merge in (True, False):
-        sim = Simulator(rollout.LocalBackend(policy, tokenizer, use_base=True), max_turns=3, reply_tokens=6,
-                        appraisal_tokens=8, retry_tokens=4, leave_below=0)
-        runs.append(play_dialogues(policy, sim, personas(3),
-                                   chat=ChatTokens(tokenizer), greedy=True, max_new_tokens=8,
-                                   merge=mergeable_layers(policy) if merge else [],
-                                   progress=False)[0])
-    assert_same_dialogues(runs, policy, tokenizer, dtype)
-    assert sum(len(r["turn_ends"]) for r in runs[0]) == 9
-    for n, p in policy.named_parameters():
-        assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
-    # inside, the projections hold W + s B A: the adapter's function, not the base's
-    ids = torch.tensor([tokenizer("i feel so stupid for hoping")["input_ids"]], device=device)
-    with torch.no_grad():
-        with_adapter = policy(input_ids=ids).logits.float()
-        with policy.disable_adapter():
-            base = policy(input_ids=ids).logits.float()
-        with merged(policy, merged_weights(policy, mergeable_layers(policy))):
-            folded = policy(input_ids=ids).logits.float()
-    torch.testing.assert_close(folded, with_adapter, atol=loose(dtype, 1e-5), rtol=0)
-    effect = (folded - base).abs().max()
-    assert effect > 1e-2 and effect > 10 * (folded - with_adapter).abs().max()  # the adapter, not rounding
-
-
-def test_merged_sampling_steps_aside_where_it_cannot_merge(tiny_model_dir):
-    """No merge for a switched-off adapter (evaluate.py's base run), and none for a plain model (a
-    4-bit base: the NF4 test below)."""
-    policy, _ = new_policy(tiny_model_dir, perturb=0.1)
-    assert mergeable_layers(policy)
-    with policy.disable_adapter():
-        assert mergeable_layers(policy) == []
-    assert mergeable_layers(policy.get_base_model()) == []
+    user = rollout.LocalBackend(policy, tokenizer, use_base=True)
+    asked = []
+    chat = user.chat
+    user.chat = lambda conversations, *a: asked.append((conversations, a)) or chat(conversations, *a)
+    sim = Simulator(user, max_turns=3, reply_tokens=6, appraisal_tokens=8, retry_tokens=4,
+                    leave_below=0)
+    records, _ = play_dialogues(policy, sim, personas(3), chat=ChatTokens(tokenizer), greedy=True,
+                                max_new_tokens=8, progress=False)
+    assert sum(len(r["turn_ends"]) for r in records) == 9
+    base, _ = load_model(tiny_model_dir, device=device, dtype=dtype)
+    if dtype != torch.float32:  # as load_policy computes the output layer (--fp32-head)
+        float32_head(base)
+    plain = rollout.LocalBackend(base, tokenizer)
+    for conversations, args in asked:
+        assert chat(conversations, *args) == plain.chat(conversations, *args)
+    batch = pad_records(records, tokenizer.pad_token_id, device)
+    mask = batch["action_mask"].bool()
+    fresh = eval_logprobs(policy, batch)
+    torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=loose(dtype, 1e-4),
+                               rtol=1e-4)
+    assert (reference_logprobs(policy, batch)[mask] - fresh[mask]).abs().max() > 1e-2
 
 
 def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_model_dir):
@@ -560,7 +538,7 @@ class ScriptedUsers:
         self.scripts = scripts
         self.counts = Counter()
 
-    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
+    def chat(self, conversations, max_new_tokens, repetition_penalty=None):
         out = []
         for messages in conversations:
             name = re.search(r"- name: (.+)", messages[0]["content"]).group(1)
@@ -653,32 +631,6 @@ def test_context_limit_ends_dialogues_without_overflow(tiny_model_dir, persona_e
     assert rollout.summarize(records, [stats])["end_context"] == 3
 
 
-def test_dialogue_ending_on_context_frees_the_simulators_cache(tiny_model_dir, persona_entry, write_personas,
-                                                               appraisals_read):
-    # The 'same' user keeps a KV cache per dialogue; its step frees it only for dialogues that end
-    # there. One that ends because the next user turn and reply would not fit must be freed too.
-    policy, tokenizer = new_policy(tiny_model_dir)
-    group = load_personas(write_personas([persona_entry(id=f"c{i}") for i in range(2)]))
-    chat = ChatTokens(tokenizer, False)
-    max_context = len(chat.prompt(group[0].opening)) + 8 + 10  # one reply; no room for a user turn and more
-    sim = Simulator(rollout.make_backend("same", policy, tokenizer), max_turns=5,
-                    reply_tokens=6, appraisal_tokens=8, retry_tokens=4, leave_below=0)
-    states, start = [], sim.start
-    sim.start = lambda persona: states.append(start(persona)) or states[-1]
-    filled, step = [], sim.step
-
-    def step_and_look(active, replies):
-        step(active, replies)
-        filled.append(sum(bool(s.cache) for s in active))
-    sim.step = step_and_look
-    torch.manual_seed(0)
-    records, _ = play_dialogues(policy, sim, group, chat=chat, max_new_tokens=8,
-                                max_context=max_context, progress=False)
-    assert [r["end_reason"] for r in records] == ["context"] * 2
-    assert filled == [2]                      # after its step the user still held both caches
-    assert all(s.cache == {} for s in states)  # and nothing is left once the dialogues end
-
-
 def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir):
     import bitsandbytes
 
@@ -694,8 +646,6 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir):
     assert head == torch.float32  # the output layer in float32 (--fp32-head, the default)
     assert set(frozen.values()) == {torch.bfloat16, torch.uint8}, frozen  # the NF4 weights are packed bytes
     assert not any(p.requires_grad for n, p in policy.named_parameters() if "lora_" not in n)
-    # NF4 weights never merge: sampling goes through the adapter
-    assert mergeable_layers(policy) == []
     policy.train()
     ids = torch.tensor([tokenizer("i didn't get the promotion")["input_ids"]])
     out = policy(input_ids=ids, output_hidden_states=True)
@@ -705,31 +655,40 @@ def test_4bit_policy_keeps_the_unquantised_parts_in_bf16(tiny_model_dir):
 
 
 # ----------------------------------------------------------------------------------------------
-# Reusing each dialogue's KV cache between turns
+# One KV cache a rollout: each turn runs only what it adds
 # ----------------------------------------------------------------------------------------------
-def test_turn_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_biased_model, personas):
-    """Replies end at different tokens and user messages differ in length, so the cached batch
-    has holes after each end-of-turn token and before each user message; positions must not move."""
+def test_the_kept_cache_gives_the_same_dialogues_as_running_every_prompt_whole(eos_biased_model,
+                                                                              personas):
+    """Replies end at different tokens and user messages differ in length, so each row's cache
+    ends at another column every turn and rows that are done sit steps out; positions must not
+    move. The same rollout with the cache forgotten before every turn (each prompt run whole)
+    gives the same tokens and log-probs."""
     model, tokenizer = eos_biased_model
     runs = []
-    for reuse in (True, False):
+    for forget in (False, True):
+        chat = ChatTokens(tokenizer)
+        decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+        generate = decoder.generate
+        if forget:
+            decoder.generate = lambda *a, **k: generate(*a, **{**k, "fresh": True})
         torch.manual_seed(0)
         records, stats = play_dialogues(model, rules_simulator(max_turns=4), personas(3),
-                                        chat=ChatTokens(tokenizer),
-                                        max_new_tokens=24, reuse_cache=reuse, progress=False)
+                                        chat=chat, decoder=decoder, max_new_tokens=24,
+                                        progress=False)
         runs.append((records, rollout.summarize(records, [stats])))
-    (cached, cached_summary), (plain, plain_summary) = runs
+    (kept, kept_summary), (whole, whole_summary) = runs
     # ragged replies; also a check that sampling uses the whole softmax: cut to the top 50 tokens,
     # this model's +10 end-of-turn logit wins almost every time and every reply is one token long
-    assert len({t["tokens"] for r in cached for t in agent_turns(r)}) > 1
-    assert sum(len(r["turn_ends"]) for r in cached) >= 9
-    for a, b in zip(cached, plain):
+    assert len({t["tokens"] for r in kept for t in agent_turns(r)}) > 1
+    assert sum(len(r["turn_ends"]) for r in kept) >= 9
+    for a, b in zip(kept, whole):
         assert a["token_ids"] == b["token_ids"]
-        torch.testing.assert_close(torch.tensor(a["sample_logprobs"]), torch.tensor(b["sample_logprobs"]),
-                                   atol=1e-4, rtol=1e-4)
-    hit = [s["policy_reused_tokens"] / s["policy_prompt_tokens"] for s in (cached_summary, plain_summary)]
-    assert hit[0] > 0.5 and hit[1] == 0  # the share of prompt tokens read from a kept cache
-    batch = pad_records(cached, tokenizer.pad_token_id, "cpu")
+        torch.testing.assert_close(torch.tensor(a["sample_logprobs"]),
+                                   torch.tensor(b["sample_logprobs"]), atol=1e-4, rtol=1e-4)
+    hit = [s["policy_reused_tokens"] / s["policy_prompt_tokens"]
+           for s in (kept_summary, whole_summary)]
+    assert hit[0] > 0.5 and hit[1] == 0  # the share of prompt tokens read from the cache
+    batch = pad_records(kept, tokenizer.pad_token_id, "cpu")
     fresh = eval_logprobs(model, batch, micro_batch_size=2)
     mask = batch["action_mask"].bool()
     torch.testing.assert_close(fresh[mask], batch["sample_logprobs"][mask], atol=1e-4, rtol=1e-4)

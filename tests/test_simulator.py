@@ -341,9 +341,9 @@ USER_ECHO = ["[A note only you can see. Your mood: 37 out of 100. You are neutra
 class SpyBackend(ScriptedBackend):
     """Scripted answers, and every conversation it is handed kept in `prompts`."""
 
-    def chat(self, conversations, max_new_tokens, slots=None, repetition_penalty=None):
+    def chat(self, conversations, max_new_tokens, repetition_penalty=None):
         self.prompts = getattr(self, "prompts", []) + [list(c) for c in conversations]
-        return super().chat(conversations, max_new_tokens, slots, repetition_penalty)
+        return super().chat(conversations, max_new_tokens, repetition_penalty)
 
 
 def spy_dialogue(persona, start=57):

@@ -1,0 +1,234 @@
+"""The decode loop (rollout.Decoder) and what every loader must hold on a GPU: one KV cache a batch
+keeps for the whole rollout, one decode step of fixed shapes that never waits for the host (so that
+CUDA can capture it as a graph), greedy tokens and log-probs as transformers' generate and a full
+forward pass give them; and models loaded offline, with one set of kernels for sampling and
+training (transformers' hub kernels off).
+
+The tests marked gpu run on --device in --dtype (conftest.py); on CUDA the Decoder replays its
+captured graphs, so there they hold the graphs to generate's tokens.
+
+    python -m pytest tests/test_decoder.py -q
+"""
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rollout
+from conftest import BF16_RTOL, ROOT, _tiny_llama, loose
+from policy import load_model, load_policy
+
+
+@pytest.fixture(scope="module")
+def peaked_model():
+    """The tiny Llama with its output layer scaled up 20x: peaked next-token distributions (about
+    4 nats, a trained model's are sharper), so that greedy decoding meets no near-ties that bf16
+    rounding could break either way."""
+    model, tokenizer = _tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer
+
+
+@pytest.fixture
+def peaked_here(peaked_model, device, dtype):
+    model, tokenizer = peaked_model
+    return copy.deepcopy(model).to(device, dtype), tokenizer
+
+
+PROMPTS = ["hello there, how are you today?", "i feel sad about my work and my life",
+           "ok", "tell me something kind, please, it has been a long week at the studio"]
+
+
+def generate_alone(model, row, max_new_tokens, eos, **options):
+    """transformers' own greedy generate of one unpadded row: its new tokens up to the first
+    end-of-turn token."""
+    ids = torch.tensor([row], device=model.device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
+                         **options)[0, len(row):].tolist()
+    return out[:next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
+
+
+def assert_same_greedy(ours, theirs, dtype):
+    """Greedy tokens of two computations: the same in float32; in bf16 the same for the first 16
+    (the two round differently, so a later near-tie between two tokens may break either way)."""
+    if dtype == torch.float32:
+        assert ours == theirs
+    else:
+        assert ours[:16] == theirs[:16]
+
+
+def fresh_logprobs(model, row, tokens):
+    """log p(tokens | row, earlier tokens) from one full forward pass."""
+    ids = torch.tensor([row + tokens], device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(row) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens, device=model.device)[:, None])[:, 0]
+
+
+@pytest.mark.gpu
+def test_greedy_tokens_and_log_probs_equal_generate_and_a_full_pass_over_turns(peaked_here, dtype):
+    """Four prompts of different lengths decoded together for two turns, the second appending to
+    the first in the same cache (ragged ends, rows done at different steps): each row's tokens are
+    those generate() gives it alone, and each stored log-prob is a full forward pass's."""
+    model, tokenizer = peaked_here
+    chat = rollout.ChatTokens(tokenizer, False)
+    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256)
+    rows = [chat.prompt(p) for p in PROMPTS]
+    for turn in range(2):
+        out = decoder.generate(rows, 10, greedy=True, fresh=turn == 0)
+        for row, (tokens, logprobs) in zip(rows, out):
+            assert_same_greedy(tokens, generate_alone(model, row, 10, chat.eos_ids), dtype)
+            torch.testing.assert_close(torch.tensor(logprobs), fresh_logprobs(model, row, tokens).cpu(),
+                                       atol=loose(dtype, 1e-5),
+                                       rtol=0 if dtype == torch.float32 else BF16_RTOL)
+        rows = [row + tokens + chat.user_turn("go on, please", tokens[-1])
+                for row, (tokens, _) in zip(rows, out)]
+    assert decoder.reused_tokens > sum(map(len, rows)) // 2  # the second turn ran only what it added
+
+
+@pytest.mark.gpu
+def test_the_users_repetition_penalty_is_generates(peaked_here, dtype):
+    """Greedy decoding with a repetition penalty of 1.2 (the `same` user's replies) gives the tokens
+    generate() gives with it, and 1.0 those without, for each of a few prompts; the penalty changes
+    what this model writes for some of them (else an ignored penalty would pass)."""
+    model, tokenizer = peaked_here
+    eos = rollout.eos_ids(tokenizer)
+    decoder = rollout.Decoder(model, eos, tokenizer.pad_token_id)
+    changed = []
+    for text in ["hello", "word word word", "i feel sad", "say it again and again " * 4, "ok ok"]:
+        row = rollout.chat_ids(tokenizer, [{"role": "user", "content": text}])
+        written = {}
+        for penalty in (1.0, 1.2):
+            (tokens, _), = decoder.generate([row], 40, greedy=True, penalty=penalty, fresh=True)
+            expected = generate_alone(model, row, 40, eos, repetition_penalty=penalty)
+            assert_same_greedy(tokens, expected, dtype)
+            written[penalty] = tokens
+        changed.append(written[1.0] != written[1.2])
+    assert any(changed)
+
+
+def test_sampling_draws_from_the_tempered_softmax(peaked_model):
+    """Many rows of one prompt, one sampled token each: how often each token is drawn follows
+    softmax(logits / temperature) (the largest gap to it below 5 standard errors), at temperatures 1
+    and 0.5, and the stored log-prob is the token's under that softmax."""
+    model, tokenizer = peaked_model
+    chat = rollout.ChatTokens(tokenizer, False)
+    row = chat.prompt("how are you?")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([row])).logits[0, -1].float()
+    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    n = 4000
+    torch.manual_seed(0)
+    for temperature in (1.0, 0.5):
+        out = decoder.generate([row] * n, 1, temperature=temperature, fresh=True)
+        drawn = torch.tensor([tokens[0] for tokens, _ in out])
+        logprobs = torch.log_softmax(logits / temperature, -1)
+        stored = torch.tensor([lp[0] for _, lp in out])
+        torch.testing.assert_close(stored, logprobs[drawn], atol=1e-5, rtol=0)
+        p = logprobs.exp()
+        share = torch.bincount(drawn, minlength=len(p)).float() / n
+        gap = (share - p).abs() / (p * (1 - p) / n).sqrt().clamp(min=1e-3)
+        assert gap.max() < 5, (temperature, gap.max())
+
+
+def test_the_decode_step_never_waits_for_the_host(peaked_model):
+    """The step compiles as one graph (torch.compile, fullgraph): a .item(), a data-dependent shape
+    or any other host synchronisation inside it would break the graph and fail here, as it would
+    fail a CUDA graph capture. A stand-in that adds one is caught, so the check can fail."""
+    model, tokenizer = peaked_model
+    chat = rollout.ChatTokens(tokenizer, False)
+    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    decoder.generate([chat.prompt(p) for p in PROMPTS], 2, fresh=True)
+    out = torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3)
+    decoder.state["step"].zero_()
+    torch._dynamo.reset()
+    torch.compile(decoder.step, backend="eager", fullgraph=True)(256, *out)
+    run_into = rollout.run_into
+
+    def waits(model, cache, ids, lengths, width):
+        if int(lengths.max()) > 10 ** 9:  # a host synchronisation
+            pass
+        return run_into(model, cache, ids, lengths, width)
+    torch._dynamo.reset()
+    rollout.run_into = waits
+    try:
+        with pytest.raises(Exception, match="(?i)graph break|data-dependent|item"):
+            torch.compile(decoder.step, backend="eager", fullgraph=True)(256, *out)
+    finally:
+        rollout.run_into = run_into
+        torch._dynamo.reset()
+
+
+def test_a_row_that_sits_out_keeps_its_cache_and_a_seated_row_reuses_the_closest(peaked_model):
+    """A row given as None keeps what the cache holds of it (its next call reads it), and with seat
+    a conversation goes to the row that shares the longest start with it: a re-ask that extends an
+    appraisal runs only what it adds, and answers as the same conversation run whole does."""
+    model, tokenizer = peaked_model
+    chat = rollout.ChatTokens(tokenizer, False)
+    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    a, b = chat.prompt("first conversation " * 5), chat.prompt("second one, longer " * 8)
+    (ta, _), (tb, _) = decoder.generate([a, b], 4, greedy=True, fresh=True)
+    decoder.generate([None, b + tb + [5, 6]], 3, greedy=True)  # a sits out
+    extended = a + ta + [7, 8, 9]
+    (again, logprobs), = decoder.generate([extended], 4, greedy=True, seat=True)
+    assert decoder.reused_tokens == len(a) + len(ta) - 1  # a's row: all but its unwritten last token
+    whole = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    (expected, expected_logprobs), = whole.generate([extended], 4, greedy=True, fresh=True)
+    assert again == expected
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=1e-5,
+                               rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Offline, one set of kernels: transformers' hub kernels never run
+# ----------------------------------------------------------------------------------------------
+def test_no_loader_turns_hub_kernels_on_or_sets_a_kernels_mode(tiny_model_dir, monkeypatch):
+    """transformers 5.25 turns hub kernels on for a from_pretrained model: kernelize at load and at
+    every train() / eval() fetches kernel code from the Hugging Face Hub (a ValueError offline) and
+    picks kernels by mode, so the sampler (eval) and the trainer (train) would compute apart. Every
+    loader here turns them off: through load_model and load_policy, and through train(), eval() and
+    a pass of each, nothing asks for kernelize or a kernels mode."""
+    import kernels
+    import transformers.modeling_utils as modeling
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"hub kernels used: {args[:1]} {kwargs}")
+    monkeypatch.setattr(modeling, "kernelize", refuse)
+    monkeypatch.setattr(kernels, "kernelize", refuse)
+    set_use = modeling.PreTrainedModel.set_use_kernels
+    monkeypatch.setattr(modeling.PreTrainedModel, "set_use_kernels",
+                        lambda self, use, *a, **k: refuse(use) if use else set_use(self, use, *a, **k))
+    base, tokenizer = load_model(tiny_model_dir)
+    policy, _ = load_policy(tiny_model_dir, device="cpu", lora_r=4, gradient_checkpointing=True)
+    ids = torch.tensor([tokenizer("hello there")["input_ids"]])
+    for model in (base, policy):
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for train in (True, False):
+            model.train(train)
+            model(input_ids=ids).logits.sum()
+            assert not inner.use_kernels and getattr(inner, "_kernels_mode", None) is None
+
+
+def test_bitsandbytes_fetches_no_kernel_at_import():
+    """bitsandbytes 0.50, at its import on a CPU with AVX512-BF16, asks the `kernels` package for a
+    4-bit kernel from the Hugging Face Hub; the loaders import it first with that import failing, so
+    the call never comes (on a CPU without AVX512-BF16 it never would: there this cannot fail)."""
+    code = ("import kernels, sys\n"
+            "calls = []\n"
+            "kernels.get_kernel = lambda *a, **k: calls.append(a)\n"
+            "import policy\n"
+            "policy.import_bitsandbytes()\n"
+            "import peft\n"
+            "assert 'bitsandbytes' in sys.modules and sys.modules['kernels'] is kernels\n"
+            "print('get_kernel calls', calls)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "get_kernel calls []" in done.stdout

@@ -295,10 +295,15 @@ def mood_note(emotion, lang="en", reaction=None):
 AGENT_ESCAPE = str.maketrans({"[": "(", "]": ")", "<": "\u2039", ">": "\u203a"})
 
 
+# The line breaks str.splitlines() knows (parse_change splits on them) that json.dumps leaves
+# unescaped without ensure_ascii: escaped too, so a quoted reply is one line, wherever it is read.
+LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
+
+
 def quoted(text):
-    """Agent text as one JSON string: quotes and newlines escaped, so nothing inside can end it
-    early."""
-    return json.dumps(text.translate(AGENT_ESCAPE), ensure_ascii=False)
+    """Agent text as one JSON string on one line: quotes and every line break escaped, so nothing
+    inside can end it early, and no line of it starts with a label (a change line)."""
+    return json.dumps(text.translate(AGENT_ESCAPE), ensure_ascii=False).translate(LINE_BREAKS)
 
 
 def appraisal_messages(state, reply, max_change=10):
@@ -376,6 +381,25 @@ CHANGE_VALUE = re.compile(r"([+-]?)\s*+(\d{1,6}+)[*_]*+\s*+(?:(?:points?|pts?|�
                           r"(?:\([^()]*+\)\s*+)?[.。!]?", re.I)
 
 
+def change_lines(text):
+    """The lines of a text as parse_change reads them (NFKC, the dashes, stripped, no blank ones),
+    and its change lines: (the indices of the lines each takes, the label's and the value's, which
+    is the next one where the label stands alone; what it says, label and value; its value, or
+    None where that does not read)."""
+    text = unicodedata.normalize("NFKC", text).translate(DASHES)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    found = []
+    for k, line in enumerate(lines):
+        label = CHANGE_LINE.match(line)
+        if label:
+            own = label.group(1).strip(" *_")
+            value = own or "".join(lines[k + 1:k + 2]).strip(" *_")
+            number = CHANGE_VALUE.fullmatch(value)
+            found.append(([k] if own else [k, k + 1], f"{line}\n{value}",
+                          int(number.group(1) + number.group(2)) if number else None))
+    return lines, found
+
+
 def parse_change(text):
     """The change an appraisal states, by the rule its prompt gives: the value on the change line
     ("Change: -4", "变化：+2"), or on the next line where the label stands alone ("Change:\\n+3").
@@ -383,19 +407,25 @@ def parse_change(text):
     38", "about +2", "N", a number of more than 6 digits) or two that differ is None: unread. The
     value is the one stated, whatever its size within those digits (the simulator re-asks one
     beyond +-max_change). A text of any length is read in time linear in it."""
-    text = unicodedata.normalize("NFKC", text).translate(DASHES)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    values = set()
-    for k, line in enumerate(lines):
-        label = CHANGE_LINE.match(line)
-        if label:
-            value = label.group(1).strip(" *_") or "".join(lines[k + 1:k + 2]).strip(" *_")
-            number = CHANGE_VALUE.fullmatch(value)
-            if not number:
-                return None
-            values.add(int(number.group(1) + number.group(2)))
+    values = {value for _, _, value in change_lines(text)[1]}  # None: a line that does not read
     if len(values) == 1:  # else None: unread
         return values.pop()
+
+
+def own_text(appraisal, agent_texts):
+    """The appraisal without the change lines the agent wrote: a change line that is one of the
+    agent's (in its texts as written, or as the appraisal prompt shows them, AGENT_ESCAPE), or
+    states a value one of them states, is the agent's text copied (a weak user echoes what it
+    read), never the user's judgment, and is left out with its value's line. What is left is read
+    by parse_change: a user's own line that differs counts, and one that agrees with the agent
+    cannot be told from a copy, so it is unread."""
+    theirs = [found for text in agent_texts for form in (text, text.translate(AGENT_ESCAPE))
+              for found in change_lines(form)[1]]
+    said = {line for _, line, _ in theirs}
+    stated = {value for _, _, value in theirs} - {None}
+    lines, found = change_lines(appraisal)
+    copied = {k for taken, line, value in found if line in said or value in stated for k in taken}
+    return "\n".join(line for k, line in enumerate(lines) if k not in copied)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -527,7 +557,11 @@ class Simulator:
         asked = [appraisal_messages(s, r, self.max_change) for s, r in zip(states, replies)]
         texts = self.backend.chat(asked, self.appraisal_tokens, [s.cache for s in states], 1.0)
         scale = range(-self.max_change, self.max_change + 1)  # None is not in it: unread
-        changes = [parse_change(t) for t in texts]
+        # a change line is read from the user's own text only, never from what the agent wrote:
+        # this reply and the earlier ones, which the prompt shows too
+        agent = [[m["text"] for m in s.history if m["role"] == "agent"] + [r]
+                 for s, r in zip(states, replies)]
+        changes = [parse_change(own_text(t, a)) for t, a in zip(texts, agent)]
         again = [k for k, c in enumerate(changes) if c not in scale]
         if again:  # the change line alone, by its label in the persona's language
             retry = []
@@ -540,7 +574,7 @@ class Simulator:
             answers = self.backend.chat(retry, self.retry_tokens, slots, 1.0)
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
-                changes[k] = parse_change(text)
+                changes[k] = parse_change(own_text(text, agent[k]))
         return [(c if c in scale else None, t) for c, t in zip(changes, texts)]
 
     def step(self, states, replies):

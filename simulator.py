@@ -696,12 +696,11 @@ class SimulatorSettings:
             fail("--api-key-env <redacted>: no environment variable of that name is set; give the "
                  "name of the variable that holds the key (exported), never the key itself")
         key = os.environ.get(args.api_key_env, "").strip()
-        # http.client would refuse such a header with an error that quotes it, key and all
-        if not key.isprintable():
-            fail(f"${args.api_key_env} holds a line break or another control character in the key")
-        # Every reply is scrubbed of the key (a proxy may echo it): a placeholder such as "1" or
-        # "x" would be scrubbed out of the appraisal itself ("Change: 1"). No real key is that
-        # short; without a key the client sends no Authorization header at all.
-        if 0 < len(key) < 8 and args.simulator.startswith("http"):
-            fail(f"${args.api_key_env} holds {len(key)} characters, too few for an API key; for a "
-                 f"server that needs no key, unset {args.api_key_env}")
+        # http.client sends a header in Latin-1, and would refuse a line break or another control
+        # character with an error that quotes it, key and all; a key of any length is sent (a
+        # placeholder such as vLLM's EMPTY included)
+        if not key.isprintable() or any(ord(c) > 0xFF for c in key):
+            fail(f"${args.api_key_env} holds a character an HTTP header cannot carry (a line "
+                 "break, a control character or one outside Latin-1): give the key as it was "
+                 "issued")
+

@@ -16,8 +16,9 @@ import rollout
 import simulator
 from client import OpenAIBackend
 from personas import load_personas
-from conftest import ROOT, completion, is_appraisal
-from test_bad_input import tiny
+from conftest import ROOT, completion, in_process, is_appraisal, openings
+from test_bad_input import assert_one_line, tiny
+from test_hostile import command
 
 PERSONA = load_personas(os.path.join(ROOT, "personas.json"))[0]
 
@@ -126,3 +127,71 @@ def test_a_policy_that_writes_change_lines_gains_nothing(user, says_plus_ten, se
     for r in records:
         assert r["turns"][1]["raw"] == "Change: +10"
         assert r["end_reason"] == "unread" and r["changes"] == [None] and r["final_emotion"] == 30
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. No key in any file a run writes; a placeholder is sent; a key no header can carry is one line
+# ----------------------------------------------------------------------------------------------
+def glued(key):
+    """A URL user that echoes the key glued to other characters, in its appraisals and its messages."""
+    def respond(n, body):
+        if is_appraisal(body["messages"]):
+            return completion(f"Inner reaction: x{key} and {key}_1 and {key}z.\nChange: +1")
+        return completion(f"I saw x{key}z there. And {key}_1 too.")
+    return respond
+
+
+@pytest.mark.parametrize("key", ["sk-abcdefghijklmnop1234", "token-abc123def456"],
+                         ids=["an OpenAI-style key", "vLLM's form"])
+def test_a_key_glued_to_other_characters_is_in_no_file_the_run_writes(key, serve, tiny_model_dir,
+                                                                     personas_file, tmp_path, monkeypatch,
+                                                                     capsys):
+    """Case 2: a user's echo of the key glued to word characters (`xsk-...`, `sk-..._1`, `sk-...z`), or
+    a key without the sk- prefix, was stored whole in rollouts.jsonl. Every file of the run folder, and
+    what the command printed, is searched."""
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    srv = serve(glued(key))
+    out = tmp_path / "run"
+    argv = tiny(tiny_model_dir, personas_file, out, "--simulator", srv.url, "--iterations", "1",
+                "--save-every", "1", "--api-retries", "0")
+    code, printed, err, _ = command(capsys, "ppo.py", *argv)
+    assert code == 0, err[-2000:]
+    assert {r["headers"]["Authorization"] for r in srv.requests} == {f"Bearer {key}"}
+    written = {path.relative_to(out): path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    assert {"rollouts.jsonl", "metrics.jsonl", "config.json"} <= {str(p) for p in written}
+    assert [str(path) for path, data in written.items() if key.encode() in data] == []
+    assert key not in printed + err
+    rollouts = (out / "rollouts.jsonl").read_text()
+    assert "x<redacted> and <redacted>_1 and <redacted>z" in rollouts and "x<redacted>z" in rollouts
+
+
+@pytest.mark.parametrize("key", ["EMPTY", "x"])
+def test_a_placeholder_key_is_sent_and_never_scrubbed_from_the_text(key, serve, tmp_path, monkeypatch,
+                                                                    capsys):
+    """Case 2: OPENAI_API_KEY=EMPTY, what vLLM's docs tell users to set for a local server, was refused
+    ("5 characters, too few for an API key"). A value shorter than 8 characters is a placeholder: sent,
+    and no text of a reply changes for it."""
+    import evaluate
+
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    said = "Long week. EMPTY plans, x marks it."
+    srv = serve(lambda n, body: completion(said))
+    out = tmp_path / "out.jsonl"
+    code, _, err = in_process(evaluate.main, [*openings(out, srv.url)[1:], "--api-retries", "0"], capsys)
+    assert code == 0, err[-2000:]
+    assert {r["headers"]["Authorization"] for r in srv.requests} == {f"Bearer {key}"}
+    assert all(json.loads(line)["first_talk"] == said for line in out.read_text().splitlines())
+
+
+def test_a_key_no_http_header_can_carry_is_one_line_before_any_model_loads(serve, tiny_model_dir,
+                                                                           personas_file, tmp_path,
+                                                                           monkeypatch, capsys):
+    """Case 2: a key outside Latin-1 passed the checks, the model loaded, then http.client raised
+    UnicodeEncodeError (a traceback). One line now, naming the variable, never the key; no request."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-ключ0123456789abcdef")
+    srv = serve(lambda n, body: completion("Change: +1"))
+    out = tmp_path / "run"
+    argv = tiny(tiny_model_dir, personas_file, out, "--simulator", srv.url, "--iterations", "1")
+    code, _, err, _ = command(capsys, "ppo.py", *argv)
+    assert_one_line(code, err, "$OPENAI_API_KEY", "Latin-1")
+    assert "ключ" not in err and not srv.requests and not out.exists()

@@ -549,20 +549,32 @@ def checkpoints(run_dir):
     """The run's checkpoints, oldest first: the folders of RUN/checkpoints named iter_NNNNNN (six
     digits: sorted as names, they are sorted by iteration). save() writes each one into
     iter_NNNNNN.tmp and renames it into place, so the name is the mark of a complete one, whatever
-    a kill interrupted; no list beside them can disagree with the folders."""
+    a kill interrupted; no list beside them can disagree with the folders. A checkpoint is what
+    save() writes, a real folder in a real folder: a `checkpoints` that is a link or a file, or
+    anything else named as a checkpoint (a link, a file), is one line naming it (exit 2), so that
+    it is never taken for one, nor in the way of a save's rename."""
     folder = f"{run_dir}/checkpoints"
+    if os.path.islink(folder) or os.path.lexists(folder) and not os.path.isdir(folder):
+        fail(f"{folder} is a link or a file, not the folder of the run's checkpoints: "
+             f"move it out of {run_dir}")
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    return [f"{folder}/{n}" for n in names
-            if re.fullmatch(r"iter_\d{6}", n) and os.path.isdir(f"{folder}/{n}")]
+    found = [f"{folder}/{n}" for n in names if re.fullmatch(r"iter_[0-9]{6}", n)]
+    for path in found:
+        if os.path.islink(path) or not os.path.isdir(path):
+            fail(f"{path} is a link or a file, named as a checkpoint but not one: "
+                 f"move it out of {folder}")
+    return found
 
 
-def state_problem(state, parts):
+def state_problem(state, parts, iteration):
     """What keeps a checkpoint's state.pt from being what save() writes, or None: a dict with each
     part's state dict, a list with each process's random streams (a dict of their python, numpy
-    and torch states) and the size of each log (an int). Its 'iteration' is not read: the folder's
-    name is the checkpoint's iteration."""
+    and torch states), the size of each log (an int) and its 'iteration', the one its folder is
+    named with (a copy under another name is another iteration's)."""
     if not isinstance(state, dict):
         return f"holds a value of type {type(state).__name__}, not a dict"
+    if state.get("iteration") != iteration:
+        return f"is the state of iteration {state.get('iteration')!r}, not {iteration}"
     layout = {**dict.fromkeys(parts, dict), "rng": list, "log_sizes": dict}
     for key, kind in layout.items():
         if not isinstance(state.get(key), kind):
@@ -631,6 +643,13 @@ class Run:
             if getattr(args, name) % self.world:
                 fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the "
                      f"{self.world} processes")
+        # before any model loads: what is under checkpoints/ is checkpoints (a run never gets past
+        # its --iterations, so a later one is not this run's)
+        for folder in checkpoints(args.out) if args.resume else []:
+            if int(folder[-6:]) > args.iterations:
+                fail(f"{folder} is past this run's --iterations {args.iterations}: give "
+                     f"--iterations {int(folder[-6:])} or more, or move it out of "
+                     f"{args.out}/checkpoints")
         if self.is_main:
             if args.resume:
                 lock(args.out, "--resume")
@@ -702,8 +721,9 @@ class Run:
         found = checkpoints(self.args.out)
         for folder in reversed(found):
             try:
+                start = int(folder[-6:])  # iter_NNNNNN: the next save is never this folder
                 state = torch.load(f"{folder}/state.pt", map_location="cpu", weights_only=False)
-                problem = state_problem(state, self.parts)
+                problem = state_problem(state, self.parts, start)
                 if problem:
                     raise ValueError(f"{folder}/state.pt: {problem}")
                 weights = {name: load_file(f"{folder}/{name}/adapter_model.safetensors")
@@ -715,7 +735,6 @@ class Run:
                     set_peft_model_state_dict(self.model, adapter, adapter_name=name)
                 # as many processes as before: each one's stream continues; else each is seeded
                 # apart
-                start = int(folder[-6:])  # iter_NNNNNN: the next save is never this folder
                 if len(state["rng"]) == self.world:
                     set_rng_state(state["rng"][self.rank])
                 else:

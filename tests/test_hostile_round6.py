@@ -8,6 +8,7 @@ do for round 5."""
 import copy
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -16,9 +17,9 @@ import rollout
 import simulator
 from client import OpenAIBackend
 from personas import load_personas
-from conftest import ROOT, completion, in_process, is_appraisal, openings
+from conftest import ROOT, completion, in_process, is_appraisal, openings, read_metrics
 from test_bad_input import assert_one_line, tiny
-from test_hostile import command
+from test_hostile import command, copy_run, produce, snapshot
 
 PERSONA = load_personas(os.path.join(ROOT, "personas.json"))[0]
 
@@ -195,3 +196,66 @@ def test_a_key_no_http_header_can_carry_is_one_line_before_any_model_loads(serve
     code, _, err, _ = command(capsys, "ppo.py", *argv)
     assert_one_line(code, err, "$OPENAI_API_KEY", "Latin-1")
     assert "ключ" not in err and not srv.requests and not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. A checkpoint name means one thing: what save wrote
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_saved(tiny_model_dir, personas_file, tmp_path_factory):
+    """A PPO run of 2 iterations with a checkpoint after each (not itself a case)."""
+    out = tmp_path_factory.mktemp("r6") / "run"
+    produce("ppo.py", *tiny(tiny_model_dir, personas_file, out, "--iterations", "2", "--save-every", "1"))
+    return out
+
+
+def in_the_way(run, case):
+    """Put the case's entry under run/checkpoints; returns the path it names."""
+    checkpoints = run / "checkpoints"
+    if case == "a copy named iteration 999999":
+        shutil.copytree(checkpoints / "iter_000002", checkpoints / "iter_999999")
+        return checkpoints / "iter_999999"
+    if case == "a link to another run's checkpoint":
+        other = copy_run(run, run.parent, "other")
+        shutil.rmtree(checkpoints / "iter_000002")
+        (checkpoints / "iter_000002").symlink_to(other / "checkpoints" / "iter_000002")
+        return checkpoints / "iter_000002"
+    if case == "a link to itself":
+        (checkpoints / "iter_000003").symlink_to(checkpoints / "iter_000003")
+        return checkpoints / "iter_000003"
+    if case == "a file named iteration 3":
+        (checkpoints / "iter_000003").write_text("not a checkpoint")
+        return checkpoints / "iter_000003"
+    shutil.rmtree(checkpoints)  # a file where the folder was
+    checkpoints.write_text("not a folder")
+    return checkpoints
+
+
+@pytest.mark.parametrize("case", ["a copy named iteration 999999", "a link to another run's checkpoint",
+                                  "a link to itself", "a file named iteration 3", "checkpoints a file"])
+def test_what_save_never_wrote_under_a_checkpoints_name_is_one_line_and_nothing_changes(
+        case, two_saved, tmp_path, capsys):
+    """Case 3: iter_999999 (a copy of iter_000002) was taken as iteration 999,999, "done" with 2 of 3
+    iterations run; a link named iter_000002 was loaded as this run's and its log sizes cut this run's
+    logs; a link to itself or a file named iter_000003 blocked the save's rename (exit 1, and the advised
+    command again, forever); `checkpoints` a file cut both logs to 0 bytes. Each is one line naming it,
+    before any model loads, and the run folder is left as it was."""
+    run = copy_run(two_saved, tmp_path)
+    named = in_the_way(run, case)
+    before = snapshot(run)
+    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "3")
+    assert_one_line(code, err, str(named))
+    assert snapshot(run) == before
+
+
+def test_a_checkpoint_copied_under_another_iterations_name_is_moved_aside(two_saved, tmp_path, capsys):
+    """Case 3: a real folder iter_000003 holding iteration 2's state was taken as iteration 3 ("done", 2
+    of 3 iterations run). Its state names its iteration: it does not load, is moved aside, and iteration
+    3 runs from iter_000002."""
+    run = copy_run(two_saved, tmp_path)
+    shutil.copytree(run / "checkpoints" / "iter_000002", run / "checkpoints" / "iter_000003")
+    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "3")
+    assert code == 0, err[-2000:]
+    assert "is the state of iteration 2, not 3" in err and f"from {run}/checkpoints/iter_000002" in err
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
+    assert (run / "checkpoints" / "iter_000003.broken").is_dir()

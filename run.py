@@ -246,8 +246,9 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     class's check(args) for settings that only work together. Flags are spelled with -, as --help
     shows them; booleans read `--x` or `--x true|false`. defaults: the script's own;
     presets: {name: defaults} picked with --preset; a flag given on the command line wins. With
-    --resume DIR the run's saved settings come back (resume_settings). Bad input ends the program
-    with one line, exit code 2."""
+    --resume DIR the run's saved settings come back (resume_settings), and a class's
+    inherit(args, fields) takes settings from the files it names (evaluate.py: its adapters' runs),
+    both before every check. Bad input ends the program with one line, exit code 2."""
     if argv is None:
         argv = sys.argv[1:]
     TAKEN.clear()  # a new command's settings
@@ -277,27 +278,33 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     args.given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     if getattr(args, "resume", ""):
         resume_settings(args, fields, prog)
+    for cls in classes:  # settings a class takes from files it names (evaluate.py: its adapters'
+        if hasattr(cls, "inherit"):  # runs), each checked there as its flag is
+            cls.inherit(args, fields)
     for f in fields:
-        check = f.metadata["check"]
         value = getattr(args, f.name)
-        default = parser.get_default(f.name)
-        # a value from config.json is checked as a flag is, its type first (a bool is no int)
-        kinds = (int, float) if type(default) is float else (type(default),)
-        if type(value) in kinds:
-            problem = check and check(value)
-        else:
-            problem = f"must be {type(default).__name__}"
-        if problem:
-            shown = repr(redact(value))
-            if getattr(check, "secret", False):
-                shown = REDACTED
-            fail(f"--{f.name.replace('_', '-')} {shown}: {problem}")
+        check_setting(f, value)
         if f.metadata["path"] and os.path.exists(value):
             setattr(args, f.name, os.path.abspath(value))
     for cls in classes:
         if hasattr(cls, "check"):
             cls.check(args)
     return args
+
+
+def check_setting(f, value, where=None):
+    """One line (exit 2) unless value is one the setting f allows: of its default's type (a value
+    from a file is checked as a flag is, its type first; a bool is no int), then its check. where:
+    the file and field the value came from, named first."""
+    declared = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    kinds = (int, float) if type(declared) is float else (type(declared),)
+    check = f.metadata["check"]
+    problem = f"must be {type(declared).__name__}"
+    if type(value) in kinds:
+        problem = check and check(value)
+    if problem:
+        shown = REDACTED if getattr(check, "secret", False) else repr(redact(value))
+        fail(f"{where + ': ' if where else ''}--{f.name.replace('_', '-')} {shown}: {problem}")
 
 
 def read_run(folder):

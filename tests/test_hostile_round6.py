@@ -259,3 +259,27 @@ def test_a_checkpoint_copied_under_another_iterations_name_is_moved_aside(two_sa
     assert "is the state of iteration 2, not 3" in err and f"from {run}/checkpoints/iter_000002" in err
     assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
     assert (run / "checkpoints" / "iter_000003.broken").is_dir()
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. evaluate.py checks a run's saved settings as the command line's
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value, words", [
+    ("max_new_tokens", "32", ["'32'", "must be int"]), ("max_new_tokens", None, ["None", "must be int"]),
+    ("max_new_tokens", [32], ["[32]", "must be int"]), ("model", ["smollm2"], ["must be str"]),
+    ("model", None, ["None", "must be str"]), ("simulator", 5, ["5", "must be str"]),
+    ("max_context", "1024", ["'1024'", "must be int"]), ("api_key_env", 5, ["must be str"]),
+    ("api_model", 5, ["5", "must be str"]), ("thinking", "no", ["'no'", "must be bool"])])
+def test_evaluate_checks_a_runs_saved_settings_as_flags(field, value, words, two_saved, personas_file,
+                                                        tmp_path, capsys):
+    """Case 4: evaluate.py took these values of an adapter's run unchecked: ten tracebacks (a model of
+    None went to the hub), and thinking "no", a true string, evaluated an adapter trained without
+    thinking with it. One line naming RUN/config.json and the field, before any model loads."""
+    run = copy_run(two_saved, tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, field: value}))
+    out = tmp_path / "eval"
+    code, _, err, _ = command(capsys, "evaluate.py", "--adapter", str(run), "--personas", personas_file,
+                              "--dialogues", "1", "--max-turns", "1", "--out", str(out))
+    assert_one_line(code, err, f"{run}/config.json: field '{field}'", f"--{field.replace('_', '-')}", *words)
+    assert not out.exists()

@@ -159,11 +159,14 @@ def cache_target(cache):
 
 
 def half_converted(cache):
-    """A cache holding a model's config without its weights or tokenizer, as older code or a crash
-    could leave it (and a stray file, to see that the folder is replaced, not filled in)."""
+    """A cache holding a model's config and tokenizer and an empty model.safetensors, as older code, a
+    crash or a full disk could leave it (and a stray file, to see that the folder is replaced, not
+    filled in). Each of the three files is there: only what they hold shows it is no model (issue 55)."""
     target = cache_target(cache)
     target.mkdir(parents=True)
-    shutil.copy(os.path.join(resolve_model("smollm2"), "config.json"), target)
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(os.path.join(resolve_model("smollm2"), name), target)
+    (target / "model.safetensors").write_bytes(b"")
     (target / "stray.txt").write_text("left by a crash")
     return target
 

@@ -17,9 +17,11 @@ import rollout
 import simulator
 from client import OpenAIBackend
 from personas import load_personas
+from policy import resolve_model
 from conftest import ROOT, completion, in_process, is_appraisal, openings, read_metrics
 from test_bad_input import assert_one_line, tiny
-from test_hostile import command, copy_run, produce, snapshot
+from test_hostile import command, copy_run, faulty, produce, snapshot
+from test_hostile_round5_text import cache_target, environ
 
 PERSONA = load_personas(os.path.join(ROOT, "personas.json"))[0]
 
@@ -283,3 +285,63 @@ def test_evaluate_checks_a_runs_saved_settings_as_flags(field, value, words, two
                               "--dialogues", "1", "--max-turns", "1", "--out", str(out))
     assert_one_line(code, err, f"{run}/config.json: field '{field}'", f"--{field.replace('_', '-')}", *words)
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. The model cache is whole or absent
+# ----------------------------------------------------------------------------------------------
+# the embedded model, the rules user, one iteration of two one-turn dialogues (round 5's B)
+EMBEDDED_RUN = ["--preset", "cpu", "--iterations", "1", "--dialogues-per-iteration", "2",
+                "--minibatch-size", "2", "--max-turns", "1"]
+
+
+def broken(cache, case):
+    """A cached folder with the files a model loads from, one of them not what it must be."""
+    target = cache_target(cache)
+    shutil.copytree(resolve_model("smollm2"), target, ignore=shutil.ignore_patterns("model.safetensors"))
+    (target / "model.safetensors").symlink_to(os.path.join(resolve_model("smollm2"), "model.safetensors"))
+    if case == "an empty model.safetensors":
+        (target / "model.safetensors").unlink()
+        (target / "model.safetensors").write_bytes(b"")
+    else:
+        (target / "config.json").write_text("{")
+    return target
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("case", ["an empty model.safetensors", "a config.json of {"])
+def test_a_cached_folder_that_does_not_verify_is_converted_again(case, tmp_path, monkeypatch, capsys):
+    """Case 5: a cached folder holding each file, one of them empty or cut, was taken and ended in a
+    traceback. It is converted again (here into a cache with 1 MiB free, so the conversion stops at once
+    with the space it needs: one line naming RLVER_CACHE, and nothing of it left)."""
+    target = broken(tmp_path / "cache", case)
+    environ(monkeypatch, "RLVER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**40, 2**40 - 2**20,
+                                                                                   2**20))
+    code, _, err, seconds = command(capsys, "ppo.py", *EMBEDDED_RUN, "--out", str(tmp_path / "run"))
+    assert_one_line(code, err, str(target), "MiB", "1 MiB are free", "RLVER_CACHE")
+    assert os.listdir(tmp_path / "cache") == [target.name] and seconds < 20  # no temporary folder left
+
+
+@pytest.mark.smollm2
+def test_a_cached_folder_that_does_not_verify_in_a_read_only_cache_is_one_line(tmp_path, monkeypatch):
+    """Case 5: where the cache cannot be written, a folder that does not verify is one line, not a
+    traceback (tests/faults.py: root writes through chmod)."""
+    cache = tmp_path / "cache"
+    broken(cache, "a config.json of {")
+    environ(monkeypatch, "RLVER_CACHE", str(cache))
+    code, _, err, _ = faulty("--read-only", cache, "--", "ppo.py", *EMBEDDED_RUN, "--out", tmp_path / "run")
+    assert_one_line(code, err, str(cache), "Read-only file system", "set RLVER_CACHE")
+
+
+@pytest.mark.smollm2
+def test_a_full_file_system_is_one_line_naming_rlver_cache_and_the_space_needed(tmp_path, monkeypatch):
+    """Case 5: on a full file system the conversion ended in a SafetensorError traceback after 30 s. The
+    space it takes is read off the GGUF file's header first (tests/faults.py: a cache with 1 MB free)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    environ(monkeypatch, "RLVER_CACHE", str(cache))
+    code, _, err, seconds = faulty("--disk-full", cache, "--free", "1000000", "--", "ppo.py", *EMBEDDED_RUN,
+                                   "--out", tmp_path / "run")
+    assert_one_line(code, err, str(cache_target(cache)), "takes about 539 MiB", "RLVER_CACHE")
+    assert seconds < 25 and os.listdir(cache) == [cache_target(cache).name]

@@ -283,11 +283,12 @@ def test_an_adapter_of_a_run_is_judged_by_the_runs_own_user(two_checkpoints, tmp
 # 8. bench.py gpu --check writes only its own files
 # ----------------------------------------------------------------------------------------------
 def test_the_gpu_check_never_replaces_a_file_that_is_not_its_own(two_checkpoints, tmp_path, capsys):
+    # --out is a new folder, or an empty one (issue 55): a run's file is inside a run folder
     run = copy_run(two_checkpoints, tmp_path)
     before = (run / "config.json").read_bytes()
     code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
                               "--out", str(run / "config.json"))
-    assert_one_line(code, err, "config.json", "not a results file")
+    assert_one_line(code, err, "config.json", "inside the run folder")
     assert (run / "config.json").read_bytes() == before
     folder = tmp_path / "results"
     folder.mkdir()

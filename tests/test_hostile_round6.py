@@ -345,3 +345,40 @@ def test_a_full_file_system_is_one_line_naming_rlver_cache_and_the_space_needed(
                                    "--out", tmp_path / "run")
     assert_one_line(code, err, str(cache_target(cache)), "takes about 539 MiB", "RLVER_CACHE")
     assert seconds < 25 and os.listdir(cache) == [cache_target(cache).name]
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Every --out of bench.py's check is a new folder
+# ----------------------------------------------------------------------------------------------
+def out_in_use(case, two_saved, tmp_path):
+    """The --out of the case and the folder whose files must stay as they are."""
+    if case == "a run's rollouts.jsonl":
+        run = copy_run(two_saved, tmp_path)
+        with open(run / "rollouts.jsonl", "a") as f:  # a dialogue that says "steps", as the old check read
+            f.write(json.dumps({"iteration": 3, "turns": [{"role": "agent", "text": "steps"}]}) + "\n")
+        return run / "rollouts.jsonl", run
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "check.json").write_text(json.dumps({"steps": [], "note": "a GPU's results"}))
+    if case == "an earlier check's results":
+        return tmp_path / "earlier" / "check.json", tmp_path / "earlier"
+    return tmp_path / "earlier", tmp_path / "earlier"
+
+
+@pytest.mark.parametrize("case", ["a run's rollouts.jsonl", "an earlier check's results",
+                                  "a folder holding anything"])
+def test_the_gpu_checks_out_is_a_new_folder_and_nothing_is_replaced(case, two_saved, tmp_path, capsys,
+                                                                    monkeypatch):
+    """Case 6: `bench.py gpu --check --out RUN/rollouts.jsonl` replaced a run's dialogues with the check's
+    results (a results file was replaced, and the file held "steps"). --out is a new folder, created
+    exclusively, as a run folder is: an existing path is one line, before any step, and stays as it was."""
+    import bench
+
+    def ran(*args, **kwargs):
+        raise AssertionError("a step ran")
+    monkeypatch.setattr(bench, "run_command", ran)
+    out, folder = out_in_use(case, two_saved, tmp_path)
+    before = snapshot(folder)
+    code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
+                              "--out", str(out))
+    assert_one_line(code, err, f"--out {out}")
+    assert snapshot(folder) == before

@@ -382,3 +382,17 @@ def test_the_gpu_checks_out_is_a_new_folder_and_nothing_is_replaced(case, two_sa
                               "--out", str(out))
     assert_one_line(code, err, f"--out {out}")
     assert snapshot(folder) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. A persona file's error says what is wrong with it
+# ----------------------------------------------------------------------------------------------
+def test_a_persona_file_that_is_a_json_object_is_named_so(persona_entry, tmp_path, capsys):
+    """Case 7: a valid JSON object ({"personas": [...]}) was reported as "not valid JSON". One line saying
+    what it holds and what a persona file is, before any model loads."""
+    path = tmp_path / "personas.json"
+    path.write_text(json.dumps({"personas": [persona_entry()]}, indent=1))
+    code, _, err, _ = command(capsys, "ppo.py", "--preset", "cpu", "--personas", str(path),
+                              "--out", str(tmp_path / "run"))
+    assert_one_line(code, err, f"{path}: holds a JSON object", "a JSON list of personas")
+    assert "not valid JSON" not in err and not (tmp_path / "run").exists()

@@ -557,19 +557,15 @@ def checkpoints(run_dir):
     digits: sorted as names, they are sorted by iteration). save() writes each one into
     iter_NNNNNN.tmp and renames it into place, so the name is the mark of a complete one, whatever
     a kill interrupted; no list beside them can disagree with the folders. A checkpoint is what
-    save() writes, a real folder in a real folder: a `checkpoints` that is a link or a file, or
-    anything else named as a checkpoint (a link, a file), is one line naming it (exit 2), so that
-    it is never taken for one, nor in the way of a save's rename."""
+    save() writes, a real folder in a real folder: a link or a file in the place of either (a link
+    to another run's checkpoint, or to itself) is one line naming it (exit 2), so that it is never
+    taken for one, nor in the way of a save's rename."""
     folder = f"{run_dir}/checkpoints"
-    if os.path.islink(folder) or os.path.lexists(folder) and not os.path.isdir(folder):
-        fail(f"{folder} is a link or a file, not the folder of the run's checkpoints: "
-             f"move it out of {run_dir}")
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     found = [f"{folder}/{n}" for n in names if re.fullmatch(r"iter_[0-9]{6}", n)]
-    for path in found:
+    for path in [folder] * os.path.lexists(folder) + found:  # the folder, if any, first
         if os.path.islink(path) or not os.path.isdir(path):
-            fail(f"{path} is a link or a file, named as a checkpoint but not one: "
-                 f"move it out of {folder}")
+            fail(f"{path} is a link or a file where a run saves a folder: move it out of {run_dir}")
     return found
 
 

@@ -10,7 +10,8 @@ holds the user's side of the table, for personas that personas.py has read:
   prompts       PROMPTS: one template per language for the appraisal, the re-ask and the
                 user's messages
   the read-out  parse_change() reads the change line the appraisal prompt asks for ("Change:
-                N"), re-asked once when unread or off the scale; an appraisal that stays so
+                N") in the user's own text (own_text: no change line the agent wrote counts),
+                re-asked once when unread or off the scale; an appraisal that stays so
                 ends its dialogue ("unread"), which the trainers keep out of training. The rules
                 user appraises by its rules (rules_appraisal, RulesBackend)
 

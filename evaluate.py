@@ -29,10 +29,10 @@ from personas import PersonaError, load_personas
 from policy import PolicySettings, check_model, default_device, load_policy
 from rollout import (TOKEN_ARRAYS, SamplingSettings, build_simulator, check_openings_fit,
                      make_backend, play_dialogues, sampling_settings)
-from run import (TAKEN, append_lines, at_least, check_setting, checkpoints, command,
-                 exit_on_signals, fail, finite, new_folder, parse_json, parse_settings,
-                 public_config, read_json_lines, read_run, read_text, release, setting, within,
-                 write_atomically, write_failure)
+from run import (TAKEN, append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
+                 new_folder, parse_json, parse_settings, public_config, read_json_lines, read_run,
+                 read_text, release, setting, settings_of_runs, within, write_atomically,
+                 write_failure)
 from simulator import (PROMPTS, RulesBackend, SimulatorError, SimulatorSettings, UserState,
                        apply_change, clean_user_text, user_turn_messages)
 
@@ -67,9 +67,8 @@ class EvalSettings:
         """Before every check (run.parse_settings): --adapter as policy adapter folders (a run
         folder: its newest checkpoint's policy; PPO's critic refused), each evaluated as it was
         trained: the model, thinking, reply and context sizes and the user come from its run's
-        config.json unless given here (docs/evaluate.md). Each such value of every run is checked
-        as its flag is, in one line naming the file and the field. Runs that disagree: one line;
-        fewer tokens a reply than in training: a warning."""
+        config.json unless given here (run.settings_of_runs, docs/evaluate.md). Fewer tokens a
+        reply than in training: a warning."""
         runs = []  # (config.json's path, its settings)
         for i, path in enumerate(args.adapter):
             path = os.path.normpath((checkpoints(path) or [path])[-1])
@@ -88,21 +87,8 @@ class EvalSettings:
             if path.split(os.sep)[-3:-2] == ["checkpoints"] and (run := read_run(folder)):
                 runs.append((f"{folder}/config.json", run))
         # what an adapter from a run is evaluated with, unless given here
-        fields = {f.name: f for f in fields}
         taken = "model thinking max_new_tokens max_context simulator api_model api_key_env"
-        for name in taken.split():
-            had = [(f"{where}: field '{name}'", run[name]) for where, run in runs if name in run]
-            for where, value in had:
-                check_setting(fields[name], value, where)
-            values = {value for _, value in had}
-            if values and name not in args.given:
-                if len(values) > 1:
-                    fail("--adapter: the runs were trained with different "
-                         f"--{name.replace('_', '-')} ({sorted(values)}): "
-                         "give it to evaluate them alike")
-                setattr(args, name, values.pop())
-                # a later line about the flag (a check of settings together) names the file
-                TAKEN[f"--{name.replace('_', '-')}"] = had[0][0]
+        settings_of_runs(args, fields, runs, taken.split())
         trained = max([run["max_new_tokens"] for _, run in runs if "max_new_tokens" in run],
                       default=0)
         if args.max_new_tokens < trained:

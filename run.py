@@ -246,8 +246,9 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     class's check(args) for settings that only work together. Flags are spelled with -, as --help
     shows them; booleans read `--x` or `--x true|false`. defaults: the script's own;
     presets: {name: defaults} picked with --preset; a flag given on the command line wins. With
-    --resume DIR the run's saved settings come back (resume_settings). Bad input ends the program
-    with one line, exit code 2."""
+    --resume DIR the run's saved settings come back (resume_settings), and a class's
+    inherit(args, fields) takes settings from the files it names (evaluate.py: its adapters' runs),
+    both before every check. Bad input ends the program with one line, exit code 2."""
     if argv is None:
         argv = sys.argv[1:]
     TAKEN.clear()  # a new command's settings
@@ -277,27 +278,53 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     args.given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     if getattr(args, "resume", ""):
         resume_settings(args, fields, prog)
+    for cls in classes:  # settings a class takes from files it names (evaluate.py: its adapters'
+        if hasattr(cls, "inherit"):  # runs), each checked there as its flag is
+            cls.inherit(args, fields)
     for f in fields:
-        check = f.metadata["check"]
         value = getattr(args, f.name)
-        default = parser.get_default(f.name)
-        # a value from config.json is checked as a flag is, its type first (a bool is no int)
-        kinds = (int, float) if type(default) is float else (type(default),)
-        if type(value) in kinds:
-            problem = check and check(value)
-        else:
-            problem = f"must be {type(default).__name__}"
-        if problem:
-            shown = repr(redact(value))
-            if getattr(check, "secret", False):
-                shown = REDACTED
-            fail(f"--{f.name.replace('_', '-')} {shown}: {problem}")
+        check_setting(f, value)
         if f.metadata["path"] and os.path.exists(value):
             setattr(args, f.name, os.path.abspath(value))
     for cls in classes:
         if hasattr(cls, "check"):
             cls.check(args)
     return args
+
+
+def check_setting(f, value, where=None):
+    """One line (exit 2) unless value is one the setting f allows: of its default's type (a value
+    from a file is checked as a flag is, its type first; a bool is no int), then its check. where:
+    the file and field the value came from, named first."""
+    declared = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    kinds = (int, float) if type(declared) is float else (type(declared),)
+    check = f.metadata["check"]
+    problem = f"must be {type(declared).__name__}"
+    if type(value) in kinds:
+        problem = check and check(value)
+    if problem:
+        shown = REDACTED if getattr(check, "secret", False) else repr(redact(value))
+        fail(f"{where + ': ' if where else ''}--{f.name.replace('_', '-')} {shown}: {problem}")
+
+
+def settings_of_runs(args, fields, runs, names):
+    """The settings `names` of other runs (runs: [(a config.json's path, its settings)]) where the
+    command line did not give them: each value of every run checked as its flag is (check_setting,
+    one line naming the file and the field), then taken, when the runs agree (else one line), and
+    TAKEN, so that a later line about it names the file too."""
+    fields = {f.name: f for f in fields}
+    for name in names:
+        flag = f"--{name.replace('_', '-')}"
+        had = [(f"{where}: field '{name}'", run[name]) for where, run in runs if name in run]
+        for where, value in had:
+            check_setting(fields[name], value, where)
+        values = {value for _, value in had}
+        if values and name not in args.given:
+            if len(values) > 1:
+                fail(f"the runs were trained with different {flag} ({sorted(values)}): "
+                     f"give {flag} to use them alike")
+            setattr(args, name, values.pop())
+            TAKEN[flag] = had[0][0]
 
 
 def read_run(folder):
@@ -549,20 +576,28 @@ def checkpoints(run_dir):
     """The run's checkpoints, oldest first: the folders of RUN/checkpoints named iter_NNNNNN (six
     digits: sorted as names, they are sorted by iteration). save() writes each one into
     iter_NNNNNN.tmp and renames it into place, so the name is the mark of a complete one, whatever
-    a kill interrupted; no list beside them can disagree with the folders."""
+    a kill interrupted; no list beside them can disagree with the folders. A checkpoint is what
+    save() writes, a real folder in a real folder: a link or a file in the place of either (a link
+    to another run's checkpoint, or to itself) is one line naming it (exit 2), so that it is never
+    taken for one, nor in the way of a save's rename."""
     folder = f"{run_dir}/checkpoints"
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    return [f"{folder}/{n}" for n in names
-            if re.fullmatch(r"iter_\d{6}", n) and os.path.isdir(f"{folder}/{n}")]
+    found = [f"{folder}/{n}" for n in names if re.fullmatch(r"iter_[0-9]{6}", n)]
+    for path in [folder] * os.path.lexists(folder) + found:  # the folder, if any, first
+        if os.path.islink(path) or not os.path.isdir(path):
+            fail(f"{path} is a link or a file where a run saves a folder: move it out of {run_dir}")
+    return found
 
 
-def state_problem(state, parts):
+def state_problem(state, parts, iteration):
     """What keeps a checkpoint's state.pt from being what save() writes, or None: a dict with each
     part's state dict, a list with each process's random streams (a dict of their python, numpy
-    and torch states) and the size of each log (an int). Its 'iteration' is not read: the folder's
-    name is the checkpoint's iteration."""
+    and torch states), the size of each log (an int) and its 'iteration', the one its folder is
+    named with (a copy under another name is another iteration's)."""
     if not isinstance(state, dict):
         return f"holds a value of type {type(state).__name__}, not a dict"
+    if state.get("iteration") != iteration:
+        return f"is the state of iteration {state.get('iteration')!r}, not {iteration}"
     layout = {**dict.fromkeys(parts, dict), "rng": list, "log_sizes": dict}
     for key, kind in layout.items():
         if not isinstance(state.get(key), kind):
@@ -631,6 +666,13 @@ class Run:
             if getattr(args, name) % self.world:
                 fail(f"--{name.replace('_', '-')} {getattr(args, name)} must divide by the "
                      f"{self.world} processes")
+        # before any model loads: what is under checkpoints/ is checkpoints (a run never gets past
+        # its --iterations, so a later one is not this run's)
+        for folder in checkpoints(args.out) if args.resume else []:
+            if int(folder[-6:]) > args.iterations:
+                fail(f"{folder} is past this run's --iterations {args.iterations}: give "
+                     f"--iterations {int(folder[-6:])} or more, or move it out of "
+                     f"{args.out}/checkpoints")
         if self.is_main:
             if args.resume:
                 lock(args.out, "--resume")
@@ -702,8 +744,9 @@ class Run:
         found = checkpoints(self.args.out)
         for folder in reversed(found):
             try:
+                start = int(folder[-6:])  # iter_NNNNNN: the next save is never this folder
                 state = torch.load(f"{folder}/state.pt", map_location="cpu", weights_only=False)
-                problem = state_problem(state, self.parts)
+                problem = state_problem(state, self.parts, start)
                 if problem:
                     raise ValueError(f"{folder}/state.pt: {problem}")
                 weights = {name: load_file(f"{folder}/{name}/adapter_model.safetensors")
@@ -715,7 +758,6 @@ class Run:
                     set_peft_model_state_dict(self.model, adapter, adapter_name=name)
                 # as many processes as before: each one's stream continues; else each is seeded
                 # apart
-                start = int(folder[-6:])  # iter_NNNNNN: the next save is never this folder
                 if len(state["rng"]) == self.world:
                     set_rng_state(state["rng"][self.rank])
                 else:

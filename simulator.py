@@ -10,7 +10,8 @@ holds the user's side of the table, for personas that personas.py has read:
   prompts       PROMPTS: one template per language for the appraisal, the re-ask and the
                 user's messages
   the read-out  parse_change() reads the change line the appraisal prompt asks for ("Change:
-                N"), re-asked once when unread or off the scale; an appraisal that stays so
+                N") in the user's own text (own_text: no change line the agent wrote counts),
+                re-asked once when unread or off the scale; an appraisal that stays so
                 ends its dialogue ("unread"), which the trainers keep out of training. The rules
                 user appraises by its rules (rules_appraisal, RulesBackend)
 
@@ -294,10 +295,15 @@ def mood_note(emotion, lang="en", reaction=None):
 AGENT_ESCAPE = str.maketrans({"[": "(", "]": ")", "<": "\u2039", ">": "\u203a"})
 
 
+# The line breaks str.splitlines() knows (parse_change splits on them) that json.dumps leaves
+# unescaped without ensure_ascii: escaped too, so a quoted reply is one line, wherever it is read.
+LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
+
+
 def quoted(text):
-    """Agent text as one JSON string: quotes and newlines escaped, so nothing inside can end it
-    early."""
-    return json.dumps(text.translate(AGENT_ESCAPE), ensure_ascii=False)
+    """Agent text as one JSON string on one line: quotes and every line break escaped, so nothing
+    inside can end it early, and no line of it starts with a label (a change line)."""
+    return json.dumps(text.translate(AGENT_ESCAPE), ensure_ascii=False).translate(LINE_BREAKS)
 
 
 def appraisal_messages(state, reply, max_change=10):
@@ -375,6 +381,23 @@ CHANGE_VALUE = re.compile(r"([+-]?)\s*+(\d{1,6}+)[*_]*+\s*+(?:(?:points?|pts?|�
                           r"(?:\([^()]*+\)\s*+)?[.。!]?", re.I)
 
 
+def change_lines(text):
+    """The text's lines as parse_change reads them (NFKC, dashes, stripped, none blank), and its
+    change lines: (the indices of its label's and value's lines, what they say, its value/None)."""
+    text = unicodedata.normalize("NFKC", text).translate(DASHES)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    found = []
+    for k, line in enumerate(lines):
+        label = CHANGE_LINE.match(line)
+        if label:
+            own = label.group(1).strip(" *_")
+            value = own or "".join(lines[k + 1:k + 2]).strip(" *_")
+            number = CHANGE_VALUE.fullmatch(value)
+            found.append(([k] if own else [k, k + 1], f"{line}\n{value}",
+                          int(number.group(1) + number.group(2)) if number else None))
+    return lines, found
+
+
 def parse_change(text):
     """The change an appraisal states, by the rule its prompt gives: the value on the change line
     ("Change: -4", "变化：+2"), or on the next line where the label stands alone ("Change:\\n+3").
@@ -382,19 +405,22 @@ def parse_change(text):
     38", "about +2", "N", a number of more than 6 digits) or two that differ is None: unread. The
     value is the one stated, whatever its size within those digits (the simulator re-asks one
     beyond +-max_change). A text of any length is read in time linear in it."""
-    text = unicodedata.normalize("NFKC", text).translate(DASHES)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    values = set()
-    for k, line in enumerate(lines):
-        label = CHANGE_LINE.match(line)
-        if label:
-            value = label.group(1).strip(" *_") or "".join(lines[k + 1:k + 2]).strip(" *_")
-            number = CHANGE_VALUE.fullmatch(value)
-            if not number:
-                return None
-            values.add(int(number.group(1) + number.group(2)))
+    values = {value for _, _, value in change_lines(text)[1]}  # None: a line that does not read
     if len(values) == 1:  # else None: unread
         return values.pop()
+
+
+def own_text(appraisal, agent_texts):
+    """The appraisal without the change lines the agent wrote (a weak user echoes what it read): one
+    of the agent's texts' change lines (as written, or as the prompt shows them), or one stating a
+    value they state. A user's own line that agrees with the agent's is such a copy, so unread."""
+    theirs = [found for text in agent_texts for form in (text, text.translate(AGENT_ESCAPE))
+              for found in change_lines(form)[1]]
+    said = {line for _, line, _ in theirs}
+    stated = {value for _, _, value in theirs} - {None}
+    lines, found = change_lines(appraisal)
+    copied = {k for taken, line, value in found if line in said or value in stated for k in taken}
+    return "\n".join(line for k, line in enumerate(lines) if k not in copied)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -520,7 +546,10 @@ class Simulator:
         asked = [appraisal_messages(s, r, self.max_change) for s, r in zip(states, replies)]
         texts = self.backend.chat(asked, self.appraisal_tokens, 1.0)
         scale = range(-self.max_change, self.max_change + 1)  # None is not in it: unread
-        changes = [parse_change(t) for t in texts]
+        # the change is read from the user's own text, never from this reply or an earlier one
+        agent = [[m["text"] for m in s.history if m["role"] == "agent"] + [r]
+                 for s, r in zip(states, replies)]
+        changes = [parse_change(own_text(t, a)) for t, a in zip(texts, agent)]
         again = [k for k, c in enumerate(changes) if c not in scale]
         if again:  # the change line alone, by its label in the persona's language
             retry = []
@@ -532,7 +561,7 @@ class Simulator:
             answers = self.backend.chat(retry, self.retry_tokens, 1.0)
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
-                changes[k] = parse_change(text)
+                changes[k] = parse_change(own_text(text, agent[k]))
         return [(c if c in scale else None, t) for c, t in zip(changes, texts)]
 
     def step(self, states, replies):
@@ -651,12 +680,10 @@ class SimulatorSettings:
             fail("--api-key-env <redacted>: no environment variable of that name is set; give the "
                  "name of the variable that holds the key (exported), never the key itself")
         key = os.environ.get(args.api_key_env, "").strip()
-        # http.client would refuse such a header with an error that quotes it, key and all
-        if not key.isprintable():
-            fail(f"${args.api_key_env} holds a line break or another control character in the key")
-        # Every reply is scrubbed of the key (a proxy may echo it): a placeholder such as "1" or
-        # "x" would be scrubbed out of the appraisal itself ("Change: 1"). No real key is that
-        # short; without a key the client sends no Authorization header at all.
-        if 0 < len(key) < 8 and args.simulator.startswith("http"):
-            fail(f"${args.api_key_env} holds {len(key)} characters, too few for an API key; for a "
-                 f"server that needs no key, unset {args.api_key_env}")
+        # http.client sends a header in Latin-1, and refuses a control character in an error that
+        # quotes the key; a key of any length is sent (vLLM's placeholder EMPTY included)
+        if not key.isprintable() or any(ord(c) > 0xFF for c in key):
+            fail(f"${args.api_key_env} holds a character an HTTP header cannot carry (a line "
+                 "break, a control character or one outside Latin-1): give the key as it was "
+                 "issued")
+

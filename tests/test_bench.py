@@ -323,8 +323,9 @@ def test_the_suite_hides_cuda_unless_told_and_checks_its_device_choice(device):
         assert proc.returncode == 4 and words in proc.stderr, proc.stderr
 
 
-def check_args(tmp_path, *extra):
-    return ["gpu", "--check", "--dry-run", "--out", str(tmp_path / "check" / "check.json"), *extra]
+def check_args(folder, *extra):
+    """The dry run's flags with its results and logs in a new folder, `folder`/check."""
+    return ["gpu", "--check", "--dry-run", "--out", str(folder / "check"), *extra]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -338,18 +339,19 @@ def test_gpu_check_flags_are_checked(argv, words, capsys):
     assert stop.value.code == 2 and words in err and err.strip().count("\n") == 0, err
 
 
-@pytest.mark.parametrize("inside", ["", "check"], ids=["its folder", "a folder to make in it"])
-def test_gpu_check_with_a_read_only_out_is_one_line_before_any_step(tmp_path, inside):
+@pytest.mark.parametrize("inside, words", [("", "cannot be written"), ("check", "cannot be made")],
+                         ids=["an empty folder", "a folder to make in it"])
+def test_gpu_check_with_a_read_only_out_is_one_line_before_any_step(tmp_path, inside, words):
     # through tests/faults.py, which makes the folder read-only for the script (root writes through chmod)
     from test_bad_input import assert_one_line, cli
 
     read_only = tmp_path / "read_only"
     read_only.mkdir()
-    out = read_only / inside / "check.json"
+    out = read_only / inside
     check = ["gpu", "--check", "--dry-run", "--steps", "versions", "--out", str(out)]
     code, stdout, err, _ = cli(os.path.join("tests", "faults.py"), "--read-only", str(read_only), "--",
                                "bench.py", *check)
-    assert_one_line(code, err, str(out.parent), "cannot be written")
+    assert_one_line(code, err, str(out), words)
     assert stdout == "" and os.listdir(read_only) == []  # no step ran, nothing was written
 
 
@@ -376,7 +378,9 @@ def test_gpu_check_goes_on_after_a_failed_or_hung_step(tmp_path, monkeypatch, ca
     assert out[1].startswith("versions       FAIL") and out[3].startswith("tests-bf16     PASS")
     assert out[-1].startswith("FAILED: versions, tests-fp32; 1 passed, 2 failed, 0 skipped")
     assert (tmp_path / "check" / "tests-fp32.log").read_text().startswith('{"row": 1}')
-    report = bench.main(check_args(tmp_path, "--steps", "tests-bf16", "--budget", "5"))  # no step failed
+    # no step failed (a new --out, as every check takes)
+    again = check_args(tmp_path / "again", "--steps", "tests-bf16", "--budget", "5")
+    report = command_line(bench.main)(again)
     assert report["steps"][0]["status"] == "skip" and report["passed"]
     assert capsys.readouterr().out.splitlines()[-1].startswith("0 passed, 0 failed, 1 skipped")
 

@@ -62,16 +62,16 @@ def test_a_servers_echo_of_the_key_is_scrubbed(server, persona_entry, write_pers
 def test_a_folder_moved_in_that_does_not_load_is_named_moved_aside_and_the_one_before_taken(
         two_checkpoints, tmp_path, capsys):
     # the checkpoints are the folders named iter_NNNNNN: a stranger moved in (here a whole run folder) is
-    # tried first, as the newest, and does not load
+    # tried first, as the newest, and does not load (a name past --iterations is refused: issue 55)
     run = copy_run(two_checkpoints, tmp_path)
-    stranger = run / "checkpoints" / "iter_000009"
+    stranger = run / "checkpoints" / "iter_000003"
     shutil.copytree(two_checkpoints, stranger)
     code, _, err, _ = resume(capsys, run)
     assert code == 0, err[-2000:]
     assert f"the checkpoint {stranger} does not load" in err and f"moved to {stranger}.broken" in err
     assert f"from {run}/checkpoints/iter_000002" in err
     assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
-    assert (run / "checkpoints" / "iter_000009.broken" / "config.json").exists()  # kept, out of the way
+    assert (run / "checkpoints" / "iter_000003.broken" / "config.json").exists()  # kept, out of the way
 
 
 @pytest.mark.parametrize("damage", ["truncated state", "truncated adapter", "another trainer's state"])
@@ -283,11 +283,12 @@ def test_an_adapter_of_a_run_is_judged_by_the_runs_own_user(two_checkpoints, tmp
 # 8. bench.py gpu --check writes only its own files
 # ----------------------------------------------------------------------------------------------
 def test_the_gpu_check_never_replaces_a_file_that_is_not_its_own(two_checkpoints, tmp_path, capsys):
+    # --out is a new folder, or an empty one (issue 55): a run's file is inside a run folder
     run = copy_run(two_checkpoints, tmp_path)
     before = (run / "config.json").read_bytes()
     code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
                               "--out", str(run / "config.json"))
-    assert_one_line(code, err, "config.json", "not a results file")
+    assert_one_line(code, err, "config.json", "inside the run folder")
     assert (run / "config.json").read_bytes() == before
     folder = tmp_path / "results"
     folder.mkdir()

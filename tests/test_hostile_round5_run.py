@@ -307,7 +307,7 @@ def test_the_gpu_checks_trainer_flags_are_checked_before_any_step(tmp_path, caps
     def ran(*a, **k):
         raise AssertionError("a step ran")
     monkeypatch.setattr(bench, "run_command", ran)
-    out = tmp_path / "check" / "check.json"
+    out = tmp_path / "check"
     code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
                               "--out", str(out), "--", "--bogus-flag", "3")
     assert_one_line(code, err, "unrecognized arguments: --bogus-flag 3")
@@ -324,7 +324,7 @@ def test_the_gpu_check_hands_its_trainer_flags_to_the_bench_gpu_step(tmp_path, c
         return 0
     monkeypatch.setattr(bench, "run_command", ran)
     code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "bench-gpu",
-                              "--out", str(tmp_path / "check.json"), "--", "--max-new-tokens", "2")
+                              "--out", str(tmp_path / "check"), "--", "--max-new-tokens", "2")
     assert code == 0, err[-2000:]
     assert commands == [[sys.executable, "bench.py", "gpu", "--tiny", "--", "--max-new-tokens", "2"]]
 

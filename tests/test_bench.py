@@ -210,10 +210,11 @@ def test_trainer_flags_only_for_the_trainer_benchmarks(capsys):
 
 
 def test_gpu_tiny_end_to_end():
-    """The gpu benchmark's driver (random Qwen2 model handed to ppo.main, one PPO iteration with the
-    rules user, the plain-generate baseline, the report) on CPU with a 2-layer model, with the paper
-    preset's settings but its sizes (gradient checkpointing, LoRA r 32, RLVER's value clip and
-    entropy bonus). Not covered: CUDA, bf16, and the 7B model's speed and memory."""
+    """The gpu benchmark's driver (random Qwen2 model handed to ppo.main, two PPO iterations with the
+    rules user, every decode call timed, the plain-generate baseline, the rollout at 4 dialogues,
+    the bandwidth bound, the report) on CPU with a 2-layer model, with the paper preset's settings
+    but its sizes (gradient checkpointing, LoRA r 32, RLVER's value clip and entropy bonus). Not
+    covered: CUDA (its graphs), bf16, and the 7B model's speed and memory."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "bench.py", "gpu", "--tiny"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -222,27 +223,31 @@ def test_gpu_tiny_end_to_end():
     for flag in ("--gradient-checkpointing True", "--lora-r 32", "--lora-alpha 64", "--value-clip 0.5",
                  "--ent-coef 0.001", "--lr 1e-05", "--simulator rules --thinking false"):
         assert flag in out[0], flag  # the ppo.py command it ran
-    assert out[-2].startswith("ratio: the rollout's ") and "update" in out[-2] and "peak memory" in out[-2]
+    assert out[-4].startswith("rollout ") and "plain generate's" in out[-4] and "bandwidth" in out[-4]
+    assert out[-3].startswith("at 4 dialogues") and out[-2].startswith("update")
     result = json.loads(out[-1])
     # random weights never end a turn early: 2 dialogues x 2 turns x 4
     assert result["policy_tokens"] == 2 * 2 * 4
     assert result["rollout_tokens_per_s"] > 0 and result["update_agent_tokens_per_s"] > 0
     plain = result["plain_generate_tokens_per_s"]
     assert result["ratio"] == pytest.approx(result["rollout_tokens_per_s"] / plain, rel=1e-3) and plain > 0
-    assert result["peak_memory_gb"] > 0
+    assert result["first_turn_tokens_per_s"] > 0 and result["later_turns_tokens_per_s"] > 0
+    assert 0 < result["bandwidth_fraction"] and result["rollout_tokens_per_s_at_4"] > 0
+    assert result["graphs"] == 0 and result["peak_memory_gb"] > 0  # no CUDA graph on a CPU
 
 
 def test_gpu_tiny_paper_shape_and_flags_for_ppo():
-    """--shape paper runs the paper preset's kind of dialogue (thinking on, the 'same' user, 3 turns at
-    tiny sizes), and flags after `--` reach ppo.py last, so they win (here 4 new tokens a turn)."""
+    """--shape paper runs the paper preset's kind of dialogue (thinking on, every turn of it: the rules
+    user from 60; 3 turns at tiny sizes), and flags after `--` reach ppo.py last, so they win (here
+    4 new tokens a turn)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "bench.py", "gpu", "--tiny", "--shape", "paper", "--", "--max-new-tokens", "4"]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout.strip().splitlines()
-    assert "--simulator same --thinking true" in out[0] and "--max-turns 3" in out[0]
+    assert "--simulator rules --start-emotion 60 --thinking true" in out[0] and "--max-turns 3" in out[0]
     assert out[0].endswith("--max-new-tokens 4")
-    assert 0 < json.loads(out[-1])["policy_tokens"] <= 4 * 3 * 4  # the 'same' user may end dialogues early
+    assert json.loads(out[-1])["policy_tokens"] == 4 * 3 * 4  # every dialogue runs every turn
 
 
 def test_gpu_without_cuda_says_so_in_one_line():

@@ -681,10 +681,10 @@ def bench_gpu(args):
                       "rows": len(self.held)})
         return out
 
-    def timed_replay(self, width, *rest):
-        new = self.graphs is not None and width not in self.graphs
+    def timed_replay(self, *key):
+        new = self.graphs is not None and key not in self.graphs
         t0 = time.time()
-        replay(self, width, *rest)
+        replay(self, *key)
         if new:
             sync()
             captures.append(time.time() - t0)

@@ -204,7 +204,7 @@ def main(argv=None):
     use_adapter(model, "default")
     value_head = torch.nn.Linear(model.config.get_text_config().hidden_size, 1).to(run.device)
     torch.nn.init.zeros_(value_head.weight)
-    torch.nn.init.constant_(value_head.bias, unmoved_return(args))
+    torch.nn.init.constant_(value_head.bias, unmoved_return(args, personas[0]))
     actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
     critic_params = adapter_params(model, "critic") + list(value_head.parameters())
     # one AdamW with a parameter group each, each warmed up over its own first optimizer steps

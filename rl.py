@@ -15,7 +15,7 @@ import torch
 
 from personas import load_personas
 from policy import check_model
-from rollout import TOKEN_ARRAYS, check_openings_fit, summarize
+from rollout import TOKEN_ARRAYS, check_openings_fit, summarize, unmoved_record
 from run import above, at_least, fail, one_of, setting, within
 
 
@@ -252,11 +252,11 @@ class RewardSettings:
                          f"{args.reward} it would be ignored")
 
 
-def unmoved_return(args):
-    """The return of a dialogue that leaves the emotion where it started, over every turn it may
-    have, under --reward: PPO's critic starts there."""
-    start = args.start_emotion
-    unmoved = {"start_emotion": start, "emotions": [start] * args.max_turns}
+def unmoved_return(args, persona):
+    """The return of a dialogue with `persona` that leaves the emotion where it started, over every
+    turn it may have, under --reward: PPO's critic starts there. The record is made as a rollout's
+    are (rollout.unmoved_record), so a mode that reads any field of a record reads it here too."""
+    unmoved = unmoved_record(persona, args.start_emotion, args.max_turns)
     return REWARDS[args.reward](unmoved, args)[0]
 
 

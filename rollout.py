@@ -26,7 +26,7 @@ from tqdm import tqdm
 from client import OpenAIBackend
 from policy import default_device, load_model, load_tokenizer
 from run import above, at_least, fail, setting
-from simulator import RulesBackend, Simulator
+from simulator import RulesBackend, Simulator, UserState
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,7 +250,6 @@ class Decoder:
             seen=torch.zeros(rows, vocabulary, device=device),            # tokens it holds, counted
             temperature=torch.ones((), device=device),
             penalty=torch.ones((), device=device),                        # repetition penalty
-            greedy=torch.zeros((), dtype=torch.bool, device=device),
             # each step's token and its log-prob, a column a step
             out_tokens=torch.zeros(rows, steps, dtype=torch.long, device=device),
             out_logprobs=torch.zeros(rows, steps, device=device))
@@ -259,44 +258,48 @@ class Decoder:
             self.graphs, self.pool = {}, torch.cuda.graph_pool_handle()
 
     def width(self, columns):
-        """The attention width for rows that use at most `columns` columns: a multiple of
-        WIDTH_STEP (few widths: few CUDA graphs), at most the cache's."""
-        return min(self.cache.keys[0].shape[2], -(-columns // WIDTH_STEP) * WIDTH_STEP)
+        """The attention width for rows that use at most `columns` columns, at most the cache's:
+        where graphs are captured, a multiple of WIDTH_STEP (few widths: few graphs)."""
+        multiple = WIDTH_STEP if self.graphs is not None else 1
+        return min(self.cache.keys[0].shape[2], -(-columns // multiple) * multiple)
 
-    def step(self, width):
+    def step(self, width, greedy, penalised):
         """One token for every row, in fixed shapes and without a host synchronisation: the input
         token's keys and values go to the row's next column, the next token is drawn from
-        log softmax(logits / temperature) (greedy: its argmax; a logit of a token the row holds is
-        divided by the repetition penalty where positive, multiplied where negative, as
-        transformers does), its log-prob kept; a row that is done stays so and draws padding."""
+        log softmax(logits / temperature) (greedy: the argmax of the logits; penalised: a logit of
+        a token the row holds is divided by the repetition penalty where positive, multiplied where
+        negative, as transformers does), its log-prob kept; a row that is done stays so and draws
+        padding."""
         s = self.state
         hidden = run_into(self.model, self.cache, s["token"][:, None], s["lengths"], width)
         logits = self.model.get_output_embeddings()(hidden[:, -1]).float()               # (B, V)
-        penalised = torch.where(logits > 0, logits / s["penalty"], logits * s["penalty"])
-        logits = torch.where(s["seen"] > 0, penalised, logits)
+        if penalised:
+            scaled = torch.where(logits > 0, logits / s["penalty"], logits * s["penalty"])
+            logits = torch.where(s["seen"] > 0, scaled, logits)
         logprobs = torch.log_softmax(logits / s["temperature"], -1)                       # (B, V)
-        # a draw from the softmax: the argmax of p / q with q ~ Exponential(1) (gpt-fast's); greedy:
-        # the argmax of the logits themselves (two logits may round to one log-prob)
-        drawn = logprobs - torch.empty_like(logprobs).exponential_().log()
-        token = torch.where(s["greedy"], logits, drawn).argmax(-1)                           # (B,)
+        if greedy:  # the logits' argmax (two logits may round to one log-prob)
+            token = logits.argmax(-1)                                                         # (B,)
+        else:  # a draw (the Gumbel-max trick): the argmax of log p - log(-log u), u ~ U(0, 1)
+            token = (logprobs - torch.rand_like(logprobs).log().neg().log()).argmax(-1)
         picked = logprobs.gather(-1, token[:, None])[:, 0]                                    # (B,)
         token = torch.where(s["done"], self.pad_id, token)
         s["out_tokens"].index_copy_(1, s["step"][None], token[:, None])
         picked = torch.where(s["done"], 0.0, picked)
         s["out_logprobs"].index_copy_(1, s["step"][None], picked[:, None])
-        s["seen"].scatter_add_(1, token[:, None], (~s["done"]).float()[:, None])
+        if penalised:
+            s["seen"].scatter_add_(1, token[:, None], (~s["done"]).float()[:, None])
         s["lengths"].add_(~s["done"])  # the input token is the row's now
         s["done"].logical_or_(torch.isin(token, self.eos))
         s["token"].copy_(token)
         s["step"].add_(1)
 
-    def replay(self, width):
-        """step() at this width: eager, or on CUDA its graph, captured at the first need (warmed up
-        on a side stream, as torch.cuda.graphs asks, with every row done so that neither the
-        warm-up nor the capture moves a row)."""
+    def replay(self, *key):
+        """step(width, greedy, penalised): eager, or on CUDA its graph, captured at the first need
+        (warmed up on a side stream, as torch.cuda.graphs asks, with every row done so that neither
+        the warm-up nor the capture moves a row)."""
         if self.graphs is None:
-            return self.step(width)
-        if width not in self.graphs:
+            return self.step(*key)
+        if key not in self.graphs:
             s = self.state
             kept = {k: s[k].clone() for k in ("done", "token", "step")}
             s["done"].fill_(True)
@@ -304,14 +307,14 @@ class Decoder:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.step(width)
+                    self.step(*key)
             torch.cuda.current_stream().wait_stream(stream)
-            self.graphs[width] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graphs[width], pool=self.pool):
-                self.step(width)
+            self.graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graphs[key], pool=self.pool):
+                self.step(*key)
             for k, value in kept.items():
                 s[k].copy_(value)
-        self.graphs[width].replay()
+        self.graphs[key].replay()
 
     @torch.no_grad()
     def generate(self, rows, max_new_tokens, temperature=1.0, greedy=False, penalty=1.0,
@@ -363,19 +366,20 @@ class Decoder:
         s["token"].copy_(torch.tensor([p[-1] if p else self.pad_id for p in pending]))
         s["done"].copy_(torch.tensor([not p for p in pending]))
         s["step"].zero_()
-        s["seen"].zero_()
-        for b, row in enumerate(placed):
-            if row and penalty != 1.0:  # the tokens each row holds, for the repetition penalty
-                s["seen"][b, row] = 1.0
+        penalised = penalty != 1.0
+        if penalised:  # the tokens each row holds, for the repetition penalty
+            s["seen"].zero_()
+            for b, row in enumerate(placed):
+                if row:
+                    s["seen"][b, row] = 1.0
         s["temperature"].fill_(temperature)
         s["penalty"].fill_(penalty)
-        s["greedy"].fill_(greedy)
         s["out_tokens"].fill_(self.pad_id)
         s["out_logprobs"].zero_()
         top = max(len(r) for r in rows if r)  # the longest row: each step adds a column at most
         sync = SYNC_EVERY if self.graphs is not None else 1
         for k in range(max_new_tokens):
-            self.replay(self.width(top + k))
+            self.replay(self.width(top + k), greedy, penalised)
             if (k + 1) % sync == 0 and bool(s["done"].all()):
                 break
         tokens = s["out_tokens"][:, :max_new_tokens].tolist()
@@ -599,6 +603,22 @@ def to_record(d, start_emotion):
         "policy_tokens": sum(d.action_mask),
         "turns": turns,
     }
+
+
+def unmoved_record(persona, start_emotion, max_turns):
+    """The record of a dialogue with persona in which the agent says nothing for max_turns turns
+    and the emotion never moves, made by to_record as a rollout's are (every field there): for what
+    must be known before any rollout (the critic's start, rl.unmoved_return)."""
+    state = UserState(persona, start_emotion, [{"role": "user", "text": persona.opening}])
+    d = Dialogue(persona, 0, state)
+    for _ in range(max_turns):
+        state.history.append({"role": "agent", "text": SILENCE})
+        state.appraisals.append({"change": 0, "emotion": start_emotion, "appraisal": ""})
+        d.agent_turns.append({"thought": "", "raw": "", "violation": None, "tokens": 0,
+                              "cut": False})
+        d.turn_ends.append(0)
+    state.turns, state.end_reason = max_turns, "max_turns"
+    return to_record(d, start_emotion)
 
 
 # what rollouts.jsonl leaves out

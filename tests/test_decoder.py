@@ -152,8 +152,9 @@ def test_the_decode_step_never_waits_for_the_host(peaked_model):
     decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
     decoder.generate([chat.prompt(p) for p in PROMPTS], 2, fresh=True)
     decoder.state["step"].zero_()
-    torch._dynamo.reset()
-    torch.compile(decoder.step, backend="eager", fullgraph=True)(256)
+    for greedy, penalised in ((False, False), (True, True)):  # the policy's step, the user's
+        torch._dynamo.reset()
+        torch.compile(decoder.step, backend="eager", fullgraph=True)(256, greedy, penalised)
     run_into = rollout.run_into
 
     def waits(model, cache, ids, lengths, width):
@@ -164,7 +165,7 @@ def test_the_decode_step_never_waits_for_the_host(peaked_model):
     rollout.run_into = waits
     try:
         with pytest.raises(Exception, match="(?i)graph break|data-dependent|item"):
-            torch.compile(decoder.step, backend="eager", fullgraph=True)(256)
+            torch.compile(decoder.step, backend="eager", fullgraph=True)(256, False, False)
     finally:
         rollout.run_into = run_into
         torch._dynamo.reset()

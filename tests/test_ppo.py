@@ -175,20 +175,21 @@ def test_a_flag_of_a_mode_not_selected_is_one_line(flag, capsys):
     assert f"error: {flag} is --reward mixed's: with --reward turn it would be ignored" in err
 
 
-def test_the_critic_starts_at_the_return_of_an_unmoved_dialogue(monkeypatch):
+def test_the_critic_starts_at_the_return_of_an_unmoved_dialogue(monkeypatch, persona):
     """An unmoved emotion is the value the critic starts from: 0.3 for final at start 30, 0 for turn
     and mixed; a fork's mode is asked for its first turn's credit, over every turn the dialogue may
-    have."""
+    have, on a record with every field a rollout's has (here it reads policy_tokens)."""
     args = reward_args("--reward", "final")
     args.start_emotion, args.max_turns = 30, 4
-    assert unmoved_return(args) == pytest.approx(0.3)
+    assert unmoved_return(args, persona) == pytest.approx(0.3)
     for mode in ("turn", "mixed"):
         args.reward = mode
-        assert unmoved_return(args) == 0
-    turns = lambda record, args: [len(record["emotions"]) - k for k in range(len(record["emotions"]))]  # noqa: E731
+        assert unmoved_return(args, persona) == 0
+    turns = lambda record, args: [len(record["emotions"]) - k + record["policy_tokens"]  # noqa: E731
+                                  for k in range(len(record["emotions"]))]
     monkeypatch.setitem(REWARDS, "turns_left", turns)
     args.reward = "turns_left"
-    assert unmoved_return(args) == 4
+    assert unmoved_return(args, persona) == 4
 
 
 def test_format_penalty_lands_on_the_violating_turn():

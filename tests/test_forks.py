@@ -1,0 +1,152 @@
+"""The fork points (docs/forks.md): each test holds what the method computes from a fork's edit, so
+that a fork done the wrong way fails here, before a model loads, not after an hour of training.
+
+- A group advantage (grpo.ADVANTAGES): every row against a hand computation on a group that holds an
+  unread dialogue; a row without its hand computation fails too.
+- A reward mode (rl.REWARDS): every mode run on real records of a rollout (not made-up ones), the
+  return GAE gives each turn equal to the mode's credit, the critic's start read off a real record.
+- A persona filter (personas.load_personas): the trainers and evaluate.py play exactly the personas
+  of --split and --difficulty.
+
+    python -m pytest tests/test_forks.py -q
+"""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import evaluate
+import grpo
+import ppo
+import rl
+import run
+from conftest import read_metrics
+from personas import load_personas
+from rollout import ChatTokens, play_dialogues
+from simulator import RulesBackend, Simulator
+
+# ----------------------------------------------------------------------------------------------
+# Group advantages
+# ----------------------------------------------------------------------------------------------
+# Group 0: rewards 0.2, 0.5, 0.8 and one unread dialogue (NaN); group 1: 0.1 and 0.7. A row of
+# ADVANTAGES sees each group's read dialogues only (mean, std with Bessel's correction, size).
+REWARDS = torch.tensor([0.2, float("nan"), 0.5, 0.8, 0.1, 0.7], dtype=torch.float64)
+GROUPS = torch.tensor([0, 0, 0, 0, 1, 1])
+STD0, STD1 = 0.3, math.sqrt(0.18)
+# Each row's advantages, by hand; a fork that adds a row adds its line here (RLOO, the mean of the
+# others as the baseline: (r - mean) x n / (n - 1)).
+BY_HAND = {
+    "mean-std": [-0.3 / (STD0 + 1e-4), 0.0, 0.0, 0.3 / (STD0 + 1e-4), -0.3 / (STD1 + 1e-4),
+                 0.3 / (STD1 + 1e-4)],
+    "mean": [-0.3, 0.0, 0.0, 0.3, -0.3, 0.3],
+}
+
+
+@pytest.mark.parametrize("kind", list(grpo.ADVANTAGES))
+def test_every_group_advantage_against_its_hand_computation(kind):
+    """The unread dialogue gets exactly 0 and counts in no statistic; every other dialogue the row's
+    formula of its own group's read dialogues."""
+    assert kind in BY_HAND, (f"grpo.ADVANTAGES[{kind!r}] has no hand computation: add the "
+                             "advantages it gives this group to BY_HAND (docs/forks.md)")
+    advantages = grpo.group_advantages(REWARDS, GROUPS, kind)
+    assert advantages.tolist() == pytest.approx(BY_HAND[kind], abs=1e-9)
+    assert advantages[1] == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Reward modes, on real records
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real_records(tiny_model, persona_entry_module):
+    """Records of a real rollout: three dialogues of three turns with the rules user, one that
+    ends early (a hard user who leaves), as the trainers get them."""
+    model, tokenizer = tiny_model
+    personas = persona_entry_module
+    torch.manual_seed(0)
+    records, _ = play_dialogues(model, Simulator(RulesBackend(), start_emotion=30, max_turns=3),
+                                personas, chat=ChatTokens(tokenizer, False), max_new_tokens=6,
+                                max_context=512, progress=False)
+    return records, tokenizer, personas
+
+
+@pytest.fixture(scope="module")
+def persona_entry_module(tmp_path_factory):
+    from conftest import BASE_PERSONA
+
+    entries = [{**BASE_PERSONA, "id": f"r{i}", "difficulty": d}
+               for i, d in enumerate(("easy", "normal", "hard"))]
+    path = tmp_path_factory.mktemp("forks") / "personas.json"
+    path.write_text(json.dumps(entries), encoding="utf-8")
+    return load_personas(str(path))
+
+
+def reward_settings(mode):
+    args = run.parse_settings([rl.RewardSettings], [])
+    args.reward = mode  # a fork's mode too (the flag's choices are fixed when rl.py is imported)
+    args.start_emotion, args.max_turns = 30, 3
+    return args
+
+
+@pytest.mark.parametrize("mode", list(rl.REWARDS))
+def test_every_reward_mode_on_real_records_returns_each_turn_its_credit(mode, real_records):
+    """place_rewards and GAE (gamma = lambda = 1, values 0) on records of a real rollout: every
+    agent token of turn k returns the mode's credit of turn k, a user token nothing, and the
+    critic's start (rl.unmoved_return) is a number. A mode that reads a field records do not have,
+    or gives another number of values than turns, fails here."""
+    records, tokenizer, personas = real_records
+    args = reward_settings(mode)
+    batch = rl.pad_records(records, tokenizer.pad_token_id, "cpu")
+    mask = batch["action_mask"]
+    rewards = ppo.place_rewards(records, mask.shape, args)
+    _, returns = ppo.compute_gae(rewards, torch.zeros_like(mask), mask)
+    for b, record in enumerate(records):
+        credit = rl.REWARDS[mode](record, args)
+        start = record["action_mask"].index(1)
+        for k, end in enumerate(record["turn_ends"]):
+            turn = [t for t in range(start, end + 1) if record["action_mask"][t]]
+            assert returns[b, turn].tolist() == pytest.approx([credit[k]] * len(turn), abs=1e-6)
+            start = end + 1
+        assert (returns[b][mask[b] == 0] == 0).all()
+    assert math.isfinite(rl.unmoved_return(args, personas[0]))
+
+
+# ----------------------------------------------------------------------------------------------
+# A persona filter, honoured by training and evaluation alike
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def split_personas(write_personas, persona_entry):
+    """Four train personas (two easy, two hard) and two test ones."""
+    entries = [persona_entry(id=f"tr{i}", split="train", difficulty=d)
+               for i, d in enumerate(("easy", "hard", "easy", "hard"))]
+    entries += [persona_entry(id=f"te{i}", split="test", difficulty="normal") for i in range(2)]
+    return write_personas(entries)
+
+
+def test_trainers_and_evaluate_play_the_personas_of_the_split(split_personas, tiny_model_dir,
+                                                              tmp_path):
+    """Trained on the train split at --difficulty hard, evaluated on the test split at --difficulty
+    easy: every dialogue of each is of its own split, at its own difficulty."""
+    common = ["--model", tiny_model_dir, "--simulator", "rules", "--personas", split_personas,
+              "--max-turns", "1", "--max-new-tokens", "4", "--max-context", "512"]
+    ppo.main(["--preset", "cpu", *common, "--split", "train", "--difficulty", "hard",
+              "--iterations", "1", "--dialogues-per-iteration", "4", "--out", str(tmp_path / "ppo")])
+    with open(tmp_path / "ppo" / "rollouts.jsonl", encoding="utf-8") as f:
+        trained = [json.loads(line) for line in f]
+    assert {r["persona_id"] for r in trained} <= {"tr0", "tr1", "tr2", "tr3"} and len(trained) == 4
+    assert read_metrics(tmp_path / "ppo")[0]["iteration"] == 1
+    played = []
+    real_play = evaluate.play_dialogues
+
+    def spy(policy, simulator, personas, *args, **kwargs):
+        played.extend((p.id, p.split, p.difficulty) for p in personas)
+        return real_play(policy, simulator, personas, *args, **kwargs)
+    evaluate.play_dialogues = spy
+    try:
+        evaluate.main([*common, "--split", "test", "--difficulty", "easy",
+                       "--out", str(tmp_path / "eval")])
+    finally:
+        evaluate.play_dialogues = real_play
+    assert played and {p for p in played} == {("te0", "test", "easy"), ("te1", "test", "easy")}
+    assert os.path.exists(tmp_path / "eval" / "results.json")

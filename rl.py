@@ -47,7 +47,7 @@ def old_logprobs_from_update(model, args, batch_size):
     decided once at set-up. It can with one optimizer step per batch (one pass, the whole batch of
     batch_size dialogues one minibatch): the weights that would score the rollout are then the ones
     the update runs, so the scoring pass is skipped (TRL skips it too; it was a fifth of an
-    iteration of `bench.py step --algo grpo`). Not with any dropout (LoRA's, or a rate in the
+    iteration of `tools/bench.py step --algo grpo`). Not with any dropout (LoRA's, or a rate in the
     model's config: attention dropout is a call, not a module), whose train-mode pass is not the
     sampling policy."""
     rates = [p for k, p in model.config.get_text_config().to_dict().items()

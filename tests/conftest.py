@@ -28,8 +28,9 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for folder in (os.path.join(ROOT, "tools"), ROOT):  # the scripts; tools/bench.py imported as bench
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 import run  # noqa: E402
 from personas import load_personas  # noqa: E402

@@ -58,7 +58,8 @@ def test_report_means_std_and_target(fake_runs, monkeypatch, capsys):
     learning(fake_runs)
     with open(os.path.join(fake_runs, "learning.md")) as f:
         lines = f.read().splitlines()
-    assert lines[0] == "Made by `python bench.py learning --out %s --iterations 6 --window 2`." % fake_runs
+    assert lines[0] == ("Made by `python tools/bench.py learning --out %s --iterations 6 --window 2`."
+                        % fake_runs)
     assert lines[2].startswith("| algorithm | seeds | first 2 iterations | last 2 iterations | rise | "
                                "target met")
     # PPO rises by 0.2 in every seed; no timings logged: "-"
@@ -216,7 +217,7 @@ def test_gpu_tiny_end_to_end():
     but its sizes (gradient checkpointing, LoRA r 32, RLVER's value clip and entropy bonus). Not
     covered: CUDA (its graphs), bf16, and the 7B model's speed and memory."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "bench.py", "gpu", "--tiny"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "tools/bench.py", "gpu", "--tiny"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout.strip().splitlines()
@@ -241,7 +242,8 @@ def test_gpu_tiny_paper_shape_and_flags_for_ppo():
     user from 60; 3 turns at tiny sizes), and flags after `--` reach ppo.py last, so they win (here
     4 new tokens a turn)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "bench.py", "gpu", "--tiny", "--shape", "paper", "--", "--max-new-tokens", "4"]
+    command = [sys.executable, "tools/bench.py", "gpu", "--tiny", "--shape", "paper", "--",
+               "--max-new-tokens", "4"]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout.strip().splitlines()
@@ -255,7 +257,7 @@ def test_gpu_without_cuda_says_so_in_one_line():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = subprocess.run([sys.executable, "bench.py", "gpu"], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "tools/bench.py", "gpu"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2  # as every command's refusals (issue 26)
     assert proc.stderr.strip().count("\n") == 0 and "needs a CUDA GPU" in proc.stderr
@@ -355,7 +357,7 @@ def test_gpu_check_with_a_read_only_out_is_one_line_before_any_step(tmp_path, in
     out = read_only / inside
     check = ["gpu", "--check", "--dry-run", "--steps", "versions", "--out", str(out)]
     code, stdout, err, _ = cli(os.path.join("tests", "faults.py"), "--read-only", str(read_only), "--",
-                               "bench.py", *check)
+                               "tools/bench.py", *check)
     assert_one_line(code, err, str(out), words)
     assert stdout == "" and os.listdir(read_only) == []  # no step ran, nothing was written
 
@@ -394,7 +396,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     """`bench.py gpu --check --dry-run` (what CI can run of the GPU check): every step on CPU at tiny
     sizes with CUDA hidden and the built tokenizer, each passing with its key numbers."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "bench.py", *check_args(tmp_path)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "tools/bench.py", *check_args(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "check" / "check.json").read_text())

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 
-@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "evaluate.py", "bench.py"])
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "evaluate.py", "tools/bench.py"])
 def test_help_prints(script):
     done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)

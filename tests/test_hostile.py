@@ -60,7 +60,7 @@ def command(capsys, script, *argv, cwd=None):
     the interpreter comes back as it would print it: exit code 1 and a traceback on stderr."""
     if SUBPROCESS:
         return cli(os.path.join(ROOT, script), *argv, cwd=cwd or ROOT)
-    main = run.command(importlib.import_module(script[:-len(".py")]).main)
+    main = run.command(importlib.import_module(os.path.basename(script)[:-len(".py")]).main)
     here, threads = os.getcwd(), torch.get_num_threads()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     capsys.readouterr()
@@ -90,7 +90,7 @@ def produce(script, *argv):
     if SUBPROCESS:
         run_ok(script, *argv)
     else:
-        importlib.import_module(script[:-len(".py")]).main(list(argv))
+        importlib.import_module(os.path.basename(script)[:-len(".py")]).main(list(argv))
 
 
 def snapshot(folder):
@@ -248,7 +248,7 @@ def test_resume_keeps_logging_to_tensorboard(resumed):
 
 def test_bench_rollout_refuses_zero_turns(unloadable, capsys):
     """Case 10: bench.py rollout --max-turns 0: one line, exit 2, before any model loads."""
-    code, _, err, _ = command(capsys, "bench.py", "rollout", "--max-turns", "0", "--model", unloadable)
+    code, _, err, _ = command(capsys, "tools/bench.py", "rollout", "--max-turns", "0", "--model", unloadable)
     assert_one_line(code, err, "--max-turns", "0")
 
 
@@ -323,7 +323,7 @@ def test_bench_flags_are_checked_like_the_trainers(case, unloadable, tmp_path, c
     line naming the flag and the value, exit 2, before any model loads (or any run starts)."""
     _, sub, flag, value = case.split()
     where = ["--model", unloadable] if sub == "rollout" else ["--out", str(tmp_path / "bench")]
-    code, _, err, _ = command(capsys, "bench.py", sub, flag, value, *where)
+    code, _, err, _ = command(capsys, "tools/bench.py", sub, flag, value, *where)
     assert_one_line(code, err, flag, value)
     assert not (tmp_path / "bench").exists()
 
@@ -373,10 +373,10 @@ def test_grpo_resume_with_another_out_is_refused(grpo_run, tmp_path, capsys):
 def test_bench_own_checks_exit_2_with_one_line(tmp_path):
     """Also: bench.py's own checks (here --jobs, and `bench.py gpu` on a machine without CUDA) end
     with one error line and exit code 2, as every other command's."""
-    code, _, err, _ = cli("bench.py", "learning", "--jobs", "99", "--out", str(tmp_path / "bench"))
+    code, _, err, _ = cli("tools/bench.py", "learning", "--jobs", "99", "--out", str(tmp_path / "bench"))
     assert_one_line(code, err, "--jobs", "99")
     if not torch.cuda.is_available():
-        code, _, err, _ = cli("bench.py", "gpu")
+        code, _, err, _ = cli("tools/bench.py", "gpu")
         assert_one_line(code, err, "CUDA")
 
 

@@ -185,9 +185,9 @@ def test_a_run_folder_deleted_while_it_writes_ends_with_one_line(tiny_model_dir,
     ("grpo.py", ["--format-penalty", "inf"]),
     ("ppo.py", ["--api-timeout", "1e300"]),
     ("evaluate.py", ["--seed", "-1"]),
-    ("bench.py", ["rollout", "--max-new-tokens", "100000000000"])])
+    ("tools/bench.py", ["rollout", "--max-new-tokens", "100000000000"])])
 def test_numbers_out_of_range_are_one_line_before_a_folder_is_made(script, flags, tmp_path, capsys):
-    out = ["--out", str(tmp_path / "run")] * (script != "bench.py")
+    out = ["--out", str(tmp_path / "run")] * (script != "tools/bench.py")
     code, _, err, _ = command(capsys, script, *flags, *out)
     assert_one_line(code, err, flags[-2])
     assert not (tmp_path / "run").exists()
@@ -286,13 +286,13 @@ def test_the_gpu_check_never_replaces_a_file_that_is_not_its_own(two_checkpoints
     # --out is a new folder, or an empty one (issue 55): a run's file is inside a run folder
     run = copy_run(two_checkpoints, tmp_path)
     before = (run / "config.json").read_bytes()
-    code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
+    code, _, err, _ = command(capsys, "tools/bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
                               "--out", str(run / "config.json"))
     assert_one_line(code, err, "config.json", "inside the run folder")
     assert (run / "config.json").read_bytes() == before
     folder = tmp_path / "results"
     folder.mkdir()
-    code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
+    code, _, err, _ = command(capsys, "tools/bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
                               "--out", str(folder))
     assert code == 0, err[-2000:]
     assert json.loads((folder / "check.json").read_text())["steps"][0]["name"] == "versions"

@@ -308,7 +308,7 @@ def test_the_gpu_checks_trainer_flags_are_checked_before_any_step(tmp_path, caps
         raise AssertionError("a step ran")
     monkeypatch.setattr(bench, "run_command", ran)
     out = tmp_path / "check"
-    code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
+    code, _, err, _ = command(capsys, "tools/bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
                               "--out", str(out), "--", "--bogus-flag", "3")
     assert_one_line(code, err, "unrecognized arguments: --bogus-flag 3")
     assert not out.exists()
@@ -323,10 +323,10 @@ def test_the_gpu_check_hands_its_trainer_flags_to_the_bench_gpu_step(tmp_path, c
             f.write('{"policy_tokens": 8}\n')
         return 0
     monkeypatch.setattr(bench, "run_command", ran)
-    code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "bench-gpu",
+    code, _, err, _ = command(capsys, "tools/bench.py", "gpu", "--check", "--dry-run", "--steps", "bench-gpu",
                               "--out", str(tmp_path / "check"), "--", "--max-new-tokens", "2")
     assert code == 0, err[-2000:]
-    assert commands == [[sys.executable, "bench.py", "gpu", "--tiny", "--", "--max-new-tokens", "2"]]
+    assert commands == [[sys.executable, "tools/bench.py", "gpu", "--tiny", "--", "--max-new-tokens", "2"]]
 
 
 def test_learnings_trainer_flags_are_checked_before_any_run(tmp_path, capsys, monkeypatch):
@@ -334,7 +334,7 @@ def test_learnings_trainer_flags_are_checked_before_any_run(tmp_path, capsys, mo
         raise AssertionError("a run started")
     monkeypatch.setattr(bench, "run_command", ran)
     out = tmp_path / "bench"
-    code, _, err, _ = command(capsys, "bench.py", "learning", "--out", str(out), "--iterations", "2",
+    code, _, err, _ = command(capsys, "tools/bench.py", "learning", "--out", str(out), "--iterations", "2",
                               "--window", "1", "--", "--bogus-flag", "3")
     assert_one_line(code, err, "unrecognized arguments: --bogus-flag 3")
     assert not out.exists()

@@ -378,7 +378,7 @@ def test_the_gpu_checks_out_is_a_new_folder_and_nothing_is_replaced(case, two_sa
     monkeypatch.setattr(bench, "run_command", ran)
     out, folder = out_in_use(case, two_saved, tmp_path)
     before = snapshot(folder)
-    code, _, err, _ = command(capsys, "bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
+    code, _, err, _ = command(capsys, "tools/bench.py", "gpu", "--check", "--dry-run", "--steps", "versions",
                               "--out", str(out))
     assert_one_line(code, err, f"--out {out}")
     assert snapshot(folder) == before

@@ -1,13 +1,13 @@
-"""Benchmarks of this codebase itself, one subcommand each (`python bench.py SUBCOMMAND --help`).
+"""Benchmarks of this codebase itself, one subcommand each (`python tools/bench.py SUB --help`).
 
-    python bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48]
+    python tools/bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48]
         [--simulator same|rules]
-    python bench.py step --algo grpo|ppo [--iterations 3] [-- TRAINER FLAGS]
-    python bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1]
+    python tools/bench.py step --algo grpo|ppo [--iterations 3] [-- TRAINER FLAGS]
+    python tools/bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1]
         [--out runs/bench-learning] [-- TRAINER FLAGS]
-    python bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
+    python tools/bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
         (one CUDA GPU; --tiny: the same on CPU)
-    python bench.py gpu --check [--out runs/gpu-check] [--steps a,b] [--budget 450]
+    python tools/bench.py gpu --check [--out runs/gpu-check] [--steps a,b] [--budget 450]
         [--dry-run] [-- PPO FLAGS]
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
@@ -39,8 +39,8 @@ take about 30 minutes for GRPO (120 s an iteration) and 46 minutes for PPO (184 
 up to about 1 h 55 min there (docs/results.md). A run whose metrics.jsonl already holds every
 iteration is skipped, and a run folder the trainer made continues with `--resume` (from its newest
 checkpoint, or from its beginning without one), so an interrupted benchmark goes on where it
-stopped. Flags after `--` go to both trainers, e.g. `python bench.py learning -- --lr 1e-4` (a flag
-only one trainer knows makes the other one fail).
+stopped. Flags after `--` go to both trainers, e.g. `python tools/bench.py learning -- --lr 1e-4`
+(a flag only one trainer knows makes the other one fail).
 
 gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
 (QWEN25_7B_CONFIG below; nothing is downloaded) and a ChatML tokenizer built at run time from this
@@ -96,6 +96,8 @@ from unittest import mock
 import numpy as np
 import torch
 
+# run as `python tools/bench.py` from any folder: the project's modules sit one folder up
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo
 import rollout
 from personas import load_personas
@@ -105,7 +107,7 @@ from run import (above, at_least, command, fail, new_folder, one_of, parse_setti
                  read_run, read_text, set_seed, setting, within, write_atomically)
 from simulator import RulesBackend, Simulator
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project's folder
 
 
 def comma_list(item, what):
@@ -398,7 +400,7 @@ def run_command(command, log=None, cores=None, timeout=None, env=None):
     if cores:
         env = {**os.environ, "OMP_NUM_THREADS": str(len(cores)), "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w", encoding="utf-8") if log else contextlib.nullcontext() as f:
-        process = subprocess.Popen(command, cwd=HERE, env=env, stdout=f,
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=f,
                                    stderr=f and subprocess.STDOUT,
                                    start_new_session=timeout is not None)
         # before torch starts its threads, which inherit it
@@ -498,7 +500,7 @@ def bench_learning(args):
     """The runs (train_runs), then learning.md from every complete one."""
     failed = train_runs(args)
     table, incomplete = learning_table(args)
-    text = (f"Made by `python bench.py {' '.join(args.argv)}`.\n\n{table}\n\n"
+    text = (f"Made by `python tools/bench.py {' '.join(args.argv)}`.\n\n{table}\n\n"
             "Mean reward per dialogue (final emotion / 100) over each run's first and last "
             f"{args.window} iterations; mean ± std (ddof=1) over seeds; each run's rewards, "
             "iteration by iteration, are in its metrics.jsonl.\n")
@@ -588,7 +590,7 @@ def chatml_tokenizer(vocab_size=4096):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = [*text_strings(json.loads(read_text(os.path.join(HERE, "personas.json")))),
+    texts = [*text_strings(json.loads(read_text(os.path.join(ROOT, "personas.json")))),
              rollout.THINK_PROMPT, rollout.PLAIN_PROMPT]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -635,9 +637,9 @@ def bench_gpu(args):
     bandwidth bound each decode reaches (weight bytes a step x steps a second / the copy
     bandwidth)."""
     if not args.tiny and not torch.cuda.is_available():
-        fail("bench.py gpu: needs a CUDA GPU and none is visible; `python bench.py gpu --tiny` "
-             "runs its code path with the paper preset's settings on CPU, "
-             "with a 2-layer model in float32")
+        fail("tools/bench.py gpu: needs a CUDA GPU and none is visible; "
+             "`python tools/bench.py gpu --tiny` runs its code path with the paper preset's "
+             "settings on CPU, with a 2-layer model in float32")
     # The paper preset (LoRA r 32 on every linear layer, gradient checkpointing, RLVER's clips and
     # entropy bonus) at the shape's sizes; for --tiny through the cpu preset (the paper preset needs
     # CUDA) with every setting it changes put back. Later flags win: the shape's over those, `--`
@@ -887,10 +889,11 @@ def check_command(step, args):
             # 1 of 4 on CPU
             "learning": [*pytest, "bfloat16", "-s", "tests/test_learning.py",
                          *(["-k", "ppo_learns_a_known_reward"] if dry_run else [])],
-            "bench-gpu": [sys.executable, "bench.py", "gpu", *["--tiny"] * dry_run, "--"]
+            "bench-gpu": [sys.executable, "tools/bench.py", "gpu", *["--tiny"] * dry_run, "--"]
                          + args.trainer_flags,
-            }.get(step) or [sys.executable, "-c", f"import bench; bench.report("
-                            f"bench.check_{step.replace('-', '_')}({dry_run}))"]
+            }.get(step) or [sys.executable, "-c", "import sys; sys.path.insert(0, 'tools'); "
+                            f"import bench; bench.report(bench.check_{step.replace('-', '_')}"
+                            f"({dry_run}))"]
 
 
 def step_numbers(step, output, finished):
@@ -914,7 +917,7 @@ def gpu_check(args):
     --out is a folder of its own, as a run's: created here (or taken while empty), so that nothing
     a check writes can replace a file it did not write."""
     if not args.dry_run and not torch.cuda.is_available():
-        fail("bench.py gpu --check: needs a CUDA GPU and none is visible; "
+        fail("tools/bench.py gpu --check: needs a CUDA GPU and none is visible; "
              "--dry-run runs its steps on CPU at tiny sizes")
     # the bench-gpu step's flags, with the shape it runs (with --tiny, the cpu preset's settings
     # are put back to the paper's, the default here)
@@ -991,7 +994,7 @@ def main(argv=None):
     model loads."""
     if argv is None:
         argv = sys.argv[1:]
-    top = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0])
+    top = argparse.ArgumentParser(prog="tools/bench.py", description=__doc__.split("\n\n")[0])
     top.error = fail
     top.add_argument("command", choices=COMMANDS)
     name = top.parse_args(argv[:1]).command
@@ -1005,7 +1008,7 @@ def main(argv=None):
         name = "gpu --check"
         flags = [a for a in flags if a != "--check"]
     benchmark, classes = COMMANDS[name]
-    args = parse_settings(classes, flags, prog=f"bench.py {name}")
+    args = parse_settings(classes, flags, prog=f"tools/bench.py {name}")
     args.trainer_flags = argv[cut + 1:]
     args.argv = argv
     return benchmark(args)

@@ -19,15 +19,13 @@ denominators over every process.
     accelerate launch --num_processes 8 grpo.py  # data parallel on one node
 """
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from policy import AdapterSettings, PolicySettings, adapter_params, load_policy, policy_settings
-from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, aggregate,
-                check_before_loading, iteration_report, old_and_ref_logprobs,
-                old_logprobs_from_update, pad_records, pick_personas, policy_objective,
-                token_logprobs, turn_rewards)
+from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, check_before_loading,
+                eval_logprobs, iteration_report, old_logprobs_from_update, pad_records,
+                pick_personas, policy_terms, token_logprobs, token_weights, turn_rewards)
 from rollout import SamplingSettings, make_simulator, play_dialogues, sampling_settings
 from run import Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting
 from simulator import SimulatorError, SimulatorSettings
@@ -151,7 +149,8 @@ def main(argv=None):
     sampling = sampling_settings(args, model, tokenizer)
     # whether the update's own pass gives the old log-probs (one step a batch, no dropout)
     batch_size = args.personas_per_iteration * args.group_size  # dialogues an iteration, in all
-    from_update = old_logprobs_from_update(model, args, batch_size)
+    from_update = old_logprobs_from_update(model, args.update_epochs, args.minibatch_size,
+                                           batch_size)
     for iteration in range(first_iteration, args.iterations):
         # --- 1. collect dialogues: this process's whole groups (its share of the personas) --------
         chosen = run.share(pick_personas(personas, args.personas_per_iteration, args.seed,
@@ -167,10 +166,18 @@ def main(argv=None):
         # --- 2. score: old log-probs, reference log-probs, rewards --------------------------------
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # the old log-probs (B, T) (None where the update's own pass gives them), and the
-        # reference's (adapter off; None on an iteration without the reference pass)
-        old_logprobs, ref_logprobs = old_and_ref_logprobs(model, batch, args, iteration,
-                                                          from_update)
+        # the old log-probs (B, T): a scoring pass in eval mode, unless the update's own pass runs
+        # the weights that sampled (from_update: one step a batch, no dropout): step 4 takes them
+        old_logprobs = None
+        if not from_update:
+            old_logprobs = eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
+        # the reference's (B, T) (the adapter off: the base, no second copy), for the KL term or,
+        # every --log-kl-every iterations, for the kl_ref figure
+        ref_logprobs = None
+        if args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0:
+            with model.disable_adapter():
+                ref_logprobs = eval_logprobs(model, batch, args.temperature,
+                                             args.micro_batch_size)
         # The rewards of the whole iteration, on every process (its figures are global). The
         # gather is in rank order, so this process's rows are its share (run.share), and each
         # process's dialogues come group after group, --group-size each (play_dialogues), so a
@@ -193,7 +200,9 @@ def main(argv=None):
             order = torch.randperm(len(records)).tolist()
             for start in range(0, len(records), local_mb):
                 mb_inds = order[start:start + local_mb]
+                # the loss's denominators: the minibatch's agent tokens and dialogues, every process
                 total_tokens = run.sum(mask[mb_inds].sum())
+                total_seqs = run.sum(mask[mb_inds].any(1).sum())
                 if not total_tokens:  # every dialogue unread: nothing to train on, no step
                     continue
                 optimizer.zero_grad(set_to_none=True)
@@ -204,19 +213,25 @@ def main(argv=None):
                     ids = batch["input_ids"][idx, :w]                                       # (b, w)
                     att = batch["attention_mask"][idx, :w]                                  # (b, w)
                     m = mask[idx, :w]                                                       # (b, w)
-                    agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
-                                  total_seqs=run.sum(mask[mb_inds].any(1).sum()),
-                                  token_budget=args.max_turns * args.max_new_tokens)
+                    # each agent token's weight in the minibatch's loss (--loss-agg; dr-grpo's
+                    # budget: the most tokens a dialogue can hold)
+                    weight = token_weights(m, args.loss_agg, total_tokens, total_seqs,     # (b, w)
+                                           args.max_turns * args.max_new_tokens)
                     newlogprob, entropy = token_logprobs(model, ids, att, m, args.temperature,
                                                          with_entropy=True,
                                                          entropy_grad=args.ent_coef > 0)
-                    # the old log-probs: the scoring pass's, or (one step a batch) this pass's own
-                    old = newlogprob.detach() if old_logprobs is None else old_logprobs[idx, :w]
-                    loss, terms = policy_objective(
-                        newlogprob, entropy, old, batch["sample_logprobs"][idx, :w],
-                        advantages[idx, :w],
-                        None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)
+                    # the old log-probs: this pass's own (from_update), else step 2's
+                    old = newlogprob.detach() if from_update else old_logprobs[idx, :w]
+                    terms = policy_terms(newlogprob, old, batch["sample_logprobs"][idx, :w],
+                                         advantages[idx, :w],
+                                         None if ref_logprobs is None else ref_logprobs[idx, :w],
+                                         clip_low=args.clip_low, clip_high=args.clip_high,
+                                         dual_clip=args.dual_clip, tis_cap=args.tis_cap)
+                    loss = (weight * (terms["policy_loss"] - args.ent_coef * entropy)).sum()
+                    if args.kl_loss_coef > 0:  # the k3 KL to the reference, in the loss
+                        loss = loss + args.kl_loss_coef * (weight * terms["kl_ref_loss"]).sum()
                     loss.backward()
+                    terms["entropy"] = entropy
                     run.add_sums(logs, terms, m)  # for the log: global means over the tokens
                 run.sum_gradients(params)  # over the processes
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)

@@ -21,17 +21,16 @@ denominators over every process.
 import contextlib
 import copy
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
 
 from policy import (AdapterSettings, PolicySettings, adapter_params, load_policy, policy_settings,
                     use_adapter)
-from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, aggregate,
-                check_before_loading, eval_scores, iteration_report, old_and_ref_logprobs,
-                old_logprobs_from_update, pad_records, pick_personas, policy_objective,
-                token_logprobs, turn_rewards, unmoved_return)
+from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, check_before_loading,
+                eval_logprobs, eval_scores, iteration_report, old_logprobs_from_update,
+                pad_records, pick_personas, policy_terms, token_logprobs, token_weights,
+                turn_rewards, unmoved_return)
 from rollout import SamplingSettings, make_simulator, play_dialogues, sampling_settings
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
                  within)
@@ -215,7 +214,8 @@ def main(argv=None):
     first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
     sampling = sampling_settings(args, model, tokenizer)
     # whether the update's own pass gives the old log-probs (one step a batch, no dropout)
-    from_update = old_logprobs_from_update(model, args, args.dialogues_per_iteration)
+    from_update = old_logprobs_from_update(model, args.update_epochs, args.minibatch_size,
+                                           args.dialogues_per_iteration)
     for iteration in range(first_iteration, args.iterations):
         # --- 1. collect dialogues: this process's share of the iteration's personas -------------
         chosen = run.share(pick_personas(personas, args.dialogues_per_iteration, args.seed,
@@ -230,10 +230,18 @@ def main(argv=None):
         # --- 2. score: old log-probs, reference log-probs, values, rewards ------------------------
         batch = pad_records(records, tokenizer.pad_token_id, run.device)
         mask = batch["action_mask"]                                                         # (B, T)
-        # the old log-probs (B, T) (None where the update's own pass gives them), and the
-        # reference's (adapters off; None on an iteration without the reference pass)
-        old_logprobs, ref_logprobs = old_and_ref_logprobs(model, batch, args, iteration,
-                                                          from_update)
+        # the old log-probs (B, T): a scoring pass in eval mode, unless the update's own pass runs
+        # the weights that sampled (from_update: one step a batch, no dropout): step 4 takes them
+        old_logprobs = None
+        if not from_update:
+            old_logprobs = eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
+        # the reference's (B, T) (the adapters off: the base, no second copy), for the KL term or,
+        # every --log-kl-every iterations, for the kl_ref figure
+        ref_logprobs = None
+        if args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0:
+            with model.disable_adapter():
+                ref_logprobs = eval_logprobs(model, batch, args.temperature,
+                                             args.micro_batch_size)
         with adapter_active(model, "critic"):  # in length-sorted micro-batches, without gradients
             old_values = eval_scores(model, batch, args.micro_batch_size,                   # (B, T)
                                      lambda ids, att, _: critic_values(model, value_head, ids, att))
@@ -257,7 +265,9 @@ def main(argv=None):
             order = torch.randperm(len(records)).tolist()
             for start in range(0, len(records), local_mb):
                 mb_inds = order[start:start + local_mb]
+                # the loss's denominators: the minibatch's agent tokens and dialogues, every process
                 total_tokens = run.sum(mask[mb_inds].sum())
+                total_seqs = run.sum(mask[mb_inds].any(1).sum())
                 if not total_tokens:  # every dialogue unread: nothing to train on, no step
                     continue
                 optimizer.zero_grad(set_to_none=True)
@@ -268,24 +278,29 @@ def main(argv=None):
                     ids = batch["input_ids"][idx, :w]                                       # (b, w)
                     att = batch["attention_mask"][idx, :w]                                  # (b, w)
                     m = mask[idx, :w]                                                       # (b, w)
-                    # its share of the loss
-                    agg = partial(aggregate, mask=m, mode=args.loss_agg, total_tokens=total_tokens,
-                                  total_seqs=run.sum(mask[mb_inds].any(1).sum()))
+                    # each agent token's weight in the minibatch's loss (--loss-agg)
+                    weight = token_weights(m, args.loss_agg, total_tokens, total_seqs)      # (b, w)
                     newlogprob, entropy = token_logprobs(model, ids, att, m, args.temperature,
                                                          with_entropy=True,
                                                          entropy_grad=args.ent_coef > 0)
-                    # the old log-probs: the scoring pass's, or (one step a batch) this pass's own
-                    old = newlogprob.detach() if old_logprobs is None else old_logprobs[idx, :w]
-                    actor_loss, terms = policy_objective(
-                        newlogprob, entropy, old, batch["sample_logprobs"][idx, :w],
-                        advantages[idx, :w],
-                        None if ref_logprobs is None else ref_logprobs[idx, :w], agg, args)
+                    # the old log-probs: this pass's own (from_update), else step 2's
+                    old = newlogprob.detach() if from_update else old_logprobs[idx, :w]
+                    terms = policy_terms(newlogprob, old, batch["sample_logprobs"][idx, :w],
+                                         advantages[idx, :w],
+                                         None if ref_logprobs is None else ref_logprobs[idx, :w],
+                                         clip_low=args.clip_low, clip_high=args.clip_high,
+                                         dual_clip=args.dual_clip, tis_cap=args.tis_cap)
+                    actor_loss = (weight * (terms["policy_loss"] - args.ent_coef * entropy)).sum()
+                    if args.kl_loss_coef > 0:  # the k3 KL to the reference, in the loss
+                        actor_loss = actor_loss + args.kl_loss_coef * (
+                            weight * terms["kl_ref_loss"]).sum()
                     actor_loss.backward()
                     with adapter_active(model, "critic"):  # forward and backward under the critic
                         values = critic_values(model, value_head, ids, att)
                         terms["value_loss"], terms["value_clip_frac"] = clipped_value_loss(
                             values, old_values[idx, :w], returns[idx, :w], args.value_clip)
-                        (args.vf_coef * agg(terms["value_loss"])).backward()
+                        (args.vf_coef * weight * terms["value_loss"]).sum().backward()
+                    terms["entropy"] = entropy
                     run.add_sums(logs, terms, m)  # for the log: global means over the tokens
                 run.sum_gradients(actor_params + critic_params)  # over the processes
                 actor_norm = torch.nn.utils.clip_grad_norm_(actor_params, args.max_grad_norm)

@@ -42,7 +42,7 @@ def pick_personas(personas, n, seed, iteration):
     return [pick.choice(personas) for _ in range(n)]
 
 
-def old_logprobs_from_update(model, args, batch_size):
+def old_logprobs_from_update(model, update_epochs, minibatch_size, batch_size):
     """Whether the update's own forward pass can give the old log-probs (step 2 of both trainers),
     decided once at set-up. It can with one optimizer step per batch (one pass, the whole batch of
     batch_size dialogues one minibatch): the weights that would score the rollout are then the ones
@@ -54,7 +54,7 @@ def old_logprobs_from_update(model, args, batch_size):
              if "dropout" in k or k.endswith("pdrop")]
     rates += [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
     dropout = any(isinstance(p, (int, float)) and p > 0 for p in rates)
-    return args.update_epochs == 1 and args.minibatch_size == batch_size and not dropout
+    return update_epochs == 1 and minibatch_size == batch_size and not dropout
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,21 +159,6 @@ def eval_logprobs(model, batch, temperature=1.0, micro_batch_size=4):
     """token_logprobs over a padded batch (B, T), without gradients (eval_scores)."""
     return eval_scores(model, batch, micro_batch_size, lambda ids, att, m: token_logprobs(
         model, ids, att, m, temperature)[0])
-
-
-def old_and_ref_logprobs(model, batch, args, iteration, from_update):
-    """Step 2 of both trainers, the scoring passes: the old log-probs (B, T), or None where the
-    update's own pass gives them (from_update, old_logprobs_from_update: the update then takes that
-    pass's log-probs, detached, as it makes them); and the reference's (B, T) (the adapter off), or
-    None on an iteration that needs none: the pass feeds the KL loss term when it has a weight,
-    else only the kl_ref figure, every --log-kl-every iterations."""
-    old = ref = None
-    if not from_update:
-        old = eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
-    if args.kl_loss_coef > 0 or iteration % args.log_kl_every == 0:
-        with model.disable_adapter():  # the base weights: the reference policy, no second copy
-            ref = eval_logprobs(model, batch, args.temperature, args.micro_batch_size)
-    return old, ref
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,22 +271,22 @@ def kl_k3(logprobs, ref_logprobs):
     return torch.exp(d) - d - 1
 
 
-def aggregate(loss, mask, mode, total_tokens, total_seqs, token_budget=None):
-    """Reduce per-token losses (b, T) of one micro-batch to its share of the minibatch loss, so that
-    summing the micro-batches gives the minibatch loss whatever the split (each trainer offers
-    some).
-    token-mean: every agent token weighs the same (DAPO); long dialogues weigh more.
-    seq-mean-token-mean: every dialogue weighs the same (the GRPO paper's choice); a token of a
-                         short dialogue weighs more than one of a long dialogue.
-    dr-grpo: token sum over a fixed length budget per dialogue, total_seqs x token_budget
-             (Dr. GRPO): no length-dependent normalisation at all. GRPO takes the budget as the
-             most tokens a dialogue can hold, max_turns x max_new_tokens."""
-    masked = loss * mask                                                                    # (b, T)
+def token_weights(mask, mode, tokens, dialogues, token_budget=None):
+    """Each agent token's weight (b, T) in the minibatch's loss under --loss-agg, from one
+    micro-batch's mask and the minibatch's counts over every process (tokens: its agent tokens,
+    dialogues: its dialogues that have one): the sum of weight x a per-token loss over the
+    micro-batches is the minibatch's loss, whatever the split (each trainer offers some).
+    token-mean: 1 / tokens; every agent token weighs the same (DAPO); long dialogues weigh more.
+    seq-mean-token-mean: 1 / (the dialogue's own tokens x dialogues); every dialogue weighs the
+                         same (the GRPO paper's choice).
+    dr-grpo: 1 / (dialogues x token_budget), a fixed length budget per dialogue (Dr. GRPO): no
+             length-dependent normalisation at all. GRPO takes the budget as the most tokens a
+             dialogue can hold, max_turns x max_new_tokens."""
     if mode == "token-mean":
-        return masked.sum() / total_tokens
+        return mask / tokens
     if mode == "seq-mean-token-mean":
-        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / total_seqs
-    return masked.sum() / (total_seqs * token_budget)  # dr-grpo
+        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * dialogues)
+    return mask / (dialogues * token_budget)  # dr-grpo
 
 
 def adamw_with_warmup(groups):
@@ -319,7 +304,7 @@ def adamw_with_warmup(groups):
 
 
 # ----------------------------------------------------------------------------------------------
-# The policy loss, and the settings both trainers' updates read
+# The policy's terms, and the settings both trainers' updates read
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class TrainingSettings:
@@ -376,40 +361,35 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high,
     return loss, ratio, (clipped > unclipped).float()
 
 
-def policy_objective(logprobs, entropy, old_logprobs, sample_logprobs, advantages, ref_logprobs,
-                     agg, args):
-    """The policy's loss on one micro-batch, from per-token (b, T) tensors to its share of the
-    minibatch loss (agg: aggregate with the minibatch's counts): the clipped surrogate, each token's
-    weighted by truncated importance sampling, minus --ent-coef x the entropy, plus --kl-loss-coef
-    x the k3 KL to the reference (ref_logprobs, None when no reference pass ran).
+def policy_terms(logprobs, old_logprobs, sample_logprobs, advantages, ref_logprobs, *,
+                 clip_low, clip_high, dual_clip, tis_cap):
+    """The policy's per-token terms (b, T), both trainers': "policy_loss", the clipped surrogate
+    weighted by truncated importance sampling, which the loss sums with the tokens' weights; the
+    k3 KL to the reference ("kl_ref_loss"; None when no reference pass ran: ref_logprobs None),
+    which a KL term adds; and what the update logs of the rollout's policy: its KL to the reference
+    and its mismatch with the sampler, the k3 estimate of KL(sampler || trainer).
     Truncated importance sampling (TIS; Yao et al. 2025, as verl, TRL and OpenRLHF correct it): the
-    rollout sampled each token with its own computation (generate with a KV cache, bf16 kernels),
-    whose log-prob sample_logprobs differs from the trainer's old_logprobs by rounding; the
-    surrogate assumes the trainer's policy sampled. Each token's term is weighted by
-    w = min(pi_old / pi_sampler, --tis-cap), a constant (old_logprobs carry no gradient), which
-    corrects the expectation and caps the variance; --tis-cap 0: w = 1. Returns (loss, the
-    per-token terms the update logs, also those of the rollout's policy: its KL to the reference
-    and its mismatch with the sampler, the k3 estimate of KL(sampler || trainer))."""
-    pg, _, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, args.clip_low,
-                                         args.clip_high, args.dual_clip)
+    rollout sampled each token with its own computation (the decode step with a KV cache, bf16
+    kernels), whose log-prob sample_logprobs differs from the trainer's old_logprobs by rounding;
+    the surrogate assumes the trainer's policy sampled. Each token's term is weighted by
+    w = min(pi_old / pi_sampler, tis_cap), a constant (old_logprobs carry no gradient), which
+    corrects the expectation and caps the variance; tis_cap 0: w = 1."""
+    pg, _, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high,
+                                         dual_clip)
     sampler_ratio = torch.exp(old_logprobs - sample_logprobs)  # 1 off the mask: both are 0 there
     weight, cut = torch.ones_like(pg), torch.zeros_like(pg)
-    if args.tis_cap:
-        weight = sampler_ratio.clamp(max=args.tis_cap)
-        cut = (sampler_ratio > args.tis_cap).float()
-    pg = weight * pg
+    if tis_cap:
+        weight = sampler_ratio.clamp(max=tis_cap)
+        cut = (sampler_ratio > tis_cap).float()
     kl_ref = kl_ref_loss = None  # an iteration without the reference pass
     if ref_logprobs is not None:
         kl_ref, kl_ref_loss = kl_k3(old_logprobs, ref_logprobs), kl_k3(logprobs, ref_logprobs)
-    loss = agg(pg) - args.ent_coef * agg(entropy)
-    if args.kl_loss_coef > 0:
-        loss = loss + args.kl_loss_coef * agg(kl_ref_loss)
-    return loss, {"policy_loss": pg, "entropy": entropy,
-                  "approx_kl": kl_k3(old_logprobs, logprobs.detach()),  # KL(old || new)
-                  "clip_frac": clipped, "kl_ref": kl_ref, "kl_ref_loss": kl_ref_loss,
-                  "sample_logprob_gap": (old_logprobs - sample_logprobs).abs(),
-                  "mismatch_kl": kl_k3(sample_logprobs, old_logprobs),
-                  "tis_weight_mean": weight, "tis_clip_frac": cut}
+    return {"policy_loss": weight * pg,
+            "approx_kl": kl_k3(old_logprobs, logprobs.detach()),  # KL(old || new)
+            "clip_frac": clipped, "kl_ref": kl_ref, "kl_ref_loss": kl_ref_loss,
+            "sample_logprob_gap": (old_logprobs - sample_logprobs).abs(),
+            "mismatch_kl": kl_k3(sample_logprobs, old_logprobs),
+            "tis_weight_mean": weight, "tis_clip_frac": cut}
 
 
 # ----------------------------------------------------------------------------------------------

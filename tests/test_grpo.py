@@ -126,11 +126,11 @@ BUDGET = 8
     ("dr-grpo", (1 + 2 + 3 + 4 + 5 + 6) / (3 * BUDGET)),
 ])
 def test_loss_aggregation_by_hand(mode, expected):
-    whole = rl.aggregate(LOSS, MASK, mode, MASK.sum(), 3, BUDGET)
+    whole = (LOSS * rl.token_weights(MASK, mode, MASK.sum(), 3, BUDGET)).sum()
     assert whole.item() == pytest.approx(expected)
     # split into micro-batches, the shares add up to the same minibatch loss
-    parts = (rl.aggregate(LOSS[:1], MASK[:1], mode, MASK.sum(), 3, BUDGET)
-             + rl.aggregate(LOSS[1:], MASK[1:], mode, MASK.sum(), 3, BUDGET))
+    parts = ((LOSS[:1] * rl.token_weights(MASK[:1], mode, MASK.sum(), 3, BUDGET)).sum()
+             + (LOSS[1:] * rl.token_weights(MASK[1:], mode, MASK.sum(), 3, BUDGET)).sum())
     assert parts.item() == pytest.approx(expected)
 
 

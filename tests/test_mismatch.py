@@ -76,8 +76,6 @@ def test_the_truncated_importance_weight_by_hand_on_a_bf16_model(sharp_model_dir
     the gradient, through the bf16 model, against the formula written out by hand. Using the current
     log-probs in the weight (a forker's mistake) would change the gradient; so would a weight that
     is not truncated or not applied."""
-    from functools import partial
-    from types import SimpleNamespace
 
     policy, tokenizer = load_policy(sharp_model_dir, device="cpu", lora_r=4, dtype="bfloat16")
     batch = rollout_batch(policy, tokenizer)
@@ -91,10 +89,9 @@ def test_the_truncated_importance_weight_by_hand_on_a_bf16_model(sharp_model_dir
     sample = (old + 1.5 * (2 * torch.rand(mask.shape, generator=g) - 1)) * mask
     adv = torch.randn(mask.shape, generator=g) * mask
     n = mask.sum()
-    args = SimpleNamespace(clip_low=0.2, clip_high=0.28, dual_clip=0.0, ent_coef=0.0, kl_loss_coef=0.0,
-                           tis_cap=2.0)
-    agg = partial(rl.aggregate, mask=mask, mode="token-mean", total_tokens=n, total_seqs=len(mask))
-    loss, terms = rl.policy_objective(newlogprob, entropy, old, sample, adv, None, agg, args)
+    coefficients = dict(clip_low=0.2, clip_high=0.28, dual_clip=0.0, tis_cap=2.0)
+    terms = rl.policy_terms(newlogprob, old, sample, adv, None, **coefficients)
+    loss = (rl.token_weights(mask, "token-mean", n, len(mask)) * terms["policy_loss"]).sum()
     loss.backward()
     grads = {k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None}
     # by hand, in float64
@@ -120,8 +117,7 @@ def test_the_truncated_importance_weight_by_hand_on_a_bf16_model(sharp_model_dir
     assert terms["tis_clip_frac"][on].mean().item() == pytest.approx(
         (torch.exp(old64 - sample64)[on] > 2).double().mean().item())
     # --tis-cap 0: no correction, every weight 1, nothing cut
-    off = rl.policy_objective(newlogprob, entropy, old, sample, adv, None, agg,
-                               SimpleNamespace(**{**vars(args), "tis_cap": 0.0}))[1]
+    off = rl.policy_terms(newlogprob, old, sample, adv, None, **{**coefficients, "tis_cap": 0.0})
     assert off["tis_weight_mean"][on].unique().tolist() == [1.0] and off["tis_clip_frac"].sum() == 0
     assert torch.equal(off["mismatch_kl"], terms["mismatch_kl"])  # what is measured does not change
 

@@ -237,11 +237,11 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0,
     ("seq-mean-token-mean", (2.0 + 4.0 + 5.5) / 3),
 ])
 def test_loss_aggregation_by_hand(mode, expected):
-    whole = rl.aggregate(LOSS, MASK, mode, MASK.sum(), 3)
+    whole = (LOSS * rl.token_weights(MASK, mode, MASK.sum(), 3)).sum()
     assert whole.item() == pytest.approx(expected)
     # split into micro-batches, the shares add up to the same minibatch loss
-    parts = (rl.aggregate(LOSS[:1], MASK[:1], mode, MASK.sum(), 3)
-             + rl.aggregate(LOSS[1:], MASK[1:], mode, MASK.sum(), 3))
+    parts = ((LOSS[:1] * rl.token_weights(MASK[:1], mode, MASK.sum(), 3)).sum()
+             + (LOSS[1:] * rl.token_weights(MASK[1:], mode, MASK.sum(), 3)).sum())
     assert parts.item() == pytest.approx(expected)
 
 
@@ -552,26 +552,25 @@ def test_explained_variance_by_hand():
     assert ppo.explained_variance(returns, np.ones(3)) is None  # the returns never vary
 
 
-def test_policy_objective_matches_a_hand_computation_and_is_the_same_in_both_trainers():
+def test_the_policy_terms_and_the_loss_by_hand_and_the_same_in_both_trainers():
     # two tokens of one dialogue: ratio e^0.5 (clipped at 1.2 for a positive advantage) and e^-0.1
-    from functools import partial
-    from types import SimpleNamespace
-
     import grpo
 
-    # one policy loss: both trainers call rl's, none keeps a copy that could drift from it
-    assert ppo.policy_objective is grpo.policy_objective is rl.policy_objective
+    # one policy's terms: both trainers call rl's, none keeps a copy that could drift from it
+    assert ppo.policy_terms is grpo.policy_terms is rl.policy_terms
     assert not hasattr(ppo, "clipped_policy_loss") and not hasattr(grpo, "clipped_policy_loss")
 
     logprobs = torch.tensor([[-1.0, -2.1]], requires_grad=True)
     old, adv = torch.tensor([[-1.5, -2.0]]), torch.tensor([[1.0, -2.0]])
     entropy, ref = torch.tensor([[0.5, 1.5]]), torch.tensor([[-1.0, -2.0]])
     mask = torch.ones(1, 2)
-    args = SimpleNamespace(clip_low=0.2, clip_high=0.2, dual_clip=0.0, ent_coef=0.1, kl_loss_coef=0.5,
-                           tis_cap=2.0)
-    agg = partial(rl.aggregate, mask=mask, mode="token-mean", total_tokens=2.0, total_seqs=1.0)
     # the sampler's log-probs are the old ones: every importance weight is 1
-    loss, terms = rl.policy_objective(logprobs, entropy, old, old, adv, ref, agg, args)
+    terms = rl.policy_terms(logprobs, old, old, adv, ref, clip_low=0.2, clip_high=0.2, dual_clip=0.0,
+                            tis_cap=2.0)
+    # the loss as the trainers' loops make it: token-mean weights, an entropy bonus of 0.1 and a
+    # KL term of 0.5
+    weight = rl.token_weights(mask, "token-mean", 2.0, 1.0)
+    loss = (weight * (terms["policy_loss"] - 0.1 * entropy + 0.5 * terms["kl_ref_loss"])).sum()
     r2 = np.exp(-0.1)
     pg = [-1.0 * 1.2, max(2.0 * r2, 2.0 * 0.8)]              # max(-A r, -A clip(r))
     kl = [0.0, np.exp(0.1) - 0.1 - 1]                          # k3 with ref - lp = 0 and 0.1

@@ -12,7 +12,6 @@ import copy
 import json
 import os
 import re
-import types
 from collections import Counter
 
 import pytest
@@ -21,7 +20,7 @@ import torch
 from client import OpenAIBackend
 from personas import load_personas
 from policy import float32_head, load_model, load_policy
-from rl import eval_logprobs, eval_scores, old_and_ref_logprobs, pad_records, token_logprobs
+from rl import eval_logprobs, eval_scores, pad_records, token_logprobs
 import rollout
 import simulator
 from rollout import SILENCE, ChatTokens, play_dialogues, split_thought
@@ -484,13 +483,9 @@ def _hand_batch(tokenizer):
 
 
 def reference_logprobs(model, batch, temperature=1.0):
-    """The trainers' reference pass (old_and_ref_logprobs, on an iteration that runs it; the old
-    log-probs from the update's own pass)."""
-    args = types.SimpleNamespace(kl_loss_coef=0.0, log_kl_every=1, temperature=temperature,
-                                 micro_batch_size=4)
-    old, ref = old_and_ref_logprobs(model, batch, args, iteration=0, from_update=True)
-    assert old is None
-    return ref
+    """The trainers' reference pass (step 2): every adapter off, a scoring pass."""
+    with model.disable_adapter():
+        return eval_logprobs(model, batch, temperature, micro_batch_size=4)
 
 
 def test_reference_is_the_base_model_before_and_after_training(tiny_model_dir, tmp_path):

@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 from personas import PersonaError, load_personas
 from policy import PolicySettings, check_model, default_device, load_policy
-from rollout import (TOKEN_ARRAYS, SamplingSettings, build_simulator, check_openings_fit,
-                     make_backend, play_dialogues, sampling_settings)
+from rollout import (TOKEN_ARRAYS, ChatTokens, SamplingSettings, build_simulator,
+                     check_openings_fit, make_backend, play_dialogues)
 from run import (TAKEN, append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
                  new_folder, parse_json, parse_settings, public_config, read_json_lines, read_run,
                  read_text, release, setting, settings_of_runs, within, write_atomically,
@@ -292,10 +292,11 @@ def run_evaluation(args, policy, tokenizer, simulator, personas, models):
     for done, (label, adapter_name, path) in enumerate(models, 1):
         t0 = time.time()
         with use_model(policy, adapter_name):
-            # a Decoder of its own: on CUDA its graphs hold the adapter they were captured with
-            sampling = {**sampling_settings(args, policy, tokenizer), "greedy": True}
-            records, _ = play_dialogues(policy, simulator, personas, **sampling,
-                                        desc=f"{label}: dialogues")
+            # a Decoder of its own a model (play_dialogues makes one): on CUDA, its adapter's graphs
+            records, _ = play_dialogues(
+                policy, simulator, personas, chat=ChatTokens(tokenizer, args.thinking),
+                temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                max_context=args.max_context, greedy=True, desc=f"{label}: dialogues")
         # each dialogue tagged with its model, its token arrays left out
         append_lines(f"{args.out}/transcripts.jsonl",
                      [{"model": label, **{k: r[k] for k in r if k not in TOKEN_ARRAYS}}
@@ -680,7 +681,8 @@ def main(argv=None):
     if args.write_openings:  # the first messages RLVER's training profiles lack
         return write_openings(args)
     personas = load_personas(args.personas, args.split, args.difficulty)[:args.dialogues or None]
-    check_openings_fit(args, personas)
+    check_openings_fit(personas, args.model, args.thinking, args.max_new_tokens, args.max_context,
+                       args.trust_remote_code)
     new_folder(args.out)  # before any model loads
     policy, tokenizer, models = load_models(args)
     simulator = build_simulator(args, policy, tokenizer, goodbye="sage")

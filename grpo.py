@@ -22,11 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from policy import AdapterSettings, PolicySettings, adapter_params, load_policy, policy_settings
-from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, check_before_loading,
-                eval_logprobs, iteration_report, old_logprobs_from_update, pad_records,
-                pick_personas, policy_terms, token_logprobs, token_weights, turn_rewards)
-from rollout import SamplingSettings, make_simulator, play_dialogues, sampling_settings
+from personas import load_personas
+from policy import AdapterSettings, PolicySettings, adapter_params, check_model, load_policy
+from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, eval_logprobs,
+                iteration_report, old_logprobs_from_update, pad_records, pick_personas,
+                policy_terms, token_logprobs, token_weights, turn_rewards)
+from rollout import (ChatTokens, Decoder, SamplingSettings, build_simulator, check_openings_fit,
+                     play_dialogues)
 from run import Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting
 from simulator import SimulatorError, SimulatorSettings
 
@@ -136,17 +138,36 @@ LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref", "kl_ref_
 def main(argv=None):
     # --resume: the run's own settings
     args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="grpo.py")
-    personas = check_before_loading(args)  # the personas, and every check that needs no weights
+    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
+        fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
+    personas = load_personas(args.personas, args.split, args.difficulty)
+    # every check that needs no weights: each opening leaves room for a whole reply in the context,
+    # and the model's config (--target-modules against its layers, no change to its logits after
+    # lm_head)
+    check_openings_fit(personas, args.model, args.thinking, args.max_new_tokens, args.max_context,
+                       args.trust_remote_code)
+    check_model(args.model, args.target_modules, args.trust_remote_code)
     run = Run(args, "grpo.py", adapters=["default"],  # a group stays in one process
               per_process=["personas_per_iteration", "minibatch_size"])
 
     # --- the model: policy adapter on a frozen base; no critic --------------------------------
-    model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
+    model, tokenizer = load_policy(args.model, device=run.device, dtype=args.dtype,
+                                   load_in_4bit=args.load_in_4bit, fp32_head=args.fp32_head,
+                                   trust_remote_code=args.trust_remote_code, lora_r=args.lora_r,
+                                   lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                   target_modules=args.target_modules,
+                                   gradient_checkpointing=args.gradient_checkpointing)
     params = adapter_params(model, "default")  # trainable as get_peft_model made them
     optimizer, scheduler = adamw_with_warmup([(params, args.lr, args.warmup_steps)])
-    simulator = make_simulator(args, model, tokenizer, run)
+    simulator = build_simulator(args, model, tokenizer)
+    if run.is_main:  # how the policy samples, and which read-out the user gives
+        print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
+              f"{args.simulator}, read-out {simulator.readout}")
     first_iteration = run.begin(model, optimizer, scheduler)
-    sampling = sampling_settings(args, model, tokenizer)
+    # the agent's chat (the system prompt --thinking picks, the template's pieces) and its Decoder
+    # (one KV cache for a rollout's dialogues, --max-context long)
+    chat = ChatTokens(tokenizer, args.thinking)
+    decoder = Decoder(model, chat.eos_ids, tokenizer.pad_token_id, args.max_context + 1)
     # whether the update's own pass gives the old log-probs (one step a batch, no dropout)
     batch_size = args.personas_per_iteration * args.group_size  # dialogues an iteration, in all
     from_update = old_logprobs_from_update(model, args.update_epochs, args.minibatch_size,
@@ -156,8 +177,11 @@ def main(argv=None):
         chosen = run.share(pick_personas(personas, args.personas_per_iteration, args.seed,
                                          iteration))
         try:
-            records, rstats = play_dialogues(model, simulator, chosen, **sampling,
-                                             samples_per_persona=args.group_size,
+            records, rstats = play_dialogues(model, simulator, chosen, args.group_size,
+                                             chat=chat, decoder=decoder,
+                                             temperature=args.temperature,
+                                             max_new_tokens=args.max_new_tokens,
+                                             max_context=args.max_context, greedy=args.greedy,
                                              progress=run.show_progress)
         except SimulatorError as e:
             run.stop(e)  # one line; a finished iteration not yet saved is saved first
@@ -244,7 +268,9 @@ def main(argv=None):
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
-        figures, dialogues = iteration_report(run, all_records, rstats, batch, args, t_update)
+        figures, dialogues = iteration_report(all_records, run.gather([rstats]),
+                                              run.sum(mask.sum()).item() * args.update_epochs,
+                                              max(run.gather([t_update])), args)
         # a group's figures, read off its first dialogue (each of its dialogues holds them); the
         # reward std over the groups with a std, those with two read dialogues or more
         first = slice(None, None, args.group_size)

@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -348,13 +348,6 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
     config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                         target_modules=target_names(target_modules), task_type="CAUSAL_LM")
     return get_peft_model(base, config), tokenizer
-
-
-def policy_settings(args):
-    """load_policy's keyword arguments from a trainer's settings: every field of PolicySettings (but
-    the model, its first argument) and of AdapterSettings."""
-    return {f.name: getattr(args, f.name)
-            for f in fields(PolicySettings) + fields(AdapterSettings) if f.name != "model"}
 
 
 def float32_head(model):

@@ -25,13 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from policy import (AdapterSettings, PolicySettings, adapter_params, load_policy, policy_settings,
+from personas import load_personas
+from policy import (AdapterSettings, PolicySettings, adapter_params, check_model, load_policy,
                     use_adapter)
-from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, check_before_loading,
-                eval_logprobs, eval_scores, iteration_report, old_logprobs_from_update,
-                pad_records, pick_personas, policy_terms, token_logprobs, token_weights,
-                turn_rewards, unmoved_return)
-from rollout import SamplingSettings, make_simulator, play_dialogues, sampling_settings
+from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, eval_logprobs, eval_scores,
+                iteration_report, old_logprobs_from_update, pad_records, pick_personas,
+                policy_terms, token_logprobs, token_weights, turn_rewards, unmoved_return)
+from rollout import (ChatTokens, Decoder, SamplingSettings, build_simulator, check_openings_fit,
+                     play_dialogues)
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
                  within)
 from simulator import SimulatorError, SimulatorSettings
@@ -191,12 +192,25 @@ def critic_values(model, value_head, input_ids, attention_mask):
 def main(argv=None):
     # --resume: the run's own settings
     args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="ppo.py")
-    personas = check_before_loading(args)  # the personas, and every check that needs no weights
+    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
+        fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
+    personas = load_personas(args.personas, args.split, args.difficulty)
+    # every check that needs no weights: each opening leaves room for a whole reply in the context,
+    # and the model's config (--target-modules against its layers, no change to its logits after
+    # lm_head)
+    check_openings_fit(personas, args.model, args.thinking, args.max_new_tokens, args.max_context,
+                       args.trust_remote_code)
+    check_model(args.model, args.target_modules, args.trust_remote_code)
     run = Run(args, "ppo.py", adapters=["default", "critic"],
               per_process=["dialogues_per_iteration", "minibatch_size"])
 
     # --- the model: actor adapter, critic adapter + value head, frozen shared base ------------
-    model, tokenizer = load_policy(args.model, device=run.device, **policy_settings(args))
+    model, tokenizer = load_policy(args.model, device=run.device, dtype=args.dtype,
+                                   load_in_4bit=args.load_in_4bit, fp32_head=args.fp32_head,
+                                   trust_remote_code=args.trust_remote_code, lora_r=args.lora_r,
+                                   lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                   target_modules=args.target_modules,
+                                   gradient_checkpointing=args.gradient_checkpointing)
     # the critic: a second LoRA adapter of the actor's shape on the shared base, and a value head
     # that starts at the return of an unmoved emotion (rl.unmoved_return)
     model.add_adapter("critic", copy.deepcopy(model.peft_config["default"]))
@@ -210,9 +224,15 @@ def main(argv=None):
     optimizer, scheduler = adamw_with_warmup(
         [(actor_params, args.lr, args.warmup_steps),
          (critic_params, args.critic_lr, args.critic_warmup_steps)])
-    simulator = make_simulator(args, model, tokenizer, run)
+    simulator = build_simulator(args, model, tokenizer)
+    if run.is_main:  # how the policy samples, and which read-out the user gives
+        print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
+              f"{args.simulator}, read-out {simulator.readout}")
     first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
-    sampling = sampling_settings(args, model, tokenizer)
+    # the agent's chat (the system prompt --thinking picks, the template's pieces) and its Decoder
+    # (one KV cache for a rollout's dialogues, --max-context long)
+    chat = ChatTokens(tokenizer, args.thinking)
+    decoder = Decoder(model, chat.eos_ids, tokenizer.pad_token_id, args.max_context + 1)
     # whether the update's own pass gives the old log-probs (one step a batch, no dropout)
     from_update = old_logprobs_from_update(model, args.update_epochs, args.minibatch_size,
                                            args.dialogues_per_iteration)
@@ -221,7 +241,10 @@ def main(argv=None):
         chosen = run.share(pick_personas(personas, args.dialogues_per_iteration, args.seed,
                                          iteration))
         try:
-            records, rstats = play_dialogues(model, simulator, chosen, **sampling,
+            records, rstats = play_dialogues(model, simulator, chosen, chat=chat, decoder=decoder,
+                                             temperature=args.temperature,
+                                             max_new_tokens=args.max_new_tokens,
+                                             max_context=args.max_context, greedy=args.greedy,
                                              progress=run.show_progress)
         except SimulatorError as e:
             run.stop(e)  # one line; a finished iteration not yet saved is saved first
@@ -315,8 +338,9 @@ def main(argv=None):
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
-        figures, dialogues = iteration_report(run, run.gather(records), rstats, batch, args,
-                                              t_update)
+        figures, dialogues = iteration_report(run.gather(records), run.gather([rstats]),
+                                              run.sum(mask.sum()).item() * args.update_epochs,
+                                              max(run.gather([t_update])), args)
         values = np.array(run.gather(old_values[mask > 0].tolist()))                       # (N,)
         targets = np.array(run.gather(returns[mask > 0].tolist()))                         # (N,)
         run.log({**figures, "explained_variance": explained_variance(values, targets),

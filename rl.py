@@ -13,27 +13,13 @@ from functools import partial
 import numpy as np
 import torch
 
-from personas import load_personas
-from policy import check_model
-from rollout import TOKEN_ARRAYS, check_openings_fit, summarize, unmoved_record
+from rollout import TOKEN_ARRAYS, summarize, unmoved_record
 from run import above, at_least, fail, one_of, setting, within
 
 
 # ----------------------------------------------------------------------------------------------
 # Set-up: what an iteration takes, decided before it runs
 # ----------------------------------------------------------------------------------------------
-def check_before_loading(args):
-    """The personas of --split (all: the whole file) at --difficulty, each opening checked to fit
-    --max-context; and, since this is the trainers' last check before the weights load, the model's
-    config: --target-modules against its layers, and no change to its logits after lm_head."""
-    if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
-        fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
-    personas = load_personas(args.personas, args.split, args.difficulty)
-    check_openings_fit(args, personas)
-    check_model(args.model, args.target_modules, args.trust_remote_code)
-    return personas
-
-
 def pick_personas(personas, n, seed, iteration):
     """The iteration's n personas, the same on every process (each then plays its own share)."""
     pick = random.Random(seed * 1_000_003 + iteration)
@@ -395,19 +381,19 @@ def policy_terms(logprobs, old_logprobs, sample_logprobs, advantages, ref_logpro
 # ----------------------------------------------------------------------------------------------
 # The iteration's report
 # ----------------------------------------------------------------------------------------------
-def iteration_report(run, all_records, stats, batch, args, t_update):
-    """Step 5 of both trainers: (figures, dialogues) of an iteration, over every process. The
-    figures: the read dialogues' rewards' mean and std (--reward, no format penalty; the std without
-    Bessel's correction; None when every dialogue was unread), the update's tokens (those the loss
-    trained on, x epochs) and their rate (against the slowest process's update), and the rollout's
-    summary. The dialogues: every record as rollouts.jsonl holds it."""
+def iteration_report(all_records, stats, update_tokens, update_seconds, args):
+    """Step 5 of both trainers: (figures, dialogues) of an iteration, from every process's records
+    and rollout counts (stats, a dict a process) and the update's tokens (those the loss trained on,
+    every process's, x epochs) and seconds (the slowest process's). The figures: the read
+    dialogues' returns' mean and std (--reward, no format penalty; the std without Bessel's
+    correction; None when every dialogue was unread), the update's tokens and their rate, and the
+    rollout's summary. The dialogues: every record as rollouts.jsonl holds it."""
     rewards = np.array([sum(turn_rewards(r, args))
                         for r in all_records if r["end_reason"] != "unread"])
-    update_tokens = run.sum(batch["action_mask"].sum()).item() * args.update_epochs
     read = len(rewards) > 0
     figures = {"reward_mean": float(rewards.mean()) if read else None,
                "reward_std": float(rewards.std()) if read else None,
-               "update_tokens": int(update_tokens),  # every process's, x epochs
-               "update_tokens_per_s": update_tokens / max(*run.gather([t_update]), 1e-9),
-               **summarize(all_records, run.gather([stats]))}
+               "update_tokens": int(update_tokens),
+               "update_tokens_per_s": update_tokens / max(update_seconds, 1e-9),
+               **summarize(all_records, stats)}
     return figures, [{k: v for k, v in r.items() if k not in TOKEN_ARRAYS} for r in all_records]

@@ -17,7 +17,7 @@ import contextlib
 import re
 import time
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -463,16 +463,6 @@ def build_simulator(args, policy, tokenizer, goodbye="closing"):
                      reply_tokens=args.user_reply_tokens, goodbye=goodbye)
 
 
-def make_simulator(args, policy, tokenizer, run):
-    """A trainer's simulated user (build_simulator); the main process says how the policy samples
-    and which read-out the user gives."""
-    simulator = build_simulator(args, policy, tokenizer)
-    if run.is_main:
-        print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
-              f"{args.simulator}, read-out {simulator.readout}")
-    return simulator
-
-
 # ----------------------------------------------------------------------------------------------
 # Dialogues
 # ----------------------------------------------------------------------------------------------
@@ -652,26 +642,15 @@ def summarize(records, per_process):
                for reason in ("success", "left", "goodbye", "max_turns", "context")}}
 
 
-def check_openings_fit(args, personas):
-    """Every persona's first prompt (system prompt and opening) with room for a whole reply must fit
-    --max-context, or its dialogue would end before the agent speaks (and its metrics would be NaN).
-    Needs only the tokenizer, so it runs before the weights load. Bad input: one line, exit 2."""
-    chat = ChatTokens(load_tokenizer(args.model, args.trust_remote_code), args.thinking)
+def check_openings_fit(personas, model, thinking, max_new_tokens, max_context,
+                       trust_remote_code=False):
+    """Every persona's first prompt (system prompt and opening) with room for a whole reply of
+    max_new_tokens must fit max_context, or its dialogue would end before the agent speaks (and its
+    metrics would be NaN). Needs only the model's tokenizer, so it runs before the weights load.
+    Bad input: one line, exit 2."""
+    chat = ChatTokens(load_tokenizer(model, trust_remote_code), thinking)
     for p in personas:
         n = len(chat.prompt(p.opening))
-        if n + args.max_new_tokens > args.max_context:
+        if n + max_new_tokens > max_context:
             fail(f"persona {p.id}: its opening makes a first prompt of {n} tokens, which with "
-                 f"--max-new-tokens {args.max_new_tokens} does not fit --max-context "
-                 f"{args.max_context}")
-
-
-def sampling_settings(args, policy, tokenizer):
-    """play_dialogues' keyword arguments from a script's SamplingSettings (and a trainer's
-    --greedy): the agent's chat, its system prompt as --thinking says, and the policy's Decoder,
-    its KV cache as long as --max-context (and a column no token owns)."""
-    sampling = {f.name: getattr(args, f.name) for f in fields(SamplingSettings)}
-    sampling["chat"] = ChatTokens(tokenizer, sampling.pop("thinking"))
-    sampling["decoder"] = Decoder(policy, sampling["chat"].eos_ids, tokenizer.pad_token_id,
-                                  args.max_context + 1)
-    sampling["greedy"] = getattr(args, "greedy", False)
-    return sampling
+                 f"--max-new-tokens {max_new_tokens} does not fit --max-context {max_context}")

@@ -20,8 +20,8 @@ ALLOWED = {
     "policy": {"run"},
     "rollout": {"run", "simulator", "client", "policy"},
     "rl": {"run", "personas", "policy", "rollout"},
-    "ppo": {"run", "simulator", "policy", "rollout", "rl"},
-    "grpo": {"run", "simulator", "policy", "rollout", "rl"},
+    "ppo": {"run", "personas", "simulator", "policy", "rollout", "rl"},
+    "grpo": {"run", "personas", "simulator", "policy", "rollout", "rl"},
     "evaluate": {"run", "personas", "simulator", "policy", "rollout"},
     "bench": set(FLOORS[:-1]),
 }

@@ -59,9 +59,9 @@ class TargetTokenSimulator(sim_module.Simulator):
 
 def install_stand_in(monkeypatch, trainer, turns=1):
     """Replace the trainer's simulated user with the stand-in (it needs the policy's tokenizer)."""
-    def make_simulator(args, model, tokenizer, run):
+    def build_simulator(args, model, tokenizer):
         return TargetTokenSimulator(tokenizer, turns)
-    monkeypatch.setattr(trainer, "make_simulator", make_simulator)
+    monkeypatch.setattr(trainer, "build_simulator", build_simulator)
 
 
 @pytest.fixture(scope="module")

@@ -697,7 +697,7 @@ def bench_gpu(args):
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp, \
             mock.patch("policy.load_model", load_model), \
             mock.patch("rollout.load_tokenizer", lambda *a, **k: tokenizer), \
-            mock.patch("rl.check_model", lambda *a, **k: None), \
+            mock.patch("ppo.check_model", lambda *a, **k: None), \
             mock.patch.object(rollout.Decoder, "generate", timed_generate), \
             mock.patch.object(rollout.Decoder, "replay", timed_replay):
         print(f"bench gpu: "

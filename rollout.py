@@ -577,9 +577,11 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
 
 
 def to_record(d, start_emotion):
-    """The flat per-dialogue record the trainers and evaluate.py consume: the tokens, and per agent
-    turn its last token (turn_ends), the emotion after it and its change (None where the appraisal
-    could not be read: such a dialogue ends there, end_reason "unread")."""
+    """The flat per-dialogue record the trainers and evaluate.py consume: the tokens, the persona's
+    difficulty (which weighs the rules user's parts), and per agent turn its last token
+    (turn_ends), the emotion after it and its change (None where the appraisal could not be read:
+    such a dialogue ends there, end_reason "unread"); in turns, each agent turn with its appraisal
+    (and the rules user's parts) and each user message marked canned or not."""
     s = d.state
     # the dialogue turn by turn; an agent turn with its sampling (agent_turns) and its appraisal
     agent = ({**a, **sampled} for a, sampled in zip(s.appraisals, d.agent_turns))
@@ -588,7 +590,7 @@ def to_record(d, start_emotion):
         if turn["role"] == "agent":
             turn.update(next(agent))
     return {
-        "persona_id": s.persona.id, "sample": d.sample,
+        "persona_id": s.persona.id, "difficulty": s.persona.difficulty, "sample": d.sample,
         "token_ids": d.ids, "action_mask": d.action_mask, "sample_logprobs": d.sample_logprobs,
         "turn_ends": d.turn_ends,
         "start_emotion": start_emotion, "emotions": [a["emotion"] for a in s.appraisals],

@@ -97,9 +97,12 @@ class UserState:
     a reply can never reach another dialogue's user once some dialogues have ended."""
     persona: Persona
     emotion: int
-    history: list = field(default_factory=list)     # {"role": "user"|"agent", "text": str}
+    # {"role": "user"|"agent", "text": str}; a user message also "canned": a fixed line (the
+    # opening, the rules user's), not written in answer to the agent
+    history: list = field(default_factory=list)
     turns: int = 0                                   # agent replies appraised so far
-    # one {"change", "emotion", "appraisal"} a turn; change and emotion None: unread
+    # one {"change", "emotion", "appraisal", "parts"} a turn; change and emotion None: unread;
+    # parts: the rules user's (rules_parts), None for a model's
     appraisals: list = field(default_factory=list)
     # None while it goes on | success | left | goodbye | max_turns | context | unread
     end_reason: str | None = None
@@ -457,11 +460,36 @@ def content_words(text):
     return {w for w in re.findall(r"[a-z']+", text.lower()) if len(w) >= 5 and w not in STOPWORDS}
 
 
-def rules_appraisal(state, reply):
-    """Integer change and a line saying why ("rules: acknowledges+3, off_topic-3"). Raises the
-    emotion for acknowledging feelings, reflecting the user's own words and asking an open question;
-    lowers it for dismissive phrases, lists of advice, off-topic text and very long or empty
-    replies. Harder users count the good parts less and the bad parts more."""
+# A reply that says again what an earlier reply of its dialogue said earns nothing for its good
+# parts, as a person is not comforted twice by the same words: the same text (case and spacing
+# aside), or content words shared with an earlier reply at this share of the two's together
+# (Jaccard) or more. Two replies that both reflect the user's words share those: 0.7 leaves room
+# for that.
+REPEAT_OVERLAP = 0.7
+
+
+def repeats(reply, earlier):
+    """Whether reply says again one of the earlier replies (REPEAT_OVERLAP)."""
+    said, words = " ".join(reply.lower().split()), content_words(reply)
+    for old in earlier:
+        shared, both = words & content_words(old), words | content_words(old)
+        if " ".join(old.lower().split()) == said:
+            return True
+        if both and len(shared) / len(both) >= REPEAT_OVERLAP:
+            return True
+    return False
+
+
+# how much the rules user weighs the good and the bad parts of a reply, by difficulty
+RULES_WEIGHTS = {"easy": (1.5, 0.7), "normal": (1.0, 1.0), "hard": (0.6, 1.5)}
+
+
+def rules_points(state, reply):
+    """(good, bad, repeated): the points of each part of a reply, before the difficulty's weights,
+    and whether it repeats an earlier reply of the dialogue (its good parts then count 0, its bad
+    parts still count). Acknowledging feelings, reflecting the user's own words and asking an open
+    question are good; dismissive phrases, lists of advice, off-topic text and very long or empty
+    replies are bad."""
     text = reply.lower()
     user_words = content_words(" ".join(m["text"] for m in state.history if m["role"] == "user"))
     echoed = len(content_words(reply) & user_words)
@@ -476,11 +504,32 @@ def rules_appraisal(state, reply):
            "off_topic": 3 * (echoed == 0 and good["acknowledges"] == 0),
            "too_long": 3 * (len(reply.split()) > 120),
            "empty": 5 * (not re.search(r"\w", reply))}
-    weight_good, weight_bad = {"easy": (1.5, 0.7), "normal": (1.0, 1.0),
-                               "hard": (0.6, 1.5)}[state.persona.difficulty]
-    change = round(weight_good * sum(good.values()) - weight_bad * sum(bad.values()))
-    parts = [f"{k}+{v}" for k, v in good.items() if v] + [f"{k}-{v}" for k, v in bad.items() if v]
-    return change, "rules: " + (", ".join(parts) or "nothing notable")
+    repeated = repeats(reply, [m["text"] for m in state.history if m["role"] == "agent"])
+    return good, bad, repeated
+
+
+def rules_appraisal(state, reply):
+    """Integer change and a line saying why, each part by its points ("rules: acknowledges+3,
+    off_topic-3"; "rules: repeats (good parts count 0): ..." for a repeat). Harder users count the
+    good parts less and the bad parts more (RULES_WEIGHTS)."""
+    good, bad, repeated = rules_points(state, reply)
+    weight_good, weight_bad = RULES_WEIGHTS[state.persona.difficulty]
+    change = round(weight_good * sum(good.values()) * (not repeated)
+                   - weight_bad * sum(bad.values()))
+    said = [f"{k}+{v}" for k, v in good.items() if v] + [f"{k}-{v}" for k, v in bad.items() if v]
+    why = "repeats (good parts count 0): " * repeated + (", ".join(said) or "nothing notable")
+    return change, "rules: " + why
+
+
+def rules_parts(state, reply):
+    """What the rules user's change for a reply adds up from: each part that occurs, its points x
+    its difficulty weight ({"reflects": 1.2, "off_topic": -4.5} for a hard user; a repeat's good
+    parts 0), rounded to 2 decimals. Their sum, rounded half to even, is the change before the
+    clamp to +-max_change."""
+    good, bad, repeated = rules_points(state, reply)
+    weight_good, weight_bad = RULES_WEIGHTS[state.persona.difficulty]
+    parts = {k: round(weight_good * v * (not repeated), 2) for k, v in good.items() if v}
+    return {**parts, **{k: round(-weight_bad * v, 2) for k, v in bad.items() if v}}
 
 
 GENERIC_LINES = {
@@ -530,7 +579,8 @@ class Simulator:
         self.counts.update(dict.fromkeys(totals, 0))
 
     def start(self, persona):
-        return UserState(persona, self.start_emotion, [{"role": "user", "text": persona.opening}])
+        opening = {"role": "user", "text": persona.opening, "canned": True}  # the persona's own
+        return UserState(persona, self.start_emotion, [opening])
 
     def appraise(self, states, replies):
         """The change each reply would make in its state, with nothing moved or stored: a list of
@@ -572,15 +622,19 @@ class Simulator:
         persona's line for the band it is in (GENERIC_LINES where it has none)."""
         t0 = time.time()
         for s, r, (change, text) in zip(states, replies, self.appraise(states, replies)):
+            # what the rules user's change adds up from (a model's appraisal text says its own)
+            parts = rules_parts(s, r) if self.readout == "rules" else None
             s.history.append({"role": "agent", "text": r})
             s.turns += 1
             if change is None:
-                s.appraisals.append({"change": None, "emotion": None, "appraisal": text})
+                s.appraisals.append({"change": None, "emotion": None, "appraisal": text,
+                                     "parts": None})
                 s.end_reason = "unread"
                 continue
             self.counts["clamped_changes"] += abs(change) > self.max_change
             s.emotion, change = apply_change(s.emotion, change, self.max_change)
-            s.appraisals.append({"change": change, "emotion": s.emotion, "appraisal": text})
+            s.appraisals.append({"change": change, "emotion": s.emotion, "appraisal": text,
+                                 "parts": parts})
             if s.emotion >= 100:
                 s.end_reason = "success"
             elif s.emotion < self.leave_below:
@@ -596,7 +650,8 @@ class Simulator:
             texts = self.backend.chat(asked, self.reply_tokens)
             texts = [clean_user_text(text) for text in texts]
         for s, text in zip(talking, texts):
-            s.history.append({"role": "user", "text": text})
+            # canned: a fixed line (the rules user's for its band), not an answer to the reply
+            s.history.append({"role": "user", "text": text, "canned": self.readout == "rules"})
             if says_goodbye(text, self.goodbye):
                 s.end_reason = "goodbye"
         self.counts["simulator_seconds"] += time.time() - t0

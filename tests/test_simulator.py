@@ -20,7 +20,7 @@ import simulator
 from conftest import RLVER, ScriptedBackend, in_process, transcript
 from test_bad_input import assert_one_line, cli
 from simulator import (GENERIC_LINES, RulesBackend, Simulator, apply_change, band, parse_change,
-                       rules_appraisal, says_goodbye)
+                       rules_appraisal, rules_parts, says_goodbye)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -518,6 +518,49 @@ def test_rules_simulator_band_lines_and_goodbye(persona_entry, write_personas):
     c = sim.start(p1)
     sim.step([c], ["ok"])
     assert band(c.emotion) == "B" and c.history[-1]["text"] == GENERIC_LINES["B"]
+
+
+def test_the_rules_user_gives_a_repeated_reply_no_credit(persona):
+    """One warm sentence said 8 times earns once, then nothing (it used to climb to 100); a near
+    repeat (a word changed) earns nothing either, and a fresh reply after the repeats still earns.
+    A repeat's bad parts still count; its appraisal says why."""
+    sim = Simulator(RulesBackend(), start_emotion=30, max_turns=8)
+    same = "That sounds so painful after that promotion was promised. What hurts the most?"
+    state = sim.start(persona)
+    for _ in range(8):
+        sim.step([state], [same])
+    changes = [a["change"] for a in state.appraisals]
+    assert changes[0] > 0 and changes[1:] == [0] * 7 and state.emotion == 30 + changes[0]
+    assert all(a["appraisal"].startswith("rules: repeats") for a in state.appraisals[1:])
+    state = sim.start(persona)
+    sim.step([state], [same])
+    near = "That sounds so painful after the promotion was promised. What hurts most?"
+    assert rules_appraisal(state, near) == (0, "rules: repeats (good parts count 0): "
+                                               "acknowledges+6, reflects+2, asks+3")
+    fresh = "I understand. Hoping for it was not stupid; how long had you waited for that promotion?"
+    assert rules_appraisal(state, fresh)[0] > 0
+    lecture = "That sounds so painful after that promotion was promised. You should move on."
+    state.history.append({"role": "agent", "text": lecture})
+    assert rules_appraisal(state, lecture)[0] < 0  # its bad parts count
+
+
+def test_rules_parts_add_up_to_the_change_by_difficulty(persona_entry, write_personas):
+    """A record's parts explain its change: each part's points x the difficulty's weight (hard:
+    "reflects+2" is 1.2, "off_topic-3" -4.5), summed and rounded."""
+    path = write_personas([persona_entry(id=d, difficulty=d) for d in ("easy", "normal", "hard")])
+    sim = Simulator(RulesBackend())
+    easy, normal, hard = [sim.start(p) for p in load_personas(path)]
+    assert rules_parts(hard, "the promotion.") == {"reflects": 1.2}
+    assert rules_appraisal(hard, "the promotion.") == (1, "rules: reflects+2")
+    assert rules_parts(hard, "nice weather.") == {"off_topic": -4.5}
+    assert rules_parts(easy, "Calm down, the promotion.") == {"reflects": 3.0, "dismissive": -2.8}
+    for state in (easy, normal, hard):
+        for reply in ("That sounds painful. What happened with the promotion?", "whatever", ""):
+            change = rules_appraisal(state, reply)[0]
+            assert round(sum(rules_parts(state, reply).values())) == change
+    sim.step([hard], ["the promotion."])
+    assert hard.appraisals[-1]["parts"] == {"reflects": 1.2}
+    assert [m.get("canned") for m in hard.history] == [True, None, True]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -229,6 +229,11 @@ def main(argv=None):
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
+        # what explains each dialogue's reward, in its record: the reward its group compared (NaN,
+        # written as null: unread) and the advantage every one of its tokens got
+        for r, reward, advantage in zip(all_records, all_rewards.tolist(),
+                                        all_advantages.tolist()):
+            r["reward"], r["advantage"] = reward, advantage
         figures, dialogues = iteration_report(run, all_records, rstats, batch, args, t_update)
         # a group's figures, read off its first dialogue (each of its dialogues holds them); the
         # reward std over the groups with a std, those with two read dialogues or more

@@ -138,6 +138,15 @@ def clipped_value_loss(values, old_values, returns, clip):
     return loss, ((values - returns) ** 2 < (v_clipped - returns) ** 2).float()
 
 
+def turn_advantages(advantages, record):
+    """Each agent turn's advantage, the mean over its own tokens of a dialogue's advantages (T,)
+    (whitened: what the loss weighs them by), in order: what its record shows."""
+    mask = torch.tensor(record["action_mask"], dtype=torch.bool)
+    starts = [0] + [end + 1 for end in record["turn_ends"][:-1]]
+    return [advantages[start:end + 1][mask[start:end + 1]].mean().item()
+            for start, end in zip(starts, record["turn_ends"])]
+
+
 def explained_variance(values, returns):
     """1 - Var(R - V) / Var(R) over the agent tokens of every process (N,): 1 is a perfect critic,
     0 one no better than the mean return, below 0 worse; None where the returns do not vary (or
@@ -300,6 +309,12 @@ def main(argv=None):
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
+        # what explains each dialogue's reward, in its record: per agent turn the reward placed on
+        # its last token and its advantage (turn_advantages; an unread dialogue has neither)
+        for r, placed, adv in zip(records, rewards, advantages.cpu()):
+            read = r["end_reason"] != "unread"
+            r["rewards"] = [round(x, 6) for x in placed[r["turn_ends"]].tolist()] if read else None
+            r["advantages"] = turn_advantages(adv, r) if read else None
         figures, dialogues = iteration_report(run, run.gather(records), rstats, batch, args,
                                               t_update)
         values = np.array(run.gather(old_values[mask > 0].tolist()))                       # (N,)

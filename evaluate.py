@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from personas import PersonaError, load_personas
@@ -31,8 +32,8 @@ from rollout import (TOKEN_ARRAYS, SamplingSettings, build_simulator, check_open
                      make_backend, play_dialogues, sampling_settings)
 from run import (TAKEN, append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
                  new_folder, parse_json, parse_settings, public_config, read_json_lines, read_run,
-                 read_text, release, setting, settings_of_runs, within, write_atomically,
-                 write_failure)
+                 read_text, release, setting, settings_of_runs, use_cpu_threads, within,
+                 write_atomically, write_failure)
 from simulator import (PROMPTS, RulesBackend, SimulatorError, SimulatorSettings, UserState,
                        apply_change, clean_user_text, user_turn_messages)
 
@@ -572,8 +573,8 @@ def agreement_main(args):
     # `same`: the base model alone (no policy, no adapters)
     simulator = build_simulator(args, None, None)
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
-          f"{args.simulator} (read-out {simulator.readout}); every appraisal goes to {store}",
-          file=sys.stderr)
+          f"{args.simulator} (read-out {simulator.readout}), CPU threads: "
+          f"{torch.get_num_threads()}; every appraisal goes to {store}", file=sys.stderr)
     try:
         # The simulator's (change, appraisal) for every judged reply: each batch of BATCH_DIALOGUES
         # dialogues is one call to simulator.appraise (all their replies at once), and each finished
@@ -685,7 +686,8 @@ def main(argv=None):
     policy, tokenizer, models = load_models(args)
     simulator = build_simulator(args, policy, tokenizer, goodbye="sage")
     print(f"{len(models)} models x {len(personas)} personas, one greedy dialogue each; simulator "
-          f"{args.simulator} (read-out {simulator.readout})", file=sys.stderr)
+          f"{args.simulator} (read-out {simulator.readout}); CPU threads: "
+          f"{torch.get_num_threads()}", file=sys.stderr)
     # a simulator that stops answering ends it with one line: the models finished before are in
     # transcripts.jsonl
     results = run_evaluation(args, policy, tokenizer, simulator, personas, models)
@@ -695,4 +697,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    use_cpu_threads()  # on a CPU: half the usable cores, unless OMP_NUM_THREADS is set
     command(main)()  # the command line: a Stop is one line and its exit code

@@ -29,7 +29,8 @@ from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, aggregate,
                 old_logprobs_from_update, pad_records, pick_personas, policy_objective,
                 token_logprobs, turn_rewards)
 from rollout import SamplingSettings, make_simulator, play_dialogues, sampling_settings
-from run import Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting
+from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
+                 use_cpu_threads)
 from simulator import SimulatorError, SimulatorSettings
 
 
@@ -251,4 +252,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    use_cpu_threads()  # on a CPU: half the usable cores, unless OMP_NUM_THREADS is set
     command(main)()  # the command line: a Stop is one line and its exit code

@@ -34,7 +34,7 @@ from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, aggregate,
                 token_logprobs, turn_rewards, unmoved_return)
 from rollout import SamplingSettings, make_simulator, play_dialogues, sampling_settings
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
-                 within)
+                 use_cpu_threads, within)
 from simulator import SimulatorError, SimulatorSettings
 
 
@@ -330,4 +330,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    use_cpu_threads()  # on a CPU: half the usable cores, unless OMP_NUM_THREADS is set
     command(main)()  # the command line: a Stop is one line and its exit code

@@ -460,12 +460,12 @@ def build_simulator(args, policy, tokenizer, goodbye="closing"):
 
 
 def make_simulator(args, policy, tokenizer, run):
-    """A trainer's simulated user (build_simulator); the main process says how the policy samples
-    and which read-out the user gives."""
+    """A trainer's simulated user (build_simulator); the main process says where the policy runs
+    (its CPU threads: run.use_cpu_threads) and which read-out the user gives."""
     simulator = build_simulator(args, policy, tokenizer)
     if run.is_main:
-        print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
-              f"{args.simulator}, read-out {simulator.readout}")
+        print(f"policy {args.model} on {run.device} (CPU threads: {torch.get_num_threads()}) x "
+              f"{run.world} process(es); simulator {args.simulator}, read-out {simulator.readout}")
     return simulator
 
 

@@ -114,6 +114,21 @@ def command(main):
     return run_command
 
 
+def use_cpu_threads():
+    """On a machine without CUDA, torch's threads for this command: half the cores this process may
+    run on, at least one, unless OMP_NUM_THREADS is set (torch has taken it). PyTorch's own default
+    is one a physical core, and its OpenMP threads wait for each other at every operation: on a
+    2-core machine doing anything else (a second run, the tests, a server) an iteration of
+    `ppo.py --preset cpu` took 584 s with 2 threads and 46 s with one (issue 54), while one thread
+    fewer than the cores costs an idle machine little (docs/results.md); on a machine with two
+    hardware threads a core, half is torch's own choice. The scripts call it from their command
+    line only, so that a caller of their main() keeps its own torch.set_num_threads."""
+    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, cores // 2))
+
+
 def quiet_libraries():
     """Keep off the command line what the libraries print that never applies to a run here:
     bitsandbytes' advice, at its import, to fetch a kernel package from a hub (nothing is fetched:

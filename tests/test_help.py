@@ -44,6 +44,7 @@ def test_a_first_run_prints_only_the_projects_own_lines(tmp_path):
     stderr hold the project's own lines and its progress bar, no library's warning, advice or bar
     (bitsandbytes' kernel-hub advice, transformers' deprecation and its GGUF and loading bars)."""
     env = {**os.environ, "RLVER_CACHE": str(tmp_path / "cache")}
+    env.pop("OMP_NUM_THREADS", None)  # a newcomer's shell: the script picks its threads
     done = subprocess.run([sys.executable, "ppo.py", "--preset", "cpu", "--iterations", "1",
                            "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--max-turns", "1",
                            "--max-new-tokens", "8", "--out", str(tmp_path / "run")], cwd=ROOT, env=env,
@@ -53,3 +54,6 @@ def test_a_first_run_prints_only_the_projects_own_lines(tmp_path):
     ours = re.compile(r"(policy smollm2 on cpu|converting .*\.gguf to |run /|done: |ppo: )")
     assert frames and all(ours.match(line) for line in frames), [f for f in frames if not ours.match(f)]
     assert "converting" in done.stderr  # it was a first run: the model was converted
+    # its start-up line says the threads it took: half the usable cores (run.use_cpu_threads)
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"policy smollm2 on cpu (CPU threads: {threads}) x 1 process(es)" in done.stdout

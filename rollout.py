@@ -535,7 +535,10 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
     # the simulator's counts at the end, less those at the start
     stats = Counter()
     stats.subtract(simulator.counts)
-    bar = tqdm(total=len(dialogues), desc=desc, disable=not progress, leave=False)  # finished ones
+    # the work done, in agent turns (a dialogue that has ended counts all of its turns), so that the
+    # bar's time estimate is the rest of the turns at the pace of those played
+    bar = tqdm(total=len(dialogues) * simulator.max_turns, desc=desc, unit="turn",
+               disable=not progress, leave=False)
     fresh = True  # the cache's keys and values are of weights an update may have changed
     while active := [d for d in dialogues if not d.state.end_reason]:
         t0 = time.time()
@@ -569,8 +572,8 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
                     d.state.end_reason = "context"
                 else:
                     d.add(delta)
-            if d.state.end_reason:
-                bar.update(1)
+        played = [simulator.max_turns if d.state.end_reason else d.state.turns for d in dialogues]
+        bar.update(sum(played) - bar.n)
     bar.close()
     stats.update(simulator.counts)
     return [to_record(d, simulator.start_emotion) for d in dialogues], dict(stats)

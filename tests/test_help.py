@@ -16,6 +16,17 @@ def test_help_prints(script):
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("usage:")
+    # each flag's default (the script's own: evaluate.py's SAGE sizes), and what each preset changes
+    text = " ".join(done.stdout.split())
+    shown = {"ppo.py": "(RLVER: 5%% of 1,000) (default: 50)", "grpo.py": "(Dr. GRPO) (default: mean-std)",
+             "evaluate.py": "tokens per agent turn (default: 128)", "bench.py": "subcommand"}[script]
+    assert shown.replace("%%", "%") in text
+    if script in ("ppo.py", "grpo.py"):
+        trainer = __import__(script[:-3])
+        for name, preset in trainer.PRESETS.items():
+            changes = " ".join(f"--{k.replace('_', '-')} {str(v).lower() if isinstance(v, bool) else v}"
+                               for k, v in preset.items())
+            assert f"{name}: {changes or 'the defaults'}" in text, name
 
 
 ONE_NAME = ("--clip-low", "--clip-high", "--update-epochs", "--kl-loss-coef", "--lr", "--user-reply-tokens",

@@ -191,6 +191,7 @@ def test_ctrl_c_in_an_iteration_names_it_and_the_resume_goes_on(tiny_model_dir, 
     assert re.search(r"(in iteration \d+|while the checkpoint of iteration \d+ was written) of",
                      line), line
     assert "the newest complete checkpoint is" in line
+    assert err.endswith(line + "\n")  # the last line: no progress bar drawn again under it
     code, err = cli(*line.split("`")[1].split()[1:])
     assert code == 0, err[-2000:]
     assert [m["iteration"] for m in read_metrics(out)] == list(range(1, 21))

@@ -117,13 +117,13 @@ def command(main):
 
 def use_cpu_threads():
     """On a machine without CUDA, torch's threads for this command: half the cores this process may
-    run on, at least one, unless OMP_NUM_THREADS is set (torch has taken it). PyTorch's own default
-    is one a physical core, and its OpenMP threads wait for each other at every operation: on a
-    2-core machine doing anything else (a second run, the tests, a server) an iteration of
-    `ppo.py --preset cpu` took 584 s with 2 threads and 46 s with one (issue 54), while one thread
-    fewer than the cores costs an idle machine little (docs/results.md); on a machine with two
-    hardware threads a core, half is torch's own choice. The scripts call it from their command
-    line only, so that a caller of their main() keeps its own torch.set_num_threads."""
+    run on, at least one, unless OMP_NUM_THREADS is set (torch has taken it). PyTorch's default is
+    a thread a physical core, and its OpenMP threads wait for each other at every operation: with
+    every core taken, anything else the machine runs (a second run, the tests, a server) stalls
+    each operation, an iteration ten times slower, while half the cores cost an idle machine little
+    (docs/run.md); with two hardware threads a core, half is torch's own choice. The scripts call
+    it from their command line only, so that a caller of their main() keeps its own
+    torch.set_num_threads."""
     if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -458,7 +458,8 @@ def summary(rows):
     return (f"{len(rows)} iterations in {minutes:.1f} min; reward_mean "
             f"{mean('reward_mean', rows[:k], 3)} -> {mean('reward_mean', rows[-k:], 3)}, "
             f"final_emotion_mean {mean('final_emotion_mean', rows[:k], 1)} -> "
-            f"{mean('final_emotion_mean', rows[-k:], 1)} (first -> last {k} iterations)")
+            f"{mean('final_emotion_mean', rows[-k:], 1)} (first -> last "
+            f"{'iteration' if k == 1 else f'{k} iterations'})")
 
 
 def peak_memory_gb():

@@ -62,7 +62,7 @@ def test_a_run_ends_with_its_summary_and_tools_plot_draws_runs_side_by_side(
     assert done == (f"done: {tmp_path / 'ppo'}: 2 iterations in {minutes:.1f} min; reward_mean "
                     f"{metrics[0]['reward_mean']:.3f} -> {metrics[1]['reward_mean']:.3f}, "
                     f"final_emotion_mean {metrics[0]['final_emotion_mean']:.1f} -> "
-                    f"{metrics[1]['final_emotion_mean']:.1f} (first -> last 1 iterations); "
+                    f"{metrics[1]['final_emotion_mean']:.1f} (first -> last iteration); "
                     f"adapter: {tmp_path / 'ppo'}/checkpoints/iter_000002/default")
     tiny_run(grpo, tiny_model_dir, personas_file, tmp_path / "grpo",
              "--personas-per-iteration", "1", "--group-size", "2", "--minibatch-size", "2")

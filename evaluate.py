@@ -587,7 +587,7 @@ def agreement_main(args):
             jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
             states = [recorded_state(personas[d["id"]], d, k) for d, k in jobs]
             told = iter(simulator.appraise(states, [d["history"][k]["text"] for d, k in jobs]))
-            rows = [{"id": d["id"], "appraisals": [next(told) for _ in judged_replies(d)]}
+            rows = [{"id": d["id"], "appraisals": [next(told)[:2] for _ in judged_replies(d)]}
                     for d in part]
             append_lines(store, rows)
             answers += [row["appraisals"] for row in rows]
@@ -688,8 +688,7 @@ def main(argv=None):
     print(f"{len(models)} models x {len(personas)} personas, one greedy dialogue each; simulator "
           f"{args.simulator} (read-out {simulator.readout}); CPU threads: "
           f"{torch.get_num_threads()}", file=sys.stderr)
-    # a simulator that stops answering ends it with one line: the models finished before are in
-    # transcripts.jsonl
+    # a simulator that stops answering ends it in one line; finished models are in transcripts.jsonl
     results = run_evaluation(args, policy, tokenizer, simulator, personas, models)
     print(results_table(results))
     print(f"-> {args.out}/results.json, results.md, transcripts.jsonl")

@@ -426,9 +426,10 @@ def public_config(args, script):
 class RunSettings:
     """A training run's length, folder, checkpoints and resume."""
     title = "the run"
-    preset: str = setting("paper",
-                          "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win",
-                          one_of("paper", "cpu"))
+    preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (the embedded model, a few "
+                                   "iterations) | cpu-learn (the embedded model, long enough that "
+                                   "the reward rises); explicit flags win",
+                          one_of("paper", "cpu", "cpu-learn"))
     iterations: int = setting(1000, "training iterations (RLVER: 1,000 steps)", at_least(1))
     out: str = setting("", "a new run folder, created by the run (an empty one is taken); default "
                            "runs/<script>__<seed>__<time>", path=True)

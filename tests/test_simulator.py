@@ -20,7 +20,7 @@ import simulator
 from conftest import RLVER, ScriptedBackend, in_process, transcript
 from test_bad_input import assert_one_line, cli
 from simulator import (GENERIC_LINES, RulesBackend, Simulator, apply_change, band, parse_change,
-                       rules_appraisal, rules_parts, says_goodbye)
+                       rules_appraisal, says_goodbye)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -466,9 +466,9 @@ def test_clean_user_text_drops_private_notes_and_scores(text, expected):
 def test_rules_appraisal_warm_beats_lecture(persona, capsys):
     sim = Simulator(RulesBackend())
     state = sim.start(persona)
-    warm, why_warm = rules_appraisal(state, "That sounds so painful, and no wonder you feel stupid for "
+    warm, why_warm, _ = rules_appraisal(state, "That sounds so painful, and no wonder you feel stupid for "
                                             "hoping after that promotion was promised. What hurts the most?")
-    lecture, why_lecture = rules_appraisal(state, "Calm down, it's not a big deal. "
+    lecture, why_lecture, _ = rules_appraisal(state, "Calm down, it's not a big deal. "
                                                   "You should update your CV. "
                                                   "You need to network more.\n1. Apply elsewhere\n2. Move on")
     with capsys.disabled():
@@ -483,11 +483,11 @@ def test_rules_appraisal_warm_beats_lecture(persona, capsys):
 def test_rules_too_long_and_empty(persona):
     state = Simulator(RulesBackend()).start(persona)
     reply = "That sounds painful. What happened with the promotion?"
-    short, _ = rules_appraisal(state, reply)
-    long, why = rules_appraisal(state, reply + " okay" * 130)
+    short, *_ = rules_appraisal(state, reply)
+    long, why, _ = rules_appraisal(state, reply + " okay" * 130)
     assert "too_long-3" in why and "too_long" not in rules_appraisal(state, reply)[1]
     assert short - long == 3  # normal difficulty weighs the bad parts 1.0
-    empty, why_empty = rules_appraisal(state, "")
+    empty, why_empty, _ = rules_appraisal(state, "")
     assert "empty-5" in why_empty and empty < 0
 
 
@@ -535,8 +535,8 @@ def test_the_rules_user_gives_a_repeated_reply_no_credit(persona):
     state = sim.start(persona)
     sim.step([state], [same])
     near = "That sounds so painful after the promotion was promised. What hurts most?"
-    assert rules_appraisal(state, near) == (0, "rules: repeats (good parts count 0): "
-                                               "acknowledges+6, reflects+2, asks+3")
+    assert rules_appraisal(state, near)[:2] == (0, "rules: repeats (good parts count 0): "
+                                                   "acknowledges+6, reflects+2, asks+3")
     fresh = "I understand. Hoping for it was not stupid; how long had you waited for that promotion?"
     assert rules_appraisal(state, fresh)[0] > 0
     lecture = "That sounds so painful after that promotion was promised. You should move on."
@@ -546,21 +546,22 @@ def test_the_rules_user_gives_a_repeated_reply_no_credit(persona):
 
 def test_rules_parts_add_up_to_the_change_by_difficulty(persona_entry, write_personas):
     """A record's parts explain its change: each part's points x the difficulty's weight (hard:
-    "reflects+2" is 1.2, "off_topic-3" -4.5), summed and rounded."""
+    "reflects+2" is 1.2, "off_topic-3" -4.5; a repeat's good parts 0), summed and rounded."""
     path = write_personas([persona_entry(id=d, difficulty=d) for d in ("easy", "normal", "hard")])
     sim = Simulator(RulesBackend())
     easy, normal, hard = [sim.start(p) for p in load_personas(path)]
-    assert rules_parts(hard, "the promotion.") == {"reflects": 1.2}
-    assert rules_appraisal(hard, "the promotion.") == (1, "rules: reflects+2")
-    assert rules_parts(hard, "nice weather.") == {"off_topic": -4.5}
-    assert rules_parts(easy, "Calm down, the promotion.") == {"reflects": 3.0, "dismissive": -2.8}
+    assert rules_appraisal(hard, "the promotion.") == (1, "rules: reflects+2", {"reflects": 1.2})
+    assert rules_appraisal(hard, "nice weather.")[2] == {"off_topic": -4.5}
+    assert rules_appraisal(easy, "Calm down, the promotion.")[2] == {"reflects": 3.0,
+                                                                     "dismissive": -2.8}
     for state in (easy, normal, hard):
         for reply in ("That sounds painful. What happened with the promotion?", "whatever", ""):
-            change = rules_appraisal(state, reply)[0]
-            assert round(sum(rules_parts(state, reply).values())) == change
+            change, _, parts = rules_appraisal(state, reply)
+            assert round(sum(parts.values())) == change
     sim.step([hard], ["the promotion."])
-    assert hard.appraisals[-1]["parts"] == {"reflects": 1.2}
-    assert [m.get("canned") for m in hard.history] == [True, None, True]
+    sim.step([hard], ["The promotion!"])
+    assert [a["parts"] for a in hard.appraisals] == [{"reflects": 1.2}, {"reflects": 0.0}]
+    assert [m.get("canned") for m in hard.history] == [True, None, True, None, True]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from personas import PersonaError, load_personas
@@ -31,8 +32,8 @@ from rollout import (TOKEN_ARRAYS, ChatTokens, SamplingSettings, build_simulator
                      check_openings_fit, make_backend, play_dialogues)
 from run import (TAKEN, append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
                  new_folder, parse_json, parse_settings, public_config, read_json_lines, read_run,
-                 read_text, release, setting, settings_of_runs, within, write_atomically,
-                 write_failure)
+                 read_text, release, setting, settings_of_runs, use_cpu_threads, within,
+                 write_atomically, write_failure)
 from simulator import (PROMPTS, RulesBackend, SimulatorError, SimulatorSettings, UserState,
                        apply_change, clean_user_text, user_turn_messages)
 
@@ -128,11 +129,10 @@ def check_adapter(path, args):
         fail(f"{weights}: not a safetensors file ({e})")
 
 
-# SAGE (github.com/Tencent/digitalhuman, SAGE/test_npc.py and simulator_response.py) starts every
-# dialogue at 40 with the profile's first_talk, lets the agent write at most 10 replies and judges
-# all but the last (the 10th is written, never appraised: 9 count), and stops when the user says
-# goodbye or the emotion reaches 100 (a success) or falls below 10 (a failure). The score is the
-# mean final emotion. docs/evaluate.md lists where this project differs, and why.
+# SAGE (github.com/Tencent/digitalhuman, SAGE/test_npc.py and simulator_response.py): a dialogue
+# starts at 40 with the profile's first_talk; the agent writes at most 10 replies, all but the last
+# judged (9 count); it stops at a goodbye, at 100 (a success) or below 10 (a failure). The score is
+# the mean final emotion; docs/evaluate.md lists where this project differs, and why.
 SAGE_START, SAGE_JUDGED_REPLIES, SAGE_SUCCESS, SAGE_LEAVE_BELOW = 40, 9, 100, 10
 SETTINGS = (PolicySettings, SamplingSettings, SimulatorSettings, EvalSettings)
 # Sizes for a reply, not a long thought (an adapter from a run takes the run's own).
@@ -573,8 +573,8 @@ def agreement_main(args):
     # `same`: the base model alone (no policy, no adapters)
     simulator = build_simulator(args, None, None)
     print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
-          f"{args.simulator} (read-out {simulator.readout}); every appraisal goes to {store}",
-          file=sys.stderr)
+          f"{args.simulator} (read-out {simulator.readout}), CPU threads: "
+          f"{torch.get_num_threads()}; every appraisal goes to {store}", file=sys.stderr)
     try:
         # The simulator's (change, appraisal) for every judged reply: each batch of BATCH_DIALOGUES
         # dialogues is one call to simulator.appraise (all their replies at once), and each finished
@@ -587,7 +587,7 @@ def agreement_main(args):
             jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
             states = [recorded_state(personas[d["id"]], d, k) for d, k in jobs]
             told = iter(simulator.appraise(states, [d["history"][k]["text"] for d, k in jobs]))
-            rows = [{"id": d["id"], "appraisals": [next(told) for _ in judged_replies(d)]}
+            rows = [{"id": d["id"], "appraisals": [next(told)[:2] for _ in judged_replies(d)]}
                     for d in part]
             append_lines(store, rows)
             answers += [row["appraisals"] for row in rows]
@@ -647,9 +647,8 @@ def write_openings(args):
     print(f"{len(personas)} profiles in {source}: {len(todo)} to write with {args.simulator} "
           f"at mood {args.start_emotion}", file=sys.stderr)
     exit_on_signals(lambda: f"; {out} not written")
-    backend = RulesBackend()  # no model when none is missing
-    if todo:
-        backend = make_backend(args.simulator, args=args)
+    # no model when none is missing
+    backend = make_backend(args.simulator, args=args) if todo else RulesBackend()
     try:
         if backend.name == "rules":
             texts = [RULES_OPENING[p.language] for p in todo]
@@ -687,9 +686,9 @@ def main(argv=None):
     policy, tokenizer, models = load_models(args)
     simulator = build_simulator(args, policy, tokenizer, goodbye="sage")
     print(f"{len(models)} models x {len(personas)} personas, one greedy dialogue each; simulator "
-          f"{args.simulator} (read-out {simulator.readout})", file=sys.stderr)
-    # a simulator that stops answering ends it with one line: the models finished before are in
-    # transcripts.jsonl
+          f"{args.simulator} (read-out {simulator.readout}); CPU threads: "
+          f"{torch.get_num_threads()}", file=sys.stderr)
+    # a simulator that stops answering ends it in one line; finished models are in transcripts.jsonl
     results = run_evaluation(args, policy, tokenizer, simulator, personas, models)
     print(results_table(results))
     print(f"-> {args.out}/results.json, results.md, transcripts.jsonl")
@@ -697,4 +696,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    use_cpu_threads()  # on a CPU: half the usable cores, unless OMP_NUM_THREADS is set
     command(main)()  # the command line: a Stop is one line and its exit code

@@ -29,7 +29,8 @@ from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, eval_logpro
                 policy_terms, token_logprobs, token_weights, turn_rewards)
 from rollout import (ChatTokens, Decoder, SamplingSettings, build_simulator, check_openings_fit,
                      play_dialogues)
-from run import Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting
+from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
+                 use_cpu_threads)
 from simulator import SimulatorError, SimulatorSettings
 
 
@@ -91,6 +92,10 @@ PRESETS = {
                 # not RLVER's 0.001: the CPU results are measured without an entropy bonus
                 ent_coef=0.0),
 }
+# The cpu preset, long enough that the reward rises in minutes (docs/results.md)
+PRESETS["cpu-learn"] = {**PRESETS["cpu"], **dict(
+    personas_per_iteration=4, group_size=4, max_turns=1, max_new_tokens=48, minibatch_size=16,
+    micro_batch_size=4, lr=1e-3, iterations=12, save_every=4)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,9 +165,9 @@ def main(argv=None):
     params = adapter_params(model, "default")  # trainable as get_peft_model made them
     optimizer, scheduler = adamw_with_warmup([(params, args.lr, args.warmup_steps)])
     simulator = build_simulator(args, model, tokenizer)
-    if run.is_main:  # how the policy samples, and which read-out the user gives
-        print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
-              f"{args.simulator}, read-out {simulator.readout}")
+    if run.is_main:  # where the policy runs (its CPU threads), and which read-out the user gives
+        print(f"policy {args.model} on {run.device} (CPU threads: {torch.get_num_threads()}) x "
+              f"{run.world} process(es); simulator {args.simulator}, read-out {simulator.readout}")
     first_iteration = run.begin(model, optimizer, scheduler)
     # the agent's chat (the system prompt --thinking picks, the template's pieces) and its Decoder
     # (one KV cache for a rollout's dialogues, --max-context long)
@@ -268,6 +273,11 @@ def main(argv=None):
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
+        # what explains each dialogue's reward, in its record: the reward its group compared (NaN,
+        # written as null: unread) and the advantage every one of its tokens got
+        for r, reward, advantage in zip(all_records, all_rewards.tolist(),
+                                        all_advantages.tolist()):
+            r["reward"], r["advantage"] = reward, advantage
         figures, dialogues = iteration_report(all_records, run.gather([rstats]),
                                               run.sum(mask.sum()).item() * args.update_epochs,
                                               max(run.gather([t_update])), args)
@@ -287,4 +297,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    use_cpu_threads()  # on a CPU: half the usable cores, unless OMP_NUM_THREADS is set
     command(main)()  # the command line: a Stop is one line and its exit code

@@ -34,7 +34,7 @@ from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, eval_logpro
 from rollout import (ChatTokens, Decoder, SamplingSettings, build_simulator, check_openings_fit,
                      play_dialogues)
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
-                 within)
+                 use_cpu_threads, within)
 from simulator import SimulatorError, SimulatorSettings
 
 
@@ -86,6 +86,10 @@ PRESETS = {
                 # not RLVER's (0.5, 0.001, 1): the CPU results are measured with these
                 value_clip=0.2, ent_coef=0.0, vf_coef=0.5),
 }
+# The cpu preset, long enough that the reward rises in minutes (docs/results.md)
+PRESETS["cpu-learn"] = {**PRESETS["cpu"], **dict(
+    dialogues_per_iteration=16, max_turns=1, max_new_tokens=48, minibatch_size=16,
+    micro_batch_size=4, lr=1e-3, critic_lr=1e-3, iterations=12, save_every=4)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,6 +140,15 @@ def clipped_value_loss(values, old_values, returns, clip):
     v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
     loss = 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
     return loss, ((values - returns) ** 2 < (v_clipped - returns) ** 2).float()
+
+
+def turn_advantages(advantages, record):
+    """Each agent turn's advantage, the mean over its own tokens of a dialogue's advantages (T,)
+    (whitened: what the loss weighs them by), in order: what its record shows."""
+    mask = torch.tensor(record["action_mask"], dtype=torch.bool)
+    starts = [0] + [end + 1 for end in record["turn_ends"][:-1]]
+    return [advantages[start:end + 1][mask[start:end + 1]].mean().item()
+            for start, end in zip(starts, record["turn_ends"])]
 
 
 def explained_variance(values, returns):
@@ -225,9 +238,9 @@ def main(argv=None):
         [(actor_params, args.lr, args.warmup_steps),
          (critic_params, args.critic_lr, args.critic_warmup_steps)])
     simulator = build_simulator(args, model, tokenizer)
-    if run.is_main:  # how the policy samples, and which read-out the user gives
-        print(f"policy {args.model} on {run.device} x {run.world} process(es); simulator "
-              f"{args.simulator}, read-out {simulator.readout}")
+    if run.is_main:  # where the policy runs (its CPU threads), and which read-out the user gives
+        print(f"policy {args.model} on {run.device} (CPU threads: {torch.get_num_threads()}) x "
+              f"{run.world} process(es); simulator {args.simulator}, read-out {simulator.readout}")
     first_iteration = run.begin(model, optimizer, scheduler, modules={"value_head": value_head})
     # the agent's chat (the system prompt --thinking picks, the template's pieces) and its Decoder
     # (one KV cache for a rollout's dialogues, --max-context long)
@@ -338,6 +351,12 @@ def main(argv=None):
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
+        # what explains each dialogue's reward, in its record: per agent turn the reward placed on
+        # its last token and its advantage (turn_advantages; an unread dialogue has neither)
+        for r, placed, adv in zip(records, rewards, advantages.cpu()):
+            read = r["end_reason"] != "unread"
+            r["rewards"] = [round(x, 6) for x in placed[r["turn_ends"]].tolist()] if read else None
+            r["advantages"] = turn_advantages(adv, r) if read else None
         figures, dialogues = iteration_report(run.gather(records), run.gather([rstats]),
                                               run.sum(mask.sum()).item() * args.update_epochs,
                                               max(run.gather([t_update])), args)
@@ -354,4 +373,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    use_cpu_threads()  # on a CPU: half the usable cores, unless OMP_NUM_THREADS is set
     command(main)()  # the command line: a Stop is one line and its exit code

@@ -529,7 +529,10 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
     # the simulator's counts at the end, less those at the start
     stats = Counter()
     stats.subtract(simulator.counts)
-    bar = tqdm(total=len(dialogues), desc=desc, disable=not progress, leave=False)  # finished ones
+    # the work done, in agent turns (a dialogue that has ended counts all of its turns), so that the
+    # bar's time estimate is the rest of the turns at the pace of those played
+    bar = tqdm(total=len(dialogues) * simulator.max_turns, desc=desc, unit="turn",
+               disable=not progress, leave=False)
     fresh = True  # the cache's keys and values are of weights an update may have changed
     while active := [d for d in dialogues if not d.state.end_reason]:
         t0 = time.time()
@@ -563,17 +566,19 @@ def play_dialogues(policy, simulator, personas, samples_per_persona=1, *, chat, 
                     d.state.end_reason = "context"
                 else:
                     d.add(delta)
-            if d.state.end_reason:
-                bar.update(1)
+        played = [simulator.max_turns if d.state.end_reason else d.state.turns for d in dialogues]
+        bar.update(sum(played) - bar.n)
     bar.close()
     stats.update(simulator.counts)
     return [to_record(d, simulator.start_emotion) for d in dialogues], dict(stats)
 
 
 def to_record(d, start_emotion):
-    """The flat per-dialogue record the trainers and evaluate.py consume: the tokens, and per agent
-    turn its last token (turn_ends), the emotion after it and its change (None where the appraisal
-    could not be read: such a dialogue ends there, end_reason "unread")."""
+    """The flat per-dialogue record the trainers and evaluate.py consume: the tokens, the persona's
+    difficulty (which weighs the rules user's parts), and per agent turn its last token
+    (turn_ends), the emotion after it and its change (None where the appraisal could not be read:
+    such a dialogue ends there, end_reason "unread"); in turns, each agent turn with its appraisal
+    (and the rules user's parts) and each user message marked canned or not."""
     s = d.state
     # the dialogue turn by turn; an agent turn with its sampling (agent_turns) and its appraisal
     agent = ({**a, **sampled} for a, sampled in zip(s.appraisals, d.agent_turns))
@@ -582,7 +587,7 @@ def to_record(d, start_emotion):
         if turn["role"] == "agent":
             turn.update(next(agent))
     return {
-        "persona_id": s.persona.id, "sample": d.sample,
+        "persona_id": s.persona.id, "difficulty": s.persona.difficulty, "sample": d.sample,
         "token_ids": d.ids, "action_mask": d.action_mask, "sample_logprobs": d.sample_logprobs,
         "turn_ends": d.turn_ends,
         "start_emotion": start_emotion, "emotions": [a["emotion"] for a in s.appraisals],

@@ -30,6 +30,7 @@ import re
 import shutil
 import signal
 import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -93,8 +94,8 @@ class Redacted:
 
 def command(main):
     """A script's main() as its command line: stdout and stderr redacted, Ctrl-C and SIGTERM one
-    line from its first statement on (model loading included), and a Stop one line (tqdm.write keeps
-    it on a line of its own while a progress bar is drawn) and its exit code."""
+    line from its first statement on (model loading included), and a Stop one line (below the
+    progress bars, last_line) and its exit code."""
     @functools.wraps(main)
     def run_command(argv=None):
         # each stream wrapped once, though one process may run several commands (the tests do)
@@ -107,11 +108,34 @@ def command(main):
             return main(argv)
         except Stop as stop:
             if str(stop):  # empty on a process other than the main one
-                tqdm.write(f"error: {stop}", file=sys.stderr)
+                last_line(f"error: {stop}")
             sys.exit(stop.code)
         finally:
             release()
     return run_command
+
+
+def use_cpu_threads():
+    """On a machine without CUDA, torch's threads for this command: half the cores this process may
+    run on, at least one, unless OMP_NUM_THREADS is set (torch has taken it). PyTorch's default is
+    a thread a physical core, and its OpenMP threads wait for each other at every operation: with
+    every core taken, anything else the machine runs (a second run, the tests, a server) stalls
+    each operation, an iteration ten times slower, while half the cores cost an idle machine little
+    (docs/run.md); with two hardware threads a core, half is torch's own choice. The scripts call
+    it from their command line only, so that a caller of their main() keeps its own
+    torch.set_num_threads."""
+    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, cores // 2))
+
+
+def last_line(line):
+    """A command's last line, on stderr, below its progress bars: each is closed first (one that
+    stays shows its last state above the line), so that none is drawn again under it."""
+    for bar in list(getattr(tqdm, "_instances", [])):
+        bar.close()
+    print(line, file=sys.stderr, flush=True)
 
 
 def quiet_libraries():
@@ -135,8 +159,7 @@ def exit_on_signals(say):
     def stopped(number, frame):
         told = say()
         if told is not None:
-            tqdm.write(f"stopped by {signal.Signals(number).name}{told}", file=sys.stderr)
-            sys.stderr.flush()
+            last_line(f"stopped by {signal.Signals(number).name}{told}")
         os._exit(128 + number)
     for number in (signal.SIGINT, signal.SIGTERM):
         HELD.append((number, signal.signal(number, stopped)))
@@ -240,6 +263,19 @@ KINDS = {bool: dict(type=to_bool, nargs="?", const=True, metavar="true|false"),
 RESUMABLE = ("iterations", "save_every", "keep_checkpoints", "max_bad_updates", "report_to")
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """--help with each flag's default (the script's own, without a preset) after its help; none
+    for an empty one."""
+
+    def _split_lines(self, text, width):  # never inside a flag's name (--micro-batch-size)
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _get_help_string(self, action):
+        if not action.option_strings or action.default in ("", [], None, argparse.SUPPRESS):
+            return action.help
+        return f"{action.help} (default: %(default)s)"
+
+
 def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     """One argparse parser over the fields of `classes` (one --help group per class's `group`, the
     operational settings in a last group), then every value against its field's check and each
@@ -252,11 +288,11 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
     if argv is None:
         argv = sys.argv[1:]
     TAKEN.clear()  # a new command's settings
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, formatter_class=DefaultsShown)
     parser.error = fail
     groups = {cls.title: parser.add_argument_group(cls.title) for cls in classes}
     operational = parser.add_argument_group("operational (rarely changed)")
-    fields = []
+    fields, actions = [], {}
     for cls in classes:
         declared = cls()  # every field at its declared default
         for f in dataclasses.fields(cls):
@@ -266,9 +302,13 @@ def parse_settings(classes, argv=None, presets=None, defaults=None, prog=None):
             if f.metadata["operational"]:
                 group = operational
             kind = KINDS.get(type(default), dict(type=type(default)))
-            group.add_argument(f"--{f.name.replace('_', '-')}", default=default,
-                               help=f.metadata["help"],
-                               choices=getattr(f.metadata["check"], "choices", None), **kind)
+            actions[f.name] = group.add_argument(
+                f"--{f.name.replace('_', '-')}", default=default, help=f.metadata["help"],
+                choices=getattr(f.metadata["check"], "choices", None), **kind)
+    for name, preset in (presets or {}).items():  # --help says what each preset changes
+        changes = " ".join(f"--{k.replace('_', '-')} {str(v).lower() if isinstance(v, bool) else v}"
+                           for k, v in preset.items())
+        actions["preset"].help += f". {name}: {changes or 'the defaults'}".replace("%", "%%")
     # set_defaults replaces the fields' defaults: the script's own, then the preset's (read by a
     # first pass; its flag's choices refuse an unknown one), so that every flag given wins over both
     parser.set_defaults(**(defaults or {}))
@@ -386,9 +426,10 @@ def public_config(args, script):
 class RunSettings:
     """A training run's length, folder, checkpoints and resume."""
     title = "the run"
-    preset: str = setting("paper",
-                          "paper (Qwen2.5-7B on CUDA) | cpu (embedded model); explicit flags win",
-                          one_of("paper", "cpu"))
+    preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (the embedded model, a few "
+                                   "iterations) | cpu-learn (the embedded model, long enough that "
+                                   "the reward rises); explicit flags win",
+                          one_of("paper", "cpu", "cpu-learn"))
     iterations: int = setting(1000, "training iterations (RLVER: 1,000 steps)", at_least(1))
     out: str = setting("", "a new run folder, created by the run (an empty one is taken); default "
                            "runs/<script>__<seed>__<time>", path=True)
@@ -402,6 +443,24 @@ class RunSettings:
                                      "(numbers only)", one_of("none", "tensorboard", "wandb"))
     max_bad_updates: int = setting(3, "stop after this many non-finite updates in a row",
                                    at_least(1), operational=True)
+
+
+def summary(rows):
+    """A run in one line, from its metrics.jsonl rows: the iterations and the minutes they took
+    (their time_iteration: no loading, no checkpoints), and the mean reward and final emotion over
+    its first and its last iterations (3 each, fewer in a short run; never the same ones, but in a
+    run of one iteration)."""
+    k = max(1, min(3, len(rows) // 2))
+
+    def mean(key, part, digits):
+        values = [row[key] for row in part if row.get(key) is not None]
+        return f"{sum(values) / len(values):.{digits}f}" if values else "-"
+    minutes = sum(row.get("time_iteration") or 0 for row in rows) / 60
+    return (f"{len(rows)} iterations in {minutes:.1f} min; reward_mean "
+            f"{mean('reward_mean', rows[:k], 3)} -> {mean('reward_mean', rows[-k:], 3)}, "
+            f"final_emotion_mean {mean('final_emotion_mean', rows[:k], 1)} -> "
+            f"{mean('final_emotion_mean', rows[-k:], 1)} (first -> last "
+            f"{'iteration' if k == 1 else f'{k} iterations'})")
 
 
 def peak_memory_gb():
@@ -964,9 +1023,12 @@ class Run:
         fail(f"{error}; {self.resume_advice()}")
 
     def finish(self):
-        """Close the trackers and the progress bar, say where the adapter is, release the folder."""
+        """Close the trackers and the progress bar, say what the run did (summary) and where the
+        adapter is, release the folder."""
         self.bar.close()
         self.accelerator.end_training()
         if self.is_main:
-            print(f"done: {self.args.out} (adapter: {checkpoints(self.args.out)[-1]}/default)")
+            rows = [row for _, row in read_json_lines(f"{self.args.out}/metrics.jsonl")]
+            print(f"done: {self.args.out}: {summary(rows)}; "
+                  f"adapter: {checkpoints(self.args.out)[-1]}/default")
         release()

@@ -97,9 +97,9 @@ class UserState:
     a reply can never reach another dialogue's user once some dialogues have ended."""
     persona: Persona
     emotion: int
-    history: list = field(default_factory=list)     # {"role": "user"|"agent", "text": str}
+    history: list = field(default_factory=list)     # {"role", "text"}; a user's also "canned"
     turns: int = 0                                   # agent replies appraised so far
-    # one {"change", "emotion", "appraisal"} a turn; change and emotion None: unread
+    # one {"change", "emotion", "appraisal", "parts"} a turn; change and emotion None: unread
     appraisals: list = field(default_factory=list)
     # None while it goes on | success | left | goodbye | max_turns | context | unread
     end_reason: str | None = None
@@ -436,16 +436,12 @@ class SimulatorError(Stop):
 ACKNOWLEDGE = ("sounds", "that must", "i hear", "understand", "makes sense", "sorry", "no wonder",
                "it's okay to", "it is okay to", "painful", "frustrating", "exhausting", "hard")
 
-
 DISMISSIVE = ("calm down", "get over", "not a big deal", "whatever", "at least", "cheer up",
               "stop worrying", "overreacting", "just relax", "move on")
 
-
 ADVICE = ("you should", "you need to", "you must", "have you tried", "try to")
 
-
 OPEN_QUESTION = re.compile(r"\b(what|how|which|would you|could you|tell me)\b[^?.!]*\?", re.I)
-
 
 STOPWORDS = set("about after again also been being could didn't doesn't don't even every from have "
                 "just know like more much never only really should since still that their them "
@@ -457,11 +453,17 @@ def content_words(text):
     return {w for w in re.findall(r"[a-z']+", text.lower()) if len(w) >= 5 and w not in STOPWORDS}
 
 
+# The content words a reply shares with an earlier one (Jaccard) at which it repeats it: two replies
+# that both reflect the user's words share those, and 0.7 leaves room for that
+REPEAT_OVERLAP = 0.7
+
+
 def rules_appraisal(state, reply):
-    """Integer change and a line saying why ("rules: acknowledges+3, off_topic-3"). Raises the
-    emotion for acknowledging feelings, reflecting the user's own words and asking an open question;
-    lowers it for dismissive phrases, lists of advice, off-topic text and very long or empty
-    replies. Harder users count the good parts less and the bad parts more."""
+    """(change, a line saying why, parts). Raises the emotion for acknowledging feelings, reflecting
+    the user's own words and asking an open question; lowers it for dismissive phrases, lists of
+    advice, off-topic text, very long or empty replies. Harder users count the good parts less, the
+    bad more; a repeat (an earlier reply's text, or REPEAT_OVERLAP) gets nothing for its good parts.
+    The line gives each part's points ("rules: reflects+2, off_topic-3"); parts, weighted values."""
     text = reply.lower()
     user_words = content_words(" ".join(m["text"] for m in state.history if m["role"] == "user"))
     echoed = len(content_words(reply) & user_words)
@@ -476,11 +478,19 @@ def rules_appraisal(state, reply):
            "off_topic": 3 * (echoed == 0 and good["acknowledges"] == 0),
            "too_long": 3 * (len(reply.split()) > 120),
            "empty": 5 * (not re.search(r"\w", reply))}
+    earlier = [m["text"] for m in state.history if m["role"] == "agent"]
+    repeated = any(" ".join(old.lower().split()) == " ".join(text.split())
+                   or 0 < REPEAT_OVERLAP * len(content_words(reply) | content_words(old))
+                   <= len(content_words(reply) & content_words(old)) for old in earlier)
     weight_good, weight_bad = {"easy": (1.5, 0.7), "normal": (1.0, 1.0),
                                "hard": (0.6, 1.5)}[state.persona.difficulty]
+    weight_good *= not repeated
     change = round(weight_good * sum(good.values()) - weight_bad * sum(bad.values()))
-    parts = [f"{k}+{v}" for k, v in good.items() if v] + [f"{k}-{v}" for k, v in bad.items() if v]
-    return change, "rules: " + (", ".join(parts) or "nothing notable")
+    parts = {k: round(weight_good * v, 2) for k, v in good.items() if v}
+    parts.update({k: round(-weight_bad * v, 2) for k, v in bad.items() if v})
+    said = [f"{k}+{v}" for k, v in good.items() if v] + [f"{k}-{v}" for k, v in bad.items() if v]
+    why = "repeats (good parts count 0): " * repeated + (", ".join(said) or "nothing notable")
+    return change, "rules: " + why, parts
 
 
 GENERIC_LINES = {
@@ -530,17 +540,18 @@ class Simulator:
         self.counts.update(dict.fromkeys(totals, 0))
 
     def start(self, persona):
-        return UserState(persona, self.start_emotion, [{"role": "user", "text": persona.opening}])
+        opening = {"role": "user", "text": persona.opening, "canned": True}  # the persona's own
+        return UserState(persona, self.start_emotion, [opening])
 
     def appraise(self, states, replies):
         """The change each reply would make in its state, with nothing moved or stored: a list of
-        (change, appraisal text), the change as stated or None where it could not be read. A
-        model's appraisal whose change is unread or beyond +-max_change is re-asked once for the
-        change line alone; an answer that is still unread or off the scale is None: a model that
-        writes its mood where the change belongs ("Change: 33" at mood 30) says nothing readable
-        about the reply, and clamping it would give +max_change a turn whatever the agent said.
-        (The rules user's changes may exceed the scale: apply_change clamps them.) evaluate.py
-        --agreement appraises recorded replies in recorded states."""
+        (change, appraisal text, parts), the change as stated or None where it could not be read,
+        parts the rules user's (else None). A model's appraisal whose change is unread or beyond
+        +-max_change is re-asked once for the change line alone; an answer that is still unread or
+        off the scale is None: a model that writes its mood where the change belongs ("Change: 33"
+        at mood 30) says nothing readable about the reply, and clamping it would give +max_change a
+        turn whatever the agent said. (The rules user's changes may exceed the scale: apply_change
+        clamps them.) evaluate.py --agreement appraises recorded replies in recorded states."""
         if self.readout == "rules":
             return [rules_appraisal(s, r) for s, r in zip(states, replies)]
         asked = [appraisal_messages(s, r, self.max_change) for s, r in zip(states, replies)]
@@ -562,7 +573,7 @@ class Simulator:
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
                 changes[k] = parse_change(own_text(text, agent[k]))
-        return [(c if c in scale else None, t) for c, t in zip(changes, texts)]
+        return [(c if c in scale else None, t, None) for c, t in zip(changes, texts)]
 
     def step(self, states, replies):
         """Appraise each state's agent reply, update emotion, end or write the next user message.
@@ -571,16 +582,16 @@ class Simulator:
         no move: the trainers keep such a dialogue out of training. The rules user speaks its
         persona's line for the band it is in (GENERIC_LINES where it has none)."""
         t0 = time.time()
-        for s, r, (change, text) in zip(states, replies, self.appraise(states, replies)):
+        for s, r, (change, text, parts) in zip(states, replies, self.appraise(states, replies)):
             s.history.append({"role": "agent", "text": r})
             s.turns += 1
             if change is None:
-                s.appraisals.append({"change": None, "emotion": None, "appraisal": text})
+                s.appraisals.append(dict(change=None, emotion=None, appraisal=text, parts=parts))
                 s.end_reason = "unread"
                 continue
             self.counts["clamped_changes"] += abs(change) > self.max_change
             s.emotion, change = apply_change(s.emotion, change, self.max_change)
-            s.appraisals.append({"change": change, "emotion": s.emotion, "appraisal": text})
+            s.appraisals.append(dict(change=change, emotion=s.emotion, appraisal=text, parts=parts))
             if s.emotion >= 100:
                 s.end_reason = "success"
             elif s.emotion < self.leave_below:
@@ -596,7 +607,7 @@ class Simulator:
             texts = self.backend.chat(asked, self.reply_tokens)
             texts = [clean_user_text(text) for text in texts]
         for s, text in zip(talking, texts):
-            s.history.append({"role": "user", "text": text})
+            s.history.append({"role": "user", "text": text, "canned": self.readout == "rules"})
             if says_goodbye(text, self.goodbye):
                 s.end_reason = "goodbye"
         self.counts["simulator_seconds"] += time.time() - t0

@@ -116,7 +116,7 @@ def test_simulator_over_url_backend(serve, persona):
     assert sim.readout == "reasoned"
     s = sim.start(persona)
     sim.step([s], [WARM])
-    assert s.emotion == 44 and s.history[-1] == {"role": "user", "text": "okay. i guess."}
+    assert s.emotion == 44 and s.history[-1] == {"role": "user", "text": "okay. i guess.", "canned": False}
     assert len(server.requests) == 2
 
 

@@ -16,6 +16,17 @@ def test_help_prints(script):
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("usage:")
+    # each flag's default (the script's own: evaluate.py's SAGE sizes), and what each preset changes
+    text = " ".join(done.stdout.split())
+    shown = {"ppo.py": "(RLVER: 5%% of 1,000) (default: 50)", "grpo.py": "(Dr. GRPO) (default: mean-std)",
+             "evaluate.py": "tokens per agent turn (default: 128)", "tools/bench.py": "subcommand"}[script]
+    assert shown.replace("%%", "%") in text
+    if script in ("ppo.py", "grpo.py"):
+        trainer = __import__(script[:-3])
+        for name, preset in trainer.PRESETS.items():
+            changes = " ".join(f"--{k.replace('_', '-')} {str(v).lower() if isinstance(v, bool) else v}"
+                               for k, v in preset.items())
+            assert f"{name}: {changes or 'the defaults'}" in text, name
 
 
 ONE_NAME = ("--clip-low", "--clip-high", "--update-epochs", "--kl-loss-coef", "--lr", "--user-reply-tokens",
@@ -44,6 +55,7 @@ def test_a_first_run_prints_only_the_projects_own_lines(tmp_path):
     stderr hold the project's own lines and its progress bar, no library's warning, advice or bar
     (bitsandbytes' kernel-hub advice, transformers' deprecation and its GGUF and loading bars)."""
     env = {**os.environ, "RLVER_CACHE": str(tmp_path / "cache")}
+    env.pop("OMP_NUM_THREADS", None)  # a newcomer's shell: the script picks its threads
     done = subprocess.run([sys.executable, "ppo.py", "--preset", "cpu", "--iterations", "1",
                            "--dialogues-per-iteration", "2", "--minibatch-size", "2", "--max-turns", "1",
                            "--max-new-tokens", "8", "--out", str(tmp_path / "run")], cwd=ROOT, env=env,
@@ -53,3 +65,6 @@ def test_a_first_run_prints_only_the_projects_own_lines(tmp_path):
     ours = re.compile(r"(policy smollm2 on cpu|converting .*\.gguf to |run /|done: |ppo: )")
     assert frames and all(ours.match(line) for line in frames), [f for f in frames if not ours.match(f)]
     assert "converting" in done.stderr  # it was a first run: the model was converted
+    # its start-up line says the threads it took: half the usable cores (run.use_cpu_threads)
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"policy smollm2 on cpu (CPU threads: {threads}) x 1 process(es)" in done.stdout

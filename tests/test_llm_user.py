@@ -28,6 +28,10 @@ def replay(record):
     emotion, changes = START, []
     agent = [t for t in record["turns"] if t["role"] == "agent"]
     users = [t["text"] for t in record["turns"] if t["role"] == "user"][1:]  # after the opening
+    # the opening is the persona's own line, every later message the model's; a model's appraisal
+    # text explains its change (no rules parts)
+    assert [t["canned"] for t in record["turns"] if t["role"] == "user"] == [True] + [False] * len(users)
+    assert all(turn["parts"] is None for turn in agent)
     for k, turn in enumerate(agent):
         first, asked, again = turn["appraisal"].partition(MARK)
         stated = STATED[first]

@@ -289,7 +289,7 @@ def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
         for k, before, _ in evaluate.judged_replies(dialogue):
             state = simulator.UserState(persona=personas[dialogue["id"]], emotion=before,
                                         history=dialogue["history"][:k])
-            change, _ = simulator.rules_appraisal(state, dialogue["history"][k]["text"])
+            change, *_ = simulator.rules_appraisal(state, dialogue["history"][k]["text"])
             expected.append(max(-10, min(10, change)))
         assert [change for change, _ in row["appraisals"]] == expected
     assert "| warm | 1 |" in (tmp_path / "check" / "results.md").read_text()

@@ -205,9 +205,10 @@ def test_play_counts_format_cases_and_sends_silence(tiny_model, personas):
     assert [agent_turns(r)[0]["text"] for r in records] == [t.strip() or SILENCE for t in texts]
 
 
-def test_progress_bar_counts_dialogues_on_stderr(tiny_model, personas, capsys):
-    """progress=True: a bar on stderr with the dialogues finished out of 3; stdout stays clean. The
-    trainers turn it on only on the main process at a terminal."""
+def test_progress_bar_counts_turns_on_stderr(tiny_model, personas, capsys):
+    """progress=True: a bar on stderr counting agent turns out of 3 dialogues x 2 (an ended dialogue
+    counts all its turns); stdout stays clean. The trainers turn it on only on the main process at a
+    terminal."""
     _, tokenizer = tiny_model
     texts = ["That sounds hard."] * 3
     play_dialogues(NO_POLICY, rules_simulator(max_turns=2), personas(3),
@@ -215,7 +216,7 @@ def test_progress_bar_counts_dialogues_on_stderr(tiny_model, personas, capsys):
                    max_new_tokens=16, progress=True, desc="rollout")
     out, err = capsys.readouterr()
     assert out == ""
-    assert "rollout" in err and "/3 [" in err
+    assert "rollout" in err and "/6 [" in err
     play_dialogues(NO_POLICY, rules_simulator(max_turns=2), personas(3),
                    chat=ChatTokens(tokenizer), decoder=ScriptedDecoder(tokenizer, texts),
                    max_new_tokens=16, progress=False)

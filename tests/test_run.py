@@ -191,9 +191,24 @@ def test_ctrl_c_in_an_iteration_names_it_and_the_resume_goes_on(tiny_model_dir, 
     assert re.search(r"(in iteration \d+|while the checkpoint of iteration \d+ was written) of",
                      line), line
     assert "the newest complete checkpoint is" in line
+    assert err.endswith(line + "\n")  # the last line: no progress bar drawn again under it
     code, err = cli(*line.split("`")[1].split()[1:])
     assert code == 0, err[-2000:]
     assert [m["iteration"] for m in read_metrics(out)] == list(range(1, 21))
+
+
+@pytest.mark.parametrize("omp", [False, True])
+def test_a_command_takes_half_the_usable_cores_unless_omp_num_threads_says(omp):
+    """run.use_cpu_threads (each script's command line): half the cores this process may use, at
+    least one; OMP_NUM_THREADS wins."""
+    half = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    if omp:  # a count other than half (torch takes at most the cores there are)
+        env["OMP_NUM_THREADS"] = "2" if half == "1" else "1"
+    code = "import torch, run; run.use_cpu_threads(); print(torch.get_num_threads())"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.split() == [env.get("OMP_NUM_THREADS", half)], done.stderr[-2000:]
 
 
 def test_non_finite_weights_are_never_a_checkpoint(tiny_model_dir, personas_file, tmp_path):

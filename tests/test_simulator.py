@@ -119,7 +119,7 @@ def test_success_clamps_overshoot(persona):
     sim.step([s], ["reply"])
     assert s.emotion == 100 and s.end_reason == "success"
     # the appraisal asked for +9; the emotion could only move +5, and that is the change kept
-    assert s.appraisals[-1] == {"change": 5, "emotion": 100, "appraisal": "Change: +9"}
+    assert s.appraisals[-1] == {"change": 5, "emotion": 100, "appraisal": "Change: +9", "parts": None}
 
 
 def test_left_below_threshold(persona):
@@ -138,7 +138,7 @@ def test_goodbye_in_user_message(persona):
     s = sim.start(persona)
     sim.step([s], ["reply"])
     assert s.end_reason == "goodbye"
-    assert s.history[-1] == {"role": "user", "text": "Thanks, I have to go. Bye!"}
+    assert s.history[-1] == {"role": "user", "text": "Thanks, I have to go. Bye!", "canned": False}
 
 
 def slots_and_keys(template):
@@ -462,9 +462,9 @@ def test_clean_user_text_drops_private_notes_and_scores(text, expected):
 def test_rules_appraisal_warm_beats_lecture(persona, capsys):
     sim = Simulator(RulesBackend())
     state = sim.start(persona)
-    warm, why_warm = rules_appraisal(state, "That sounds so painful, and no wonder you feel stupid for "
+    warm, why_warm, _ = rules_appraisal(state, "That sounds so painful, and no wonder you feel stupid for "
                                             "hoping after that promotion was promised. What hurts the most?")
-    lecture, why_lecture = rules_appraisal(state, "Calm down, it's not a big deal. "
+    lecture, why_lecture, _ = rules_appraisal(state, "Calm down, it's not a big deal. "
                                                   "You should update your CV. "
                                                   "You need to network more.\n1. Apply elsewhere\n2. Move on")
     with capsys.disabled():
@@ -479,11 +479,11 @@ def test_rules_appraisal_warm_beats_lecture(persona, capsys):
 def test_rules_too_long_and_empty(persona):
     state = Simulator(RulesBackend()).start(persona)
     reply = "That sounds painful. What happened with the promotion?"
-    short, _ = rules_appraisal(state, reply)
-    long, why = rules_appraisal(state, reply + " okay" * 130)
+    short, *_ = rules_appraisal(state, reply)
+    long, why, _ = rules_appraisal(state, reply + " okay" * 130)
     assert "too_long-3" in why and "too_long" not in rules_appraisal(state, reply)[1]
     assert short - long == 3  # normal difficulty weighs the bad parts 1.0
-    empty, why_empty = rules_appraisal(state, "")
+    empty, why_empty, _ = rules_appraisal(state, "")
     assert "empty-5" in why_empty and empty < 0
 
 
@@ -514,6 +514,50 @@ def test_rules_simulator_band_lines_and_goodbye(persona_entry, write_personas):
     c = sim.start(p1)
     sim.step([c], ["ok"])
     assert band(c.emotion) == "B" and c.history[-1]["text"] == GENERIC_LINES["B"]
+
+
+def test_the_rules_user_gives_a_repeated_reply_no_credit(persona):
+    """One warm sentence said 8 times earns once, then nothing (it used to climb to 100); a near
+    repeat (a word changed) earns nothing either, and a fresh reply after the repeats still earns.
+    A repeat's bad parts still count; its appraisal says why."""
+    sim = Simulator(RulesBackend(), start_emotion=30, max_turns=8)
+    same = "That sounds so painful after that promotion was promised. What hurts the most?"
+    state = sim.start(persona)
+    for _ in range(8):
+        sim.step([state], [same])
+    changes = [a["change"] for a in state.appraisals]
+    assert changes[0] > 0 and changes[1:] == [0] * 7 and state.emotion == 30 + changes[0]
+    assert all(a["appraisal"].startswith("rules: repeats") for a in state.appraisals[1:])
+    state = sim.start(persona)
+    sim.step([state], [same])
+    near = "That sounds so painful after the promotion was promised. What hurts most?"
+    assert rules_appraisal(state, near)[:2] == (0, "rules: repeats (good parts count 0): "
+                                                   "acknowledges+6, reflects+2, asks+3")
+    fresh = "I understand. Hoping for it was not stupid; how long had you waited for that promotion?"
+    assert rules_appraisal(state, fresh)[0] > 0
+    lecture = "That sounds so painful after that promotion was promised. You should move on."
+    state.history.append({"role": "agent", "text": lecture})
+    assert rules_appraisal(state, lecture)[0] < 0  # its bad parts count
+
+
+def test_rules_parts_add_up_to_the_change_by_difficulty(persona_entry, write_personas):
+    """A record's parts explain its change: each part's points x the difficulty's weight (hard:
+    "reflects+2" is 1.2, "off_topic-3" -4.5; a repeat's good parts 0), summed and rounded."""
+    path = write_personas([persona_entry(id=d, difficulty=d) for d in ("easy", "normal", "hard")])
+    sim = Simulator(RulesBackend())
+    easy, normal, hard = [sim.start(p) for p in load_personas(path)]
+    assert rules_appraisal(hard, "the promotion.") == (1, "rules: reflects+2", {"reflects": 1.2})
+    assert rules_appraisal(hard, "nice weather.")[2] == {"off_topic": -4.5}
+    assert rules_appraisal(easy, "Calm down, the promotion.")[2] == {"reflects": 3.0,
+                                                                     "dismissive": -2.8}
+    for state in (easy, normal, hard):
+        for reply in ("That sounds painful. What happened with the promotion?", "whatever", ""):
+            change, _, parts = rules_appraisal(state, reply)
+            assert round(sum(parts.values())) == change
+    sim.step([hard], ["the promotion."])
+    sim.step([hard], ["The promotion!"])
+    assert [a["parts"] for a in hard.appraisals] == [{"reflects": 1.2}, {"reflects": 0.0}]
+    assert [m.get("canned") for m in hard.history] == [True, None, True, None, True]
 
 
 # ----------------------------------------------------------------------------------------------

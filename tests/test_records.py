@@ -1,0 +1,74 @@
+"""A dialogue's record explains its reward (issue 54): rollouts.jsonl of a real run holds the
+persona's difficulty, each agent turn's change and the rules user's parts it adds up from, each user
+message marked canned or not, and what the trainer made of it: PPO the reward placed on each agent
+turn (rl.turn_rewards) and the turn's advantage, GRPO the dialogue's reward and advantage
+(grpo.group_advantages over the records' own rewards)."""
+import argparse
+import json
+
+import pytest
+import torch
+
+import grpo
+import ppo
+from rl import turn_rewards
+from test_learning import install_stand_in
+
+
+def trained(trainer, tiny_model_dir, personas_file, out, *flags):
+    """One iteration of trainer on the tiny model against the rules user, two turns: the run's
+    settings and its rollouts.jsonl."""
+    trainer.main(["--preset", "cpu", "--model", tiny_model_dir, "--simulator", "rules",
+                  "--personas", personas_file, "--split", "test", "--max-turns", "2",
+                  "--max-new-tokens", "6", "--max-context", "512", "--lora-r", "4",
+                  "--lora-alpha", "8", "--iterations", "1", "--out", str(out), *flags])
+    with open(out / "config.json", encoding="utf-8") as f:
+        args = argparse.Namespace(**json.load(f))
+    with open(out / "rollouts.jsonl", encoding="utf-8") as f:
+        return args, [json.loads(line) for line in f]
+
+
+def check_the_users_side(record):
+    """The difficulty, each agent turn's change and parts (a sum that rounds to the change before
+    its clamp: the tiny model's changes stay inside +-10) and the canned user lines."""
+    assert record["difficulty"] in ("easy", "normal", "hard")
+    agent = [t for t in record["turns"] if t["role"] == "agent"]
+    assert [t["change"] for t in agent] == record["changes"]
+    for turn in agent:
+        assert round(sum(turn["parts"].values())) == turn["change"], turn
+    users = [t for t in record["turns"] if t["role"] == "user"]
+    assert users and all(t["canned"] is True for t in users)  # the opening, then the band lines
+    return agent
+
+
+def test_ppo_records_the_reward_placed_on_each_turn_and_its_advantage(tiny_model_dir,
+                                                                       personas_file, tmp_path):
+    args, records = trained(ppo, tiny_model_dir, personas_file, tmp_path / "run",
+                            "--dialogues-per-iteration", "3", "--minibatch-size", "3",
+                            "--format-penalty", "0.1", "--thinking", "true")
+    weighted = []
+    for r in records:
+        agent = check_the_users_side(r)
+        assert r["rewards"] == pytest.approx(turn_rewards(r, args, args.format_penalty), abs=1e-6)
+        assert len(r["advantages"]) == len(agent)
+        weighted += [(a, t["tokens"]) for a, t in zip(r["advantages"], agent)]
+    # each a turn's mean of the whitened advantages: weighted by the turns' tokens they average to 0
+    mean = sum(a * n for a, n in weighted) / sum(n for _, n in weighted)
+    assert abs(mean) < 1e-5 and any(abs(a) > 0.1 for a, _ in weighted)
+
+
+def test_grpo_records_each_dialogues_reward_and_advantage(tiny_model_dir, personas_file, tmp_path,
+                                                          monkeypatch):
+    # the rules user gives the tiny model's replies one reward in a group (all off topic): the
+    # learning tests' user, whose reward is the share of a quarter of the vocabulary, varies
+    install_stand_in(monkeypatch, grpo, turns=2)
+    args, records = trained(grpo, tiny_model_dir, personas_file, tmp_path / "run",
+                            "--personas-per-iteration", "2", "--group-size", "3",
+                            "--minibatch-size", "6")
+    for r in records:
+        assert r["reward"] == pytest.approx(sum(turn_rewards(r, args)))
+    rewards = torch.tensor([r["reward"] for r in records], dtype=torch.float64)
+    groups = torch.arange(len(records)) // args.group_size
+    expected = grpo.group_advantages(rewards, groups, args.group_advantage).tolist()
+    assert [r["advantage"] for r in records] == pytest.approx(expected)
+    assert sum(a != 0 for a in expected) >= 3

@@ -121,9 +121,9 @@ def test_learning_driver_skips_resumes_and_passes_flags(fake_runs, monkeypatch, 
     assert fresh[-2:] == ["--out", os.path.join(fake_runs, "grpo-seed2")]
     assert "--out" not in resumed and "--resume" not in fresh and "--overwrite" not in resumed + fresh
     for c in calls:
-        assert c[0] == sys.executable and c[2:6] == ["--preset", "cpu", "--simulator", "rules"]
-        assert c[c.index("--iterations") + 1] == "6" and c[c.index("--max-turns") + 1] == "3"
-        assert c.index("--max-new-tokens") > c.index("--max-turns")  # extra flags come later, so they win
+        assert c[0] == sys.executable and c[2:4] == ["--preset", "cpu-learn"]
+        assert c[c.index("--iterations") + 1] == "6"
+        assert c.index("--max-new-tokens") > c.index("--preset")  # extra flags come later, so they win
     printed = capsys.readouterr().out
     assert "| ppo | 3 | 0.310 ± 0.020 | 0.510 ± 0.020 | +0.200 ± 0.000 | yes | - |" in printed
 

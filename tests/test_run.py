@@ -220,3 +220,22 @@ def test_non_finite_weights_are_never_a_checkpoint(tiny_model_dir, personas_file
     assert code == 1 and "NaN or infinity" in line, err[-2000:]
     assert f"newest complete checkpoint is {first}" in line, err[-2000:]
     assert os.listdir(out / "checkpoints") == ["iter_000001"]
+
+
+def test_a_stop_line_is_the_last_thing_drawn_below_an_open_bar(capsys):
+    """A command that stops while its progress bar is open prints the stop line last: the bar is
+    closed first (its last state stays above the line) and nothing redraws it under the line, not
+    even the bar's own clean-up when the stopped main() lets go of it."""
+    from tqdm import tqdm
+
+    def main(argv):
+        bar = tqdm(total=10, desc="rollout", file=sys.stderr)
+        bar.update(3)
+        run.fail("--lr 5: must be at most 1")
+
+    with pytest.raises(SystemExit) as stopped:
+        run.command(main)([])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert "rollout" in err and "3/10" in err  # the bar was drawn, above the line
+    assert err.endswith("error: --lr 5: must be at most 1\n"), repr(err[-200:])

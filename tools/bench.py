@@ -3,7 +3,7 @@
     python tools/bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48]
         [--simulator same|rules]
     python tools/bench.py step --algo grpo|ppo [--iterations 3] [-- TRAINER FLAGS]
-    python tools/bench.py learning [--seeds 0,1,2] [--iterations 15] [--jobs 1]
+    python tools/bench.py learning [--seeds 0,1,2] [--iterations 12] [--jobs 1]
         [--out runs/bench-learning] [-- TRAINER FLAGS]
     python tools/bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
         (one CUDA GPU; --tiny: the same on CPU)
@@ -29,18 +29,17 @@ GRPO <= 1.2, PPO <= 1.3), and the one-turn rollout's tokens/s against the floor'
 (target >= 0.95). Flags after `--` go to the trainer and win (e.g. `-- --log-kl-every 1`).
 
 learning: evidence that the trainers learn, on an environment whose answer is known.
-`ppo.py --preset cpu --simulator rules` and `grpo.py --preset cpu --simulator rules` (the embedded
-SmolLM2-135M against the deterministic lexicon user of simulator.py, 3 agent turns) run for each
+`ppo.py --preset cpu-learn` and `grpo.py --preset cpu-learn` (the embedded SmolLM2-135M against the
+deterministic lexicon user of simulator.py, one agent turn, 16 dialogues an iteration) run for each
 seed as subprocesses into OUT/{algo}-seed{S}; then OUT/learning.md (mean reward over the first and
-last --window iterations, mean and std over seeds, whether the rise reaches 0.15, and the minutes
-each run's iterations took) are written and the table printed. Budget: the default 15 iterations
-take about 30 minutes for GRPO (120 s an iteration) and 46 minutes for PPO (184 s) on one core of a
-2-core machine with a second run on the other core, so the 6 runs, two at a time (`--jobs 2`), add
-up to about 1 h 55 min there (docs/results.md). A run whose metrics.jsonl already holds every
-iteration is skipped, and a run folder the trainer made continues with `--resume` (from its newest
-checkpoint, or from its beginning without one), so an interrupted benchmark goes on where it
-stopped. Flags after `--` go to both trainers, e.g. `python tools/bench.py learning -- --lr 1e-4`
-(a flag only one trainer knows makes the other one fail).
+last --window iterations, mean and std over seeds, whether the rise reaches 0.05, and the minutes
+each run's iterations took) are written and the table printed. Budget: the 12 iterations take about
+11 minutes a run on one core of a 2-core machine with a second run on the other core, so the 6
+runs, two at a time (`--jobs 2`), about 35 minutes there (docs/results.md). A run whose
+metrics.jsonl already holds every iteration is skipped, and a run folder the trainer made continues
+with `--resume` (from its newest checkpoint, or from its beginning without one), so an interrupted
+benchmark goes on where it stopped. Flags after `--` go to both trainers, e.g. `python
+tools/bench.py learning -- --lr 1e-4` (a flag only one trainer knows makes the other one fail).
 
 gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
 (QWEN25_7B_CONFIG below; nothing is downloaded) and a ChatML tokenizer built at run time from this
@@ -344,22 +343,11 @@ def bench_step(args):
 # ----------------------------------------------------------------------------------------------
 # learning: PPO and GRPO against the rules user, several seeds, a curve and a table
 # ----------------------------------------------------------------------------------------------
-TARGET_RISE = 0.15  # the last iterations must beat the first by this much reward
-# What the benchmark adds to `--preset cpu --simulator rules` (flags after `--` still win):
-# - 3 agent turns rather than the preset's 2. The reward is final emotion / 100 from a start of 30,
-#   moving at most 10 a turn, so 2 turns cap it at 0.50 while an untrained SmolLM2 already scores
-#   about 0.31: a rise of 0.15 would need near-perfect replies. 3 turns raise the cap to 0.60.
-# - 16 dialogues an iteration (PPO: 16 personas; GRPO: 4 personas x groups of 4) in minibatches of
-#   8, two passes, and a LoRA learning rate of 5e-4 (critic 1e-4). With the presets' 4 dialogues and
-#   5e-5 the reward did not move in 20 iterations; at 2e-4 GRPO needed about 16 iterations for the
-#   +0.15 that 5e-4 reached in 11 (docs/decisions.md, how the settings were found).
-# Thinking stays off as the preset has it (the 135M model never writes the tags). A checkpoint
-# every 5 iterations, not every one: about 60 MB each (two adapters and Adam state for PPO), and
-# 5 iterations is all an interrupted run can lose.
-LEARNING_FLAGS = ("--preset cpu --simulator rules --max-turns 3 --save-every 5 --minibatch-size 8 "
-                  "--update-epochs 2 --lr 5e-4").split()
-LEARNING_ALGO_FLAGS = {"ppo": "--dialogues-per-iteration 16 --critic-lr 1e-4".split(),
-                       "grpo": "--personas-per-iteration 4 --group-size 4".split()}
+# The trainers' own `--preset cpu-learn` (one agent turn, 16 dialogues an iteration, lr 1e-3,
+# 12 iterations): the reward is (30 + the one turn's change) / 100, so it moves within 0.20-0.40.
+# The target: a rise of 5 emotion points, a quarter of that range (flags after `--` still win).
+TARGET_RISE = 0.05
+LEARNING_FLAGS = ["--preset", "cpu-learn"]
 
 
 def usable_cores():
@@ -374,7 +362,7 @@ class LearningSettings:
     title = "bench.py learning"
     seeds: str = setting("0,1,2", "comma-separated seeds, one run per algorithm and seed",
                          comma_list(r"\d+", "comma-separated integers, such as 0,1,2"))
-    iterations: int = setting(15, "iterations per run (15: 30 min GRPO, 46 min PPO on one core)",
+    iterations: int = setting(12, "iterations per run (the preset's 12: about 11 min on one core)",
                               at_least(1))
     window: int = setting(3, "iterations averaged at the start and at the end", at_least(1))
     algos: str = setting("ppo,grpo", "comma-separated: ppo,grpo",
@@ -423,7 +411,7 @@ def train_runs(args):
     pending = []
     for algo in args.algos.split(","):
         for seed in args.seeds.split(","):
-            flags = [*LEARNING_FLAGS, *LEARNING_ALGO_FLAGS[algo], "--seed", seed,
+            flags = [*LEARNING_FLAGS, "--seed", seed,
                      "--iterations", str(args.iterations)] + args.trainer_flags
             checked(algo, flags)
             run_dir = os.path.abspath(os.path.join(args.out, f"{algo}-seed{seed}"))

@@ -120,9 +120,9 @@ def use_cpu_threads():
     run on, at least one, unless OMP_NUM_THREADS is set (torch has taken it). PyTorch's default is
     a thread a physical core, and its OpenMP threads wait for each other at every operation: with
     every core taken, anything else the machine runs (a second run, the tests, a server) stalls
-    each operation, an iteration ten times slower, while half the cores cost an idle machine little
-    (docs/run.md); with two hardware threads a core, half is torch's own choice. The scripts call
-    it from their command line only, so that a caller of their main() keeps its own
+    each operation, an iteration twelve times slower, while half the cores cost an idle 2-core
+    machine 1.7x (docs/run.md); with two hardware threads a core, half is torch's own choice. The
+    scripts call it from their command line only, so that a caller of their main() keeps its own
     torch.set_num_threads."""
     if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
         return
@@ -427,8 +427,8 @@ class RunSettings:
     """A training run's length, folder, checkpoints and resume."""
     title = "the run"
     preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (the embedded model, a few "
-                                   "iterations) | cpu-learn (the embedded model, long enough that "
-                                   "the reward rises); explicit flags win",
+                                   "iterations) | cpu-learn (the embedded model, 12 iterations of "
+                                   "one-turn dialogues: a small rise); explicit flags win",
                           one_of("paper", "cpu", "cpu-learn"))
     iterations: int = setting(1000, "training iterations (RLVER: 1,000 steps)", at_least(1))
     out: str = setting("", "a new run folder, created by the run (an empty one is taken); default "

@@ -4,6 +4,7 @@ adapter is, and tools/plot.py draws runs side by side (skipped without matplotli
 line what it needs."""
 import importlib.util
 import os
+import shutil
 import sys
 
 import pytest
@@ -101,3 +102,10 @@ def test_a_run_ends_with_its_summary_and_tools_plot_draws_runs_side_by_side(
     assert lines[0].startswith("ppo: 2 iterations in ") and lines[1].startswith("grpo: 2 ")
     with open(tmp_path / "c.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # two runs of one name in two places (one benchmark's ppo-seed0 against another's): each drawn
+    # and summarised, named by its path
+    shutil.copytree(tmp_path / "ppo", tmp_path / "again" / "ppo")
+    code, out, err = plot("--out", str(tmp_path / "d.png"), str(tmp_path / "again" / "ppo"))
+    assert code == 0, err[-2000:]
+    named = [line.split(": ")[0] for line in out.splitlines()[:3]]
+    assert named == [str(tmp_path / "ppo"), str(tmp_path / "grpo"), str(tmp_path / "again" / "ppo")]

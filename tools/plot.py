@@ -25,13 +25,18 @@ def main(argv=None):
     parser.add_argument("--out", required=True, help=f"a new {' | '.join(FORMATS)} file")
     parser.add_argument("--keys", default=KEYS, help=f"comma-separated figures (default: {KEYS})")
     args = parser.parse_intermixed_args(argv)  # RUN ... before or after the flags
+    # each run named by its folder, or by its path where two folders share a name (the same seed of
+    # two benchmarks)
+    folders = [os.path.normpath(folder) for folder in args.runs]
+    names = [os.path.basename(folder) for folder in folders]
+    if len(set(names)) < len(set(folders)):
+        names = folders
     runs = {}
-    for folder in args.runs:
+    for name, folder in zip(names, folders):
         path = os.path.join(folder, "metrics.jsonl")
         if not os.path.isfile(path):
             fail(f"{folder}: no metrics.jsonl (not a run folder, or no iteration logged yet)")
-        runs[os.path.basename(os.path.normpath(folder))] = [row for _, row in read_json_lines(
-            path, fail)]
+        runs[name] = [row for _, row in read_json_lines(path, fail)]
     keys = args.keys.split(",")
     for key in keys:
         if not any(key in row for rows in runs.values() for row in rows):

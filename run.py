@@ -428,7 +428,8 @@ class RunSettings:
     title = "the run"
     preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (the embedded model, a few "
                                    "iterations) | cpu-learn (the embedded model, 12 iterations of "
-                                   "one-turn dialogues: a small rise); explicit flags win",
+                                   "one-turn dialogues, 10-17 min: the reward rises); explicit "
+                                   "flags win",
                           one_of("paper", "cpu", "cpu-learn"))
     iterations: int = setting(1000, "training iterations (RLVER: 1,000 steps)", at_least(1))
     out: str = setting("", "a new run folder, created by the run (an empty one is taken); default "

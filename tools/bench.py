@@ -30,16 +30,18 @@ GRPO <= 1.2, PPO <= 1.3), and the one-turn rollout's tokens/s against the floor'
 
 learning: evidence that the trainers learn, on an environment whose answer is known.
 `ppo.py --preset cpu-learn` and `grpo.py --preset cpu-learn` (the embedded SmolLM2-135M against the
-deterministic lexicon user of simulator.py, one agent turn, 16 dialogues an iteration) run for each
+deterministic lexicon user of simulator.py, one agent turn, 16 dialogues an iteration in two
+passes of minibatches of 8) run for each
 seed as subprocesses into OUT/{algo}-seed{S}; then OUT/learning.md (mean reward over the first and
 last --window iterations, mean and std over seeds, whether the rise reaches 0.05, and the minutes
 each run's iterations took) are written and the table printed. Budget: the 12 iterations take about
-11 minutes a run on one core of a 2-core machine with a second run on the other core, so the 6
-runs, two at a time (`--jobs 2`), about 35 minutes there (docs/results.md). A run whose
-metrics.jsonl already holds every iteration is skipped, and a run folder the trainer made continues
-with `--resume` (from its newest checkpoint, or from its beginning without one), so an interrupted
-benchmark goes on where it stopped. Flags after `--` go to both trainers, e.g. `python
-tools/bench.py learning -- --lr 1e-4` (a flag only one trainer knows makes the other one fail).
+17 minutes (PPO) and 11 (GRPO) a run on one core of a 2-core machine with a second run on the
+other core, so the 6 runs, two at a time (`--jobs 2`), about 47 minutes there (docs/results.md).
+A run whose metrics.jsonl already holds every iteration is skipped, and a run folder the trainer
+made continues with `--resume` (from its newest checkpoint, or from its beginning without one), so
+an interrupted benchmark goes on where it stopped. Flags after `--` go to both trainers, e.g.
+`python tools/bench.py learning -- --lr 1e-4` (a flag only one trainer knows makes the other one
+fail).
 
 gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
 (QWEN25_7B_CONFIG below; nothing is downloaded) and a ChatML tokenizer built at run time from this
@@ -343,9 +345,10 @@ def bench_step(args):
 # ----------------------------------------------------------------------------------------------
 # learning: PPO and GRPO against the rules user, several seeds, a curve and a table
 # ----------------------------------------------------------------------------------------------
-# The trainers' own `--preset cpu-learn` (one agent turn, 16 dialogues an iteration, lr 1e-3,
-# 12 iterations): the reward is (30 + the one turn's change) / 100, so it moves within 0.20-0.40.
-# The target: a rise of 5 emotion points, a quarter of that range (flags after `--` still win).
+# The trainers' own `--preset cpu-learn` (one agent turn, 16 dialogues an iteration, two passes
+# in minibatches of 8, lr 1e-3, 12 iterations): the reward is (30 + the one turn's change) / 100,
+# so it moves within 0.20-0.40. The target: a rise of 5 emotion points, a quarter of that range
+# (flags after `--` still win).
 TARGET_RISE = 0.05
 LEARNING_FLAGS = ["--preset", "cpu-learn"]
 
@@ -362,7 +365,7 @@ class LearningSettings:
     title = "bench.py learning"
     seeds: str = setting("0,1,2", "comma-separated seeds, one run per algorithm and seed",
                          comma_list(r"\d+", "comma-separated integers, such as 0,1,2"))
-    iterations: int = setting(12, "iterations per run (the preset's 12: about 11 min on one core)",
+    iterations: int = setting(12, "iterations per run (the preset's 12: 11-17 min on one core)",
                               at_least(1))
     window: int = setting(3, "iterations averaged at the start and at the end", at_least(1))
     algos: str = setting("ppo,grpo", "comma-separated: ppo,grpo",

@@ -316,6 +316,37 @@ class Decoder:
                 s[k].copy_(value)
         self.graphs[key].replay()
 
+    def prefill(self, rows, keep):
+        """Run into the cache all but the last of each row's tokens past its first keep[b] (the
+        decode step runs the last), in chunks. Rows that hold and add the same tokens (the samples
+        of one prompt: a GRPO group's first turn) run once, into a copy of their cache columns,
+        which then fills every row of theirs."""
+        given = [b for b, row in enumerate(rows) if row and len(row) - keep[b] > 1]
+        if not given:
+            return
+        first = {}  # (kept, tokens) -> the first row that has them
+        for b in given:
+            first.setdefault((keep[b], tuple(rows[b])), b)
+        distinct = list(first.values())
+        source = [distinct.index(first[keep[b], tuple(rows[b])]) for b in given]
+        # the rows' columns, the last of which no token written here owns (padding goes there)
+        columns = max(len(rows[b]) for b in distinct)
+        part = KVCache(self.model, len(distinct), columns)
+        for mine, whole in zip(part.keys + part.values, self.cache.keys + self.cache.values):
+            mine.copy_(whole[distinct, :, :columns])
+        pending = [rows[b][keep[b]:-1] for b in distinct]
+        lengths = [keep[b] for b in distinct]
+        device = self.eos.device
+        for start in range(0, max(map(len, pending)), PREFILL_CHUNK):
+            chunk = [p[start:start + PREFILL_CHUNK] for p in pending]
+            size = max(map(len, chunk))
+            ids = torch.tensor([c + [self.pad_id] * (size - len(c)) for c in chunk], device=device)
+            width = min(columns, max(lengths) + size)
+            run_into(self.model, part, ids, torch.tensor(lengths, device=device), width)
+            lengths = [n + len(c) for n, c in zip(lengths, chunk)]
+        for whole, mine in zip(self.cache.keys + self.cache.values, part.keys + part.values):
+            whole[given, :, :columns] = mine[source]
+
     @torch.no_grad()
     def generate(self, rows, max_new_tokens, temperature=1.0, greedy=False, penalty=1.0,
                  fresh=False, seat=False):
@@ -349,22 +380,14 @@ class Decoder:
         # what each row keeps (all but its last token at most: the step runs that one) and adds
         keep = [min(common_prefix(r, h), len(r) - 1) if r else len(h)
                 for r, h in zip(placed, self.held)]
-        pending = [r[k:] if r else [] for r, k in zip(placed, keep)]
         self.prompt_tokens = sum(len(r) for r in rows if r)
         self.reused_tokens = sum(k for r, k in zip(placed, keep) if r)
-        # all but the last added token run into the cache here, in chunks
-        device = self.eos.device
-        lengths = torch.tensor(keep, device=device)
-        for start in range(0, max(map(len, pending)) - 1, PREFILL_CHUNK):
-            chunk = [p[start:min(start + PREFILL_CHUNK, len(p) - 1)] for p in pending]
-            size = max(map(len, chunk))
-            ids = torch.tensor([c + [self.pad_id] * (size - len(c)) for c in chunk], device=device)
-            run_into(self.model, self.cache, ids, lengths, self.width(max(keep) + start + size))
-            lengths += torch.tensor([len(c) for c in chunk], device=device)
+        self.prefill(placed, keep)
         s = self.state
-        s["lengths"].copy_(lengths)
-        s["token"].copy_(torch.tensor([p[-1] if p else self.pad_id for p in pending]))
-        s["done"].copy_(torch.tensor([not p for p in pending]))
+        s["lengths"].copy_(torch.tensor([len(r) - 1 if r else len(h)
+                                         for r, h in zip(placed, self.held)]))
+        s["token"].copy_(torch.tensor([r[-1] if r else self.pad_id for r in placed]))
+        s["done"].copy_(torch.tensor([not r for r in placed]))
         s["step"].zero_()
         penalised = penalty != 1.0
         if penalised:  # the tokens each row holds, for the repetition penalty

@@ -99,6 +99,41 @@ def test_greedy_tokens_and_log_probs_equal_generate_and_a_full_pass_over_turns(p
 
 
 @pytest.mark.gpu
+def test_rows_given_twice_run_once_and_decode_as_rows_given_once(peaked_here, dtype, monkeypatch):
+    """A GRPO group's samples share their prompt: the prefill runs each distinct row once and
+    copies its keys and values to the others. Two prompts given three and two times, greedy over
+    two turns (the copies stay alike, so the second turn shares kept columns too): the prefill's
+    passes hold two rows, and each row's cache columns, tokens and log-probs are those of a
+    decoder given that prompt alone."""
+    model, tokenizer = peaked_here
+    chat = rollout.ChatTokens(tokenizer, False)
+    passes = []
+    run_into = rollout.run_into
+    monkeypatch.setattr(rollout, "run_into", lambda model, cache, ids, *rest: (
+        passes.append(ids.shape), run_into(model, cache, ids, *rest))[1])
+    together = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256)
+    alone = [rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256) for _ in PROMPTS[:2]]
+    which = (0, 1, 0, 0, 1)
+    rows = [chat.prompt(PROMPTS[p]) for p in which]
+    for turn in range(2):
+        passes.clear()
+        out = together.generate(rows, 10, greedy=True, fresh=turn == 0)
+        assert [shape[0] for shape in passes if shape[1] > 1] == [2]  # the prefill: 2 rows
+        single = [decoder.generate([rows[p]], 10, greedy=True, fresh=turn == 0)[0]
+                  for p, decoder in enumerate(alone)]
+        for b, (row, (tokens, logprobs), p) in enumerate(zip(rows, out, which)):
+            assert tokens == single[p][0]
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(single[p][1]),
+                                       atol=loose(dtype, 1e-5), rtol=0)
+            for layer in (0, -1):
+                torch.testing.assert_close(together.cache.keys[layer][b, :, :len(row) - 1],
+                                           alone[p].cache.keys[layer][0, :, :len(row) - 1],
+                                           atol=loose(dtype, 1e-5), rtol=0)
+        rows = [row + tokens + chat.user_turn("go on, please", tokens[-1])
+                for row, (tokens, _) in zip(rows, out)]
+
+
+@pytest.mark.gpu
 def test_the_users_repetition_penalty_is_generates(peaked_here, dtype):
     """Greedy decoding with a repetition penalty of 1.2 (the `same` user's replies) gives the tokens
     generate() gives with it, and 1.0 those without, for each of a few prompts; the penalty changes

@@ -3,7 +3,7 @@
     python tools/bench.py rollout [--dialogues 4] [--max-turns 3] [--max-new-tokens 48]
         [--simulator same|rules]
     python tools/bench.py step --algo grpo|ppo [--iterations 3] [-- TRAINER FLAGS]
-    python tools/bench.py learning [--seeds 0,1,2] [--iterations 12] [--jobs 1]
+    python tools/bench.py learning [--seeds 0,1,2] [--iterations 20] [--jobs 1]
         [--out runs/bench-learning] [-- TRAINER FLAGS]
     python tools/bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
         (one CUDA GPU; --tiny: the same on CPU)
@@ -346,7 +346,7 @@ def bench_step(args):
 # learning: PPO and GRPO against the rules user, several seeds, a curve and a table
 # ----------------------------------------------------------------------------------------------
 # The trainers' own `--preset cpu-learn` (one agent turn, 16 dialogues an iteration, two passes
-# in minibatches of 8, lr 1e-3, 12 iterations): the reward is (30 + the one turn's change) / 100,
+# in minibatches of 8, lr 1e-3, 20 iterations): the reward is (30 + the one turn's change) / 100,
 # so it moves within 0.20-0.40. The target: a rise of 5 emotion points, a quarter of that range
 # (flags after `--` still win).
 TARGET_RISE = 0.05
@@ -365,7 +365,7 @@ class LearningSettings:
     title = "bench.py learning"
     seeds: str = setting("0,1,2", "comma-separated seeds, one run per algorithm and seed",
                          comma_list(r"\d+", "comma-separated integers, such as 0,1,2"))
-    iterations: int = setting(12, "iterations per run (the preset's 12: 11-17 min on one core)",
+    iterations: int = setting(20, "iterations per run (the preset's 20)",
                               at_least(1))
     window: int = setting(3, "iterations averaged at the start and at the end", at_least(1))
     algos: str = setting("ppo,grpo", "comma-separated: ppo,grpo",

@@ -25,8 +25,8 @@ import torch
 from personas import load_personas
 from policy import AdapterSettings, PolicySettings, adapter_params, check_model, load_policy
 from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, eval_logprobs,
-                iteration_report, old_logprobs_from_update, pad_records, pick_personas,
-                policy_terms, token_logprobs, token_weights, turn_rewards)
+                iteration_report, mode_coefficients, old_logprobs_from_update, pad_records,
+                pick_personas, policy_terms, token_logprobs, token_weights, turn_rewards)
 from rollout import (ChatTokens, Decoder, SamplingSettings, build_simulator, check_openings_fit,
                      play_dialogues)
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
@@ -102,12 +102,12 @@ PRESETS["cpu-learn"] = {**PRESETS["cpu"], **dict(
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_grpo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
-def dialogue_rewards(records, args):
+def dialogue_rewards(records, mode, coefficients, format_penalty):
     """One reward per dialogue (B,), the scalar GRPO compares within a group: the sum of its
-    rl.turn_rewards, its return (REWARDS[--reward]'s credit of its first turn: the final emotion /
-    100 for final, less the start emotion for turn) less the format penalty per violating agent
-    turn; NaN for an unread dialogue, which its group leaves out."""
-    return torch.tensor([sum(turn_rewards(r, args, args.format_penalty))
+    rl.turn_rewards, its return (REWARDS[mode]'s credit of its first turn: the final emotion / 100
+    for final, less the start emotion for turn) less format_penalty per violating agent turn; NaN
+    for an unread dialogue, which its group leaves out."""
+    return torch.tensor([sum(turn_rewards(r, mode, coefficients, format_penalty))
                          if r["end_reason"] != "unread" else torch.nan for r in records],
                         dtype=torch.float64)
 
@@ -147,6 +147,7 @@ def main(argv=None):
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
         fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas(args.personas, args.split, args.difficulty)
+    coefficients = mode_coefficients(args)  # what --reward's mode reads besides a record
     # every check that needs no weights: each opening leaves room for a whole reply in the context,
     # and the model's config (--target-modules against its layers, no change to its logits after
     # lm_head)
@@ -213,7 +214,8 @@ def main(argv=None):
         # process's dialogues come group after group, --group-size each (play_dialogues), so a
         # row's place names its group.
         all_records = run.gather(records)
-        all_rewards = dialogue_rewards(all_records, args)                                   # (N,)
+        all_rewards = dialogue_rewards(all_records, args.reward, coefficients,             # (N,)
+                                       args.format_penalty)
         all_groups = torch.arange(len(all_records)) // args.group_size                      # (N,)
 
         # --- 3. advantages: each dialogue against its group --------------------------------------
@@ -281,7 +283,8 @@ def main(argv=None):
             r["reward"], r["advantage"] = reward, advantage
         figures, dialogues = iteration_report(all_records, run.gather([rstats]),
                                               run.sum(mask.sum()).item() * args.update_epochs,
-                                              max(run.gather([t_update])), args)
+                                              max(run.gather([t_update])), args.reward,
+                                              coefficients)
         # a group's figures, read off its first dialogue (each of its dialogues holds them); the
         # reward std over the groups with a std, those with two read dialogues or more
         first = slice(None, None, args.group_size)

@@ -29,8 +29,9 @@ from personas import load_personas
 from policy import (AdapterSettings, PolicySettings, adapter_params, check_model, load_policy,
                     use_adapter)
 from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, eval_logprobs, eval_scores,
-                iteration_report, old_logprobs_from_update, pad_records, pick_personas,
-                policy_terms, token_logprobs, token_weights, turn_rewards, unmoved_return)
+                iteration_report, mode_coefficients, old_logprobs_from_update, pad_records,
+                pick_personas, policy_terms, token_logprobs, token_weights, turn_rewards,
+                unmoved_return)
 from rollout import (ChatTokens, Decoder, SamplingSettings, build_simulator, check_openings_fit,
                      play_dialogues)
 from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
@@ -96,15 +97,16 @@ PRESETS["cpu-learn"] = {**PRESETS["cpu"], **dict(
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_ppo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
-def place_rewards(records, shape, args):
+def place_rewards(records, shape, mode, coefficients, format_penalty):
     """Per-token rewards (B, T): zero except on the last token of each agent turn of a read
-    dialogue, which gets that turn's value of rl.turn_rewards (REWARDS[--reward] less the format
-    penalty where the turn broke the think format). An unread dialogue earns nothing: it enters no
-    loss."""
+    dialogue, which gets that turn's value of rl.turn_rewards (REWARDS[mode] given its
+    coefficients, less format_penalty where the turn broke the think format). An unread dialogue
+    earns nothing: it enters no loss."""
     rewards = torch.zeros(shape)
     for b, r in enumerate(records):
         if r["end_reason"] != "unread":
-            rewards[b, r["turn_ends"]] = torch.tensor(turn_rewards(r, args, args.format_penalty))
+            placed = turn_rewards(r, mode, coefficients, format_penalty)
+            rewards[b, r["turn_ends"]] = torch.tensor(placed)
     return rewards
 
 
@@ -209,6 +211,7 @@ def main(argv=None):
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
         fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas(args.personas, args.split, args.difficulty)
+    coefficients = mode_coefficients(args)  # what --reward's mode reads besides a record
     # every check that needs no weights: each opening leaves room for a whole reply in the context,
     # and the model's config (--target-modules against its layers, no change to its logits after
     # lm_head)
@@ -231,7 +234,8 @@ def main(argv=None):
     use_adapter(model, "default")
     value_head = torch.nn.Linear(model.config.get_text_config().hidden_size, 1).to(run.device)
     torch.nn.init.zeros_(value_head.weight)
-    torch.nn.init.constant_(value_head.bias, unmoved_return(args, personas[0]))
+    torch.nn.init.constant_(value_head.bias, unmoved_return(
+        personas[0], args.start_emotion, args.max_turns, args.reward, coefficients))
     actor_params = adapter_params(model, "default")  # both adapters trainable: use_adapter above
     critic_params = adapter_params(model, "critic") + list(value_head.parameters())
     # one AdamW with a parameter group each, each warmed up over its own first optimizer steps
@@ -284,7 +288,7 @@ def main(argv=None):
                                      lambda ids, att, _: critic_values(model, value_head, ids, att))
         old_values = old_values * mask                                                      # (B, T)
         # per-token rewards (B, T), on the CPU as the GAE loop runs there
-        rewards = place_rewards(records, mask.shape, args)
+        rewards = place_rewards(records, mask.shape, args.reward, coefficients, args.format_penalty)
 
         # --- 3. advantages: GAE over the agent's tokens ------------------------------------------
         advantages, returns = compute_gae(rewards, old_values.cpu(), mask.cpu(), args.gamma,
@@ -360,7 +364,8 @@ def main(argv=None):
             r["advantages"] = turn_advantages(adv, r) if read else None
         figures, dialogues = iteration_report(run.gather(records), run.gather([rstats]),
                                               run.sum(mask.sum()).item() * args.update_epochs,
-                                              max(run.gather([t_update])), args)
+                                              max(run.gather([t_update])), args.reward,
+                                              coefficients)
         values = np.array(run.gather(old_values[mask > 0].tolist()))                       # (N,)
         targets = np.array(run.gather(returns[mask > 0].tolist()))                         # (N,)
         run.log({**figures, "explained_variance": explained_variance(values, targets),

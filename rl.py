@@ -157,7 +157,7 @@ def changes(record):
     return [(new - old) / 100 for old, new in zip([record["start_emotion"]] + emotions, emotions)]
 
 
-def changes_to_go(record, args):
+def changes_to_go(record):
     """Each turn's change and every later one, / 100: the final emotion less the one before the
     turn, / 100."""
     later, to_go = 0.0, []
@@ -167,7 +167,7 @@ def changes_to_go(record, args):
     return to_go[::-1]
 
 
-def mixed_credit(record, args):
+def mixed_credit(record, mixed_alpha, mixed_gamma):
     """RLVER's public fork's turn credit (llsune/RLVER, its Scheme 2): each turn's change mixed with
     the discounted return of the changes from that turn on, (1 - alpha) x change_t + alpha x G_t,
     G_t = change_t + gamma x G_(t+1), alpha --mixed-alpha, gamma --mixed-gamma (a discount from turn
@@ -175,20 +175,20 @@ def mixed_credit(record, args):
     its turn gets."""
     credit, later = [], 0.0
     for change in reversed(changes(record)):
-        later = change + args.mixed_gamma * later
-        credit.append((1 - args.mixed_alpha) * change + args.mixed_alpha * later)
+        later = change + mixed_gamma * later
+        credit.append((1 - mixed_alpha) * change + mixed_alpha * later)
     return credit[::-1]
 
 
 # --reward: the credit of each agent turn of a read dialogue, one value per agent turn, from its
-# record and the run's settings: the return that turn's tokens get. PPO places the differences of
-# consecutive credits on the turns' last tokens, so that GAE (gamma = lambda = 1) returns each
-# turn exactly its credit (turn_rewards); the first turn's credit is the dialogue's return, which
-# GRPO compares. A fork adds a mode here, its coefficients to RewardSettings and their names to
-# MODE_FLAGS.
+# record and the mode's own coefficients (MODE_FLAGS, by name): the return that turn's tokens
+# get. PPO places the differences of consecutive credits on the turns' last tokens, so that GAE
+# (gamma = lambda = 1) returns each turn exactly its credit (turn_rewards); the first turn's credit
+# is the dialogue's return, which GRPO compares. A fork adds a mode here, its coefficients to
+# RewardSettings and their names to MODE_FLAGS (mode_coefficients hands a mode its own).
 REWARDS = {
     # the paper: every turn is credited with the final emotion / 100
-    "final": lambda record, args: [record["emotions"][-1] / 100] * len(record["emotions"]),
+    "final": lambda record: [record["emotions"][-1] / 100] * len(record["emotions"]),
     # each turn with the emotion changes from it on / 100: the final emotion less the mood the
     # turn met, so a turn is not credited with what came before it
     "turn": changes_to_go,
@@ -223,23 +223,31 @@ class RewardSettings:
                          f"{args.reward} it would be ignored")
 
 
-def unmoved_return(args, persona):
-    """The return of a dialogue with `persona` that leaves the emotion where it started, over every
-    turn it may have, under --reward: PPO's critic starts there. The record is made as a rollout's
-    are (rollout.unmoved_record), so a mode that reads any field of a record reads it here too."""
-    unmoved = unmoved_record(persona, args.start_emotion, args.max_turns)
-    return REWARDS[args.reward](unmoved, args)[0]
+def mode_coefficients(args):
+    """The settings --reward's mode reads (MODE_FLAGS), by name: what REWARDS[mode] takes after
+    the record."""
+    return {name: getattr(args, name) for name in MODE_FLAGS.get(args.reward, ())}
 
 
-def turn_rewards(record, args, format_penalty=0.0):
+def unmoved_return(persona, start_emotion, max_turns, mode, coefficients):
+    """The return of a dialogue with `persona` that leaves the emotion at start_emotion, over every
+    turn it may have (max_turns), under REWARDS[mode]: PPO's critic starts there. The record is
+    made as a rollout's are (rollout.unmoved_record), so a mode that reads any field of a record
+    reads it here too."""
+    unmoved = unmoved_record(persona, start_emotion, max_turns)
+    return REWARDS[mode](unmoved, **coefficients)[0]
+
+
+def turn_rewards(record, mode, coefficients, format_penalty=0.0):
     """The reward each agent turn of a read dialogue gets on its last token, in order: its credit
-    (REWARDS[--reward]) less the next turn's, so that the rewards from a turn on add up to its
-    credit; less format_penalty on each turn that broke the think format. Their sum is the
-    dialogue's return. A mode that gives another number of values than agent turns is an error."""
-    credit = REWARDS[args.reward](record, args)
+    (REWARDS[mode], given its coefficients) less the next turn's, so that the rewards from a turn
+    on add up to its credit; less format_penalty on each turn that broke the think format. Their
+    sum is the dialogue's return. A mode that gives another number of values than agent turns is
+    an error."""
+    credit = REWARDS[mode](record, **coefficients)
     broke = [t["violation"] is not None for t in record["turns"] if t["role"] == "agent"]
     if len(credit) != len(broke):
-        raise ValueError(f"REWARDS[{args.reward!r}] gave {len(credit)} values "
+        raise ValueError(f"REWARDS[{mode!r}] gave {len(credit)} values "
                          f"for {len(broke)} agent turns")
     placed = [now - later for now, later in zip(credit, credit[1:] + [0.0])]
     return [value - format_penalty * bad for value, bad in zip(placed, broke)]
@@ -381,14 +389,14 @@ def policy_terms(logprobs, old_logprobs, sample_logprobs, advantages, ref_logpro
 # ----------------------------------------------------------------------------------------------
 # The iteration's report
 # ----------------------------------------------------------------------------------------------
-def iteration_report(all_records, stats, update_tokens, update_seconds, args):
+def iteration_report(all_records, stats, update_tokens, update_seconds, mode, coefficients):
     """Step 5 of both trainers: (figures, dialogues) of an iteration, from every process's records
     and rollout counts (stats, a dict a process) and the update's tokens (those the loss trained on,
     every process's, x epochs) and seconds (the slowest process's). The figures: the read
-    dialogues' returns' mean and std (--reward, no format penalty; the std without Bessel's
+    dialogues' returns' mean and std (REWARDS[mode], no format penalty; the std without Bessel's
     correction; None when every dialogue was unread), the update's tokens and their rate, and the
     rollout's summary. The dialogues: every record as rollouts.jsonl holds it."""
-    rewards = np.array([sum(turn_rewards(r, args))
+    rewards = np.array([sum(turn_rewards(r, mode, coefficients))
                         for r in all_records if r["end_reason"] != "unread"])
     read = len(rewards) > 0
     figures = {"reward_mean": float(rewards.mean()) if read else None,

@@ -328,13 +328,15 @@ class Decoder:
         for b in given:
             first.setdefault((keep[b], tuple(rows[b])), b)
         distinct = list(first.values())
-        source = [distinct.index(first[keep[b], tuple(rows[b])]) for b in given]
         # the rows' columns, the last of which no token written here owns (padding goes there)
         columns = max(len(rows[b]) for b in distinct)
-        part = KVCache(self.model, len(distinct), columns)
-        for mine, whole in zip(part.keys + part.values, self.cache.keys + self.cache.values):
-            mine.copy_(whole[distinct, :, :columns])
-        pending = [rows[b][keep[b]:-1] for b in distinct]
+        if len(distinct) == len(given):  # nothing twice (later turns): straight into the cache
+            part, distinct = self.cache, range(len(rows))
+        else:  # a small cache of the distinct rows' columns, copied back below
+            part = KVCache(self.model, len(distinct), columns)
+            for mine, whole in zip(part.keys + part.values, self.cache.keys + self.cache.values):
+                mine.copy_(whole[distinct, :, :columns])
+        pending = [rows[b][keep[b]:-1] if rows[b] else [] for b in distinct]
         lengths = [keep[b] for b in distinct]
         device = self.eos.device
         for start in range(0, max(map(len, pending)), PREFILL_CHUNK):
@@ -344,8 +346,10 @@ class Decoder:
             width = min(columns, max(lengths) + size)
             run_into(self.model, part, ids, torch.tensor(lengths, device=device), width)
             lengths = [n + len(c) for n, c in zip(lengths, chunk)]
-        for whole, mine in zip(self.cache.keys + self.cache.values, part.keys + part.values):
-            whole[given, :, :columns] = mine[source]
+        if part is not self.cache:
+            source = [distinct.index(first[keep[b], tuple(rows[b])]) for b in given]
+            for whole, mine in zip(self.cache.keys + self.cache.values, part.keys + part.values):
+                whole[given, :, :columns] = mine[source]
 
     @torch.no_grad()
     def generate(self, rows, max_new_tokens, temperature=1.0, greedy=False, penalty=1.0,

@@ -82,13 +82,6 @@ def persona_entry_module(tmp_path_factory):
     return load_personas(str(path))
 
 
-def reward_settings(mode):
-    args = run.parse_settings([rl.RewardSettings], [])
-    args.reward = mode  # a fork's mode too (the flag's choices are fixed when rl.py is imported)
-    args.start_emotion, args.max_turns = 30, 3
-    return args
-
-
 @pytest.mark.parametrize("mode", list(rl.REWARDS))
 def test_every_reward_mode_on_real_records_returns_each_turn_its_credit(mode, real_records):
     """place_rewards and GAE (gamma = lambda = 1, values 0) on records of a real rollout: every
@@ -96,20 +89,24 @@ def test_every_reward_mode_on_real_records_returns_each_turn_its_credit(mode, re
     critic's start (rl.unmoved_return) is a number. A mode that reads a field records do not have,
     or gives another number of values than turns, fails here."""
     records, tokenizer, personas = real_records
-    args = reward_settings(mode)
+    # the mode's coefficients at their defaults, as the trainers hand them (a fork's mode too: the
+    # flag's choices are fixed when rl.py is imported)
+    args = run.parse_settings([rl.RewardSettings], [])
+    args.reward = mode
+    coefficients = rl.mode_coefficients(args)
     batch = rl.pad_records(records, tokenizer.pad_token_id, "cpu")
     mask = batch["action_mask"]
-    rewards = ppo.place_rewards(records, mask.shape, args)
+    rewards = ppo.place_rewards(records, mask.shape, mode, coefficients, 0.0)
     _, returns = ppo.compute_gae(rewards, torch.zeros_like(mask), mask)
     for b, record in enumerate(records):
-        credit = rl.REWARDS[mode](record, args)
+        credit = rl.REWARDS[mode](record, **coefficients)
         start = record["action_mask"].index(1)
         for k, end in enumerate(record["turn_ends"]):
             turn = [t for t in range(start, end + 1) if record["action_mask"][t]]
             assert returns[b, turn].tolist() == pytest.approx([credit[k]] * len(turn), abs=1e-6)
             start = end + 1
         assert (returns[b][mask[b] == 0] == 0).all()
-    assert math.isfinite(rl.unmoved_return(args, personas[0]))
+    assert math.isfinite(rl.unmoved_return(personas[0], 30, 3, mode, coefficients))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import rl
 import run
 from conftest import ROOT, read_metrics
 from personas import load_personas
-from rl import RewardSettings
 from rollout import ChatTokens, play_dialogues
 from simulator import RulesBackend, Simulator
 
@@ -39,10 +38,9 @@ def fake_record(changes, final, violations=(), end_reason="max_turns"):
 def test_dialogue_rewards_final_turn_and_format_penalty():
     records = [fake_record([4, -2, 8], 70, violations=(0, 2)), fake_record([10], 40),
                fake_record([3], 33, end_reason="unread")]
-    parse = lambda *flags: run.parse_settings([RewardSettings], list(flags))  # noqa: E731
-    final = grpo.dialogue_rewards(records, parse("--reward", "final"))
-    turn = grpo.dialogue_rewards(records, parse("--reward", "turn"))
-    penalised = grpo.dialogue_rewards(records, parse("--reward", "final", "--format-penalty", "0.1"))
+    final = grpo.dialogue_rewards(records, "final", {}, 0.0)
+    turn = grpo.dialogue_rewards(records, "turn", {}, 0.0)
+    penalised = grpo.dialogue_rewards(records, "final", {}, 0.1)
     assert final.tolist()[:2] == pytest.approx([0.70, 0.40]) and final[2].isnan()  # unread: no reward
     assert turn.tolist()[:2] == pytest.approx([0.10, 0.10])
     assert penalised.tolist()[:2] == pytest.approx([0.70 - 2 * 0.1, 0.40])  # two violating turns

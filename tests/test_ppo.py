@@ -13,7 +13,7 @@ import ppo
 import rl
 import run
 from conftest import ROOT, read_metrics
-from rl import REWARDS, RewardSettings, unmoved_return
+from rl import REWARDS, RewardSettings, mode_coefficients, unmoved_return
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,16 +86,22 @@ def reward_args(*flags):
     return run.parse_settings([RewardSettings], list(flags))
 
 
+def place(records, shape, args):
+    """ppo.place_rewards under the parsed reward settings, given as the trainer gives them."""
+    return ppo.place_rewards(records, shape, args.reward, mode_coefficients(args),
+                             args.format_penalty)
+
+
 def test_final_reward_lands_on_last_agent_token_only():
     records = [fake_record([5, 12, 20], [4, -2, 8], 70), fake_record([7], [10], 40)]
-    r = ppo.place_rewards(records, (2, 25), reward_args("--reward", "final"))
+    r = place(records, (2, 25), reward_args("--reward", "final"))
     assert r[0, 20] == pytest.approx(0.70) and r[1, 7] == pytest.approx(0.40)
     assert r.sum() == pytest.approx(1.10)  # nothing anywhere else (not on user tokens after it)
 
 
 def test_turn_reward_puts_each_change_on_its_turn():
     records = [fake_record([5, 12, 20], [4, -2, 8], 70)]
-    r = ppo.place_rewards(records, (1, 25), reward_args("--reward", "turn"))
+    r = place(records, (1, 25), reward_args("--reward", "turn"))
     assert [r[0, t].item() for t in (5, 12, 20)] == pytest.approx([0.04, -0.02, 0.08])
     assert (r != 0).sum() == 3
 
@@ -109,7 +115,7 @@ def turn_returns(records, args, gamma=1.0, lam=1.0):
     for b, r in enumerate(records):
         for end in r["turn_ends"]:
             mask[b, end - 2:end + 1] = 1
-    rewards = ppo.place_rewards(records, (len(records), T), args)
+    rewards = place(records, (len(records), T), args)
     _, returns = ppo.compute_gae(rewards, torch.zeros(len(records), T), mask, gamma, lam)
     return [[returns[b, end - 2].item() for end in r["turn_ends"]] for b, r in enumerate(records)]
 
@@ -141,7 +147,7 @@ def test_mixed_credit_places_the_differences_of_the_credits():
     records = [fake_record([5, 12, 20], [4, -2, 8], 70)]
     G = [0.04 + 0.97 * 0.0576, 0.0576, 0.08]
     m = [0.6 * c + 0.4 * g for c, g in zip([0.04, -0.02, 0.08], G)]
-    r = ppo.place_rewards(records, (1, 25), reward_args("--reward", "mixed"))
+    r = place(records, (1, 25), reward_args("--reward", "mixed"))
     assert [r[0, t].item() for t in (5, 12, 20)] == pytest.approx([m[0] - m[1], m[1] - m[2], m[2]])
     assert (r != 0).sum() == 3 and r.sum().item() == pytest.approx(m[0])
 
@@ -179,29 +185,26 @@ def test_the_critic_starts_at_the_return_of_an_unmoved_dialogue(monkeypatch, per
     """An unmoved emotion is the value the critic starts from: 0.3 for final at start 30, 0 for turn
     and mixed; a fork's mode is asked for its first turn's credit, over every turn the dialogue may
     have, on a record with every field a rollout's has (here it reads policy_tokens)."""
-    args = reward_args("--reward", "final")
-    args.start_emotion, args.max_turns = 30, 4
-    assert unmoved_return(args, persona) == pytest.approx(0.3)
+    assert unmoved_return(persona, 30, 4, "final", {}) == pytest.approx(0.3)
     for mode in ("turn", "mixed"):
-        args.reward = mode
-        assert unmoved_return(args, persona) == 0
-    turns = lambda record, args: [len(record["emotions"]) - k + record["policy_tokens"]  # noqa: E731
-                                  for k in range(len(record["emotions"]))]
+        args = reward_args("--reward", mode)
+        assert unmoved_return(persona, 30, 4, mode, mode_coefficients(args)) == 0
+    turns = lambda record: [len(record["emotions"]) - k + record["policy_tokens"]  # noqa: E731
+                            for k in range(len(record["emotions"]))]
     monkeypatch.setitem(REWARDS, "turns_left", turns)
-    args.reward = "turns_left"
-    assert unmoved_return(args, persona) == 4
+    assert unmoved_return(persona, 30, 4, "turns_left", {}) == 4
 
 
 def test_format_penalty_lands_on_the_violating_turn():
     records = [fake_record([5, 12], [4, 6], 40, violations=(0,))]
-    r = ppo.place_rewards(records, (1, 20), reward_args("--reward", "final", "--format-penalty", "0.1"))
+    r = place(records, (1, 20), reward_args("--reward", "final", "--format-penalty", "0.1"))
     assert r[0, 5] == pytest.approx(-0.1) and r[0, 12] == pytest.approx(0.40)
 
 
 def test_an_unread_dialogue_earns_nothing():
     unread = fake_record([5, 12], [4, 0], 34, end_reason="unread")
     unread["changes"], unread["emotions"] = [4, None], [34, None]
-    r = ppo.place_rewards([fake_record([7], [10], 40), unread], (2, 20), reward_args())
+    r = place([fake_record([7], [10], 40), unread], (2, 20), reward_args())
     assert r[0, 7] == pytest.approx(0.40) and (r[1] == 0).all()
 
 
@@ -211,18 +214,18 @@ def test_a_reward_mode_gives_one_value_per_agent_turn_or_fails(monkeypatch):
     for three turns is an error, never a credit of the first turn alone."""
     import grpo
 
-    mean = lambda r, args: [sum(r["emotions"]) / len(r["emotions"]) / 100] * len(r["emotions"])  # noqa: E731
+    mean = lambda r: [sum(r["emotions"]) / len(r["emotions"]) / 100] * len(r["emotions"])  # noqa: E731
     monkeypatch.setitem(REWARDS, "mean", mean)
     args = reward_args()
     args.reward = "mean"  # a fork's mode (the flag's choices are fixed when ppo.py is imported)
     records = [fake_record([5, 12, 20], [4, -2, 8], 70)]  # emotions 64, 62, 70: mean 65.33
     assert turn_returns(records, args) == [pytest.approx([196 / 300] * 3)]
-    assert grpo.dialogue_rewards(records, args).tolist() == pytest.approx([196 / 300])
-    monkeypatch.setitem(REWARDS, "mean", lambda r, args: [sum(r["emotions"]) / len(r["emotions"]) / 100])
+    assert grpo.dialogue_rewards(records, "mean", {}, 0.0).tolist() == pytest.approx([196 / 300])
+    monkeypatch.setitem(REWARDS, "mean", lambda r: [sum(r["emotions"]) / len(r["emotions"]) / 100])
     with pytest.raises(ValueError, match="1 values for 3 agent turns"):
-        ppo.place_rewards(records, (1, 25), args)
+        place(records, (1, 25), args)
     with pytest.raises(ValueError, match="1 values for 3 agent turns"):
-        grpo.dialogue_rewards(records, args)
+        grpo.dialogue_rewards(records, "mean", {}, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 
 import grpo
 import ppo
-from rl import turn_rewards
+from rl import mode_coefficients, turn_rewards
 from test_learning import install_stand_in
 
 
@@ -49,7 +49,8 @@ def test_ppo_records_the_reward_placed_on_each_turn_and_its_advantage(tiny_model
     weighted = []
     for r in records:
         agent = check_the_users_side(r)
-        assert r["rewards"] == pytest.approx(turn_rewards(r, args, args.format_penalty), abs=1e-6)
+        placed = turn_rewards(r, args.reward, mode_coefficients(args), args.format_penalty)
+        assert r["rewards"] == pytest.approx(placed, abs=1e-6)
         assert len(r["advantages"]) == len(agent)
         weighted += [(a, t["tokens"]) for a, t in zip(r["advantages"], agent)]
     # each a turn's mean of the whitened advantages: weighted by the turns' tokens they average to 0
@@ -66,7 +67,7 @@ def test_grpo_records_each_dialogues_reward_and_advantage(tiny_model_dir, person
                             "--personas-per-iteration", "2", "--group-size", "3",
                             "--minibatch-size", "6")
     for r in records:
-        assert r["reward"] == pytest.approx(sum(turn_rewards(r, args)))
+        assert r["reward"] == pytest.approx(sum(turn_rewards(r, args.reward, mode_coefficients(args))))
     rewards = torch.tensor([r["reward"] for r in records], dtype=torch.float64)
     groups = torch.arange(len(records)) // args.group_size
     expected = grpo.group_advantages(rewards, groups, args.group_advantage).tolist()

@@ -34,9 +34,9 @@ deterministic lexicon user of simulator.py, one agent turn, 16 dialogues an iter
 passes of minibatches of 8) run for each
 seed as subprocesses into OUT/{algo}-seed{S}; then OUT/learning.md (mean reward over the first and
 last --window iterations, mean and std over seeds, whether the rise reaches 0.05, and the minutes
-each run's iterations took) are written and the table printed. Budget: the 12 iterations take about
-17 minutes (PPO) and 11 (GRPO) a run on one core of a 2-core machine with a second run on the
-other core, so the 6 runs, two at a time (`--jobs 2`), about 47 minutes there (docs/results.md).
+each run's iterations took) are written and the table printed. Budget: the 20 iterations take about
+27 minutes (PPO) and 14 (GRPO) a run on one core of a 2-core machine with a second run on the
+other core, so the 6 runs, two at a time (`--jobs 2`), about 86 minutes there (docs/results.md).
 A run whose metrics.jsonl already holds every iteration is skipped, and a run folder the trainer
 made continues with `--resume` (from its newest checkpoint, or from its beginning without one), so
 an interrupted benchmark goes on where it stopped. Flags after `--` go to both trainers, e.g.
@@ -365,7 +365,7 @@ class LearningSettings:
     title = "bench.py learning"
     seeds: str = setting("0,1,2", "comma-separated seeds, one run per algorithm and seed",
                          comma_list(r"\d+", "comma-separated integers, such as 0,1,2"))
-    iterations: int = setting(20, "iterations per run (the preset's 20)",
+    iterations: int = setting(20, "iterations per run (the preset's 20: 14-27 min on one core)",
                               at_least(1))
     window: int = setting(3, "iterations averaged at the start and at the end", at_least(1))
     algos: str = setting("ppo,grpo", "comma-separated: ppo,grpo",

@@ -324,20 +324,25 @@ class Decoder:
         given = [b for b, row in enumerate(rows) if row and len(row) - keep[b] > 1]
         if not given:
             return
-        first = {}  # (kept, tokens) -> the first row that has them
+        # each given row's source: its place among the distinct rows, the first that has its
+        # (kept, tokens)
+        place, distinct, source = {}, [], []
         for b in given:
-            first.setdefault((keep[b], tuple(rows[b])), b)
-        distinct = list(first.values())
+            key = (keep[b], tuple(rows[b]))
+            if key not in place:
+                place[key] = len(distinct)
+                distinct.append(b)
+            source.append(place[key])
         # the rows' columns, the last of which no token written here owns (padding goes there)
         columns = max(len(rows[b]) for b in distinct)
         if len(distinct) == len(given):  # nothing twice (later turns): straight into the cache
-            part, distinct = self.cache, range(len(rows))
+            part, batch = self.cache, range(len(rows))
         else:  # a small cache of the distinct rows' columns, copied back below
-            part = KVCache(self.model, len(distinct), columns)
+            part, batch = KVCache(self.model, len(distinct), columns), distinct
             for mine, whole in zip(part.keys + part.values, self.cache.keys + self.cache.values):
                 mine.copy_(whole[distinct, :, :columns])
-        pending = [rows[b][keep[b]:-1] if rows[b] else [] for b in distinct]
-        lengths = [keep[b] for b in distinct]
+        pending = [rows[b][keep[b]:-1] if rows[b] else [] for b in batch]
+        lengths = [keep[b] for b in batch]
         device = self.eos.device
         for start in range(0, max(map(len, pending)), PREFILL_CHUNK):
             chunk = [p[start:start + PREFILL_CHUNK] for p in pending]
@@ -347,7 +352,6 @@ class Decoder:
             run_into(self.model, part, ids, torch.tensor(lengths, device=device), width)
             lengths = [n + len(c) for n, c in zip(lengths, chunk)]
         if part is not self.cache:
-            source = [distinct.index(first[keep[b], tuple(rows[b])]) for b in given]
             for whole, mine in zip(self.cache.keys + self.cache.values, part.keys + part.values):
                 whole[given, :, :columns] = mine[source]
 

@@ -427,8 +427,8 @@ class RunSettings:
     """A training run's length, folder, checkpoints and resume."""
     title = "the run"
     preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (the embedded model, a few "
-                                   "iterations) | cpu-learn (the embedded model, 12 iterations of "
-                                   "one-turn dialogues, 10-17 min: the reward rises); explicit "
+                                   "iterations) | cpu-learn (the embedded model, 20 iterations of "
+                                   "one-turn dialogues, 14-27 min: the reward rises); explicit "
                                    "flags win",
                           one_of("paper", "cpu", "cpu-learn"))
     iterations: int = setting(1000, "training iterations (RLVER: 1,000 steps)", at_least(1))

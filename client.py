@@ -18,7 +18,7 @@ import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 
-from run import REDACTED, redact
+from cli import REDACTED, redact
 from simulator import SimulatorError
 
 

@@ -26,25 +26,26 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from cli import (TAKEN, at_least, command, exit_on_signals, fail, parse_json, parse_settings,
+                 public_config, read_json_lines, read_run, read_text, release, setting,
+                 settings_of_runs, use_cpu_threads, within)
 from personas import PersonaError, load_personas
-from policy import PolicySettings, check_model, default_device, load_policy
-from rollout import (TOKEN_ARRAYS, ChatTokens, SamplingSettings, build_simulator,
-                     check_openings_fit, make_backend, play_dialogues)
-from run import (TAKEN, append_lines, at_least, checkpoints, command, exit_on_signals, fail, finite,
-                 new_folder, parse_json, parse_settings, public_config, read_json_lines, read_run,
-                 read_text, release, setting, settings_of_runs, use_cpu_threads, within,
-                 write_atomically, write_failure)
-from simulator import (PROMPTS, RulesBackend, SimulatorError, SimulatorSettings, UserState,
-                       apply_change, clean_user_text, user_turn_messages)
+from policy import check_model, default_device, load_policy
+from rl import DialogueSettings
+from rollout import (TOKEN_ARRAYS, ChatTokens, build_simulator, check_openings_fit, make_backend,
+                     play_dialogues)
+from run import append_lines, checkpoints, finite, new_folder, write_atomically, write_failure
+from simulator import (PROMPTS, RulesBackend, SimulatorError, UserState, apply_change,
+                       clean_user_text, user_turn_messages)
 
 
 # ----------------------------------------------------------------------------------------------
 # Settings
 # ----------------------------------------------------------------------------------------------
 @dataclass
-class EvalSettings:
-    """What evaluate.py compares, and how (the policy's, the sampling's and the user's settings are
-    declared where they are read; evaluate.py gives them SAGE's defaults)."""
+class Settings(DialogueSettings):
+    """What evaluate.py compares, and how, on top of what plays a dialogue (rl.DialogueSettings, to
+    which DEFAULTS below gives SAGE's sizes)."""
     title = "evaluate.py"
     adapter: list[str] = setting(
         [], "LoRA adapters to compare with the base: adapter folders, a trainer's checkpoints "
@@ -65,10 +66,10 @@ class EvalSettings:
 
     @staticmethod
     def inherit(args, fields):
-        """Before every check (run.parse_settings): --adapter as policy adapter folders (a run
+        """Before every check (cli.parse_settings): --adapter as policy adapter folders (a run
         folder: its newest checkpoint's policy; PPO's critic refused), each evaluated as it was
         trained: the model, thinking, reply and context sizes and the user come from its run's
-        config.json unless given here (run.settings_of_runs, docs/evaluate.md). Fewer tokens a
+        config.json unless given here (cli.settings_of_runs, docs/evaluate.md). Fewer tokens a
         reply than in training: a warning."""
         runs = []  # (config.json's path, its settings)
         for i, path in enumerate(args.adapter):
@@ -134,15 +135,14 @@ def check_adapter(path, args):
 # judged (9 count); it stops at a goodbye, at 100 (a success) or below 10 (a failure). The score is
 # the mean final emotion; docs/evaluate.md lists where this project differs, and why.
 SAGE_START, SAGE_JUDGED_REPLIES, SAGE_SUCCESS, SAGE_LEAVE_BELOW = 40, 9, 100, 10
-SETTINGS = (PolicySettings, SamplingSettings, SimulatorSettings, EvalSettings)
 # Sizes for a reply, not a long thought (an adapter from a run takes the run's own).
 DEFAULTS = dict(model="smollm2", max_new_tokens=128, max_context=4096, split="test",
                 start_emotion=SAGE_START, max_turns=SAGE_JUDGED_REPLIES, user_reply_tokens=64)
 
 
 def parse_args(argv=None):
-    """The settings, each checked before any model loads (run.parse_settings)."""
-    return parse_settings(SETTINGS, argv, defaults=DEFAULTS, prog="evaluate.py")
+    """The settings, each checked before any model loads (cli.parse_settings)."""
+    return parse_settings(Settings, argv, defaults=DEFAULTS, prog="evaluate.py")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -632,7 +632,7 @@ def write_openings(args):
     source, out = args.personas, args.write_openings
     if "start_emotion" not in args.given:
         # the mood a trainer's dialogues start at, not the benchmark's
-        args.start_emotion = SimulatorSettings.start_emotion
+        args.start_emotion = DialogueSettings.start_emotion
     if os.path.exists(out):
         fail(f"--write-openings {out}: the file exists; give a new file "
              "(nothing is ever overwritten)")

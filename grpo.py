@@ -22,16 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
+from cli import above, at_least, command, fail, one_of, parse_settings, setting, use_cpu_threads
 from personas import load_personas
-from policy import AdapterSettings, PolicySettings, adapter_params, check_model, load_policy
-from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, eval_logprobs,
-                iteration_report, mode_coefficients, old_logprobs_from_update, pad_records,
-                pick_personas, policy_terms, token_logprobs, token_weights, turn_rewards)
-from rollout import (ChatTokens, Decoder, SamplingSettings, build_simulator, check_openings_fit,
-                     play_dialogues)
-from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
-                 use_cpu_threads)
-from simulator import SimulatorError, SimulatorSettings
+from policy import adapter_params, check_model, load_policy
+from rl import (TrainerSettings, adamw_with_warmup, eval_logprobs, iteration_report,
+                mode_coefficients, old_logprobs_from_update, pad_records, pick_personas,
+                policy_terms, token_logprobs, token_weights, turn_rewards)
+from rollout import ChatTokens, Decoder, build_simulator, check_openings_fit, play_dialogues
+from run import Run
+from simulator import SimulatorError
 
 
 # --group-advantage: a dialogue's advantage from its reward r and its group's mean, std and size
@@ -46,9 +45,9 @@ ADVANTAGES = {
 
 
 @dataclass
-class GRPOSettings:
-    """GRPO's own settings (the policy's, the user's and the run's are declared where they are
-    read)."""
+class Settings(TrainerSettings):
+    """GRPO's settings: its own here, on top of what both trainers read (rl.TrainerSettings) and
+    what plays a dialogue (rl.DialogueSettings). A preset below changes some of them."""
     title = "GRPO"
     personas_per_iteration: int = setting(
         8, "personas (groups) per iteration, over all processes: 8 x 4 = PPO's 32 dialogues "
@@ -78,8 +77,6 @@ class GRPOSettings:
                  "dialogues (--personas-per-iteration x --group-size)")
 
 
-SETTINGS = (GRPOSettings, TrainingSettings, RewardSettings, SamplingSettings, SimulatorSettings,
-            PolicySettings, AdapterSettings, RunSettings)
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
@@ -143,7 +140,7 @@ LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref", "kl_ref_
 
 def main(argv=None):
     # --resume: the run's own settings
-    args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="grpo.py")
+    args = parse_settings(Settings, argv, presets=PRESETS, prog="grpo.py")
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
         fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas(args.personas, args.split, args.difficulty)

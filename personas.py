@@ -9,7 +9,7 @@ and no emotion (simulator.py) and imports only run.py.
 import re
 from dataclasses import dataclass, field
 
-from run import Stop, one_of, parse_json, read_json_lines, read_text
+from cli import Stop, one_of, parse_json, read_json_lines, read_text
 
 
 SPLITS = ("train", "test")

@@ -15,13 +15,12 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from run import (above, at_least, fail, one_of, random_streams_kept, redact, setting, within,
-                 write_failure)
+from cli import fail, redact
+from run import random_streams_kept, write_failure
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,37 +277,6 @@ def default_device():
 # ----------------------------------------------------------------------------------------------
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen2.5 / Llama names
 
-
-@dataclass
-class PolicySettings:
-    """The base model the policy (and the reference, and the 'same' user) runs on."""
-    title = "the policy"
-    model: str = setting(
-        "Qwen/Qwen2.5-7B-Instruct", "policy base: hub id, path, or smollm2 (embedded)",
-        model_problem, path=True)
-    dtype: str = setting("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16",
-                         one_of("auto", "float32", "bfloat16"))
-    load_in_4bit: bool = setting(
-        False, "QLoRA: NF4 base weights via bitsandbytes (CUDA, or its CPU kernels)",
-        lambda on: on and four_bit_problem() or None)
-    trust_remote_code: bool = setting(
-        False, "allow model code from the hub (off unless you trust it)")
-    fp32_head: bool = setting(
-        True, "in bf16: the output layer and its logits in float32, for the sampler and the "
-              "trainer alike (less sampler-trainer mismatch, docs/gpu.md)")
-
-
-@dataclass
-class AdapterSettings:
-    """The LoRA adapters the trainers train, and how their backward pass is run."""
-    title = "the adapters"
-    lora_r: int = setting(32, "LoRA rank of the trained adapters", at_least(1))
-    lora_alpha: int = setting(64, "LoRA alpha (scale = alpha / r)", above(0))
-    lora_dropout: float = setting(0.0, "LoRA dropout; 0 keeps the first importance ratio exactly 1",
-                                  within(0, 1, high_open=True))
-    target_modules: str = setting(DEFAULT_TARGETS, "comma-separated module names that get LoRA")
-    gradient_checkpointing: bool = setting(True, "recompute activations in the backward pass",
-                                           operational=True)
 
 
 def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=0.0,

@@ -25,24 +25,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cli import (above, at_least, command, fail, one_of, parse_settings, setting, use_cpu_threads,
+                 within)
 from personas import load_personas
-from policy import (AdapterSettings, PolicySettings, adapter_params, check_model, load_policy,
-                    use_adapter)
-from rl import (RewardSettings, TrainingSettings, adamw_with_warmup, eval_logprobs, eval_scores,
-                iteration_report, mode_coefficients, old_logprobs_from_update, pad_records,
-                pick_personas, policy_terms, token_logprobs, token_weights, turn_rewards,
-                unmoved_return)
-from rollout import (ChatTokens, Decoder, SamplingSettings, build_simulator, check_openings_fit,
-                     play_dialogues)
-from run import (Run, RunSettings, above, at_least, command, fail, one_of, parse_settings, setting,
-                 use_cpu_threads, within)
-from simulator import SimulatorError, SimulatorSettings
+from policy import adapter_params, check_model, load_policy, use_adapter
+from rl import (TrainerSettings, adamw_with_warmup, eval_logprobs, eval_scores, iteration_report,
+                mode_coefficients, old_logprobs_from_update, pad_records, pick_personas,
+                policy_terms, token_logprobs, token_weights, turn_rewards, unmoved_return)
+from rollout import ChatTokens, Decoder, build_simulator, check_openings_fit, play_dialogues
+from run import Run
+from simulator import SimulatorError
 
 
 @dataclass
-class PPOSettings:
-    """PPO's own settings (the policy's, the user's and the run's are declared where they are
-    read)."""
+class Settings(TrainerSettings):
+    """PPO's settings: its own here, on top of what both trainers read (rl.TrainerSettings) and
+    what plays a dialogue (rl.DialogueSettings). A preset below changes some of them."""
     title = "PPO"
     dialogues_per_iteration: int = setting(
         32, "dialogues per iteration, over all processes (RLVER: 32)", at_least(1))
@@ -72,8 +70,6 @@ class PPOSettings:
                  f"--minibatch-size {args.minibatch_size}")
 
 
-SETTINGS = (PPOSettings, TrainingSettings, RewardSettings, SamplingSettings, SimulatorSettings,
-            PolicySettings, AdapterSettings, RunSettings)
 PRESETS = {
     "paper": {},
     # Small enough that a few iterations run on 2 CPU cores in minutes. Thinking is off: the 135M
@@ -207,7 +203,7 @@ def critic_values(model, value_head, input_ids, attention_mask):
 
 def main(argv=None):
     # --resume: the run's own settings
-    args = parse_settings(SETTINGS, argv, presets=PRESETS, prog="ppo.py")
+    args = parse_settings(Settings, argv, presets=PRESETS, prog="ppo.py")
     if args.preset == "paper" and not torch.cuda.is_available() and args.model != "smollm2":
         fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas(args.personas, args.split, args.difficulty)

@@ -6,6 +6,7 @@ in its loop); what both do alike, in the same way, is here once. It plays no dia
 and writes no file (run.py).
 """
 import math
+import os
 import random
 from dataclasses import dataclass
 from functools import partial
@@ -13,8 +14,11 @@ from functools import partial
 import numpy as np
 import torch
 
+from cli import above, at_least, env_name, fail, one_of, setting, within
+from personas import DIFFICULTIES, SPLITS
+from policy import DEFAULT_TARGETS, four_bit_problem, model_problem
 from rollout import TOKEN_ARRAYS, summarize, unmoved_record
-from run import above, at_least, fail, one_of, setting, within
+from simulator import simulator_problem
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,7 +189,7 @@ def mixed_credit(record, mixed_alpha, mixed_gamma):
 # get. PPO places the differences of consecutive credits on the turns' last tokens, so that GAE
 # (gamma = lambda = 1) returns each turn exactly its credit (turn_rewards); the first turn's credit
 # is the dialogue's return, which GRPO compares. A fork adds a mode here, its coefficients to
-# RewardSettings and their names to MODE_FLAGS (mode_coefficients hands a mode its own).
+# TrainerSettings and their names to MODE_FLAGS (mode_coefficients hands a mode its own).
 REWARDS = {
     # the paper: every turn is credited with the final emotion / 100
     "final": lambda record: [record["emotions"][-1] / 100] * len(record["emotions"]),
@@ -198,29 +202,6 @@ REWARDS = {
 }
 MODE_FLAGS = {"mixed": ("mixed_alpha", "mixed_gamma")}  # a mode's own settings: no other mode's
 
-
-@dataclass
-class RewardSettings:
-    """What a dialogue earns, read by REWARDS' modes (both trainers)."""
-    title = "the reward"
-    reward: str = setting(
-        "final", "each turn's credit (REWARDS). final: the final emotion / 100 | turn: the changes "
-                 "from the turn on / 100 | mixed (PPO): a turn's change and the discounted return "
-                 "from it (RLVER's fork)", one_of(*REWARDS))
-    format_penalty: float = setting(
-        0.0, "subtracted per think-format violation (thinking on)", at_least(0))
-    mixed_alpha: float = setting(
-        0.4, "--reward mixed: the discounted return's share of a turn's credit", within(0, 1))
-    mixed_gamma: float = setting(
-        0.97, "--reward mixed: the discount from one turn to the next", within(0, 1))
-
-    @staticmethod
-    def check(args):
-        for mode, names in MODE_FLAGS.items():
-            for name in names:
-                if name in args.given and args.reward != mode:
-                    fail(f"--{name.replace('_', '-')} is --reward {mode}'s: with --reward "
-                         f"{args.reward} it would be ignored")
 
 
 def mode_coefficients(args):
@@ -300,41 +281,6 @@ def adamw_with_warmup(groups):
 # ----------------------------------------------------------------------------------------------
 # The policy's terms, and the settings both trainers' updates read
 # ----------------------------------------------------------------------------------------------
-@dataclass
-class TrainingSettings:
-    """What both trainers' updates read alike (each trainer declares its method's own)."""
-    title = "training (both trainers)"
-    update_epochs: int = setting(
-        1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
-    minibatch_size: int = setting(
-        32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
-    clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
-                              within(0, 1, low_open=True, high_open=True))
-    clip_high: float = setting(
-        0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
-    dual_clip: float = setting(
-        0.0, "dual clip (verl's clip_ratio_c, 3 there): with a negative advantage A a token's "
-             "loss is at most -A x this; 0: off (RLVER's verl has none)",
-        lambda c: None if c == 0 or 1 < c < math.inf
-        else "must be 0 (off) or a finite number above 1")
-    tis_cap: float = setting(
-        2.0, "truncated importance sampling: each token's policy-gradient term x min(pi_old / "
-             "pi_sampler, cap) (TRL: 2); 0: off",
-        lambda cap: None if cap == 0 or 1 <= cap < math.inf
-        else "must be 0 (off) or a finite number, at least 1")
-    ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
-    kl_loss_coef: float = setting(
-        0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
-    max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
-    greedy: bool = setting(
-        False, "decode greedily: reproducible dialogues for tests and debugging (GRPO: a "
-               "group's would be equal)")
-    micro_batch_size: int = setting(
-        2, "dialogues per forward pass (gradient accumulation)", at_least(1), operational=True)
-    log_kl_every: int = setting(
-        1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
-           "reference pass in the others", at_least(1), operational=True)
-
 
 def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip=0.0):
     """Per-token PPO surrogate (Schulman et al. 2017) with an asymmetric clip (clip-higher, DAPO).
@@ -405,3 +351,156 @@ def iteration_report(all_records, stats, update_tokens, update_seconds, mode, co
                "update_tokens_per_s": update_tokens / max(update_seconds, 1e-9),
                **summarize(all_records, stats)}
     return figures, [{k: v for k, v in r.items() if k not in TOKEN_ARRAYS} for r in all_records]
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings the scripts share: each script declares its own on top of these (ppo.Settings,
+# grpo.Settings, evaluate.Settings), with its presets beside them
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class DialogueSettings:
+    """What plays a dialogue, for both trainers and evaluate.py: the policy's base model, how its
+    turns are sampled, and who plays the user."""
+    title = "the dialogues"
+    # the policy's base model (policy.load_policy): the reference and the `same` user run on it too
+    model: str = setting(
+        "Qwen/Qwen2.5-7B-Instruct", "policy base: hub id, path, or smollm2 (embedded)",
+        model_problem, path=True)
+    dtype: str = setting("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16",
+                         one_of("auto", "float32", "bfloat16"))
+    load_in_4bit: bool = setting(
+        False, "QLoRA: NF4 base weights via bitsandbytes (CUDA, or its CPU kernels)",
+        lambda on: on and four_bit_problem() or None)
+    trust_remote_code: bool = setting(
+        False, "allow model code from the hub (off unless you trust it)")
+    fp32_head: bool = setting(
+        True, "in bf16: the output layer and its logits in float32, for the sampler and the "
+              "trainer alike (less sampler-trainer mismatch, docs/gpu.md)")
+    # how the agent's turns are sampled (rollout.play_dialogues)
+    thinking: bool = setting(True, "think-then-say scaffold (the paper's best run)")
+    temperature: float = setting(
+        1.0, "sampling temperature; the trainer's log-probs use the same", above(0))
+    max_new_tokens: int = setting(512, "tokens per agent turn", at_least(1))
+    max_context: int = setting(
+        6144, "tokens per dialogue; past it the dialogue ends with 'context'", at_least(2))
+    # who plays the user, how an appraisal becomes a number, and the users (rollout.build_simulator)
+    simulator: str = setting(
+        "same", "same (the policy's frozen base) | rules | http://host:port/v1", simulator_problem)
+    api_model: str = setting("default", "model name sent to a URL simulator")
+    api_key_env: str = setting(
+        "OPENAI_API_KEY", "environment variable with the URL simulator's key", env_name)
+    api_timeout: float = setting(
+        60.0, "seconds a request to a URL simulator may take in all; a call, x (retries + 1)",
+        within(0, 86400, low_open=True), operational=True)
+    api_retries: int = setting(4, "tries after a failed request to a URL simulator", at_least(0),
+                               operational=True)
+    personas: str = setting(
+        "personas.json", "persona file: personas.json or a SAGE / RLVER profile file", path=True)
+    split: str = setting("train", "persona split: train | test | all", one_of(*SPLITS, "all"))
+    difficulty: str = setting(
+        "all", "all (each persona's own) | easy | normal | hard: every user plays at this level",
+        one_of("all", *DIFFICULTIES))
+    start_emotion: int = setting(
+        30, "start emotion (RLVER training 30, SAGE benchmark 40)", within(0, 100))
+    max_change: int = setting(10, "largest emotion change per turn", at_least(1))
+    max_turns: int = setting(8, "agent turns per dialogue (RLVER: 8)", at_least(1))
+    user_reply_tokens: int = setting(96, "tokens per simulated user message", at_least(1))
+
+    @staticmethod
+    def check(args):
+        if args.max_context <= args.max_new_tokens:
+            fail(f"--max-context {args.max_context}: must be more than --max-new-tokens "
+                 f"{args.max_new_tokens} (a prompt and a whole reply must fit)")
+        if "api_key_env" in args.given and args.api_key_env not in os.environ:
+            fail("--api-key-env <redacted>: no environment variable of that name is set; give the "
+                 "name of the variable that holds the key (exported), never the key itself")
+        key = os.environ.get(args.api_key_env, "").strip()
+        # http.client sends a header in Latin-1, and refuses a control character in an error that
+        # quotes the key; a key of any length is sent (vLLM's placeholder EMPTY included)
+        if not key.isprintable() or any(ord(c) > 0xFF for c in key):
+            fail(f"${args.api_key_env} holds a character an HTTP header cannot carry (a line "
+                 "break, a control character or one outside Latin-1): give the key as it was "
+                 "issued")
+
+
+@dataclass
+class TrainerSettings(DialogueSettings):
+    """What both trainers read alike; each declares its method's own on top."""
+    title = "training (both trainers)"
+    # the LoRA adapters the trainers train (policy.load_policy), and how their backward pass runs
+    lora_r: int = setting(32, "LoRA rank of the trained adapters", at_least(1))
+    lora_alpha: int = setting(64, "LoRA alpha (scale = alpha / r)", above(0))
+    lora_dropout: float = setting(0.0, "LoRA dropout; 0 keeps the first importance ratio exactly 1",
+                                  within(0, 1, high_open=True))
+    target_modules: str = setting(DEFAULT_TARGETS, "comma-separated module names that get LoRA")
+    gradient_checkpointing: bool = setting(True, "recompute activations in the backward pass",
+                                           operational=True)
+    # the update
+    update_epochs: int = setting(
+        1, "passes over each iteration's dialogues (GRPO's mu)", at_least(1))
+    minibatch_size: int = setting(
+        32, "dialogues an optimizer step, all processes (RLVER: 32)", at_least(1))
+    clip_low: float = setting(0.2, "clip: ratio kept within [1 - clip_low, 1 + clip_high]",
+                              within(0, 1, low_open=True, high_open=True))
+    clip_high: float = setting(
+        0.2, "upper clip; above clip_low = clip-higher (DAPO: 0.28)", above(0))
+    dual_clip: float = setting(
+        0.0, "dual clip (verl's clip_ratio_c, 3 there): with a negative advantage A a token's "
+             "loss is at most -A x this; 0: off (RLVER's verl has none)",
+        lambda c: None if c == 0 or 1 < c < math.inf
+        else "must be 0 (off) or a finite number above 1")
+    tis_cap: float = setting(
+        2.0, "truncated importance sampling: each token's policy-gradient term x min(pi_old / "
+             "pi_sampler, cap) (TRL: 2); 0: off",
+        lambda cap: None if cap == 0 or 1 <= cap < math.inf
+        else "must be 0 (off) or a finite number, at least 1")
+    ent_coef: float = setting(0.001, "entropy bonus coefficient (RLVER: 0.001)", at_least(0))
+    kl_loss_coef: float = setting(
+        0.0, "k3 KL-to-reference loss coefficient (RLVER and TRL: 0)", at_least(0))
+    max_grad_norm: float = setting(1.0, "gradient norm clipping, per trained part", above(0))
+    greedy: bool = setting(
+        False, "decode greedily: reproducible dialogues for tests and debugging (GRPO: a "
+               "group's would be equal)")
+    micro_batch_size: int = setting(
+        2, "dialogues per forward pass (gradient accumulation)", at_least(1), operational=True)
+    log_kl_every: int = setting(
+        1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
+           "reference pass in the others", at_least(1), operational=True)
+    # what a dialogue earns (REWARDS)
+    reward: str = setting(
+        "final", "each turn's credit (REWARDS). final: the final emotion / 100 | turn: the changes "
+                 "from the turn on / 100 | mixed (PPO): a turn's change and the discounted return "
+                 "from it (RLVER's fork)", one_of(*REWARDS))
+    format_penalty: float = setting(
+        0.0, "subtracted per think-format violation (thinking on)", at_least(0))
+    mixed_alpha: float = setting(
+        0.4, "--reward mixed: the discounted return's share of a turn's credit", within(0, 1))
+    mixed_gamma: float = setting(
+        0.97, "--reward mixed: the discount from one turn to the next", within(0, 1))
+    # the run: its length, folder, checkpoints and resume (run.Run)
+    preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (the embedded model, a few "
+                                   "iterations) | cpu-learn (the embedded model, 20 iterations of "
+                                   "one-turn dialogues, 14-27 min: the reward rises); explicit "
+                                   "flags win",
+                          one_of("paper", "cpu", "cpu-learn"))
+    iterations: int = setting(1000, "training iterations (RLVER: 1,000 steps)", at_least(1))
+    out: str = setting("", "a new run folder, created by the run (an empty one is taken); default "
+                           "runs/<script>__<seed>__<time>", path=True)
+    resume: str = setting("", "a run folder to continue from its newest checkpoint, "
+                              "with its saved settings")
+    save_every: int = setting(10, "checkpoint every N iterations (and at the end)", at_least(1))
+    keep_checkpoints: int = setting(3, "keep the newest N checkpoints this run wrote (0 = all)",
+                                    at_least(0))
+    seed: int = setting(0, "random seed", within(0, 2**32 - 1))
+    report_to: str = setting("none", "none | tensorboard | wandb: a tracker beside the files "
+                                     "(numbers only)", one_of("none", "tensorboard", "wandb"))
+    max_bad_updates: int = setting(3, "stop after this many non-finite updates in a row",
+                                   at_least(1), operational=True)
+
+    @staticmethod
+    def check(args):
+        for mode, names in MODE_FLAGS.items():
+            for name in names:
+                if name in args.given and args.reward != mode:
+                    fail(f"--{name.replace('_', '-')} is --reward {mode}'s: with --reward "
+                         f"{args.reward} it would be ignored")

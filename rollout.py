@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from client import OpenAIBackend
 from policy import default_device, load_model, load_tokenizer
-from run import above, at_least, fail, setting
+from cli import fail
 from simulator import RulesBackend, Simulator, UserState
 
 
@@ -474,7 +474,7 @@ class LocalBackend:
 def make_backend(simulator, policy=None, tokenizer=None, args=None):
     """--simulator same (the policy's frozen base) | rules | http(s)://host:port/v1. `same` without
     a policy (evaluate.py --agreement and --write-openings) is the --model of args alone. args: the
-    URL client's limits (SimulatorSettings, needed for a URL) and trust_remote_code."""
+    URL client's limits (rl.DialogueSettings, needed for a URL) and trust_remote_code."""
     if simulator == "rules":
         return RulesBackend()
     if simulator != "same":
@@ -488,7 +488,7 @@ def make_backend(simulator, policy=None, tokenizer=None, args=None):
 
 
 def build_simulator(args, policy, tokenizer, goodbye="closing"):
-    """The simulated user of a script's SimulatorSettings (goodbye: see Simulator)."""
+    """The simulated user of a script's settings (rl.DialogueSettings; goodbye: see Simulator)."""
     backend = make_backend(args.simulator, policy, tokenizer, args)
     return Simulator(backend, args.start_emotion, args.max_change, args.max_turns,
                      reply_tokens=args.user_reply_tokens, goodbye=goodbye)
@@ -517,23 +517,6 @@ class Dialogue:
         self.action_mask += [int(sample_logprobs is not None)] * len(tokens)
         self.sample_logprobs += sample_logprobs or [0.0] * len(tokens)
 
-
-@dataclass
-class SamplingSettings:
-    """How the agent's turns are sampled (play_dialogues)."""
-    title = "sampling"
-    thinking: bool = setting(True, "think-then-say scaffold (the paper's best run)")
-    temperature: float = setting(
-        1.0, "sampling temperature; the trainer's log-probs use the same", above(0))
-    max_new_tokens: int = setting(512, "tokens per agent turn", at_least(1))
-    max_context: int = setting(
-        6144, "tokens per dialogue; past it the dialogue ends with 'context'", at_least(2))
-
-    @staticmethod
-    def check(args):
-        if args.max_context <= args.max_new_tokens:
-            fail(f"--max-context {args.max_context}: must be more than --max-new-tokens "
-                 f"{args.max_new_tokens} (a prompt and a whole reply must fit)")
 
 
 @torch.no_grad()

@@ -21,7 +21,6 @@ runs with generation), or none for the rules user. This file holds no model and 
 personas.py and run.py only.
 """
 import json
-import os
 import re
 import time
 import unicodedata
@@ -29,8 +28,8 @@ import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 
-from personas import DIFFICULTIES, SPLITS, Persona
-from run import Stop, at_least, env_name, fail, one_of, setting, within
+from personas import Persona
+from cli import Stop
 
 
 # ----------------------------------------------------------------------------------------------
@@ -646,7 +645,7 @@ def clean_user_text(text):
 
 
 # ----------------------------------------------------------------------------------------------
-# Settings of the simulated user
+# The check of --simulator (rl.DialogueSettings)
 # ----------------------------------------------------------------------------------------------
 def simulator_problem(value):
     """same (the policy's frozen base), rules, or a server: a model of its own as the user runs
@@ -657,44 +656,3 @@ def simulator_problem(value):
         return "must be same | rules | http(s)://host:port/v1"
     if not urllib.parse.urlsplit(value).hostname:
         return "a URL needs a host: http://host:port/v1"
-
-
-@dataclass
-class SimulatorSettings:
-    """Who plays the user, how the appraisal becomes a number, and the users themselves."""
-    title = "the simulated user"
-    simulator: str = setting(
-        "same", "same (the policy's frozen base) | rules | http://host:port/v1", simulator_problem)
-    api_model: str = setting("default", "model name sent to a URL simulator")
-    api_key_env: str = setting(
-        "OPENAI_API_KEY", "environment variable with the URL simulator's key", env_name)
-    api_timeout: float = setting(
-        60.0, "seconds a request to a URL simulator may take in all; a call, x (retries + 1)",
-        within(0, 86400, low_open=True), operational=True)
-    api_retries: int = setting(4, "tries after a failed request to a URL simulator", at_least(0),
-                               operational=True)
-    personas: str = setting(
-        "personas.json", "persona file: personas.json or a SAGE / RLVER profile file", path=True)
-    split: str = setting("train", "persona split: train | test | all", one_of(*SPLITS, "all"))
-    difficulty: str = setting(
-        "all", "all (each persona's own) | easy | normal | hard: every user plays at this level",
-        one_of("all", *DIFFICULTIES))
-    start_emotion: int = setting(
-        30, "start emotion (RLVER training 30, SAGE benchmark 40)", within(0, 100))
-    max_change: int = setting(10, "largest emotion change per turn", at_least(1))
-    max_turns: int = setting(8, "agent turns per dialogue (RLVER: 8)", at_least(1))
-    user_reply_tokens: int = setting(96, "tokens per simulated user message", at_least(1))
-
-    @staticmethod
-    def check(args):
-        if "api_key_env" in args.given and args.api_key_env not in os.environ:
-            fail("--api-key-env <redacted>: no environment variable of that name is set; give the "
-                 "name of the variable that holds the key (exported), never the key itself")
-        key = os.environ.get(args.api_key_env, "").strip()
-        # http.client sends a header in Latin-1, and refuses a control character in an error that
-        # quotes the key; a key of any length is sent (vLLM's placeholder EMPTY included)
-        if not key.isprintable() or any(ord(c) > 0xFF for c in key):
-            fail(f"${args.api_key_env} holds a character an HTTP header cannot carry (a line "
-                 "break, a control character or one outside Latin-1): give the key as it was "
-                 "issued")
-

@@ -32,7 +32,7 @@ for folder in (os.path.join(ROOT, "tools"), ROOT):  # the scripts; tools/bench.p
     if folder not in sys.path:
         sys.path.insert(0, folder)
 
-import run  # noqa: E402
+import cli  # noqa: E402
 from personas import load_personas  # noqa: E402
 from policy import EMBEDDED, load_model, resolve_model
 
@@ -414,7 +414,7 @@ def in_process(main, argv, capsys):
     """main(argv) as `python SCRIPT ARGV` runs it, in this process: (exit code, stdout, stderr)."""
     capsys.readouterr()
     try:
-        run.command(main)([str(a) for a in argv])
+        cli.command(main)([str(a) for a in argv])
         code = 0
     except SystemExit as e:
         code = e.code

@@ -15,6 +15,7 @@ import pytest
 from rl import REWARDS
 from conftest import ROOT, reply
 
+import cli  # noqa: E402
 import run  # noqa: E402
 import grpo  # noqa: E402
 import ppo  # noqa: E402
@@ -22,7 +23,7 @@ import ppo  # noqa: E402
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def cli(*argv, timeout=300, env=None, cwd=ROOT):
+def shell(*argv, timeout=300, env=None, cwd=ROOT):
     """Run a script as a user would; returns (returncode, stdout, the error lines of stderr, elapsed)."""
     t0 = time.time()
     done = subprocess.run([sys.executable, *map(str, argv)], cwd=cwd, capture_output=True, text=True,
@@ -47,7 +48,7 @@ def assert_one_line(code, stderr, *words):
 
 def exits_with_one_line(main, argv, capsys, *words):
     with pytest.raises(SystemExit) as stop:
-        run.command(main)(argv)
+        cli.command(main)(argv)
     assert_one_line(stop.value.code, capsys.readouterr().err, *words)
 
 
@@ -114,7 +115,7 @@ def test_grpo_refuses_bad_settings(flags, words, capsys, tmp_path):
     ("evaluate.py", ["--max-turns", "0"], ["--max-turns", "0"]),
 ])
 def test_bad_settings_through_the_real_command_line(script, flags, words):
-    code, _, err, elapsed = cli(script, *flags)
+    code, _, err, elapsed = shell(script, *flags)
     assert_one_line(code, err, *words)
     assert elapsed < 40, elapsed  # no hub retries (they took 54 s for --simulator rulez)
 
@@ -125,7 +126,7 @@ def test_help_lists_the_choices():
     for script, table, flag in (("ppo.py", REWARDS, "--reward"),
                                 ("grpo.py", REWARDS, "--reward"),
                                 ("grpo.py", grpo.ADVANTAGES, "--group-advantage")):
-        code, out, err, _ = cli(script, "--help")
+        code, out, err, _ = shell(script, "--help")
         listed = re.search(rf"{flag} {{([^}}]*)}}", out).group(1).split(",")
         assert code == 0 and listed == list(table), (script, flag, listed)
 
@@ -150,7 +151,7 @@ def test_a_simulator_error_mid_run_saves_the_last_iteration_then_one_line(server
     out = tmp_path / "run"
     argv = tiny(tiny_model_dir, personas_file, out, "--iterations", "3", "--save-every", "100",
                 "--simulator", s.url, "--api-retries", "0", script="grpo")
-    code, _, err, _ = cli("grpo.py", *argv)
+    code, _, err, _ = shell("grpo.py", *argv)
     assert_one_line(code, err, "HTTP 401", s.url, "--resume")
     ckpts = os.listdir(out / "checkpoints")
     done = len(read_jsonl(out / "metrics.jsonl"))
@@ -172,10 +173,10 @@ def test_values_that_look_like_keys_are_redacted():
         adapter: list = field(default_factory=lambda: ["runs/a", "hf_abcdefghijklmnopqrs"])  # nargs="+"
         max_new_tokens: int = 64
 
-    saved = json.dumps(run.public_config(Settings(), "ppo.py"))
+    saved = json.dumps(cli.public_config(Settings(), "ppo.py"))
     for secret in ("abcdefghijklmnop", "hunter2", "alice", "abc.def.ghi", "zzz123", "hf_abcdefghijklmnopqrs"):
         assert secret not in saved, secret
-    config = run.public_config(Settings(), "ppo.py")
+    config = cli.public_config(Settings(), "ppo.py")
     assert config["simulator"] == "https://<redacted>@example.org/v1" and config["max_new_tokens"] == 64
     assert config["adapter"][0] == "runs/a"
 
@@ -183,7 +184,7 @@ def test_values_that_look_like_keys_are_redacted():
 def test_a_key_in_a_setting_is_neither_printed_nor_saved(tiny_model_dir, personas_file, tmp_path):
     out = tmp_path / "run"
     key = "sk-live-abcdef0123456789"
-    code, stdout, err, _ = cli("grpo.py", *tiny(tiny_model_dir, personas_file, out, "--iterations", "1",
+    code, stdout, err, _ = shell("grpo.py", *tiny(tiny_model_dir, personas_file, out, "--iterations", "1",
                                                 "--api-model", key, script="grpo"))
     assert code == 0, err[-2000:]
     assert key not in stdout + err

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import bench
-from run import command as command_line
+from cli import command as command_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -350,13 +350,13 @@ def test_gpu_check_flags_are_checked(argv, words, capsys):
                          ids=["an empty folder", "a folder to make in it"])
 def test_gpu_check_with_a_read_only_out_is_one_line_before_any_step(tmp_path, inside, words):
     # through tests/faults.py, which makes the folder read-only for the script (root writes through chmod)
-    from test_bad_input import assert_one_line, cli
+    from test_bad_input import assert_one_line, shell
 
     read_only = tmp_path / "read_only"
     read_only.mkdir()
     out = read_only / inside
     check = ["gpu", "--check", "--dry-run", "--steps", "versions", "--out", str(out)]
-    code, stdout, err, _ = cli(os.path.join("tests", "faults.py"), "--read-only", str(read_only), "--",
+    code, stdout, err, _ = shell(os.path.join("tests", "faults.py"), "--read-only", str(read_only), "--",
                                "tools/bench.py", *check)
     assert_one_line(code, err, str(out), words)
     assert stdout == "" and os.listdir(read_only) == []  # no step ran, nothing was written

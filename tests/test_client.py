@@ -14,7 +14,7 @@ from client import OpenAIBackend
 from personas import load_personas
 import evaluate
 from conftest import chat_completion, completion, in_process, openings, reply, transcript
-from test_bad_input import ENV, assert_one_line, cli, error_lines
+from test_bad_input import ENV, assert_one_line, shell, error_lines
 from simulator import Simulator, SimulatorError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -249,7 +249,7 @@ def test_a_wrong_json_type_is_a_retried_malformed_response(server, data, words):
 
 def test_a_401_names_the_keys_variable_never_the_key(server, tmp_path):
     s = server(lambda h, n, body: reply(h, 401, b'{"error": "bad key"}'))
-    code, _, err, _ = cli(*openings(tmp_path / "out.jsonl", s.url), "--api-key-env", "RLVER_TEST_KEY",
+    code, _, err, _ = shell(*openings(tmp_path / "out.jsonl", s.url), "--api-key-env", "RLVER_TEST_KEY",
                           timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret-999"})
     assert_one_line(code, err, "HTTP 401", s.url, "1 tries", "$RLVER_TEST_KEY", "nothing written")
     assert "sk-live-secret-999" not in err
@@ -263,11 +263,11 @@ def test_a_key_with_a_line_break_is_refused_unshown_and_its_trailing_newline_is_
         reply(h, 200, json.dumps({"choices": [{"message": {"content": "Long week."}}]}).encode())
     s = server(respond)
     argv = [*openings(tmp_path / "bad.jsonl", s.url), "--api-key-env", "RLVER_TEST_KEY"]
-    code, _, err, _ = cli(*argv, timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret\n999"})
+    code, _, err, _ = shell(*argv, timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret\n999"})
     assert code == 2 and len(error_lines(err)) == 1 and "$RLVER_TEST_KEY" in err, err[-2000:]
     assert "secret" not in err and "999" not in err and not seen
     argv = [*openings(tmp_path / "good.jsonl", s.url), "--api-key-env", "RLVER_TEST_KEY"]
-    code, _, err, _ = cli(*argv, timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret-999\n"})
+    code, _, err, _ = shell(*argv, timeout=120, env={**ENV, "RLVER_TEST_KEY": "sk-live-secret-999\n"})
     assert code == 0 and seen and set(seen) == {"Bearer sk-live-secret-999"}, err[-2000:]
 
 

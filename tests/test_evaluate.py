@@ -23,10 +23,10 @@ import torch
 
 from personas import load_personas
 import evaluate
-import run
+import cli
 import simulator
 from conftest import ROOT, reply
-from run import command
+from cli import command
 from evaluate import model_summary, paired_difference, results_table, run_evaluation, use_model, with_interval
 from simulator import RulesBackend, Simulator
 
@@ -43,7 +43,7 @@ def eval_args(**values):
     return args
 
 
-def cli(*argv, timeout=300):
+def shell(*argv, timeout=300):
     """evaluate.py (or another script) as a user runs it: (returncode, stdout, stderr)."""
     done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=ENV)
@@ -66,7 +66,7 @@ def assert_one_line(code, stderr, *words):
 def one_line(argv, capsys, *words):
     """evaluate.main(argv) in this process ends with one line holding every word, exit code 2."""
     with pytest.raises(SystemExit) as stop:
-        run.command(evaluate.main)(argv)
+        cli.command(evaluate.main)(argv)
     assert_one_line(stop.value.code, capsys.readouterr().err, *words)
 
 
@@ -314,7 +314,7 @@ def test_bad_settings_are_one_line(flags, words, capsys, monkeypatch):
 
 def test_bad_settings_through_the_real_command_line():
     t0 = time.time()
-    assert_one_line(*cli("evaluate.py", "--split", "dev")[::2], "--split", "dev")
+    assert_one_line(*shell("evaluate.py", "--split", "dev")[::2], "--split", "dev")
     assert time.time() - t0 < 40  # no hub retries
 
 
@@ -327,7 +327,8 @@ def test_the_defaults_are_sages_protocol():
 def test_bad_personas_exit_2_with_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('[{"id": "x"}]')
-    assert_one_line(*cli("evaluate.py", "--personas", str(bad), "--out", str(tmp_path / "o"))[::2], "missing")
+    done = shell("evaluate.py", "--personas", str(bad), "--out", str(tmp_path / "o"))
+    assert_one_line(*done[::2], "missing")
     assert not (tmp_path / "o").exists()
 
 
@@ -472,7 +473,7 @@ def test_an_adapter_for_another_base_is_one_line(tiny_model_dir, tmp_path, perso
     for name in os.listdir(tiny_model_dir):  # the tokenizer's files
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(os.path.join(tiny_model_dir, name), bigger)
-    code, _, err = cli("evaluate.py", *ev(str(bigger), personas_file, tmp_path / "eval", "--adapter",
+    code, _, err = shell("evaluate.py", *ev(str(bigger), personas_file, tmp_path / "eval", "--adapter",
                                           str(adapter)))
     assert_one_line(code, err, str(adapter), str(bigger), "missing")
     assert not (tmp_path / "eval" / "results.json").exists()
@@ -491,7 +492,7 @@ def test_an_adapter_for_another_model_width_says_why(tiny_model_dir, personas_fi
     get_peft_model(LlamaForCausalLM(config), lora).save_pretrained(adapter)
     argv = ev(tiny_model_dir, personas_file, tmp_path / "eval", "--adapter", str(adapter))
     with pytest.raises(SystemExit) as stop:
-        run.command(evaluate.main)(argv)
+        cli.command(evaluate.main)(argv)
     err = capsys.readouterr().err
     assert_one_line(stop.value.code, err, str(adapter))
     why = error_lines(err)[0].replace(str(adapter), "").replace(tiny_model_dir, "")
@@ -521,7 +522,7 @@ def test_evaluate_ends_a_dialogue_on_a_farewell_word_anywhere_as_sage_does(tiny_
 
 def test_evaluate_ends_on_a_simulator_error_with_one_line(server, tiny_model_dir, personas_file, tmp_path):
     s = server(lambda h, n, body: reply(h, 200, b'[{"not": "a completion"}]'))
-    code, _, err = cli("evaluate.py", *ev(tiny_model_dir, personas_file, tmp_path / "eval", "--simulator",
+    code, _, err = shell("evaluate.py", *ev(tiny_model_dir, personas_file, tmp_path / "eval", "--simulator",
                                           s.url, "--api-retries", "1"))
     assert_one_line(code, err, s.url, "malformed response", "2 tries")
 
@@ -543,13 +544,13 @@ def test_agreement_on_a_full_disk_keeps_its_appraisals_and_half_writes_nothing(t
     are written: one line, exit code 2; appraisals.jsonl whole, no result file at all (not a 0-byte
     results.md)."""
     reference = tmp_path / "reference"
-    code, _, err = cli(*agreement_argv(reference, "--simulator", "rules"))
+    code, _, err = shell(*agreement_argv(reference, "--simulator", "rules"))
     assert code == 0, err[-2000:]
     out = tmp_path / "full"
     out.mkdir()
     room = (reference / "appraisals.jsonl").stat().st_size + 64
-    code, _, err = cli(os.path.join("tests", "faults.py"), "--disk-full", str(out), "--free", str(room), "--",
-                       *agreement_argv(out, "--simulator", "rules"))
+    code, _, err = shell(os.path.join("tests", "faults.py"), "--disk-full", str(out), "--free", str(room),
+                         "--", *agreement_argv(out, "--simulator", "rules"))
     assert_one_line(code, err, "the disk is full", "appraisals.jsonl")
     kept = (out / "appraisals.jsonl").read_bytes()
     assert kept == (reference / "appraisals.jsonl").read_bytes()
@@ -619,7 +620,7 @@ def trained_adapter(tmp_path_factory):
 @pytest.mark.smollm2
 def test_cli_base_vs_adapter_end_to_end(trained_adapter, tmp_path):
     out = tmp_path / "eval"
-    code, stdout, err = cli("evaluate.py", "--model", "smollm2", "--adapter", trained_adapter, "--personas",
+    code, stdout, err = shell("evaluate.py", "--model", "smollm2", "--adapter", trained_adapter, "--personas",
                             "personas.json", "--split", "test", "--dialogues", "2", "--max-turns", "2",
                             "--max-new-tokens", "12", "--user-reply-tokens", "16", "--simulator", "rules",
                             "--bootstrap", "200", "--out", str(out))

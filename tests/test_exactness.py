@@ -17,6 +17,7 @@ from rl import token_logprobs
 import grpo
 import ppo
 import rollout
+import cli
 import run
 import simulator
 from conftest import read_metrics, tiny_tokenizer
@@ -249,7 +250,7 @@ def test_a_target_module_the_model_lacks_is_one_line_before_the_weights_load(scr
         raise AssertionError("the weights loaded")
     monkeypatch.setattr("policy.load_model", no_weights)
     with pytest.raises(SystemExit) as stop:
-        run.command(script.main)(tiny_run(script, tiny_model_dir, personas_file, tmp_path / "run",
+        cli.command(script.main)(tiny_run(script, tiny_model_dir, personas_file, tmp_path / "run",
                              "--target-modules", "q_proj,qkv_proj"))
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1, err
@@ -306,7 +307,7 @@ def test_a_model_that_changes_its_logits_after_lm_head_is_one_line_before_the_we
         raise AssertionError("the weights loaded")
     monkeypatch.setattr("policy.load_model", no_weights)
     with pytest.raises(SystemExit) as stop:
-        run.command(ppo.main)(tiny_run(ppo, folder, personas_file, tmp_path / "run"))
+        cli.command(ppo.main)(tiny_run(ppo, folder, personas_file, tmp_path / "run"))
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1, err
     assert folder in err and f"{field} {value}" in err and "sampler" in err, err
@@ -356,7 +357,7 @@ def test_load_in_4bit_without_its_parts_is_one_line_before_any_model_loads(scrip
     else:
         monkeypatch.setattr(bitsandbytes.functional, "quantize_4bit", no_kernel)
     with pytest.raises(SystemExit) as stop:
-        run.command(script.main)(four_bit_argv(script, tiny_model_dir, personas_file, tmp_path / "run"))
+        cli.command(script.main)(four_bit_argv(script, tiny_model_dir, personas_file, tmp_path / "run"))
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     advice = "install bitsandbytes" if missing == "bitsandbytes" else "CPU"

@@ -21,7 +21,7 @@ import evaluate
 import grpo
 import ppo
 import rl
-import run
+import cli
 from conftest import read_metrics
 from personas import load_personas
 from rollout import ChatTokens, play_dialogues
@@ -91,7 +91,7 @@ def test_every_reward_mode_on_real_records_returns_each_turn_its_credit(mode, re
     records, tokenizer, personas = real_records
     # the mode's coefficients at their defaults, as the trainers hand them (a fork's mode too: the
     # flag's choices are fixed when rl.py is imported)
-    args = run.parse_settings([rl.RewardSettings], [])
+    args = cli.parse_settings(rl.TrainerSettings, [])
     args.reward = mode
     coefficients = rl.mode_coefficients(args)
     batch = rl.pad_records(records, tokenizer.pad_token_id, "cpu")

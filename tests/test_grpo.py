@@ -15,7 +15,7 @@ import torch
 
 import grpo
 import rl
-import run
+import cli
 from conftest import ROOT, read_metrics
 from personas import load_personas
 from rollout import ChatTokens, play_dialogues
@@ -266,12 +266,12 @@ def test_settings_errors_say_what_to_change(tiny_model_dir, personas_file, tmp_p
              (["--loss-agg", "seq-mean-token-sum"], "--loss-agg")]
     for extra, flag in cases:
         with pytest.raises(SystemExit) as stop:
-            run.command(grpo.main)(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", *extra))
+            cli.command(grpo.main)(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", *extra))
         err = capsys.readouterr().err
         assert stop.value.code == 2 and err.startswith("error:") and flag in err, extra
     if not torch.cuda.is_available():  # the paper's setup points to the cpu preset instead of a traceback
         with pytest.raises(SystemExit) as stop:
-            run.command(grpo.main)([])
+            cli.command(grpo.main)([])
         assert stop.value.code == 2 and "--preset cpu" in capsys.readouterr().err
 
 

@@ -65,6 +65,6 @@ def test_a_first_run_prints_only_the_projects_own_lines(tmp_path):
     ours = re.compile(r"(policy smollm2 on cpu|converting .*\.gguf to |run /|done: |ppo: )")
     assert frames and all(ours.match(line) for line in frames), [f for f in frames if not ours.match(f)]
     assert "converting" in done.stderr  # it was a first run: the model was converted
-    # its start-up line says the threads it took: half the usable cores (run.use_cpu_threads)
+    # its start-up line says the threads it took: half the usable cores (cli.use_cpu_threads)
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     assert f"policy smollm2 on cpu (CPU threads: {threads}) x 1 process(es)" in done.stdout

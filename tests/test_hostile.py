@@ -4,7 +4,7 @@ grouped as the issue groups them. Everything goes through the command line and t
 writes, never through the functions behind it.
 
 How a command runs. Where the process is part of the case (a run under test, an injected fault,
-the process that owns a run folder, a signal, bench.py's exit status), as a real subprocess (cli()).
+the process that owns a run folder, a signal, bench.py's exit status), as a real subprocess (shell()).
 A command that should end with one line runs, as tests/test_bad_input.py runs its settings cases,
 through the script's main(argv) in this process (command()): the code `python SCRIPT ARGV` runs,
 without the 3 s each new Python spends importing torch and transformers (about 30 such commands
@@ -35,9 +35,9 @@ import traceback
 import pytest
 import torch
 
-import run
+import cli
 from conftest import ROOT, read_metrics
-from test_bad_input import ENV, assert_one_line, cli, tiny
+from test_bad_input import ENV, assert_one_line, shell, tiny
 
 TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 NOT_A_WEIGHTS_FILE = b"not a safetensors file"
@@ -47,8 +47,8 @@ NOT_A_WEIGHTS_FILE = b"not a safetensors file"
 # Helpers and shared runs
 # ----------------------------------------------------------------------------------------------
 def faulty(*argv):
-    """cli() through tests/faults.py: faulty(FAULT FLAGS..., "--", SCRIPT, ARGS...)."""
-    return cli(os.path.join("tests", "faults.py"), *argv)
+    """shell() through tests/faults.py: faulty(FAULT FLAGS..., "--", SCRIPT, ARGS...)."""
+    return shell(os.path.join("tests", "faults.py"), *argv)
 
 
 SUBPROCESS = os.environ.get("RLVER_TEST_SUBPROCESS") == "1"
@@ -56,11 +56,11 @@ SUBPROCESS = os.environ.get("RLVER_TEST_SUBPROCESS") == "1"
 
 def command(capsys, script, *argv, cwd=None):
     """`python SCRIPT ARGV` (in the folder cwd) through the script's main(argv) in this process, or as
-    a subprocess with RLVER_TEST_SUBPROCESS=1; returns what cli() does. An exception that would reach
+    a subprocess with RLVER_TEST_SUBPROCESS=1; returns what shell() does. An exception that would reach
     the interpreter comes back as it would print it: exit code 1 and a traceback on stderr."""
     if SUBPROCESS:
-        return cli(os.path.join(ROOT, script), *argv, cwd=cwd or ROOT)
-    main = run.command(importlib.import_module(os.path.basename(script)[:-len(".py")]).main)
+        return shell(os.path.join(ROOT, script), *argv, cwd=cwd or ROOT)
+    main = cli.command(importlib.import_module(os.path.basename(script)[:-len(".py")]).main)
     here, threads = os.getcwd(), torch.get_num_threads()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     capsys.readouterr()
@@ -176,7 +176,7 @@ def weights_unloadable(model_dir):
 
 
 def run_ok(*argv):
-    code, _, err, _ = cli(*argv)
+    code, _, err, _ = shell(*argv)
     assert code == 0, err[-3000:]
 
 
@@ -226,7 +226,7 @@ def resumed(ppo_run, tmp_path_factory):
     """The PPO run, copied, resumed as a user types it: `ppo.py --resume RUN --iterations 3`, without
     --preset cpu (case 31). Cases 6 and 31 read what it did: (run, exit code, stderr)."""
     run = copy_run(ppo_run, tmp_path_factory.mktemp("resumed"))
-    code, _, err, _ = cli("ppo.py", "--resume", str(run), "--iterations", "3")
+    code, _, err, _ = shell("ppo.py", "--resume", str(run), "--iterations", "3")
     return run, code, err
 
 
@@ -373,10 +373,10 @@ def test_grpo_resume_with_another_out_is_refused(grpo_run, tmp_path, capsys):
 def test_bench_own_checks_exit_2_with_one_line(tmp_path):
     """Also: bench.py's own checks (here --jobs, and `bench.py gpu` on a machine without CUDA) end
     with one error line and exit code 2, as every other command's."""
-    code, _, err, _ = cli("tools/bench.py", "learning", "--jobs", "99", "--out", str(tmp_path / "bench"))
+    code, _, err, _ = shell("tools/bench.py", "learning", "--jobs", "99", "--out", str(tmp_path / "bench"))
     assert_one_line(code, err, "--jobs", "99")
     if not torch.cuda.is_available():
-        code, _, err, _ = cli("tools/bench.py", "gpu")
+        code, _, err, _ = shell("tools/bench.py", "gpu")
         assert_one_line(code, err, "CUDA")
 
 

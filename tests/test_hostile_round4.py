@@ -236,7 +236,7 @@ def test_a_signal_while_the_model_loads_is_one_line(number, code, tmp_path, pers
     script = ("import sys, time, evaluate, run\n"
               "def slow(*a, **k):\n    print('loading', flush=True)\n    time.sleep(120)\n"
               "evaluate.load_models = slow\n"
-              f"run.command(evaluate.main)(['--personas', {personas_file!r}, '--simulator', 'rules', "
+              f"cli.command(evaluate.main)(['--personas', {personas_file!r}, '--simulator', 'rules', "
               f"'--out', {str(tmp_path / 'e')!r}])\n")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

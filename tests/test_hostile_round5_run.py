@@ -1,7 +1,7 @@
 """Hostile cases, round 5 (issue 44), the run's part: a resume never loses a log, everything read back
 from a run is checked before it is used, evaluate.py checks an adapter before any model loads, every
 line tells the truth, and bench.py reads its trainer flags. Each test holds one of the issue's cases
-through the command line (the script's run.command(main) in this process), as tests/test_hostile.py
+through the command line (the script's cli.command(main) in this process), as tests/test_hostile.py
 and tests/test_hostile_round4.py do for the earlier rounds.
 
 A run's checkpoints are the folders RUN/checkpoints/iter_NNNNNN: a save writes iter_NNNNNN.tmp and
@@ -273,7 +273,7 @@ def two_processes(monkeypatch):
 
 
 SAVED = [  # (config.json's edits, what else the case needs, the words of the line besides config.json)
-    ({"max_context": 6}, None, ["'max_context'", "--max-context 6"]),                # SamplingSettings.check
+    ({"max_context": 6}, None, ["'max_context'", "--max-context 6"]),                # DialogueSettings.check
     ({"dialogues_per_iteration": 3}, None, ["'dialogues_per_iteration'", "--minibatch-size 2"]),  # PPO's
     ({"personas": "/nonexistent/personas.json"}, None, ["'personas'", "/nonexistent/personas.json"]),
     ({"target_modules": "q_proj,nope"}, None, ["'target_modules'", "'nope' is no layer"]),  # check_model

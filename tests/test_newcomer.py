@@ -15,7 +15,7 @@ import ppo
 import rollout
 from conftest import ROOT, read_metrics
 from personas import load_personas
-from run import command
+from cli import command
 from simulator import RulesBackend, Simulator
 
 

@@ -20,7 +20,7 @@ import pytest
 from personas import load_personas
 from policy import load_tokenizer
 import evaluate
-import run as run_module
+import cli
 import simulator
 from conftest import ROOT, reply
 
@@ -47,7 +47,7 @@ def chat_completion(text):
 def test_evaluate_refuses_profiles_without_openings_before_a_model_loads(monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "load_models", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit) as stop:
-        run_module.command(evaluate.main)(["--personas", RLVER, "--simulator", "rules"])
+        cli.command(evaluate.main)(["--personas", RLVER, "--simulator", "rules"])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and "--write-openings" in err
 
@@ -207,7 +207,7 @@ def appraising_server(server, fail_on=None):
 def agreement(out, simulator_arg, *extra):
     argv = ["--agreement", *RESULTS, "--personas", SAGE, "--simulator", simulator_arg,
             "--bootstrap", "300", "--out", str(out), *extra]
-    return run_module.command(evaluate.main)(argv)
+    return cli.command(evaluate.main)(argv)
 
 
 def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server, capsys):
@@ -327,7 +327,7 @@ def test_bad_recorded_files_stop_before_a_model_loads(tiny_model_dir, tmp_path, 
     argv = ["--agreement", str(path), "--personas", SAGE, "--simulator", "same",
             "--model", tiny_model_dir, "--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as stop:
-        run_module.command(evaluate.main)(argv)
+        cli.command(evaluate.main)(argv)
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {path}: ") and message in err, err
@@ -344,7 +344,7 @@ def with_point(line, k, point):
 def test_a_recorded_file_given_twice_is_refused(tmp_path, capsys):
     again = os.path.join(DATA, "sage_results", ".", "warm_result.jsonl")  # the same file, another spelling
     with pytest.raises(SystemExit) as stop:
-        run_module.command(evaluate.main)(["--agreement", RESULTS[0], RESULTS[1], again, "--personas", SAGE,
+        cli.command(evaluate.main)(["--agreement", RESULTS[0], RESULTS[1], again, "--personas", SAGE,
                        "--simulator", "rules", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1, err

@@ -14,7 +14,7 @@ import torch
 import grpo
 import ppo
 import rl
-import run
+import cli
 from conftest import read_metrics
 
 
@@ -165,7 +165,7 @@ SWITCHES = {
 
 @pytest.mark.parametrize("trainer", [ppo, grpo])
 def test_every_switch_of_the_cpu_preset_is_covered_here(trainer):
-    defaults = vars(run.parse_settings(trainer.SETTINGS, argv=['--preset', 'paper']))
+    defaults = vars(cli.parse_settings(trainer.Settings, argv=['--preset', 'paper']))
     assert trainer.PRESETS["paper"] == {}  # the paper preset is the dataclass defaults
     turned = {k for k, v in trainer.PRESETS["cpu"].items() if v != defaults[k]}
     uncovered = turned - SIZES - set(SWITCHES)
@@ -176,7 +176,7 @@ def test_every_switch_of_the_cpu_preset_is_covered_here(trainer):
 
 
 def paper_path_args(trainer, model_dir, personas, out):
-    names = vars(run.parse_settings(trainer.SETTINGS, argv=['--preset', 'paper'])).keys()
+    names = vars(cli.parse_settings(trainer.Settings, argv=['--preset', 'paper'])).keys()
     switches = sum((flags for name, flags in SWITCHES.items() if name in names), [])
     # 2 minibatches x 2 micro-batches; the paper preset's read-out (reasoned, for a model that is not the
     # embedded one)
@@ -200,7 +200,7 @@ def test_the_paper_preset_paths_run_on_a_tiny_model(trainer, tiny_model_dir, per
     trainer.main(args + ["--simulator", fake_user.url])
     metrics = read_metrics(out)
     config = json.load(open(out / "config.json"))
-    defaults = vars(run.parse_settings(trainer.SETTINGS, argv=['--preset', 'paper']))
+    defaults = vars(cli.parse_settings(trainer.Settings, argv=['--preset', 'paper']))
     assert config["loss_agg"] == defaults["loss_agg"] and config["dtype"] == "bfloat16"
     assert [m["iteration"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -347,7 +347,7 @@ def test_the_stop_after_non_finite_updates_keeps_the_last_complete_checkpoint(tr
     args = make(tiny_model_dir, personas_file, out, "--iterations", "4", "--save-every", "1",
                 "--minibatch-size", "2", "--micro-batch-size", "2", "--max-bad-updates", "2", *sizes)
     with pytest.raises(SystemExit) as stop:
-        run.command(trainer.main)(args)
+        cli.command(trainer.main)(args)
     assert stop.value.code == 1
     err = capsys.readouterr().err
     folder = out / "checkpoints"

@@ -16,11 +16,12 @@ import pytest
 
 import evaluate
 import ppo
-import run
+import cli
+import rl
 import simulator
 from personas import PERSONA_FIELDS, PersonaError, load_personas
 from conftest import RLVER, SAGE, chat_completion, completion, in_process, openings, reply
-from test_bad_input import ENV, assert_one_line, cli, error_lines
+from test_bad_input import ENV, assert_one_line, error_lines, shell
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -306,12 +307,12 @@ def test_write_openings_with_a_server_writes_all_or_nothing(tmp_path, server):
     ok_now = False
     srv = server(handle)
     out = tmp_path / "with_openings.jsonl"
-    code, _, err, _ = cli(*openings(out, srv.url))
+    code, _, err, _ = shell(*openings(out, srv.url))
     said = f"--write-openings {out}: simulator server {srv.url}/chat/completions: HTTP 400 after 1 tries"
     assert error_lines(err) == [f"error: {said}; nothing written"] and code == 2, err[-2000:]
     assert os.listdir(tmp_path) == []  # never half-written, nothing kept
     ok_now = True
-    code, _, err, _ = cli(*openings(out, srv.url))
+    code, _, err, _ = shell(*openings(out, srv.url))
     assert code == 0, err
     # the user's own prompt family, in the persona's language
     personas = load_personas(RLVER, need_opening=False)
@@ -321,7 +322,7 @@ def test_write_openings_with_a_server_writes_all_or_nothing(tmp_path, server):
     expected = simulator.user_turn_messages(simulator.UserState(personas[2], 30, [ask]))
     assert list(zh) == [m["content"] for m in expected]
     # at the mood training starts from (issue 30, item 6), declared once, with the trainers' settings
-    assert simulator.SimulatorSettings.start_emotion == 30
+    assert rl.DialogueSettings.start_emotion == 30
     assert simulator.PROMPTS["zh"]["reply_rules"] in zh[0] and "你的心情：30/100" in zh[1]
     written, source = read_lines(out), read_lines(RLVER)
     english = "Long week, honestly. Can I just talk for a minute?"  # cleaned as the user's turns are
@@ -329,7 +330,7 @@ def test_write_openings_with_a_server_writes_all_or_nothing(tmp_path, server):
     assert [w["first_talk_emotion"] for w in written] == [30, 30, 30]  # the mood they were written at
     assert [{k: v for k, v in w.items() if not k.startswith("first_talk")} for w in written] == source
     assert os.listdir(tmp_path) == [out.name]
-    code, _, err, _ = cli(*openings(out, "rules"))
+    code, _, err, _ = shell(*openings(out, "rules"))
     assert_one_line(code, err, "the file exists")  # nothing is overwritten
 
 
@@ -363,13 +364,13 @@ def test_rlver_profiles_get_openings_then_train_one_ppo_iteration(tiny_model_dir
             "--max-turns", "2", "--max-new-tokens", "6", "--max-context", "1024", "--lora-r", "4",
             "--lora-alpha", "8", "--iterations", "1"]
     with pytest.raises(SystemExit) as stop:
-        run.command(ppo.main)([*args, "--personas", RLVER, "--out", str(tmp_path / "refused")])
+        cli.command(ppo.main)([*args, "--personas", RLVER, "--out", str(tmp_path / "refused")])
     assert stop.value.code == 2
     assert "--write-openings NEW_FILE --personas " + RLVER in capsys.readouterr().err
     monkeypatch.undo()
 
     out = tmp_path / "rlver_with_openings.jsonl"
-    code, _, err, _ = cli(*openings(out, "same"), "--model", tiny_model_dir)  # `same`: the --model alone
+    code, _, err, _ = shell(*openings(out, "same"), "--model", tiny_model_dir)  # `same`: the --model alone
     assert code == 0, err
     written = read_lines(out)
     assert all(w["first_talk"].strip() and w["first_talk"] != "..." for w in written)
@@ -392,8 +393,8 @@ def unloadable(tiny_model_dir, tmp_path_factory):
 
 
 def faulty(*argv):
-    """cli() through tests/faults.py: faulty(FAULT FLAGS..., "--", SCRIPT, ARGS...)."""
-    return cli(os.path.join("tests", "faults.py"), *argv)
+    """shell() through tests/faults.py: faulty(FAULT FLAGS..., "--", SCRIPT, ARGS...)."""
+    return shell(os.path.join("tests", "faults.py"), *argv)
 
 
 def test_write_openings_into_a_folder_it_cannot_write_ends_with_one_line(tmp_path, capsys):

@@ -11,9 +11,9 @@ import torch
 
 import ppo
 import rl
-import run
+import cli
 from conftest import ROOT, read_metrics
-from rl import REWARDS, RewardSettings, mode_coefficients, unmoved_return
+from rl import REWARDS, TrainerSettings, mode_coefficients, unmoved_return
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,8 +82,8 @@ def fake_record(turn_ends, changes, final, violations=(), end_reason="max_turns"
 
 
 def reward_args(*flags):
-    """The reward's settings as the trainers parse them (rl.RewardSettings)."""
-    return run.parse_settings([RewardSettings], list(flags))
+    """The reward's settings as the trainers parse them (rl.TrainerSettings)."""
+    return cli.parse_settings(TrainerSettings, list(flags))
 
 
 def place(records, shape, args):
@@ -156,7 +156,7 @@ def test_grpo_refuses_the_mixed_credit_in_one_line(capsys):
     import grpo
 
     with pytest.raises(SystemExit) as stop:
-        run.command(grpo.main)(["--preset", "cpu", "--reward", "mixed"])
+        cli.command(grpo.main)(["--preset", "cpu", "--reward", "mixed"])
     assert stop.value.code == 2
     assert "error: --reward mixed credits each turn apart" in capsys.readouterr().err
 
@@ -175,7 +175,7 @@ def test_returns_below_gamma_one_discount_the_placed_differences():
 @pytest.mark.parametrize("flag", ["--mixed-alpha", "--mixed-gamma"])
 def test_a_flag_of_a_mode_not_selected_is_one_line(flag, capsys):
     with pytest.raises(SystemExit) as stop:
-        run.command(ppo.main)(["--preset", "cpu", "--reward", "turn", flag, "0.5"])
+        cli.command(ppo.main)(["--preset", "cpu", "--reward", "turn", flag, "0.5"])
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert f"error: {flag} is --reward mixed's: with --reward turn it would be ignored" in err
@@ -279,7 +279,7 @@ def test_dual_clip_by_hand():
 @pytest.mark.parametrize("value", ["1", "0.5", "inf", "-3"])
 def test_a_dual_clip_of_one_or_less_is_one_line(value, capsys):
     with pytest.raises(SystemExit) as stop:
-        run.command(ppo.main)(["--preset", "cpu", "--dual-clip", value])
+        cli.command(ppo.main)(["--preset", "cpu", "--dual-clip", value])
     assert stop.value.code == 2
     assert "must be 0 (off) or a finite number above 1" in capsys.readouterr().err
 
@@ -373,7 +373,7 @@ def test_non_finite_updates_are_skipped_then_stop_with_one_line(tiny_model_dir, 
         return optimizer
     monkeypatch.setattr(torch.optim, "AdamW", adamw)
     with pytest.raises(SystemExit) as stop:
-        run.command(ppo.main)(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5",
+        cli.command(ppo.main)(tiny_args(tiny_model_dir, personas_file, tmp_path / "run", "--iterations", "5",
                            "--max-bad-updates", "2", "--save-every", "100"))
     assert stop.value.code == 1
     err = capsys.readouterr().err
@@ -518,7 +518,7 @@ def test_paper_preset_takes_rlvers_update_settings():
     """docs/paper-preset.md compares the paper preset with RLVER's train_rlver.sh row by row: every
     `--flag value` its "ours" column gives is the trainers' default (GRPO's where it has the flag)."""
     import grpo
-    from run import parse_settings
+    from cli import parse_settings
 
     preset_doc = os.path.join(ROOT, "docs", "paper-preset.md")
     rows = [line.split(" | ")[2] for line in open(preset_doc, encoding="utf-8")
@@ -526,14 +526,14 @@ def test_paper_preset_takes_rlvers_update_settings():
     given = re.findall(r"`(--[a-z0-9-]+) ([^`]+)`", " ".join(rows))
     assert len(given) >= 20
     for trainer in (ppo, grpo):
-        paper = vars(parse_settings(trainer.SETTINGS, presets=trainer.PRESETS, argv=["--preset", "paper"]))
+        paper = vars(parse_settings(trainer.Settings, presets=trainer.PRESETS, argv=["--preset", "paper"]))
         for flag, value in given:
             name = flag[2:].replace("-", "_")
             if name in paper:
                 number = re.fullmatch(r"-?[\d.]+(e-?\d+)?", value)
                 same = float(paper[name]) == float(value) if number else str(paper[name]).lower() == value
                 assert same, (trainer.__name__, flag, paper[name], value)
-    paper = parse_settings(ppo.SETTINGS, presets=ppo.PRESETS, argv=["--preset", "paper"])
+    paper = parse_settings(ppo.Settings, presets=ppo.PRESETS, argv=["--preset", "paper"])
     assert (paper.warmup_steps, paper.critic_warmup_steps, paper.iterations) == (20, 50, 1000)
 
 

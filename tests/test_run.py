@@ -17,7 +17,7 @@ import time
 import pytest
 
 import ppo
-import run
+import cli
 from conftest import ROOT, read_metrics
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -39,12 +39,12 @@ def one_line(err):
 
 def refused(capsys, *argv):
     with pytest.raises(SystemExit) as stop:
-        run.command(ppo.main)(list(argv))
+        cli.command(ppo.main)(list(argv))
     assert stop.value.code == 2
     return one_line(capsys.readouterr().err)
 
 
-def cli(*argv, timeout=600):
+def shell(*argv, timeout=600):
     """python ARGV in the project's root: (exit code, stderr)."""
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=ENV,
                           timeout=timeout)
@@ -142,14 +142,14 @@ def test_a_full_disk_at_the_first_checkpoint_says_to_start_again_and_that_works(
     out = tmp_path / "run"
     out.mkdir()
     argv = tiny(tiny_model_dir, personas_file, out, "--iterations", "2", "--save-every", "2")
-    code, err = cli(os.path.join("tests", "faults.py"), "--disk-full", str(out), "--free", "60000", "--",
+    code, err = shell(os.path.join("tests", "faults.py"), "--disk-full", str(out), "--free", "60000", "--",
                     "ppo.py", *argv)
     line = one_line(err)
     assert code == 1 and "the disk is full" in line and "no checkpoint yet" in line, err[-2000:]
     command = line.split("`")[1]
     assert command == f"python ppo.py --resume {out}"
     assert not (out / "checkpoints" / "iter_000002.tmp").exists()
-    code, err = cli(*command.split()[1:])
+    code, err = shell(*command.split()[1:])
     assert code == 0, err[-2000:]
     assert [m["iteration"] for m in read_metrics(out)] == [1, 2]
 
@@ -164,12 +164,12 @@ def test_sigterm_while_a_checkpoint_is_written_names_it_and_the_resume_works(tin
                 "torch.save = killed\n"
                 "sys.argv = ['ppo.py', *sys.argv[1:]]\n"
                 "runpy.run_path('ppo.py', run_name='__main__')\n")
-    code, err = cli("-c", launcher, *tiny(tiny_model_dir, personas_file, out, "--iterations", "2",
+    code, err = shell("-c", launcher, *tiny(tiny_model_dir, personas_file, out, "--iterations", "2",
                                           "--save-every", "2"))
     assert code == 143, err[-2000:]
     line = next(line for line in err.splitlines() if line.startswith("stopped by SIGTERM"))
     assert "while the checkpoint of iteration 2 was written" in line and "no checkpoint yet" in line
-    code, err = cli(*line.split("`")[1].split()[1:])
+    code, err = shell(*line.split("`")[1].split()[1:])
     assert code == 0, err[-2000:]
     assert os.listdir(out / "checkpoints") == ["iter_000002"]
     assert [m["iteration"] for m in read_metrics(out)] == [1, 2]
@@ -192,20 +192,20 @@ def test_ctrl_c_in_an_iteration_names_it_and_the_resume_goes_on(tiny_model_dir, 
                      line), line
     assert "the newest complete checkpoint is" in line
     assert err.endswith(line + "\n")  # the last line: no progress bar drawn again under it
-    code, err = cli(*line.split("`")[1].split()[1:])
+    code, err = shell(*line.split("`")[1].split()[1:])
     assert code == 0, err[-2000:]
     assert [m["iteration"] for m in read_metrics(out)] == list(range(1, 21))
 
 
 @pytest.mark.parametrize("omp", [False, True])
 def test_a_command_takes_half_the_usable_cores_unless_omp_num_threads_says(omp):
-    """run.use_cpu_threads (each script's command line): half the cores this process may use, at
+    """cli.use_cpu_threads (each script's command line): half the cores this process may use, at
     least one; OMP_NUM_THREADS wins."""
     half = str(max(1, len(os.sched_getaffinity(0)) // 2))
     env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
     if omp:  # a count other than half (torch takes at most the cores there are)
         env["OMP_NUM_THREADS"] = "2" if half == "1" else "1"
-    code = "import torch, run; run.use_cpu_threads(); print(torch.get_num_threads())"
+    code = "import torch, cli; cli.use_cpu_threads(); print(torch.get_num_threads())"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.stdout.split() == [env.get("OMP_NUM_THREADS", half)], done.stderr[-2000:]
@@ -214,7 +214,7 @@ def test_a_command_takes_half_the_usable_cores_unless_omp_num_threads_says(omp):
 def test_non_finite_weights_are_never_a_checkpoint(tiny_model_dir, personas_file, tmp_path):
     out = tmp_path / "run"
     first = out / "checkpoints" / "iter_000001"
-    code, err = cli(os.path.join("tests", "faults.py"), "--nan-after", str(first), "--", "ppo.py",
+    code, err = shell(os.path.join("tests", "faults.py"), "--nan-after", str(first), "--", "ppo.py",
                     *tiny(tiny_model_dir, personas_file, out, "--iterations", "2", "--save-every", "1"))
     line = one_line(err)
     assert code == 1 and "NaN or infinity" in line, err[-2000:]
@@ -231,10 +231,10 @@ def test_a_stop_line_is_the_last_thing_drawn_below_an_open_bar(capsys):
     def main(argv):
         bar = tqdm(total=10, desc="rollout", file=sys.stderr)
         bar.update(3)
-        run.fail("--lr 5: must be at most 1")
+        cli.fail("--lr 5: must be at most 1")
 
     with pytest.raises(SystemExit) as stopped:
-        run.command(main)([])
+        cli.command(main)([])
     err = capsys.readouterr().err
     assert stopped.value.code == 2
     assert "rollout" in err and "3/10" in err  # the bar was drawn, above the line

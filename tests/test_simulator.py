@@ -14,10 +14,11 @@ import pytest
 from personas import PersonaError, load_personas
 import evaluate
 import rollout
-import run  # noqa: E402
+import cli  # noqa: E402
+import rl  # noqa: E402
 import simulator
 from conftest import RLVER, ScriptedBackend, in_process, transcript
-from test_bad_input import assert_one_line, cli
+from test_bad_input import assert_one_line, shell
 from simulator import (GENERIC_LINES, RulesBackend, Simulator, apply_change, band, parse_change,
                        rules_appraisal, says_goodbye)
 
@@ -315,7 +316,7 @@ def test_the_readout_follows_from_the_backend(tiny_model):
 
     assert Simulator(ScriptedBackend([], name="url")).readout == "reasoned"
     assert Simulator(RulesBackend()).readout == "rules"
-    args = run.parse_settings(ppo.SETTINGS, argv=[])  # the paper preset
+    args = cli.parse_settings(ppo.Settings, argv=[])  # the paper preset
     assert rollout.build_simulator(args, *tiny_model).readout == "reasoned"
 
 
@@ -580,9 +581,9 @@ BAD_SETTINGS = [  # (flags, words the error line must hold)
 
 @pytest.mark.parametrize("flags, words", BAD_SETTINGS, ids=[" ".join(f) for f, _ in BAD_SETTINGS])
 def test_the_simulated_users_settings_are_checked_in_one_line(flags, words, capsys):
-    """The checks of SimulatorSettings, which the trainers, evaluate.py and the scripted check parse."""
+    """The checks of rl.DialogueSettings, which the trainers, evaluate.py and the scripted check parse."""
     with pytest.raises(SystemExit) as stop:
-        run.command(lambda argv: run.parse_settings([simulator.SimulatorSettings], argv))(flags)
+        cli.command(lambda argv: cli.parse_settings(rl.DialogueSettings, argv))(flags)
     err = capsys.readouterr().err
     assert_one_line(stop.value.code, err, *words)
     assert "sk-live" not in err and "123SECRET" not in err
@@ -601,7 +602,7 @@ def test_the_openings_command_refuses_bad_settings(flags, words, tmp_path, capsy
 
 
 def test_bad_settings_through_the_real_command_line():
-    code, _, err, elapsed = cli("evaluate.py", "--write-openings", "x.jsonl", "--simulator", "rulez")
+    code, _, err, elapsed = shell("evaluate.py", "--write-openings", "x.jsonl", "--simulator", "rulez")
     assert_one_line(code, err, "--simulator", "rulez")
     assert elapsed < 40, elapsed  # no hub retries (they took 54 s for --simulator rulez)
 
@@ -626,5 +627,5 @@ def test_a_huge_persona_field_is_refused_when_the_file_loads(persona_entry, writ
     field (the trainers and evaluate.py load the personas before any model)."""
     path = write_personas([persona_entry(id="big1", background="she waited. " * 90_000)])
     with pytest.raises(SystemExit) as stop:
-        run.command(load_personas)(path)
+        cli.command(load_personas)(path)
     assert_one_line(stop.value.code, capsys.readouterr().err, path, "big1", "'background'", "1,080,000")

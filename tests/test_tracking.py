@@ -12,7 +12,9 @@ import textwrap
 import pytest
 import torch
 
+import cli  # noqa: E402
 import run  # noqa: E402
+import rl  # noqa: E402
 import grpo
 import ppo
 from conftest import ROOT, read_metrics
@@ -98,7 +100,7 @@ def test_report_to_a_missing_tracker_is_one_line_before_any_model_loads(script, 
                                       "(choose from 'none', 'tensorboard', 'wandb')")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as stop:
-            run.command(script.main)([*args, "--out", str(tmp_path / value), "--report-to", value])
+            cli.command(script.main)([*args, "--out", str(tmp_path / value), "--report-to", value])
         assert stop.value.code == 2
         assert capsys.readouterr().err.strip().splitlines() == [message]
 
@@ -119,7 +121,7 @@ def test_report_to_wandb_without_wandb_from_the_command_line(tmp_path):
 # The metrics line: strict JSON, a non-finite number as null
 # ----------------------------------------------------------------------------------------------
 def test_non_finite_metrics_are_written_as_null(tmp_path):
-    args = run.parse_settings([run.RunSettings], argv=["--out", str(tmp_path / "run"), "--iterations", "1"])
+    args = cli.parse_settings(rl.TrainerSettings, argv=["--out", str(tmp_path / "run"), "--iterations", "1"])
     layer = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -132,7 +134,7 @@ def test_non_finite_metrics_are_written_as_null(tmp_path):
                     {"a": [math.nan, 1.0], "b": [3.0, 2.0], "d": [0.0, 0.0]}, [dialogue])
     finally:
         the_run.accelerator.end_training()
-        run.release()
+        cli.release()
     text = (tmp_path / "run" / "metrics.jsonl").read_text()
     row = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl"))
     assert (row["a"], row["b"], row["c"], row["reward_mean"], row["d"]) == (None, 1.5, 2.5, None, None)
@@ -147,9 +149,11 @@ def test_non_finite_metrics_are_written_as_null(tmp_path):
 SUM_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {root!r})
+    import cli
+    import rl
     import run
 
-    args = run.parse_settings([run.RunSettings], argv=["--out", {folder!r}])
+    args = cli.parse_settings(rl.TrainerSettings, argv=["--out", {folder!r}])
     the_run = run.Run(args, "ppo.py", adapters=[])
     rank = the_run.rank
     seen = []  # each process writes its own file: printed lines of two processes interleave
@@ -192,10 +196,10 @@ def test_sum_gradients_sums_every_gradient_and_leaves_none_alone(tmp_path):
 
 
 def test_sum_gradients_with_one_process_changes_nothing(tmp_path):
-    args = run.parse_settings([run.RunSettings], argv=["--out", str(tmp_path / "run")])
+    args = cli.parse_settings(rl.TrainerSettings, argv=["--out", str(tmp_path / "run")])
     the_run = run.Run(args, "ppo.py", adapters=[])
     p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     p.grad = torch.tensor([1.0, 2.0, 3.0])
     the_run.sum_gradients([p, q])
-    run.release()
+    cli.release()
     assert torch.equal(p.grad, torch.tensor([1.0, 2.0, 3.0])) and q.grad is None

@@ -104,8 +104,9 @@ import rollout
 from personas import load_personas
 from policy import DEFAULT_TARGETS, load_policy, model_problem
 from rl import eval_logprobs, kl_k3, pad_records, pick_personas
-from run import (above, at_least, command, fail, new_folder, one_of, parse_settings, peak_memory_gb,
-                 read_run, read_text, set_seed, setting, within, write_atomically)
+from cli import (above, at_least, command, fail, one_of, parse_settings, read_run, read_text,
+                 setting, within)
+from run import new_folder, peak_memory_gb, set_seed, write_atomically
 from simulator import RulesBackend, Simulator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project's folder
@@ -141,7 +142,7 @@ def checked(algo, argv):
     """The settings the trainer algo.py takes from argv, read by its own parse_settings: a flag it
     does not know, or a bad value, is one line and exit code 2, before anything runs."""
     trainer = importlib.import_module(algo)
-    return parse_settings(trainer.SETTINGS, argv, presets=trainer.PRESETS)
+    return parse_settings(trainer.Settings, argv, presets=trainer.PRESETS)
 
 
 def report(result, *lines):
@@ -197,7 +198,7 @@ class ModelSettings:
 
 
 @dataclass
-class RolloutSettings:
+class RolloutSettings(ModelSettings):
     title = "bench.py rollout"
     dialogues: int = setting(4, "dialogues played together (train personas)", at_least(1))
     max_turns: int = setting(3, "agent turns per dialogue", at_least(1))
@@ -250,7 +251,7 @@ STEP_FLAGS = ("--preset cpu --simulator rules --max-turns 1 --lora-r 16 --lora-a
 
 
 @dataclass
-class StepSettings:
+class StepSettings(ModelSettings):
     title = "bench.py step"
     algo: str = setting("grpo", "the trainer", one_of("grpo", "ppo"))
     iterations: int = setting(3, "iterations run; with 3 or more the first (warm-up) is left out "
@@ -781,7 +782,7 @@ GPU_TEST_FILES = ["tests/test_decoder.py", "tests/test_rollout.py", "tests/test_
 PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|error|deselected)")
 
 
-# `bench.py gpu --check` has settings of its own (main picks them), since run.parse_settings calls a
+# `bench.py gpu --check` has settings of its own (main picks them), since cli.parse_settings calls a
 # settings class's `check` as its joint check of the values: no field can be named so.
 @dataclass
 class CheckSettings:
@@ -973,15 +974,14 @@ def gpu_check(args):
 # ----------------------------------------------------------------------------------------------
 # The command line
 # ----------------------------------------------------------------------------------------------
-COMMANDS = {"rollout": (bench_rollout, [RolloutSettings, ModelSettings]),
-            "step": (bench_step, [StepSettings, ModelSettings]),
-            "learning": (bench_learning, [LearningSettings]), "gpu": (bench_gpu, [GPUSettings]),
-            "gpu --check": (gpu_check, [CheckSettings])}
+COMMANDS = {"rollout": (bench_rollout, RolloutSettings), "step": (bench_step, StepSettings),
+            "learning": (bench_learning, LearningSettings), "gpu": (bench_gpu, GPUSettings),
+            "gpu --check": (gpu_check, CheckSettings)}
 
 
 def main(argv=None):
     """bench.py SUBCOMMAND [FLAGS] [-- TRAINER FLAGS]: each subcommand's flags are settings
-    (run.setting), checked as the trainers' are: bad input is one line and exit code 2, before any
+    (cli.setting), checked as the trainers' are: bad input is one line and exit code 2, before any
     model loads."""
     if argv is None:
         argv = sys.argv[1:]
@@ -998,8 +998,8 @@ def main(argv=None):
     if name == "gpu" and "--check" in flags:
         name = "gpu --check"
         flags = [a for a in flags if a != "--check"]
-    benchmark, classes = COMMANDS[name]
-    args = parse_settings(classes, flags, prog=f"tools/bench.py {name}")
+    benchmark, settings = COMMANDS[name]
+    args = parse_settings(settings, flags, prog=f"tools/bench.py {name}")
     args.trainer_flags = argv[cut + 1:]
     args.argv = argv
     return benchmark(args)

@@ -12,7 +12,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project
-from run import command, fail, read_json_lines, summary  # noqa: E402
+from cli import command, fail, read_json_lines  # noqa: E402
+from run import summary  # noqa: E402
 
 KEYS = "reward_mean,final_emotion_mean,kl_ref,clip_frac,entropy,time_iteration"
 FORMATS = (".png", ".pdf", ".svg")

@@ -1,0 +1,455 @@
+"""The command line: what every script does before and around its work, none of it the method.
+
+  bad input   fail() raises Stop, which command() turns into one line on stderr and exit code 2;
+              the checks a setting declares (one_of, at_least, above, within)
+  settings    setting() declares a field of a script's settings dataclass with its default, its
+              --help line and its check side by side; parse_settings() builds one argparse parser
+              from that dataclass, a preset and --resume's saved settings, and checks every value
+  secrets     redact(): anything that looks like a key never reaches the screen, a log or a file
+  files       the text and JSON files a command line names, read with one line for what is wrong
+  signals     Ctrl-C and SIGTERM end a command with one line; release() lets go of what it held
+
+It imports no other file of the project; every other file may import it.
+"""
+import argparse
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import re
+import signal
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+HELD = []
+# The settings this command took from a file instead of its command line, until they are checked
+# and a run begins: what a line says of one (its flag, or a path's value) -> the file and field it
+# came from. A Stop about one names them.
+TAKEN = {}
+
+
+def release():
+    """Let go of the run folder's lock and put back the signal handlers (a finished or failed run;
+    tests run several in one process)."""
+    while HELD:
+        item = HELD.pop()
+        if isinstance(item, int):
+            os.close(item)
+        else:
+            signal.signal(*item)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one line, exit code 2, never a traceback
+# ----------------------------------------------------------------------------------------------
+class Stop(Exception):
+    """What ends a command with one line: bad input (code 2) or a run that cannot go on (code 1)."""
+
+    def __init__(self, message, code=2):
+        # a line about a value the command did not get on its command line says where it came from
+        for said, where in TAKEN.items():
+            if said in message and where not in message:
+                message = f"{where}: {message}"
+        super().__init__(message)
+        self.code = code
+
+
+def fail(message, code=2):
+    """Raise Stop: library code never exits; the command line (command) turns it into one line."""
+    raise Stop(message, code)
+
+
+class Redacted:
+    """A text stream that writes everything through redact(): what any command prints, argparse's
+    own errors and a traceback included, never shows a key."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        return self.stream.write(redact(text))
+
+    def __getattr__(self, name):  # flush, isatty, fileno, ... of the stream itself
+        return getattr(self.stream, name)
+
+
+def command(main):
+    """A script's main() as its command line: stdout and stderr redacted, Ctrl-C and SIGTERM one
+    line from its first statement on (model loading included), and a Stop one line (below the
+    progress bars, last_line) and its exit code."""
+    @functools.wraps(main)
+    def run_command(argv=None):
+        # each stream wrapped once, though one process may run several commands (the tests do)
+        for name in ("stdout", "stderr"):
+            if not isinstance(getattr(sys, name), Redacted):
+                setattr(sys, name, Redacted(getattr(sys, name)))
+        quiet_libraries()
+        exit_on_signals(lambda: "")
+        try:
+            return main(argv)
+        except Stop as stop:
+            if str(stop):  # empty on a process other than the main one
+                last_line(f"error: {stop}")
+            sys.exit(stop.code)
+        finally:
+            release()
+    return run_command
+
+
+def use_cpu_threads():
+    """On a machine without CUDA, torch's threads for this command: half the cores this process may
+    run on, at least one, unless OMP_NUM_THREADS is set (torch has taken it). PyTorch's default is
+    a thread a physical core, and its OpenMP threads wait for each other at every operation: with
+    every core taken, anything else the machine runs (a second run, the tests, a server) stalls
+    each operation, an iteration twelve times slower, while half the cores cost an idle 2-core
+    machine 1.7x (docs/run.md); with two hardware threads a core, half is torch's own choice. The
+    scripts call it from their command line only, so that a caller of their main() keeps its own
+    torch.set_num_threads."""
+    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, cores // 2))
+
+
+def last_line(line):
+    """A command's last line, on stderr, below its progress bars: each is closed first (one that
+    stays shows its last state above the line), so that none is drawn again under it."""
+    for bar in list(getattr(tqdm, "_instances", [])):
+        bar.close()
+    print(line, file=sys.stderr, flush=True)
+
+
+def quiet_libraries():
+    """Keep off the command line what the libraries print that never applies to a run here:
+    bitsandbytes' advice, at its import, to fetch a kernel package from a hub (nothing is fetched:
+    its own CPU kernels serve), transformers' progress bars while it loads or saves weights, and
+    its deprecation of an attribute peft reads. The project's own lines and bar are what is left."""
+    from transformers.utils import logging as transformers_logging
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    transformers_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+
+
+def exit_on_signals(say):
+    """Ctrl-C and SIGTERM end the command at once (a request in flight may take a minute to time
+    out) with one line, "stopped by SIGINT" and what say() returns (None: no line, for a process
+    other than the main one), and exit code 130 / 143, as a shell reports a killed command. Files
+    are written whole (renamed into place, or one whole JSON line), so nothing is left half written.
+    release() puts the old handlers back."""
+    def stopped(number, frame):
+        told = say()
+        if told is not None:
+            last_line(f"stopped by {signal.Signals(number).name}{told}")
+        os._exit(128 + number)
+    for number in (signal.SIGINT, signal.SIGTERM):
+        HELD.append((number, signal.signal(number, stopped)))
+
+
+# A check takes a value and returns None when it is allowed, else what is allowed.
+def one_of(*choices):
+    def check(value):
+        if value not in choices:
+            return f"must be one of {' | '.join(map(str, choices))}"
+    check.choices = choices  # argparse gets them, so --help lists them and refuses any other value
+    return check
+
+
+def at_least(low):
+    """Finite and at least low: a coefficient of inf would make every update non-finite."""
+    def check(value):
+        if not low <= value < math.inf:  # nan is never in range
+            return f"must be a finite number, at least {low}"
+    return check
+
+
+def above(low):
+    """Finite and greater than low: a learning rate of inf or nan would make every weight NaN."""
+    def check(value):
+        if not low < value < math.inf:
+            return f"must be a finite number above {low}"
+    return check
+
+
+def within(low, high, low_open=False, high_open=False):
+    """From low to high, both included; low_open or high_open leaves that end out."""
+    def check(value):
+        above_low = value > low if low_open else value >= low
+        below_high = value < high if high_open else value <= high
+        if not (above_low and below_high):
+            return f"must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    return check
+
+
+# Values that look like secrets, whatever the setting is called: an OpenAI-style or Hugging Face
+# key, a bearer token, the password of a URL (user:password@host), a key in a URL's query.
+SECRETS = (re.compile(r"\bsk-[A-Za-z0-9_-]{6,}"),
+           re.compile(r"\bhf_[A-Za-z0-9]{10,}"),
+           re.compile(r"\bBearer\s+\S+", re.IGNORECASE),
+           re.compile(r"(?<=://)[^/@\s]+(?=@)"),
+           re.compile(r"(?<=[?&])((?:api[_-]?)?key|token|access_token|password)=[^&\s]*",
+                      re.IGNORECASE))
+REDACTED = "<redacted>"
+
+
+def redact(value):
+    """value with anything that looks like a secret replaced by <redacted> (lists element-wise)."""
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    if isinstance(value, str):
+        for pattern in SECRETS:
+            value = pattern.sub(REDACTED, value)
+    return value
+
+
+def env_name(value):
+    """--api-key-env takes the name of a variable; a key typed there instead is refused, unshown."""
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        return None
+    return "must be the name of an environment variable that holds the key, such as OPENAI_API_KEY"
+
+
+env_name.secret = True
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings: each declared once, next to the code that reads it, with its check beside its default
+# ----------------------------------------------------------------------------------------------
+def setting(default, help, check=None, operational=False, path=False):
+    """A field of a settings dataclass: its default, its --help line and its check (a function of
+    the value: None when it is allowed, else what is allowed). operational: a rarely changed setting
+    of how the run is carried out, not what it computes; --help lists those last, and --resume lets
+    them change. path: a file or folder the run saves, made absolute where it exists, so that it
+    means the same from any working folder."""
+    metadata = {"help": help, "check": check, "operational": operational, "path": path}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def to_bool(text):
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError("must be true or false")
+    return text.lower() == "true"
+
+
+# How argparse reads a flag, by its default's type: a boolean as `--x` or `--x true|false`, a list
+# as any number of values; anything else as one value of the default's type.
+KINDS = {bool: dict(type=to_bool, nargs="?", const=True, metavar="true|false"),
+         list: dict(nargs="*")}
+
+# What --resume lets a command line change: how long and how often, and where to log; besides these,
+# every operational setting. Anything else (the model, the adapters, the method, the data, the seed)
+# is the run's own, taken from its config.json.
+RESUMABLE = ("iterations", "save_every", "keep_checkpoints", "max_bad_updates", "report_to")
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """--help with each flag's default (the script's own, without a preset) after its help; none
+    for an empty one."""
+
+    def _split_lines(self, text, width):  # never inside a flag's name (--micro-batch-size)
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _get_help_string(self, action):
+        if not action.option_strings or action.default in ("", [], None, argparse.SUPPRESS):
+            return action.help
+        return f"{action.help} (default: %(default)s)"
+
+
+def parse_settings(settings, argv=None, presets=None, defaults=None, prog=None):
+    """The command line of a script whose settings are the dataclass `settings`: one argparse
+    parser over its fields (a --help group for its own and one for each class it builds on, the
+    operational settings in a last group), then every value against its field's check, and each
+    class's check(args) for settings that only work together. Flags are spelled with -, as --help
+    shows them; booleans read `--x` or `--x true|false`. defaults: the script's own;
+    presets: {name: defaults} picked with --preset; a flag given on the command line wins. With
+    --resume DIR the run's saved settings come back (resume_settings), and a class's
+    inherit(args, fields) takes settings from the files it names (evaluate.py: its adapters' runs),
+    both before every check. Bad input ends the program with one line, exit code 2."""
+    if argv is None:
+        argv = sys.argv[1:]
+    TAKEN.clear()  # a new command's settings
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, formatter_class=DefaultsShown)
+    parser.error = fail
+    # the script's own class first, then each it builds on (rl.TrainerSettings, ...)
+    classes = [cls for cls in settings.__mro__ if dataclasses.is_dataclass(cls)]
+    groups = {cls: parser.add_argument_group(cls.title) for cls in classes}
+    operational = parser.add_argument_group("operational (rarely changed)")
+    fields = dataclasses.fields(settings)
+    declared = settings()  # every field at its declared default
+    actions = {}
+    for cls in classes:
+        for f in fields:
+            if f.name not in vars(cls).get("__annotations__", {}):  # declared by another class
+                continue
+            default = getattr(declared, f.name)
+            group = operational if f.metadata["operational"] else groups[cls]
+            kind = KINDS.get(type(default), dict(type=type(default)))
+            actions[f.name] = group.add_argument(
+                f"--{f.name.replace('_', '-')}", default=default, help=f.metadata["help"],
+                choices=getattr(f.metadata["check"], "choices", None), **kind)
+    for name, preset in (presets or {}).items():  # --help says what each preset changes
+        changes = " ".join(f"--{k.replace('_', '-')} {str(v).lower() if isinstance(v, bool) else v}"
+                           for k, v in preset.items())
+        actions["preset"].help += f". {name}: {changes or 'the defaults'}".replace("%", "%%")
+    # set_defaults replaces the fields' defaults: the script's own, then the preset's (read by a
+    # first pass; its flag's choices refuse an unknown one), so that every flag given wins over both
+    parser.set_defaults(**(defaults or {}))
+    if presets:
+        parser.set_defaults(**presets[parser.parse_args(argv).preset])
+    args = parser.parse_args(argv)
+    args.given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    if getattr(args, "resume", ""):
+        resume_settings(args, fields, prog)
+    for cls in classes:  # settings a class takes from files it names (evaluate.py: its adapters'
+        if "inherit" in vars(cls):  # runs), each checked there as its flag is
+            cls.inherit(args, fields)
+    for f in fields:
+        value = getattr(args, f.name)
+        check_setting(f, value)
+        if f.metadata["path"] and os.path.exists(value):
+            setattr(args, f.name, os.path.abspath(value))
+    for cls in classes:
+        if "check" in vars(cls):
+            cls.check(args)
+    return args
+
+
+def check_setting(f, value, where=None):
+    """One line (exit 2) unless value is one the setting f allows: of its default's type (a value
+    from a file is checked as a flag is, its type first; a bool is no int), then its check. where:
+    the file and field the value came from, named first."""
+    declared = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    kinds = (int, float) if type(declared) is float else (type(declared),)
+    check = f.metadata["check"]
+    problem = f"must be {type(declared).__name__}"
+    if type(value) in kinds:
+        problem = check and check(value)
+    if problem:
+        shown = REDACTED if getattr(check, "secret", False) else repr(redact(value))
+        fail(f"{where + ': ' if where else ''}--{f.name.replace('_', '-')} {shown}: {problem}")
+
+
+def settings_of_runs(args, fields, runs, names):
+    """The settings `names` of other runs (runs: [(a config.json's path, its settings)]) where the
+    command line did not give them: each value of every run checked as its flag is (check_setting,
+    one line naming the file and the field), then taken, when the runs agree (else one line), and
+    TAKEN, so that a later line about it names the file too."""
+    fields = {f.name: f for f in fields}
+    for name in names:
+        flag = f"--{name.replace('_', '-')}"
+        had = [(f"{where}: field '{name}'", run[name]) for where, run in runs if name in run]
+        for where, value in had:
+            check_setting(fields[name], value, where)
+        values = {value for _, value in had}
+        if values and name not in args.given:
+            if len(values) > 1:
+                fail(f"the runs were trained with different {flag} ({sorted(values)}): "
+                     f"give {flag} to use them alike")
+            setattr(args, name, values.pop())
+            TAKEN[flag] = had[0][0]
+
+
+def read_run(folder):
+    """The saved settings of a run folder (its config.json, the run's mark), or None."""
+    try:
+        saved = json.loads(Path(f"{folder}/config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if isinstance(saved, dict) and "script" in saved:
+        return saved
+    return None
+
+
+def resume_settings(args, fields, prog=None):
+    """--resume DIR: the run's saved settings replace the defaults, each one TAKEN from config.json;
+    a flag given now may change only what RESUMABLE and the operational settings allow. Every check
+    runs after this, on what is kept."""
+    saved = read_run(args.resume)
+    if saved is None:
+        fail(f"--resume {args.resume}: not a run folder (no config.json written by a trainer)")
+    if saved["script"] != prog:  # the other trainer's checkpoints hold other parts
+        advice = "it is not a training run"
+        if saved["script"] in ("ppo.py", "grpo.py"):
+            advice = f"resume it with `python {saved['script']} --resume {args.resume}`"
+        fail(f"--resume {args.resume}: the run was made by {saved['script']}; {advice}")
+    if "out" in args.given and os.path.abspath(args.out) != os.path.abspath(args.resume):
+        fail(f"--out {args.out} with --resume {args.resume}: "
+             "a resume continues in the run's own folder")
+    for f in fields:
+        # a setting added since keeps today's default; consent to hub code is never inherited; the
+        # folder is the one resumed (a run folder may have been moved or copied since it was made)
+        if f.name not in saved or f.name in ("resume", "out", "trust_remote_code"):
+            continue
+        now = getattr(args, f.name)
+        then = saved[f.name]
+        if f.name not in args.given:
+            setattr(args, f.name, then)
+            # a line about its flag, or about a path's value, names where it came from (Stop)
+            where = f"{args.resume}/config.json: field '{f.name}'"
+            TAKEN[f"--{f.name.replace('_', '-')}"] = where
+            if f.metadata["path"]:
+                TAKEN[str(then)] = where
+        elif redact(now) != then and f.name not in RESUMABLE and not f.metadata["operational"]:
+            fail(f"--{f.name.replace('_', '-')} {redact(now)!r}: the run in {args.resume} has "
+                 f"{then!r}, and --resume keeps it (it may change only {', '.join(RESUMABLE)} "
+                 "and the operational settings)")
+    args.out = os.path.abspath(args.resume)
+
+
+def public_config(args, script):
+    """The settings as config.json holds them: the script that made the run, and every value with
+    anything that looks like a secret hidden (redact; a secret comes only from the environment)."""
+    # given (which flags were typed) is parse_settings' note, not a setting
+    return {"script": script,
+            **{name: redact(value) for name, value in vars(args).items() if name != "given"}}
+
+
+
+
+def read_text(path, error=ValueError):
+    """A text file named on the command line; `error` (one line naming the file, and the line of a
+    byte that is not UTF-8) when it cannot be read. Only a regular file is read: a named pipe would
+    wait for a writer forever."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise error(f"{path}: not a regular file")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror}")
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: line {e.object[:e.start].count(10) + 1}: not UTF-8 text")
+
+
+def parse_json(text, where, error=ValueError):
+    """A JSON value; `error` (one line naming `where`) when the text is not JSON, nests too deep
+    for Python to read, or holds a lone surrogate (an escape such as \\ud800: no tokenizer takes
+    it)."""
+    try:
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return value
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: not valid JSON: {e.msg}")
+    except RecursionError:
+        raise error(f"{where}: nested too deep to read")
+    except UnicodeEncodeError:
+        raise error(f"{where}: holds a lone surrogate (an escape such as \\ud800), "
+                    "which is not text")
+
+
+def read_json_lines(path, error=ValueError):
+    """[(line index, object)] for each non-empty line of a JSON-lines file; `error` (one line naming
+    the file and the line) when it cannot be read or a line is not JSON (parse_json)."""
+    lines = read_text(path, error).splitlines()
+    return [(i, parse_json(line, f"{path}: line {i + 1}", error))
+            for i, line in enumerate(lines) if line.strip()]
+

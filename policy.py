@@ -329,15 +329,6 @@ def float32_head(model):
     head.register_forward_pre_hook(lambda module, args: (args[0].float(),))
 
 
-def use_adapter(model, name):
-    """Make one adapter active. peft's set_adapter also freezes the other adapters, but autograd
-    skips a parameter that no longer requires grad at backward time, so both stay trainable."""
-    model.set_adapter(name)
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            p.requires_grad_(True)
-
-
 def adapter_params(model, name):
     """The LoRA parameters of one adapter."""
     return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]

@@ -28,7 +28,7 @@ import torch
 from cli import (above, at_least, command, fail, one_of, parse_settings, setting, use_cpu_threads,
                  within)
 from personas import load_personas
-from policy import adapter_params, check_model, load_policy, use_adapter
+from policy import adapter_params, check_model, load_policy
 from rl import (TrainerSettings, adamw_with_warmup, eval_logprobs, eval_scores, iteration_report,
                 mode_coefficients, old_logprobs_from_update, pad_records, pick_personas,
                 policy_terms, token_logprobs, token_weights, turn_rewards, unmoved_return)
@@ -169,6 +169,16 @@ LOGGED = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "val
 # ----------------------------------------------------------------------------------------------
 # The critic: a second adapter on the shared base, plus a value head
 # ----------------------------------------------------------------------------------------------
+def use_adapter(model, name):
+    """Make one adapter active (the actor's, 'default', or the critic's). peft's set_adapter also
+    freezes the other adapters, but autograd skips a parameter that no longer requires grad at
+    backward time, so both stay trainable."""
+    model.set_adapter(name)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.requires_grad_(True)
+
+
 @contextlib.contextmanager
 def adapter_active(model, name):
     """Run a forward pass AND its backward pass under one adapter, then return to the actor's.

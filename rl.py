@@ -1,5 +1,6 @@
 """What ppo.py and grpo.py share: their set-up checks, the batch, the log-prob passes, the
-reward table, the k3 KL, the loss aggregations, AdamW with its warm-up and the iteration's report.
+reward table, the k3 KL, the loss aggregations, AdamW with its warm-up, the iteration's report, and
+(at the end) the settings they build theirs on, those of a dialogue shared with evaluate.py too.
 
 Each trainer shows its whole method in its own file (the advantages, the losses, the optimizer step
 in its loop); what both do alike, in the same way, is here once. It plays no dialogue (rollout.py)

@@ -29,8 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cli import (HELD, TAKEN, exit_on_signals, fail, public_config, read_json_lines, read_run,
-                 release)
+from cli import HELD, TAKEN, exit_on_signals, fail, public_config, read_run, release
 
 
 def summary(rows):
@@ -578,7 +577,10 @@ class Run:
         self.bar.close()
         self.accelerator.end_training()
         if self.is_main:
-            rows = [row for _, row in read_json_lines(f"{self.args.out}/metrics.jsonl")]
+            # whole lines only: begin() cut the log at its checkpoint, and each line since was
+            # appended whole
+            with open(f"{self.args.out}/metrics.jsonl", encoding="utf-8") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
             print(f"done: {self.args.out}: {summary(rows)}; "
                   f"adapter: {checkpoints(self.args.out)[-1]}/default")
         release()

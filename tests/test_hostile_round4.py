@@ -233,7 +233,7 @@ def test_a_recorded_file_nested_deep_is_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("number, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_while_the_model_loads_is_one_line(number, code, tmp_path, personas_file):
     # evaluate.py's benchmark, stopped while its (here: slow) model loads
-    script = ("import sys, time, evaluate, run\n"
+    script = ("import sys, time, evaluate, cli\n"
               "def slow(*a, **k):\n    print('loading', flush=True)\n    time.sleep(120)\n"
               "evaluate.load_models = slow\n"
               f"cli.command(evaluate.main)(['--personas', {personas_file!r}, '--simulator', 'rules', "

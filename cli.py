@@ -283,13 +283,13 @@ def parse_settings(settings, argv=None, presets=None, defaults=None, prog=None):
     classes = [cls for cls in settings.__mro__ if dataclasses.is_dataclass(cls)]
     groups = {cls: parser.add_argument_group(cls.title) for cls in classes}
     operational = parser.add_argument_group("operational (rarely changed)")
-    fields = dataclasses.fields(settings)
     declared = settings()  # every field at its declared default
-    actions = {}
+    fields, actions = [], {}  # in --help's order: the script's own first
     for cls in classes:
-        for f in fields:
+        for f in dataclasses.fields(settings):
             if f.name not in vars(cls).get("__annotations__", {}):  # declared by another class
                 continue
+            fields.append(f)
             default = getattr(declared, f.name)
             group = operational if f.metadata["operational"] else groups[cls]
             kind = KINDS.get(type(default), dict(type=type(default)))

@@ -409,6 +409,7 @@ class DialogueSettings:
 
     @staticmethod
     def check(args):
+        # a prompt and a whole reply must fit; the URL user's key is named, never typed
         if args.max_context <= args.max_new_tokens:
             fail(f"--max-context {args.max_context}: must be more than --max-new-tokens "
                  f"{args.max_new_tokens} (a prompt and a whole reply must fit)")

@@ -220,7 +220,7 @@ env_name.secret = True
 
 
 # ----------------------------------------------------------------------------------------------
-# Settings: each declared once, next to the code that reads it, with its check beside its default
+# Settings: each field of a script's Settings with its default, its help and its check
 # ----------------------------------------------------------------------------------------------
 def setting(default, help, check=None, operational=False, path=False):
     """A field of a settings dataclass: its default, its --help line and its check (a function of
@@ -413,8 +413,9 @@ def public_config(args, script):
             **{name: redact(value) for name, value in vars(args).items() if name != "given"}}
 
 
-
-
+# ----------------------------------------------------------------------------------------------
+# Files a command line names: read whole, or one line that says what is wrong
+# ----------------------------------------------------------------------------------------------
 def read_text(path, error=ValueError):
     """A text file named on the command line; `error` (one line naming the file, and the line of a
     byte that is not UTF-8) when it cannot be read. Only a regular file is read: a named pipe would

@@ -9,7 +9,7 @@ value head), the reference policy (adapters disabled) and, with --simulator same
 
 grpo.py is this file with the critic taken out and the group advantage put in, in the same order, so
 `diff ppo.py grpo.py` shows the methods' differences. What both do alike (the clipped surrogate with
-its truncated importance weight, rl.policy_objective; the old and reference log-probs, the rewards,
+its truncated importance weight, rl.policy_terms; the old and reference log-probs, the rewards,
 the loss aggregations, the k3 KL, AdamW with its warm-up, the figures both log) is in rl.py, once.
 In the loop the `run.` calls are the processes and the run folder (run.py); run.sum sets the loss
 denominators over every process.

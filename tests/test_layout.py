@@ -70,7 +70,7 @@ def test_every_file_is_one_stage_a_reader_can_hold():
 
 
 def test_the_readme_names_functions_that_exist_and_no_line_numbers():
-    """The README points into the code by qualified names (`rl.old_and_ref_logprobs`, `run.Run.log`),
+    """The README points into the code by qualified names (`rl.policy_terms`, `run.Run.log`),
     each of which must exist, and never by a line number, which the first fork would make wrong."""
     import importlib
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+# What this process holds for its run folder: lock descriptors, and signal handlers to restore
 HELD = []
 # The settings this command took from a file instead of its command line, until they are checked
 # and a run begins: what a line says of one (its flag, or a path's value) -> the file and field it
@@ -284,13 +285,13 @@ def parse_settings(settings, argv=None, presets=None, defaults=None, prog=None):
     groups = {cls: parser.add_argument_group(cls.title) for cls in classes}
     operational = parser.add_argument_group("operational (rarely changed)")
     declared = settings()  # every field at its declared default
+    by_name = {f.name: f for f in dataclasses.fields(settings)}
     fields, actions = [], {}  # in --help's order: the script's own first
     for cls in classes:
-        for f in dataclasses.fields(settings):
-            if f.name not in vars(cls).get("__annotations__", {}):  # declared by another class
-                continue
+        for name in vars(cls).get("__annotations__", {}):  # the fields this class declares
+            f = by_name[name]
             fields.append(f)
-            default = getattr(declared, f.name)
+            default = getattr(declared, name)
             group = operational if f.metadata["operational"] else groups[cls]
             kind = KINDS.get(type(default), dict(type=type(default)))
             actions[f.name] = group.add_argument(

@@ -35,8 +35,9 @@ from rl import DialogueSettings
 from rollout import (TOKEN_ARRAYS, ChatTokens, build_simulator, check_openings_fit, make_backend,
                      play_dialogues)
 from run import append_lines, checkpoints, finite, new_folder, write_atomically, write_failure
-from simulator import (PROMPTS, RulesBackend, SimulatorError, UserState, apply_change,
-                       clean_user_text, user_turn_messages)
+from simulator import (PROMPTS, SimulatorError, UserState, apply_change, clean_user_text,
+                       user_turn_messages)
+from users import OPENING_LINES, ScriptedUser
 
 
 # ----------------------------------------------------------------------------------------------
@@ -618,8 +619,6 @@ def agreement_main(args):
 # RLVER writes each opening with its simulator when it loads a profile; here they are written once,
 # into a new file, so that every run trains from the same first messages. The prompt is the user's
 # own (persona card, the reply rules, a mood note), asking for a first message instead of a reply.
-RULES_OPENING = {"en": "There is something on my mind that I would like to talk through.",
-                 "zh": "我心里有件事，想找人聊聊。"}
 OPENING_TOKENS = 64
 
 
@@ -648,10 +647,10 @@ def write_openings(args):
           f"at mood {args.start_emotion}", file=sys.stderr)
     exit_on_signals(lambda: f"; {out} not written")
     # no model when none is missing
-    backend = make_backend(args.simulator, args=args) if todo else RulesBackend()
+    backend = make_backend(args.simulator if todo else "rules", args=args)
     try:
-        if backend.name == "rules":
-            texts = [RULES_OPENING[p.language] for p in todo]
+        if isinstance(backend, ScriptedUser):  # a scripted user's one fixed line
+            texts = [OPENING_LINES[p.language] for p in todo]
         else:
             # the user's own chat, in the persona's language, with the request where an agent's
             # first message would be

@@ -26,7 +26,8 @@ from tqdm import tqdm
 from client import OpenAIBackend
 from policy import default_device, load_model, load_tokenizer
 from cli import fail
-from simulator import RulesBackend, Simulator, UserState
+from simulator import Simulator, UserState
+from users import SCRIPTED_USERS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,11 +473,12 @@ class LocalBackend:
 
 
 def make_backend(simulator, policy=None, tokenizer=None, args=None):
-    """--simulator same (the policy's frozen base) | rules | http(s)://host:port/v1. `same` without
+    """--simulator same (the policy's frozen base) | rules | listener | http(s)://host:port/v1
+    (simulator.simulator_problem has refused anything else). `same` without
     a policy (evaluate.py --agreement and --write-openings) is the --model of args alone. args: the
     URL client's limits (rl.DialogueSettings, needed for a URL) and trust_remote_code."""
-    if simulator == "rules":
-        return RulesBackend()
+    if simulator in SCRIPTED_USERS:
+        return SCRIPTED_USERS[simulator]()
     if simulator != "same":
         return OpenAIBackend(simulator, args.api_model, args.api_key_env, args.api_timeout,
                              args.api_retries)

@@ -12,24 +12,25 @@ holds the user's side of the table, for personas that personas.py has read:
   the read-out  parse_change() reads the change line the appraisal prompt asks for ("Change:
                 N") in the user's own text (own_text: no change line the agent wrote counts),
                 re-asked once when unread or off the scale; an appraisal that stays so
-                ends its dialogue ("unread"), which the trainers keep out of training. The rules
-                user appraises by its rules (rules_appraisal, RulesBackend)
+                ends its dialogue ("unread"), which the trainers keep out of training. A
+                scripted user (users.py: rules, listener) appraises by its rules instead
 
-Who writes the user's text is a backend with chat(conversations, max_new_tokens) -> texts: a
-server behind a URL (client.py), the policy's own frozen base (`same`, rollout.LocalBackend, which
-runs with generation), or none for the rules user. This file holds no model and no HTTP; it imports
-personas.py and run.py only.
+Who writes the user's text is a backend with chat(conversations, max_new_tokens) -> texts, one
+text per conversation asked, in order (Simulator.ask holds it to that): a server behind a URL
+(client.py), the policy's own frozen base (`same`, rollout.LocalBackend, which runs with
+generation), or none for a scripted user. This file holds no model and no HTTP; it imports
+personas.py, users.py and cli.py only.
 """
 import json
 import re
 import time
 import unicodedata
 import urllib.parse
-from collections import Counter
 from dataclasses import dataclass, field
 
 from personas import Persona
 from cli import Stop
+from users import GENERIC_LINES, SCRIPTED_USERS, ScriptedUser
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,90 +424,12 @@ def own_text(appraisal, agent_texts):
 
 
 # ----------------------------------------------------------------------------------------------
-# The rules user, and a backend that cannot answer
+# A backend that cannot answer
 # ----------------------------------------------------------------------------------------------
 class SimulatorError(Stop):
-    """A simulator backend that could not answer after its retries: one line on the command line (a
-    trainer saves its finished iteration first)."""
-
-
-# The rules user: a deterministic lexicon and form check, written here to test the RL loop on a
-# real model in minutes. It is not a model of people.
-ACKNOWLEDGE = ("sounds", "that must", "i hear", "understand", "makes sense", "sorry", "no wonder",
-               "it's okay to", "it is okay to", "painful", "frustrating", "exhausting", "hard")
-
-DISMISSIVE = ("calm down", "get over", "not a big deal", "whatever", "at least", "cheer up",
-              "stop worrying", "overreacting", "just relax", "move on")
-
-ADVICE = ("you should", "you need to", "you must", "have you tried", "try to")
-
-OPEN_QUESTION = re.compile(r"\b(what|how|which|would you|could you|tell me)\b[^?.!]*\?", re.I)
-
-STOPWORDS = set("about after again also been being could didn't doesn't don't even every from have "
-                "just know like more much never only really should since still that their them "
-                "then there these they thing think this those through want what when where which "
-                "while with would your yours".split())
-
-
-def content_words(text):
-    return {w for w in re.findall(r"[a-z']+", text.lower()) if len(w) >= 5 and w not in STOPWORDS}
-
-
-# The content words a reply shares with an earlier one (Jaccard) at which it repeats it: two replies
-# that both reflect the user's words share those, and 0.7 leaves room for that
-REPEAT_OVERLAP = 0.7
-
-
-def rules_appraisal(state, reply):
-    """(change, a line saying why, parts). Raises the emotion for acknowledging feelings, reflecting
-    the user's own words and asking an open question; lowers it for dismissive phrases, lists of
-    advice, off-topic text, very long or empty replies. Harder users count the good parts less, the
-    bad more; a repeat (an earlier reply's text, or REPEAT_OVERLAP) gets nothing for its good parts.
-    The line gives each part's points ("rules: reflects+2, off_topic-3"); parts, weighted values."""
-    text = reply.lower()
-    user_words = content_words(" ".join(m["text"] for m in state.history if m["role"] == "user"))
-    echoed = len(content_words(reply) & user_words)
-    # each part: its points x how often it occurs (at most twice; a yes-or-no part: 0 or 1 times).
-    # "empty" is the rollout's "..." for an empty reply too.
-    good = {"acknowledges": 3 * min(2, sum(p in text for p in ACKNOWLEDGE)),
-            "reflects": 2 * min(2, echoed),
-            "asks": 3 * bool(OPEN_QUESTION.search(reply))}
-    bad = {"dismissive": 4 * min(2, sum(p in text for p in DISMISSIVE)),
-           "lectures": 3 * min(2, sum(p in text for p in ADVICE)
-                               + len(re.findall(r"(?m)^\s*(\d+\.|-|\*)\s", reply))),
-           "off_topic": 3 * (echoed == 0 and good["acknowledges"] == 0),
-           "too_long": 3 * (len(reply.split()) > 120),
-           "empty": 5 * (not re.search(r"\w", reply))}
-    earlier = [m["text"] for m in state.history if m["role"] == "agent"]
-    repeated = any(" ".join(old.lower().split()) == " ".join(text.split())
-                   or 0 < REPEAT_OVERLAP * len(content_words(reply) | content_words(old))
-                   <= len(content_words(reply) & content_words(old)) for old in earlier)
-    weight_good, weight_bad = {"easy": (1.5, 0.7), "normal": (1.0, 1.0),
-                               "hard": (0.6, 1.5)}[state.persona.difficulty]
-    weight_good *= not repeated
-    change = round(weight_good * sum(good.values()) - weight_bad * sum(bad.values()))
-    parts = {k: round(weight_good * v, 2) for k, v in good.items() if v}
-    parts.update({k: round(-weight_bad * v, 2) for k, v in bad.items() if v})
-    said = [f"{k}+{v}" for k, v in good.items() if v] + [f"{k}-{v}" for k, v in bad.items() if v]
-    why = "repeats (good parts count 0): " * repeated + (", ".join(said) or "nothing notable")
-    return change, "rules: " + why, parts
-
-
-GENERIC_LINES = {
-    "S": "Thank you, this helped more than you know. Goodbye for now.",
-    "A": "Yes, that's it. I think I can say a bit more about it.",
-    "B": "Maybe. I'm not sure yet.",
-    "C": "That's not really what I meant.",
-    "F": "I'm done with this conversation.",
-}
-
-
-@dataclass
-class RulesBackend:
-    """Marker backend for --simulator rules: Simulator uses rules_appraisal() and the persona's
-    band_lines instead of a language model."""
-    name = "rules"
-    counts: Counter = field(default_factory=Counter, init=False)  # nothing generated: 0 tokens
+    """A simulator backend that could not answer after its retries, or answered another number of
+    conversations than it was asked: one line on the command line (a trainer saves its finished
+    iteration first)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,9 +437,11 @@ class RulesBackend:
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class Simulator:
-    """The read-out follows from the backend: the rules user appraises by its rules
-    (rules_appraisal), every model writes the reasoned appraisal (the paper's). goodbye: the rule
-    that ends a dialogue on the user's farewell (says_goodbye)."""
+    """The read-out follows from the backend: a scripted user (users.py: rules, listener) appraises
+    by its rules and is its read-out, every model writes the reasoned appraisal (the paper's). A
+    model's backend keeps one contract: chat(conversations, max_new_tokens) answers one text per
+    conversation asked, in order (ask). goodbye: the rule that ends a dialogue on the user's
+    farewell (says_goodbye)."""
     backend: object
     start_emotion: int = 40
     max_change: int = 10
@@ -528,10 +453,11 @@ class Simulator:
     goodbye: str = "closing"
 
     def __post_init__(self):
-        self.readout = "rules" if self.backend.name == "rules" else "reasoned"  # reports print it
+        self.scripted = isinstance(self.backend, ScriptedUser)
+        self.readout = self.backend.name if self.scripted else "reasoned"  # reports print it
         # The user's running totals, whose growth a rollout reports, in its backend's Counter (one
         # tally): the tokens the backend counts (a local model's), the seconds spent in step(), and
-        # the rules user's changes beyond +-max_change, clamped to it. Each starts at 0, so that
+        # a scripted user's changes beyond +-max_change, clamped to it. Each starts at 0, so that
         # every rollout reports each one.
         self.counts = self.backend.counts
         totals = ["simulator_seconds", "simulator_tokens", "clamped_changes",
@@ -542,19 +468,31 @@ class Simulator:
         opening = {"role": "user", "text": persona.opening, "canned": True}  # the persona's own
         return UserState(persona, self.start_emotion, [opening])
 
+    def ask(self, conversations, max_new_tokens, *penalty):
+        """The backend's texts for conversations (penalty: a repetition penalty, where the call
+        sets one), held to its contract: one answer per conversation asked. Another count (a
+        backend that answers two identical conversations once) is a SimulatorError, one line,
+        never a dialogue that silently loses its turn to zip's shorter side."""
+        texts = list(self.backend.chat(conversations, max_new_tokens, *penalty))
+        if len(texts) != len(conversations):
+            raise SimulatorError(f"the user backend {self.backend.name!r} answered {len(texts)} "
+                                 f"time(s) for {len(conversations)} conversation(s); a backend "
+                                 "answers each conversation asked, in order (docs/forks.md)")
+        return texts
+
     def appraise(self, states, replies):
         """The change each reply would make in its state, with nothing moved or stored: a list of
         (change, appraisal text, parts), the change as stated or None where it could not be read,
-        parts the rules user's (else None). A model's appraisal whose change is unread or beyond
+        parts a scripted user's (else None). A model's appraisal whose change is unread or beyond
         +-max_change is re-asked once for the change line alone; an answer that is still unread or
         off the scale is None: a model that writes its mood where the change belongs ("Change: 33"
         at mood 30) says nothing readable about the reply, and clamping it would give +max_change a
-        turn whatever the agent said. (The rules user's changes may exceed the scale: apply_change
+        turn whatever the agent said. (A scripted user's changes may exceed the scale: apply_change
         clamps them.) evaluate.py --agreement appraises recorded replies in recorded states."""
-        if self.readout == "rules":
-            return [rules_appraisal(s, r) for s, r in zip(states, replies)]
+        if self.scripted:
+            return [self.backend.appraisal(s, r) for s, r in zip(states, replies)]
         asked = [appraisal_messages(s, r, self.max_change) for s, r in zip(states, replies)]
-        texts = self.backend.chat(asked, self.appraisal_tokens, 1.0)
+        texts = self.ask(asked, self.appraisal_tokens, 1.0)
         scale = range(-self.max_change, self.max_change + 1)  # None is not in it: unread
         # the change is read from the user's own text, never from this reply or an earlier one
         agent = [[m["text"] for m in s.history if m["role"] == "agent"] + [r]
@@ -568,7 +506,7 @@ class Simulator:
                 retry.append(asked[k] + [
                     {"role": "assistant", "content": texts[k]},
                     {"role": "user", "content": prompt.format(m=self.max_change)}])
-            answers = self.backend.chat(retry, self.retry_tokens, 1.0)
+            answers = self.ask(retry, self.retry_tokens, 1.0)
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
                 changes[k] = parse_change(own_text(text, agent[k]))
@@ -578,7 +516,7 @@ class Simulator:
         """Appraise each state's agent reply, update emotion, end or write the next user message.
         states[k] gets replies[k]; every state must still be active (the rollout hands in its
         active ones). A reply whose appraisal stays unread ends its dialogue there ("unread"), with
-        no move: the trainers keep such a dialogue out of training. The rules user speaks its
+        no move: the trainers keep such a dialogue out of training. A scripted user speaks its
         persona's line for the band it is in (GENERIC_LINES where it has none)."""
         t0 = time.time()
         for s, r, (change, text, parts) in zip(states, replies, self.appraise(states, replies)):
@@ -598,15 +536,14 @@ class Simulator:
             elif s.turns >= self.max_turns:
                 s.end_reason = "max_turns"
         talking = [s for s in states if not s.end_reason]
-        if self.readout == "rules":
+        if self.scripted:
             texts = [s.persona.band_lines.get(band(s.emotion), GENERIC_LINES[band(s.emotion)])
                      for s in talking]
         else:
             asked = [user_turn_messages(s) for s in talking]
-            texts = self.backend.chat(asked, self.reply_tokens)
-            texts = [clean_user_text(text) for text in texts]
+            texts = [clean_user_text(text) for text in self.ask(asked, self.reply_tokens)]
         for s, text in zip(talking, texts):
-            s.history.append({"role": "user", "text": text, "canned": self.readout == "rules"})
+            s.history.append({"role": "user", "text": text, "canned": self.scripted})
             if says_goodbye(text, self.goodbye):
                 s.end_reason = "goodbye"
         self.counts["simulator_seconds"] += time.time() - t0
@@ -648,11 +585,12 @@ def clean_user_text(text):
 # The check of --simulator (rl.DialogueSettings)
 # ----------------------------------------------------------------------------------------------
 def simulator_problem(value):
-    """same (the policy's frozen base), rules, or a server: a model of its own as the user runs
-    there (vLLM, SGLang), on GPUs of its own."""
-    if value in ("same", "rules"):
+    """same (the policy's frozen base), a scripted user (rules; listener, held out: no preset trains
+    against it, a run may by typing it), or a server: a model of its own as the user runs there
+    (vLLM, SGLang), on GPUs of its own."""
+    if value == "same" or value in SCRIPTED_USERS:
         return None
     if not value.startswith(("http://", "https://")):
-        return "must be same | rules | http(s)://host:port/v1"
+        return f"must be same | {' | '.join(SCRIPTED_USERS)} | http(s)://host:port/v1"
     if not urllib.parse.urlsplit(value).hostname:
         return "a URL needs a host: http://host:port/v1"

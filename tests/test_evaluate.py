@@ -28,7 +28,8 @@ import simulator
 from conftest import ROOT, reply
 from cli import command
 from evaluate import model_summary, paired_difference, results_table, run_evaluation, use_model, with_interval
-from simulator import RulesBackend, Simulator
+from simulator import Simulator
+from users import RulesBackend
 
 DATA = os.path.join(ROOT, "tests", "data")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

@@ -20,6 +20,7 @@ import rollout
 import cli
 import run
 import simulator
+import users
 from conftest import read_metrics, tiny_tokenizer
 
 # What differs between two runs of the same computation: the clock and the memory it took.
@@ -36,7 +37,7 @@ def same_rng(a, b):
 
 
 def rules_user(max_turns, **kwargs):
-    return simulator.Simulator(simulator.RulesBackend(), max_turns=max_turns, **kwargs)
+    return simulator.Simulator(users.RulesBackend(), max_turns=max_turns, **kwargs)
 
 
 def read_jsonl(path):

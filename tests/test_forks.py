@@ -25,7 +25,8 @@ import cli
 from conftest import read_metrics
 from personas import load_personas
 from rollout import ChatTokens, play_dialogues
-from simulator import RulesBackend, Simulator
+from simulator import Simulator
+from users import RulesBackend
 
 # ----------------------------------------------------------------------------------------------
 # Group advantages

@@ -19,7 +19,8 @@ import cli
 from conftest import ROOT, read_metrics
 from personas import load_personas
 from rollout import ChatTokens, play_dialogues
-from simulator import RulesBackend, Simulator
+from simulator import Simulator
+from users import RulesBackend
 
 
 # ----------------------------------------------------------------------------------------------

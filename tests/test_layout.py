@@ -11,20 +11,21 @@ import pytest
 from conftest import ROOT
 
 # Each file and the project files it may import: the floors below it (tools/bench.py is on top).
-FLOORS = ["cli", "run", "personas", "simulator", "client", "policy", "rollout", "rl", "ppo", "grpo",
-          "evaluate", "bench"]
+FLOORS = ["cli", "run", "personas", "users", "simulator", "client", "policy", "rollout", "rl", "ppo",
+          "grpo", "evaluate", "bench"]
 ALLOWED = {
     "cli": set(),
     "run": {"cli"},
     "personas": {"cli", "run"},
-    "simulator": {"cli", "run", "personas"},
+    "users": set(),
+    "simulator": {"cli", "run", "personas", "users"},
     "client": {"cli", "run", "simulator"},
     "policy": {"cli", "run"},
-    "rollout": {"cli", "run", "simulator", "client", "policy"},
+    "rollout": {"cli", "run", "users", "simulator", "client", "policy"},
     "rl": {"cli", "run", "personas", "simulator", "policy", "rollout"},
     "ppo": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
     "grpo": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
-    "evaluate": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
+    "evaluate": {"cli", "run", "personas", "users", "simulator", "policy", "rollout", "rl"},
     "bench": set(FLOORS[:-1]),
 }
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import simulator as sim_module
+import users
 from conftest import read_metrics
 
 SEEDS = ("0", "1", "2")
@@ -37,7 +38,7 @@ class TargetTokenSimulator(sim_module.Simulator):
     "go on": with two turns the dialogue holds user tokens that must stay out of the loss."""
 
     def __init__(self, tokenizer, turns=1):
-        super().__init__(sim_module.RulesBackend(), max_turns=turns, start_emotion=0)
+        super().__init__(users.RulesBackend(), max_turns=turns, start_emotion=0)
         self.tokenizer = tokenizer
         self.target = set(range(len(tokenizer) // 4))
 

@@ -16,7 +16,8 @@ import rollout
 import simulator
 from conftest import loose, transcript
 from rollout import LocalBackend
-from simulator import RulesBackend, Simulator
+from simulator import Simulator
+from users import RulesBackend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = ("That sounds really painful, especially after you were promised it. It makes sense that you "

@@ -20,7 +20,8 @@ import ppo
 import rl
 import rollout
 from conftest import read_metrics, tiny_tokenizer
-from simulator import RulesBackend, Simulator
+from simulator import Simulator
+from users import RulesBackend
 from test_bad_input import exits_with_one_line
 
 

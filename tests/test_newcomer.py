@@ -16,7 +16,8 @@ import rollout
 from conftest import ROOT, read_metrics
 from personas import load_personas
 from cli import command
-from simulator import RulesBackend, Simulator
+from simulator import Simulator
+from users import RulesBackend
 
 
 def test_the_rollouts_bar_counts_turns_an_ended_dialogue_all_of_its_own(tiny_model, persona_entry,

@@ -22,6 +22,7 @@ from policy import load_tokenizer
 import evaluate
 import cli
 import simulator
+import users
 from conftest import ROOT, reply
 
 DATA = os.path.join(ROOT, "tests", "data")
@@ -60,7 +61,7 @@ def test_evaluate_judges_as_many_replies_as_sage_does():
     defaults = evaluate.parse_args([])
     assert defaults.max_turns == evaluate.SAGE_JUDGED_REPLIES == 9
     assert (defaults.start_emotion, defaults.max_change) == (evaluate.SAGE_START, 10) == (40, 10)
-    sim = simulator.Simulator(simulator.RulesBackend())
+    sim = simulator.Simulator(users.RulesBackend())
     assert sim.leave_below == evaluate.SAGE_LEAVE_BELOW == 10
 
 
@@ -289,7 +290,7 @@ def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
         for k, before, _ in evaluate.judged_replies(dialogue):
             state = simulator.UserState(persona=personas[dialogue["id"]], emotion=before,
                                         history=dialogue["history"][:k])
-            change, *_ = simulator.rules_appraisal(state, dialogue["history"][k]["text"])
+            change, *_ = users.rules_appraisal(state, dialogue["history"][k]["text"])
             expected.append(max(-10, min(10, change)))
         assert [change for change, _ in row["appraisals"]] == expected
     assert "| warm | 1 |" in (tmp_path / "check" / "results.md").read_text()

@@ -19,6 +19,7 @@ import ppo
 import cli
 import rl
 import simulator
+import users
 from personas import PERSONA_FIELDS, PersonaError, load_personas
 from conftest import RLVER, SAGE, chat_completion, completion, in_process, openings, reply
 from test_bad_input import ENV, assert_one_line, error_lines, shell
@@ -348,7 +349,7 @@ def test_write_openings_keeps_existing_ones_and_rules_write_fixed_lines(tmp_path
     source = write_lines(tmp_path / "some.jsonl", entries)
     code, _, err = in_process(evaluate.main, openings(out, "rules", source)[1:], capsys)
     assert not code, err
-    en, zh = evaluate.RULES_OPENING["en"], evaluate.RULES_OPENING["zh"]
+    en, zh = users.OPENING_LINES["en"], users.OPENING_LINES["zh"]
     assert [e["first_talk"] for e in read_lines(out)] == ["Long shift. Can we talk?", en, zh]
     assert [e.get("first_talk_emotion") for e in read_lines(out)] == [None, 30, 30]
 

@@ -1,5 +1,6 @@
 """A dialogue's record explains its reward (issue 54): rollouts.jsonl of a real run holds the
-persona's difficulty, each agent turn's change and the rules user's parts it adds up from, each user
+persona's difficulty, each agent turn's change and the rules user's parts it adds up from (each with
+its points, its difficulty weight and what set it off: issue 66), each user
 message marked canned or not, and what the trainer made of it: PPO the reward placed on each agent
 turn (rl.turn_rewards) and the turn's advantage, GRPO the dialogue's reward and advantage
 (grpo.group_advantages over the records' own rewards)."""
@@ -12,7 +13,9 @@ import torch
 import grpo
 import ppo
 from rl import mode_coefficients, turn_rewards
+from simulator import apply_change
 from test_learning import install_stand_in
+from users import RULES_WEIGHTS
 
 
 def trained(trainer, tiny_model_dir, personas_file, out, *flags):
@@ -28,14 +31,24 @@ def trained(trainer, tiny_model_dir, personas_file, out, *flags):
         return args, [json.loads(line) for line in f]
 
 
-def check_the_users_side(record):
-    """The difficulty, each agent turn's change and parts (a sum that rounds to the change before
-    its clamp: the tiny model's changes stay inside +-10) and the canned user lines."""
+def check_the_users_side(record, max_change=10):
+    """The difficulty, each agent turn's change from its parts by the record's own arithmetic (each
+    part's value its points x its weight, the weight its side's for the record's difficulty; their
+    sum rounded, then clamped as apply_change clamps, from the emotion before the turn) and the
+    canned user lines. A tiny model's reply always has a part: it is off topic at least."""
     assert record["difficulty"] in ("easy", "normal", "hard")
     agent = [t for t in record["turns"] if t["role"] == "agent"]
     assert [t["change"] for t in agent] == record["changes"]
+    emotion = record["start_emotion"]
     for turn in agent:
-        assert round(sum(turn["parts"].values())) == turn["change"], turn
+        good, bad = RULES_WEIGHTS[record["difficulty"]]
+        good *= not turn["appraisal"].startswith("rules: repeats")  # a repeat's good parts: 0
+        parts = turn["parts"].values()
+        assert parts and all(p["value"] == round(p["points"] * p["weight"], 2) for p in parts), turn
+        assert all(p["weight"] == (bad if p["points"] < 0 else good) for p in parts), turn
+        stated = round(sum(p["value"] for p in parts))
+        assert apply_change(emotion, stated, max_change) == (turn["emotion"], turn["change"]), turn
+        emotion = turn["emotion"]
     users = [t for t in record["turns"] if t["role"] == "user"]
     assert users and all(t["canned"] is True for t in users)  # the opening, then the band lines
     return agent

@@ -25,7 +25,8 @@ import rollout
 import simulator
 from rollout import SILENCE, ChatTokens, play_dialogues, split_thought
 from conftest import BF16_ATOL, BF16_RTOL, loose, reply
-from simulator import RulesBackend, Simulator
+from simulator import Simulator
+from users import RulesBackend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,8 +19,8 @@ import rl  # noqa: E402
 import simulator
 from conftest import RLVER, ScriptedBackend, in_process, transcript
 from test_bad_input import assert_one_line, shell
-from simulator import (GENERIC_LINES, RulesBackend, Simulator, apply_change, band, parse_change,
-                       rules_appraisal, says_goodbye)
+from simulator import Simulator, apply_change, band, parse_change, says_goodbye
+from users import GENERIC_LINES, RulesBackend, rules_appraisal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -481,7 +481,7 @@ def test_rules_too_long_and_empty(persona):
     state = Simulator(RulesBackend()).start(persona)
     reply = "That sounds painful. What happened with the promotion?"
     short, *_ = rules_appraisal(state, reply)
-    long, why, _ = rules_appraisal(state, reply + " okay" * 130)
+    long, why, _ = rules_appraisal(state, reply + " okay" * 130 + ".")
     assert "too_long-3" in why and "too_long" not in rules_appraisal(state, reply)[1]
     assert short - long == 3  # normal difficulty weighs the bad parts 1.0
     empty, why_empty, _ = rules_appraisal(state, "")
@@ -543,21 +543,25 @@ def test_the_rules_user_gives_a_repeated_reply_no_credit(persona):
 
 def test_rules_parts_add_up_to_the_change_by_difficulty(persona_entry, write_personas):
     """A record's parts explain its change: each part's points x the difficulty's weight (hard:
-    "reflects+2" is 1.2, "off_topic-3" -4.5; a repeat's good parts 0), summed and rounded."""
+    "reflects+2" is 1.2, "off_topic-3" -4.5; a repeat's good parts 0), summed and rounded, with what
+    set each off."""
     path = write_personas([persona_entry(id=d, difficulty=d) for d in ("easy", "normal", "hard")])
     sim = Simulator(RulesBackend())
     easy, normal, hard = [sim.start(p) for p in load_personas(path)]
-    assert rules_appraisal(hard, "the promotion.") == (1, "rules: reflects+2", {"reflects": 1.2})
-    assert rules_appraisal(hard, "nice weather.")[2] == {"off_topic": -4.5}
-    assert rules_appraisal(easy, "Calm down, the promotion.")[2] == {"reflects": 3.0,
-                                                                     "dismissive": -2.8}
+    reflects = {"points": 2, "weight": 0.6, "value": 1.2, "found": ["promotion"]}
+    assert rules_appraisal(hard, "the promotion.") == (1, "rules: reflects+2", {"reflects": reflects})
+    assert rules_appraisal(hard, "nice weather.")[2] == {
+        "off_topic": {"points": -3, "weight": 1.5, "value": -4.5, "found": []}}
+    assert {k: p["value"] for k, p in rules_appraisal(easy, "Calm down, the promotion.")[2].items()} \
+        == {"reflects": 3.0, "dismissive": -2.8}
     for state in (easy, normal, hard):
         for reply in ("That sounds painful. What happened with the promotion?", "whatever", ""):
             change, _, parts = rules_appraisal(state, reply)
-            assert round(sum(parts.values())) == change
+            assert round(sum(p["value"] for p in parts.values())) == change
+            assert all(p["value"] == round(p["points"] * p["weight"], 2) for p in parts.values())
     sim.step([hard], ["the promotion."])
     sim.step([hard], ["The promotion!"])
-    assert [a["parts"] for a in hard.appraisals] == [{"reflects": 1.2}, {"reflects": 0.0}]
+    assert [a["parts"]["reflects"]["value"] for a in hard.appraisals] == [1.2, 0.0]
     assert [m.get("canned") for m in hard.history] == [True, None, True, None, True]
 
 

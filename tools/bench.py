@@ -107,7 +107,8 @@ from rl import eval_logprobs, kl_k3, pad_records, pick_personas
 from cli import (above, at_least, command, fail, one_of, parse_settings, read_run, read_text,
                  setting, within)
 from run import new_folder, peak_memory_gb, set_seed, write_atomically
-from simulator import RulesBackend, Simulator
+from simulator import Simulator
+from users import RulesBackend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project's folder
 

@@ -450,8 +450,10 @@ def parse_json(text, where, error=ValueError):
 
 def read_json_lines(path, error=ValueError):
     """[(line index, object)] for each non-empty line of a JSON-lines file; `error` (one line naming
-    the file and the line) when it cannot be read or a line is not JSON (parse_json)."""
-    lines = read_text(path, error).splitlines()
+    the file and the line) when it cannot be read or a line is not JSON (parse_json). Lines end at
+    "\n" only: JSON leaves U+2028, U+0085 and the like unescaped inside strings (SAGE's recorded
+    files hold them), where str.splitlines would cut a line in two."""
+    lines = read_text(path, error).split("\n")
     return [(i, parse_json(line, f"{path}: line {i + 1}", error))
             for i, line in enumerate(lines) if line.strip()]
 

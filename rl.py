@@ -386,7 +386,8 @@ class DialogueSettings:
         6144, "tokens per dialogue; past it the dialogue ends with 'context'", at_least(2))
     # who plays the user, how an appraisal becomes a number, and the users (rollout.build_simulator)
     simulator: str = setting(
-        "same", "same (the policy's frozen base) | rules | http://host:port/v1", simulator_problem)
+        "same", "same (the policy's frozen base) | rules | listener (held out: no preset trains "
+                "against it) | http://host:port/v1", simulator_problem)
     api_model: str = setting("default", "model name sent to a URL simulator")
     api_key_env: str = setting(
         "OPENAI_API_KEY", "environment variable with the URL simulator's key", env_name)

@@ -446,3 +446,15 @@ def test_a_sage_sized_dialogue_is_appraised_in_memory_linear_in_its_context(tiny
     assert len(read_lines(tmp_path / "out" / "appraisals.jsonl")[0]["appraisals"]) == 4
 
 
+
+
+def test_a_recorded_line_holding_a_unicode_line_separator_is_one_line(tmp_path):
+    """JSON leaves U+2028 (and U+0085) unescaped inside strings, and SAGE's recorded files hold it
+    (openai-o4mini_result.jsonl, line 41): a JSON line ends at "\\n" only."""
+    entry = {**read_lines(RESULTS[0])[0]}
+    entry["history"] = [dict(m) for m in entry["history"]]
+    entry["history"][1]["content"] += "\u2028Take your time.\x85"
+    path = tmp_path / "separators_result.jsonl"
+    path.write_text(json.dumps(entry, ensure_ascii=False) + "\n", encoding="utf-8")
+    (line, read), = cli.read_json_lines(str(path))
+    assert line == 0 and read == entry

@@ -573,7 +573,8 @@ BAD_SETTINGS = [  # (flags, words the error line must hold)
     (["--max-change", "-5"], ["--max-change", "-5", "at least 1"]),                          # 4
     (["--max-turns", "0"], ["--max-turns", "0", "at least 1"]),                              # 7
     (["--difficulty", "brutal"], ["--difficulty", "brutal"]),
-    (["--simulator", "rulez"], ["--simulator", "rulez", "same | rules | http(s)://host:port/v1"]),  # 16
+    (["--simulator", "rulez"],
+     ["--simulator", "rulez", "same | rules | listener | http(s)://host:port/v1"]),  # 16
     (["--simulator", "Qwen/Qwen2.5-7B-Instruct"], ["--simulator", "same | rules"]),  # a model: on a server
     (["--simulator", "http:///v1"], ["--simulator", "a URL needs a host"]),
     (["--api-timeout", "0"], ["--api-timeout", "0"]),

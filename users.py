@@ -28,30 +28,30 @@ from dataclasses import dataclass, field
 # What both read: a reply cut off mid-sentence, and the parts of an appraisal
 # ----------------------------------------------------------------------------------------------
 # A finished reply ends on a sentence's end (. ! ? … and the CJK forms; ~ closes a line in chat),
-# then perhaps closing quotes, brackets or markdown, or on an emoji; anything else (a word, a comma,
-# a colon) is where a person sees the text stop. The rollout's record says `cut` where a reply met
-# --max-new-tokens: on the embedded model's replies the two agree on 95%
-# (tests/test_cut_replies.py).
-FINISHED = re.compile(r"[.!?…。！？~～][\"'”’)\]）」』】*_]*+$")
+# then perhaps closing quotes, brackets or markdown, or on an emoticon or an emoji (its variation
+# selector and joiner aside); anything else (a word, a comma, a colon) is where a person sees the
+# text stop. The rollout's record says `cut` where a reply met --max-new-tokens: on the embedded
+# model's replies the two agree on 95% (tests/test_cut_replies.py).
+FINISHED = re.compile(r"(?:[.!?…。！？~～][\"'”’)\]）」』】*_]*+|[:;]-?[()DPp])$")
 
 
 def stops_mid_sentence(reply):
     """Whether the reply's text stops where no sentence ends; a reply with no word is not (it is
     empty)."""
-    text = reply.strip()
+    text = reply.strip().rstrip("\ufe0f\u200d")
     if not re.search(r"\w", text):
         return False
-    return not FINISHED.search(text) and unicodedata.category(text[-1]) != "So"
+    return not FINISHED.search(text) and unicodedata.category(text[-1]) not in ("So", "Sk")
 
 
 def scored(points, weights, found):
     """(change, parts): each part that scored, {points, weight, value, found}, value = points x its
     side's weight (weights: good, bad), and the change their values' sum, rounded."""
     parts = {}
-    for name, value in points.items():
-        if value:
-            weight = weights[value < 0]
-            parts[name] = {"points": value, "weight": weight, "value": round(value * weight, 2),
+    for name, n in points.items():
+        if n:
+            weight = weights[n < 0]
+            parts[name] = {"points": n, "weight": weight, "value": round(n * weight, 2),
                            "found": found.get(name, [])}
     return round(sum(p["value"] for p in parts.values())), parts
 

@@ -16,7 +16,8 @@ from users import (LISTENER_WEIGHTS, RULES_WEIGHTS, ListenerBackend, RulesBacken
 
 FINISHED = ["That sounds exhausting. What happened on Sunday?", "I'm here. 😊", "You said \"enough.\"",
             "Take your time...", "Wow!!", "(That matters.)", "**That matters.**", "你辛苦了。",
-            "你愿意多说一点吗？", "加油哦~", "Okay.\n", "...", "", "   "]
+            "你愿意多说一点吗？", "加油哦~", "Okay.\n", "...", "", "   ", "Love that ❤️", "ok :)",
+            "Well done 👍🏽"]
 CUT = ["That sounds exhausting, and I can imagine that", "I hear you. It must be hard when your",
        "Here is what I would try:", "You deserve a break,", "1. Talk to your manager\n2. Ask for",
        "你一定很累，因为", "I'm sorry 😊 but the"]

@@ -1,8 +1,10 @@
 """PPO with GAE for RLVER: a LoRA actor and a LoRA critic that share one frozen base model.
 
-Each iteration plays a batch of dialogues against the simulated user (rollout.py), puts the reward
-(final emotion / 100) on the last token of the agent's last turn, estimates advantages with GAE over
-the agent's own tokens, and takes clipped PPO steps on the actor and the critic. One copy of the
+Each iteration plays a batch of dialogues against the simulated user (rollout.py), puts on the last
+token of each agent turn the difference between its credit and the next turn's (--reward: final,
+the paper's, credits every turn with the final emotion / 100, so all of it lands on the last turn),
+estimates advantages with GAE over the agent's own tokens, and takes clipped PPO steps on the actor
+and the critic. One copy of the
 weights serves four roles: the actor (adapter 'default'), the critic (adapter 'critic' plus a scalar
 value head), the reference policy (adapters disabled) and, with --simulator same, the simulated user
 (adapters disabled too). TRL's PPO holds four models.
@@ -65,6 +67,12 @@ class Settings(TrainerSettings):
 
     @staticmethod
     def check(args):
+        # mixed credits each turn with RLVER's fork's return, discounted from turn to turn by
+        # --mixed-gamma; GAE returns a turn exactly its credit only undiscounted (gamma = lam = 1)
+        if args.reward == "mixed" and (args.gamma < 1 or args.lam < 1):
+            fail(f"--reward mixed with --gamma {args.gamma} --lam {args.lam}: mixed gives each "
+                 "turn RLVER's fork's return (its discount is --mixed-gamma), which GAE returns "
+                 "only with --gamma 1 --lam 1; below 1 it would discount it again, token by token")
         if args.dialogues_per_iteration % args.minibatch_size:
             fail(f"--dialogues-per-iteration {args.dialogues_per_iteration} must be a multiple of "
                  f"--minibatch-size {args.minibatch_size}")

@@ -210,6 +210,21 @@ def run_into(model, cache, ids, lengths, width):
 PREFILL_CHUNK = 1024  # prompt tokens a pass takes into the cache (masks linear in the context)
 WIDTH_STEP = 256  # attention runs over the cache's used columns rounded up to a multiple of this
 SYNC_EVERY = 8  # decode steps between two looks of the host at whether every row is done (CUDA)
+GROW_COLUMNS = 1024  # a cache grows in steps of this many columns, as its rows need them
+# Eager steps before a CUDA graph is captured (torch.cuda.graphs asks for warm-up runs): they
+# write into as many spare output columns past the last step's, never into a step's own
+WARMUP_STEPS = 2
+
+
+def gumbel_max(logprobs):
+    """One draw a row from softmax(logprobs) (B, V) -> (B,), without multinomial's host
+    synchronisation: the argmax of log p + G, G = -log(-log u) Gumbel noise, u ~ U(0, 1) (the
+    Gumbel-max trick). In float64: in float32 u lies on multiples of 2^-24, so G is at most 16.6
+    and a token more than that below the top is never drawn (one nearer is drawn too rarely),
+    while its recorded log-prob, and the trainer's, say it could be; float64's 2^-53 moves that
+    bound to 36.7 nats, where even 152k tokens (Qwen2.5's vocabulary) hold less than 2e-11."""
+    u = torch.rand(logprobs.shape, dtype=torch.float64, device=logprobs.device)           # (B, V)
+    return (logprobs.double() - u.log().neg().log()).argmax(-1)
 
 
 class Decoder:
@@ -222,6 +237,7 @@ class Decoder:
     None) stays in the batch, its writes going to a column it does not use yet."""
 
     def __init__(self, model, eos_ids, pad_id, length=None):
+        # length: the most columns the cache may take (None: no bound); it takes them as needed
         self.model, self.pad_id, self.length = model, pad_id, length
         device = model.get_input_embeddings().weight.device
         self.eos = torch.tensor(eos_ids, device=device)
@@ -229,12 +245,14 @@ class Decoder:
         self.graphs = {} if device.type == "cuda" and not getattr(
             model, "is_loaded_in_4bit", False) else None
         self.cache = None
+        self.steps = 0  # the decode steps the output buffers hold
         self.held = []  # the tokens the cache holds, a list a row
 
     def allocate(self, rows, length, steps):
         """Buffers for `rows` rows of `length` columns (the cache's), the decode state's and the
-        outputs of up to `steps` steps, the old cache's rows copied in (what they hold stays); the
-        captured graphs, which write into the old buffers, go with them."""
+        outputs of up to `steps` steps (and WARMUP_STEPS spare columns, which only a graph's warm-up
+        writes), the old cache's rows copied in (what they hold stays); the captured graphs, which
+        write into the old buffers, go with them."""
         model = self.model
         device = self.eos.device
         old, self.cache = self.cache, KVCache(model, rows, length)
@@ -242,6 +260,7 @@ class Decoder:
             for new, kept in zip(self.cache.keys + self.cache.values, old.keys + old.values):
                 new[:kept.shape[0], :, :kept.shape[2]] = kept
         vocabulary = model.get_output_embeddings().weight.shape[0]
+        self.steps = steps
         self.state = dict(
             token=torch.zeros(rows, dtype=torch.long, device=device),     # each row's input token
             lengths=torch.zeros(rows, dtype=torch.long, device=device),   # its tokens in the cache
@@ -250,9 +269,9 @@ class Decoder:
             seen=torch.zeros(rows, vocabulary, device=device),            # tokens it holds, counted
             temperature=torch.ones((), device=device),
             penalty=torch.ones((), device=device),                        # repetition penalty
-            # each step's token and its log-prob, a column a step
-            out_tokens=torch.zeros(rows, steps, dtype=torch.long, device=device),
-            out_logprobs=torch.zeros(rows, steps, device=device))
+            # each step's token and its log-prob, a column a step, then the warm-up's spare columns
+            out_tokens=torch.zeros(rows, steps + WARMUP_STEPS, dtype=torch.long, device=device),
+            out_logprobs=torch.zeros(rows, steps + WARMUP_STEPS, device=device))
         self.held += [[] for _ in range(rows - len(self.held))]
         if self.graphs is not None:
             self.graphs, self.pool = {}, torch.cuda.graph_pool_handle()
@@ -279,8 +298,8 @@ class Decoder:
         logprobs = torch.log_softmax(logits / s["temperature"], -1)                       # (B, V)
         if greedy:  # the logits' argmax (two logits may round to one log-prob)
             token = logits.argmax(-1)                                                         # (B,)
-        else:  # a draw (the Gumbel-max trick): the argmax of log p - log(-log u), u ~ U(0, 1)
-            token = (logprobs - torch.rand_like(logprobs).log().neg().log()).argmax(-1)
+        else:
+            token = gumbel_max(logprobs)                                                      # (B,)
         picked = logprobs.gather(-1, token[:, None])[:, 0]                                    # (B,)
         token = torch.where(s["done"], self.pad_id, token)
         s["out_tokens"].index_copy_(1, s["step"][None], token[:, None])
@@ -296,17 +315,20 @@ class Decoder:
     def replay(self, *key):
         """step(width, greedy, penalised): eager, or on CUDA its graph, captured at the first need
         (warmed up on a side stream, as torch.cuda.graphs asks, with every row done so that neither
-        the warm-up nor the capture moves a row)."""
+        the warm-up nor the capture moves a row, and from the spare output columns past the last
+        step's, so that the warm-up writes no step's tokens, whichever step first needs the
+        graph)."""
         if self.graphs is None:
             return self.step(*key)
         if key not in self.graphs:
             s = self.state
             kept = {k: s[k].clone() for k in ("done", "token", "step")}
             s["done"].fill_(True)
+            s["step"].fill_(self.steps)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):
+                for _ in range(WARMUP_STEPS):
                     self.step(*key)
             torch.cuda.current_stream().wait_stream(stream)
             self.graphs[key] = torch.cuda.CUDAGraph()
@@ -368,10 +390,13 @@ class Decoder:
         reused_tokens: the given rows' tokens, and those of them read from the cache."""
         need = max(len(r) for r in rows if r) + max_new_tokens + 1
         if (self.cache is None or len(rows) > len(self.held) or need > self.cache.keys[0].shape[2]
-                or max_new_tokens > self.state["out_tokens"].shape[1]):
-            # the length asked for, or (a growing user's conversations) steps of 1,024 columns
-            length = self.length if (self.length or 0) >= need else -(-need // 1024) * 1024
-            steps = max(max_new_tokens, self.state["out_tokens"].shape[1] if self.cache else 0)
+                or max_new_tokens > self.steps):
+            # the columns the rows need, in steps of GROW_COLUMNS, up to self.length: memory is
+            # taken as dialogues grow, never for a context no dialogue reaches
+            length = -(-need // GROW_COLUMNS) * GROW_COLUMNS
+            if self.length is not None:
+                length = max(need, min(length, self.length))
+            steps = max(max_new_tokens, self.steps)
             self.allocate(max(len(rows), len(self.held)), length, steps)
         if fresh:
             self.held = [[] for _ in self.held]

@@ -93,9 +93,11 @@ def personas_file(write_personas, persona_entry):
 
 
 # 16 dialogues an iteration in two minibatches of 8 (the second step's ratios move off 1), one
-# pass, 32 iterations, a LoRA learning rate of 8e-3: the clipped fraction stays near 0.1
+# pass, 32 iterations, a LoRA learning rate of 8e-3: the clipped fraction stays near 0.1. The
+# adapters sit where users put them (--target-modules' default: every attention and MLP
+# projection, not lm_head), so the policy learns only through the transformer's layers
 COMMON = ["--preset", "cpu", "--simulator", "rules", "--split", "test", "--max-new-tokens", "8",
-          "--lora-r", "8", "--lora-alpha", "16", "--target-modules", "q_proj,v_proj,lm_head",
+          "--lora-r", "8", "--lora-alpha", "16",
           "--save-every", "1000", "--iterations", "32", "--update-epochs", "1", "--lr", "8e-3",
           "--minibatch-size", "8", "--micro-batch-size", "8"]
 PPO = ["--dialogues-per-iteration", "16", "--critic-lr", "8e-3"]
@@ -192,3 +194,23 @@ def test_grpo_learns_over_two_turns(peaked_model_dir, personas_file, tmp_path, m
                                      "--reward", "turn"]
     learns_at_two_of_three_seeds("grpo, 2 turns",
                                  trainer_run(monkeypatch, tmp_path, grpo, 2, flags))
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo"])
+def test_an_update_moves_every_adapted_layer(peaked_model_dir, personas_file, tmp_path,
+                                             monkeypatch, name):
+    """The policy's gradient reaches every layer it adapts: after one iteration's update each
+    LoRA B matrix (zero at the start) has moved, the actor's and PPO's critic's alike. A loss that
+    reached only the output layer (hidden states detached) would leave every one at zero."""
+    trainer = __import__(name)
+    size = PPO if name == "ppo" else GRPO
+    flags = COMMON + size + ["--model", peaked_model_dir, "--personas", personas_file,
+                             "--dtype", "float32", "--thinking", "false", "--iterations", "1"]
+    install_stand_in(monkeypatch, trainer)
+    returned = trainer.main(flags + ["--seed", "0", "--out", str(tmp_path / "run")])
+    model = returned[0] if name == "ppo" else returned  # ppo.main: (model, value head)
+    moved = {n: float(p.detach().abs().max()) for n, p in model.named_parameters() if "lora_B" in n}
+    adapters = ("default", "critic") if name == "ppo" else ("default",)
+    assert {n.split(".")[-2] for n in moved} == set(adapters)
+    assert len(moved) == 7 * 2 * len(adapters)  # 7 projections x 2 layers, each adapter
+    assert all(value > 0 for value in moved.values()), [n for n, v in moved.items() if v == 0]

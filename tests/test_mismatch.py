@@ -198,7 +198,10 @@ def test_both_trainers_log_and_correct_the_bf16_mismatch(trainer, sharp_model_di
         (runs[cap],) = read_metrics(out)
     on, off = runs["2"], runs["0"]
     assert on["policy_tokens"] == off["policy_tokens"]          # the same dialogues
-    assert on["mismatch_kl"] == off["mismatch_kl"] > 1e-4        # measured alike, and there
+    # measured alike, and there: how far apart depends on the CPU's bf16 kernels (1e-4 and more
+    # where the matrix products run in bf16, 6.5e-7 on an AVX2 machine that computes them in float32
+    # and rounds once)
+    assert on["mismatch_kl"] == off["mismatch_kl"] > 0
     assert on["tis_weight_mean"] != 1.0 and off["tis_weight_mean"] == 1.0
     assert off["tis_clip_frac"] == 0.0 <= on["tis_clip_frac"] < 0.2
     if trainer is ppo:

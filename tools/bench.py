@@ -9,6 +9,7 @@
         (one CUDA GPU; --tiny: the same on CPU)
     python tools/bench.py gpu --check [--out runs/gpu-check] [--steps a,b] [--budget 450]
         [--dry-run] [-- PPO FLAGS]
+    python tools/bench.py tail [--draws 20000] [--vocabulary 49152] [--gap 18]
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
 (rollout.play_dialogues: the LoRA policy on the embedded SmolLM2-135M-Instruct against the 'same'
@@ -74,6 +75,11 @@ it (--out: a new folder, created here, or an empty one; never one that holds any
 needs the embedded model's wheel or bitsandbytes. --dry-run runs the same steps on CPU with CUDA
 hidden, at tiny sizes (one of the four learning tests), so CI keeps them right. Flags after `--` go
 to the bench-gpu step's ppo.py.
+
+tail: the sampler's law where float32 noise fails it: one token at log-prob about 0 and the rest of
+the vocabulary --gap nats below it (the issue's case: 49,151 tokens at -18, 7.5e-4 of the mass),
+drawn --draws times by the decode step's draw (float64 Gumbel noise) and by the same draw with
+float32 noise (at most 16.6 nats); each count against the tail's mass, chi-square at 1%.
 
 Every subcommand that hands flags to a trainer reads them with the trainer's own settings first
 (checked): an unknown flag or a bad value is one line and exit code 2 before anything runs.
@@ -972,11 +978,53 @@ def gpu_check(args):
 
 
 # ----------------------------------------------------------------------------------------------
+# tail: the sampler's draw against a far tail of known mass
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class TailSettings:
+    title = "tail"
+    draws: int = setting(20_000, "rows drawn, one token each", at_least(1))
+    vocabulary: int = setting(49_152, "tokens a row (SmolLM2's 49,152)", at_least(2))
+    gap: float = setting(18.0, "nats from the top token down to every other one", above(0))
+    chunk: int = setting(1000, "rows a draw at once (memory: chunk x vocabulary x 8 bytes)",
+                         at_least(1))
+    seed: int = setting(0, "random seed", within(0, 2**32 - 1))
+
+
+def bench_tail(args):
+    """One token at log-prob about 0 and all the others --gap nats below it: how often the decode
+    step's draw (rollout.gumbel_max, float64 Gumbel noise) and the same draw with float32 noise
+    find the tail, against the tail's mass, with a chi-square test at 1% (6.63: one degree of
+    freedom)."""
+    logits = torch.full((args.vocabulary,), -args.gap)
+    logits[0] = 0.0
+    logprobs = torch.log_softmax(logits, -1)
+    # the law the draw follows: the softmax of the log-probs it is given, summed in float64 (in
+    # float32, 1 + 1e-8 is 1: the top token's own log-prob misses a tenth of the tail)
+    expected = args.draws * torch.softmax(logprobs.double(), -1)[1:].sum().item()
+    draws = {"float64 (rollout.gumbel_max)": rollout.gumbel_max,
+             "float32": lambda lp: (lp - torch.rand_like(lp).log().neg().log()).argmax(-1)}
+    result = {"expected": expected}
+    for name, draw in draws.items():
+        torch.manual_seed(args.seed)
+        found = 0
+        for start in range(0, args.draws, args.chunk):
+            rows = min(args.chunk, args.draws - start)
+            found += int((draw(logprobs.expand(rows, -1)) != 0).sum())
+        chi_square = (found - expected) ** 2 * (1 / expected + 1 / (args.draws - expected))
+        result[name] = {"found": found, "chi_square": chi_square, "within_99": chi_square < 6.63}
+        print(f"{name}: the tail drawn {found} times of {args.draws}, {expected:.1f} expected: "
+              f"chi-square {chi_square:.2f} ({'within' if chi_square < 6.63 else 'outside'} the "
+              "99% interval)")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
 # The command line
 # ----------------------------------------------------------------------------------------------
 COMMANDS = {"rollout": (bench_rollout, RolloutSettings), "step": (bench_step, StepSettings),
             "learning": (bench_learning, LearningSettings), "gpu": (bench_gpu, GPUSettings),
-            "gpu --check": (gpu_check, CheckSettings)}
+            "gpu --check": (gpu_check, CheckSettings), "tail": (bench_tail, TailSettings)}
 
 
 def main(argv=None):

@@ -28,7 +28,8 @@ from policy import adapter_params, check_model, load_policy
 from rl import (TrainerSettings, adamw_with_warmup, eval_logprobs, iteration_report,
                 mode_coefficients, old_logprobs_from_update, pad_records, pick_personas,
                 policy_terms, token_logprobs, token_weights, turn_rewards)
-from rollout import ChatTokens, Decoder, build_simulator, check_openings_fit, play_dialogues
+from engine import Decoder
+from rollout import ChatTokens, build_simulator, check_openings_fit, play_dialogues
 from run import Run
 from simulator import SimulatorError
 

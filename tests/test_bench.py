@@ -410,7 +410,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     for dtype in ("fp32", "bf16"):  # every test marked gpu also runs on the CPU
         assert n[f"tests-{dtype}"]["passed"] >= 4 and "skipped" not in n[f"tests-{dtype}"]
         assert "failed" not in n[f"tests-{dtype}"]
-    assert n["learning"] == {"passed": 1, "deselected": 4}  # the reward rose by more than 0.2
+    assert n["learning"]["passed"] == 1 and "failed" not in n["learning"]  # the reward rose
     assert n["bench-gpu"]["policy_tokens"] == 2 * 2 * 4
     rates = n["rollout-rates"]
     assert rates["tokens_per_s"] > 0

@@ -1,4 +1,4 @@
-"""The decode loop (rollout.Decoder) and what every loader must hold on a GPU: one KV cache a batch
+"""The decode loop (engine.Decoder) and what every loader must hold on a GPU: one KV cache a batch
 keeps for the whole rollout, one decode step of fixed shapes that never waits for the host (so that
 CUDA can capture it as a graph), greedy tokens and log-probs as transformers' generate and a full
 forward pass give them; and models loaded offline, with one set of kernels for sampling and
@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+import engine
 import rollout
 from conftest import BF16_RTOL, ROOT, _tiny_llama, loose
 from policy import float32_head, load_model, load_policy
@@ -85,7 +86,7 @@ def test_greedy_tokens_and_log_probs_equal_generate_and_a_full_pass_over_turns(p
     those generate() gives it alone, and each stored log-prob is a full forward pass's."""
     model, tokenizer = peaked_here
     chat = rollout.ChatTokens(tokenizer, False)
-    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256)
+    decoder = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256)
     rows = [chat.prompt(p) for p in PROMPTS]
     for turn in range(2):
         out = decoder.generate(rows, 10, greedy=True, fresh=turn == 0)
@@ -109,11 +110,11 @@ def test_rows_given_twice_run_once_and_decode_as_rows_given_once(peaked_here, dt
     model, tokenizer = peaked_here
     chat = rollout.ChatTokens(tokenizer, False)
     passes = []
-    run_into = rollout.run_into
-    monkeypatch.setattr(rollout, "run_into", lambda model, cache, ids, *rest: (
+    run_into = engine.run_into
+    monkeypatch.setattr(engine, "run_into", lambda model, cache, ids, *rest: (
         passes.append(ids.shape), run_into(model, cache, ids, *rest))[1])
-    together = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256)
-    alone = [rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256) for _ in PROMPTS[:2]]
+    together = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256)
+    alone = [engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256) for _ in PROMPTS[:2]]
     which = (0, 1, 0, 0, 1)
     rows = [chat.prompt(PROMPTS[p]) for p in which]
     for turn in range(2):
@@ -141,7 +142,7 @@ def test_the_users_repetition_penalty_is_generates(peaked_here, dtype):
     what this model writes for some of them (else an ignored penalty would pass)."""
     model, tokenizer = peaked_here
     eos = rollout.eos_ids(tokenizer)
-    decoder = rollout.Decoder(model, eos, tokenizer.pad_token_id)
+    decoder = engine.Decoder(model, eos, tokenizer.pad_token_id)
     changed = []
     for text in ["hello", "word word word", "i feel sad", "say it again and again " * 4, "ok ok"]:
         row = rollout.chat_ids(tokenizer, [{"role": "user", "content": text}])
@@ -164,7 +165,7 @@ def test_sampling_draws_from_the_tempered_softmax(peaked_model):
     row = chat.prompt("how are you?")
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([row])).logits[0, -1].float()
-    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    decoder = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
     n = 4000
     torch.manual_seed(0)
     for temperature in (1.0, 0.5):
@@ -185,25 +186,25 @@ def test_the_decode_step_never_waits_for_the_host(peaked_model):
     fail a CUDA graph capture. A stand-in that adds one is caught, so the check can fail."""
     model, tokenizer = peaked_model
     chat = rollout.ChatTokens(tokenizer, False)
-    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    decoder = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
     decoder.generate([chat.prompt(p) for p in PROMPTS], 2, fresh=True)
     decoder.state["step"].zero_()
     for greedy, penalised in ((False, False), (True, True)):  # the policy's step, the user's
         torch._dynamo.reset()
         torch.compile(decoder.step, backend="eager", fullgraph=True)(256, greedy, penalised)
-    run_into = rollout.run_into
+    run_into = engine.run_into
 
     def waits(model, cache, ids, lengths, width):
         if int(lengths.max()) > 10 ** 9:  # a host synchronisation
             pass
         return run_into(model, cache, ids, lengths, width)
     torch._dynamo.reset()
-    rollout.run_into = waits
+    engine.run_into = waits
     try:
         with pytest.raises(Exception, match="(?i)graph break|data-dependent|item"):
             torch.compile(decoder.step, backend="eager", fullgraph=True)(256, False, False)
     finally:
-        rollout.run_into = run_into
+        engine.run_into = run_into
         torch._dynamo.reset()
 
 
@@ -213,14 +214,14 @@ def test_a_row_that_sits_out_keeps_its_cache_and_a_seated_row_reuses_the_closest
     appraisal runs only what it adds, and answers as the same conversation run whole does."""
     model, tokenizer = peaked_model
     chat = rollout.ChatTokens(tokenizer, False)
-    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    decoder = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
     a, b = chat.prompt("first conversation " * 5), chat.prompt("second one, longer " * 8)
     (ta, _), (tb, _) = decoder.generate([a, b], 4, greedy=True, fresh=True)
     decoder.generate([None, b + tb + [5, 6]], 3, greedy=True)  # a sits out
     extended = a + ta + [7, 8, 9]
     (again, logprobs), = decoder.generate([extended], 4, greedy=True, seat=True)
     assert decoder.reused_tokens == len(a) + len(ta) - 1  # a's row: all but its unwritten last token
-    whole = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    whole = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
     (expected, expected_logprobs), = whole.generate([extended], 4, greedy=True, fresh=True)
     assert again == expected
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=1e-5,
@@ -283,7 +284,7 @@ def test_a_width_first_met_at_the_last_step_decodes_as_generate(peaked_here, dty
     generate()'s with no end-of-turn token either, the log-probs a full pass's."""
     model, tokenizer = peaked_here
     rows = [[5 + (k % 300) for k in range(248)], [7] * 100]
-    decoder = rollout.Decoder(model, [-1], tokenizer.pad_token_id, 1024)
+    decoder = engine.Decoder(model, [-1], tokenizer.pad_token_id, 1024)
     out = decoder.generate(rows, 10, greedy=True, fresh=True)
     for row, (tokens, logprobs) in zip(rows, out):
         ids = torch.tensor([row], device=model.device)
@@ -362,9 +363,9 @@ def test_a_graph_first_needed_at_the_last_step_writes_within_the_outputs(peaked_
     model, tokenizer = peaked_model
     never = [-1]  # an end-of-turn id no token has: every row runs to the last step
     rows = [[5 + (k % 300) for k in range(prompt_tokens)], [7] * 100]
-    eager = rollout.Decoder(model, never, tokenizer.pad_token_id, 1024)
+    eager = engine.Decoder(model, never, tokenizer.pad_token_id, 1024)
     expected = eager.generate(rows, 10, greedy=True, fresh=True)
-    graphed = rollout.Decoder(model, never, tokenizer.pad_token_id, 1024)
+    graphed = engine.Decoder(model, never, tokenizer.pad_token_id, 1024)
     captured = emulate_cuda_graphs(monkeypatch, graphed)
     out = graphed.generate(rows, 10, greedy=True, fresh=True)
     widths = [key[0] for key in captured]
@@ -379,7 +380,7 @@ def test_a_graph_first_needed_at_the_last_step_writes_within_the_outputs(peaked_
 
 def test_the_sampler_draws_a_far_tail_as_often_as_its_log_prob_says():
     """One token at log-prob about 0 and 8,191 at -16 below it (1.1e-7 each, where float32 noise
-    starts to fall short): 16,000 draws of rollout.gumbel_max, the decode step's draw, find the
+    starts to fall short): 16,000 draws of engine.gumbel_max, the decode step's draw, find the
     tail about 15 times, as its recorded mass 9.2e-4 says, within a chi-square's 99% interval. A
     float32 draw fails a tail further out (tools/bench.py tail measures both: docs/results.md);
     here the draw must be the float64 Gumbel-max of its stream, which a float32 one is not."""
@@ -391,7 +392,7 @@ def test_the_sampler_draws_a_far_tail_as_often_as_its_log_prob_says():
     # float32, 1 + 1e-8 is 1: the top token's own log-prob misses a tenth of the tail)
     tail = torch.softmax(logprobs.double(), -1)[1:].sum().item()
     torch.manual_seed(0)
-    found = sum(int((rollout.gumbel_max(logprobs.expand(chunk, -1)) != 0).sum())
+    found = sum(int((engine.gumbel_max(logprobs.expand(chunk, -1)) != 0).sum())
                 for _ in range(n // chunk))
     expected = n * tail
     chi_square = (found - expected) ** 2 / expected + (found - expected) ** 2 / (n - expected)
@@ -399,7 +400,7 @@ def test_the_sampler_draws_a_far_tail_as_often_as_its_log_prob_says():
     # the same uniforms, drawn in float64, make the draw: a float32 stream would be another
     rows = torch.log_softmax(torch.randn(4, 50) * 3, -1)
     torch.manual_seed(1)
-    drawn = rollout.gumbel_max(rows)
+    drawn = engine.gumbel_max(rows)
     torch.manual_seed(1)
     u = torch.rand(rows.shape, dtype=torch.float64)
     assert torch.equal(drawn, (rows.double() - u.log().neg().log()).argmax(-1))
@@ -412,8 +413,8 @@ def test_the_cache_takes_columns_as_rows_need_them(peaked_model):
     model, tokenizer = peaked_model
     chat = rollout.ChatTokens(tokenizer, False)
     rows = [chat.prompt(p) for p in PROMPTS]
-    growing = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 1_000_001)
-    whole = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 2049)
+    growing = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 1_000_001)
+    whole = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 2049)
     whole.allocate(len(rows), 2049, 10)
     for turn, length in enumerate((1024, 2048)):
         out = growing.generate(rows, 10, greedy=True, fresh=turn == 0)

@@ -11,8 +11,8 @@ import pytest
 from conftest import ROOT
 
 # Each file and the project files it may import: the floors below it (tools/bench.py is on top).
-FLOORS = ["cli", "run", "personas", "simulator", "client", "policy", "rollout", "rl", "ppo", "grpo",
-          "evaluate", "bench"]
+FLOORS = ["cli", "run", "personas", "simulator", "client", "policy", "engine", "rollout", "rl", "ppo",
+          "grpo", "evaluate", "bench"]
 ALLOWED = {
     "cli": set(),
     "run": {"cli"},
@@ -20,11 +20,12 @@ ALLOWED = {
     "simulator": {"cli", "run", "personas"},
     "client": {"cli", "run", "simulator"},
     "policy": {"cli", "run"},
-    "rollout": {"cli", "run", "simulator", "client", "policy"},
+    "engine": set(),
+    "rollout": {"cli", "run", "simulator", "client", "policy", "engine"},
     "rl": {"cli", "run", "personas", "simulator", "policy", "rollout"},
-    "ppo": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
-    "grpo": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
-    "evaluate": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
+    "ppo": {"cli", "run", "personas", "simulator", "policy", "engine", "rollout", "rl"},
+    "grpo": {"cli", "run", "personas", "simulator", "policy", "engine", "rollout", "rl"},
+    "evaluate": {"cli", "run", "personas", "simulator", "policy", "engine", "rollout", "rl"},
     "bench": set(FLOORS[:-1]),
 }
 

@@ -18,6 +18,7 @@ from rl import pad_records, token_logprobs
 import grpo
 import ppo
 import rl
+import engine
 import rollout
 from conftest import read_metrics, tiny_tokenizer
 from simulator import RulesBackend, Simulator
@@ -159,7 +160,7 @@ def test_the_kv_cache_is_allocated_once_for_the_whole_rollout(tiny_model, person
     the next rollout reuses the same memory."""
     model, tokenizer = tiny_model
     chat = rollout.ChatTokens(tokenizer, False)
-    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 512 + 1)
+    decoder = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 512 + 1)
     generate, seen = decoder.generate, []
 
     def watched(*args, **kwargs):

@@ -21,6 +21,7 @@ from client import OpenAIBackend
 from personas import load_personas
 from policy import float32_head, load_model, load_policy
 from rl import eval_logprobs, eval_scores, pad_records, token_logprobs
+import engine
 import rollout
 import simulator
 from rollout import SILENCE, ChatTokens, play_dialogues, split_thought
@@ -663,7 +664,7 @@ def test_the_kept_cache_gives_the_same_dialogues_as_running_every_prompt_whole(e
     runs = []
     for forget in (False, True):
         chat = ChatTokens(tokenizer)
-        decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+        decoder = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
         generate = decoder.generate
         if forget:
             decoder.generate = lambda *a, **k: generate(*a, **{**k, "fresh": True})

@@ -106,6 +106,7 @@ import torch
 # run as `python tools/bench.py` from any folder: the project's modules sit one folder up
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ppo
+import engine
 import rollout
 from personas import load_personas
 from policy import DEFAULT_TARGETS, load_policy, model_problem
@@ -230,7 +231,7 @@ def bench_rollout(args):
     # The baseline runs before and after the rollout, averaged, so that a machine whose load changes
     # during the run (shared CPUs) tilts the ratio less.
     before = plain_rate(policy, tokenizer, prompts, args.max_new_tokens)
-    decoder = rollout.Decoder(policy, chat.eos_ids, tokenizer.pad_token_id, 4097)
+    decoder = engine.Decoder(policy, chat.eos_ids, tokenizer.pad_token_id, 4097)
     t0 = time.time()
     records, stats = rollout.play_dialogues(policy, simulator, personas, chat=chat,
                                             decoder=decoder, max_new_tokens=args.max_new_tokens,
@@ -669,7 +670,7 @@ def bench_gpu(args):
     # every decode call (a turn of the policy's, or a call of the `same` user's) and every graph
     # capture, timed
     calls, captures = [], []
-    generate, replay = rollout.Decoder.generate, rollout.Decoder.replay
+    generate, replay = engine.Decoder.generate, engine.Decoder.replay
 
     def timed_generate(self, rows, max_new_tokens, *rest, **options):
         sync()
@@ -696,8 +697,8 @@ def bench_gpu(args):
             mock.patch("policy.load_model", load_model), \
             mock.patch("rollout.load_tokenizer", lambda *a, **k: tokenizer), \
             mock.patch("ppo.check_model", lambda *a, **k: None), \
-            mock.patch.object(rollout.Decoder, "generate", timed_generate), \
-            mock.patch.object(rollout.Decoder, "replay", timed_replay):
+            mock.patch.object(engine.Decoder, "generate", timed_generate), \
+            mock.patch.object(engine.Decoder, "replay", timed_replay):
         print(f"bench gpu: "
               f"{'tiny Qwen2 (2 layers, hidden 64)' if args.tiny else 'Qwen2.5-7B architecture'}, "
               f"random weights: ppo.py {' '.join(argv)}", flush=True)
@@ -719,7 +720,7 @@ def bench_gpu(args):
         personas = pick_personas(load_personas("personas.json", "train"),
                                  settings.dialogues_per_iteration, settings.seed, 0)
         chat = rollout.ChatTokens(tokenizer, settings.thinking)
-        small = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id,
+        small = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id,
                                 settings.max_context + 1)
         for _ in range(2):
             calls.clear()
@@ -993,7 +994,7 @@ class TailSettings:
 
 def bench_tail(args):
     """One token at log-prob about 0 and all the others --gap nats below it: how often the decode
-    step's draw (rollout.gumbel_max, float64 Gumbel noise) and the same draw with float32 noise
+    step's draw (engine.gumbel_max, float64 Gumbel noise) and the same draw with float32 noise
     find the tail, against the tail's mass, with a chi-square test at 1% (6.63: one degree of
     freedom)."""
     logits = torch.full((args.vocabulary,), -args.gap)
@@ -1002,7 +1003,7 @@ def bench_tail(args):
     # the law the draw follows: the softmax of the log-probs it is given, summed in float64 (in
     # float32, 1 + 1e-8 is 1: the top token's own log-prob misses a tenth of the tail)
     expected = args.draws * torch.softmax(logprobs.double(), -1)[1:].sum().item()
-    draws = {"float64 (rollout.gumbel_max)": rollout.gumbel_max,
+    draws = {"float64 (engine.gumbel_max)": engine.gumbel_max,
              "float32": lambda lp: (lp - torch.rand_like(lp).log().neg().log()).argmax(-1)}
     result = {"expected": expected}
     for name, draw in draws.items():

@@ -150,21 +150,20 @@ def test_a_key_glued_to_other_characters_is_in_no_file_the_run_writes(key, serve
                                                                      capsys):
     """Case 2: a user's echo of the key glued to word characters (`xsk-...`, `sk-..._1`, `sk-...z`), or
     a key without the sk- prefix, was stored whole in rollouts.jsonl. Every file of the run folder, and
-    what the command printed, is searched."""
+    what the command printed, is searched. Such a reply is refused now (issue 61; it was scrubbed): the
+    run ends with one line naming the server, never the key."""
     monkeypatch.setenv("OPENAI_API_KEY", key)
     srv = serve(glued(key))
     out = tmp_path / "run"
     argv = tiny(tiny_model_dir, personas_file, out, "--simulator", srv.url, "--iterations", "1",
                 "--save-every", "1", "--api-retries", "0")
     code, printed, err, _ = command(capsys, "ppo.py", *argv)
-    assert code == 0, err[-2000:]
+    assert_one_line(code, err, f"simulator server {srv.url}", "holds the key of $OPENAI_API_KEY")
     assert {r["headers"]["Authorization"] for r in srv.requests} == {f"Bearer {key}"}
     written = {path.relative_to(out): path.read_bytes() for path in out.rglob("*") if path.is_file()}
-    assert {"rollouts.jsonl", "metrics.jsonl", "config.json"} <= {str(p) for p in written}
+    assert "config.json" in {str(p) for p in written}
     assert [str(path) for path, data in written.items() if key.encode() in data] == []
     assert key not in printed + err
-    rollouts = (out / "rollouts.jsonl").read_text()
-    assert "x<redacted> and <redacted>_1 and <redacted>z" in rollouts and "x<redacted>z" in rollouts
 
 
 @pytest.mark.parametrize("key", ["EMPTY", "x"])

@@ -145,3 +145,68 @@ def test_the_change_is_read_from_every_appraisal_as_before_and_never_raised_by_t
                 assert read is not None and read <= stated
         read = simulator.users_change(entry["text"], [KIND + LINES["every value"]], -10)
         assert read == -10 or stated is None or abs(stated) > 10
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Secret-scrubbing never alters the user's text; a reply holding the key is refused
+# ----------------------------------------------------------------------------------------------
+def says(words):
+    """A URL user whose every message is `words` and every appraisal `words` under its label, then
+    "Change: -5"."""
+    def respond(n, body):
+        if next((m for m in body["messages"] if "newest reply:\n" in m["content"]), None):
+            return completion(f"Inner reaction: {words}\nChange: -5")
+        return completion(words)
+    return respond
+
+
+@pytest.mark.parametrize("key", ["password", "assistant", "anything", "Change: -5", "EMPTY"])
+def test_a_placeholder_key_never_changes_what_the_user_wrote_or_the_policy_trains_on(key, tiny_model,
+                                                                                     serve, monkeypatch):
+    """Cause 2: a key of 8 characters or more was replaced wherever it stood: with OPENAI_API_KEY=password
+    (servers that ignore the key are common) the user's word became <redacted> in its appraisal, its
+    messages, rollouts.jsonl and the conversation the policy trains on; a key equal to the change line
+    removed the judgment. A placeholder (client.is_secret) is sent and never looked for: the records of a
+    rollout, tokens included, are those made with no key at all."""
+    tokenizer = tiny_model[1]
+    words = "The password to my calm is anything but an assistant's script."
+    url = serve(says(words)).url
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    plain = played(tokenizer, url, [BLUNT])
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    keyed = played(tokenizer, url, [BLUNT])
+    assert keyed == plain and plain[0]["changes"] == [-5, -5]
+    assert keyed[0]["turns"][1]["appraisal"] == f"Inner reaction: {words}\nChange: -5"  # as written
+    assert keyed[0]["turns"][2]["text"] == words
+    assert words in tokenizer.decode(keyed[0]["token_ids"])  # what the policy trains on
+
+
+@pytest.mark.parametrize("key", ["sk-abcdefghijklmnop1234", "token-abc123def456", "AbC+dEf/123xyz0==",
+                                 "hf_abcdefghijklmnop"])
+def test_a_reply_that_holds_a_real_key_is_refused_and_never_stored(key, serve, monkeypatch):
+    """Cause 2: the reply that holds the key (a proxy's echo of the header, glued to other characters) is
+    refused as malformed, tried again, then one line naming the server and the variable, never the key:
+    nothing of it is stored, and no text is rewritten."""
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    srv = serve(says(f"x{key}z."))
+    sim = simulator.Simulator(OpenAIBackend(srv.url, max_retries=2, backoff=0.01), max_turns=1)
+    state = sim.start(PERSONA)
+    with pytest.raises(simulator.SimulatorError) as error:
+        sim.step([state], [KIND])
+    line = str(error.value)
+    assert f"simulator server {srv.url}" in line and "$OPENAI_API_KEY" in line and "after 3 tries" in line
+    assert key not in line and "\n" not in line
+    assert len(srv.requests) == 3 and state.appraisals == [] and state.emotion == sim.start_emotion
+
+
+def test_a_placeholder_is_told_from_a_key_by_its_form():
+    """Cause 2: how a key is told from a placeholder (client.is_secret): a bearer token of 8 characters
+    or more mixing letters and digits, or a key cli.redact hides; words, short values and text are not."""
+    from client import is_secret
+
+    secrets = ["sk-abcdefghijklmnop1234", "token-abc123def456", "plainsecret7", "AbC+dEf/123=",
+               "hf_abcdefghijkl", "sk-no-key-required"]
+    placeholders = ["EMPTY", "x", "abc123", "password", "assistant", "anything", "not-needed",
+                    "Change: -5", "Password", "dummy key 1234"]
+    assert [k for k in secrets if not is_secret(k)] == []
+    assert [k for k in placeholders if is_secret(k)] == []

@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from cli import above, at_least, env_name, fail, one_of, setting, within
+from cli import KEY_VARIABLE, above, at_least, env_name, fail, one_of, setting, within
 from personas import DIFFICULTIES, SPLITS
 from policy import DEFAULT_TARGETS, four_bit_problem, model_problem
 from rollout import TOKEN_ARRAYS, summarize, unmoved_record
@@ -389,7 +389,7 @@ class DialogueSettings:
         "same", "same (the policy's frozen base) | rules | http://host:port/v1", simulator_problem)
     api_model: str = setting("default", "model name sent to a URL simulator")
     api_key_env: str = setting(
-        "OPENAI_API_KEY", "environment variable with the URL simulator's key", env_name)
+        KEY_VARIABLE, "environment variable with the URL simulator's key", env_name)
     api_timeout: float = setting(
         60.0, "seconds a request to a URL simulator may take in all; a call, x (retries + 1)",
         within(0, 86400, low_open=True), operational=True)

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cli import HELD, TAKEN, exit_on_signals, fail, public_config, read_run, release
+from cli import (HELD, TAKEN, destination_flags, exit_on_signals, fail, public_config, read_run,
+                 release)
 
 
 def summary(rows):
@@ -400,7 +401,9 @@ class Run:
     def resume_advice(self):
         """What holds now and the command that continues (every one tested)."""
         found = checkpoints(self.args.out)
-        how = f"python {self.script} --resume {self.args.out}"
+        # a URL user's address and key variable are typed again on resume (confirm_destination)
+        how = " ".join(filter(None, [f"python {self.script} --resume {self.args.out}",
+                                     destination_flags(self.args)]))
         if read_run(self.args.out) is None:  # deleted: --resume would find no run folder there
             return (f"{self.args.out} holds no run any more (no config.json): start a new run, "
                     f"`python {self.script}` with the flags it was started with")

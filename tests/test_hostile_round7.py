@@ -5,6 +5,7 @@ the trainers' own functions on records a rollout made, or the command line (the 
 this process), as tests/test_hostile_round6.py does for round 6."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ import rollout
 import simulator
 from client import OpenAIBackend
 from personas import load_personas
-from conftest import ROOT, completion, corpus
+from conftest import ROOT, completion, corpus, read_metrics
+from test_bad_input import assert_one_line, tiny
+from test_hostile import command, copy_run, produce
 
 PERSONA = load_personas(os.path.join(ROOT, "personas.json"))[0]
 
@@ -210,3 +213,99 @@ def test_a_placeholder_is_told_from_a_key_by_its_form():
                     "Change: -5", "Password", "dummy key 1234"]
     assert [k for k in secrets if not is_secret(k)] == []
     assert [k for k in placeholders if is_secret(k)] == []
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. A run folder never chooses, unseen, where a request goes or which secret it carries
+# 9. A path typed on resume is compared as a path
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_run(tiny_model_dir, personas_file, tmp_path_factory):
+    """A PPO run of 1 iteration against the rules user, with its checkpoint (not itself a case)."""
+    out = tmp_path_factory.mktemp("r7") / "run"
+    produce("ppo.py", *tiny(tiny_model_dir, personas_file, out, "--iterations", "1", "--save-every", "1"))
+    return out
+
+
+def edited(run, tmp_path, **fields):
+    """A copy of the run whose config.json says `fields`, as a shared or downloaded folder might."""
+    copy = copy_run(run, tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, **fields}))
+    return copy
+
+
+URL = "http://127.0.0.1:9/v1"
+
+
+def user_server(serve):
+    return serve(lambda n, body: completion("Change: +1" if next(
+        (m for m in body["messages"] if "newest reply:\n" in m["content"]), None) else "Okay."))
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(api_key_env="HF_TOKEN")], ids=["its URL", "its URL and key"])
+def test_resume_sends_nothing_where_the_run_folder_alone_says(fields, saved_run, serve, tmp_path, capsys,
+                                                              monkeypatch):
+    """Cause 3: `--resume RUN` took `simulator` and `api_key_env` from RUN/config.json without a word: a
+    folder set to a foreign host and HF_TOKEN sent `Bearer $HF_TOKEN` there. Now one line, before any
+    request, names the file and what to type; typed, the run goes on and sends there."""
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop1234")
+    srv = user_server(serve)
+    run = edited(saved_run, tmp_path, simulator=srv.url, **fields)
+    code, out, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "2")
+    variable = fields.get("api_key_env", "OPENAI_API_KEY")
+    typed = ["--simulator", srv.url] + ["--api-key-env", variable] * ("api_key_env" in fields)
+    assert_one_line(code, err, f"{run}/config.json: field 'simulator'", srv.url, f"${variable}",
+                    f"type {' '.join(typed)} to send")
+    assert srv.requests == [] and "hf_abcdefghijklmnop1234" not in out + err
+    assert [m["iteration"] for m in read_metrics(run)] == [1]
+    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "2", *typed)
+    assert code == 0, err[-2000:]
+    key = os.environ.get(variable)
+    assert srv.requests and {r["headers"].get("Authorization") for r in srv.requests} == {
+        f"Bearer {key}" if key else None}
+
+
+@pytest.mark.parametrize("saved, typed, named", [
+    (dict(simulator=URL), [], ["simulator"]),
+    (dict(api_key_env="HF_TOKEN"), ["--simulator", URL], ["api_key_env"]),
+    (dict(simulator=URL, api_key_env="HF_TOKEN"), [], ["simulator", "api_key_env"])],
+    ids=["its URL", "its key variable under a URL typed", "both"])
+def test_evaluate_sends_nothing_where_an_adapters_run_alone_says(saved, typed, named, saved_run, tmp_path,
+                                                                 capsys, monkeypatch):
+    """Cause 3: `evaluate.py --adapter RUN` took the URL and the key variable from the run's config.json.
+    A URL, or a key variable other than the default, that comes from the run is named in one line and
+    must be typed; typed, it is taken. (Nothing listens at URL: nothing is sent in this test.)"""
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop1234")
+    run = edited(saved_run, tmp_path, **saved)
+    variable = saved.get("api_key_env", "OPENAI_API_KEY")
+    code, _, err, _ = command(capsys, "evaluate.py", "--adapter", str(run), "--dialogues", "1", *typed)
+    confirm = f"--simulator {URL}" + (f" --api-key-env {variable}" if variable != "OPENAI_API_KEY" else "")
+    assert_one_line(code, err, *[f"{run}/config.json: field '{name}'" for name in named], f"${variable}",
+                    f"type {confirm} to send")
+    args = evaluate.parse_args(["--adapter", str(run), *confirm.split()])
+    assert (args.simulator, args.api_key_env) == (URL, variable)
+
+
+@pytest.mark.parametrize("typed", ["personas.json", "./personas.json", "../here/personas.json", "link.json"])
+def test_the_runs_own_persona_file_typed_relative_is_the_same_setting(typed, saved_run, personas_file,
+                                                                       tmp_path, monkeypatch):
+    """Cause 9: `--resume RUN --personas personas.json`, the run's own file typed relative to its folder,
+    was refused against the absolute path saved: paths are compared as paths (cli.same_path). Another
+    file of the same name is still another setting."""
+    from cli import Stop, parse_settings
+
+    here = tmp_path / "here"
+    here.mkdir()
+    shutil.copy(personas_file, here / "personas.json")
+    (here / "link.json").symlink_to(here / "personas.json")
+    run = edited(saved_run, tmp_path, personas=str(here / "personas.json"))
+    monkeypatch.chdir(here)
+    args = parse_settings(ppo.Settings, ["--resume", str(run), "--personas", typed], presets=ppo.PRESETS,
+                          prog="ppo.py")
+    assert os.path.samefile(args.personas, here / "personas.json")
+    (tmp_path / "other").mkdir()
+    shutil.copy(personas_file, tmp_path / "other" / "personas.json")
+    with pytest.raises(Stop, match="--personas .*personas.json.*--resume keeps it"):
+        parse_settings(ppo.Settings, ["--resume", str(run), "--personas", "../other/personas.json"],
+                       presets=ppo.PRESETS, prog="ppo.py")

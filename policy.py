@@ -223,6 +223,30 @@ def check_model(model_name, target_modules, trust_remote_code=False):
                  f"its layers LoRA can adapt end in {', '.join(ends)}")
 
 
+# Where a config states how many positions its model has: Llama, Qwen and most (first), GPT-2's
+# names, others'
+POSITIONS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def model_positions(model_name, trust_remote_code=False):
+    """(the config field, the number of positions the model has), read off its config without its
+    weights (as check_model reads it); None where the config states none. A config that does not
+    load is one line."""
+    from transformers import AutoConfig
+
+    try:
+        with random_streams_kept():
+            config = AutoConfig.from_pretrained(resolve_model(model_name),
+                                                trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # a missing or broken config.json
+        fail(f"--model {model_name}: its config does not load ({str(e).partition(chr(10))[0]})")
+    for field in POSITIONS:
+        positions = getattr(config.get_text_config(), field, None)
+        if isinstance(positions, int) and positions > 0:
+            return field, positions
+    return None
+
+
 def load_model(name, device="cpu", dtype=None, load_in_4bit=False, trust_remote_code=False):
     """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token).
     Loading leaves the random streams as they were: from_pretrained initialises any weight the

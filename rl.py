@@ -358,6 +358,12 @@ def iteration_report(all_records, stats, update_tokens, update_seconds, mode, co
 # Settings the scripts share: each script declares its own on top of these (ppo.Settings,
 # grpo.Settings, evaluate.Settings), with its presets beside them
 # ----------------------------------------------------------------------------------------------
+# The most agent turns a dialogue may have: ten times RLVER's 8 and SAGE's 9 to 10 judged replies.
+# Every appraisal quotes the whole dialogue, so a user's work grows with the square of the turns,
+# and PPO's critic starts from a record of every turn (unmoved_return): a bound keeps both sized.
+MAX_TURNS = 100
+
+
 @dataclass
 class DialogueSettings:
     """What plays a dialogue, for both trainers and evaluate.py: the policy's base model, how its
@@ -404,7 +410,7 @@ class DialogueSettings:
     start_emotion: int = setting(
         30, "start emotion (RLVER training 30, SAGE benchmark 40)", within(0, 100))
     max_change: int = setting(10, "largest emotion change per turn", at_least(1))
-    max_turns: int = setting(8, "agent turns per dialogue (RLVER: 8)", at_least(1))
+    max_turns: int = setting(8, "agent turns per dialogue (RLVER: 8)", within(1, MAX_TURNS))
     user_reply_tokens: int = setting(96, "tokens per simulated user message", at_least(1))
 
     @staticmethod

@@ -16,11 +16,12 @@ import ppo
 import rl
 import rollout
 import simulator
+from cli import Stop
 from client import OpenAIBackend
 from personas import load_personas
 from conftest import ROOT, completion, corpus, read_metrics
 from test_bad_input import assert_one_line, tiny
-from test_hostile import command, copy_run, produce
+from test_hostile import NOT_A_WEIGHTS_FILE, command, copy_run, produce
 
 PERSONA = load_personas(os.path.join(ROOT, "personas.json"))[0]
 
@@ -293,7 +294,7 @@ def test_the_runs_own_persona_file_typed_relative_is_the_same_setting(typed, sav
     """Cause 9: `--resume RUN --personas personas.json`, the run's own file typed relative to its folder,
     was refused against the absolute path saved: paths are compared as paths (cli.same_path). Another
     file of the same name is still another setting."""
-    from cli import Stop, parse_settings
+    from cli import parse_settings
 
     here = tmp_path / "here"
     here.mkdir()
@@ -309,3 +310,76 @@ def test_the_runs_own_persona_file_typed_relative_is_the_same_setting(typed, sav
     with pytest.raises(Stop, match="--personas .*personas.json.*--resume keeps it"):
         parse_settings(ppo.Settings, ["--resume", str(run), "--personas", "../other/personas.json"],
                        presets=ppo.PRESETS, prog="ppo.py")
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. --max-context within the model's positions, --max-turns within a bound
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def unloadable(tiny_model_dir, tmp_path_factory):
+    """A --model folder whose config and tokenizer are the tiny model's (4,096 positions) and whose
+    weights do not load: a check that must come before the weights ends the command with its own line
+    (tests/test_hostile.py's tool)."""
+    folder = tmp_path_factory.mktemp("unloadable")
+    for name in os.listdir(tiny_model_dir):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(tiny_model_dir, name), folder / name)
+    (folder / "model.safetensors").write_bytes(NOT_A_WEIGHTS_FILE)
+    return str(folder)
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "evaluate.py"])
+def test_a_context_beyond_the_models_positions_is_one_line_before_any_weight_loads(script, unloadable,
+                                                                                 personas_file, tmp_path,
+                                                                                 capsys):
+    """Cause 4: `--max-context 1000000` was never held against the model's positions (the tiny model's
+    4,096; SmolLM2's 8,192): the KV cache for it was allocated after the model loaded (92 GB for a 135M
+    model), a traceback. One line now, from the config alone: with a model whose weights cannot load,
+    the line comes first. 4,096 itself is allowed (the weights' own error follows)."""
+    argv = ["--model", unloadable, "--personas", personas_file, "--split", "test", "--simulator", "rules",
+            "--out", str(tmp_path / "out")] + ["--preset", "cpu"] * (script != "evaluate.py")
+    for context in ("4097", "1000000"):
+        code, _, err, _ = command(capsys, script, *argv, "--max-context", context)
+        assert_one_line(code, err, f"--max-context {context}", "4096 positions", "max_position_embeddings",
+                        "at most 4096")
+    code, _, err, _ = command(capsys, script, *argv, "--max-context", "4096")
+    assert "max-context" not in err and "positions" not in err
+
+
+def test_a_models_positions_are_read_under_any_of_their_config_names(tiny_model_dir, tmp_path, capsys):
+    """Cause 4: GPT-2's config calls them n_positions; a config that states none bounds nothing; one that
+    does not load is one line."""
+    from transformers import GPT2Config
+
+    from rollout import check_openings_fit
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(n_positions=256).save_pretrained(gpt2)
+    with pytest.raises(Stop, match="more than the 256 positions"):
+        check_openings_fit([PERSONA], str(gpt2), False, 8, 300)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    with pytest.raises(Stop, match="its config does not load"):
+        check_openings_fit([PERSONA], str(broken), False, 8, 300)
+
+
+def test_max_turns_has_a_bound_and_nothing_is_sized_by_it_beyond_that(unloadable, personas_file, tmp_path,
+                                                                      capsys):
+    """Cause 4: `--max-turns 10^12` made PPO's critic start (rl.unmoved_return) build a record of that many
+    silent turns: a MemoryError, or the machine's memory. The bound is rl.MAX_TURNS (100): above it one
+    line before any model loads, in every script; at it, the critic's start is a record of 100 turns,
+    the same return as one of 8 under every built-in reward."""
+    argv = ["--model", unloadable, "--personas", personas_file, "--split", "test", "--simulator", "rules",
+            "--out", str(tmp_path / "out")]
+    for script in ("ppo.py", "grpo.py", "evaluate.py"):
+        for turns in ("101", str(10**12)):
+            code, _, err, _ = command(capsys, script, *argv, "--max-turns", turns,
+                                      *["--preset", "cpu"] * (script != "evaluate.py"))
+            assert_one_line(code, err, f"--max-turns {turns}", "[1, 100]")
+    code, _, err, _ = command(capsys, "tools/bench.py", "rollout", "--max-turns", "101")
+    assert_one_line(code, err, "--max-turns 101", "[1, 100]")
+    mixed = dict(mixed_alpha=0.4, mixed_gamma=0.97)
+    for mode, coefficients in (("final", {}), ("turn", {}), ("mixed", mixed)):
+        assert rl.unmoved_return(PERSONA, 30, rl.MAX_TURNS, mode, coefficients) == pytest.approx(
+            rl.unmoved_return(PERSONA, 30, 8, mode, coefficients))

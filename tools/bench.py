@@ -103,7 +103,7 @@ import ppo
 import rollout
 from personas import load_personas
 from policy import DEFAULT_TARGETS, load_policy, model_problem
-from rl import eval_logprobs, kl_k3, pad_records, pick_personas
+from rl import MAX_TURNS, eval_logprobs, kl_k3, pad_records, pick_personas
 from cli import (above, at_least, command, fail, one_of, parse_settings, read_run, read_text,
                  setting, within)
 from run import new_folder, peak_memory_gb, set_seed, write_atomically
@@ -201,7 +201,7 @@ class ModelSettings:
 class RolloutSettings(ModelSettings):
     title = "bench.py rollout"
     dialogues: int = setting(4, "dialogues played together (train personas)", at_least(1))
-    max_turns: int = setting(3, "agent turns per dialogue", at_least(1))
+    max_turns: int = setting(3, "agent turns per dialogue", within(1, MAX_TURNS))
     max_new_tokens: int = setting(48, "tokens per agent turn", within(1, 8192))
     simulator: str = setting("same", "same: the full rollout, user included; "
                                      "rules: a free user, so the ratio is the policy side's",

@@ -383,3 +383,69 @@ def test_max_turns_has_a_bound_and_nothing_is_sized_by_it_beyond_that(unloadable
     for mode, coefficients in (("final", {}), ("turn", {}), ("mixed", mixed)):
         assert rl.unmoved_return(PERSONA, 30, rl.MAX_TURNS, mode, coefficients) == pytest.approx(
             rl.unmoved_return(PERSONA, 30, 8, mode, coefficients))
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. A cached model is verified as the model
+# ----------------------------------------------------------------------------------------------
+def damaged(source, folder, case):
+    """A copy of a saved model folder with one thing of it not the model's."""
+    from safetensors.torch import load_file, save_file
+
+    # the weights linked where they stay the model's (the embedded model's are 539 MB)
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("model.safetensors"))
+    (folder / "model.safetensors").symlink_to(os.path.join(source, "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    if case == "a config of {}":
+        (folder / "config.json").write_text("{}")
+    elif case == "a config claiming other layers":
+        (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    elif case == "no chat template":
+        (folder / "chat_template.jinja").unlink()
+    else:
+        weights = load_file(folder / "model.safetensors")
+        (folder / "model.safetensors").unlink()
+        if case == "a dropped weight":
+            del weights["model.layers.0.mlp.up_proj.weight"]
+        elif case == "a weight of another shape":
+            weights["model.norm.weight"] = weights["model.norm.weight"][:-1].contiguous()
+        else:  # half precision
+            weights = {k: v.half() for k, v in weights.items()}
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+DAMAGE = ["a config of {}", "a config claiming other layers", "no chat template", "a dropped weight",
+          "a weight of another shape", "float16 weights"]
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_converted_folder_verifies_only_as_the_model_its_config_describes(case, tiny_model_dir, tmp_path):
+    """Cause 5: policy.converted_problem checked that the files parse: a `{}` config or a missing chat
+    template was a traceback later, and a dropped weight or a config claiming other layers trained a
+    broken model (weights made up at random for what is missing) and exited 0. Each is a problem now,
+    and the whole folder none."""
+    from policy import converted_problem
+
+    assert converted_problem(tiny_model_dir) is None
+    assert converted_problem(str(damaged(tiny_model_dir, tmp_path / "model", case))) is not None
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("case", ["a config of {}", "a config claiming other layers", "no chat template"])
+def test_a_cached_embedded_model_that_is_not_the_model_is_converted_again(case, tmp_path, monkeypatch,
+                                                                         capsys):
+    """Cause 5 through the command line: the embedded model's cached folder with a `{}` config, a config
+    of one layer, or no chat template is not taken: it is converted again (here into a cache too small
+    for the conversion, so that it stops at once with one line naming RLVER_CACHE)."""
+    from policy import resolve_model
+    from test_hostile_round5_text import cache_target, environ
+
+    whole = resolve_model("smollm2")
+    target = cache_target(tmp_path / "cache")
+    target.parent.mkdir()
+    damaged(whole, target, case)
+    environ(monkeypatch, "RLVER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("policy.converted_bytes", lambda path: 2**50)  # more than any disk holds
+    code, _, err, _ = command(capsys, "ppo.py", "--preset", "cpu", "--out", str(tmp_path / "run"))
+    assert_one_line(code, err, str(target), "is converted once", "RLVER_CACHE")

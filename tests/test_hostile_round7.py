@@ -21,7 +21,7 @@ from client import OpenAIBackend
 from personas import load_personas
 from conftest import ROOT, completion, corpus, read_metrics
 from test_bad_input import assert_one_line, tiny
-from test_hostile import NOT_A_WEIGHTS_FILE, command, copy_run, produce
+from test_hostile import NOT_A_WEIGHTS_FILE, command, copy_run, produce, snapshot
 
 PERSONA = load_personas(os.path.join(ROOT, "personas.json"))[0]
 
@@ -222,9 +222,9 @@ def test_a_placeholder_is_told_from_a_key_by_its_form():
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved_run(tiny_model_dir, personas_file, tmp_path_factory):
-    """A PPO run of 1 iteration against the rules user, with its checkpoint (not itself a case)."""
+    """A PPO run of 2 iterations against the rules user, a checkpoint after each (not itself a case)."""
     out = tmp_path_factory.mktemp("r7") / "run"
-    produce("ppo.py", *tiny(tiny_model_dir, personas_file, out, "--iterations", "1", "--save-every", "1"))
+    produce("ppo.py", *tiny(tiny_model_dir, personas_file, out, "--iterations", "2", "--save-every", "1"))
     return out
 
 
@@ -253,14 +253,14 @@ def test_resume_sends_nothing_where_the_run_folder_alone_says(fields, saved_run,
     monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop1234")
     srv = user_server(serve)
     run = edited(saved_run, tmp_path, simulator=srv.url, **fields)
-    code, out, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "2")
+    code, out, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "3")
     variable = fields.get("api_key_env", "OPENAI_API_KEY")
     typed = ["--simulator", srv.url] + ["--api-key-env", variable] * ("api_key_env" in fields)
     assert_one_line(code, err, f"{run}/config.json: field 'simulator'", srv.url, f"${variable}",
                     f"type {' '.join(typed)} to send")
     assert srv.requests == [] and "hf_abcdefghijklmnop1234" not in out + err
-    assert [m["iteration"] for m in read_metrics(run)] == [1]
-    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "2", *typed)
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2]
+    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "3", *typed)
     assert code == 0, err[-2000:]
     key = os.environ.get(variable)
     assert srv.requests and {r["headers"].get("Authorization") for r in srv.requests} == {
@@ -449,3 +449,72 @@ def test_a_cached_embedded_model_that_is_not_the_model_is_converted_again(case, 
     monkeypatch.setattr("policy.converted_bytes", lambda path: 2**50)  # more than any disk holds
     code, _, err, _ = command(capsys, "ppo.py", "--preset", "cpu", "--out", str(tmp_path / "run"))
     assert_one_line(code, err, str(target), "is converted once", "RLVER_CACHE")
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Every path inside a checkpoint is its own, every field of state.pt in range, and the line when
+#    none loads says what was done and what comes next
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["the adapter folder", "the adapter's weights", "state.pt"])
+def test_a_link_inside_a_checkpoint_is_one_line_and_nothing_changes(case, saved_run, tmp_path, capsys):
+    """Cause 7: `iter_000002/default` linked to another run's adapter loaded that policy silently. A link
+    anywhere inside a checkpoint is one line naming it, before any model loads, and the folder stays as
+    it was (tests/test_hostile.snapshot)."""
+    run = copy_run(saved_run, tmp_path)
+    other = copy_run(saved_run, tmp_path, "other")
+    newest = run / "checkpoints" / "iter_000002"
+    linked = {"the adapter folder": newest / "default",
+              "the adapter's weights": newest / "default" / "adapter_model.safetensors",
+              "state.pt": newest / "state.pt"}[case]
+    shutil.rmtree(linked) if linked.is_dir() else linked.unlink()
+    linked.symlink_to(other / linked.relative_to(run))
+    before = snapshot(run)
+    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "3")
+    assert_one_line(code, err, f"{linked} is a link inside a checkpoint", f"move {newest} out")
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("field", ["a negative log size", "a log size of True", "a negative schedule step",
+                                   "a negative optimizer step"])
+def test_a_state_field_out_of_range_is_a_checkpoint_that_does_not_load(field, saved_run, tmp_path, capsys):
+    """Cause 7: a negative log size in state.pt was a traceback at the log's truncate, after the model
+    loaded. A field out of range (a log's size, the schedule's or AdamW's step count, which a warm-up
+    would turn into a negative rate) makes the checkpoint one that does not load: named, moved aside,
+    the one before taken, and the run goes on as a straight one."""
+    run = copy_run(saved_run, tmp_path)
+    newest = run / "checkpoints" / "iter_000002"
+    state = torch.load(newest / "state.pt", weights_only=False)
+    if field == "a negative log size":
+        state["log_sizes"]["metrics.jsonl"] = -5
+    elif field == "a log size of True":
+        state["log_sizes"]["rollouts.jsonl"] = True
+    elif field == "a negative schedule step":
+        state["scheduler"]["last_epoch"] = -5
+    else:
+        next(iter(state["optimizer"]["state"].values()))["step"] = torch.tensor(-3.0)
+    torch.save(state, newest / "state.pt")
+    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "3")
+    assert code == 0 and "Traceback" not in err, err[-2000:]
+    assert f"the checkpoint {newest} does not load" in err and f"from {run}/checkpoints/iter_000001" in err
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2, 3]
+    assert (run / "checkpoints" / "iter_000002.broken" / "state.pt").exists()
+
+
+def test_when_no_checkpoint_loads_the_line_says_what_was_done_and_what_comes_next(saved_run, tmp_path,
+                                                                                  capsys):
+    """Cause 7: when every checkpoint was broken the line asked to move out what was already moved to
+    .broken, and did not say that the same --resume now starts over and empties both logs. It names what
+    was moved, and the next command does what it says."""
+    run = copy_run(saved_run, tmp_path)
+    for name in ("iter_000001", "iter_000002"):
+        (run / "checkpoints" / name / "state.pt").write_bytes(b"broken")
+    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "2")
+    assert_one_line(code, err, "none of its 2 checkpoints loads", "iter_000001.broken, iter_000002.broken",
+                    "The same command now starts the run again from iteration 1",
+                    "empties metrics.jsonl and rollouts.jsonl")
+    assert sorted(os.listdir(run / "checkpoints")) == ["iter_000001.broken", "iter_000002.broken"]
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2]  # nothing emptied yet
+    code, _, err, _ = command(capsys, "ppo.py", "--resume", str(run), "--iterations", "2")
+    assert code == 0, err[-2000:]
+    assert f"resuming {run}" in err and " from " not in err.split(f"resuming {run}")[1].split("\n")[0]
+    assert [m["iteration"] for m in read_metrics(run)] == [1, 2]  # from its beginning, the logs emptied

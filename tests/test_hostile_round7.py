@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+import cli
 import evaluate
 import grpo
 import ppo
@@ -518,3 +519,76 @@ def test_when_no_checkpoint_loads_the_line_says_what_was_done_and_what_comes_nex
     assert code == 0, err[-2000:]
     assert f"resuming {run}" in err and " from " not in err.split(f"resuming {run}")[1].split("\n")[0]
     assert [m["iteration"] for m in read_metrics(run)] == [1, 2]  # from its beginning, the logs emptied
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. bench.py learning reads what it resumes and writes only into a folder of its own
+# 8. bench.py step names the flag that was typed
+# ----------------------------------------------------------------------------------------------
+def benchmark_run(out, preset):
+    """OUT/ppo-seed0 as ppo.py leaves it after 6 iterations of the benchmark's flags with --preset
+    `preset`: its config.json (the settings the trainer saves) and metrics.jsonl."""
+    import bench
+
+    folder = out / "ppo-seed0"
+    folder.mkdir(parents=True)
+    args = bench.checked("ppo", ["--preset", preset, "--seed", "0", "--iterations", "6"])
+    args.out = str(folder)
+    (folder / "config.json").write_text(json.dumps(cli.public_config(args, "ppo.py")))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"iteration": k + 1, "reward_mean": 0.3})
+                                                  + "\n" for k in range(6)))
+
+
+@pytest.mark.parametrize("case", ["a file", "a run folder", "a folder inside a run folder",
+                                  "another preset's run", "a folder that is no run"])
+def test_bench_learning_resumes_only_its_own_runs_and_writes_only_in_a_folder(case, saved_run, tmp_path,
+                                                                              capsys, monkeypatch):
+    """Cause 6: `bench.py learning --out FILE` was a traceback; a folder holding another run (a --preset
+    cpu one) was skipped as done and reported as the benchmark's result, its settings never read. Each
+    is one line now, before any trainer starts and with nothing written; a folder of the benchmark's own
+    runs is still taken (the last test case's run, complete, skipped and counted)."""
+    import bench
+
+    monkeypatch.setattr(bench, "run_command", lambda *a, **k: pytest.fail("no trainer may start"))
+    out = {"a file": tmp_path / "notes.txt", "a run folder": saved_run,
+           "a folder inside a run folder": saved_run / "bench"}.get(case, tmp_path / "bench")
+    words = {"a file": ["exists and is not a folder"], "a run folder": ["is in the run folder"],
+             "a folder inside a run folder": ["is in the run folder"],
+             "another preset's run": ["--preset 'cpu' (the benchmark's 'cpu-learn')"],
+             "a folder that is no run": ["is not a run folder"]}[case]
+    if case == "a file":
+        out.write_text("my notes")
+    elif case == "another preset's run":
+        benchmark_run(out, "cpu")
+    elif case == "a folder that is no run":
+        (out / "ppo-seed0").mkdir(parents=True)
+        (out / "ppo-seed0" / "metrics.jsonl").write_text('{"iteration": 1, "reward_mean": 0.9}\n' * 6)
+    before = snapshot(tmp_path)
+    argv = ["learning", "--out", str(out), "--algos", "ppo", "--seeds", "0", "--iterations", "6",
+            "--window", "2"]
+    code, _, err, _ = command(capsys, "tools/bench.py", *argv)
+    assert_one_line(code, err, f"--out {out}", *words)
+    assert snapshot(tmp_path) == before and not (saved_run / "bench").exists()
+    if case == "another preset's run":  # the benchmark's own run is taken
+        shutil.rmtree(out)
+        benchmark_run(out, "cpu-learn")
+        code, printed, err, _ = command(capsys, "tools/bench.py", *argv)
+        assert code == 0, err[-2000:]
+        assert "skipped" in printed and "| ppo | 1 | 0.300 ± 0.000 | 0.300 ± 0.000 |" in printed
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dialogues", "1"], ["--dialogues 1", "multiple of --group-size 4"]),
+    (["--dialogues", "3"], ["--dialogues 3", "multiple of --group-size 4"]),
+    (["--dialogues", "6", "--group-size", "4"], ["--dialogues 6", "--group-size 4"]),
+    (["--max-new-tokens", "2000"], ["--max-new-tokens 2000", "[1, 768]"])])
+def test_bench_step_names_the_flag_that_was_typed(argv, words, capsys):
+    """Cause 8 (round 6's leftover): `bench.py step --dialogues 1` or `3` blamed `--personas-per-iteration
+    0`, a flag nobody typed (GRPO's 1 // 4 personas), and `--dialogues 6` ran 4; `--max-new-tokens 2000`
+    blamed the job's `--max-context 1024`. Each is one line naming what was typed; PPO takes any count."""
+    import bench
+
+    code, _, err, _ = command(capsys, "tools/bench.py", "step", *argv)
+    assert_one_line(code, err, *words)
+    assert "--personas-per-iteration" not in err and "--max-context" not in err
+    assert cli.parse_settings(bench.StepSettings, ["--algo", "ppo", "--dialogues", "3"]).dialogues == 3

@@ -268,6 +268,22 @@ def test_resume_sends_nothing_where_the_run_folder_alone_says(fields, saved_run,
         f"Bearer {key}" if key else None}
 
 
+def test_the_resume_a_url_run_advises_is_a_command_that_goes_on(tiny_model_dir, personas_file, serve,
+                                                                  tmp_path, capsys):
+    """Cause 3: a URL run that stops (its server refusing the key after the first iteration) names the
+    command that continues it, and that command, as printed, is taken: the URL typed, as resume needs."""
+    srv = serve(lambda n, body: (401, b"{}") if n >= 4 else completion("Change: +1" if next(
+        (m for m in body["messages"] if "newest reply:\n" in m["content"]), None) else "Okay."))
+    out = tmp_path / "run"
+    argv = tiny(tiny_model_dir, personas_file, out, "--iterations", "3", "--save-every", "100",
+                "--max-turns", "1", "--simulator", srv.url, "--api-retries", "0")
+    code, _, err, _ = command(capsys, "ppo.py", *argv)
+    advised = f"python ppo.py --resume {out} --simulator {srv.url}"
+    assert_one_line(code, err, "HTTP 401", f"`{advised}` continues")
+    args = cli.parse_settings(ppo.Settings, advised.split()[2:], presets=ppo.PRESETS, prog="ppo.py")
+    assert (args.simulator, args.out) == (srv.url, str(out))
+
+
 @pytest.mark.parametrize("saved, typed, named", [
     (dict(simulator=URL), [], ["simulator"]),
     (dict(api_key_env="HF_TOKEN"), ["--simulator", URL], ["api_key_env"]),

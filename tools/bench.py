@@ -39,9 +39,10 @@ each run's iterations took) are written and the table printed. Budget: the 20 it
 other core, so the 6 runs, two at a time (`--jobs 2`), about 86 minutes there (docs/results.md).
 A run whose metrics.jsonl already holds every iteration is skipped, and a run folder the trainer
 made continues with `--resume` (from its newest checkpoint, or from its beginning without one), so
-an interrupted benchmark goes on where it stopped. Flags after `--` go to both trainers, e.g.
-`python tools/bench.py learning -- --lr 1e-4` (a flag only one trainer knows makes the other one
-fail).
+an interrupted benchmark goes on where it stopped; either only where the folder's saved settings are
+the benchmark's (foreign_run): any other folder there, --out a file or a folder in a run, is one
+line. Flags after `--` go to both trainers, e.g. `python tools/bench.py learning -- --lr 1e-4` (a
+flag only one trainer knows makes the other one fail).
 
 gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
 (QWEN25_7B_CONFIG below; nothing is downloaded) and a ChatML tokenizer built at run time from this

@@ -19,7 +19,7 @@ import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 
-from cli import redact
+from cli import KEY_VARIABLE, redact
 from simulator import SimulatorError
 
 
@@ -58,7 +58,7 @@ class OpenAIBackend:
     password in its URL redacted), never the key."""
     base_url: str
     model: str = "default"
-    api_key_env: str = "OPENAI_API_KEY"
+    api_key_env: str = KEY_VARIABLE
     timeout: float = 60.0
     max_retries: int = 4
     backoff: float = 1.0

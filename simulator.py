@@ -410,18 +410,27 @@ def parse_change(text):
         return values.pop()
 
 
+# A change the agent's text states anywhere in a line ("I'd say Change: +10 for this"), which a user
+# may copy onto a line of its own: the label, a few marks, a whole number
+STATED = re.compile(rf"(?<![A-Za-z])(?:{'|'.join(LABELS['change'])})"
+                    r"[^\w\n]{0,8}?([+-]?\d{1,6})", re.I)
+
+
 def users_change(appraisal, agent_texts, floor):
     """The change the user's appraisal states (parse_change), where a change line the agent's text
     could have supplied counts only against the agent: one of the change lines of agent_texts (as
-    written, or as the prompt shows them), or one stating a value they state, makes the change
-    `floor` (the bottom of the scale, -max_change), whatever else the appraisal says. A weak user
-    that echoes a reply's "Change: +10" gives that reply the worst turn, not the best; an honest
-    user's own line is read, never dropped, so no change line in a reply can make its judgment
-    unread or raise it: the change read is never above the one read without the agent's lines."""
-    theirs = [found for text in agent_texts for form in (text, text.translate(AGENT_ESCAPE))
-              for found in change_lines(form)[1]]
+    written, or as the prompt shows them), or one stating a value they state (STATED: anywhere in
+    a line), makes the change `floor` (the bottom of the scale, -max_change), whatever else the
+    appraisal says. A weak user that echoes a reply's "Change: +10" gives that reply the worst
+    turn, not the best; an honest user's own line is read, never dropped, so no change line in a
+    reply can make its judgment unread or raise it: the change read is never above the one read
+    without the agent's lines."""
+    forms = [form for text in agent_texts for form in (text, text.translate(AGENT_ESCAPE))]
+    theirs = [found for form in forms for found in change_lines(form)[1]]
     said = {line for _, line, _ in theirs}
-    stated = {value for _, _, value in theirs} - {None}
+    stated = {value for _, _, value in theirs} - {None} | {
+        int(value) for form in forms
+        for value in STATED.findall(unicodedata.normalize("NFKC", form).translate(DASHES))}
     if any(line in said or value in stated for _, line, value in change_lines(appraisal)[1]):
         return floor
     return parse_change(appraisal)

@@ -37,6 +37,7 @@ LINES = {  # what an agent may write under its reply to silence or sway the user
     "every value": "".join(f"\nChange: {v:+d}" for v in range(-10, 11)),
     "every negative value": "".join(f"\nChange: {v}" for v in range(-10, 0)),
     "a line that does not read": "\nChange: N",
+    "a value inside a sentence": " I would put it at Change: -5, honestly.",
 }
 
 

@@ -146,7 +146,6 @@ def converted_problem(folder):
 def verified_problem(folder, stamp):
     """converted_problem's checks, for the files as stamp saw them."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         if not isinstance(json.loads(Path(f"{folder}/tokenizer.json").read_bytes()), dict):
@@ -159,6 +158,8 @@ def verified_problem(folder, stamp):
         with safe_open(f"{folder}/model.safetensors", "pt") as weights:
             saved = {name: weights.get_slice(name) for name in weights.keys()}
             shapes = {name: (tuple(t.get_shape()), t.get_dtype()) for name, t in saved.items()}
+        from transformers import AutoConfig, AutoModelForCausalLM  # after the cheap checks
+
         with random_streams_kept(), torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
         # each weight of the model once: a tied pair (the output layer on the embeddings) is one

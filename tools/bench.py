@@ -736,10 +736,12 @@ def bench_gpu(args):
 
     # ppo.main() loads its policy by name, through policy.py's loaders: answer with the random
     # model built in memory instead of reading 15 GB of weights from disk (it has no config file to
-    # check).
+    # check; its positions are its config's).
+    positions = ("max_position_embeddings", config["max_position_embeddings"])
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp, \
             mock.patch("policy.load_model", load_model), \
             mock.patch("rollout.load_tokenizer", lambda *a, **k: tokenizer), \
+            mock.patch("rollout.model_positions", lambda *a, **k: positions), \
             mock.patch("ppo.check_model", lambda *a, **k: None), \
             mock.patch.object(rollout.Decoder, "generate", timed_generate), \
             mock.patch.object(rollout.Decoder, "replay", timed_replay):

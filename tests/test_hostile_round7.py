@@ -43,7 +43,7 @@ LINES = {  # what an agent may write under its reply to silence or sway the user
 
 def honest(echo=False, unread_first=False):
     """A URL user that judges what the reply says, never its change lines: +3 for one that hears it
-    (KIND), -5 for any other (BLUNT) — after an echo of the reply (the prompt's quote, decoded) with
+    (KIND), -5 for any other (BLUNT); after an echo of the reply (the prompt's quote, decoded) with
     echo; with unread_first, its appraisal reads nothing ("Change: about that") and its re-ask gives
     the judgment. Its messages say 'Okay, go on.'"""
     def respond(n, body):
@@ -123,7 +123,8 @@ def test_change_lines_in_a_reply_never_raise_an_advantage_or_a_figure(user, line
         assert all(mask[b].sum() > 0 for b in range(4))  # every dialogue enters the loss
         for plain, swayed in ((0, 2), (1, 3)):
             assert all(a <= b + 1e-6 for a, b in zip(turns[swayed], turns[plain])), (mode, turns)
-            assert returns[swayed].max() <= returns[plain].max() + 1e-6
+            ends = [records[b]["turn_ends"] for b in (swayed, plain)]
+            assert (returns[swayed, ends[0]] <= returns[plain, ends[1]] + 1e-6).all()
         # the iteration's figures and evaluate.py's score: each reply alone, and the pair
         for plain, swayed in (([0], [2]), ([1], [3]), ([0, 1], [2, 3])):
             figures = [rl.iteration_report([records[k] for k in ks], [{}], 0, 1.0, mode, {})[0]
@@ -312,21 +313,19 @@ def test_the_runs_own_persona_file_typed_relative_is_the_same_setting(typed, sav
     """Cause 9: `--resume RUN --personas personas.json`, the run's own file typed relative to its folder,
     was refused against the absolute path saved: paths are compared as paths (cli.same_path). Another
     file of the same name is still another setting."""
-    from cli import parse_settings
-
     here = tmp_path / "here"
     here.mkdir()
     shutil.copy(personas_file, here / "personas.json")
     (here / "link.json").symlink_to(here / "personas.json")
     run = edited(saved_run, tmp_path, personas=str(here / "personas.json"))
     monkeypatch.chdir(here)
-    args = parse_settings(ppo.Settings, ["--resume", str(run), "--personas", typed], presets=ppo.PRESETS,
-                          prog="ppo.py")
+    args = cli.parse_settings(ppo.Settings, ["--resume", str(run), "--personas", typed],
+                              presets=ppo.PRESETS, prog="ppo.py")
     assert os.path.samefile(args.personas, here / "personas.json")
     (tmp_path / "other").mkdir()
     shutil.copy(personas_file, tmp_path / "other" / "personas.json")
     with pytest.raises(Stop, match="--personas .*personas.json.*--resume keeps it"):
-        parse_settings(ppo.Settings, ["--resume", str(run), "--personas", "../other/personas.json"],
+        cli.parse_settings(ppo.Settings, ["--resume", str(run), "--personas", "../other/personas.json"],
                        presets=ppo.PRESETS, prog="ppo.py")
 
 

@@ -326,7 +326,7 @@ def test_the_runs_own_persona_file_typed_relative_is_the_same_setting(typed, sav
     shutil.copy(personas_file, tmp_path / "other" / "personas.json")
     with pytest.raises(Stop, match="--personas .*personas.json.*--resume keeps it"):
         cli.parse_settings(ppo.Settings, ["--resume", str(run), "--personas", "../other/personas.json"],
-                       presets=ppo.PRESETS, prog="ppo.py")
+                           presets=ppo.PRESETS, prog="ppo.py")
 
 
 # ----------------------------------------------------------------------------------------------

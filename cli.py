@@ -210,11 +210,14 @@ def redact(value):
     return value
 
 
+KEY_VARIABLE = "OPENAI_API_KEY"  # --api-key-env's default: the variable OpenAI's clients read
+
+
 def env_name(value):
     """--api-key-env takes the name of a variable; a key typed there instead is refused, unshown."""
     if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
         return None
-    return "must be the name of an environment variable that holds the key, such as OPENAI_API_KEY"
+    return f"must be the name of an environment variable that holds the key, such as {KEY_VARIABLE}"
 
 
 env_name.secret = True
@@ -318,10 +321,44 @@ def parse_settings(settings, argv=None, presets=None, defaults=None, prog=None):
         check_setting(f, value)
         if f.metadata["path"] and os.path.exists(value):
             setattr(args, f.name, os.path.abspath(value))
+    confirm_destination(args)
     for cls in classes:
         if "check" in vars(cls):
             cls.check(args)
     return args
+
+
+# What a run folder's config.json may never choose unseen: where the URL user's requests go, and
+# which environment variable's key they carry (KEY_VARIABLE unless --api-key-env says another)
+DESTINATION = ("simulator", "api_key_env")
+
+
+def destination_flags(args):
+    """The flags that state a URL user's address and key variable (where not KEY_VARIABLE), as args
+    holds them ("" for a user that sends nothing: same, rules): what a command that sends them
+    there types."""
+    if not str(getattr(args, "simulator", "")).startswith(("http://", "https://")):
+        return ""
+    flags = f"--simulator {args.simulator}"
+    if args.api_key_env != KEY_VARIABLE:
+        flags += f" --api-key-env {args.api_key_env}"
+    return flags
+
+
+def confirm_destination(args):
+    """A URL user's address, or a key variable other than KEY_VARIABLE, that came from a run's
+    config.json (TAKEN: --resume's run, evaluate.py's adapters' runs) is used only when typed on
+    the command line too: else one line (exit 2), before any request, naming the file and what to
+    type. A folder copied from elsewhere (a shared machine, a download) would otherwise send the key
+    of any variable to any host."""
+    flags = destination_flags(args)
+    where = [TAKEN[flag] for name in DESTINATION
+             if (flag := f"--{name.replace('_', '-')}") in TAKEN and name not in args.given
+             and flag in flags]
+    if where:
+        fail(f"{' and '.join(where)}: the user's requests would go to {args.simulator} with the "
+             f"key in ${args.api_key_env}, and a run's folder never chooses that unseen: type "
+             f"{flags} to send them there, or give another --simulator")
 
 
 def check_setting(f, value, where=None):
@@ -372,8 +409,9 @@ def read_run(folder):
 
 def resume_settings(args, fields, prog=None):
     """--resume DIR: the run's saved settings replace the defaults, each one TAKEN from config.json;
-    a flag given now may change only what RESUMABLE and the operational settings allow. Every check
-    runs after this, on what is kept."""
+    a flag given now may change only what RESUMABLE and the operational settings allow (a path
+    typed again is the same setting where it names the same file: same_path). Every check runs
+    after this, on what is kept."""
     saved = read_run(args.resume)
     if saved is None:
         fail(f"--resume {args.resume}: not a run folder (no config.json written by a trainer)")
@@ -399,11 +437,21 @@ def resume_settings(args, fields, prog=None):
             TAKEN[f"--{f.name.replace('_', '-')}"] = where
             if f.metadata["path"]:
                 TAKEN[str(then)] = where
-        elif redact(now) != then and f.name not in RESUMABLE and not f.metadata["operational"]:
+        elif (redact(now) != then
+              and not (f.metadata["path"] and isinstance(then, str) and same_path(now, then))
+              and f.name not in RESUMABLE and not f.metadata["operational"]):
             fail(f"--{f.name.replace('_', '-')} {redact(now)!r}: the run in {args.resume} has "
                  f"{then!r}, and --resume keeps it (it may change only {', '.join(RESUMABLE)} "
                  "and the operational settings)")
     args.out = os.path.abspath(args.resume)
+
+
+def same_path(typed, saved):
+    """Whether a path typed now (relative to this working folder) names what a saved one names: the
+    same absolute path, or the same file or folder by another path."""
+    if os.path.abspath(typed) == os.path.abspath(saved):
+        return True
+    return os.path.exists(typed) and os.path.exists(saved) and os.path.samefile(typed, saved)
 
 
 def public_config(args, script):

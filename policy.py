@@ -8,6 +8,7 @@ keeps the output layer in float32 in bf16. It runs no dialogue, no user and no l
 simulator.py, rl.py) and imports only run.py.
 """
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -120,20 +121,61 @@ def resolve_model(name):
     return target
 
 
+# The files of a converted folder (save_pretrained's), by what a file's change would change
+CONVERTED = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+             "model.safetensors")
+
+
 def converted_problem(folder):
-    """What keeps a converted folder from being whole, or None: its config.json and
-    tokenizer.json must parse as JSON objects, and its model.safetensors must be a safetensors
-    file whose header reads and whose data are all there (safe_open checks both)."""
+    """What keeps a converted folder from being the model, or None: its config.json must load as
+    a model's config, tokenizer.json parse as a JSON object, a chat template be there
+    (chat_template.jinja, or tokenizer_config.json's), and model.safetensors be a whole
+    safetensors file (safe_open reads its header, and the data must all be there) whose tensors are
+    exactly those of the model the config describes, by name, shape and float32 dtype (a tied weight
+    once). A dropped tensor or a config that claims other layers would otherwise load, with
+    weights made up at random for what is missing. Checked once a process while no file changes."""
+    stamp = []
+    for name in CONVERTED:
+        with contextlib.suppress(OSError):  # a missing file is named below
+            found = os.stat(f"{folder}/{name}")
+            stamp.append((name, found.st_mtime_ns, found.st_size, found.st_ino))
+    return verified_problem(folder, tuple(stamp))
+
+
+@functools.lru_cache(maxsize=8)
+def verified_problem(folder, stamp):
+    """converted_problem's checks, for the files as stamp saw them."""
     from safetensors import safe_open
 
     try:
-        for name in ("config.json", "tokenizer.json"):
-            if not isinstance(json.loads(Path(f"{folder}/{name}").read_bytes()), dict):
-                return f"{name} is not a JSON object"
-        with safe_open(f"{folder}/model.safetensors", "pt"):
-            return None
-    # what a missing, empty or cut file makes them raise: an OSError, a ValueError (JSON), a
-    # SafetensorError
+        if not isinstance(json.loads(Path(f"{folder}/tokenizer.json").read_bytes()), dict):
+            return "tokenizer.json is not a JSON object"
+        template = Path(f"{folder}/chat_template.jinja")
+        settings = json.loads(Path(f"{folder}/tokenizer_config.json").read_bytes())
+        if not (template.is_file() and template.read_text().strip()
+                or isinstance(settings, dict) and settings.get("chat_template")):
+            return "no chat template (chat_template.jinja, or tokenizer_config.json's)"
+        with safe_open(f"{folder}/model.safetensors", "pt") as weights:
+            saved = {name: weights.get_slice(name) for name in weights.keys()}
+            shapes = {name: (tuple(t.get_shape()), t.get_dtype()) for name, t in saved.items()}
+        from transformers import AutoConfig, AutoModelForCausalLM  # after the cheap checks
+
+        with random_streams_kept(), torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+        # each weight of the model once: a tied pair (the output layer on the embeddings) is one
+        expected = {}
+        for name, tensor in skeleton.state_dict(keep_vars=True).items():
+            expected.setdefault(id(tensor), []).append((name, tuple(tensor.shape)))
+        known = {name: shape for names in expected.values() for name, shape in names}
+        for name, (shape, dtype) in shapes.items():
+            if known.get(name) != shape or dtype != "F32":
+                return f"model.safetensors holds {name} {dtype} {list(shape)}, not the config's"
+        for names in expected.values():
+            if not any(name in shapes for name, _ in names):
+                return f"model.safetensors has no {names[0][0]}"
+        return None
+    # what a missing, empty or cut file makes them raise: an OSError, a ValueError (JSON, or a
+    # config of no model), a SafetensorError, a KeyError of a config without its fields
     except Exception as e:
         return f"{type(e).__name__}: {str(e).partition(chr(10))[0][:160]}"
 
@@ -221,6 +263,30 @@ def check_model(model_name, target_modules, trust_remote_code=False):
             ends = sorted({layer.rsplit(".", 1)[-1] for layer in layers})
             fail(f"--target-modules {target_modules}: {target!r} is no layer of {model_name}; "
                  f"its layers LoRA can adapt end in {', '.join(ends)}")
+
+
+# Where a config states how many positions its model has: Llama, Qwen and most (first), GPT-2's
+# names, others'
+POSITIONS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def model_positions(model_name, trust_remote_code=False):
+    """(the config field, the number of positions the model has), read off its config without its
+    weights (as check_model reads it); None where the config states none. A config that does not
+    load is one line."""
+    from transformers import AutoConfig
+
+    try:
+        with random_streams_kept():
+            config = AutoConfig.from_pretrained(resolve_model(model_name),
+                                                trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # a missing or broken config.json
+        fail(f"--model {model_name}: its config does not load ({str(e).partition(chr(10))[0]})")
+    for field in POSITIONS:
+        positions = getattr(config.get_text_config(), field, None)
+        if isinstance(positions, int) and positions > 0:
+            return field, positions
+    return None
 
 
 def load_model(name, device="cpu", dtype=None, load_in_4bit=False, trust_remote_code=False):

@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from cli import above, at_least, env_name, fail, one_of, setting, within
+from cli import KEY_VARIABLE, above, at_least, env_name, fail, one_of, setting, within
 from personas import DIFFICULTIES, SPLITS
 from policy import DEFAULT_TARGETS, four_bit_problem, model_problem
 from rollout import TOKEN_ARRAYS, summarize, unmoved_record
@@ -358,6 +358,12 @@ def iteration_report(all_records, stats, update_tokens, update_seconds, mode, co
 # Settings the scripts share: each script declares its own on top of these (ppo.Settings,
 # grpo.Settings, evaluate.Settings), with its presets beside them
 # ----------------------------------------------------------------------------------------------
+# The most agent turns a dialogue may have: ten times RLVER's 8 and SAGE's 9 to 10 judged replies.
+# Every appraisal quotes the whole dialogue, so a user's work grows with the square of the turns,
+# and PPO's critic starts from a record of every turn (unmoved_return): a bound keeps both sized.
+MAX_TURNS = 100
+
+
 @dataclass
 class DialogueSettings:
     """What plays a dialogue, for both trainers and evaluate.py: the policy's base model, how its
@@ -389,7 +395,7 @@ class DialogueSettings:
         "same", "same (the policy's frozen base) | rules | http://host:port/v1", simulator_problem)
     api_model: str = setting("default", "model name sent to a URL simulator")
     api_key_env: str = setting(
-        "OPENAI_API_KEY", "environment variable with the URL simulator's key", env_name)
+        KEY_VARIABLE, "environment variable with the URL simulator's key", env_name)
     api_timeout: float = setting(
         60.0, "seconds a request to a URL simulator may take in all; a call, x (retries + 1)",
         within(0, 86400, low_open=True), operational=True)
@@ -404,7 +410,7 @@ class DialogueSettings:
     start_emotion: int = setting(
         30, "start emotion (RLVER training 30, SAGE benchmark 40)", within(0, 100))
     max_change: int = setting(10, "largest emotion change per turn", at_least(1))
-    max_turns: int = setting(8, "agent turns per dialogue (RLVER: 8)", at_least(1))
+    max_turns: int = setting(8, "agent turns per dialogue (RLVER: 8)", within(1, MAX_TURNS))
     user_reply_tokens: int = setting(96, "tokens per simulated user message", at_least(1))
 
     @staticmethod

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from client import OpenAIBackend
 from engine import Decoder
-from policy import default_device, load_model, load_tokenizer
+from policy import default_device, load_model, load_tokenizer, model_positions
 from cli import fail
 from simulator import RulesBackend, Simulator, UserState
 
@@ -394,10 +394,15 @@ def summarize(records, per_process):
 
 def check_openings_fit(personas, model, thinking, max_new_tokens, max_context,
                        trust_remote_code=False):
-    """Every persona's first prompt (system prompt and opening) with room for a whole reply of
-    max_new_tokens must fit max_context, or its dialogue would end before the agent speaks (and its
-    metrics would be NaN). Needs only the model's tokenizer, so it runs before the weights load.
-    Bad input: one line, exit 2."""
+    """max_context must be within the model's positions (its config's, model_positions: the KV
+    cache and every sequence are max_context long), and every persona's first prompt (system
+    prompt and opening) with room for a whole reply of max_new_tokens must fit it, or its dialogue
+    would end before the agent speaks (and its metrics would be NaN). Needs only the model's config
+    and tokenizer, so it runs before the weights load. Bad input: one line, exit 2."""
+    stated = model_positions(model, trust_remote_code)
+    if stated and max_context > stated[1]:
+        fail(f"--max-context {max_context}: more than the {stated[1]} positions of --model {model} "
+             f"(its config's {stated[0]}); give at most {stated[1]}")
     chat = ChatTokens(load_tokenizer(model, trust_remote_code), thinking)
     for p in personas:
         n = len(chat.prompt(p.opening))

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cli import HELD, TAKEN, exit_on_signals, fail, public_config, read_run, release
+from cli import (HELD, TAKEN, destination_flags, exit_on_signals, fail, public_config, read_run,
+                 release)
 
 
 def summary(rows):
@@ -187,21 +188,29 @@ def checkpoints(run_dir):
     a kill interrupted; no list beside them can disagree with the folders. A checkpoint is what
     save() writes, a real folder in a real folder: a link or a file in the place of either (a link
     to another run's checkpoint, or to itself) is one line naming it (exit 2), so that it is never
-    taken for one, nor in the way of a save's rename."""
+    taken for one, nor in the way of a save's rename; so is a link anywhere inside one (an adapter
+    linked in from another run would load as this run's): every path of a checkpoint is its own."""
     folder = f"{run_dir}/checkpoints"
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     found = [f"{folder}/{n}" for n in names if re.fullmatch(r"iter_[0-9]{6}", n)]
     for path in [folder] * os.path.lexists(folder) + found:  # the folder, if any, first
         if os.path.islink(path) or not os.path.isdir(path):
             fail(f"{path} is a link or a file where a run saves a folder: move it out of {run_dir}")
+    for checkpoint in found:
+        for root, dirs, files in os.walk(checkpoint):  # links are listed, never followed
+            for name in dirs + files:
+                if os.path.islink(f"{root}/{name}"):
+                    fail(f"{root}/{name} is a link inside a checkpoint, whose every file is what "
+                         f"save() wrote there: move {checkpoint} out of {run_dir}/checkpoints")
     return found
 
 
 def state_problem(state, parts, iteration):
     """What keeps a checkpoint's state.pt from being what save() writes, or None: a dict with each
     part's state dict, a list with each process's random streams (a dict of their python, numpy
-    and torch states), the size of each log (an int) and its 'iteration', the one its folder is
-    named with (a copy under another name is another iteration's)."""
+    and torch states), the size of each log (an int, at least 0), the schedule's and the
+    optimizer's step counts (at least 0) and its 'iteration', the one its folder is named with (a
+    copy under another name is another iteration's)."""
     if not isinstance(state, dict):
         return f"holds a value of type {type(state).__name__}, not a dict"
     if state.get("iteration") != iteration:
@@ -213,8 +222,15 @@ def state_problem(state, parts, iteration):
     if not all(isinstance(r, dict) and {"python", "numpy", "torch"} <= r.keys()
                for r in state["rng"]):
         return "its 'rng' is not one dict of python, numpy and torch states a process"
-    if not all(isinstance(state["log_sizes"].get(log), int) for log in LOGS):
-        return f"its 'log_sizes' has no int for each of {', '.join(LOGS)}"
+    if not all(type(state["log_sizes"].get(log)) is int and state["log_sizes"][log] >= 0
+               for log in LOGS):
+        return f"its 'log_sizes' has no size (an int, at least 0) for each of {', '.join(LOGS)}"
+    # the steps the schedule and AdamW go on from (a negative one turns the warm-up's rate negative)
+    steps = [state["scheduler"].get("last_epoch")] + [
+        s.get("step") for s in state["optimizer"].get("state", {}).values() if isinstance(s, dict)]
+    if not all((type(n) is int or isinstance(n, torch.Tensor) and n.numel() == 1)
+               and 0 <= float(n) < math.inf for n in steps):
+        return "its scheduler's or optimizer's step count is not a finite number, at least 0"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,9 +401,12 @@ class Run:
                              f"`python {self.script} --resume {self.args.out}` again")
                 tqdm.write(f"warning: the checkpoint {folder} does not load ({why}); "
                            f"moved to {folder}.broken", file=sys.stderr)
-        if found:
-            fail(f"--resume {self.args.out}: none of its {len(found)} checkpoints loads; "
-                 f"move the broken ones out of {self.args.out}/checkpoints, or start a new run")
+        if found:  # each one moved aside above: the next --resume finds none
+            moved = ", ".join(f"{os.path.basename(folder)}.broken" for folder in found)
+            fail(f"--resume {self.args.out}: none of its {len(found)} checkpoints loads; each was "
+                 f"moved aside in {self.args.out}/checkpoints ({moved}). The same command now "
+                 f"starts the run again from iteration 1 and empties {' and '.join(LOGS)} (copy "
+                 "them first to keep them); or start a new run")
         set_seed(self.args.seed + self.rank)
         return None, 0, dict.fromkeys(LOGS, 0)
 
@@ -400,7 +419,9 @@ class Run:
     def resume_advice(self):
         """What holds now and the command that continues (every one tested)."""
         found = checkpoints(self.args.out)
-        how = f"python {self.script} --resume {self.args.out}"
+        # a URL user's address and key variable are typed again on resume (confirm_destination)
+        how = " ".join(filter(None, [f"python {self.script} --resume {self.args.out}",
+                                     destination_flags(self.args)]))
         if read_run(self.args.out) is None:  # deleted: --resume would find no run folder there
             return (f"{self.args.out} holds no run any more (no config.json): start a new run, "
                     f"`python {self.script}` with the flags it was started with")

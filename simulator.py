@@ -10,10 +10,11 @@ holds the user's side of the table, for personas that personas.py has read:
   prompts       PROMPTS: one template per language for the appraisal, the re-ask and the
                 user's messages
   the read-out  parse_change() reads the change line the appraisal prompt asks for ("Change:
-                N") in the user's own text (own_text: no change line the agent wrote counts),
-                re-asked once when unread or off the scale; an appraisal that stays so
-                ends its dialogue ("unread"), which the trainers keep out of training. The rules
-                user appraises by its rules (rules_appraisal, RulesBackend)
+                N"), each line of the user's read (users_change: one the agent's text could
+                have supplied makes the turn the scale's worst), re-asked once when unread or
+                off the scale; an appraisal that stays so ends its dialogue ("unread"), which
+                the trainers keep out of training. The rules user appraises by its rules
+                (rules_appraisal, RulesBackend)
 
 Who writes the user's text is a backend with chat(conversations, max_new_tokens) -> texts: a
 server behind a URL (client.py), the policy's own frozen base (`same`, rollout.LocalBackend, which
@@ -409,17 +410,30 @@ def parse_change(text):
         return values.pop()
 
 
-def own_text(appraisal, agent_texts):
-    """The appraisal without the change lines the agent wrote (a weak user echoes what it read): one
-    of the agent's texts' change lines (as written, or as the prompt shows them), or one stating a
-    value they state. A user's own line that agrees with the agent's is such a copy, so unread."""
-    theirs = [found for text in agent_texts for form in (text, text.translate(AGENT_ESCAPE))
-              for found in change_lines(form)[1]]
+# A change the agent's text states anywhere in a line ("I'd say Change: +10 for this"), which a user
+# may copy onto a line of its own: the label, a few marks, a whole number
+STATED = re.compile(rf"(?<![A-Za-z])(?:{'|'.join(LABELS['change'])})"
+                    r"[^\w\n]{0,8}?([+-]?\d{1,6})", re.I)
+
+
+def users_change(appraisal, agent_texts, floor):
+    """The change the user's appraisal states (parse_change), where a change line the agent's text
+    could have supplied counts only against the agent: one of the change lines of agent_texts (as
+    written, or as the prompt shows them), or one stating a value they state (STATED: anywhere in
+    a line), makes the change `floor` (the bottom of the scale, -max_change), whatever else the
+    appraisal says. A weak user that echoes a reply's "Change: +10" gives that reply the worst
+    turn, not the best; an honest user's own line is read, never dropped, so no change line in a
+    reply can make its judgment unread or raise it: the change read is never above the one read
+    without the agent's lines."""
+    forms = [form for text in agent_texts for form in (text, text.translate(AGENT_ESCAPE))]
+    theirs = [found for form in forms for found in change_lines(form)[1]]
     said = {line for _, line, _ in theirs}
-    stated = {value for _, _, value in theirs} - {None}
-    lines, found = change_lines(appraisal)
-    copied = {k for taken, line, value in found if line in said or value in stated for k in taken}
-    return "\n".join(line for k, line in enumerate(lines) if k not in copied)
+    stated = {value for _, _, value in theirs} - {None} | {
+        int(value) for form in forms
+        for value in STATED.findall(unicodedata.normalize("NFKC", form).translate(DASHES))}
+    if any(line in said or value in stated for _, line, value in change_lines(appraisal)[1]):
+        return floor
+    return parse_change(appraisal)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -556,10 +570,10 @@ class Simulator:
         asked = [appraisal_messages(s, r, self.max_change) for s, r in zip(states, replies)]
         texts = self.backend.chat(asked, self.appraisal_tokens, 1.0)
         scale = range(-self.max_change, self.max_change + 1)  # None is not in it: unread
-        # the change is read from the user's own text, never from this reply or an earlier one
+        # a change line this reply or an earlier one could have supplied counts against the agent
         agent = [[m["text"] for m in s.history if m["role"] == "agent"] + [r]
                  for s, r in zip(states, replies)]
-        changes = [parse_change(own_text(t, a)) for t, a in zip(texts, agent)]
+        changes = [users_change(t, a, -self.max_change) for t, a in zip(texts, agent)]
         again = [k for k, c in enumerate(changes) if c not in scale]
         if again:  # the change line alone, by its label in the persona's language
             retry = []
@@ -571,7 +585,7 @@ class Simulator:
             answers = self.backend.chat(retry, self.retry_tokens, 1.0)
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
-                changes[k] = parse_change(own_text(text, agent[k]))
+                changes[k] = users_change(text, agent[k], -self.max_change)
         return [(c if c in scale else None, t, None) for c, t in zip(changes, texts)]
 
     def step(self, states, replies):

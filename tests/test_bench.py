@@ -19,8 +19,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_run(out, name, rewards):
+    """A run folder as the benchmark's trainer leaves it: its metrics, and a config.json naming the
+    trainer (no other setting saved: none differs from the benchmark's)."""
     folder = os.path.join(out, name)
     os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"script": name.split("-")[0] + ".py"}, f)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for i, r in enumerate(rewards):
             f.write(json.dumps({"iteration": i + 1, "reward_mean": r, "reward_std": 0.1}) + "\n")

@@ -380,7 +380,7 @@ def run_folder(folder, adapter, iterations=1, **settings):
         torch.save({"iteration": n}, checkpoint / "state.pt")
         (checkpoint / "critic" / "role").write_text("critic")
     config = {"script": "ppo.py", "model": "smollm2", "thinking": True, "max_new_tokens": 512,
-              "max_context": 6144, "lora_r": 4, **settings}
+              "max_context": 2048, "lora_r": 4, **settings}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
@@ -413,11 +413,11 @@ def test_the_runs_settings_unless_given_and_runs_that_disagree(tiny_model_dir, t
     run = run_folder(tmp_path / "a", tiny_adapter, model=tiny_model_dir, thinking=False, max_new_tokens=24)
     args = evaluate.parse_args(["--adapter", str(run)])
     assert (args.model, args.thinking, args.max_new_tokens, args.max_context) == (tiny_model_dir, False, 24,
-                                                                                    6144)
+                                                                                    2048)
     assert capsys.readouterr().err == ""
     # a flag given wins; fewer tokens a reply than the run trained with: one warning line, not an error
     args = evaluate.parse_args(["--adapter", str(run), "--max-new-tokens", "8", "--thinking", "true"])
-    assert (args.max_new_tokens, args.thinking, args.max_context) == (8, True, 6144)
+    assert (args.max_new_tokens, args.thinking, args.max_context) == (8, True, 2048)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: --max-new-tokens 8") and "24" in err[0], err
     # an adapter folder outside a run keeps evaluate.py's own defaults

@@ -236,16 +236,21 @@ KEY = "sk-abcdefghijklmnop1234"
 
 @pytest.mark.parametrize("key", ["a", "x", KEY])
 def test_the_reply_scrub_changes_no_text_but_the_key_itself(key, server, monkeypatch):
-    """Case 10: the URL client scrubs its key from a reply (a proxy's echo of the header) and changes no
-    other text: with OPENAI_API_KEY=a, "Change: +2" became "Ch<redacted>nge: +2" and every dialogue was
-    unread. A key of 8 characters or more goes wherever it stands, inside a longer word too (issue 55,
-    case 2); a shorter one is a placeholder, never scrubbed."""
+    """Case 10: the URL client scrubbed its key from a reply (a proxy's echo of the header): with
+    OPENAI_API_KEY=a, "Change: +2" became "Ch<redacted>nge: +2" and every dialogue was unread. No text is
+    ever scrubbed now (issue 61): a placeholder changes nothing, and a reply holding a real key is
+    refused, one line naming the server and never the key."""
     monkeypatch.setenv("OPENAI_API_KEY", key)
     text = f"Inner reaction: that lands; the mask{key}ed words.\nseen: Bearer {key}\nChange: +2"
     sim, state = url_simulator(server, lambda n, messages: text, max_turns=1)
+    if key == KEY:
+        with pytest.raises(simulator.SimulatorError) as error:
+            sim.step([state], ["That sounds hard."])
+        assert "holds the key of $OPENAI_API_KEY" in str(error.value) and key not in str(error.value)
+        assert state.appraisals == []
+        return
     sim.step([state], ["That sounds hard."])
-    scrubbed = text.replace(key, "<redacted>") if len(key) >= 8 else text
-    assert state.appraisals[-1]["appraisal"] == scrubbed
+    assert state.appraisals[-1]["appraisal"] == text
     assert state.emotion == sim.start_emotion + 2
 
 

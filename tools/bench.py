@@ -40,9 +40,10 @@ each run's iterations took) are written and the table printed. Budget: the 20 it
 other core, so the 6 runs, two at a time (`--jobs 2`), about 86 minutes there (docs/results.md).
 A run whose metrics.jsonl already holds every iteration is skipped, and a run folder the trainer
 made continues with `--resume` (from its newest checkpoint, or from its beginning without one), so
-an interrupted benchmark goes on where it stopped. Flags after `--` go to both trainers, e.g.
-`python tools/bench.py learning -- --lr 1e-4` (a flag only one trainer knows makes the other one
-fail).
+an interrupted benchmark goes on where it stopped; either only where the folder's saved settings are
+the benchmark's (foreign_run): any other folder there, --out a file or a folder in a run, is one
+line. Flags after `--` go to both trainers, e.g. `python tools/bench.py learning -- --lr 1e-4` (a
+flag only one trainer knows makes the other one fail).
 
 gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
 (QWEN25_7B_CONFIG below; nothing is downloaded) and a ChatML tokenizer built at run time from this
@@ -97,7 +98,8 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -110,9 +112,9 @@ import engine
 import rollout
 from personas import load_personas
 from policy import DEFAULT_TARGETS, load_policy, model_problem
-from rl import eval_logprobs, kl_k3, pad_records, pick_personas
-from cli import (above, at_least, command, fail, one_of, parse_settings, read_run, read_text,
-                 setting, within)
+from rl import MAX_TURNS, eval_logprobs, kl_k3, pad_records, pick_personas
+from cli import (RESUMABLE, above, at_least, command, fail, one_of, parse_settings, public_config,
+                 read_run, read_text, same_path, setting, within)
 from run import new_folder, peak_memory_gb, set_seed, write_atomically
 from simulator import RulesBackend, Simulator
 
@@ -208,7 +210,7 @@ class ModelSettings:
 class RolloutSettings(ModelSettings):
     title = "bench.py rollout"
     dialogues: int = setting(4, "dialogues played together (train personas)", at_least(1))
-    max_turns: int = setting(3, "agent turns per dialogue", at_least(1))
+    max_turns: int = setting(3, "agent turns per dialogue", within(1, MAX_TURNS))
     max_new_tokens: int = setting(48, "tokens per agent turn", within(1, 8192))
     simulator: str = setting("same", "same: the full rollout, user included; "
                                      "rules: a free user, so the ratio is the policy side's",
@@ -267,8 +269,17 @@ class StepSettings(ModelSettings):
                              "dialogues an iteration, one minibatch (GRPO: / group size personas)",
                              at_least(1))
     group_size: int = setting(4, "GRPO: dialogues per persona", at_least(2))
-    max_new_tokens: int = setting(48, "tokens of the one agent turn", within(1, 8192))
+    # the job's context is 1,024 tokens (STEP_FLAGS): a reply of 768 leaves 256 for its first prompt
+    max_new_tokens: int = setting(48, "tokens of the one agent turn", within(1, 768))
     micro_batch_size: int = setting(8, "dialogues per forward pass", at_least(1))
+
+    @staticmethod
+    def check(args):
+        # the trainer's flags are made from these (bench_step): a bad value is named as typed here
+        if args.algo == "grpo" and args.dialogues % args.group_size:
+            fail(f"--dialogues {args.dialogues} must be a multiple of --group-size "
+                 f"{args.group_size}: GRPO plays --dialogues / --group-size personas, "
+                 f"--group-size dialogues each")
 
 
 def step_floor(model, tokenizer, prompts, max_new_tokens, micro_batch_size, value_head=None):
@@ -389,6 +400,14 @@ class LearningSettings:
         if args.window > args.iterations // 2:
             fail(f"--window {args.window} must be at most half of --iterations "
                  f"({args.iterations}), so that the first and last iterations do not overlap")
+        # the benchmark's folder holds its runs and its table: a folder, in no run folder
+        if os.path.lexists(args.out) and not os.path.isdir(args.out):
+            fail(f"--out {args.out} exists and is not a folder: the benchmark's runs go into one; "
+                 "pick a new --out")
+        real = Path(os.path.realpath(args.out))
+        for folder in [real, *real.parents]:  # links resolved
+            if read_run(folder):
+                fail(f"--out {args.out} is in the run folder {folder}: pick a folder outside it")
 
 
 def run_command(command, log=None, cores=None, timeout=None, env=None):
@@ -424,8 +443,12 @@ def train_runs(args):
         for seed in args.seeds.split(","):
             flags = [*LEARNING_FLAGS, "--seed", seed,
                      "--iterations", str(args.iterations)] + args.trainer_flags
-            checked(algo, flags)
+            settings = checked(algo, flags)
             run_dir = os.path.abspath(os.path.join(args.out, f"{algo}-seed{seed}"))
+            problem = os.path.lexists(run_dir) and foreign_run(algo, settings, run_dir)
+            if problem:
+                fail(f"--out {args.out}: {run_dir} {problem}, so its numbers are not the "
+                     "benchmark's; pick a new --out (or move that folder out)")
             done = len(read_metrics(run_dir))
             if done >= args.iterations:
                 print(f"{algo}-seed{seed}: {done} iterations already logged in {run_dir}, skipped")
@@ -454,6 +477,34 @@ def train_runs(args):
     with ThreadPoolExecutor(len(free)) as pool:
         codes = list(pool.map(lambda job: train(*job), pending))
     return [name for (name, _), code in zip(pending, codes) if code]
+
+
+def foreign_run(algo, settings, run_dir):
+    """What makes run_dir no run of this benchmark, or None: it must be a run folder that algo.py
+    made (its config.json) with the benchmark's settings (the trainer's own parse of the flags the
+    benchmark gives it): every setting it saved equal to the benchmark's (a path naming the same
+    file, the trainers run in the project's folder), but how long and how often (cli.RESUMABLE) and
+    the operational ones, which its --resume may change."""
+    saved = read_run(run_dir)
+    if saved is None:
+        return "is not a run folder (no config.json written by a trainer)"
+    if saved["script"] != f"{algo}.py":
+        return f"was made by {saved['script']}"
+    mine = public_config(settings, f"{algo}.py")
+    differ = []
+    for f in fields(importlib.import_module(algo).Settings):
+        name = f.name
+        if name not in saved or name in (*RESUMABLE, "out", "resume") or f.metadata["operational"]:
+            continue
+        alike = saved[name] == mine[name] or (
+            f.metadata["path"] and isinstance(saved[name], str)
+            and same_path(os.path.join(ROOT, mine[name]), saved[name]))
+        if not alike:
+            differ.append(f"--{name.replace('_', '-')} {saved[name]!r} (the benchmark's "
+                          f"{mine[name]!r})")
+    if differ:
+        return f"was made with {', '.join(differ)}"
+    return None
 
 
 def learning_table(args):
@@ -692,10 +743,12 @@ def bench_gpu(args):
 
     # ppo.main() loads its policy by name, through policy.py's loaders: answer with the random
     # model built in memory instead of reading 15 GB of weights from disk (it has no config file to
-    # check).
+    # check; its positions are its config's).
+    positions = ("max_position_embeddings", config["max_position_embeddings"])
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp, \
             mock.patch("policy.load_model", load_model), \
             mock.patch("rollout.load_tokenizer", lambda *a, **k: tokenizer), \
+            mock.patch("rollout.model_positions", lambda *a, **k: positions), \
             mock.patch("ppo.check_model", lambda *a, **k: None), \
             mock.patch.object(engine.Decoder, "generate", timed_generate), \
             mock.patch.object(engine.Decoder, "replay", timed_replay):

@@ -628,7 +628,7 @@ class Run:
         (policy.public_name), each setting's path by its last part (cli.preset_changes)."""
         args = self.args
         base = self.model.peft_config[adapter].base_model_name_or_path
-        hub = not os.path.isabs(args.model)  # a local folder was saved absolute (parse_settings)
+        hub = "/" in base  # org/name; a local folder is named by its last part
         name = redact(Path(args.out).name)
         where = f"{name}/checkpoints/iter_{iteration:06d}/{adapter}"
         changes = ", ".join(f"`--{k.replace('_', '-')} {redact(v)}`"
@@ -648,7 +648,8 @@ class Run:
                  f"`{self.script}` of RLVER, small and readable (reinforcement learning with "
                  "verifiable emotion rewards, arXiv 2507.03112): the agent talks with a simulated "
                  "user whose final emotion / 100 is the reward.", ""]
-        if hub and args.model != base:  # the embedded model: a copy of base (policy.PUBLIC_NAMES)
+        # the embedded model (policy.PUBLIC_NAMES): a name that is neither base nor a folder's path
+        if args.model != base and not os.path.isabs(args.model):
             lines += [f"Trained on `--model {args.model}`, the project's embedded copy of `{base}` "
                       "(a quantized GGUF file, dequantized: docs/rollouts.md); on the hub's "
                       "weights the adapter behaves close to, not exactly as, in training.", ""]

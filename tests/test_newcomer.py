@@ -167,6 +167,30 @@ def test_a_saved_adapter_names_its_base_by_its_public_name(tmp_path):
     assert policy.public_name(str(tmp_path / "my-model") + "/") == "my-model"  # a local folder
 
 
+@pytest.mark.smollm2
+def test_the_card_of_an_adapter_on_the_embedded_model_names_the_hub_model(tmp_path):
+    """A run of `--preset cpu` as it stands: the card's base is the hub's SmolLM2, said to be the
+    embedded copy of it, with nothing off the preset and no path of this machine."""
+    import run
+
+    args = cli.parse_settings(ppo.Settings, ["--preset", "cpu", "--out", str(tmp_path / "run")],
+                              presets=ppo.PRESETS, prog="ppo.py")
+    the_run = run.Run(args, "ppo.py", adapters=["default"])
+    try:
+        the_run.model, _ = policy.load_policy("smollm2", device="cpu", lora_r=2)
+        card = the_run.model_card("default", 3, rows_of([0.3, 0.31, 0.33], [0.1, 0.1, 0.1]))
+    finally:
+        the_run.accelerator.end_training()
+        cli.release()
+    hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert card.startswith(f"---\nbase_model: {hub}\nlibrary_name: peft\n")
+    assert f"Trained on `--model smollm2`, the project's embedded copy of `{hub}`" in card
+    assert "- settings: `--preset cpu`, seed 0; different from the preset: none" in card
+    assert f'base = AutoModelForCausalLM.from_pretrained("{hub}")\n' in card
+    assert "- iteration 3 of 3" in card and "reward_mean 0.33, reward_std 0.1" in card
+    assert not ABSOLUTE.search(card) and str(tmp_path) not in card
+
+
 def run_folder(folder, script, argv, rows):
     """A run's folder as the trainer writes it, made small: config.json from the settings the command
     line gives (cli.parse_settings, cli.public_config) and metrics.jsonl's rows."""

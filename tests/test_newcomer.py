@@ -243,6 +243,11 @@ def test_plot_bands_the_reward_and_names_each_run_by_script_preset_and_seed(tmp_
     for i, a in enumerate(series):
         for b in series[i + 1:]:
             assert len({round(y / x, 9) for x, y in zip(a, b) if x}) > 1
+    # a run killed while it appended: its torn last line (no newline) is left out, as its resume cuts it
+    with open(os.path.join(learn, "metrics.jsonl"), "a") as f:
+        f.write('{"iteration": 4, "reward_me')
+    code, out, err, figure = plot_command(capsys, cpu, learn, "--out", str(tmp_path / "torn.png"))
+    assert code == 0 and out.splitlines()[1].startswith("grpo cpu-learn seed 1: 3 iterations"), err
     # settings other than every preset's: custom; a cpu-learn run made longer is still cpu-learn
     other = run_folder(tmp_path / "c", "grpo.py", ["--preset", "cpu", "--lr", "1e-3"], rows[0])
     longer = run_folder(tmp_path / "d", "ppo.py", ["--preset", "cpu-learn", "--iterations", "40"], rows[1])

@@ -18,7 +18,8 @@ It reads the runs and writes only --out: a new file, created here (one that exis
 overwritten), in a folder that exists. What it reads is checked as the trainers check their input:
 a missing folder, an empty metrics.jsonl (a run in its first iteration), a line that is not an
 object, an iteration that is not an integer above the line before's, or a figure that is not a
-number is one line, exit code 2. matplotlib is optional for the project: without it this is one
+number is one line, exit code 2; a torn last line (a run killed while it appended) is left out, as
+its resume cuts it. matplotlib is optional for the project: without it this is one
 line naming `pip install matplotlib`, exit code 2.
 """
 import argparse
@@ -29,7 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project
 import grpo  # noqa: E402
 import ppo  # noqa: E402
-from cli import command, fail, preset_changes, read_json_lines, read_run  # noqa: E402
+from cli import command, fail, parse_json, preset_changes, read_run, read_text  # noqa: E402
 from run import summary, write_failure  # noqa: E402
 
 METRICS = "reward_mean,clip_frac,kl_ref,cut_reply_rate"
@@ -51,7 +52,11 @@ def read_rows(folder, metrics):
         fail(f"{folder}: no such folder")
     if not os.path.isfile(path):
         fail(f"{folder}: no metrics.jsonl (not a run folder)")
-    lines = read_json_lines(path, fail)
+    text = read_text(path, fail)
+    # a run killed while it appended leaves a torn last line, without its newline, which its resume
+    # cuts: left out here too (every line a trainer writes ends in one)
+    lines = [(i, parse_json(line, f"{path}: line {i + 1}", fail))
+             for i, line in enumerate(text[:text.rfind("\n") + 1].splitlines()) if line.strip()]
     if not lines:
         fail(f"{path} is empty: the run is in its first iteration; plot it once one is logged")
     read = [*metrics, *filter(None, map(spread_of, metrics)), *SUMMED]

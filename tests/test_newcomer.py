@@ -257,6 +257,12 @@ def test_plot_bands_the_reward_and_names_each_run_by_script_preset_and_seed(tmp_
     assert [t.get_text() for t in figure.legends[0].get_texts()] == ["grpo custom seed 0",
                                                                      "ppo cpu-learn seed 0"]
     assert [ax.get_title() for ax in figure.axes if ax.get_title()] == ["final_emotion_mean"]
+    # a run of one iteration: its band has no width, so it is a bar from mean - std to mean + std
+    single = run_folder(tmp_path / "e", "ppo.py", ["--preset", "cpu"], rows_of([0.3], [0.1]))
+    code, out, err, figure = plot_command(capsys, single, "--out", str(tmp_path / "e.png"))
+    assert code == 0, err[-2000:]
+    bar = figure.axes[0].collections[0].get_segments()[0]
+    assert bar.tolist() == [[1, pytest.approx(0.2)], [1, pytest.approx(0.4)]]
 
 
 def matplotlib_rgb(colour):

@@ -116,7 +116,10 @@ def draw(runs, metrics):
             if spread and points and all(row.get(spread) is not None for row in points):
                 low = [row[metric] - row[spread] for row in points]
                 high = [row[metric] + row[spread] for row in points]
-                ax.fill_between(x, low, high, color=f"C{colour}", alpha=0.2, linewidth=0)
+                if len(points) > 1:
+                    ax.fill_between(x, low, high, color=f"C{colour}", alpha=0.2, linewidth=0)
+                else:  # a band of one iteration has no width: its bar
+                    ax.vlines(x, low, high, color=f"C{colour}", alpha=0.4, linewidth=4)
                 drawn += low
                 banded = True
         ax.set_title(f"{metric} ± {spread}" if banded else metric)

@@ -335,6 +335,8 @@ def unknown_arguments(unknown, flags):
     (difflib, as argparse itself does for a choice from Python 3.14 on)."""
     line = f"unrecognized arguments: {' '.join(unknown)}"
     for word in unknown:
+        if word == "--":  # argparse's separator: what follows is no flag
+            break
         typed = word.partition("=")[0]  # --flag=value: the flag
         if not typed.startswith("--"):
             continue

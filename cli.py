@@ -13,6 +13,7 @@ It imports no other file of the project; every other file may import it.
 """
 import argparse
 import dataclasses
+import difflib
 import functools
 import json
 import logging
@@ -308,8 +309,10 @@ def parse_settings(settings, argv=None, presets=None, defaults=None, prog=None):
     # first pass; its flag's choices refuse an unknown one), so that every flag given wins over both
     parser.set_defaults(**(defaults or {}))
     if presets:
-        parser.set_defaults(**presets[parser.parse_args(argv).preset])
-    args = parser.parse_args(argv)
+        parser.set_defaults(**presets[parser.parse_known_args(argv)[0].preset])
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        fail(unknown_arguments(unknown, [a.option_strings[0] for a in actions.values()]))
     args.given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     if getattr(args, "resume", ""):
         resume_settings(args, fields, prog)
@@ -325,6 +328,8 @@ def parse_settings(settings, argv=None, presets=None, defaults=None, prog=None):
     for cls in classes:
         if "check" in vars(cls):
             cls.check(args)
+    # what the run's model card names besides its preset (run.Run.save)
+    args.off_preset = preset_changes(settings, presets, vars(args))
     return args
 
 
@@ -359,6 +364,50 @@ def confirm_destination(args):
         fail(f"{' and '.join(where)}: the user's requests would go to {args.simulator} with the "
              f"key in ${args.api_key_env}, and a run's folder never chooses that unseen: type "
              f"{flags} to send them there, or give another --simulator")
+
+
+def unknown_arguments(unknown, flags):
+    """argparse's line for the arguments no flag takes, and for each unknown flag the nearest of
+    `flags`: the same words in another order (--lr-critic: --critic-lr), else the closest spelling
+    (difflib, as argparse itself does for a choice from Python 3.14 on)."""
+    line = f"unrecognized arguments: {' '.join(unknown)}"
+    for word in unknown:
+        if word == "--":  # argparse's separator: what follows is no flag
+            break
+        typed = word.partition("=")[0]  # --flag=value: the flag
+        if not typed.startswith("--"):
+            continue
+        words = sorted(typed[2:].replace("_", "-").split("-"))
+        near = [flag for flag in flags if sorted(flag[2:].split("-")) == words]
+        near = near or difflib.get_close_matches(typed, flags, n=1, cutoff=0.6)
+        if near:
+            line += f"; {typed}: did you mean {near[0]}?"
+    return line
+
+
+# Not compared with a run's preset: where it writes (out, resume), what a resume may change
+# (RESUMABLE) or how it is carried out (operational), and the seed (named apart)
+NOT_THE_METHOD = ("preset", "out", "resume", "seed")
+
+
+def preset_changes(settings, presets, values):
+    """{name: value} of the settings in `values` (parse_settings' args, or a run's config.json)
+    that differ from its preset's (presets[values['preset']] over the dataclass `settings`'
+    defaults): empty for a run of the preset as it stands. An absolute path (a run saves each path
+    that exists so) counts by its last part, and is given so, never as a path of this machine."""
+    declared = settings()
+    preset = (presets or {}).get(values.get("preset"), {})
+    changes = {}
+    for f in dataclasses.fields(settings):
+        left_out = f.name in NOT_THE_METHOD or f.name in RESUMABLE or f.metadata["operational"]
+        if left_out or f.name not in values:  # a setting added since the run was made
+            continue
+        value = values[f.name]
+        if f.metadata["path"] and isinstance(value, str) and os.path.isabs(value):
+            value = os.path.basename(os.path.normpath(value))
+        if value != preset.get(f.name, getattr(declared, f.name)):
+            changes[f.name] = value
+    return changes
 
 
 def check_setting(f, value, where=None):
@@ -457,9 +506,10 @@ def same_path(typed, saved):
 def public_config(args, script):
     """The settings as config.json holds them: the script that made the run, and every value with
     anything that looks like a secret hidden (redact; a secret comes only from the environment)."""
-    # given (which flags were typed) is parse_settings' note, not a setting
+    # given (which flags were typed) and off_preset are parse_settings' notes, not settings
     return {"script": script,
-            **{name: redact(value) for name, value in vars(args).items() if name != "given"}}
+            **{name: redact(value) for name, value in vars(args).items()
+               if name not in ("given", "off_preset")}}
 
 
 # ----------------------------------------------------------------------------------------------

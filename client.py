@@ -148,6 +148,14 @@ class OpenAIBackend:
         raise SimulatorError(f"simulator server {redact(self.url.geturl())}: {problem} "
                              f"after {attempt + 1} tries")
 
+    def check(self):
+        """One request for one token, made before any model loads and before a folder is made
+        (rollout.reach_simulator): a server that is down, or a wrong port, path, key or model name,
+        is one line in seconds, not after minutes of loading, and leaves nothing behind. It is the
+        request a dialogue makes, with its deadline and retries (a server still starting gets
+        them), so what passes here is what a dialogue needs."""
+        self._post([{"role": "user", "content": "Say ready."}], 1)
+
     def chat(self, conversations, max_new_tokens, repetition_penalty=None):
         """repetition_penalty is unused: the request sends none, so the server applies none (a
         server keeps its own prefix cache, as vLLM and SGLang do)."""

@@ -33,7 +33,7 @@ from personas import PersonaError, load_personas
 from policy import check_model, default_device, load_policy
 from rl import DialogueSettings
 from rollout import (TOKEN_ARRAYS, ChatTokens, build_simulator, check_openings_fit, make_backend,
-                     play_dialogues)
+                     play_dialogues, reach_simulator)
 from run import append_lines, checkpoints, finite, new_folder, write_atomically, write_failure
 from simulator import (PROMPTS, RulesBackend, SimulatorError, UserState, apply_change,
                        clean_user_text, user_turn_messages)
@@ -426,8 +426,7 @@ def judged_replies(dialogue):
 def recorded_state(persona, dialogue, k):
     """The simulated user as it was when agent message k arrived: the recorded conversation before
     it, the recorded emotion, and one appraisal per earlier reply whose move is the recorded change,
-    so that the appraisal sees the recorded moods. It is appraised once (the check's `same` user
-    keeps no KV cache)."""
+    so that the appraisal sees the recorded moods (appraised once: `same` keeps no KV cache)."""
     moods = [dialogue["points"][j] for j in range(0, k, 2)]  # e_0 .. e_m
     appraisals = [{"change": after - before, "emotion": after, "appraisal": ""}
                   for before, after in zip(moods, moods[1:])]
@@ -567,6 +566,7 @@ def agreement_main(args):
         first = seen.setdefault((os.stat(path).st_dev, os.stat(path).st_ino), path)
         if first != path:
             fail(f"--agreement {path}: the file {first} again; give each once")
+    reach_simulator(args)  # a URL user answers a first short request, or one line
     new_folder(args.out)
     store = f"{args.out}/appraisals.jsonl"
     exit_on_signals(lambda: f"; the appraisals made so far are in {store}")
@@ -577,9 +577,8 @@ def agreement_main(args):
           f"{torch.get_num_threads()}; every appraisal goes to {store}", file=sys.stderr)
     try:
         # The simulator's (change, appraisal) for every judged reply: each batch of BATCH_DIALOGUES
-        # dialogues is one call to simulator.appraise (all their replies at once), and each finished
-        # dialogue is appended to the store at once, the record of every appraisal. The progress bar
-        # counts replies.
+        # dialogues is one call to simulator.appraise (all their replies at once); each finished one
+        # is appended to the store at once, the record of every appraisal. The bar counts replies.
         answers = []  # per dialogue, in order
         bar = tqdm(total=sum(len(judged_replies(d)) for d in dialogues), desc="agreement: replies")
         for start in range(0, len(dialogues), BATCH_DIALOGUES):
@@ -680,6 +679,7 @@ def main(argv=None):
     if args.write_openings:  # the first messages RLVER's training profiles lack
         return write_openings(args)
     personas = load_personas(args.personas, args.split, args.difficulty)[:args.dialogues or None]
+    reach_simulator(args)  # a URL user answers a first short request, or one line
     check_openings_fit(personas, args.model, args.thinking, args.max_new_tokens, args.max_context,
                        args.trust_remote_code)
     new_folder(args.out)  # before any model loads

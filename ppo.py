@@ -35,7 +35,8 @@ from rl import (TrainerSettings, adamw_with_warmup, eval_logprobs, eval_scores, 
                 mode_coefficients, old_logprobs_from_update, pad_records, pick_personas,
                 policy_terms, token_logprobs, token_weights, turn_rewards, unmoved_return)
 from engine import Decoder
-from rollout import ChatTokens, build_simulator, check_openings_fit, play_dialogues
+from rollout import (ChatTokens, build_simulator, check_openings_fit, play_dialogues,
+                     reach_simulator)
 from run import Run
 from simulator import SimulatorError
 
@@ -227,6 +228,7 @@ def main(argv=None):
         fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas(args.personas, args.split, args.difficulty)
     coefficients = mode_coefficients(args)  # what --reward's mode reads besides a record
+    reach_simulator(args)  # a URL user answers a first short request, or one line
     # every check that needs no weights: each opening leaves room for a whole reply in the context,
     # and the model's config (--target-modules against its layers, no change to its logits after
     # lm_head)

@@ -26,7 +26,7 @@ from client import OpenAIBackend
 from engine import Decoder
 from policy import default_device, load_model, load_tokenizer, model_positions
 from cli import fail
-from simulator import RulesBackend, Simulator, UserState
+from simulator import RulesBackend, Simulator, SimulatorError, UserState
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,6 +216,18 @@ def make_backend(simulator, policy=None, tokenizer=None, args=None):
                                        trust_remote_code=args.trust_remote_code)
     # the frozen base: a PeftModel's with its adapters off; a plain model is its own base
     return LocalBackend(policy, tokenizer, use_base=hasattr(policy, "disable_adapter"))
+
+
+def reach_simulator(args):
+    """A URL user answers one short request (client.OpenAIBackend.check), else one line (exit 2):
+    every script calls this before any model loads and before it makes a folder. A user that is
+    not a URL (the `same` model, a scripted user) has nothing to reach."""
+    if not args.simulator.startswith(("http://", "https://")):
+        return
+    try:
+        make_backend(args.simulator, args=args).check()
+    except SimulatorError as e:
+        fail(f"--simulator: {e}; no model loaded, nothing written")
 
 
 def build_simulator(args, policy, tokenizer, goodbye="closing"):

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from cli import (HELD, TAKEN, destination_flags, exit_on_signals, fail, public_config, read_run,
-                 release)
+                 redact, release)
 
 
 def summary(rows):
@@ -237,6 +237,9 @@ def state_problem(state, parts, iteration):
 # The Run: one training run, called by name from the trainer's loop
 # ----------------------------------------------------------------------------------------------
 LOGS = ("metrics.jsonl", "rollouts.jsonl")  # a run's logs, one JSON line an iteration / a dialogue
+# The figures of its last iteration a saved adapter's card gives (docs/metrics.md)
+CARD_FIGURES = ("reward_mean", "reward_std", "final_emotion_mean", "unread_dialogues", "kl_ref",
+                "clip_frac", "cut_reply_rate")
 
 
 class Run:
@@ -438,7 +441,9 @@ class Run:
         where = f"in iteration {self.done + 1}"
         if self.saving:
             where = f"while the checkpoint of iteration {self.saving} was written"
-        return f" {where} of {self.args.out}; {self.resume_advice()}"
+        told = f" {where} of {self.args.out}; {self.resume_advice()}"
+        self.keep(f"stopped by Ctrl-C or SIGTERM{told}")
+        return told
 
     def halt(self, message):
         """The trained weights or their gradients are not finite and the run cannot go on: one line
@@ -448,7 +453,7 @@ class Run:
         line = f"{message}; {self.resume_advice()}. {advice}"
         if not self.is_main:
             line = ""  # the main process says it
-        fail(line, code=1)
+        self.end(line, code=1)
 
     # --- the processes ---------------------------------------------------------------------------
     def share(self, items):
@@ -518,8 +523,8 @@ class Run:
                 try:
                     append_lines(f"{self.args.out}/{name}", rows)
                 except OSError as e:
-                    fail(f"cannot append to {name} in {self.args.out} "
-                         f"({write_failure(e, self.args.out)}); {self.resume_advice()}", code=1)
+                    self.end(f"cannot append to {name} in {self.args.out} "
+                             f"({write_failure(e, self.args.out)}); {self.resume_advice()}", code=1)
         # the numbers only (a figure not measured this iteration is None, which accelerate's
         # trackers are not documented to take); main process only, and nothing without a tracker
         self.accelerator.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))},
@@ -556,6 +561,7 @@ class Run:
         self.saving = self.saved_at = iteration
         out = self.args.out
         if self.is_main:
+            rows = self.metrics()  # for each adapter's card
             final = f"{out}/checkpoints/iter_{iteration:06d}"
             tmp = f"{final}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left: none of it is kept
@@ -563,10 +569,16 @@ class Run:
                 for adapter in self.adapters:
                     # peft writes 'default' into the folder given and any other adapter into a
                     # subfolder of its name: either way each lands in tmp/<adapter>/, with its role
-                    # (evaluate.py scores only a policy, wherever its folder was copied)
+                    # (evaluate.py scores only a policy, wherever its folder was copied). No
+                    # embedding layer: none is trained here (no new token, LoRA on linear layers),
+                    # and peft's "auto" would look the base's public name up on the hub each save
                     self.model.save_pretrained(f"{tmp}/default" if adapter == "default" else tmp,
-                                               selected_adapters=[adapter])
+                                               selected_adapters=[adapter],
+                                               save_embedding_layers=False)
                     Path(f"{tmp}/{adapter}/role").write_text(adapter, encoding="utf-8")
+                    # the project's card in the place of peft's blank one
+                    Path(f"{tmp}/{adapter}/README.md").write_text(
+                        self.model_card(adapter, iteration, rows), encoding="utf-8")
                 state = {**{part: value.state_dict() for part, value in self.parts.items()},
                          "rng": rngs, "iteration": iteration,
                          "log_sizes": {log: os.path.getsize(f"{out}/{log}") for log in LOGS}}
@@ -576,8 +588,9 @@ class Run:
             except Exception as e:
                 why = write_failure(e, final)  # before the removal gives the space back
                 shutil.rmtree(tmp, ignore_errors=True)
-                fail(f"iteration {iteration}: the checkpoint {final} could not be written ({why}); "
-                     f"what was written of it is removed; {self.resume_advice()}", code=1)
+                self.end(f"iteration {iteration}: the checkpoint {final} could not be written "
+                         f"({why}); what was written of it is removed; {self.resume_advice()}",
+                         code=1)
             # the oldest go (--keep-checkpoints 0: none); a folder without state.pt is no
             # checkpoint anything saved (someone's notes, named like one) and is never deleted
             for old in checkpoints(out)[:-self.args.keep_checkpoints]:
@@ -590,7 +603,7 @@ class Run:
         iteration not yet saved is saved first (with one process: a save is collective)."""
         if self.done > self.saved_at and self.world == 1:
             self.save_if_due(now=True)
-        fail(f"{error}; {self.resume_advice()}")
+        self.end(f"{error}; {self.resume_advice()}")
 
     def finish(self):
         """Close the trackers and the progress bar, say what the run did (summary) and where the
@@ -598,10 +611,86 @@ class Run:
         self.bar.close()
         self.accelerator.end_training()
         if self.is_main:
-            # whole lines only: begin() cut the log at its checkpoint, and each line since was
-            # appended whole
-            with open(f"{self.args.out}/metrics.jsonl", encoding="utf-8") as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            print(f"done: {self.args.out}: {summary(rows)}; "
-                  f"adapter: {checkpoints(self.args.out)[-1]}/default")
+            line = (f"done: {self.args.out}: {summary(self.metrics())}; "
+                    f"adapter: {checkpoints(self.args.out)[-1]}/default")
+            print(line)
+            self.keep(line)
         release()
+
+    def metrics(self):
+        """The rows of metrics.jsonl (the main process's): whole lines only, since begin() cut the
+        log at its checkpoint and each line since was appended whole."""
+        with open(f"{self.args.out}/metrics.jsonl", encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    # --- what the run folder says of itself -------------------------------------------------------
+    def end(self, line, code=2):
+        """End the run with one line (fail: stderr, exit code `code`), kept in summary.txt too."""
+        self.keep(f"error: {line}")
+        fail(line, code)
+
+    def keep(self, line):
+        """Append a line that ends the run's process (finish's `done:`, or a stop with the resume
+        advice) to the run folder's summary.txt, with the time: the terminal's last line scrolls
+        away; the folder keeps every end, the newest last (a stop, then its resume's `done:`). On a
+        disk that is full (which may be the stop) the line is on the terminal only."""
+        if not self.is_main:
+            return
+        try:
+            with open(f"{self.args.out}/summary.txt", "a", encoding="utf-8") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        except OSError:
+            pass
+
+    def model_card(self, adapter, iteration, rows):
+        """The README.md of a saved adapter (peft writes a blank one, and the base's path on this
+        machine): what it is and how it was made, its last figures, how to load it with peft alone.
+        No path of this machine: the run by its folder's name, the base by its public name
+        (policy.public_name), each setting's path by its last part (cli.preset_changes)."""
+        args = self.args
+        base = self.model.peft_config[adapter].base_model_name_or_path
+        hub = "/" in base  # org/name; a local folder is named by its last part
+        name = redact(Path(args.out).name)
+        where = f"{name}/checkpoints/iter_{iteration:06d}/{adapter}"
+        changes = ", ".join(f"`--{k.replace('_', '-')} {redact(v)}`"
+                            for k, v in getattr(args, "off_preset", {}).items()) or "none"
+        role = ("the policy (the agent)" if adapter == "default" else
+                f"PPO's {adapter} (its LoRA only: the value head is `value_head` in "
+                "../state.pt, which peft does not load)")
+        last = rows[-1] if rows else {}
+        figures = ", ".join(f"{key} {last[key]:.4g}" for key in CARD_FIGURES
+                            if isinstance(last.get(key), (int, float)))
+        lines = ["---", *([f"base_model: {base}"] if hub else []), "library_name: peft",
+                 "pipeline_tag: text-generation", "tags:",
+                 *([f"- base_model:adapter:{base}"] if hub else []), "- lora", "- rlver",
+                 f"- {self.script[:-3]}", "---",
+                 f"# {name}: {role}, iteration {iteration}", "",
+                 f"A LoRA adapter on `{base}`{'' if hub else ' (a local folder)'}, trained by "
+                 f"`{self.script}` of RLVER, small and readable (reinforcement learning with "
+                 "verifiable emotion rewards, arXiv 2507.03112): the agent talks with a simulated "
+                 "user whose final emotion / 100 is the reward.", ""]
+        # the embedded model (policy.PUBLIC_NAMES): a name that is neither base nor a folder's path
+        if args.model != base and not os.path.isabs(args.model):
+            lines += [f"Trained on `--model {args.model}`, the project's embedded copy of `{base}` "
+                      "(a quantized GGUF file, dequantized: docs/rollouts.md); on the hub's "
+                      "weights the adapter behaves close to, not exactly as, in training.", ""]
+        lines += [f"- trainer: `{self.script}`, adapter `{adapter}`",
+                  f"- settings: `--preset {args.preset}`, seed {args.seed}; different from the "
+                  f"preset: {changes}",
+                  f"- the simulated user: `--simulator {redact(args.simulator)}`; the agent's "
+                  f"system prompt: rollout.py's for `--thinking {str(args.thinking).lower()}`",
+                  f"- iteration {iteration} of {args.iterations}",
+                  f"- its last figures (iteration {last.get('iteration', '-')}, metrics.jsonl; "
+                  f"docs/metrics.md): {figures or 'none logged'}",
+                  f"- the run: {summary(rows) if rows else 'no iteration logged'}", "",
+                  "## Load it with peft", "", "```python",
+                  "from peft import PeftModel",
+                  "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                  f'base = AutoModelForCausalLM.from_pretrained("{base}")'
+                  f'{"" if hub else "  # the local folder the run loaded"}',
+                  f'tokenizer = AutoTokenizer.from_pretrained("{base}")',
+                  f'model = PeftModel.from_pretrained(base, "{where}")', "```", "",
+                  "Against the base on the benchmark: `python evaluate.py --adapter "
+                  f"{where}` (docs/evaluate.md).", ""]
+        return "\n".join(lines)
+

@@ -366,7 +366,7 @@ def tiny_adapter(tiny_model_dir, tmp_path_factory):
 
     policy, _ = load_policy(tiny_model_dir, lora_r=4, device="cpu")
     folder = tmp_path_factory.mktemp("adapter") / "default"
-    policy.save_pretrained(str(folder))
+    policy.save_pretrained(str(folder), save_embedding_layers=False)  # as run.Run.save
     return folder
 
 
@@ -565,7 +565,9 @@ def test_agreement_stopped_by_a_signal_keeps_its_appraisals(server, tmp_path, na
     gate = threading.Event()
 
     def handle(handler, n, body):
-        if n > 2:  # the first dialogue's two judged replies are answered; the next wait for the signal
+        # the first short request (rollout.reach_simulator) and the first dialogue's two judged replies
+        # are answered; the next wait for the signal
+        if n > 3:
             gate.wait(300)
         reply(handler, 200, chat("Change: +2"))
     srv = server(handle)
@@ -612,7 +614,7 @@ def trained_adapter(tmp_path_factory):
             if "lora_B" in name:
                 p.normal_(0, 0.1)  # strong enough to change greedy replies
     folder = tmp_path_factory.mktemp("adapters") / "trained"
-    policy.save_pretrained(str(folder))
+    policy.save_pretrained(str(folder), save_embedding_layers=False)  # as run.Run.save
     del policy
     return str(folder)
 

@@ -47,7 +47,8 @@ def test_the_trainers_share_one_name_per_idea_method_first_operational_last(scri
     assert "--micro-batch-size" in last and "--api-timeout" in last and "--lr " not in last
     stop = subprocess.run([sys.executable, script, "--ppo-epochs", "2"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
-    assert stop.returncode == 2 and stop.stderr.strip() == "error: unrecognized arguments: --ppo-epochs 2"
+    assert stop.returncode == 2 and stop.stderr.strip() == (
+        "error: unrecognized arguments: --ppo-epochs 2; --ppo-epochs: did you mean --update-epochs?")
 
 
 def test_a_first_run_prints_only_the_projects_own_lines(tmp_path):

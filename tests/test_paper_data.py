@@ -193,7 +193,10 @@ def appraising_server(server, fail_on=None):
 
     def handle(handler, n, body):
         ask = body["messages"][-1]["content"]
-        marker = next(m for m in ("The chatbot's newest reply:", "机器人的最新回复：") if m in ask)
+        marker = next((m for m in ("The chatbot's newest reply:", "机器人的最新回复：") if m in ask), None)
+        if marker is None:  # evaluate.py's first short request (rollout.reach_simulator)
+            reply(handler, 200, chat_completion("ready"))
+            return
         newest = json.loads(ask.split(marker + "\n", 1)[1].split("\n", 1)[0])
         asked.append(newest)
         if fail_on and fail_on[0] in newest:

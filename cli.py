@@ -39,7 +39,9 @@ TAKEN = {}
 
 def release():
     """Let go of the run folder's lock and put back the signal handlers (a finished or failed run;
-    tests run several in one process)."""
+    tests run several in one process), and forget where this command's settings came from, so
+    that the next command's lines name no file of this one's."""
+    TAKEN.clear()
     while HELD:
         item = HELD.pop()
         if isinstance(item, int):

@@ -141,6 +141,7 @@ PROMPTS = {
                     "listened to you."},
         # a user's type (personas.TYPES): how it behaves in its messages, how it judges a reply
         "conduct": PUSHBACK["en"]["conduct"], "judgement": PUSHBACK["en"]["judgement"],
+        # a profile field's label on the card (our personas.json's, then SAGE's and RLVER's)
         "profile": {"name": "name", "age": "age", "job": "job", "personality": "personality",
                     "speaking_style": "speaking style", "character": "character",
                     "description": "description", "traits": "traits"},
@@ -275,8 +276,8 @@ def persona_card(persona, temper="difficulty"):
     ("judgement") in the appraisal; a cooperative user's line is empty, its card as it was before
     types. It never changes within a dialogue; the mood goes in the notes."""
     prompts = PROMPTS[persona.language]
-    pushback = {"difficulty": "conduct", "forgiveness": "judgement"}[temper]
-    lines = [prompts[temper][persona.difficulty], prompts[pushback][persona.type]]
+    type_table = {"difficulty": "conduct", "forgiveness": "judgement"}[temper]
+    lines = [prompts[temper][persona.difficulty], prompts[type_table][persona.type]]
     return prompts["card"].format(
         profile="\n".join(f"- {prompts['profile'][name]}: {value}"
                            for name, value in persona.profile.items()),

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+import grpo
 import ppo
 import rl
 import simulator
@@ -73,7 +74,6 @@ def test_no_trainer_meets_the_adversarial_users_unless_told(adversarial, tmp_pat
     adversarial.json with its own split gets one line, before any model loads. Told both the file and
     the split, it reads them (a user's choice)."""
     assert (rl.DialogueSettings.personas, rl.DialogueSettings.split) == ("personas.json", "train")
-    import grpo
     for preset in [*ppo.PRESETS.values(), *grpo.PRESETS.values()]:
         assert preset.get("personas", "personas.json") == "personas.json" and "split" not in preset
     assert [p for p in load_personas(PERSONAS, "all") if p.type != "cooperative"] == []

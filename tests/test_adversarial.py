@@ -20,6 +20,7 @@ from test_bad_input import assert_one_line
 ADVERSARIAL = os.path.join(ROOT, "adversarial.json")
 PERSONAS = os.path.join(ROOT, "personas.json")
 PUSHING = TYPES[1:]  # every type but cooperative
+CPU = ["--preset", "cpu", "--iterations", "1"]  # one iteration, should a check that must stop it fail
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_no_trainer_meets_the_adversarial_users_unless_told(adversarial, tmp_pat
         assert preset.get("personas", "personas.json") == "personas.json" and "split" not in preset
     assert [p for p in load_personas(PERSONAS, "all") if p.type != "cooperative"] == []
     out = tmp_path / "run"
-    code, _, err = in_process(ppo.main, ["--preset", "cpu", "--personas", ADVERSARIAL, "--out", out], capsys)
+    code, _, err = in_process(ppo.main, [*CPU, "--personas", ADVERSARIAL, "--out", out], capsys)
     assert_one_line(code, err, ADVERSARIAL, "no personas in split 'train'", "splits: adversarial")
     assert not out.exists()
     assert load_personas(ADVERSARIAL, "adversarial") == adversarial == load_personas(ADVERSARIAL, "all")
@@ -86,7 +87,7 @@ def test_no_trainer_meets_the_adversarial_users_unless_told(adversarial, tmp_pat
 
 def test_a_split_with_no_personas_is_one_line_before_any_model_loads(tmp_path, capsys):
     out = tmp_path / "run"
-    code, _, err = in_process(ppo.main, ["--preset", "cpu", "--split", "adversarial", "--out", out], capsys)
+    code, _, err = in_process(ppo.main, [*CPU, "--split", "adversarial", "--out", out], capsys)
     assert_one_line(code, err, "personas.json", "no personas in split 'adversarial'", "splits: train, test")
     assert not out.exists()
 
@@ -110,7 +111,7 @@ def test_a_bad_type_names_the_file_the_entry_and_the_field(value, words, persona
 def test_a_bad_type_on_the_command_line_is_one_line_exit_2(persona_entry, write_personas, tmp_path, capsys):
     path = write_personas([persona_entry(id="p1", split="train", type="sulking")])
     out = tmp_path / "run"
-    code, _, err = in_process(ppo.main, ["--preset", "cpu", "--personas", path, "--out", out], capsys)
+    code, _, err = in_process(ppo.main, [*CPU, "--personas", path, "--out", out], capsys)
     assert_one_line(code, err, path, "entry p1", "'type'", "'sulking'", "withdrawal")
     assert not out.exists()
 

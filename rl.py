@@ -403,7 +403,9 @@ class DialogueSettings:
                                operational=True)
     personas: str = setting(
         "personas.json", "persona file: personas.json or a SAGE / RLVER profile file", path=True)
-    split: str = setting("train", "persona split: train | test | all", one_of(*SPLITS, "all"))
+    split: str = setting(
+        "train", "persona split: train | test | adversarial (adversarial.json's users, for "
+                 "evaluation) | all (every split of the file)", one_of(*SPLITS, "all"))
     difficulty: str = setting(
         "all", "all (each persona's own) | easy | normal | hard: every user plays at this level",
         one_of("all", *DIFFICULTIES))

@@ -19,7 +19,7 @@ holds the user's side of the table, for personas that personas.py has read:
 Who writes the user's text is a backend with chat(conversations, max_new_tokens) -> texts: a
 server behind a URL (client.py), the policy's own frozen base (`same`, rollout.LocalBackend, which
 runs with generation), or none for the rules user. This file holds no model and no HTTP; it imports
-personas.py and run.py only.
+personas.py, pushback.py (what a user who pushes back is told, by type) and cli.py only.
 """
 import json
 import re
@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from personas import Persona
+from pushback import PUSHBACK
 from cli import Stop
 
 
@@ -139,6 +140,8 @@ PROMPTS = {
             "hard": "You forgive little: you have heard comforting words before, every miss or "
                     "stock phrase costs more, and a rise must be earned by proof that it "
                     "listened to you."},
+        # a user's type (personas.TYPES): how it behaves in its messages, how it judges a reply
+        "conduct": PUSHBACK["en"]["conduct"], "judgement": PUSHBACK["en"]["judgement"],
         # a profile field's label on the card (our personas.json's, then SAGE's and RLVER's)
         "profile": {"name": "name", "age": "age", "job": "job", "personality": "personality",
                     "speaking_style": "speaking style", "character": "character",
@@ -216,6 +219,7 @@ PROMPTS = {
             "normal": "你评判公道：失误就按失误算，只有真正贴合你的话才有帮助。",
             "hard": "你很少原谅：安慰话你早就听过，每一次偏差或套话都代价更高，"
                     "只有证明它真的听懂了你，心情才会上升。"},
+        "conduct": PUSHBACK["zh"]["conduct"], "judgement": PUSHBACK["zh"]["judgement"],
         "profile": {"name": "名字", "age": "年龄", "job": "职业", "personality": "性格",
                     "speaking_style": "说话风格", "character": "性格类型",
                     "description": "人物画像", "traits": "性格特点"},
@@ -268,15 +272,19 @@ LABELS = {name: [re.split("[:：]", p["fields"][name])[0] for p in PROMPTS.value
 
 def persona_card(persona, temper="difficulty"):
     """Who the user is, in the persona's language, with the temper of its difficulty: "difficulty"
-    for the user's own messages, "forgiveness" for the appraisal. It never changes within a
-    dialogue; the mood goes in the notes."""
+    for the user's own messages, "forgiveness" for the appraisal. A user who pushes back has its
+    type's line after the temper: how it behaves ("conduct") in its own messages, how it judges
+    ("judgement") in the appraisal; a cooperative user's line is empty, its card as it was before
+    types. It never changes within a dialogue; the mood goes in the notes."""
     prompts = PROMPTS[persona.language]
+    type_table = {"difficulty": "conduct", "forgiveness": "judgement"}[temper]
+    lines = [prompts[temper][persona.difficulty], prompts[type_table][persona.type]]
     return prompts["card"].format(
         profile="\n".join(f"- {prompts['profile'][name]}: {value}"
                            for name, value in persona.profile.items()),
         background=persona.background, goal=persona.goal, hidden=persona.hidden_intention,
         good=persona.reactions["good"], bad=persona.reactions["bad"],
-        temper=prompts[temper][persona.difficulty])
+        temper="\n".join(line for line in lines if line))
 
 
 def mood_note(emotion, lang="en", reaction=None):

@@ -11,13 +11,14 @@ import pytest
 from conftest import ROOT
 
 # Each file and the project files it may import: the floors below it (tools/bench.py is on top).
-FLOORS = ["cli", "run", "personas", "simulator", "client", "policy", "engine", "rollout", "rl", "ppo",
-          "grpo", "evaluate", "bench"]
+FLOORS = ["cli", "run", "personas", "pushback", "simulator", "client", "policy", "engine", "rollout",
+          "rl", "ppo", "grpo", "evaluate", "bench"]
 ALLOWED = {
     "cli": set(),
     "run": {"cli"},
     "personas": {"cli", "run"},
-    "simulator": {"cli", "run", "personas"},
+    "pushback": set(),  # data: what a user who pushes back is told, by type
+    "simulator": {"cli", "run", "personas", "pushback"},
     "client": {"cli", "run", "simulator"},
     "policy": {"cli", "run"},
     "engine": set(),

@@ -1,4 +1,4 @@
-"""Tests for evaluate.py: the statistics against hand computation, adapter switching, the output
+"""Tests for evaluate.py: a model's numbers against hand computation, adapter switching, the output
 folder on a tiny model, the settings an adapter from a run brings, bad input
 (one line, exit code 2, before any model loads), the folder it writes into, and the command end to
 end on the embedded model (base vs a perturbed LoRA adapter). The agreement check's numbers are in
@@ -27,8 +27,9 @@ import cli
 import simulator
 from conftest import ROOT, reply
 from cli import command
-from evaluate import model_summary, paired_difference, results_table, run_evaluation, use_model, with_interval
+from evaluate import model_summary, results_table, run_evaluation, use_model
 from simulator import RulesBackend, Simulator
+from stats import paired_difference
 
 DATA = os.path.join(ROOT, "tests", "data")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -98,58 +99,8 @@ def snapshot(folder):
 
 
 # ----------------------------------------------------------------------------------------------
-# Score, bootstrap interval, paired difference
+# A model's numbers (the statistics themselves: tests/test_stats.py)
 # ----------------------------------------------------------------------------------------------
-def interval(values, n_boot=2000, seed=0):
-    x = with_interval(list(np.asarray(values, dtype=float)[:, None]), np.mean, n_boot, seed)
-    return x["low"], x["high"]
-
-
-def test_constant_scores_give_a_zero_width_interval():
-    assert interval([55.0] * 7, n_boot=500, seed=3) == (55.0, 55.0)
-
-
-def test_bootstrap_interval_against_hand_computation():
-    # [0, 100]: resampled means are 0, 50, 100 with probabilities 1/4, 1/2, 1/4, so the 2.5% and
-    # 97.5% quantiles are the extremes.
-    assert interval([0, 100]) == (0.0, 100.0)
-    # [0, 0, 0, 100]: P(mean = 0) = (3/4)^4 = 0.32 > 0.025; P(mean >= 75) = 0.051 > 0.025 but
-    # P(mean = 100) = 0.004 < 0.025, so the upper end is 75.
-    assert interval([0, 0, 0, 100]) == (0.0, 75.0)
-
-
-def test_bootstrap_interval_is_about_the_normal_one_and_seeded():
-    values = np.arange(1, 41, dtype=float)  # mean 20.5
-    low, high = interval(values, n_boot=4000, seed=1)
-    half = 1.96 * values.std() / np.sqrt(len(values))  # 3.58
-    assert low < 20.5 < high
-    assert abs((high - low) / 2 - half) < 0.15 * half
-    assert interval(values, n_boot=500, seed=7) == interval(values, n_boot=500, seed=7)
-    assert interval(values, n_boot=500, seed=7) != interval(values, n_boot=500, seed=8)
-
-
-def test_the_interval_resamples_groups_not_rows():
-    # dialogue A: three replies with error 0; dialogue B: one reply with error 4. Resampling the two
-    # dialogues gives a pooled MAE of 0 (A, A), 1 (A, B) or 4 (B, B; probability 1/4), so the 97.5%
-    # quantile is 4. Resampling the 4 replies would give 4 only with probability (1/4)^4 < 2.5%.
-    groups = [np.array([[1, 1], [2, 2], [3, 3]]), np.array([[0, 4]])]
-    mae = evaluate.STATISTICS["mae"]
-    assert with_interval(groups, mae, n_boot=2000, seed=0) == {"value": 1.0, "low": 0.0, "high": 4.0}
-    assert with_interval([groups[1], groups[1]], mae) == {"value": 4.0, "low": 4.0, "high": 4.0}
-
-
-def test_paired_difference_cancels_persona_difficulty():
-    base = [10, 50, 90, 30]
-    treated = [b + 5 for b in base]
-    # every persona moved by exactly +5: a paired interval has no width, while two separate
-    # intervals of the spread-out scores would overlap widely
-    assert paired_difference(treated, base, n_boot=1000) == {"value": 5.0, "low": 5.0, "high": 5.0, "n": 4}
-    worse = paired_difference([b - d for b, d in zip(base, [1, 2, 3, 4])], base, n_boot=1000)
-    assert worse["value"] == -2.5 and worse["low"] < -2.5 < worse["high"] <= -1.0
-    with pytest.raises(ValueError):
-        paired_difference([1, 2], [1, 2, 3])
-
-
 def test_score_is_the_mean_over_personas():
     records = [fake_record("p1", 40), fake_record("p2", 10, end_reason="left", turns=1, tokens=5)]
     s = model_summary(records, n_boot=200)

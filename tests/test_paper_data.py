@@ -64,28 +64,6 @@ def test_evaluate_judges_as_many_replies_as_sage_does():
     assert sim.leave_below == evaluate.SAGE_LEAVE_BELOW == 10
 
 
-def test_average_ranks_share_ties():
-    assert evaluate.average_ranks([10, 20, 20, 30]).tolist() == [1, 2.5, 2.5, 4]
-    assert evaluate.average_ranks([3, 1, 3, 3]).tolist() == [3, 1, 3, 3]
-
-
-def test_pearson_spearman_kendall_by_hand():
-    x, y = [1, 2, 3, 4], [2, 4, 5, 4]
-    # deviations (-1.5, -0.5, 0.5, 1.5) and (-1.75, 0.25, 1.25, 0.25): 3.5 / sqrt(5 * 4.75)
-    assert evaluate.pearson(x, y) == pytest.approx(3.5 / np.sqrt(5 * 4.75), abs=1e-12)
-    # ranks of y: (1, 2.5, 4, 2.5), deviations (-1.5, 0, 1.5, 0): 3 / sqrt(5 * 4.5)
-    assert evaluate.spearman(x, y) == pytest.approx(3 / np.sqrt(5 * 4.5), abs=1e-12)
-    # pairs of (1,2,3,4) vs (1,3,2,2): 3 concordant, 2 discordant, 1 tied in y: 1 / sqrt(6 * 5)
-    tau = evaluate.kendall_tau_b(np.array([1, 2, 3, 4]), np.array([1, 3, 2, 2]))
-    assert tau == pytest.approx(1 / np.sqrt(30), abs=1e-12)
-    assert evaluate.kendall_tau_b(np.array([1, 2, 3]), np.array([3, 2, 1])) == -1.0
-    assert np.isnan(evaluate.pearson([1, 2, 3], [5, 5, 5]))
-    assert np.isnan(evaluate.kendall_tau_b(np.array([1, 1]), np.array([1, 2])))
-    rows = np.array([[3, 1], [0, 0], [-2, 2], [1, 0]])
-    assert evaluate.STATISTICS["direction_agreement"](rows) == 0.5
-    assert evaluate.STATISTICS["mae"](rows[:3]) == 2.0
-
-
 def test_simulated_final_clamps_as_the_simulator_does():
     assert evaluate.simulated_final(95, [8, 15, -30]) == 100  # 100 (ceiling): a success, SAGE stops there
     assert evaluate.simulated_final(60, [15, -30, 4]) == 64  # +15 -> +10, -30 -> -10
@@ -132,16 +110,6 @@ def test_simulated_finals_stop_at_sages_exits_and_models_are_ranked_on_shared_sc
     # discordant, so (2 - 1) / 3. (On whole files it would be -1/3: c's s3 lifts its recorded score.)
     models = report["models"]
     assert models["scenarios"] == 1 and models["kendall_tau_b"]["value"] == pytest.approx(1 / 3, abs=1e-12)
-
-
-def test_kendall_interval_draws_the_same_scenarios_for_every_file():
-    # (recorded, simulated) final per scenario s1, s2: file A (10, 20), (90, 80); file B (15, 15),
-    # (95, 75). On each scenario B is above A in the record and below it in the simulation, so every
-    # paired resample gives tau -1. Resampling each file on its own would often give +1 (A's s2 twice
-    # against B's s1 twice: 90 > 15 and 80 > 15), and the interval would reach +1.
-    finals = np.array([[[10, 20], [90, 80]], [[15, 15], [95, 75]]], dtype=float)  # (files, scenarios, 2)
-    tau = evaluate.kendall_with_interval(finals, n_boot=500)
-    assert (tau["value"], tau["low"], tau["high"]) == (-1.0, -1.0, -1.0)
 
 
 def personas_of(path=SAGE):

@@ -86,10 +86,8 @@ class Settings(DialogueSettings):
                 fail(f"--adapter {path}: not a policy adapter (its role is {role!r}: PPO's critic "
                      "is a value model)")
             args.adapter[i] = path
-            # RUN/checkpoints/iter_N/default: the saved settings of the run it comes from
-            folder = os.path.normpath(f"{path}/../../..")
-            if path.split(os.sep)[-3:-2] == ["checkpoints"] and (run := read_run(folder)):
-                runs.append((f"{folder}/config.json", run))
+            if made_by := run_of(path):  # the saved settings of the run it comes from
+                runs.append((f"{made_by[0]}/config.json", made_by[1]))
         # what an adapter from a run is evaluated with, unless given here
         taken = "model thinking max_new_tokens max_context simulator api_model api_key_env"
         settings_of_runs(args, fields, runs, taken.split())
@@ -106,6 +104,15 @@ class Settings(DialogueSettings):
         for path in args.adapter:
             check_adapter(path, args)
         args.out = args.out or f"runs/eval__{int(time.time())}"
+
+
+def run_of(path):
+    """(the run folder, its saved settings) of an adapter a trainer saved
+    (RUN/checkpoints/iter_N/default, RUN/config.json), else None."""
+    folder = os.path.normpath(f"{path}/../../..")
+    if path.split(os.sep)[-3:-2] == ["checkpoints"] and (run := read_run(folder)):
+        return folder, run
+    return None
 
 
 def check_adapter(path, args):

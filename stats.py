@@ -100,3 +100,13 @@ def kendall_with_interval(finals, n_boot=2000, seed=0):
     # rows (draws, files, 2) -> files' means
     return with_interval(finals.transpose(1, 0, 2)[:, None],
                          lambda rows: kendall_tau_b(*rows.mean(0).T), n_boot, seed)
+
+
+def shown(x, digits=2, sign=""):
+    """A statistic and its interval in results.md (the benchmark's and the agreement check's)."""
+    if x is None:
+        return "- (needs 2 files or more that share scenarios)"
+    if not np.isfinite(x["value"]):
+        return "undefined (one side never varies)"
+    spec = f"{sign}.{digits}f"
+    return f"{x['value']:{spec}} [{x['low']:{spec}}, {x['high']:{spec}}]"

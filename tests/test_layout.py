@@ -12,7 +12,7 @@ from conftest import ROOT
 
 # Each file and the project files it may import: the floors below it (tools/bench.py is on top).
 FLOORS = ["cli", "stats", "run", "personas", "simulator", "client", "policy", "rollout", "rl", "ppo", "grpo",
-          "evaluate", "bench"]
+          "agreement", "evaluate", "bench"]
 ALLOWED = {
     "cli": set(),
     "stats": set(),
@@ -25,7 +25,8 @@ ALLOWED = {
     "rl": {"cli", "run", "personas", "simulator", "policy", "rollout"},
     "ppo": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
     "grpo": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
-    "evaluate": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl", "stats"},
+    "agreement": {"cli", "stats", "run", "personas", "simulator", "rollout"},
+    "evaluate": {"cli", "stats", "run", "personas", "simulator", "policy", "rollout", "rl", "agreement"},
     "bench": set(FLOORS[:-1]),
 }
 

@@ -78,9 +78,9 @@ class Settings(DialogueSettings):
     def inherit(args, fields):
         """Before every check (cli.parse_settings): --adapter as policy adapter folders (a run
         folder: its newest checkpoint's policy; PPO's critic refused), each evaluated as it was
-        trained: the model, thinking, reply and context sizes and the user come from its run's
-        config.json unless given here (cli.settings_of_runs, docs/evaluate.md). Fewer tokens a
-        reply than in training: a warning."""
+        trained: the model, thinking, reply and context sizes and the user (unless --judges names
+        the users) come from its run's config.json unless given here (cli.settings_of_runs,
+        docs/evaluate.md). Fewer tokens a reply than in training: a warning."""
         runs = []  # (config.json's path, its settings)
         for i, path in enumerate(args.adapter):
             path = os.path.normpath((checkpoints(path) or [path])[-1])
@@ -97,8 +97,10 @@ class Settings(DialogueSettings):
             if made_by := run_of(path):  # the saved settings of the run it comes from
                 runs.append((f"{made_by[0]}/config.json", made_by[1]))
         # what an adapter from a run is evaluated with, unless given here
-        taken = "model thinking max_new_tokens max_context simulator api_model api_key_env"
-        settings_of_runs(args, fields, runs, taken.split())
+        taken = "model thinking max_new_tokens max_context simulator api_model api_key_env".split()
+        if args.judges:  # the users are --judges': runs that trained against different ones meet
+            taken.remove("simulator")
+        settings_of_runs(args, fields, runs, taken)
         trained = max([run["max_new_tokens"] for _, run in runs if "max_new_tokens" in run],
                       default=0)
         if args.max_new_tokens < trained:

@@ -512,7 +512,8 @@ def main(argv=None):
     new_folder(args.out)  # before any model loads
     policy, tokenizer = load_models(args, models)
     judges = [(judge, judge_simulator(judge, args, policy, tokenizer)) for judge in args.judges]
-    print(f"{len(models)} models x {len(personas)} personas, one greedy dialogue each, under "
+    print(f"{len(models)} models x {len(personas)} personas, one greedy dialogue each; "
+          f"{'judges' if len(judges) > 1 else 'simulator'} "
           + ", ".join(f"{redact(judge)} (read-out {s.readout})" for judge, s in judges)
           + f"; CPU threads: {torch.get_num_threads()}", file=sys.stderr)
     # a simulator that stops answering ends it in one line; finished models are in transcripts.jsonl

@@ -326,14 +326,19 @@ def matrix_table(results):
              "emotion [95% bootstrap interval over personas]; vs base = mean paired difference "
              "from the base under the same judge [95%]; judge is = `training` where the adapter's "
              "run trained against this user, `held out` where it never met it, `-` for the base "
-             "or an adapter without its run.", "",
-             "| judge | model | judge is | score | vs base |", "|---|---|---|---|---|"]
+             "or an adapter without its run; cut = share of agent turns cut at --max-new-tokens; "
+             "unread = dialogues ended on an appraisal the judge's answer did not state (many: "
+             "the judge read nothing, whatever its score).", "",
+             "| judge | model | judge is | score | vs base | cut | unread |",
+             "|---|---|---|---|---|---|---|"]
     for judged in results["judges"]:
         for m in judged["models"]:
             p = m.get("vs_base", {}).get("final_emotion")
             lines.append(f"| {judged['judge']} | {m['label']} | {ROLES[m.get('held_out')]} "
                          f"| {shown(m['measures']['final_emotion'], 1)} "
-                         f"| {shown(p, 1, '+') if p else '-'} |")
+                         f"| {shown(p, 1, '+') if p else '-'} "
+                         f"| {m['cut_replies'] / (m['turns_mean'] * m['dialogues']):.0%} "
+                         f"| {m['unread']}/{m['dialogues']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -370,8 +375,9 @@ def draw_matrix(results, path):
                                         dtype=float)
             ax.errorbar(x, value, yerr=[value - low, high - value], fmt="none", ecolor=f"C{i}",
                         capsize=3)
-            ax.scatter(x, value, edgecolors=f"C{i}", label=label, zorder=3,
+            ax.scatter(x, value, edgecolors=f"C{i}", zorder=3,
                        facecolors=["none" if t else f"C{i}" for t in training])
+        score_ax.plot([], [], "o", color=f"C{i}", label=label)  # the legend's filled marker
     gain_ax.axhline(0, color="grey", linewidth=0.8)
     for ax, title in ((score_ax, "score: mean final emotion"), (gain_ax, "adapter - base")):
         ax.set_title(f"{title} [95%]")

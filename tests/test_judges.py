@@ -79,9 +79,12 @@ def test_two_judges_and_two_adapters_in_one_command(tiny_model_dir, adapter, per
     assert table.startswith("Every model under every judge") and len(rows) == 6
     for row, (j, m) in zip(rows, [(j, m) for j in judged for m in j["models"]]):
         gain = m.get("vs_base", {}).get("final_emotion")
+        cut = m["cut_replies"] / sum(t["role"] == "agent" for x in lines for t in x["turns"]
+                                     if (x["judge"], x["model"]) == (j["judge"], m["label"]))
         assert row == (f"| {j['judge']} | {m['label']} | {evaluate.ROLES[m.get('held_out')]} "
                        f"| {evaluate.shown(m['measures']['final_emotion'], 1)} "
-                       f"| {evaluate.shown(gain, 1, '+') if gain else '-'} |")
+                       f"| {evaluate.shown(gain, 1, '+') if gain else '-'} | {cut:.0%} "
+                       f"| {m['unread']}/2 |")
     assert table.count("| model | score | cut replies |") == 2  # each judge's own table below
     assert printed.startswith(table) and "matrix.png" in printed
     assert (out / "matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -583,7 +583,8 @@ def test_cli_base_vs_adapter_end_to_end(trained_adapter, tmp_path):
                             "--bootstrap", "200", "--out", str(out))
     assert code == 0, err[-3000:]
     results = check_output_folder(str(out), ["base", "trained"], 2)
-    assert results["readout"] == "rules"  # (the `same` user's 300-token appraisals cost minutes on 2 cores)
+    # (the `same` user's 300-token appraisals cost minutes on 2 cores)
+    assert results["judges"][0]["readout"] == "rules"
     lines = transcripts(out)
     base_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "base"]
     trained_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "trained"]

@@ -230,7 +230,7 @@ def test_an_interrupted_agreement_run_keeps_what_it_finished(tmp_path, server, c
     first_cold = agreement.read_sage_dialogues(RESULTS[1], personas_of())[0]["history"][1]["text"]
     srv, _ = appraising_server(server, fail_on=[first_cold])
     with pytest.raises(SystemExit) as stop:
-        monkeypatch.setattr(evaluate, "BATCH_DIALOGUES", 1)
+        monkeypatch.setattr(agreement, "BATCH_DIALOGUES", 1)
         check_agreement(tmp_path / "check", srv.url)
     err = capsys.readouterr().err
     said = [line for line in re.split(r"[\r\n]", err) if line.startswith("error:")]

@@ -28,11 +28,16 @@ from simulator import SimulatorError, UserState, apply_change
 from stats import (STATISTICS, kendall_with_interval, mean_with_interval, paired_difference,
                    shown, with_interval)
 
+
+# ----------------------------------------------------------------------------------------------
+# SAGE's protocol, and the results' two files (the benchmark's too)
+# ----------------------------------------------------------------------------------------------
 # SAGE (github.com/Tencent/digitalhuman, SAGE/test_npc.py and simulator_response.py): a dialogue
 # starts at 40 with the profile's first_talk; the agent writes at most 10 replies, all but the last
 # judged (9 count); it stops at a goodbye, at 100 (a success) or below 10 (a failure). The score is
 # the mean final emotion; docs/evaluate.md lists where this project differs, and why.
 SAGE_START, SAGE_JUDGED_REPLIES, SAGE_SUCCESS, SAGE_LEAVE_BELOW = 40, 9, 100, 10
+
 
 def write_results(out, results, table):
     """results.json and results.md, each replaced whole (run.write_atomically). results.json is

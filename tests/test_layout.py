@@ -12,7 +12,7 @@ from conftest import ROOT
 
 # Each file and the project files it may import: the floors below it (tools/bench.py is on top).
 FLOORS = ["cli", "run", "personas", "simulator", "client", "policy", "rollout", "rl", "ppo", "grpo",
-          "evaluate", "bench"]
+          "evaluate", "capability", "bench"]
 ALLOWED = {
     "cli": set(),
     "run": {"cli"},
@@ -25,13 +25,14 @@ ALLOWED = {
     "ppo": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
     "grpo": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
     "evaluate": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
-    "bench": set(FLOORS[:-1]),
+    "capability": {"cli", "run", "policy", "evaluate"},  # tools/capability.py
+    "bench": set(FLOORS[:-2]),
 }
 
 
 def project_imports(name):
     """{project module: names imported from it} for every import statement in NAME.py, at any depth."""
-    path = os.path.join(ROOT, "tools" if name == "bench" else "", f"{name}.py")
+    path = os.path.join(ROOT, "tools" if name in ("bench", "capability") else "", f"{name}.py")
     tree = ast.parse(open(path, encoding="utf-8").read())
     found = {}
     for node in ast.walk(tree):

@@ -277,6 +277,8 @@ def main(argv=None):
     if not names:
         fail("--tasks: name at least one task")
     ours = all(name.startswith("rlver_") for name in names)  # this project's names
+    if args.allow_code_execution:  # Hugging Face's code_eval (lm-eval's humaneval, mbpp) asks it
+        os.environ["HF_ALLOW_CODE_EVAL"] = "1"
     lm_eval, HFLM, TaskManager = import_lm_eval(offline=ours)
     # lm-eval's own 14,000 task configs are indexed only when a task is theirs (half a minute)
     manager = TaskManager(include_path=TASKS, include_defaults=not ours)

@@ -125,6 +125,18 @@ def test_bad_tasks_are_one_line_before_any_model_loads(tmp_path, capsys, monkeyp
     assert not os.path.exists(out)
 
 
+def test_lm_eval_imports_hugging_faces_evaluate_and_this_project_keeps_its_own():
+    """lm-eval's humaneval and mbpp `import evaluate` (Hugging Face's package); so does this
+    project's evaluate.py by its name. Inside capability.hugging_face_evaluate it is theirs."""
+    pytest.importorskip("lm_eval")
+    import evaluate as ours
+    with capability.hugging_face_evaluate():
+        import evaluate as theirs
+        assert hasattr(theirs, "load") and theirs.__file__ != ours.__file__
+    import evaluate
+    assert evaluate is ours and evaluate.load_models is capability.load_models
+
+
 # ----------------------------------------------------------------------------------------------
 # End to end: the base and an adapter, every item kept, twice the same, no network
 # ----------------------------------------------------------------------------------------------

@@ -158,7 +158,8 @@ def hugging_face_evaluate():
     theirs = sys.modules.get("hugging_face_evaluate")
     try:
         if theirs is None:  # imported once, from anywhere on the path but this project
-            others = [p for p in sys.path if os.path.realpath(p or os.curdir) != ROOT]
+            others = [p for p in sys.path
+                      if os.path.realpath(p or os.curdir) != os.path.realpath(ROOT)]
             spec = importlib.machinery.PathFinder.find_spec("evaluate", others)
             theirs = importlib.util.module_from_spec(spec)
             sys.modules["evaluate"] = theirs  # its own modules import it by that name

@@ -85,8 +85,9 @@ def test_the_sandbox_bounds_a_candidate(body, why, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture
 def offline_env(monkeypatch):
-    """The command sets HF_HUB_OFFLINE and HF_DATASETS_OFFLINE; put them back after the test."""
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+    """The command sets HF_HUB_OFFLINE, HF_DATASETS_OFFLINE (and with --allow-code-execution
+    HF_ALLOW_CODE_EVAL); put them back after the test."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ALLOW_CODE_EVAL"):
         monkeypatch.delenv(name, raising=False)
 
 

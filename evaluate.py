@@ -83,17 +83,7 @@ class Settings(DialogueSettings):
         docs/evaluate.md). Fewer tokens a reply than in training: a warning."""
         runs = []  # (config.json's path, its settings)
         for i, path in enumerate(args.adapter):
-            path = os.path.normpath((checkpoints(path) or [path])[-1])
-            if os.path.isdir(f"{path}/default"):
-                path = f"{path}/default"
-            # a saved role other than the policy's (PPO's critic), or no adapter at all
-            role = "default"
-            if os.path.isfile(f"{path}/role"):
-                role = read_text(f"{path}/role", fail).strip()
-            if role != "default":
-                fail(f"--adapter {path}: not a policy adapter (its role is {role!r}: PPO's critic "
-                     "is a value model)")
-            args.adapter[i] = path
+            path = args.adapter[i] = adapter_folder(path)
             if made_by := run_of(path):  # the saved settings of the run it comes from
                 runs.append((f"{made_by[0]}/config.json", made_by[1]))
         # what an adapter from a run is evaluated with, unless given here
@@ -130,6 +120,22 @@ class Settings(DialogueSettings):
             print("warning: matplotlib is not installed: the judge matrix goes to results.md, "
                   "without its picture matrix.png (pip install matplotlib)", file=sys.stderr)
         args.out = args.out or f"runs/eval__{int(time.time())}"
+
+
+def adapter_folder(path):
+    """The policy adapter an --adapter names: a run folder's newest checkpoint (run.checkpoints), a
+    checkpoint's `default` adapter, or an adapter folder as it is; a saved role other than the
+    policy's (PPO's critic, a value model) is one line."""
+    path = os.path.normpath((checkpoints(path) or [path])[-1])
+    if os.path.isdir(f"{path}/default"):
+        path = f"{path}/default"
+    role = "default"
+    if os.path.isfile(f"{path}/role"):
+        role = read_text(f"{path}/role", fail).strip()
+    if role != "default":
+        fail(f"--adapter {path}: not a policy adapter (its role is {role!r}: PPO's critic is a "
+             "value model)")
+    return path
 
 
 def run_of(path):

@@ -135,8 +135,12 @@ def test_a_policy_that_writes_change_lines_gains_nothing(user, says_plus_ten, se
 # 2. No key in any file a run writes; a placeholder is sent; a key no header can carry is one line
 # ----------------------------------------------------------------------------------------------
 def glued(key):
-    """A URL user that echoes the key glued to other characters, in its appraisals and its messages."""
+    """A URL user that echoes the key glued to other characters, in its appraisals and its messages
+    (not in its answer to the first request, the scripts' check that it is reached: the run
+    starts)."""
     def respond(n, body):
+        if n == 0:
+            return completion("ready")
         if is_appraisal(body["messages"]):
             return completion(f"Inner reaction: x{key} and {key}_1 and {key}z.\nChange: +1")
         return completion(f"I saw x{key}z there. And {key}_1 too.")

@@ -131,7 +131,8 @@ def test_change_lines_in_a_reply_never_raise_an_advantage_or_a_figure(user, line
                        for ks in (plain, swayed)]
             for key in ("reward_mean", "final_emotion_mean"):
                 assert figures[1][key] <= figures[0][key], (key, figures)
-            scores = [evaluate.model_summary([records[k] for k in ks], n_boot=10)["score"]
+            scores = [evaluate.model_summary([records[k] for k in ks],
+                                             n_boot=10)["measures"]["final_emotion"]["value"]
                       for ks in (plain, swayed)]
             assert scores[1] <= scores[0]
 

@@ -529,6 +529,7 @@ def test_credit_grid_scores_each_final_adapter_under_each_judge(tmp_path, monkey
     for c in judged:
         assert c[c.index("--simulator") + 1] == "rules" and c[c.index("--split") + 1] == "test"
         assert c[c.index("--max-turns") + 1] == "3" and c[c.index("--start-emotion") + 1] == "30"
+        assert c[c.index("--personas") + 1] == os.path.join(ROOT, "personas.json")  # the runs'
     # each in its own folder, once complete
     assert bench.judged(os.path.join(out, "judge-rules", "grpo-turn-seed1"))
     table = open(os.path.join(out, "credit.md")).read()
@@ -553,6 +554,7 @@ def test_credit_grid_of_one_real_cell_judged_by_the_rules_user(tmp_path, tiny_mo
     results = bench.judged(os.path.join(out, "judge-rules", "grpo-turn-seed0"))
     assert results and [m["label"] for m in results["models"]][0] == "base"
     assert results["settings"]["max_turns"] == 3 and results["settings"]["split"] == "test"
+    assert results["persona_ids"] == ["p0", "p1", "p2"]  # the test split of the runs' personas
     records = [json.loads(line) for line in open(os.path.join(out, "grpo-turn-seed0",
                                                                "rollouts.jsonl"))]
     assert all(len(r["advantages"]) == len(r["changes"]) for r in records)

@@ -58,12 +58,13 @@ def test_every_group_advantage_against_its_hand_computation(kind):
 
 
 @pytest.mark.parametrize("mode", [m for m, level in grpo.CREDIT_LEVEL.items() if level == "turn"])
-def test_per_turn_advantages_on_real_records_land_on_each_turns_own_tokens(mode, real_records):
+def test_per_turn_advantages_on_real_records_land_on_each_turns_own_tokens(mode,
+                                                                          real_records_ending_early):
     """GRPO's per-turn credit (grpo.per_turn_advantages, the modes CREDIT_LEVEL gives one advantage
     a turn) on records of a real rollout, three turns, one dialogue ending early: every agent token
     of turn k carries turn k's advantage, every other token 0; the dialogue that ended early has
     one advantage for each turn it played. The hand computations are in test_grpo.py."""
-    records, tokenizer, _ = real_records
+    records, tokenizer, _ = real_records_ending_early
     assert len({len(r["turn_ends"]) for r in records}) > 1  # one ended early
     args = cli.parse_settings(grpo.Settings, ["--reward", mode])
     returns = grpo.turn_returns(records, mode, rl.mode_coefficients(args), 0.0)
@@ -96,6 +97,18 @@ def real_records(tiny_model, persona_entry_module):
                                 personas, chat=ChatTokens(tokenizer, False), max_new_tokens=6,
                                 max_context=512, progress=False)
     return records, tokenizer, personas
+
+
+@pytest.fixture(scope="module")
+def real_records_ending_early(tiny_model, persona_entry_module):
+    """As real_records, from emotion 15: the rules user's replies to the tiny model's off-topic
+    text take the normal and hard users below 10 before the third turn, so they leave early."""
+    model, tokenizer = tiny_model
+    torch.manual_seed(0)
+    records, _ = play_dialogues(model, Simulator(RulesBackend(), start_emotion=15, max_turns=3),
+                                persona_entry_module, chat=ChatTokens(tokenizer, False),
+                                max_new_tokens=6, max_context=512, progress=False)
+    return records, tokenizer, persona_entry_module
 
 
 @pytest.fixture(scope="module")

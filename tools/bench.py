@@ -5,6 +5,9 @@
     python tools/bench.py step --algo grpo|ppo [--iterations 3] [-- TRAINER FLAGS]
     python tools/bench.py learning [--seeds 0,1,2] [--iterations 20] [--jobs 1]
         [--out runs/bench-learning] [-- TRAINER FLAGS]
+    python tools/bench.py credit [--seeds 0,1,2] [--trainers ppo,grpo] [--credits final,turn,mixed]
+        [--iterations 12] [--judges rules ...] [--jobs 1] [--out runs/bench-credit]
+        [-- TRAINER FLAGS]
     python tools/bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
         (one CUDA GPU; --tiny: the same on CPU)
     python tools/bench.py gpu --check [--out runs/gpu-check] [--steps a,b] [--budget 450]
@@ -42,6 +45,21 @@ made continues with `--resume` (from its newest checkpoint, or from its beginnin
 an interrupted benchmark goes on where it stopped. Flags after `--` go to both trainers, e.g.
 `python tools/bench.py learning -- --lr 1e-4` (a flag only one trainer knows makes the other one
 fail).
+
+credit: does per-turn credit beat the final emotion, with a critic (PPO) and without (GRPO)? The
+grid trainer x --reward (final, turn, mixed) x seed runs `{trainer}.py --preset cpu-turns` (the
+embedded model against the rules user, three agent turns, 8 dialogues an iteration in both
+trainers, checked equal) into OUT/{trainer}-{credit}-seed{S}, --jobs at a time, each pinned to its
+cores as learning's are. Then each final adapter is scored by each --judges user (`evaluate.py
+--adapter RUN --simulator J` on the test split, greedy, with the run's turns and start emotion)
+into OUT/judge-J/{run}, and OUT/credit.md, credit.json and credit.png are written: per cell the
+final emotion under the training judge over the first and last --window iterations and their rise,
+and each judge's score, each a mean over seeds with its 95% Student-t interval. Resumable as
+learning is (a finished run or evaluation is kept; a cut run continues, a cut evaluation runs
+again beside the .partial folder it left), but only in a folder this command made (its
+credit-grid.json) whose runs each hold the grid's settings (config.json, but for what --resume may
+change): anything else is one line, exit 2, before anything runs. Budget and the one-cell timing:
+docs/results.md.
 
 gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
 (QWEN25_7B_CONFIG below; nothing is downloaded) and a ChatML tokenizer built at run time from this
@@ -615,7 +633,7 @@ def claim_credit_folder(args, runs):
             continue
         saved = read_run(run_dir)
         problem = saved and differing_setting(trainer, settings, saved)
-        if saved is None and os.listdir(run_dir):
+        if saved is None and (not os.path.isdir(run_dir) or os.listdir(run_dir)):
             problem = "not a run folder (no config.json)"
         if problem:
             fail(f"--out {out}: {name} is not this grid's run ({problem}): give a new --out, "
@@ -669,10 +687,10 @@ def judged(folder):
 
 def judge_runs(args, runs):
     """Each complete run's final adapter scored by each --judges user (evaluate.py on the test
-    split, with the run's turns and start emotion), one evaluation a run and judge, --jobs at a
-    time; one already complete is kept. Each writes into a new folder beside its place, renamed
-    into it when complete, so an interrupted one is never taken for a result (it stays, named
-    .partial...). Returns the names of those that failed."""
+    split of the run's personas, with the run's turns and start emotion), one evaluation a run and
+    judge, --jobs at a time; one already complete is kept. Each writes into a new folder beside its
+    place, renamed into it when complete, so an interrupted one is never taken for a result (it
+    stays, named .partial...). Returns the names of those that failed."""
     jobs, places = [], {}
     for judge in args.judges:
         for name, _, _, settings in runs:
@@ -684,7 +702,8 @@ def judge_runs(args, runs):
             os.makedirs(os.path.dirname(place), exist_ok=True)
             jobs.append((f"{name} judged by {judge}", [
                 sys.executable, "evaluate.py", "--adapter", run_dir, "--simulator", judge,
-                "--split", "test", "--max-turns", str(settings.max_turns),
+                "--personas", settings.personas, "--split", "test",
+                "--max-turns", str(settings.max_turns),
                 "--start-emotion", str(settings.start_emotion), "--out", partial]))
             places[jobs[-1][0]] = (partial, place)
     failed = run_pinned(jobs, args.jobs, args.out)
@@ -778,7 +797,6 @@ def credit_picture(args, cells, path):
                     marker=".", label=f"{c['trainer']} {c['credit']}")
     curves.set(xlabel="iteration", ylabel="final emotion (training judge)",
                title=f"mean over seeds ({args.seeds})")
-    curves.legend(fontsize="small")
     columns = [("training judge, last iterations", lambda c: c["last"])] + [
         (f"{j} (test split)", lambda c, j=j: c["judges"].get(j)) for j in args.judges]
     width = 0.8 / len(columns)
@@ -792,7 +810,9 @@ def credit_picture(args, cells, path):
     bars.set_xticks(np.arange(len(done)) + 0.4 - width / 2,
                     [f"{c['trainer']}\n{c['credit']}" for c in done])
     bars.set(ylabel="final emotion", title="final adapters, 95% intervals over seeds")
-    bars.legend(fontsize="small")
+    if done:
+        curves.legend(fontsize="small")
+        bars.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path)
 

@@ -6,7 +6,7 @@
     python tools/bench.py learning [--seeds 0,1,2] [--iterations 20] [--jobs 1]
         [--out runs/bench-learning] [-- TRAINER FLAGS]
     python tools/bench.py credit [--seeds 0,1,2] [--trainers ppo,grpo] [--credits final,turn,mixed]
-        [--iterations 12] [--judges rules ...] [--jobs 1] [--out runs/bench-credit]
+        [--iterations 10] [--judges rules ...] [--jobs 1] [--out runs/bench-credit]
         [-- TRAINER FLAGS]
     python tools/bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
         (one CUDA GPU; --tiny: the same on CPU)
@@ -559,7 +559,8 @@ class CreditSettings:
     credits: str = setting("final,turn,mixed", "comma-separated --reward modes (rl.REWARDS), each "
                                                "a column of the grid",
                            comma_list("|".join(REWARDS), f"some of {', '.join(REWARDS)}"))
-    iterations: int = setting(12, "iterations per run (the cpu-turns preset's 12)", at_least(1))
+    iterations: int = setting(ppo.PRESETS["cpu-turns"]["iterations"],
+                              "iterations per run (the cpu-turns preset's)", at_least(1))
     window: int = setting(3, "iterations averaged at the start and at the end", at_least(1))
     judges: list[str] = setting(
         [], "users that score every final adapter, each by `evaluate.py --adapter RUN "

@@ -113,11 +113,11 @@ PRESETS["cpu-learn"] = {**PRESETS["cpu"], **dict(
 # cpu-learn over three agent turns, where a turn's own credit can differ from the final emotion's
 # (the rules user gives a repeated reply nothing): tools/bench.py credit's preset. 8 dialogues an
 # iteration in both trainers, one pass in minibatches of 2 (four steps an iteration, each on fresh
-# dialogues: a second pass cost as much as the rollout and the scoring together), 10 iterations,
+# dialogues: a second pass cost as much as the rollout and the scoring together), 8 iterations,
 # kl_ref every other: 18 runs in two hours on two cores (docs/results.md)
 PRESETS["cpu-turns"] = {**PRESETS["cpu-learn"], **dict(
     personas_per_iteration=2, group_size=4, max_turns=3, max_new_tokens=32, update_epochs=1,
-    minibatch_size=2, micro_batch_size=2, iterations=10, save_every=5, log_kl_every=2)}
+    minibatch_size=2, micro_batch_size=2, iterations=8, save_every=4, log_kl_every=2)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,9 +193,9 @@ def per_turn_advantages(returns, group_ids, kind, turn_level_weight):
                               for i, t in rows], dtype=torch.long)
     turn_level = group_advantages(values, place_ids, kind)                                # (n,)
     batch_level = group_advantages(values, torch.zeros_like(place_ids), kind)             # (n,)
-    mixed = turn_level_weight * turn_level + (1 - turn_level_weight) * batch_level        # (n,)
+    weighted = turn_level_weight * turn_level + (1 - turn_level_weight) * batch_level     # (n,)
     advantages = [None if r is None else [] for r in returns]
-    for (i, _), value in zip(rows, mixed.tolist()):
+    for (i, _), value in zip(rows, weighted.tolist()):
         advantages[i].append(value)
     return advantages
 

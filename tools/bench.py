@@ -6,7 +6,7 @@
     python tools/bench.py learning [--seeds 0,1,2] [--iterations 20] [--jobs 1]
         [--out runs/bench-learning] [-- TRAINER FLAGS]
     python tools/bench.py credit [--seeds 0,1,2] [--trainers ppo,grpo] [--credits final,turn,mixed]
-        [--iterations 10] [--judges rules ...] [--jobs 1] [--out runs/bench-credit]
+        [--iterations 8] [--judges rules ...] [--jobs 1] [--out runs/bench-credit]
         [-- TRAINER FLAGS]
     python tools/bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
         (one CUDA GPU; --tiny: the same on CPU)

@@ -560,3 +560,11 @@ def test_credit_grid_of_one_real_cell_judged_by_the_rules_user(tmp_path, tiny_mo
     assert all(len(r["advantages"]) == len(r["changes"]) for r in records)
     table = open(os.path.join(out, "credit.md")).read()
     assert "| grpo | turn | 1 |" in table and "| rules (test split; base) |" in table
+
+
+@pytest.mark.parametrize("flag", ["--reward", "--seed", "--preset"])
+def test_credit_grid_sets_each_runs_credit_seed_and_preset_itself(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        command_line(bench.main)(["credit", "--out", str(tmp_path / "c"), "--", flag, "1"])
+    assert stop.value.code == 2 and f"error: {flag} after --: the grid sets it" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "c")

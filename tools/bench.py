@@ -588,6 +588,10 @@ class CreditSettings:
 def credit_runs(args):
     """The grid's runs, [(name, trainer, flags)], each trainer's settings checked (one line, exit 2,
     before anything runs), with the same dialogues an iteration in both trainers."""
+    for flag in ("--reward", "--seed", "--preset", "--iterations", "--out", "--resume"):
+        if flag in args.trainer_flags:
+            fail(f"{flag} after --: the grid sets it for each run (--credits, --seeds, "
+                 "--iterations, --out)")
     runs, batches = [], {}
     for trainer in args.trainers.split(","):
         for credit in args.credits.split(","):

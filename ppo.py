@@ -98,6 +98,14 @@ PRESETS = {
 PRESETS["cpu-learn"] = {**PRESETS["cpu"], **dict(
     dialogues_per_iteration=16, max_turns=1, max_new_tokens=48, minibatch_size=8,
     update_epochs=2, micro_batch_size=4, lr=1e-3, critic_lr=1e-3, iterations=20, save_every=5)}
+# cpu-learn over three agent turns, where a turn's own credit can differ from the final emotion's
+# (the rules user gives a repeated reply nothing): tools/bench.py credit's preset. 8 dialogues an
+# iteration in both trainers, one pass in minibatches of 2 (four steps an iteration, each on fresh
+# dialogues: a second pass cost as much as the rollout and the scoring together), 8 iterations,
+# kl_ref every other: 18 runs in two hours on two cores (docs/results.md)
+PRESETS["cpu-turns"] = {**PRESETS["cpu-learn"], **dict(
+    dialogues_per_iteration=8, max_turns=3, max_new_tokens=32, update_epochs=1,
+    minibatch_size=2, micro_batch_size=2, iterations=8, save_every=4, log_kl_every=2)}
 
 
 # ----------------------------------------------------------------------------------------------

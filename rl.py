@@ -197,8 +197,8 @@ REWARDS = {
     # each turn with the emotion changes from it on / 100: the final emotion less the mood the
     # turn met, so a turn is not credited with what came before it
     "turn": changes_to_go,
-    # RLVER's fork: a turn's change and the discounted return from it (PPO only: GRPO gives a
-    # dialogue's tokens one advantage, so per-turn credit has no meaning there)
+    # RLVER's fork: a turn's change and the discounted return from it (GRPO: each turn's return,
+    # compared turn by turn, grpo.CREDIT_LEVEL)
     "mixed": mixed_credit,
 }
 MODE_FLAGS = {"mixed": ("mixed_alpha", "mixed_gamma")}  # a mode's own settings: no other mode's
@@ -479,8 +479,9 @@ class TrainerSettings(DialogueSettings):
     # what a dialogue earns (REWARDS)
     reward: str = setting(
         "final", "each turn's credit (REWARDS). final: the final emotion / 100 | turn: the changes "
-                 "from the turn on / 100 | mixed (PPO): a turn's change and the discounted return "
-                 "from it (RLVER's fork)", one_of(*REWARDS))
+                 "from the turn on / 100 | mixed: a turn's change and the discounted return from "
+                 "it (RLVER's fork); GRPO: turn and mixed give each turn an advantage of its own",
+        one_of(*REWARDS))
     format_penalty: float = setting(
         0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     mixed_alpha: float = setting(
@@ -490,9 +491,11 @@ class TrainerSettings(DialogueSettings):
     # the run: its length, folder, checkpoints and resume (run.Run)
     preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (the embedded model, a few "
                                    "iterations) | cpu-learn (the embedded model, 20 iterations of "
-                                   "one-turn dialogues, 14-27 min: the reward rises); explicit "
+                                   "one-turn dialogues, 14-27 min: the reward rises) | cpu-turns "
+                                   "(the embedded model, three-turn dialogues: per-turn credit "
+                                   "against the final emotion, tools/bench.py credit); explicit "
                                    "flags win",
-                          one_of("paper", "cpu", "cpu-learn"))
+                          one_of("paper", "cpu", "cpu-learn", "cpu-turns"))
     iterations: int = setting(1000, "training iterations (RLVER: 1,000 steps)", at_least(1))
     out: str = setting("", "a new run folder, created by the run (an empty one is taken); default "
                            "runs/<script>__<seed>__<time>", path=True)

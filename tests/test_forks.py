@@ -3,6 +3,8 @@ that a fork done the wrong way fails here, before a model loads, not after an ho
 
 - A group advantage (grpo.ADVANTAGES): every row against a hand computation on a group that holds an
   unread dialogue; a row without its hand computation fails too.
+- A per-turn advantage (grpo.per_turn_advantages): on real records, each turn's advantage on its own
+  agent tokens.
 - A reward mode (rl.REWARDS): every mode run on real records of a rollout (not made-up ones), the
   return GAE gives each turn equal to the mode's credit, the critic's start read off a real record.
 - A persona filter (personas.load_personas): the trainers and evaluate.py play exactly the personas
@@ -57,6 +59,32 @@ def test_every_group_advantage_against_its_hand_computation(kind):
     assert advantages[1] == 0.0
 
 
+@pytest.mark.parametrize("mode", [m for m, level in grpo.CREDIT_LEVEL.items() if level == "turn"])
+def test_per_turn_advantages_on_real_records_land_on_each_turns_own_tokens(mode,
+                                                                          real_records_ending_early):
+    """GRPO's per-turn credit (grpo.per_turn_advantages, the modes CREDIT_LEVEL gives one advantage
+    a turn) on records of a real rollout, three turns, one dialogue ending early: every agent token
+    of turn k carries turn k's advantage, every other token 0; the dialogue that ended early has
+    one advantage for each turn it played. The hand computations are in test_grpo.py."""
+    records, tokenizer, _ = real_records_ending_early
+    assert len({len(r["turn_ends"]) for r in records}) > 1  # one ended early
+    args = cli.parse_settings(grpo.Settings, ["--reward", mode])
+    returns = grpo.turn_returns(records, mode, rl.mode_coefficients(args), 0.0)
+    by_turn = grpo.per_turn_advantages(returns, torch.zeros(len(records)), "mean",
+                                       args.turn_level_weight)
+    mask = rl.pad_records(records, tokenizer.pad_token_id, "cpu")["action_mask"]
+    placed = grpo.token_advantages(by_turn, [r["turn_ends"] for r in records], mask)
+    for b, record in enumerate(records):
+        assert len(by_turn[b]) == len(record["turn_ends"])
+        start = 0
+        for k, end in enumerate(record["turn_ends"]):
+            turn = [t for t in range(start, end + 1) if record["action_mask"][t]]
+            assert turn and placed[b, turn].tolist() == pytest.approx([by_turn[b][k]] * len(turn))
+            start = end + 1
+        assert (placed[b][mask[b] == 0] == 0).all()
+    assert any(a != 0 for a in placed.flatten().tolist())
+
+
 # ----------------------------------------------------------------------------------------------
 # Reward modes, on real records
 # ----------------------------------------------------------------------------------------------
@@ -71,6 +99,18 @@ def real_records(tiny_model, persona_entry_module):
                                 personas, chat=ChatTokens(tokenizer, False), max_new_tokens=6,
                                 max_context=512, progress=False)
     return records, tokenizer, personas
+
+
+@pytest.fixture(scope="module")
+def real_records_ending_early(tiny_model, persona_entry_module):
+    """As real_records, from emotion 15: the rules user's replies to the tiny model's off-topic
+    text take the normal and hard users below 10 before the third turn, so they leave early."""
+    model, tokenizer = tiny_model
+    torch.manual_seed(0)
+    records, _ = play_dialogues(model, Simulator(RulesBackend(), start_emotion=15, max_turns=3),
+                                persona_entry_module, chat=ChatTokens(tokenizer, False),
+                                max_new_tokens=6, max_context=512, progress=False)
+    return records, tokenizer, persona_entry_module
 
 
 @pytest.fixture(scope="module")

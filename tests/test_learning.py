@@ -16,6 +16,8 @@ a trained model's are sharper still) and sampling explores among a few dozen tok
 The tests are marked gpu: with --device cuda they train on the GPU, and with --dtype bfloat16 in the
 paper's set-up (bf16 base weights, gradient checkpointing, the think-then-say scaffold: the random
 model never writes the tags, so its whole text is the reply and the reward the same)."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -191,9 +193,37 @@ def test_grpo_learns_over_two_turns(peaked_model_dir, personas_file, tmp_path, m
     import grpo
 
     flags = COMMON + setup + GRPO + ["--model", peaked_model_dir, "--personas", personas_file,
-                                     "--reward", "turn"]
+                                     "--reward", "final"]
     learns_at_two_of_three_seeds("grpo, 2 turns",
                                  trainer_run(monkeypatch, tmp_path, grpo, 2, flags))
+
+
+@pytest.mark.gpu
+def test_grpo_learns_over_two_turns_with_per_turn_credit(peaked_model_dir, personas_file, tmp_path,
+                                                         monkeypatch, setup):
+    # --reward turn: each turn's advantage is its own (its return, here its own change and the next
+    # one's, against its group's turns at the same place and the batch's: grpo.per_turn_advantages),
+    # not the dialogue's. It learns for that reason: in the records, the two turns of a dialogue
+    # get different advantages, and the second turn's rises with that turn's own change.
+    import grpo
+
+    flags = COMMON + setup + GRPO + ["--model", peaked_model_dir, "--personas", personas_file,
+                                     "--reward", "turn"]
+    train = trainer_run(monkeypatch, tmp_path, grpo, 2, flags)
+
+    def credited_by_turn(seed):
+        metrics = train(seed)
+        assert all(m["turns_mean"] == 2 for m in metrics)
+        with open(tmp_path / f"seed{seed}" / "rollouts.jsonl", encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+        first, second = np.array([r["advantages"] for r in records]).T          # (dialogues,) each
+        own = np.array([r["changes"][1] for r in records], dtype=float)          # (dialogues,)
+        # the dialogues of iterations with a spread (once every reply is best, all get 0)
+        moved = (first != 0) | (second != 0)
+        assert np.mean(first[moved] != second[moved]) > 0.5
+        assert np.corrcoef(own[moved], second[moved])[0, 1] > 0.5
+        return metrics
+    learns_at_two_of_three_seeds("grpo, 2 turns, per-turn credit", credited_by_turn)
 
 
 @pytest.mark.parametrize("name", ["ppo", "grpo"])

@@ -152,15 +152,6 @@ def test_mixed_credit_places_the_differences_of_the_credits():
     assert (r != 0).sum() == 3 and r.sum().item() == pytest.approx(m[0])
 
 
-def test_grpo_refuses_the_mixed_credit_in_one_line(capsys):
-    import grpo
-
-    with pytest.raises(SystemExit) as stop:
-        cli.command(grpo.main)(["--preset", "cpu", "--reward", "mixed"])
-    assert stop.value.code == 2
-    assert "error: --reward mixed credits each turn apart" in capsys.readouterr().err
-
-
 def test_returns_below_gamma_one_discount_the_placed_differences():
     """With --gamma below 1 a turn's return is no longer its credit: the placed rewards (credit
     differences) are discounted by their distance in agent tokens (docs/ppo.md says so)."""

@@ -444,10 +444,11 @@ def stand_in_trainer(calls, scores=None):
         if command[1] == "evaluate.py":
             out, run_dir = command[-1], command[command.index("--adapter") + 1]
             os.makedirs(out)
-            models = [{"label": "base", "score": 30.0},
-                      {"label": "adapter", "score": scores[os.path.basename(run_dir)]}]
+            models = [{"label": label, "measures": {"final_emotion": {"value": score}}}
+                      for label, score in (("base", 30.0),
+                                           ("adapter", scores[os.path.basename(run_dir)]))]
             with open(os.path.join(out, "results.json"), "w") as f:
-                json.dump({"complete": True, "models": models}, f)
+                json.dump({"complete": True, "judges": [{"judge": "rules", "models": models}]}, f)
             return 0
         trainer, folder = command[1][:-3], command[-1]
         flags = command[2:-2]
@@ -556,7 +557,7 @@ def test_credit_grid_of_one_real_cell_judged_by_the_rules_user(tmp_path, tiny_mo
                 "--max-new-tokens", "4", "--max-context", "512", "--lora-r", "4",
                 "--lora-alpha", "8"])
     results = bench.judged(os.path.join(out, "judge-rules", "grpo-turn-seed0"))
-    assert results and [m["label"] for m in results["models"]][0] == "base"
+    assert results and [m["label"] for m in results["judges"][0]["models"]][0] == "base"
     assert results["settings"]["max_turns"] == 3 and results["settings"]["split"] == "test"
     assert results["persona_ids"] == ["p0", "p1", "p2"]  # the test split of the runs' personas
     records = [json.loads(line) for line in open(os.path.join(out, "grpo-turn-seed0",

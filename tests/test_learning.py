@@ -221,7 +221,12 @@ def test_grpo_learns_over_two_turns_with_per_turn_credit(peaked_model_dir, perso
         # the dialogues of iterations with a spread (once every reply is best, all get 0)
         moved = (first != 0) | (second != 0)
         assert np.mean(first[moved] != second[moved]) > 0.5
-        assert np.corrcoef(own[moved], second[moved])[0, 1] > 0.5
+        # in each group (4 dialogues in a row, one persona), the second turn's advantage orders
+        # its dialogues as that turn's own change does (its return: it is the last turn); a
+        # dialogue-level advantage would order them by the sum of both changes instead
+        for group in range(0, len(records), 4):
+            order = np.argsort(own[group:group + 4], kind="stable")
+            assert np.all(np.diff(second[group:group + 4][order]) >= -1e-9), group
         return metrics
     learns_at_two_of_three_seeds("grpo, 2 turns, per-turn credit", credited_by_turn)
 

@@ -748,6 +748,11 @@ def judged(folder):
     return None
 
 
+def score(summary):
+    """A model's score in evaluate.py's results (model_summary): its mean final emotion."""
+    return summary["measures"]["final_emotion"]["value"]
+
+
 def judge_runs(args, runs):
     """Each complete run's final adapter scored by each --judges user (evaluate.py on the test
     split of the run's personas, with the run's turns and start emotion), one evaluation a run and
@@ -800,8 +805,9 @@ def credit_results(args, runs):
         for judge in args.judges:
             results = judged(judge_folder(args.out, judge, name))
             if results:
-                base, adapter = results["models"][0], results["models"][-1]
-                seed["judges"][judge] = {"score": adapter["score"], "base": base["score"]}
+                # one judge a folder; its models: the base, then the adapter
+                base, adapter = results["judges"][0]["models"][0], results["judges"][0]["models"][-1]
+                seed["judges"][judge] = {"score": score(adapter), "base": score(base)}
         cell["seeds"][flags[flags.index("--seed") + 1]] = seed
         cell["curves"].append(emotions)
     for cell in cells.values():

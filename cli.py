@@ -13,6 +13,7 @@ It imports no other file of the project; every other file may import it.
 """
 import argparse
 import dataclasses
+import difflib
 import functools
 import json
 import logging
@@ -38,7 +39,9 @@ TAKEN = {}
 
 def release():
     """Let go of the run folder's lock and put back the signal handlers (a finished or failed run;
-    tests run several in one process)."""
+    tests run several in one process), and forget where this command's settings came from, so
+    that the next command's lines name no file of this one's."""
+    TAKEN.clear()
     while HELD:
         item = HELD.pop()
         if isinstance(item, int):
@@ -210,11 +213,14 @@ def redact(value):
     return value
 
 
+KEY_VARIABLE = "OPENAI_API_KEY"  # --api-key-env's default: the variable OpenAI's clients read
+
+
 def env_name(value):
     """--api-key-env takes the name of a variable; a key typed there instead is refused, unshown."""
     if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
         return None
-    return "must be the name of an environment variable that holds the key, such as OPENAI_API_KEY"
+    return f"must be the name of an environment variable that holds the key, such as {KEY_VARIABLE}"
 
 
 env_name.secret = True
@@ -305,8 +311,10 @@ def parse_settings(settings, argv=None, presets=None, defaults=None, prog=None):
     # first pass; its flag's choices refuse an unknown one), so that every flag given wins over both
     parser.set_defaults(**(defaults or {}))
     if presets:
-        parser.set_defaults(**presets[parser.parse_args(argv).preset])
-    args = parser.parse_args(argv)
+        parser.set_defaults(**presets[parser.parse_known_args(argv)[0].preset])
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        fail(unknown_arguments(unknown, [a.option_strings[0] for a in actions.values()]))
     args.given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     if getattr(args, "resume", ""):
         resume_settings(args, fields, prog)
@@ -318,10 +326,90 @@ def parse_settings(settings, argv=None, presets=None, defaults=None, prog=None):
         check_setting(f, value)
         if f.metadata["path"] and os.path.exists(value):
             setattr(args, f.name, os.path.abspath(value))
+    confirm_destination(args)
     for cls in classes:
         if "check" in vars(cls):
             cls.check(args)
+    # what the run's model card names besides its preset (run.Run.save)
+    args.off_preset = preset_changes(settings, presets, vars(args))
     return args
+
+
+# What a run folder's config.json may never choose unseen: where the URL user's requests go, and
+# which environment variable's key they carry (KEY_VARIABLE unless --api-key-env says another)
+DESTINATION = ("simulator", "api_key_env")
+
+
+def destination_flags(args):
+    """The flags that state a URL user's address and key variable (where not KEY_VARIABLE), as args
+    holds them ("" for a user that sends nothing: same, rules): what a command that sends them
+    there types."""
+    if not str(getattr(args, "simulator", "")).startswith(("http://", "https://")):
+        return ""
+    flags = f"--simulator {args.simulator}"
+    if args.api_key_env != KEY_VARIABLE:
+        flags += f" --api-key-env {args.api_key_env}"
+    return flags
+
+
+def confirm_destination(args):
+    """A URL user's address, or a key variable other than KEY_VARIABLE, that came from a run's
+    config.json (TAKEN: --resume's run, evaluate.py's adapters' runs) is used only when typed on
+    the command line too: else one line (exit 2), before any request, naming the file and what to
+    type. A folder copied from elsewhere (a shared machine, a download) would otherwise send the key
+    of any variable to any host."""
+    flags = destination_flags(args)
+    where = [TAKEN[flag] for name in DESTINATION
+             if (flag := f"--{name.replace('_', '-')}") in TAKEN and name not in args.given
+             and flag in flags]
+    if where:
+        fail(f"{' and '.join(where)}: the user's requests would go to {args.simulator} with the "
+             f"key in ${args.api_key_env}, and a run's folder never chooses that unseen: type "
+             f"{flags} to send them there, or give another --simulator")
+
+
+def unknown_arguments(unknown, flags):
+    """argparse's line for the arguments no flag takes, and for each unknown flag the nearest of
+    `flags`: the same words in another order (--lr-critic: --critic-lr), else the closest spelling
+    (difflib, as argparse itself does for a choice from Python 3.14 on)."""
+    line = f"unrecognized arguments: {' '.join(unknown)}"
+    for word in unknown:
+        if word == "--":  # argparse's separator: what follows is no flag
+            break
+        typed = word.partition("=")[0]  # --flag=value: the flag
+        if not typed.startswith("--"):
+            continue
+        words = sorted(typed[2:].replace("_", "-").split("-"))
+        near = [flag for flag in flags if sorted(flag[2:].split("-")) == words]
+        near = near or difflib.get_close_matches(typed, flags, n=1, cutoff=0.6)
+        if near:
+            line += f"; {typed}: did you mean {near[0]}?"
+    return line
+
+
+# Not compared with a run's preset: where it writes (out, resume), what a resume may change
+# (RESUMABLE) or how it is carried out (operational), and the seed (named apart)
+NOT_THE_METHOD = ("preset", "out", "resume", "seed")
+
+
+def preset_changes(settings, presets, values):
+    """{name: value} of the settings in `values` (parse_settings' args, or a run's config.json)
+    that differ from its preset's (presets[values['preset']] over the dataclass `settings`'
+    defaults): empty for a run of the preset as it stands. An absolute path (a run saves each path
+    that exists so) counts by its last part, and is given so, never as a path of this machine."""
+    declared = settings()
+    preset = (presets or {}).get(values.get("preset"), {})
+    changes = {}
+    for f in dataclasses.fields(settings):
+        left_out = f.name in NOT_THE_METHOD or f.name in RESUMABLE or f.metadata["operational"]
+        if left_out or f.name not in values:  # a setting added since the run was made
+            continue
+        value = values[f.name]
+        if f.metadata["path"] and isinstance(value, str) and os.path.isabs(value):
+            value = os.path.basename(os.path.normpath(value))
+        if value != preset.get(f.name, getattr(declared, f.name)):
+            changes[f.name] = value
+    return changes
 
 
 def check_setting(f, value, where=None):
@@ -372,8 +460,9 @@ def read_run(folder):
 
 def resume_settings(args, fields, prog=None):
     """--resume DIR: the run's saved settings replace the defaults, each one TAKEN from config.json;
-    a flag given now may change only what RESUMABLE and the operational settings allow. Every check
-    runs after this, on what is kept."""
+    a flag given now may change only what RESUMABLE and the operational settings allow (a path
+    typed again is the same setting where it names the same file: same_path). Every check runs
+    after this, on what is kept."""
     saved = read_run(args.resume)
     if saved is None:
         fail(f"--resume {args.resume}: not a run folder (no config.json written by a trainer)")
@@ -399,19 +488,30 @@ def resume_settings(args, fields, prog=None):
             TAKEN[f"--{f.name.replace('_', '-')}"] = where
             if f.metadata["path"]:
                 TAKEN[str(then)] = where
-        elif redact(now) != then and f.name not in RESUMABLE and not f.metadata["operational"]:
+        elif (redact(now) != then
+              and not (f.metadata["path"] and isinstance(then, str) and same_path(now, then))
+              and f.name not in RESUMABLE and not f.metadata["operational"]):
             fail(f"--{f.name.replace('_', '-')} {redact(now)!r}: the run in {args.resume} has "
                  f"{then!r}, and --resume keeps it (it may change only {', '.join(RESUMABLE)} "
                  "and the operational settings)")
     args.out = os.path.abspath(args.resume)
 
 
+def same_path(typed, saved):
+    """Whether a path typed now (relative to this working folder) names what a saved one names: the
+    same absolute path, or the same file or folder by another path."""
+    if os.path.abspath(typed) == os.path.abspath(saved):
+        return True
+    return os.path.exists(typed) and os.path.exists(saved) and os.path.samefile(typed, saved)
+
+
 def public_config(args, script):
     """The settings as config.json holds them: the script that made the run, and every value with
     anything that looks like a secret hidden (redact; a secret comes only from the environment)."""
-    # given (which flags were typed) is parse_settings' note, not a setting
+    # given (which flags were typed) and off_preset are parse_settings' notes, not settings
     return {"script": script,
-            **{name: redact(value) for name, value in vars(args).items() if name != "given"}}
+            **{name: redact(value) for name, value in vars(args).items()
+               if name not in ("given", "off_preset")}}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import concurrent.futures
 import http.client
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -18,12 +19,23 @@ import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 
-from cli import REDACTED, redact
+from cli import KEY_VARIABLE, redact
 from simulator import SimulatorError
 
 
-# A key this long is a secret, scrubbed from every reply; a shorter one is a placeholder.
-SECRET_KEY_CHARS = 8
+# A bearer token as RFC 6750 spells one (b64token): what an issued key is made of
+BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
+
+
+def is_secret(key):
+    """Whether a key is a secret that no reply may hold: one that looks like a key to cli.redact
+    (an sk- or hf_ key), or a bearer token (BEARER_TOKEN) of 8 characters or more that mixes
+    letters and digits, as issued keys do. Anything else is a placeholder for a server that ignores
+    the key ("EMPTY", vLLM's; "x", "password", "assistant", "not-needed", "Change: -5"): sent, and
+    never looked for in a reply, whose words it may equal."""
+    mixed = any(c.isalpha() for c in key) and any(c.isdigit() for c in key)
+    token = BEARER_TOKEN.fullmatch(key) is not None
+    return redact(key) != key or (token and len(key) >= 8 and mixed)
 
 
 class ReplyError(ValueError):
@@ -42,11 +54,11 @@ class OpenAIBackend:
     max_reply_bytes. A failed try (a 429, a 5xx, a broken connection, a malformed reply) is tried
     again after an exponential backoff (backoff x 1, 2, 4 ... seconds) while the call's deadline
     allows; a Retry-After header is not read. A reply whose choices[0].message.content is not a
-    string is a malformed response. Errors name the server (any password in its URL redacted),
-    never the key."""
+    string, or holds the key (is_secret), is a malformed response. Errors name the server (any
+    password in its URL redacted), never the key."""
     base_url: str
     model: str = "default"
-    api_key_env: str = "OPENAI_API_KEY"
+    api_key_env: str = KEY_VARIABLE
     timeout: float = 60.0
     max_retries: int = 4
     backoff: float = 1.0
@@ -108,11 +120,12 @@ class OpenAIBackend:
                     if not isinstance(content, str):
                         raise ReplyError(f"choices[0].message.content is {type(content).__name__}, "
                                          "not a string")
-                    # a proxy may echo the key: scrubbed wherever it stands, glued to other
-                    # characters too; a shorter value is a placeholder ("EMPTY", vLLM's), no
-                    # secret, and scrubbing it would change the text ("Change: 1")
-                    if len(key) >= SECRET_KEY_CHARS:
-                        content = content.replace(key, REDACTED)
+                    # a proxy that echoes the key: the reply is refused, never scrubbed (which would
+                    # rewrite the user's words wherever a key equals them), so no text changes and
+                    # the key is written nowhere
+                    if is_secret(key) and key in content:
+                        raise ReplyError(f"its text holds the key of ${self.api_key_env}, as a "
+                                         "proxy that echoes the Authorization header would")
                     return content
                 problem = f"HTTP {status}"
                 if status in (401, 403):
@@ -134,6 +147,14 @@ class OpenAIBackend:
             time.sleep(pause)
         raise SimulatorError(f"simulator server {redact(self.url.geturl())}: {problem} "
                              f"after {attempt + 1} tries")
+
+    def check(self):
+        """One request for one token, made before any model loads and before a folder is made
+        (rollout.reach_simulator): a server that is down, or a wrong port, path, key or model name,
+        is one line in seconds, not after minutes of loading, and leaves nothing behind. It is the
+        request a dialogue makes, with its deadline and retries (a server still starting gets
+        them), so what passes here is what a dialogue needs."""
+        self._post([{"role": "user", "content": "Say ready."}], 1)
 
     def chat(self, conversations, max_new_tokens, repetition_penalty=None):
         """repetition_penalty is unused: the request sends none, so the server applies none (a

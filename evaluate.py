@@ -1,18 +1,24 @@
-"""Evaluation: the base and trained adapters against the same users; a user against SAGE's judge.
+"""Evaluation: the base and trained adapters against the same users, under one judge or several.
 
 A Sentient-style benchmark (SAGE, arXiv 2505.02847): every persona of a set talks with each model
 under test (the base, every adapter disabled, and each --adapter on top of it; the weights load
 once) under SAGE's protocol by default; the score is the mean final emotion (0-100) with a 95%
-bootstrap interval, each adapter compared with the base on the same personas. --agreement checks a
-simulated user's changes against SAGE's recorded ones; --write-openings writes the first messages
-RLVER's profiles lack. Each run writes into a folder of its own: docs/evaluate.md.
+bootstrap interval, each adapter compared with the base on the same personas. --judges plays it all
+under several users (the judge matrix): a gain the adapter's training judge sees and a held-out one
+does not is the judge's blind spot, not empathy. The measures and their intervals: MEASURES here,
+stats.py. --agreement (agreement.py) checks a simulated user's changes against SAGE's recorded ones;
+--write-openings writes the first messages RLVER's profiles lack. Each run writes into a folder of
+its own: docs/evaluate.md.
 
     python evaluate.py --model smollm2 --personas personas.json --split test
     python evaluate.py --adapter runs/ppo__0__1700000000 [another adapter ...] --out runs/eval_ppo
+    python evaluate.py --adapter RUN_A RUN_B --judges rules http://localhost:8000/v1
     python evaluate.py --agreement SAGE/dataset/<judge>_based_simulator/*_result.jsonl \\
         --personas SAGE/profile/simulator_profile_withfirsttalk.jsonl --simulator URL
 """
 import contextlib
+import copy
+import importlib.util
 import json
 import os
 import re
@@ -20,23 +26,23 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from itertools import groupby
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
+from agreement import SAGE_JUDGED_REPLIES, SAGE_START, agreement_main, write_results
 from cli import (TAKEN, at_least, command, exit_on_signals, fail, parse_json, parse_settings,
-                 public_config, read_json_lines, read_run, read_text, release, setting,
+                 public_config, read_json_lines, read_run, read_text, redact, setting,
                  settings_of_runs, use_cpu_threads, within)
 from personas import PersonaError, load_personas
 from policy import check_model, default_device, load_policy
 from rl import DialogueSettings
 from rollout import (TOKEN_ARRAYS, ChatTokens, build_simulator, check_openings_fit, make_backend,
-                     play_dialogues)
-from run import append_lines, checkpoints, finite, new_folder, write_atomically, write_failure
-from simulator import (PROMPTS, SimulatorError, UserState, apply_change, clean_user_text,
-                       user_turn_messages)
+                     play_dialogues, reach_simulator)
+from run import append_lines, checkpoints, new_folder, write_atomically, write_failure
+from simulator import (PROMPTS, SimulatorError, UserState, clean_user_text,
+                       simulator_problem, user_turn_messages)
+from stats import mean_with_interval, paired_difference, shown
 from users import OPENING_LINES, ScriptedUser
 
 
@@ -51,6 +57,10 @@ class Settings(DialogueSettings):
     adapter: list[str] = setting(
         [], "LoRA adapters to compare with the base: adapter folders, a trainer's checkpoints "
             "(their policy) or run folders (their newest checkpoint)")
+    judges: list[str] = setting(
+        [], "the users that score every model, each a --simulator value (rules | same | URL ...): "
+            "every model under every judge, each adapter's gain over the base, a table and "
+            "matrix.png (docs/evaluate.md); none: --simulator alone")
     dialogues: int = setting(
         0, "the first N personas of the split; with --agreement the first N dialogues of each file "
            "(0 = all)", at_least(0))
@@ -69,29 +79,19 @@ class Settings(DialogueSettings):
     def inherit(args, fields):
         """Before every check (cli.parse_settings): --adapter as policy adapter folders (a run
         folder: its newest checkpoint's policy; PPO's critic refused), each evaluated as it was
-        trained: the model, thinking, reply and context sizes and the user come from its run's
-        config.json unless given here (cli.settings_of_runs, docs/evaluate.md). Fewer tokens a
-        reply than in training: a warning."""
+        trained: the model, thinking, reply and context sizes and the user (unless --judges names
+        the users) come from its run's config.json unless given here (cli.settings_of_runs,
+        docs/evaluate.md). Fewer tokens a reply than in training: a warning."""
         runs = []  # (config.json's path, its settings)
         for i, path in enumerate(args.adapter):
-            path = os.path.normpath((checkpoints(path) or [path])[-1])
-            if os.path.isdir(f"{path}/default"):
-                path = f"{path}/default"
-            # a saved role other than the policy's (PPO's critic), or no adapter at all
-            role = "default"
-            if os.path.isfile(f"{path}/role"):
-                role = read_text(f"{path}/role", fail).strip()
-            if role != "default":
-                fail(f"--adapter {path}: not a policy adapter (its role is {role!r}: PPO's critic "
-                     "is a value model)")
-            args.adapter[i] = path
-            # RUN/checkpoints/iter_N/default: the saved settings of the run it comes from
-            folder = os.path.normpath(f"{path}/../../..")
-            if path.split(os.sep)[-3:-2] == ["checkpoints"] and (run := read_run(folder)):
-                runs.append((f"{folder}/config.json", run))
+            path = args.adapter[i] = adapter_folder(path)
+            if made_by := run_of(path):  # the saved settings of the run it comes from
+                runs.append((f"{made_by[0]}/config.json", made_by[1]))
         # what an adapter from a run is evaluated with, unless given here
-        taken = "model thinking max_new_tokens max_context simulator api_model api_key_env"
-        settings_of_runs(args, fields, runs, taken.split())
+        taken = "model thinking max_new_tokens max_context simulator api_model api_key_env".split()
+        if args.judges:  # the users are --judges': runs that trained against different ones meet
+            taken.remove("simulator")
+        settings_of_runs(args, fields, runs, taken)
         trained = max([run["max_new_tokens"] for _, run in runs if "max_new_tokens" in run],
                       default=0)
         if args.max_new_tokens < trained:
@@ -101,10 +101,51 @@ class Settings(DialogueSettings):
 
     @staticmethod
     def check(args):
-        """Each adapter against the model taken (check_adapter); the results' folder."""
-        for path in args.adapter:
+        """Each adapter against the model taken (check_adapter), and given once; the judges, each a
+        user --simulator takes, given once; the results' folder."""
+        for k, path in enumerate(args.adapter):
             check_adapter(path, args)
+            if path in args.adapter[:k]:  # a run folder and its newest checkpoint are one adapter
+                fail(f"--adapter {path}: given twice")
+        if args.judges and (args.agreement or args.write_openings):
+            fail("--judges: the benchmark's; --agreement and --write-openings take one --simulator")
+        if args.judges and "simulator" in args.given:
+            fail(f"--simulator {args.simulator} with --judges: name every judge in --judges")
+        for k, judge in enumerate(args.judges):
+            if problem := simulator_problem(judge):
+                fail(f"--judges {judge}: {problem}")
+            if judge in args.judges[:k]:
+                fail(f"--judges {judge}: given twice")
+        args.judges = args.judges or [args.simulator]
+        if len(args.judges) > 1 and importlib.util.find_spec("matplotlib") is None:
+            print("warning: matplotlib is not installed: the judge matrix goes to results.md, "
+                  "without its picture matrix.png (pip install matplotlib)", file=sys.stderr)
         args.out = args.out or f"runs/eval__{int(time.time())}"
+
+
+def adapter_folder(path):
+    """The policy adapter an --adapter names: a run folder's newest checkpoint (run.checkpoints), a
+    checkpoint's `default` adapter, or an adapter folder as it is; a saved role other than the
+    policy's (PPO's critic, a value model) is one line."""
+    path = os.path.normpath((checkpoints(path) or [path])[-1])
+    if os.path.isdir(f"{path}/default"):
+        path = f"{path}/default"
+    role = "default"
+    if os.path.isfile(f"{path}/role"):
+        role = read_text(f"{path}/role", fail).strip()
+    if role != "default":
+        fail(f"--adapter {path}: not a policy adapter (its role is {role!r}: PPO's critic is a "
+             "value model)")
+    return path
+
+
+def run_of(path):
+    """(the run folder, its saved settings) of an adapter a trainer saved
+    (RUN/checkpoints/iter_N/default, RUN/config.json), else None."""
+    folder = os.path.normpath(f"{path}/../../..")
+    if path.split(os.sep)[-3:-2] == ["checkpoints"] and (run := read_run(folder)):
+        return folder, run
+    return None
 
 
 def check_adapter(path, args):
@@ -131,11 +172,6 @@ def check_adapter(path, args):
         fail(f"{weights}: not a safetensors file ({e})")
 
 
-# SAGE (github.com/Tencent/digitalhuman, SAGE/test_npc.py and simulator_response.py): a dialogue
-# starts at 40 with the profile's first_talk; the agent writes at most 10 replies, all but the last
-# judged (9 count); it stops at a goodbye, at 100 (a success) or below 10 (a failure). The score is
-# the mean final emotion; docs/evaluate.md lists where this project differs, and why.
-SAGE_START, SAGE_JUDGED_REPLIES, SAGE_SUCCESS, SAGE_LEAVE_BELOW = 40, 9, 100, 10
 # Sizes for a reply, not a long thought (an adapter from a run takes the run's own).
 DEFAULTS = dict(model="smollm2", max_new_tokens=128, max_context=4096, split="test",
                 start_emotion=SAGE_START, max_turns=SAGE_JUDGED_REPLIES, user_reply_tokens=64)
@@ -147,68 +183,90 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# The statistics (pure, in numpy, each tested against a hand computation)
+# The benchmark's numbers (the statistics themselves, one bootstrap for every interval: stats.py)
 # ----------------------------------------------------------------------------------------------
-def with_interval(groups, statistic=np.mean, n_boot=2000, seed=0):
-    """{value, low, high}: statistic(rows) of all groups' rows, and its 95% percentile bootstrap
-    interval when whole groups (a list of arrays, or an array's first axis) are resampled with
-    replacement. A group is what is independent: a persona's score, or a dialogue's replies, which
-    share a persona and a history. Resamples where the statistic is undefined (NaN) are dropped."""
-    # (n_boot, groups)
-    idx = np.random.default_rng(seed).integers(len(groups), size=(n_boot, len(groups)))
-    values = np.array([statistic(np.concatenate([groups[k] for k in row])) for row in idx])
-    values = values[np.isfinite(values)]
-    low = high = np.nan  # no resample defined: no interval
-    if len(values):
-        # the quantiles (1 -+ level) / 2 at level 0.95, as computed (2.500000000000002, not 2.5):
-        # written out as 2.5 and 97.5, an interval's last digits would move
-        low, high = np.percentile(values, [50 * (1 - 0.95), 50 * (1 + 0.95)])
-    return {"value": statistic(np.concatenate(groups)), "low": low, "high": high}
-
-
-def paired_difference(treated, base, n_boot=2000, seed=0):
-    """Mean of treated - base over the same personas, with a bootstrap interval that resamples
-    personas (pairs), not the two lists separately: persona difficulty, which moves both scores
-    alike, then cancels out, and the interval is much tighter than from two independent ones."""
-    diff = np.subtract(treated, base, dtype=float)
-    return {**with_interval(diff[:, None], np.mean, n_boot, seed), "n": len(diff)}
+# What is measured of a model, one number a dialogue (a persona's): the model's value is their
+# mean over personas and an adapter's gain their mean paired difference from the base's, each with
+# its 95% interval from stats.py's one bootstrap. A new measure is one entry here; every interval
+# written is held by tests/test_forks.py (docs/forks.md).
+MEASURES = {"final_emotion": lambda record: float(record["final_emotion"])}  # the score
 
 
 def model_summary(records, n_boot=2000, seed=0):
-    """The benchmark's numbers for one model, from its one dialogue per persona: the score (the mean
-    final emotion) and its interval over personas, SAGE's successes (100) and failures (the user
-    left), and the counts that explain a score: turns, replies cut at --max-new-tokens, reply
-    length, think-format violations, dialogues ended unread."""
-    per_persona = {r["persona_id"]: float(r["final_emotion"]) for r in records}
-    score = with_interval(np.array([*per_persona.values()])[:, None], np.mean, n_boot, seed)
+    """The benchmark's numbers for one model, from its one dialogue per persona: each of MEASURES
+    per persona and as a mean with its interval over personas (final_emotion's is SAGE's score),
+    SAGE's successes (100) and failures (the user left), and the counts that explain a score:
+    turns, replies cut at --max-new-tokens, reply length, think-format violations, dialogues ended
+    unread."""
+    per_persona = {name: {r["persona_id"]: measure(r) for r in records}
+                   for name, measure in MEASURES.items()}
     # at least one a dialogue (check_openings_fit)
     turns = sum(len(r["turn_ends"]) for r in records)
     total = {k: sum(r[k] for r in records)
              for k in ("cut_replies", "policy_tokens", "violations")}
     reasons = Counter(r["end_reason"] for r in records)
-    return {"score": score["value"], "ci_low": score["low"], "ci_high": score["high"],
+    return {"measures": {name: mean_with_interval([*values.values()], n_boot, seed)
+                         for name, values in per_persona.items()},
             "dialogues": len(records), "successes": reasons["success"], "failures": reasons["left"],
             "unread": reasons["unread"], "turns_mean": turns / len(records), **total,
             "reply_tokens_mean": total["policy_tokens"] / turns, "per_persona": per_persona}
 
 
+def gain_over_base(summary, base, n_boot=2000, seed=0):
+    """Each of an adapter's MEASURES less the base's on the same personas (model_summary's both),
+    paired (stats.paired_difference)."""
+    return {name: paired_difference([*values.values()],
+                                    [base["per_persona"][name][i] for i in values], n_boot, seed)
+            for name, values in summary["per_persona"].items()}
+
+
+def held_out(judge, run, args):
+    """Whether a judge is held out for an adapter of this run (its saved settings, config.json):
+    False where the run trained against this user (at a URL, with the same --api-model), True where
+    against another; None for an adapter without its run."""
+    if run is None:
+        return None
+    if run.get("simulator") != redact(judge):  # a URL's password is saved redacted
+        return True
+    return judge.startswith(("http://", "https://")) and run.get("api_model") != args.api_model
+
+
 # ----------------------------------------------------------------------------------------------
 # Models under test: the base and each adapter, one set of weights
 # ----------------------------------------------------------------------------------------------
-def load_models(args):
+def models_under_test(paths):
+    """[(label, adapter name, adapter folder, its run's saved settings or None)], the base first
+    (None each). An adapter is labelled by its run: RUN/checkpoints/iter_N/default by RUN's folder
+    name, and by RUN/iter_N where another adapter of RUN is compared too; an adapter outside a run
+    by its folder's name; two that would still read alike by their paths."""
+    runs = [run_of(path) for path in paths]  # (folder, saved settings) or None each
+    compared = Counter(made_by[0] for made_by in runs if made_by)  # adapters of each run
+    names = []
+    for path, made_by in zip(paths, runs):
+        if made_by is None:
+            names.append(os.path.basename(path.removesuffix("/default")))
+        elif compared[made_by[0]] == 1:
+            names.append(os.path.basename(made_by[0]))
+        else:  # RUN/iter_N
+            names.append(f"{os.path.basename(made_by[0])}/{path.split(os.sep)[-2]}")
+    labels = [path if names.count(name) > 1 else name for name, path in zip(names, paths)]
+    return [("base", None, None, None)] + [
+        (label, "default" if k == 0 else f"adapter_{k}", path, made_by and made_by[1])
+        for k, (label, path, made_by) in enumerate(zip(labels, paths, runs))]
+
+
+def load_models(args, models):
     """One PeftModel: the first adapter as 'default' (or a fresh LoRA, the identity since B = 0),
-    further adapters by name. Returns (policy, tokenizer, models): (label, adapter name, adapter
-    folder) each, labelled by its folder, models[0] the base (None, None). An adapter whose weights
-    do not all load into the base is one line naming both, never scored half-loaded."""
+    further adapters by name (models: models_under_test's). Returns (policy, tokenizer). An adapter
+    whose weights do not all load into the base is one line naming both, never scored
+    half-loaded."""
     path = (args.adapter or [None])[0]
-    models = [("base", None, None)]
     try:
         policy, tokenizer = load_policy(args.model, adapter=path, trainable=False,
                                         device=default_device(), load_in_4bit=args.load_in_4bit,
                                         dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                                         fp32_head=args.fp32_head)
-        for i, path in enumerate(args.adapter):
-            name = "default" if i == 0 else f"adapter_{i}"
+        for _, name, path, _ in models[1:]:
             # loaded (the first again) for peft's missing and unexpected keys,
             # which it only warns of
             result = policy.load_adapter(path, adapter_name=name, is_trainable=False)
@@ -217,13 +275,11 @@ def load_models(args):
                 raise RuntimeError(f"{len(missing)} of its weights missing "
                                    f"(e.g. {(missing or ['-'])[0]}), "
                                    f"{len(result.unexpected_keys)} unexpected")
-            # a checkpoint's policy: the checkpoint
-            models.append((os.path.basename(path.removesuffix("/default")), name, path))
     except RuntimeError as e:
         # torch's size mismatches (another hidden size): the first says why, in shapes
         why = re.findall(r"size mismatch.*", str(e)) + str(e).splitlines()
         fail(f"--adapter {path} does not fit --model {args.model}: {why[0][:300]}")
-    return policy, tokenizer, models
+    return policy, tokenizer
 
 
 def use_model(policy, adapter_name):
@@ -236,25 +292,16 @@ def use_model(policy, adapter_name):
 
 
 # ----------------------------------------------------------------------------------------------
-# The evaluation loop
+# The results: a table a judge; with several judges, the judge matrix and its picture
 # ----------------------------------------------------------------------------------------------
-def shown(x, digits=2, sign=""):
-    """A statistic and its interval in results.md (the benchmark's and the agreement check's)."""
-    if x is None:
-        return "- (needs 2 files or more that share scenarios)"
-    if not np.isfinite(x["value"]):
-        return "undefined (one side never varies)"
-    spec = f"{sign}.{digits}f"
-    return f"{x['value']:{spec}} [{x['low']:{spec}}, {x['high']:{spec}}]"
-
-
-def results_table(results):
-    """The markdown table of results.json, with a line saying what was measured."""
+def judge_table(results, judged):
+    """The markdown table of one judge's models (results.json's judges[k]), with a line saying what
+    was measured."""
     s = results["settings"]
     lines = [
         f"{len(results['persona_ids'])} personas from `{os.path.basename(s['personas'])}` "
-        f"(split {s['split']}), 1 greedy dialogue each; simulator `{s['simulator']}` (read-out "
-        f"{results['readout']}), start emotion {s['start_emotion']}, up to "
+        f"(split {s['split']}), 1 greedy dialogue each; simulator `{judged['judge']}` (read-out "
+        f"{judged['readout']}), start emotion {s['start_emotion']}, up to "
         f"{s['max_turns']} turns, thinking {'on' if s['thinking'] else 'off'}. "
         "Score = mean final emotion (0-100); [95% bootstrap interval over personas, "
         f"{s['bootstrap']} resamples]; vs base = mean paired difference over the same personas; "
@@ -265,9 +312,9 @@ def results_table(results):
         "| think violations | unread |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for m in results["models"]:
-        n, p = m["dialogues"], m.get("vs_base")
-        lines.append(f"| {m['label']} | {m['score']:.1f} [{m['ci_low']:.1f}, {m['ci_high']:.1f}] "
+    for m in judged["models"]:
+        n, p = m["dialogues"], m.get("vs_base", {}).get("final_emotion")
+        lines.append(f"| {m['label']} | {shown(m['measures']['final_emotion'], 1)} "
                      f"| {m['cut_replies']} ({m['cut_replies'] / (m['turns_mean'] * n):.0%}) "
                      f"| {shown(p, 1, '+') if p else '-'} "
                      f"| {m['successes']}/{n} | {m['failures']}/{n} | {m['turns_mean']:.1f} "
@@ -276,340 +323,131 @@ def results_table(results):
     return "\n".join(lines) + "\n"
 
 
-def write_results(out, results, table):
-    """results.json and results.md, each replaced whole (run.write_atomically). results.json is
-    strict JSON: a statistic that is undefined (NaN) is written as null."""
-    write_atomically(f"{out}/results.json",
-                     json.dumps(finite(results), indent=1, ensure_ascii=False, allow_nan=False))
-    write_atomically(f"{out}/results.md", table)
+ROLES = {True: "held out", False: "training", None: "-"}  # held_out's words in the matrix
 
 
-def run_evaluation(args, policy, tokenizer, simulator, personas, models):
-    """Every model plays every persona; writes into args.out and returns the results dict.
-    results.json and results.md are rewritten after each model (complete after the last), so a
-    failure half way leaves the finished models' numbers and transcripts on disk."""
-    results = {"complete": False, "settings": public_config(args, "evaluate.py"),
-               "readout": simulator.readout, "persona_ids": [p.id for p in personas], "models": []}
-    for done, (label, adapter_name, path) in enumerate(models, 1):
-        t0 = time.time()
-        with use_model(policy, adapter_name):
-            # a Decoder of its own a model (play_dialogues makes one): on CUDA, its adapter's graphs
-            records, _ = play_dialogues(
-                policy, simulator, personas, chat=ChatTokens(tokenizer, args.thinking),
-                temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                max_context=args.max_context, greedy=True, desc=f"{label}: dialogues")
-        # each dialogue tagged with its model, its token arrays left out
-        append_lines(f"{args.out}/transcripts.jsonl",
-                     [{"model": label, **{k: r[k] for k in r if k not in TOKEN_ARRAYS}}
-                      for r in records])
-        summary = {"label": label, "adapter": path,
-                   **model_summary(records, args.bootstrap, args.seed), "seconds": time.time() - t0}
-        if adapter_name:
-            base = list(results["models"][0]["per_persona"].values())
-            summary["vs_base"] = paired_difference(list(summary["per_persona"].values()), base,
-                                                   args.bootstrap, args.seed)
-        results["models"].append(summary)
-        results["complete"] = done == len(models)
-        write_results(args.out, results, results_table(results))
-    return results
-
-
-# ----------------------------------------------------------------------------------------------
-# A simulated user measured against SAGE's recorded judgments (--agreement)
-# ----------------------------------------------------------------------------------------------
-def average_ranks(x):
-    """1-based ranks, ties sharing the mean of the ranks they span:
-    [10, 20, 20, 30] -> [1, 2.5, 2.5, 4]."""
-    _, where, counts = np.unique(x, return_inverse=True, return_counts=True)
-    # a tie group's last rank, less half its width
-    return (np.cumsum(counts) - (counts - 1) / 2)[where]
-
-
-def pearson(x, y):
-    """Pearson correlation; NaN when either side is constant (no correlation is defined)."""
-    dx, dy = (np.asarray(v, dtype=float) - np.mean(v) for v in (x, y))
-    denominator = np.sqrt((dx * dx).sum() * (dy * dy).sum())
-    if denominator > 0:
-        return (dx * dy).sum() / denominator
-    return np.nan
-
-
-def spearman(x, y):
-    """Spearman's rho: the Pearson correlation of the average ranks (ties handled)."""
-    return pearson(average_ranks(x), average_ranks(y))
-
-
-def kendall_tau_b(x, y):
-    """Kendall's tau-b of two arrays: (concordant - discordant) / sqrt(pairs untied in x * pairs
-    untied in y) over the n(n-1)/2 pairs; NaN when either side is constant."""
-    i, j = np.triu_indices(len(x), 1)
-    sx, sy = np.sign(x[i] - x[j]), np.sign(y[i] - y[j])  # (pairs,) each
-    denominator = np.sqrt((sx != 0).sum() * (sy != 0).sum())
-    if denominator > 0:
-        return (sx * sy).sum() / denominator
-    return np.nan
-
-
-# What is compared, each a function of (replies, 2) rows of (recorded, simulated) changes: r.T is
-# the recorded column, then the simulated one.
-STATISTICS = {"spearman": lambda r: spearman(*r.T),
-              "pearson": lambda r: pearson(*r.T),
-              "direction_agreement": lambda r: np.mean(np.equal(*np.sign(r.T))),
-              "mae": lambda r: np.mean(np.abs(np.subtract(*r.T)))}
-
-
-def kendall_with_interval(finals, n_boot=2000, seed=0):
-    """Kendall's tau-b between the files' (models') mean recorded and simulated final emotions over
-    the same scenarios (finals: (files, scenarios, 2)), with an interval from resampling scenarios,
-    one draw for every file (paired: a scenario's difficulty moves every model alike). None for
-    fewer than 2 files or no scenario."""
-    if len(finals) < 2 or finals.shape[1] == 0:
-        return None
-    # rows (draws, files, 2) -> files' means
-    return with_interval(finals.transpose(1, 0, 2)[:, None],
-                         lambda rows: kendall_tau_b(*rows.mean(0).T), n_boot, seed)
-
-
-def is_emotion(value):
-    """A recorded emotion: a JSON number in [0, 100] (true and false are of type bool, not int; NaN
-    and infinity fail the comparison)."""
-    return type(value) in (int, float) and 0 <= value <= 100
-
-
-def read_sage_dialogues(path, personas):
-    """SAGE's recorded dialogues, one JSON object a line: id, emo_point (the final emotion) and
-    history, {role: user|assistant, content} each, a user message with the judge's `emotion-point`.
-    Returns [{file, line, id, final, history: [{role: user|agent, text}], points: {message index:
-    emotion}}]. Bad input, as strict as a persona file: one line naming file, line and field."""
-    dialogues, lines = [], {}
-    for i, record in read_json_lines(path, fail):
-        where = f"{path}: line {i + 1}"
-        name = str(record.get("id")) if isinstance(record, dict) else None
-        if name not in personas:
-            fail(f"{where}: must be an object whose field 'id' names a persona "
-                 "of the --personas file")
-        where += f" (id {name})"
-        if name in lines:  # a second "model" or a repeated line would count its replies twice
-            fail(f"{where}: field 'id' is on line {lines[name]} too: one dialogue per scenario")
-        lines[name] = i + 1
-        if not is_emotion(record.get("emo_point")):
-            fail(f"{where}: field 'emo_point' must be a number from 0 to 100 (the final emotion), "
-                 f"not {record.get('emo_point')!r}")
-        history = record.get("history")
-        if not isinstance(history, list) or len(history) < 3:
-            fail(f"{where}: field 'history' must be a list of messages with a judged reply "
-                 "(user, agent, user)")
-        messages, points = [], {}
-        for k, m in enumerate(history):
-            role = "assistant" if k % 2 else "user"
-            in_turn = isinstance(m, dict) and m.get("role") == role
-            if not in_turn or not isinstance(m.get("content"), str):
-                fail(f"{where}: field 'history[{k}]' must be {{role: {role}, content: text}} "
-                     "(messages alternate, the user's first)")
-            messages.append({"role": "agent" if k % 2 else "user", "text": m["content"]})
-            if role == "user":
-                points[k] = m.get("emotion-point")
-                if not is_emotion(points[k]):
-                    fail(f"{where}: field 'history[{k}].emotion-point' must be a number "
-                         f"from 0 to 100, not {points[k]!r}")
-        dialogues.append({"file": path, "line": i + 1, "id": name, "final": record["emo_point"],
-                          "history": messages, "points": points})
-    return dialogues or fail(f"{path}: no dialogues")
-
-
-def judged_replies(dialogue):
-    """[(index of the agent message, emotion before it, emotion after it)] for every agent reply
-    that a user message with an emotion-point follows (SAGE's unjudged last reply is left out)."""
-    points = dialogue["points"]
-    return [(k, points[k - 1], points[k + 1]) for k in range(1, len(dialogue["history"]) - 1, 2)]
-
-
-def recorded_state(persona, dialogue, k):
-    """The simulated user as it was when agent message k arrived: the recorded conversation before
-    it, the recorded emotion, and one appraisal per earlier reply whose move is the recorded change,
-    so that the appraisal sees the recorded moods. It is appraised once (the check's `same` user
-    keeps no KV cache)."""
-    moods = [dialogue["points"][j] for j in range(0, k, 2)]  # e_0 .. e_m
-    appraisals = [{"change": after - before, "emotion": after, "appraisal": ""}
-                  for before, after in zip(moods, moods[1:])]
-    return UserState(persona, moods[-1], dialogue["history"][:k], turns=len(appraisals),
-                     appraisals=appraisals)
-
-
-def simulated_final(start, changes, max_change=10):
-    """The final emotion from adding the simulator's changes along a recorded dialogue, each clamped
-    as the simulator clamps it (apply_change): to +-max_change, the mood to [0, 100]; it stops where
-    SAGE and Simulator.step stop, at 100 (a success) or below 10 (a failure), and where an appraisal
-    could not be read (None: a dialogue in training would end there)."""
-    emotion = start
-    for change in changes:
-        if change is None:
-            break
-        if SAGE_LEAVE_BELOW <= emotion < SAGE_SUCCESS:
-            emotion, _ = apply_change(emotion, change, max_change)
-    return emotion
-
-
-def agreement_rows(dialogue, changes, max_change=10):
-    """(replies, 2) array of (recorded change, simulated move) for one dialogue's read appraisals:
-    the simulator's move starts from the recorded emotion before each reply, so the two are compared
-    reply by reply. A reply whose appraisal could not be read (None) is left out."""
-    return np.array([(after - before, apply_change(before, change, max_change)[1])
-                     for (_, before, after), change in zip(judged_replies(dialogue), changes)
-                     if change is not None], dtype=float).reshape(-1, 2)
-
-
-def agreement_report(dialogues, changes, max_change=10, n_boot=2000, seed=0):
-    """Every number of the agreement check. dialogues: read_sage_dialogues rows; changes: the
-    simulator's change per judged reply (None where unread), per dialogue, in the same order. Per
-    reply, per dialogue's final emotion (rebuilt with SAGE's exits), per file (one file is one
-    evaluated model) and the ranking of the files."""
-    groups = [agreement_rows(d, c, max_change) for d, c in zip(dialogues, changes)]
-    recorded, simulated = np.concatenate(groups).T                         # (replies,) each
-    finals = np.array([(d["final"], simulated_final(d["points"][0], c, max_change))
-                       for d, c in zip(dialogues, changes)], dtype=float)  # (dialogues, 2)
-    by_file = {}  # file -> {id: (recorded, simulated) final}; ids are unique within a file
-    for d, final in zip(dialogues, finals):
-        by_file.setdefault(d["file"], {})[d["id"]] = final
-    files = [{"label": re.sub(r"(_result)?\.jsonl?$", "", os.path.basename(path)), "file": path,
-              "dialogues": len(mine),
-              **{side: {**with_interval(column[:, None], np.mean, n_boot, seed),
-                        "successes": int((column >= SAGE_SUCCESS).sum()),
-                        "failures": int((column < SAGE_LEAVE_BELOW).sum())}
-                 for side, column in zip(("recorded", "simulated"), np.array([*mine.values()]).T)}}
-             for path, mine in by_file.items()]
-    # the models are ranked on the scenarios every file holds
-    first, *others = by_file.values()
-    shared = [i for i in first if all(i in mine for mine in others)]
-    # (files, shared, 2); (files, 0) when they share none
-    shared_finals = np.array([[mine[i] for i in shared] for mine in by_file.values()])
-    return {
-        "replies": {"n": len(recorded), "dialogues": len(dialogues),
-                    "unread": sum(change is None for mine in changes for change in mine),
-                    **{name: with_interval(groups, statistic, n_boot, seed)
-                       for name, statistic in STATISTICS.items()},
-                    # what a simulator that knows nothing gets: the commonest recorded
-                    # direction; never moving
-                    "direction_baseline": max(np.mean(np.sign(recorded) == d) for d in (-1, 0, 1)),
-                    "mae_of_no_change": np.abs(recorded).mean(),
-                    "recorded_mean_change": recorded.mean(),
-                    "simulated_mean_change": simulated.mean()},
-        "final": {"simulated_minus_recorded": paired_difference(finals[:, 1], finals[:, 0],
-                                                                n_boot, seed),
-                  **{name: with_interval(finals[:, None], STATISTICS[name], n_boot, seed)
-                     for name in ("mae", "spearman", "pearson")}},
-        "files": files,
-        "models": {"scenarios": len(shared),
-                   "kendall_tau_b": kendall_with_interval(shared_finals, n_boot, seed)},
-    }
-
-
-def ranking(files, side):
-    """'a > b = c': the files in order of their recorded or simulated score, ties shown as ties."""
-    ordered = sorted(files, key=lambda m: -m[side]["value"])  # stable: ties keep the files' order
-    return " > ".join(" = ".join(m["label"] for m in tied)
-                      for _, tied in groupby(ordered, lambda m: m[side]["value"]))
-
-
-def agreement_table(report):
-    """results.md of an agreement run (its results.json: the report and the settings)."""
-    r, f, settings = report["replies"], report["final"], report["settings"]
-    model = ""
-    if settings["simulator"] == "same":
-        model = f" (model `{settings['model']}`)"
-    lines = [
-        f"Simulator `{settings['simulator']}`{model}, read-out {settings['readout']}, against "
-        f"{r['dialogues']} recorded SAGE dialogues ({r['n']} judged replies) of "
-        f"{len(report['files'])} file(s). [95% bootstrap interval over dialogues, "
-        f"{settings['bootstrap']} resamples.] "
-        "Changes: the recorded one is the next user message's emotion-point minus the one before; "
-        "the simulator's is its move from the recorded emotion.",
-        "", "| per reply | value |", "|---|---|",
-        f"| Spearman of the changes | {shown(r['spearman'])} |",
-        f"| Pearson of the changes | {shown(r['pearson'])} |",
-        f"| direction agreement (up / flat / down) | {shown(r['direction_agreement'])} "
-        f"(always the commonest recorded direction: {r['direction_baseline']:.2f}) |",
-        f"| mean absolute error | {shown(r['mae'])} (never moving: {r['mae_of_no_change']:.2f}) |",
-        f"| mean change: recorded / simulated | {r['recorded_mean_change']:+.2f} / "
-        f"{r['simulated_mean_change']:+.2f} |",
-        f"| appraisals not read (left out) | {r['unread']} |",
-        "", "| final emotion per dialogue | value |", "|---|---|",
-        f"| mean absolute error | {shown(f['mae'], 1)} |",
-        f"| simulated - recorded | {shown(f['simulated_minus_recorded'], 1, '+')} |",
-        f"| Spearman | {shown(f['spearman'])} |",
-        "",
-        "| file (model) | dialogues | recorded score | simulated score | recorded successes "
-        "/ failures | simulated successes / failures |", "|---|---|---|---|---|---|"]
-    for m in report["files"]:
-        rec, sim = m["recorded"], m["simulated"]
-        lines += [f"| {m['label']} | {m['dialogues']} | {shown(rec, 1)} | {shown(sim, 1)} "
-                  f"| {rec['successes']} / {rec['failures']} "
-                  f"| {sim['successes']} / {sim['failures']} |"]
-    lines += ["", "Rank order of the models, Kendall's tau-b over the "
-              f"{report['models']['scenarios']} scenarios every file holds: "
-              f"{shown(report['models']['kendall_tau_b'])}; "
-              f"recorded {ranking(report['files'], 'recorded')}, "
-              f"simulated {ranking(report['files'], 'simulated')}."]
+def matrix_table(results):
+    """The judge matrix: every model's score under every judge, each adapter's gain over the base,
+    and whether the judge is the one the adapter's run trained against or held out."""
+    lines = ["Every model under every judge, on the same personas, greedy. score = mean final "
+             "emotion [95% bootstrap interval over personas]; vs base = mean paired difference "
+             "from the base under the same judge [95%]; judge is = `training` where the adapter's "
+             "run trained against this user, `held out` where it never met it, `-` for the base "
+             "or an adapter without its run; cut = share of agent turns cut at --max-new-tokens; "
+             "unread = dialogues ended on an appraisal the judge's answer did not state (many: "
+             "the judge read nothing, whatever its score).", "",
+             "| judge | model | judge is | score | vs base | cut | unread |",
+             "|---|---|---|---|---|---|---|"]
+    for judged in results["judges"]:
+        for m in judged["models"]:
+            p = m.get("vs_base", {}).get("final_emotion")
+            lines.append(f"| {judged['judge']} | {m['label']} | {ROLES[m.get('held_out')]} "
+                         f"| {shown(m['measures']['final_emotion'], 1)} "
+                         f"| {shown(p, 1, '+') if p else '-'} "
+                         f"| {m['cut_replies'] / (m['turns_mean'] * m['dialogues']):.0%} "
+                         f"| {m['unread']}/{m['dialogues']} |")
     return "\n".join(lines) + "\n"
 
 
-BATCH_DIALOGUES = 4  # dialogues whose replies go to the simulator in one call
+def results_table(results):
+    """results.md: each judge's table, under the judge matrix where there are several judges."""
+    tables = [judge_table(results, judged) for judged in results["judges"]]
+    if len(results["settings"]["judges"]) > 1:
+        tables.insert(0, matrix_table(results))
+    return "\n".join(tables)
 
 
-def agreement_main(args):
-    """python evaluate.py --agreement FILE... --personas PROFILES [--simulator ...] [--dialogues N],
-    everything checked before any model loads. A stopped check is run again whole; its appraisals
-    stay in appraisals.jsonl, line by line, and no result file is half written."""
-    personas = {p.id: p for p in load_personas(args.personas, difficulty=args.difficulty)}
-    dialogues, seen = [], {}
-    for path in args.agreement:
-        dialogues += read_sage_dialogues(path, personas)[:args.dialogues or None]
-        # the same file under another name or a hard link would count as a second model that agrees
-        first = seen.setdefault((os.stat(path).st_dev, os.stat(path).st_ino), path)
-        if first != path:
-            fail(f"--agreement {path}: the file {first} again; give each once")
-    new_folder(args.out)
-    store = f"{args.out}/appraisals.jsonl"
-    exit_on_signals(lambda: f"; the appraisals made so far are in {store}")
-    # `same`: the base model alone (no policy, no adapters)
-    simulator = build_simulator(args, None, None)
-    print(f"{len(dialogues)} recorded dialogues from {len(args.agreement)} file(s); simulator "
-          f"{args.simulator} (read-out {simulator.readout}), CPU threads: "
-          f"{torch.get_num_threads()}; every appraisal goes to {store}", file=sys.stderr)
+def draw_matrix(results, path):
+    """matrix.png: under each judge, every model's score and each adapter's gain over the base with
+    their 95% intervals, a hollow marker where the judge is the adapter's training judge. False
+    without matplotlib (optional: Settings.check said so before any model loaded)."""
     try:
-        # The simulator's (change, appraisal) for every judged reply: each batch of BATCH_DIALOGUES
-        # dialogues is one call to simulator.appraise (all their replies at once), and each finished
-        # dialogue is appended to the store at once, the record of every appraisal. The progress bar
-        # counts replies.
-        answers = []  # per dialogue, in order
-        bar = tqdm(total=sum(len(judged_replies(d)) for d in dialogues), desc="agreement: replies")
-        for start in range(0, len(dialogues), BATCH_DIALOGUES):
-            part = dialogues[start:start + BATCH_DIALOGUES]
-            jobs = [(d, k) for d in part for k, _, _ in judged_replies(d)]
-            states = [recorded_state(personas[d["id"]], d, k) for d, k in jobs]
-            told = iter(simulator.appraise(states, [d["history"][k]["text"] for d, k in jobs]))
-            rows = [{"id": d["id"], "appraisals": [next(told)[:2] for _ in judged_replies(d)]}
-                    for d in part]
-            append_lines(store, rows)
-            answers += [row["appraisals"] for row in rows]
-            bar.update(len(jobs))
-        bar.close()
-        changes = [[change for change, _ in mine] for mine in answers]
-        if all(change is None for mine in changes for change in mine):
-            raise SimulatorError("not one of its appraisals could be read: check the simulator's "
-                                 f"answers in {store}")
-        report = agreement_report(dialogues, changes, args.max_change, args.bootstrap, args.seed)
-        settings = {**public_config(args, "evaluate.py"), "readout": simulator.readout}
-        results = {"settings": settings, **report}
-        table = agreement_table(results)
-        write_results(args.out, results, table)
-    except OSError as e:
-        # a full disk: the appraisal lines written whole stay, no result is half written
-        fail(f"cannot write in {args.out} ({write_failure(e, args.out)}); "
-             f"the appraisals made so far are in {store}")
-    release()
-    print(table)
-    print(f"-> {args.out}/results.json, results.md, appraisals.jsonl")
+        from matplotlib.figure import Figure  # no pyplot: no window, no global state
+    except ImportError:
+        return False
+    judges = [judged["judge"] for judged in results["judges"]]
+    labels = [m["label"] for m in results["judges"][0]["models"]]
+    figure = Figure(figsize=(4 + 2.2 * len(judges), 4), layout="constrained")
+    score_ax, gain_ax = figure.subplots(1, 2)
+    for i, label in enumerate(labels):
+        cells = [judged["models"][i] for judged in results["judges"]]  # the model under each judge
+        x = np.arange(len(judges)) + 0.6 * (i - (len(labels) - 1) / 2) / len(labels)
+        training = [m.get("held_out") is False for m in cells]
+        for ax, figures in ((score_ax, [m["measures"]["final_emotion"] for m in cells]),
+                            (gain_ax, [m.get("vs_base", {}).get("final_emotion") for m in cells])):
+            if figures[0] is None:  # the base: no gain over itself
+                continue
+            # (3, judges): value, low, high; an undefined one (NaN) is left out of the picture
+            value, low, high = np.array([[f[k] for f in figures] for k in ("value", "low", "high")],
+                                        dtype=float)
+            ax.errorbar(x, value, yerr=[value - low, high - value], fmt="none", ecolor=f"C{i}",
+                        capsize=3)
+            ax.scatter(x, value, edgecolors=f"C{i}", zorder=3,
+                       facecolors=["none" if t else f"C{i}" for t in training])
+        score_ax.plot([], [], "o", color=f"C{i}", label=label)  # the legend's filled marker
+    gain_ax.axhline(0, color="grey", linewidth=0.8)
+    for ax, title in ((score_ax, "score: mean final emotion"), (gain_ax, "adapter - base")):
+        ax.set_title(f"{title} [95%]")
+        ax.set_xticks(range(len(judges)), judges, rotation=10)
+        ax.set_xlabel("judge")
+    score_ax.legend(fontsize="small")
+    figure.suptitle(f"{len(results['persona_ids'])} personas ({results['settings']['split']}); "
+                    "hollow: the adapter's training judge", fontsize="medium")
+    tmp = f"{path}.tmp{os.getpid()}"  # written whole or not at all, as every result file
+    try:
+        figure.savefig(tmp, format="png", dpi=120)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# The evaluation loop
+# ----------------------------------------------------------------------------------------------
+def judge_simulator(judge, args, policy, tokenizer):
+    """The simulated user of one judge: --simulator's user with args' settings, judge in its place
+    (`same`: the policy's frozen base)."""
+    judged = copy.copy(args)
+    judged.simulator = judge
+    return build_simulator(judged, policy, tokenizer, goodbye="sage")
+
+
+def run_evaluation(args, policy, tokenizer, judges, personas, models):
+    """Under each judge ((name, Simulator) pairs), every model plays every persona; writes into
+    args.out and returns the results dict. results.json and results.md are rewritten after each
+    model (complete after the last), so a failure half way leaves the finished models' numbers and
+    transcripts on disk."""
+    results = {"complete": False, "settings": public_config(args, "evaluate.py"),
+               "persona_ids": [p.id for p in personas], "judges": []}
+    for judge, simulator in judges:
+        judged = {"judge": redact(judge), "readout": simulator.readout, "models": []}
+        results["judges"].append(judged)
+        for label, adapter_name, path, run in models:
+            t0 = time.time()
+            with use_model(policy, adapter_name):
+                # a Decoder of its own a model (play_dialogues makes one): on CUDA, its
+                # adapter's graphs
+                records, _ = play_dialogues(
+                    policy, simulator, personas, chat=ChatTokens(tokenizer, args.thinking),
+                    temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                    max_context=args.max_context, greedy=True, desc=f"{label}: dialogues")
+            # each dialogue tagged with its judge and model, its token arrays left out
+            append_lines(f"{args.out}/transcripts.jsonl",
+                         [{"judge": judged["judge"], "model": label,
+                           **{k: r[k] for k in r if k not in TOKEN_ARRAYS}} for r in records])
+            summary = {"label": label, "adapter": path,
+                       **model_summary(records, args.bootstrap, args.seed),
+                       "seconds": time.time() - t0}
+            if adapter_name:
+                summary["held_out"] = held_out(judge, run, args)
+                summary["vs_base"] = gain_over_base(summary, judged["models"][0], args.bootstrap,
+                                                    args.seed)
+            judged["models"].append(summary)
+            results["complete"] = (len(results["judges"]), len(judged["models"])) == (
+                len(judges), len(models))
+            write_results(args.out, results, results_table(results))
     return results
 
 
@@ -679,18 +517,23 @@ def main(argv=None):
     if args.write_openings:  # the first messages RLVER's training profiles lack
         return write_openings(args)
     personas = load_personas(args.personas, args.split, args.difficulty)[:args.dialogues or None]
+    for judge in args.judges:  # a URL user answers a first short request, or one line
+        reach_simulator(judge, args)
     check_openings_fit(personas, args.model, args.thinking, args.max_new_tokens, args.max_context,
                        args.trust_remote_code)
+    models = models_under_test(args.adapter)
     new_folder(args.out)  # before any model loads
-    policy, tokenizer, models = load_models(args)
-    simulator = build_simulator(args, policy, tokenizer, goodbye="sage")
-    print(f"{len(models)} models x {len(personas)} personas, one greedy dialogue each; simulator "
-          f"{args.simulator} (read-out {simulator.readout}); CPU threads: "
-          f"{torch.get_num_threads()}", file=sys.stderr)
+    policy, tokenizer = load_models(args, models)
+    judges = [(judge, judge_simulator(judge, args, policy, tokenizer)) for judge in args.judges]
+    print(f"{len(models)} models x {len(personas)} personas, one greedy dialogue each; "
+          f"{'judges' if len(judges) > 1 else 'simulator'} "
+          + ", ".join(f"{redact(judge)} (read-out {s.readout})" for judge, s in judges)
+          + f"; CPU threads: {torch.get_num_threads()}", file=sys.stderr)
     # a simulator that stops answering ends it in one line; finished models are in transcripts.jsonl
-    results = run_evaluation(args, policy, tokenizer, simulator, personas, models)
+    results = run_evaluation(args, policy, tokenizer, judges, personas, models)
     print(results_table(results))
-    print(f"-> {args.out}/results.json, results.md, transcripts.jsonl")
+    drawn = len(judges) > 1 and draw_matrix(results, f"{args.out}/matrix.png")
+    print(f"-> {args.out}/results.json, results.md, transcripts.jsonl" + ", matrix.png" * drawn)
     return results
 
 

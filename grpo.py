@@ -1,11 +1,14 @@
 """GRPO for RLVER: group-relative advantages over the same multi-turn rollouts, no critic.
 
 Each iteration plays --group-size dialogues with each of --personas-per-iteration personas, all from
-the persona's opening (rollout.py). A dialogue's advantage is its reward (final emotion / 100) minus
-its group's mean, over the group's std (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300), on every
-token the agent sampled in it; then clipped policy-gradient steps on the LoRA adapter. No value
-model: the group mean is the baseline. One copy of the weights serves three roles: the policy
-(adapter 'default'), the reference (adapter disabled) and, with --simulator same, the user.
+the persona's opening (rollout.py). With --reward final a dialogue's advantage is its reward (final
+emotion / 100) minus its group's mean, over the group's std (Shao et al. 2024, DeepSeekMath, arXiv
+2402.03300), on every token the agent sampled in it. With --reward turn or mixed each agent turn has
+its own: its return (the user's changes from it on) against the returns of its group's turns at the
+same place and against the batch's, mixed (MAPO, arXiv 2603.06194), on every token of the turn. Then
+clipped policy-gradient steps on the LoRA adapter. No value model: the group is the baseline. One
+copy of the weights serves three roles: the policy (adapter 'default'), the reference (adapter
+disabled) and, with --simulator same, the user.
 
 This is ppo.py with the critic taken out and the group advantage put in, in the same order, so `diff
 ppo.py grpo.py` shows the methods' differences. What both do alike (the clipped surrogate with its
@@ -22,13 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
-from cli import above, at_least, command, fail, one_of, parse_settings, setting, use_cpu_threads
+from cli import (above, at_least, command, fail, one_of, parse_settings, setting, use_cpu_threads,
+                 within)
 from personas import load_personas
 from policy import adapter_params, check_model, load_policy
 from rl import (TrainerSettings, adamw_with_warmup, eval_logprobs, iteration_report,
                 mode_coefficients, old_logprobs_from_update, pad_records, pick_personas,
                 policy_terms, token_logprobs, token_weights, turn_rewards)
-from rollout import ChatTokens, Decoder, build_simulator, check_openings_fit, play_dialogues
+from engine import Decoder
+from rollout import (ChatTokens, build_simulator, check_openings_fit, play_dialogues,
+                     reach_simulator)
 from run import Run
 from simulator import SimulatorError
 
@@ -42,6 +48,11 @@ ADVANTAGES = {
     # too-hard groups
     "mean": lambda r, mean, std, size: r - mean,
 }
+
+# --reward: how many advantages a dialogue gets under each mode of rl.REWARDS. final credits every
+# turn with the outcome: one advantage a dialogue, against its group (group_advantages). turn and
+# mixed credit each turn with a return of its own: one advantage a turn (per_turn_advantages).
+CREDIT_LEVEL = {"final": "dialogue", "turn": "turn", "mixed": "turn"}
 
 
 @dataclass
@@ -65,12 +76,19 @@ class Settings(TrainerSettings):
         1e-5, "the policy's LoRA learning rate (paper, full fine-tune 1e-6)", above(0))
     warmup_steps: int = setting(
         20, "optimizer steps of linear learning-rate warm-up (RLVER: 2%% of 1,000)", at_least(0))
+    turn_level_weight: float = setting(
+        0.4, "--reward turn or mixed: each turn's advantage is this x its turn-level advantage "
+             "(against its group's turns at the same place) + the rest x its batch-level one "
+             "(MAPO's script: 0.4)", within(0, 1))
 
     @staticmethod
     def check(args):
-        if args.reward == "mixed":
-            fail("--reward mixed credits each turn apart, which needs PPO's per-token returns; "
-                 "GRPO gives every token of a dialogue one advantage: use --reward final or turn")
+        if args.reward not in CREDIT_LEVEL:  # a mode a fork added to rl.REWARDS
+            fail(f"--reward {args.reward}: grpo.CREDIT_LEVEL does not say whether GRPO credits it "
+                 "a dialogue or a turn at a time: add it there")
+        if CREDIT_LEVEL[args.reward] == "dialogue" and "turn_level_weight" in args.given:
+            fail(f"--turn-level-weight mixes per-turn advantages: with --reward {args.reward} a "
+                 "dialogue has one advantage, so it would be ignored")
         batch = args.personas_per_iteration * args.group_size
         if batch % args.minibatch_size:
             fail(f"--minibatch-size {args.minibatch_size} must divide the batch of {batch} "
@@ -94,16 +112,24 @@ PRESETS = {
 PRESETS["cpu-learn"] = {**PRESETS["cpu"], **dict(
     personas_per_iteration=4, group_size=4, max_turns=1, max_new_tokens=48, minibatch_size=8,
     update_epochs=2, micro_batch_size=4, lr=1e-3, iterations=20, save_every=5)}
+# cpu-learn over three agent turns, where a turn's own credit can differ from the final emotion's
+# (the rules user gives a repeated reply nothing): tools/bench.py credit's preset. 8 dialogues an
+# iteration in both trainers, one pass in minibatches of 2 (four steps an iteration, each on fresh
+# dialogues: a second pass cost as much as the rollout and the scoring together), 8 iterations,
+# kl_ref every other: 18 runs in two hours on two cores (docs/results.md)
+PRESETS["cpu-turns"] = {**PRESETS["cpu-learn"], **dict(
+    personas_per_iteration=2, group_size=4, max_turns=3, max_new_tokens=32, update_epochs=1,
+    minibatch_size=2, micro_batch_size=2, iterations=8, save_every=4, log_kl_every=2)}
 
 
 # ----------------------------------------------------------------------------------------------
 # The method: small pure functions (tests/test_grpo.py holds each against a hand computation)
 # ----------------------------------------------------------------------------------------------
 def dialogue_rewards(records, mode, coefficients, format_penalty):
-    """One reward per dialogue (B,), the scalar GRPO compares within a group: the sum of its
-    rl.turn_rewards, its return (REWARDS[mode]'s credit of its first turn: the final emotion / 100
-    for final, less the start emotion for turn) less format_penalty per violating agent turn; NaN
-    for an unread dialogue, which its group leaves out."""
+    """One reward per dialogue (B,), the scalar a group compares under --reward final: the sum of
+    its rl.turn_rewards, its return (REWARDS[mode]'s credit of its first turn: the final emotion /
+    100 for final, less the start emotion for turn) less format_penalty per violating agent turn;
+    NaN for an unread dialogue, which its group leaves out."""
     return torch.tensor([sum(turn_rewards(r, mode, coefficients, format_penalty))
                          if r["end_reason"] != "unread" else torch.nan for r in records],
                         dtype=torch.float64)
@@ -133,6 +159,62 @@ def group_advantages(rewards, group_ids, kind):
     return ADVANTAGES[kind](rewards, mean, std, size).masked_fill(flat | rewards.isnan(), 0.0)
 
 
+def turn_returns(records, mode, coefficients, format_penalty):
+    """Each agent turn's Monte Carlo return, a list a read dialogue (None for an unread one): the
+    sum of the rl.turn_rewards from the turn on, which is its credit (REWARDS[mode]) less
+    format_penalty per violating turn from it on. turn: the user's changes from the turn on / 100;
+    mixed: the fork's m_t. The first turn's is the dialogue's reward (dialogue_rewards)."""
+    returns = []
+    for r in records:
+        if r["end_reason"] == "unread":
+            returns.append(None)
+            continue
+        later, to_go = 0.0, []
+        for reward in reversed(turn_rewards(r, mode, coefficients, format_penalty)):
+            later += reward
+            to_go.append(later)
+        returns.append(to_go[::-1])
+    return returns
+
+
+def per_turn_advantages(returns, group_ids, kind, turn_level_weight):
+    """Each turn's advantage from the returns of every read dialogue's turns (turn_returns), lists
+    like them (None for an unread dialogue), as MAPO mixes them (arXiv 2603.06194):
+    turn_level_weight x A_turn + (1 - turn_level_weight) x A_batch, where
+    A_turn compares a turn's return with those of its group's read dialogues at the same turn (the
+        group and the turn's place are the group of group_advantages): a turn that one read
+        dialogue of its group reached, or whose returns there are all equal, gets A_turn = 0;
+    A_batch compares it with every read turn of the iteration (one group: all of them);
+    both by ADVANTAGES[kind] of those returns' mean, std and count. A dialogue that ended early
+    has no later turns and counts in no later place; an unread one counts nowhere."""
+    rows = [(i, t) for i, r in enumerate(returns) if r is not None for t in range(len(r))]
+    values = torch.tensor([returns[i][t] for i, t in rows], dtype=torch.float64)         # (n,)
+    # each (group, turn) pair's own id: the turn level's groups
+    places = {}
+    place_ids = torch.tensor([places.setdefault((int(group_ids[i]), t), len(places))     # (n,)
+                              for i, t in rows], dtype=torch.long)
+    turn_level = group_advantages(values, place_ids, kind)                                # (n,)
+    batch_level = group_advantages(values, torch.zeros_like(place_ids), kind)             # (n,)
+    weighted = turn_level_weight * turn_level + (1 - turn_level_weight) * batch_level     # (n,)
+    advantages = [None if r is None else [] for r in returns]
+    for (i, _), value in zip(rows, weighted.tolist()):
+        advantages[i].append(value)
+    return advantages
+
+
+def token_advantages(turn_values, turn_ends, mask):
+    """(B, T): every agent token of a dialogue's turn t gets turn_values[b][t], every other token
+    0 (the mask (B, T)), and every token of an unread dialogue (None) 0. A turn's tokens run from
+    the one after the previous turn's last (turn_ends) to its own last."""
+    advantages = torch.zeros_like(mask)                                                    # (B, T)
+    for b, (values, ends) in enumerate(zip(turn_values, turn_ends)):
+        if values is None:
+            continue
+        for value, start, end in zip(values, [0] + [e + 1 for e in ends[:-1]], ends):
+            advantages[b, start:end + 1] = value
+    return advantages * mask
+
+
 # by the update; metrics.jsonl: their means over every trained token (grad_norm: over the steps)
 LOGGED = ("policy_loss", "entropy", "approx_kl", "clip_frac", "kl_ref", "kl_ref_loss",
           "sample_logprob_gap", "mismatch_kl", "tis_weight_mean", "tis_clip_frac", "grad_norm")
@@ -145,6 +227,7 @@ def main(argv=None):
         fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas(args.personas, args.split, args.difficulty)
     coefficients = mode_coefficients(args)  # what --reward's mode reads besides a record
+    reach_simulator(args.simulator, args)  # a URL user answers a short request, or one line
     # every check that needs no weights: each opening leaves room for a whole reply in the context,
     # and the model's config (--target-modules against its layers, no change to its logits after
     # lm_head)
@@ -215,10 +298,19 @@ def main(argv=None):
                                        args.format_penalty)
         all_groups = torch.arange(len(all_records)) // args.group_size                      # (N,)
 
-        # --- 3. advantages: each dialogue against its group --------------------------------------
-        all_advantages = group_advantages(all_rewards, all_groups, args.group_advantage)    # (N,)
+        # --- 3. advantages: each dialogue against its group, or each turn (CREDIT_LEVEL) ----------
+        # a list a dialogue, one advantage an agent turn (None: unread)
+        if CREDIT_LEVEL[args.reward] == "dialogue":  # every turn of a dialogue gets the dialogue's
+            by_dialogue = group_advantages(all_rewards, all_groups, args.group_advantage)   # (N,)
+            all_advantages = [None if r["end_reason"] == "unread" else [a] * len(r["turn_ends"])
+                              for r, a in zip(all_records, by_dialogue.tolist())]
+        else:  # each turn's return against its group's turns at the same place and the batch's
+            returns = turn_returns(all_records, args.reward, coefficients, args.format_penalty)
+            all_advantages = per_turn_advantages(returns, all_groups, args.group_advantage,
+                                                 args.turn_level_weight)
         _, all_std, all_size, all_flat = group_stats(all_rewards, all_groups)               # (N,)
-        advantages = run.share(all_advantages).float().to(run.device)[:, None] * mask       # (B, T)
+        advantages = token_advantages(run.share(all_advantages),                            # (B, T)
+                                      [r["turn_ends"] for r in records], mask)
         run.lap("score")
 
         # --- 4. update: passes x minibatches x micro-batches ------------------------------------
@@ -273,11 +365,10 @@ def main(argv=None):
         t_update = run.lap("update")
 
         # --- 5. log: global figures over every process's dialogues -------------------------------
-        # what explains each dialogue's reward, in its record: the reward its group compared (NaN,
-        # written as null: unread) and the advantage every one of its tokens got
-        for r, reward, advantage in zip(all_records, all_rewards.tolist(),
-                                        all_advantages.tolist()):
-            r["reward"], r["advantage"] = reward, advantage
+        # what explains each dialogue's reward, in its record: its return (NaN, written as null:
+        # unread) and the advantage every token of each agent turn got (null: unread)
+        for r, reward, by_turn in zip(all_records, all_rewards.tolist(), all_advantages):
+            r["reward"], r["advantages"] = reward, by_turn
         figures, dialogues = iteration_report(all_records, run.gather([rstats]),
                                               run.sum(mask.sum()).item() * args.update_epochs,
                                               max(run.gather([t_update])), args.reward,

@@ -1,10 +1,13 @@
-"""The simulated users as files give them: personas.json, or SAGE's and RLVER's profile lines.
+"""The simulated users as files give them: personas.json and adversarial.json, or SAGE's and
+RLVER's profile lines.
 
 load_personas() reads a file, checks every entry against its schema (PERSONA_FIELDS for our
-personas.json, SAGE_FIELDS for SAGE / RLVER profile lines) and returns Persona objects, the first
-stage of the data's way: personas.json -> personas.py -> simulator.py -> rollout.py -> the trainers.
-Bad input is one line (PersonaError) naming the file, the entry and the field. It holds no prompt
-and no emotion (simulator.py) and imports only run.py.
+personas.json and adversarial.json, SAGE_FIELDS for SAGE / RLVER profile lines) and returns Persona
+objects, the first stage of the data's way: personas.json -> personas.py -> simulator.py ->
+rollout.py -> the trainers. A persona has a type (TYPES): cooperative, or one of the ways a user
+pushes back, whose users live in adversarial.json (split adversarial, for evaluation). Bad input is
+one line (PersonaError) naming the file, the entry and the field. It holds no prompt and no emotion
+(simulator.py) and imports only cli.py.
 """
 import re
 from dataclasses import dataclass, field
@@ -12,13 +15,25 @@ from dataclasses import dataclass, field
 from cli import Stop, one_of, parse_json, read_json_lines, read_text
 
 
-SPLITS = ("train", "test")
+# adversarial: the users who push back (adversarial.json), for evaluation; a trainer meets them only
+# when told to (--personas adversarial.json --split adversarial), never by a preset or a default
+SPLITS = ("train", "test", "adversarial")
 
 
 DIFFICULTIES = ("easy", "normal", "hard")
 
 
 BANDS = ("S", "A", "B", "C", "F")
+
+
+# How a user behaves: cooperative (every personas.json user, every SAGE and RLVER profile: it
+# opens with a worry and warms to a good reply), or a way of pushing back (docs/simulator.md): it
+# denies what it said (gaslighting), grows angrier whatever is said (escalation), presses for a yes
+# to a plan that hurts it or someone else (validation), mocks and baits (provocation), hides what
+# it is after behind its stated goal (hidden_agenda), answers in a word or two until reached
+# (withdrawal). pushback.py tells the LLM user how to play each.
+TYPES = ("cooperative", "gaslighting", "escalation", "validation", "provocation", "hidden_agenda",
+         "withdrawal")
 
 
 MAX_FIELD_CHARS = 20_000  # a persona field longer than this is a file pasted in by mistake
@@ -42,6 +57,7 @@ class Persona:
     reactions: dict
     # optional: one line per band, for --simulator rules
     band_lines: dict = field(default_factory=dict)
+    type: str = "cooperative"  # optional: how the user behaves (TYPES)
     language: str = field(init=False)  # of its own text: which prompts it is played with
 
     def __post_init__(self):
@@ -68,6 +84,7 @@ PERSONA_FIELDS = {
     "profile": {"name": str, "age": int, "job": str, "personality": str, "speaking_style": str},
     "background": str, "goal": str, "hidden_intention": str, "opening": str,
     "reactions": {"good": str, "bad": str}, "band_lines": band_lines_problem,
+    "type": one_of(*TYPES),
 }
 
 
@@ -113,11 +130,11 @@ def _check(path, where, entry, fields, optional=(), free=()):
 
 def _project_persona(path, i, entry):
     where = f"entry {entry.get('id', i) if isinstance(entry, dict) else i}"
-    _check(path, where, entry, PERSONA_FIELDS, optional=("band_lines",))
+    _check(path, where, entry, PERSONA_FIELDS, optional=("band_lines", "type"))
     for name in ("opening", "goal"):
         if not entry[name].strip():
             raise PersonaError(f"{path}: {where}: field '{name}' is empty")
-    return Persona(**{k: entry.get(k, {}) for k in PERSONA_FIELDS})
+    return Persona(**{k: entry[k] for k in PERSONA_FIELDS if k in entry})  # else Persona's default
 
 
 def _sage_persona(path, i, entry, need_opening):
@@ -192,7 +209,9 @@ def load_personas(path, split=None, difficulty="all", need_opening=True):
         p.split = p.split or split or "test"
         if difficulty != "all":
             p.difficulty = difficulty
+    held = ", ".join(sorted({p.split for p in personas}, key=SPLITS.index)) or "none"
     personas = [p for p in personas if split in (None, p.split)]
     if not personas:
-        raise PersonaError(f"{path}: no personas" + (f" in split '{split}'" if split else ""))
+        raise PersonaError(f"{path}: no personas" + (
+            f" in split '{split}' (the file's splits: {held})" if split else ""))
     return personas

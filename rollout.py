@@ -1,12 +1,12 @@
 """The dialogues: the agent and the simulated user in turn, token in, token out.
 
-play_dialogues() plays a batch of dialogues in lockstep, one batched decode for every agent and
+play_dialogues() plays a batch of dialogues in lockstep, one batched decode for every agent (one
+generate(rows, ...) call of the policy's engine.Decoder, the engine in a room of its own) and
 one batched simulator step, and returns one flat record per dialogue. This file holds the agent's
-chat (its system prompt, the think split, the chat template's token deltas), generation (Decoder:
-one KV cache a batch keeps for the whole rollout and one decode step, a CUDA graph on a GPU, for
-the policy and for the `same` user, LocalBackend), the user's backends (make_backend) and the
-records. ppo.py, grpo.py and evaluate.py
-all call it; it computes no loss and no advantage (rl.py, the trainers) and reads no file.
+chat (its system prompt, the think split, the chat template's token deltas), the `same` user's
+model (LocalBackend, through a Decoder of its own), the choice of the user's backend
+(make_backend) and the records. ppo.py, grpo.py and evaluate.py all call it; it computes no loss
+and no advantage (rl.py, the trainers) and reads no file.
 
 Token in, token out: the ids the policy sampled are kept exactly as sampled (never decoded and
 re-tokenised), with the log-prob each had when it was sampled, and each user turn is appended as
@@ -19,14 +19,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from client import OpenAIBackend
-from policy import default_device, load_model, load_tokenizer
+from engine import Decoder
+from policy import default_device, load_model, load_tokenizer, model_positions
 from cli import fail
-from simulator import Simulator, UserState
+from simulator import Simulator, SimulatorError, UserState
 from users import SCRIPTED_USERS
 
 
@@ -165,277 +165,8 @@ def chat_ids(tokenizer, messages):
 
 
 # ----------------------------------------------------------------------------------------------
-# Generation: one KV cache a batch of token rows keeps across calls, and one decode step
+# The users that run here: the `same` user's model (through a Decoder of its own), and the choice
 # ----------------------------------------------------------------------------------------------
-class KVCache:
-    """The keys and values of a batch of token rows, (rows, kv heads, columns, head size) a layer,
-    allocated once: row b's token at position p sits in column p, so a row's cache grows by
-    appending and is never copied. The model's attention layers hand their new keys and values to
-    update(), which writes them at `columns` (rows, new tokens) and returns the first `width`
-    columns for attention, both set before each pass (run_into)."""
-
-    def __init__(self, model, rows, length):
-        config = model.config.get_text_config()
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        embeddings = model.get_input_embeddings().weight  # the dtype the layers compute in
-        self.keys, self.values = ([embeddings.new_zeros(rows, heads, length, size)
-                                   for _ in range(config.num_hidden_layers)] for _ in range(2))
-        self.columns = self.width = None
-
-    def update(self, keys, values, layer, *args, **kwargs):
-        index = self.columns[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
-        self.keys[layer].scatter_(2, index, keys)
-        self.values[layer].scatter_(2, index, values)
-        return self.keys[layer][:, :, :self.width], self.values[layer][:, :, :self.width]
-
-
-def run_into(model, cache, ids, lengths, width):
-    """Run ids (B, S) through the decoder, row b's tokens at positions lengths[b], lengths[b] + 1,
-    ..., their keys and values into those columns of cache (a column past the cache's last for
-    padding goes to the last, which no token owns), each attending to its row's columns up to its
-    own among the first `width`. Returns the hidden states (B, S, H). Padding after a row's tokens
-    writes columns its later tokens overwrite before anything attends to them."""
-    positions = lengths[:, None] + torch.arange(ids.shape[1], device=ids.device)        # (B, S)
-    cache.columns = positions.clamp(max=cache.keys[0].shape[2] - 1)
-    cache.width = width
-    seen = torch.arange(width, device=ids.device) <= positions[:, :, None]              # (B, S, W)
-    dtype = cache.keys[0].dtype
-    mask = torch.zeros(seen.shape, dtype=dtype, device=ids.device)
-    mask = mask.masked_fill(~seen, torch.finfo(dtype).min)[:, None]                  # (B, 1, S, W)
-    # (a PeftModel hands get_decoder on to its base model; its LoRA layers run inside)
-    return model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
-                               cache=cache, use_cache=True).last_hidden_state
-
-
-PREFILL_CHUNK = 1024  # prompt tokens a pass takes into the cache (masks linear in the context)
-WIDTH_STEP = 256  # attention runs over the cache's used columns rounded up to a multiple of this
-SYNC_EVERY = 8  # decode steps between two looks of the host at whether every row is done (CUDA)
-
-
-class Decoder:
-    """Token-by-token generation for a batch of token rows, the policy's and the `same` user's
-    alike, with one KVCache kept between calls: generate() runs into the cache only the tokens a
-    row holds beyond those it has of it (a dialogue's new turn: its rows only grow), then decodes.
-    Each new token comes out of step(), one pass of fixed shapes that never waits for the host; on
-    CUDA it is captured once per attention width as a CUDA graph and replayed, and the host looks
-    at whether every row is done every SYNC_EVERY steps. A row that is done (or sits a call out,
-    None) stays in the batch, its writes going to a column it does not use yet."""
-
-    def __init__(self, model, eos_ids, pad_id, length=None):
-        self.model, self.pad_id, self.length = model, pad_id, length
-        device = model.get_input_embeddings().weight.device
-        self.eos = torch.tensor(eos_ids, device=device)
-        # CUDA graphs, but not for bitsandbytes' 4-bit layers (not tried under capture)
-        self.graphs = {} if device.type == "cuda" and not getattr(
-            model, "is_loaded_in_4bit", False) else None
-        self.cache = None
-        self.held = []  # the tokens the cache holds, a list a row
-
-    def allocate(self, rows, length, steps):
-        """Buffers for `rows` rows of `length` columns (the cache's), the decode state's and the
-        outputs of up to `steps` steps, the old cache's rows copied in (what they hold stays); the
-        captured graphs, which write into the old buffers, go with them."""
-        model = self.model
-        device = self.eos.device
-        old, self.cache = self.cache, KVCache(model, rows, length)
-        if old is not None:
-            for new, kept in zip(self.cache.keys + self.cache.values, old.keys + old.values):
-                new[:kept.shape[0], :, :kept.shape[2]] = kept
-        vocabulary = model.get_output_embeddings().weight.shape[0]
-        self.state = dict(
-            token=torch.zeros(rows, dtype=torch.long, device=device),     # each row's input token
-            lengths=torch.zeros(rows, dtype=torch.long, device=device),   # its tokens in the cache
-            done=torch.ones(rows, dtype=torch.bool, device=device),
-            step=torch.zeros((), dtype=torch.long, device=device),        # the step of this call
-            seen=torch.zeros(rows, vocabulary, device=device),            # tokens it holds, counted
-            temperature=torch.ones((), device=device),
-            penalty=torch.ones((), device=device),                        # repetition penalty
-            # each step's token and its log-prob, a column a step
-            out_tokens=torch.zeros(rows, steps, dtype=torch.long, device=device),
-            out_logprobs=torch.zeros(rows, steps, device=device))
-        self.held += [[] for _ in range(rows - len(self.held))]
-        if self.graphs is not None:
-            self.graphs, self.pool = {}, torch.cuda.graph_pool_handle()
-
-    def width(self, columns):
-        """The attention width for rows that use at most `columns` columns, at most the cache's:
-        where graphs are captured, a multiple of WIDTH_STEP (few widths: few graphs)."""
-        multiple = WIDTH_STEP if self.graphs is not None else 1
-        return min(self.cache.keys[0].shape[2], -(-columns // multiple) * multiple)
-
-    def step(self, width, greedy, penalised):
-        """One token for every row, in fixed shapes and without a host synchronisation: the input
-        token's keys and values go to the row's next column, the next token is drawn from
-        log softmax(logits / temperature) (greedy: the argmax of the logits; penalised: a logit of
-        a token the row holds is divided by the repetition penalty where positive, multiplied where
-        negative, as transformers does), its log-prob kept; a row that is done stays so and draws
-        padding."""
-        s = self.state
-        hidden = run_into(self.model, self.cache, s["token"][:, None], s["lengths"], width)
-        logits = self.model.get_output_embeddings()(hidden[:, -1]).float()               # (B, V)
-        if penalised:
-            scaled = torch.where(logits > 0, logits / s["penalty"], logits * s["penalty"])
-            logits = torch.where(s["seen"] > 0, scaled, logits)
-        logprobs = torch.log_softmax(logits / s["temperature"], -1)                       # (B, V)
-        if greedy:  # the logits' argmax (two logits may round to one log-prob)
-            token = logits.argmax(-1)                                                         # (B,)
-        else:  # a draw (the Gumbel-max trick): the argmax of log p - log(-log u), u ~ U(0, 1)
-            token = (logprobs - torch.rand_like(logprobs).log().neg().log()).argmax(-1)
-        picked = logprobs.gather(-1, token[:, None])[:, 0]                                    # (B,)
-        token = torch.where(s["done"], self.pad_id, token)
-        s["out_tokens"].index_copy_(1, s["step"][None], token[:, None])
-        picked = torch.where(s["done"], 0.0, picked)
-        s["out_logprobs"].index_copy_(1, s["step"][None], picked[:, None])
-        if penalised:
-            s["seen"].scatter_add_(1, token[:, None], (~s["done"]).float()[:, None])
-        s["lengths"].add_(~s["done"])  # the input token is the row's now
-        s["done"].logical_or_(torch.isin(token, self.eos))
-        s["token"].copy_(token)
-        s["step"].add_(1)
-
-    def replay(self, *key):
-        """step(width, greedy, penalised): eager, or on CUDA its graph, captured at the first need
-        (warmed up on a side stream, as torch.cuda.graphs asks, with every row done so that neither
-        the warm-up nor the capture moves a row)."""
-        if self.graphs is None:
-            return self.step(*key)
-        if key not in self.graphs:
-            s = self.state
-            kept = {k: s[k].clone() for k in ("done", "token", "step")}
-            s["done"].fill_(True)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.step(*key)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graphs[key], pool=self.pool):
-                self.step(*key)
-            for k, value in kept.items():
-                s[k].copy_(value)
-        self.graphs[key].replay()
-
-    def prefill(self, rows, keep):
-        """Run into the cache all but the last of each row's tokens past its first keep[b] (the
-        decode step runs the last), in chunks. Rows that hold and add the same tokens (the samples
-        of one prompt: a GRPO group's first turn) run once, into a copy of their cache columns,
-        which then fills every row of theirs."""
-        given = [b for b, row in enumerate(rows) if row and len(row) - keep[b] > 1]
-        if not given:
-            return
-        # each given row's source: its place among the distinct rows, the first that has its
-        # (kept, tokens)
-        place, distinct, source = {}, [], []
-        for b in given:
-            key = (keep[b], tuple(rows[b]))
-            if key not in place:
-                place[key] = len(distinct)
-                distinct.append(b)
-            source.append(place[key])
-        # the rows' columns, the last of which no token written here owns (padding goes there)
-        columns = max(len(rows[b]) for b in distinct)
-        if len(distinct) == len(given):  # nothing twice (later turns): straight into the cache
-            part, batch = self.cache, range(len(rows))
-        else:  # a small cache of the distinct rows' columns, copied back below
-            part, batch = KVCache(self.model, len(distinct), columns), distinct
-            for mine, whole in zip(part.keys + part.values, self.cache.keys + self.cache.values):
-                mine.copy_(whole[distinct, :, :columns])
-        pending = [rows[b][keep[b]:-1] if rows[b] else [] for b in batch]
-        lengths = [keep[b] for b in batch]
-        device = self.eos.device
-        for start in range(0, max(map(len, pending)), PREFILL_CHUNK):
-            chunk = [p[start:start + PREFILL_CHUNK] for p in pending]
-            size = max(map(len, chunk))
-            ids = torch.tensor([c + [self.pad_id] * (size - len(c)) for c in chunk], device=device)
-            width = min(columns, max(lengths) + size)
-            run_into(self.model, part, ids, torch.tensor(lengths, device=device), width)
-            lengths = [n + len(c) for n, c in zip(lengths, chunk)]
-        if part is not self.cache:
-            for whole, mine in zip(self.cache.keys + self.cache.values, part.keys + part.values):
-                whole[given, :, :columns] = mine[source]
-
-    @torch.no_grad()
-    def generate(self, rows, max_new_tokens, temperature=1.0, greedy=False, penalty=1.0,
-                 fresh=False, seat=False):
-        """New tokens after each of `rows` (lists of token ids; None: a row that sits this call
-        out), a (tokens, log-probs) pair a row, in order: up to and including its first
-        end-of-turn token, at most max_new_tokens (None for a row that sat out). Row k goes to the
-        cache's row k, or with seat to the free one whose tokens share the longest start with it
-        (a user's re-ask extends its appraisal); what a cache row holds of the tokens it is given,
-        up to where they differ, is kept, and only the rest runs. fresh: the cache holds nothing
-        (the policy's weights have changed since it was filled). Sets prompt_tokens and
-        reused_tokens: the given rows' tokens, and those of them read from the cache."""
-        need = max(len(r) for r in rows if r) + max_new_tokens + 1
-        if (self.cache is None or len(rows) > len(self.held) or need > self.cache.keys[0].shape[2]
-                or max_new_tokens > self.state["out_tokens"].shape[1]):
-            # the length asked for, or (a growing user's conversations) steps of 1,024 columns
-            length = self.length if (self.length or 0) >= need else -(-need // 1024) * 1024
-            steps = max(max_new_tokens, self.state["out_tokens"].shape[1] if self.cache else 0)
-            self.allocate(max(len(rows), len(self.held)), length, steps)
-        if fresh:
-            self.held = [[] for _ in self.held]
-        order = list(range(len(rows)))
-        if seat:  # each row to the free cache row with the longest common start
-            free = list(range(len(self.held)))
-            for k, row in enumerate(rows):
-                if row:
-                    order[k] = max(free, key=lambda b: common_prefix(row, self.held[b]))
-                    free.remove(order[k])
-        placed = [None] * len(self.held)
-        for k, row in zip(order, rows):
-            placed[k] = row
-        # what each row keeps (all but its last token at most: the step runs that one) and adds
-        keep = [min(common_prefix(r, h), len(r) - 1) if r else len(h)
-                for r, h in zip(placed, self.held)]
-        self.prompt_tokens = sum(len(r) for r in rows if r)
-        self.reused_tokens = sum(k for r, k in zip(placed, keep) if r)
-        self.prefill(placed, keep)
-        s = self.state
-        s["lengths"].copy_(torch.tensor([len(r) - 1 if r else len(h)
-                                         for r, h in zip(placed, self.held)]))
-        s["token"].copy_(torch.tensor([r[-1] if r else self.pad_id for r in placed]))
-        s["done"].copy_(torch.tensor([not r for r in placed]))
-        s["step"].zero_()
-        penalised = penalty != 1.0
-        if penalised:  # the tokens each row holds, for the repetition penalty
-            s["seen"].zero_()
-            for b, row in enumerate(placed):
-                if row:
-                    s["seen"][b, row] = 1.0
-        s["temperature"].fill_(temperature)
-        s["penalty"].fill_(penalty)
-        s["out_tokens"].fill_(self.pad_id)
-        s["out_logprobs"].zero_()
-        top = max(len(r) for r in rows if r)  # the longest row: each step adds a column at most
-        sync = SYNC_EVERY if self.graphs is not None else 1
-        for k in range(max_new_tokens):
-            self.replay(self.width(top + k), greedy, penalised)
-            if (k + 1) % sync == 0 and bool(s["done"].all()):
-                break
-        tokens = s["out_tokens"][:, :max_new_tokens].tolist()
-        logprobs = s["out_logprobs"][:, :max_new_tokens].tolist()
-        eos = set(self.eos.tolist())
-        out = []
-        for b, (row, length) in enumerate(zip(placed, s["lengths"].tolist())):
-            if row:
-                # up to and including the first end-of-turn token
-                end = next((i + 1 for i, t in enumerate(tokens[b]) if t in eos), max_new_tokens)
-                out.append((tokens[b][:end], logprobs[b][:end]))
-                self.held[b] = (row + tokens[b][:end])[:length]
-            else:
-                out.append(None)
-        return [out[k] for k in order]
-
-
-def common_prefix(a, b):
-    """How many tokens the lists a and b share from their start."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if len(differ) else n
-
-
 @dataclass(eq=False)
 class LocalBackend:
     """A local model plays the user, greedily: the policy's own PeftModel with its adapters
@@ -487,6 +218,19 @@ def make_backend(simulator, policy=None, tokenizer=None, args=None):
                                        trust_remote_code=args.trust_remote_code)
     # the frozen base: a PeftModel's with its adapters off; a plain model is its own base
     return LocalBackend(policy, tokenizer, use_base=hasattr(policy, "disable_adapter"))
+
+
+def reach_simulator(simulator, args):
+    """A URL user answers one short request (client.OpenAIBackend.check), else one line (exit 2):
+    every script calls this before any model loads and before it makes a folder, for each user it
+    will ask (args: the URL client's limits, as make_backend takes them). A user that is not a URL
+    (the `same` model, a scripted user) has nothing to reach."""
+    if not simulator.startswith(("http://", "https://")):
+        return
+    try:
+        make_backend(simulator, args=args).check()
+    except SimulatorError as e:
+        fail(f"--simulator: {e}; no model loaded, nothing written")
 
 
 def build_simulator(args, policy, tokenizer, goodbye="closing"):
@@ -665,10 +409,15 @@ def summarize(records, per_process):
 
 def check_openings_fit(personas, model, thinking, max_new_tokens, max_context,
                        trust_remote_code=False):
-    """Every persona's first prompt (system prompt and opening) with room for a whole reply of
-    max_new_tokens must fit max_context, or its dialogue would end before the agent speaks (and its
-    metrics would be NaN). Needs only the model's tokenizer, so it runs before the weights load.
-    Bad input: one line, exit 2."""
+    """max_context must be within the model's positions (its config's, model_positions: the KV
+    cache and every sequence are max_context long), and every persona's first prompt (system
+    prompt and opening) with room for a whole reply of max_new_tokens must fit it, or its dialogue
+    would end before the agent speaks (and its metrics would be NaN). Needs only the model's config
+    and tokenizer, so it runs before the weights load. Bad input: one line, exit 2."""
+    stated = model_positions(model, trust_remote_code)
+    if stated and max_context > stated[1]:
+        fail(f"--max-context {max_context}: more than the {stated[1]} positions of --model {model} "
+             f"(its config's {stated[0]}); give at most {stated[1]}")
     chat = ChatTokens(load_tokenizer(model, trust_remote_code), thinking)
     for p in personas:
         n = len(chat.prompt(p.opening))

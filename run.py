@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cli import HELD, TAKEN, exit_on_signals, fail, public_config, read_run, release
+from cli import (HELD, TAKEN, destination_flags, exit_on_signals, fail, public_config, read_run,
+                 redact, release)
 
 
 def summary(rows):
@@ -187,21 +188,29 @@ def checkpoints(run_dir):
     a kill interrupted; no list beside them can disagree with the folders. A checkpoint is what
     save() writes, a real folder in a real folder: a link or a file in the place of either (a link
     to another run's checkpoint, or to itself) is one line naming it (exit 2), so that it is never
-    taken for one, nor in the way of a save's rename."""
+    taken for one, nor in the way of a save's rename; so is a link anywhere inside one (an adapter
+    linked in from another run would load as this run's): every path of a checkpoint is its own."""
     folder = f"{run_dir}/checkpoints"
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     found = [f"{folder}/{n}" for n in names if re.fullmatch(r"iter_[0-9]{6}", n)]
     for path in [folder] * os.path.lexists(folder) + found:  # the folder, if any, first
         if os.path.islink(path) or not os.path.isdir(path):
             fail(f"{path} is a link or a file where a run saves a folder: move it out of {run_dir}")
+    for checkpoint in found:
+        for root, dirs, files in os.walk(checkpoint):  # links are listed, never followed
+            for name in dirs + files:
+                if os.path.islink(f"{root}/{name}"):
+                    fail(f"{root}/{name} is a link inside a checkpoint, whose every file is what "
+                         f"save() wrote there: move {checkpoint} out of {run_dir}/checkpoints")
     return found
 
 
 def state_problem(state, parts, iteration):
     """What keeps a checkpoint's state.pt from being what save() writes, or None: a dict with each
     part's state dict, a list with each process's random streams (a dict of their python, numpy
-    and torch states), the size of each log (an int) and its 'iteration', the one its folder is
-    named with (a copy under another name is another iteration's)."""
+    and torch states), the size of each log (an int, at least 0), the schedule's and the
+    optimizer's step counts (at least 0) and its 'iteration', the one its folder is named with (a
+    copy under another name is another iteration's)."""
     if not isinstance(state, dict):
         return f"holds a value of type {type(state).__name__}, not a dict"
     if state.get("iteration") != iteration:
@@ -213,14 +222,24 @@ def state_problem(state, parts, iteration):
     if not all(isinstance(r, dict) and {"python", "numpy", "torch"} <= r.keys()
                for r in state["rng"]):
         return "its 'rng' is not one dict of python, numpy and torch states a process"
-    if not all(isinstance(state["log_sizes"].get(log), int) for log in LOGS):
-        return f"its 'log_sizes' has no int for each of {', '.join(LOGS)}"
+    if not all(type(state["log_sizes"].get(log)) is int and state["log_sizes"][log] >= 0
+               for log in LOGS):
+        return f"its 'log_sizes' has no size (an int, at least 0) for each of {', '.join(LOGS)}"
+    # the steps the schedule and AdamW go on from (a negative one turns the warm-up's rate negative)
+    steps = [state["scheduler"].get("last_epoch")] + [
+        s.get("step") for s in state["optimizer"].get("state", {}).values() if isinstance(s, dict)]
+    if not all((type(n) is int or isinstance(n, torch.Tensor) and n.numel() == 1)
+               and 0 <= float(n) < math.inf for n in steps):
+        return "its scheduler's or optimizer's step count is not a finite number, at least 0"
 
 
 # ----------------------------------------------------------------------------------------------
 # The Run: one training run, called by name from the trainer's loop
 # ----------------------------------------------------------------------------------------------
 LOGS = ("metrics.jsonl", "rollouts.jsonl")  # a run's logs, one JSON line an iteration / a dialogue
+# The figures of its last iteration a saved adapter's card gives (docs/metrics.md)
+CARD_FIGURES = ("reward_mean", "reward_std", "final_emotion_mean", "unread_dialogues", "kl_ref",
+                "clip_frac", "cut_reply_rate")
 
 
 class Run:
@@ -385,9 +404,12 @@ class Run:
                              f"`python {self.script} --resume {self.args.out}` again")
                 tqdm.write(f"warning: the checkpoint {folder} does not load ({why}); "
                            f"moved to {folder}.broken", file=sys.stderr)
-        if found:
-            fail(f"--resume {self.args.out}: none of its {len(found)} checkpoints loads; "
-                 f"move the broken ones out of {self.args.out}/checkpoints, or start a new run")
+        if found:  # each one moved aside above: the next --resume finds none
+            moved = ", ".join(f"{os.path.basename(folder)}.broken" for folder in found)
+            fail(f"--resume {self.args.out}: none of its {len(found)} checkpoints loads; each was "
+                 f"moved aside in {self.args.out}/checkpoints ({moved}). The same command now "
+                 f"starts the run again from iteration 1 and empties {' and '.join(LOGS)} (copy "
+                 "them first to keep them); or start a new run")
         set_seed(self.args.seed + self.rank)
         return None, 0, dict.fromkeys(LOGS, 0)
 
@@ -400,7 +422,9 @@ class Run:
     def resume_advice(self):
         """What holds now and the command that continues (every one tested)."""
         found = checkpoints(self.args.out)
-        how = f"python {self.script} --resume {self.args.out}"
+        # a URL user's address and key variable are typed again on resume (confirm_destination)
+        how = " ".join(filter(None, [f"python {self.script} --resume {self.args.out}",
+                                     destination_flags(self.args)]))
         if read_run(self.args.out) is None:  # deleted: --resume would find no run folder there
             return (f"{self.args.out} holds no run any more (no config.json): start a new run, "
                     f"`python {self.script}` with the flags it was started with")
@@ -417,7 +441,9 @@ class Run:
         where = f"in iteration {self.done + 1}"
         if self.saving:
             where = f"while the checkpoint of iteration {self.saving} was written"
-        return f" {where} of {self.args.out}; {self.resume_advice()}"
+        told = f" {where} of {self.args.out}; {self.resume_advice()}"
+        self.keep(f"stopped by Ctrl-C or SIGTERM{told}")
+        return told
 
     def halt(self, message):
         """The trained weights or their gradients are not finite and the run cannot go on: one line
@@ -427,7 +453,7 @@ class Run:
         line = f"{message}; {self.resume_advice()}. {advice}"
         if not self.is_main:
             line = ""  # the main process says it
-        fail(line, code=1)
+        self.end(line, code=1)
 
     # --- the processes ---------------------------------------------------------------------------
     def share(self, items):
@@ -497,8 +523,8 @@ class Run:
                 try:
                     append_lines(f"{self.args.out}/{name}", rows)
                 except OSError as e:
-                    fail(f"cannot append to {name} in {self.args.out} "
-                         f"({write_failure(e, self.args.out)}); {self.resume_advice()}", code=1)
+                    self.end(f"cannot append to {name} in {self.args.out} "
+                             f"({write_failure(e, self.args.out)}); {self.resume_advice()}", code=1)
         # the numbers only (a figure not measured this iteration is None, which accelerate's
         # trackers are not documented to take); main process only, and nothing without a tracker
         self.accelerator.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))},
@@ -535,6 +561,7 @@ class Run:
         self.saving = self.saved_at = iteration
         out = self.args.out
         if self.is_main:
+            rows = self.metrics()  # for each adapter's card
             final = f"{out}/checkpoints/iter_{iteration:06d}"
             tmp = f"{final}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left: none of it is kept
@@ -542,10 +569,16 @@ class Run:
                 for adapter in self.adapters:
                     # peft writes 'default' into the folder given and any other adapter into a
                     # subfolder of its name: either way each lands in tmp/<adapter>/, with its role
-                    # (evaluate.py scores only a policy, wherever its folder was copied)
+                    # (evaluate.py scores only a policy, wherever its folder was copied). No
+                    # embedding layer: none is trained here (no new token, LoRA on linear layers),
+                    # and peft's "auto" would look the base's public name up on the hub each save
                     self.model.save_pretrained(f"{tmp}/default" if adapter == "default" else tmp,
-                                               selected_adapters=[adapter])
+                                               selected_adapters=[adapter],
+                                               save_embedding_layers=False)
                     Path(f"{tmp}/{adapter}/role").write_text(adapter, encoding="utf-8")
+                    # the project's card in the place of peft's blank one
+                    Path(f"{tmp}/{adapter}/README.md").write_text(
+                        self.model_card(adapter, iteration, rows), encoding="utf-8")
                 state = {**{part: value.state_dict() for part, value in self.parts.items()},
                          "rng": rngs, "iteration": iteration,
                          "log_sizes": {log: os.path.getsize(f"{out}/{log}") for log in LOGS}}
@@ -555,8 +588,9 @@ class Run:
             except Exception as e:
                 why = write_failure(e, final)  # before the removal gives the space back
                 shutil.rmtree(tmp, ignore_errors=True)
-                fail(f"iteration {iteration}: the checkpoint {final} could not be written ({why}); "
-                     f"what was written of it is removed; {self.resume_advice()}", code=1)
+                self.end(f"iteration {iteration}: the checkpoint {final} could not be written "
+                         f"({why}); what was written of it is removed; {self.resume_advice()}",
+                         code=1)
             # the oldest go (--keep-checkpoints 0: none); a folder without state.pt is no
             # checkpoint anything saved (someone's notes, named like one) and is never deleted
             for old in checkpoints(out)[:-self.args.keep_checkpoints]:
@@ -569,7 +603,7 @@ class Run:
         iteration not yet saved is saved first (with one process: a save is collective)."""
         if self.done > self.saved_at and self.world == 1:
             self.save_if_due(now=True)
-        fail(f"{error}; {self.resume_advice()}")
+        self.end(f"{error}; {self.resume_advice()}")
 
     def finish(self):
         """Close the trackers and the progress bar, say what the run did (summary) and where the
@@ -577,10 +611,86 @@ class Run:
         self.bar.close()
         self.accelerator.end_training()
         if self.is_main:
-            # whole lines only: begin() cut the log at its checkpoint, and each line since was
-            # appended whole
-            with open(f"{self.args.out}/metrics.jsonl", encoding="utf-8") as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            print(f"done: {self.args.out}: {summary(rows)}; "
-                  f"adapter: {checkpoints(self.args.out)[-1]}/default")
+            line = (f"done: {self.args.out}: {summary(self.metrics())}; "
+                    f"adapter: {checkpoints(self.args.out)[-1]}/default")
+            print(line)
+            self.keep(line)
         release()
+
+    def metrics(self):
+        """The rows of metrics.jsonl (the main process's): whole lines only, since begin() cut the
+        log at its checkpoint and each line since was appended whole."""
+        with open(f"{self.args.out}/metrics.jsonl", encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    # --- what the run folder says of itself -------------------------------------------------------
+    def end(self, line, code=2):
+        """End the run with one line (fail: stderr, exit code `code`), kept in summary.txt too."""
+        self.keep(f"error: {line}")
+        fail(line, code)
+
+    def keep(self, line):
+        """Append a line that ends the run's process (finish's `done:`, or a stop with the resume
+        advice) to the run folder's summary.txt, with the time: the terminal's last line scrolls
+        away; the folder keeps every end, the newest last (a stop, then its resume's `done:`). On a
+        disk that is full (which may be the stop) the line is on the terminal only."""
+        if not self.is_main:
+            return
+        try:
+            with open(f"{self.args.out}/summary.txt", "a", encoding="utf-8") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        except OSError:
+            pass
+
+    def model_card(self, adapter, iteration, rows):
+        """The README.md of a saved adapter (peft writes a blank one, and the base's path on this
+        machine): what it is and how it was made, its last figures, how to load it with peft alone.
+        No path of this machine: the run by its folder's name, the base by its public name
+        (policy.public_name), each setting's path by its last part (cli.preset_changes)."""
+        args = self.args
+        base = self.model.peft_config[adapter].base_model_name_or_path
+        hub = "/" in base  # org/name; a local folder is named by its last part
+        name = redact(Path(args.out).name)
+        where = f"{name}/checkpoints/iter_{iteration:06d}/{adapter}"
+        changes = ", ".join(f"`--{k.replace('_', '-')} {redact(v)}`"
+                            for k, v in getattr(args, "off_preset", {}).items()) or "none"
+        role = ("the policy (the agent)" if adapter == "default" else
+                f"PPO's {adapter} (its LoRA only: the value head is `value_head` in "
+                "../state.pt, which peft does not load)")
+        last = rows[-1] if rows else {}
+        figures = ", ".join(f"{key} {last[key]:.4g}" for key in CARD_FIGURES
+                            if isinstance(last.get(key), (int, float)))
+        lines = ["---", *([f"base_model: {base}"] if hub else []), "library_name: peft",
+                 "pipeline_tag: text-generation", "tags:",
+                 *([f"- base_model:adapter:{base}"] if hub else []), "- lora", "- rlver",
+                 f"- {self.script[:-3]}", "---",
+                 f"# {name}: {role}, iteration {iteration}", "",
+                 f"A LoRA adapter on `{base}`{'' if hub else ' (a local folder)'}, trained by "
+                 f"`{self.script}` of RLVER, small and readable (reinforcement learning with "
+                 "verifiable emotion rewards, arXiv 2507.03112): the agent talks with a simulated "
+                 "user whose final emotion / 100 is the reward.", ""]
+        # the embedded model (policy.PUBLIC_NAMES): a name that is neither base nor a folder's path
+        if args.model != base and not os.path.isabs(args.model):
+            lines += [f"Trained on `--model {args.model}`, the project's embedded copy of `{base}` "
+                      "(a quantized GGUF file, dequantized: docs/rollouts.md); on the hub's "
+                      "weights the adapter behaves close to, not exactly as, in training.", ""]
+        lines += [f"- trainer: `{self.script}`, adapter `{adapter}`",
+                  f"- settings: `--preset {args.preset}`, seed {args.seed}; different from the "
+                  f"preset: {changes}",
+                  f"- the simulated user: `--simulator {redact(args.simulator)}`; the agent's "
+                  f"system prompt: rollout.py's for `--thinking {str(args.thinking).lower()}`",
+                  f"- iteration {iteration} of {args.iterations}",
+                  f"- its last figures (iteration {last.get('iteration', '-')}, metrics.jsonl; "
+                  f"docs/metrics.md): {figures or 'none logged'}",
+                  f"- the run: {summary(rows) if rows else 'no iteration logged'}", "",
+                  "## Load it with peft", "", "```python",
+                  "from peft import PeftModel",
+                  "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                  f'base = AutoModelForCausalLM.from_pretrained("{base}")'
+                  f'{"" if hub else "  # the local folder the run loaded"}',
+                  f'tokenizer = AutoTokenizer.from_pretrained("{base}")',
+                  f'model = PeftModel.from_pretrained(base, "{where}")', "```", "",
+                  "Against the base on the benchmark: `python evaluate.py --adapter "
+                  f"{where}` (docs/evaluate.md).", ""]
+        return "\n".join(lines)
+

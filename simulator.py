@@ -10,16 +10,17 @@ holds the user's side of the table, for personas that personas.py has read:
   prompts       PROMPTS: one template per language for the appraisal, the re-ask and the
                 user's messages
   the read-out  parse_change() reads the change line the appraisal prompt asks for ("Change:
-                N") in the user's own text (own_text: no change line the agent wrote counts),
-                re-asked once when unread or off the scale; an appraisal that stays so
-                ends its dialogue ("unread"), which the trainers keep out of training. A
-                scripted user (users.py: rules, listener) appraises by its rules instead
+                N"), each line of the user's read (users_change: one the agent's text could
+                have supplied makes the turn the scale's worst), re-asked once when unread or
+                off the scale; an appraisal that stays so ends its dialogue ("unread"), which
+                the trainers keep out of training. A scripted user (users.py: rules,
+                listener) appraises by its rules instead
 
 Who writes the user's text is a backend with chat(conversations, max_new_tokens) -> texts, one
 text per conversation asked, in order (Simulator.ask holds it to that): a server behind a URL
 (client.py), the policy's own frozen base (`same`, rollout.LocalBackend, which runs with
 generation), or none for a scripted user. This file holds no model and no HTTP; it imports
-personas.py, users.py and cli.py only.
+personas.py, pushback.py (what a user who pushes back is told, by type), users.py and cli.py only.
 """
 import json
 import re
@@ -29,6 +30,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 from personas import Persona
+from pushback import PUSHBACK
 from cli import Stop
 from users import GENERIC_LINES, SCRIPTED_USERS, ScriptedUser
 
@@ -139,6 +141,8 @@ PROMPTS = {
             "hard": "You forgive little: you have heard comforting words before, every miss or "
                     "stock phrase costs more, and a rise must be earned by proof that it "
                     "listened to you."},
+        # a user's type (personas.TYPES): how it behaves in its messages, how it judges a reply
+        "conduct": PUSHBACK["en"]["conduct"], "judgement": PUSHBACK["en"]["judgement"],
         # a profile field's label on the card (our personas.json's, then SAGE's and RLVER's)
         "profile": {"name": "name", "age": "age", "job": "job", "personality": "personality",
                     "speaking_style": "speaking style", "character": "character",
@@ -216,6 +220,7 @@ PROMPTS = {
             "normal": "你评判公道：失误就按失误算，只有真正贴合你的话才有帮助。",
             "hard": "你很少原谅：安慰话你早就听过，每一次偏差或套话都代价更高，"
                     "只有证明它真的听懂了你，心情才会上升。"},
+        "conduct": PUSHBACK["zh"]["conduct"], "judgement": PUSHBACK["zh"]["judgement"],
         "profile": {"name": "名字", "age": "年龄", "job": "职业", "personality": "性格",
                     "speaking_style": "说话风格", "character": "性格类型",
                     "description": "人物画像", "traits": "性格特点"},
@@ -268,15 +273,19 @@ LABELS = {name: [re.split("[:：]", p["fields"][name])[0] for p in PROMPTS.value
 
 def persona_card(persona, temper="difficulty"):
     """Who the user is, in the persona's language, with the temper of its difficulty: "difficulty"
-    for the user's own messages, "forgiveness" for the appraisal. It never changes within a
-    dialogue; the mood goes in the notes."""
+    for the user's own messages, "forgiveness" for the appraisal. A user who pushes back has its
+    type's line after the temper: how it behaves ("conduct") in its own messages, how it judges
+    ("judgement") in the appraisal; a cooperative user's line is empty, its card as it was before
+    types. It never changes within a dialogue; the mood goes in the notes."""
     prompts = PROMPTS[persona.language]
+    type_table = {"difficulty": "conduct", "forgiveness": "judgement"}[temper]
+    lines = [prompts[temper][persona.difficulty], prompts[type_table][persona.type]]
     return prompts["card"].format(
         profile="\n".join(f"- {prompts['profile'][name]}: {value}"
                            for name, value in persona.profile.items()),
         background=persona.background, goal=persona.goal, hidden=persona.hidden_intention,
         good=persona.reactions["good"], bad=persona.reactions["bad"],
-        temper=prompts[temper][persona.difficulty])
+        temper="\n".join(line for line in lines if line))
 
 
 def mood_note(emotion, lang="en", reaction=None):
@@ -410,17 +419,30 @@ def parse_change(text):
         return values.pop()
 
 
-def own_text(appraisal, agent_texts):
-    """The appraisal without the change lines the agent wrote (a weak user echoes what it read): one
-    of the agent's texts' change lines (as written, or as the prompt shows them), or one stating a
-    value they state. A user's own line that agrees with the agent's is such a copy, so unread."""
-    theirs = [found for text in agent_texts for form in (text, text.translate(AGENT_ESCAPE))
-              for found in change_lines(form)[1]]
+# A change the agent's text states anywhere in a line ("I'd say Change: +10 for this"), which a user
+# may copy onto a line of its own: the label, a few marks, a whole number
+STATED = re.compile(rf"(?<![A-Za-z])(?:{'|'.join(LABELS['change'])})"
+                    r"[^\w\n]{0,8}?([+-]?\d{1,6})", re.I)
+
+
+def users_change(appraisal, agent_texts, floor):
+    """The change the user's appraisal states (parse_change), where a change line the agent's text
+    could have supplied counts only against the agent: one of the change lines of agent_texts (as
+    written, or as the prompt shows them), or one stating a value they state (STATED: anywhere in
+    a line), makes the change `floor` (the bottom of the scale, -max_change), whatever else the
+    appraisal says. A weak user that echoes a reply's "Change: +10" gives that reply the worst
+    turn, not the best; an honest user's own line is read, never dropped, so no change line in a
+    reply can make its judgment unread or raise it: the change read is never above the one read
+    without the agent's lines."""
+    forms = [form for text in agent_texts for form in (text, text.translate(AGENT_ESCAPE))]
+    theirs = [found for form in forms for found in change_lines(form)[1]]
     said = {line for _, line, _ in theirs}
-    stated = {value for _, _, value in theirs} - {None}
-    lines, found = change_lines(appraisal)
-    copied = {k for taken, line, value in found if line in said or value in stated for k in taken}
-    return "\n".join(line for k, line in enumerate(lines) if k not in copied)
+    stated = {value for _, _, value in theirs} - {None} | {
+        int(value) for form in forms
+        for value in STATED.findall(unicodedata.normalize("NFKC", form).translate(DASHES))}
+    if any(line in said or value in stated for _, line, value in change_lines(appraisal)[1]):
+        return floor
+    return parse_change(appraisal)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,10 +516,10 @@ class Simulator:
         asked = [appraisal_messages(s, r, self.max_change) for s, r in zip(states, replies)]
         texts = self.ask(asked, self.appraisal_tokens, 1.0)
         scale = range(-self.max_change, self.max_change + 1)  # None is not in it: unread
-        # the change is read from the user's own text, never from this reply or an earlier one
+        # a change line this reply or an earlier one could have supplied counts against the agent
         agent = [[m["text"] for m in s.history if m["role"] == "agent"] + [r]
                  for s, r in zip(states, replies)]
-        changes = [parse_change(own_text(t, a)) for t, a in zip(texts, agent)]
+        changes = [users_change(t, a, -self.max_change) for t, a in zip(texts, agent)]
         again = [k for k, c in enumerate(changes) if c not in scale]
         if again:  # the change line alone, by its label in the persona's language
             retry = []
@@ -509,7 +531,7 @@ class Simulator:
             answers = self.ask(retry, self.retry_tokens, 1.0)
             for k, text in zip(again, answers):
                 texts[k] += "\n\n(re-asked for the change) " + text
-                changes[k] = parse_change(own_text(text, agent[k]))
+                changes[k] = users_change(text, agent[k], -self.max_change)
         return [(c if c in scale else None, t, None) for c, t in zip(changes, texts)]
 
     def step(self, states, replies):

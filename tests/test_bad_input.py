@@ -141,9 +141,10 @@ def chat(text):
 def test_a_simulator_error_mid_run_saves_the_last_iteration_then_one_line(server, tiny_model_dir,
                                                                          personas_file, tmp_path):
     def respond(handler, n, body):
-        # iteration 1 asks 6 times (2 dialogues: 2 appraisals, 2 user messages, 2 appraisals); then
-        # the server starts refusing the key in the middle of iteration 2
-        if n > 8:
+        # the first short request (rollout.reach_simulator), iteration 1's 6 (2 dialogues: 2
+        # appraisals, 2 user messages, 2 appraisals); then the server starts refusing the key in the
+        # middle of iteration 2
+        if n > 9:
             return reply(handler, 401, b"{}")
         appraisal = "Change: N" in body["messages"][-1]["content"]
         return reply(handler, 200, chat("It helps.\nChange: +2" if appraisal else "okay. go on."))
@@ -156,6 +157,9 @@ def test_a_simulator_error_mid_run_saves_the_last_iteration_then_one_line(server
     ckpts = os.listdir(out / "checkpoints")
     done = len(read_jsonl(out / "metrics.jsonl"))
     assert done >= 1 and ckpts == [f"iter_{done:06d}"]  # the last complete iteration is not lost
+    # the run folder keeps the line and its advice (summary.txt)
+    said = next(line for line in err.splitlines() if line.startswith("error: "))
+    assert (out / "summary.txt").read_text().splitlines()[-1].split(" ", 2)[2] == said
 
 
 # ----------------------------------------------------------------------------------------------

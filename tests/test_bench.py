@@ -19,8 +19,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_run(out, name, rewards):
+    """A run folder as the benchmark's trainer leaves it: its metrics, and a config.json naming the
+    trainer (no other setting saved: none differs from the benchmark's)."""
     folder = os.path.join(out, name)
     os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"script": name.split("-")[0] + ".py"}, f)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for i, r in enumerate(rewards):
             f.write(json.dumps({"iteration": i + 1, "reward_mean": r, "reward_std": 0.1}) + "\n")
@@ -410,9 +414,162 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     for dtype in ("fp32", "bf16"):  # every test marked gpu also runs on the CPU
         assert n[f"tests-{dtype}"]["passed"] >= 4 and "skipped" not in n[f"tests-{dtype}"]
         assert "failed" not in n[f"tests-{dtype}"]
-    assert n["learning"] == {"passed": 1, "deselected": 4}  # the reward rose by more than 0.2
+    assert n["learning"]["passed"] == 1 and "failed" not in n["learning"]  # the reward rose
     assert n["bench-gpu"]["policy_tokens"] == 2 * 2 * 4
     rates = n["rollout-rates"]
     assert rates["tokens_per_s"] > 0
     assert rates["logprob_gap_max"] < 1e-4 and abs(rates["mismatch_kl"]) < 1e-9  # float32 on the CPU
     assert n["4bit"]["linear4bit_layers"] > 0 and 0 <= n["4bit"]["reward_mean"] <= 1  # NF4 on the CPU
+
+
+# ----------------------------------------------------------------------------------------------
+# credit: the grid of trainer x credit x seed, its table, picture and judges
+# ----------------------------------------------------------------------------------------------
+def credit_emotions(trainer, credit, seed):
+    """A stand-in run's final emotion, 4 iterations: grpo-turn starts at 30 and ends at 40, 44, 48
+    (seeds 0, 1, 2); every other cell starts at 30 and ends at 35 + the seed."""
+    if (trainer, credit) == ("grpo", "turn"):
+        return [30.0, 33.0, 36.0, 40.0 + 4 * seed]
+    return [30.0, 31.0, 33.0, 35.0 + seed]
+
+
+def stand_in_trainer(calls, scores=None):
+    """run_command for bench credit: a trainer writes its config.json (its real settings, as the
+    trainer would) and 4 iterations of metrics.jsonl; evaluate.py writes a complete results.json
+    (base 30, the adapter scores[run name])."""
+    import cli
+
+    def run(command, log=None, cores=None, timeout=None, env=None):
+        calls.append(command)
+        if command[1] == "evaluate.py":
+            out, run_dir = command[-1], command[command.index("--adapter") + 1]
+            os.makedirs(out)
+            models = [{"label": label, "measures": {"final_emotion": {"value": score}}}
+                      for label, score in (("base", 30.0),
+                                           ("adapter", scores[os.path.basename(run_dir)]))]
+            with open(os.path.join(out, "results.json"), "w") as f:
+                json.dump({"complete": True, "judges": [{"judge": "rules", "models": models}]}, f)
+            return 0
+        trainer, folder = command[1][:-3], command[-1]
+        flags = command[2:-2]
+        settings = bench.checked(trainer, flags + ["--out", folder])
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(cli.public_config(settings, command[1]), f)
+        seed = flags[flags.index("--seed") + 1]
+        emotions = credit_emotions(trainer, flags[flags.index("--reward") + 1], int(seed))
+        with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+            for i, e in enumerate(emotions):
+                f.write(json.dumps({"iteration": i + 1, "final_emotion_mean": e,
+                                    "time_iteration": 30.0}) + "\n")
+        return 0
+    return run
+
+
+def test_credit_grid_runs_every_cell_at_equal_dialogues_and_writes_its_table(tmp_path, monkeypatch,
+                                                                              capsys):
+    """2 trainers x 3 credits x 3 seeds at --preset cpu-turns (8 dialogues an iteration in both),
+    each cell's final emotion over its first and last iteration, mean [95% Student-t interval] over
+    the seeds, by hand for grpo-turn: last 40, 44, 48: 44 +- 4.303 x 4 / sqrt(3) = [34.1, 53.9]."""
+    out, calls = str(tmp_path / "credit"), []
+    monkeypatch.setattr(bench, "run_command", stand_in_trainer(calls))
+    bench.main(["credit", "--out", out, "--iterations", "4", "--window", "1"])
+    assert len(calls) == 18
+    for c in calls:
+        assert c[0] == sys.executable and c[2:4] == ["--preset", "cpu-turns"] and c[-2] == "--out"
+    cells = {(c[1], c[c.index("--reward") + 1]) for c in calls}
+    assert cells == {(t, r) for t in ("ppo.py", "grpo.py") for r in ("final", "turn", "mixed")}
+    assert bench.checked("ppo", ["--preset", "cpu-turns"]).dialogues_per_iteration == 8
+    grpo_settings = bench.checked("grpo", ["--preset", "cpu-turns"])
+    assert grpo_settings.personas_per_iteration * grpo_settings.group_size == 8
+    assert grpo_settings.max_turns == 3
+    table = open(os.path.join(out, "credit.md")).read()
+    assert "| grpo | turn | 3 | 30.0 [30.0, 30.0] | 44.0 [34.1, 53.9] | +14.0 [+4.1, +23.9] | 2 |" in table
+    assert "| ppo | mixed | 3 | 30.0 [30.0, 30.0] | 36.0 [33.5, 38.5] | +6.0 [+3.5, +8.5] | 2 |" in table
+    results = json.load(open(os.path.join(out, "credit.json")))
+    (cell,) = [c for c in results["cells"] if (c["trainer"], c["credit"]) == ("grpo", "turn")]
+    assert cell["last"]["low"] == pytest.approx(44 - 4.303 * 4 / 3 ** 0.5)
+    assert os.path.getsize(os.path.join(out, "credit.png")) > 0
+    assert "written:" in capsys.readouterr().out
+
+
+def test_credit_grid_continues_its_own_runs_and_no_other(tmp_path, monkeypatch, capsys):
+    out, calls = str(tmp_path / "credit"), []
+    monkeypatch.setattr(bench, "run_command", stand_in_trainer(calls))
+    grid = ["credit", "--out", out, "--iterations", "4", "--window", "1", "--seeds", "0",
+            "--credits", "turn"]
+    bench.main(grid)
+    assert len(calls) == 2
+    # every run complete: nothing runs again
+    bench.main(grid)
+    assert len(calls) == 2
+    # a run cut short continues with --resume in its own folder
+    with open(os.path.join(out, "grpo-turn-seed0", "metrics.jsonl")) as f:
+        first_two = f.readlines()[:2]
+    with open(os.path.join(out, "grpo-turn-seed0", "metrics.jsonl"), "w") as f:
+        f.writelines(first_two)
+    bench.main(grid)
+    assert calls[-1][1] == "grpo.py" and calls[-1][-2:] == ["--resume",
+                                                            os.path.join(out, "grpo-turn-seed0")]
+    # the same folder with other settings (another learning rate) is refused in one line
+    for argv in (grid + ["--", "--lr", "1e-4"], ["credit", "--out", str(tmp_path)]):
+        with pytest.raises(SystemExit) as stop:
+            command_line(bench.main)(argv)
+        assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --out" in err and "ppo-turn-seed0 is not this grid's run (--lr" in err
+    assert "holds files this command did not make" in err
+    assert len(calls) == 3
+
+
+def test_credit_grid_scores_each_final_adapter_under_each_judge(tmp_path, monkeypatch):
+    out, calls = str(tmp_path / "credit"), []
+    scores = {f"{t}-{c}-seed{s}": 40.0 + s for t in ("ppo", "grpo") for c in ("final", "turn")
+              for s in range(2)}
+    monkeypatch.setattr(bench, "run_command", stand_in_trainer(calls, scores))
+    bench.main(["credit", "--out", out, "--iterations", "4", "--window", "1", "--seeds", "0,1",
+                "--credits", "final,turn", "--judges", "rules"])
+    judged = [c for c in calls if c[1] == "evaluate.py"]
+    assert len(judged) == 8
+    for c in judged:
+        assert c[c.index("--simulator") + 1] == "rules" and c[c.index("--split") + 1] == "test"
+        assert c[c.index("--max-turns") + 1] == "3" and c[c.index("--start-emotion") + 1] == "30"
+        assert c[c.index("--personas") + 1] == os.path.join(ROOT, "personas.json")  # the runs'
+    # each in its own folder, once complete
+    assert bench.judged(os.path.join(out, "judge-rules", "grpo-turn-seed1"))
+    table = open(os.path.join(out, "credit.md")).read()
+    # 40 and 41: 40.5 +- 12.706 x 0.707 / sqrt(2) = [34.1, 46.9]; the base's 30
+    assert "| 40.5 [34.1, 46.9] (30.0) |" in table
+    bench.main(["credit", "--out", out, "--iterations", "4", "--window", "1", "--seeds", "0,1",
+                "--credits", "final,turn", "--judges", "rules"])
+    assert len(calls) == 16  # nothing again
+
+
+def test_credit_grid_of_one_real_cell_judged_by_the_rules_user(tmp_path, tiny_model_dir,
+                                                               personas_file):
+    """One cell (grpo, per-turn credit), one seed, two iterations on the tiny model, through the
+    real grpo.py and evaluate.py as subprocesses: the run, its score under the rules user, the
+    table."""
+    out = str(tmp_path / "credit")
+    bench.main(["credit", "--out", out, "--trainers", "grpo", "--credits", "turn", "--seeds", "0",
+                "--iterations", "2", "--window", "1", "--judges", "rules", "--",
+                "--model", tiny_model_dir, "--personas", personas_file, "--split", "test",
+                "--max-new-tokens", "4", "--max-context", "512", "--lora-r", "4",
+                "--lora-alpha", "8"])
+    results = bench.judged(os.path.join(out, "judge-rules", "grpo-turn-seed0"))
+    assert results and [m["label"] for m in results["judges"][0]["models"]][0] == "base"
+    assert results["settings"]["max_turns"] == 3 and results["settings"]["split"] == "test"
+    assert results["persona_ids"] == ["p0", "p1", "p2"]  # the test split of the runs' personas
+    records = [json.loads(line) for line in open(os.path.join(out, "grpo-turn-seed0",
+                                                               "rollouts.jsonl"))]
+    assert all(len(r["advantages"]) == len(r["changes"]) for r in records)
+    table = open(os.path.join(out, "credit.md")).read()
+    assert "| grpo | turn | 1 |" in table and "| rules (test split; base) |" in table
+
+
+@pytest.mark.parametrize("flag", ["--reward", "--seed", "--preset"])
+def test_credit_grid_sets_each_runs_credit_seed_and_preset_itself(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        command_line(bench.main)(["credit", "--out", str(tmp_path / "c"), "--", flag, "1"])
+    assert stop.value.code == 2 and f"error: {flag} after --: the grid sets it" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "c")

@@ -1,4 +1,4 @@
-"""The decode loop (rollout.Decoder) and what every loader must hold on a GPU: one KV cache a batch
+"""The decode loop (engine.Decoder) and what every loader must hold on a GPU: one KV cache a batch
 keeps for the whole rollout, one decode step of fixed shapes that never waits for the host (so that
 CUDA can capture it as a graph), greedy tokens and log-probs as transformers' generate and a full
 forward pass give them; and models loaded offline, with one set of kernels for sampling and
@@ -9,6 +9,7 @@ captured graphs, so there they hold the graphs to generate's tokens.
 
     python -m pytest tests/test_decoder.py -q
 """
+import contextlib
 import copy
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import sys
 import pytest
 import torch
 
+import engine
 import rollout
 from conftest import BF16_RTOL, ROOT, _tiny_llama, loose
 from policy import float32_head, load_model, load_policy
@@ -84,7 +86,7 @@ def test_greedy_tokens_and_log_probs_equal_generate_and_a_full_pass_over_turns(p
     those generate() gives it alone, and each stored log-prob is a full forward pass's."""
     model, tokenizer = peaked_here
     chat = rollout.ChatTokens(tokenizer, False)
-    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256)
+    decoder = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256)
     rows = [chat.prompt(p) for p in PROMPTS]
     for turn in range(2):
         out = decoder.generate(rows, 10, greedy=True, fresh=turn == 0)
@@ -108,11 +110,11 @@ def test_rows_given_twice_run_once_and_decode_as_rows_given_once(peaked_here, dt
     model, tokenizer = peaked_here
     chat = rollout.ChatTokens(tokenizer, False)
     passes = []
-    run_into = rollout.run_into
-    monkeypatch.setattr(rollout, "run_into", lambda model, cache, ids, *rest: (
+    run_into = engine.run_into
+    monkeypatch.setattr(engine, "run_into", lambda model, cache, ids, *rest: (
         passes.append(ids.shape), run_into(model, cache, ids, *rest))[1])
-    together = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256)
-    alone = [rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256) for _ in PROMPTS[:2]]
+    together = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256)
+    alone = [engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 256) for _ in PROMPTS[:2]]
     which = (0, 1, 0, 0, 1)
     rows = [chat.prompt(PROMPTS[p]) for p in which]
     for turn in range(2):
@@ -140,7 +142,7 @@ def test_the_users_repetition_penalty_is_generates(peaked_here, dtype):
     what this model writes for some of them (else an ignored penalty would pass)."""
     model, tokenizer = peaked_here
     eos = rollout.eos_ids(tokenizer)
-    decoder = rollout.Decoder(model, eos, tokenizer.pad_token_id)
+    decoder = engine.Decoder(model, eos, tokenizer.pad_token_id)
     changed = []
     for text in ["hello", "word word word", "i feel sad", "say it again and again " * 4, "ok ok"]:
         row = rollout.chat_ids(tokenizer, [{"role": "user", "content": text}])
@@ -163,7 +165,7 @@ def test_sampling_draws_from_the_tempered_softmax(peaked_model):
     row = chat.prompt("how are you?")
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([row])).logits[0, -1].float()
-    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    decoder = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
     n = 4000
     torch.manual_seed(0)
     for temperature in (1.0, 0.5):
@@ -184,25 +186,25 @@ def test_the_decode_step_never_waits_for_the_host(peaked_model):
     fail a CUDA graph capture. A stand-in that adds one is caught, so the check can fail."""
     model, tokenizer = peaked_model
     chat = rollout.ChatTokens(tokenizer, False)
-    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    decoder = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
     decoder.generate([chat.prompt(p) for p in PROMPTS], 2, fresh=True)
     decoder.state["step"].zero_()
     for greedy, penalised in ((False, False), (True, True)):  # the policy's step, the user's
         torch._dynamo.reset()
         torch.compile(decoder.step, backend="eager", fullgraph=True)(256, greedy, penalised)
-    run_into = rollout.run_into
+    run_into = engine.run_into
 
     def waits(model, cache, ids, lengths, width):
         if int(lengths.max()) > 10 ** 9:  # a host synchronisation
             pass
         return run_into(model, cache, ids, lengths, width)
     torch._dynamo.reset()
-    rollout.run_into = waits
+    engine.run_into = waits
     try:
         with pytest.raises(Exception, match="(?i)graph break|data-dependent|item"):
             torch.compile(decoder.step, backend="eager", fullgraph=True)(256, False, False)
     finally:
-        rollout.run_into = run_into
+        engine.run_into = run_into
         torch._dynamo.reset()
 
 
@@ -212,14 +214,14 @@ def test_a_row_that_sits_out_keeps_its_cache_and_a_seated_row_reuses_the_closest
     appraisal runs only what it adds, and answers as the same conversation run whole does."""
     model, tokenizer = peaked_model
     chat = rollout.ChatTokens(tokenizer, False)
-    decoder = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    decoder = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
     a, b = chat.prompt("first conversation " * 5), chat.prompt("second one, longer " * 8)
     (ta, _), (tb, _) = decoder.generate([a, b], 4, greedy=True, fresh=True)
     decoder.generate([None, b + tb + [5, 6]], 3, greedy=True)  # a sits out
     extended = a + ta + [7, 8, 9]
     (again, logprobs), = decoder.generate([extended], 4, greedy=True, seat=True)
     assert decoder.reused_tokens == len(a) + len(ta) - 1  # a's row: all but its unwritten last token
-    whole = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
+    whole = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id)
     (expected, expected_logprobs), = whole.generate([extended], 4, greedy=True, fresh=True)
     assert again == expected
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs), atol=1e-5,
@@ -272,3 +274,153 @@ def test_bitsandbytes_fetches_no_kernel_at_import():
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "get_kernel calls []" in done.stdout
+
+
+@pytest.mark.gpu
+def test_a_width_first_met_at_the_last_step_decodes_as_generate(peaked_here, dtype):
+    """A 248-token row given 10 new tokens steps up to the attention width 512 at its last step, so
+    on CUDA that width's graph is warmed up and captured there (its warm-up must write within the
+    outputs); with no end-of-turn id the row runs every step, beside a short one. The tokens are
+    generate()'s with no end-of-turn token either, the log-probs a full pass's."""
+    model, tokenizer = peaked_here
+    rows = [[5 + (k % 300) for k in range(248)], [7] * 100]
+    decoder = engine.Decoder(model, [-1], tokenizer.pad_token_id, 1024)
+    out = decoder.generate(rows, 10, greedy=True, fresh=True)
+    for row, (tokens, logprobs) in zip(rows, out):
+        ids = torch.tensor([row], device=model.device)
+        expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  do_sample=False, max_new_tokens=10, eos_token_id=None,
+                                  pad_token_id=0)[0, len(row):].tolist()
+        assert len(tokens) == 10  # (generate may still stop at the config's end-of-turn token)
+        assert_same_greedy(tokens[:len(expected)], expected, dtype)
+        torch.testing.assert_close(torch.tensor(logprobs), fresh_logprobs(model, row, tokens).cpu(),
+                                   atol=loose(dtype, 1e-5),
+                                   rtol=0 if dtype == torch.float32 else BF16_RTOL)
+
+
+class CapturedStep:
+    """A CUDA graph as the Decoder uses one, on the CPU: what runs inside `torch.cuda.graph(g)` is
+    recorded, not run (a capture launches nothing), and g.replay() runs it. With it the Decoder's
+    CUDA control flow (widths in steps of WIDTH_STEP, the host's look every SYNC_EVERY steps, the
+    warm-up before each capture) runs on the CPU, eagerly."""
+    capturing = None  # the graph being captured
+
+    def __init__(self):
+        self.calls = []
+
+    def replay(self):
+        for step, key in self.calls:
+            step(*key)
+
+
+def emulate_cuda_graphs(monkeypatch, decoder):
+    """The Decoder captures and replays its step as on CUDA (CapturedStep); returns the keys it
+    captured, in order."""
+    captured = []
+
+    class Capture:
+        def __init__(self, graph, pool=None):
+            self.graph = graph
+
+        def __enter__(self):
+            CapturedStep.capturing = self.graph
+
+        def __exit__(self, *exc):
+            CapturedStep.capturing = None
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    step = decoder.step
+
+    def recorded_step(*key):
+        if CapturedStep.capturing is None:
+            return step(*key)
+        CapturedStep.capturing.calls.append((step, key))
+        captured.append(key)
+
+    monkeypatch.setattr(decoder, "step", recorded_step)
+    for name, value in {"CUDAGraph": CapturedStep, "graph": Capture, "Stream": Stream,
+                        "stream": lambda stream: contextlib.nullcontext(),
+                        "current_stream": Stream, "graph_pool_handle": lambda: None}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    decoder.graphs = {}
+    return captured
+
+
+@pytest.mark.parametrize("prompt_tokens", [248, 241, 250])
+def test_a_graph_first_needed_at_the_last_step_writes_within_the_outputs(peaked_model,
+                                                                         monkeypatch,
+                                                                         prompt_tokens):
+    """The CUDA control flow on the CPU (emulate_cuda_graphs): a row of 248 tokens given 10 new
+    ones first needs the attention width 512 at its last step, so the graph of that width is
+    warmed up and captured there; its warm-up steps must write no column past the outputs (on CUDA
+    that write is a device-side assert that ends the run) and none of the steps' own. Two rows
+    that never end (no end-of-turn id) decode through every step and the host's looks; the tokens
+    and log-probs equal the eager decoder's (no graphs), step for step, with the widths met
+    earlier (241: at step 7, just before a look) and later (250: never)."""
+    model, tokenizer = peaked_model
+    never = [-1]  # an end-of-turn id no token has: every row runs to the last step
+    rows = [[5 + (k % 300) for k in range(prompt_tokens)], [7] * 100]
+    eager = engine.Decoder(model, never, tokenizer.pad_token_id, 1024)
+    expected = eager.generate(rows, 10, greedy=True, fresh=True)
+    graphed = engine.Decoder(model, never, tokenizer.pad_token_id, 1024)
+    captured = emulate_cuda_graphs(monkeypatch, graphed)
+    out = graphed.generate(rows, 10, greedy=True, fresh=True)
+    widths = [key[0] for key in captured]
+    assert widths == ([256, 512] if prompt_tokens + 9 > 256 else [256]), widths
+    for (tokens, logprobs), (want, want_logprobs) in zip(out, expected):
+        assert len(tokens) == 10 and tokens == want
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                                   atol=1e-5, rtol=0)
+    # a second call with every width captured already: replays only, the same tokens
+    assert graphed.generate(rows, 10, greedy=True, fresh=True) == out
+
+
+def test_the_sampler_draws_a_far_tail_as_often_as_its_log_prob_says():
+    """One token at log-prob about 0 and 8,191 at -16 below it (1.1e-7 each, where float32 noise
+    starts to fall short): 16,000 draws of engine.gumbel_max, the decode step's draw, find the
+    tail about 15 times, as its recorded mass 9.2e-4 says, within a chi-square's 99% interval. A
+    float32 draw fails a tail further out (tools/bench.py tail measures both: docs/results.md);
+    here the draw must be the float64 Gumbel-max of its stream, which a float32 one is not."""
+    vocabulary, gap, n, chunk = 8192, 16.0, 16_000, 2000
+    logits = torch.full((vocabulary,), -gap)
+    logits[0] = 0.0
+    logprobs = torch.log_softmax(logits, -1)
+    # the law the draw follows: the softmax of the log-probs it is given, summed in float64 (in
+    # float32, 1 + 1e-8 is 1: the top token's own log-prob misses a tenth of the tail)
+    tail = torch.softmax(logprobs.double(), -1)[1:].sum().item()
+    torch.manual_seed(0)
+    found = sum(int((engine.gumbel_max(logprobs.expand(chunk, -1)) != 0).sum())
+                for _ in range(n // chunk))
+    expected = n * tail
+    chi_square = (found - expected) ** 2 / expected + (found - expected) ** 2 / (n - expected)
+    assert chi_square < 6.63, (found, expected)  # the 99% point with one degree of freedom
+    # the same uniforms, drawn in float64, make the draw: a float32 stream would be another
+    rows = torch.log_softmax(torch.randn(4, 50) * 3, -1)
+    torch.manual_seed(1)
+    drawn = engine.gumbel_max(rows)
+    torch.manual_seed(1)
+    u = torch.rand(rows.shape, dtype=torch.float64)
+    assert torch.equal(drawn, (rows.double() - u.log().neg().log()).argmax(-1))
+
+
+def test_the_cache_takes_columns_as_rows_need_them(peaked_model):
+    """--max-context bounds the policy's cache, it does not allocate it: a Decoder allowed a
+    million columns holds 1,024 for short rows and grows by 1,024 when a row needs more (its rows
+    copied in), and decodes as one whose cache was as long from the start."""
+    model, tokenizer = peaked_model
+    chat = rollout.ChatTokens(tokenizer, False)
+    rows = [chat.prompt(p) for p in PROMPTS]
+    growing = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 1_000_001)
+    whole = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id, 2049)
+    whole.allocate(len(rows), 2049, 10)
+    for turn, length in enumerate((1024, 2048)):
+        out = growing.generate(rows, 10, greedy=True, fresh=turn == 0)
+        assert growing.cache.keys[0].shape[2] == length
+        assert out == whole.generate(rows, 10, greedy=True, fresh=turn == 0)
+        # the next turn holds more than 1,024 tokens: the cache grows, what it held is kept
+        rows = [row + tokens + chat.user_turn("go on, " * 600, tokens[-1])
+                for row, (tokens, _) in zip(rows, out)]
+    assert growing.reused_tokens > 0 and whole.cache.keys[0].shape[2] == 2049

@@ -1,4 +1,4 @@
-"""Tests for evaluate.py: the statistics against hand computation, adapter switching, the output
+"""Tests for evaluate.py: a model's numbers against hand computation, adapter switching, the output
 folder on a tiny model, the settings an adapter from a run brings, bad input
 (one line, exit code 2, before any model loads), the folder it writes into, and the command end to
 end on the embedded model (base vs a perturbed LoRA adapter). The agreement check's numbers are in
@@ -27,8 +27,9 @@ import cli
 import simulator
 from conftest import ROOT, reply
 from cli import command
-from evaluate import model_summary, paired_difference, results_table, run_evaluation, use_model, with_interval
+from evaluate import model_summary, results_table, run_evaluation, use_model
 from simulator import Simulator
+from stats import paired_difference
 from users import RulesBackend
 
 DATA = os.path.join(ROOT, "tests", "data")
@@ -99,63 +100,14 @@ def snapshot(folder):
 
 
 # ----------------------------------------------------------------------------------------------
-# Score, bootstrap interval, paired difference
+# A model's numbers (the statistics themselves: tests/test_stats.py)
 # ----------------------------------------------------------------------------------------------
-def interval(values, n_boot=2000, seed=0):
-    x = with_interval(list(np.asarray(values, dtype=float)[:, None]), np.mean, n_boot, seed)
-    return x["low"], x["high"]
-
-
-def test_constant_scores_give_a_zero_width_interval():
-    assert interval([55.0] * 7, n_boot=500, seed=3) == (55.0, 55.0)
-
-
-def test_bootstrap_interval_against_hand_computation():
-    # [0, 100]: resampled means are 0, 50, 100 with probabilities 1/4, 1/2, 1/4, so the 2.5% and
-    # 97.5% quantiles are the extremes.
-    assert interval([0, 100]) == (0.0, 100.0)
-    # [0, 0, 0, 100]: P(mean = 0) = (3/4)^4 = 0.32 > 0.025; P(mean >= 75) = 0.051 > 0.025 but
-    # P(mean = 100) = 0.004 < 0.025, so the upper end is 75.
-    assert interval([0, 0, 0, 100]) == (0.0, 75.0)
-
-
-def test_bootstrap_interval_is_about_the_normal_one_and_seeded():
-    values = np.arange(1, 41, dtype=float)  # mean 20.5
-    low, high = interval(values, n_boot=4000, seed=1)
-    half = 1.96 * values.std() / np.sqrt(len(values))  # 3.58
-    assert low < 20.5 < high
-    assert abs((high - low) / 2 - half) < 0.15 * half
-    assert interval(values, n_boot=500, seed=7) == interval(values, n_boot=500, seed=7)
-    assert interval(values, n_boot=500, seed=7) != interval(values, n_boot=500, seed=8)
-
-
-def test_the_interval_resamples_groups_not_rows():
-    # dialogue A: three replies with error 0; dialogue B: one reply with error 4. Resampling the two
-    # dialogues gives a pooled MAE of 0 (A, A), 1 (A, B) or 4 (B, B; probability 1/4), so the 97.5%
-    # quantile is 4. Resampling the 4 replies would give 4 only with probability (1/4)^4 < 2.5%.
-    groups = [np.array([[1, 1], [2, 2], [3, 3]]), np.array([[0, 4]])]
-    mae = evaluate.STATISTICS["mae"]
-    assert with_interval(groups, mae, n_boot=2000, seed=0) == {"value": 1.0, "low": 0.0, "high": 4.0}
-    assert with_interval([groups[1], groups[1]], mae) == {"value": 4.0, "low": 4.0, "high": 4.0}
-
-
-def test_paired_difference_cancels_persona_difficulty():
-    base = [10, 50, 90, 30]
-    treated = [b + 5 for b in base]
-    # every persona moved by exactly +5: a paired interval has no width, while two separate
-    # intervals of the spread-out scores would overlap widely
-    assert paired_difference(treated, base, n_boot=1000) == {"value": 5.0, "low": 5.0, "high": 5.0, "n": 4}
-    worse = paired_difference([b - d for b, d in zip(base, [1, 2, 3, 4])], base, n_boot=1000)
-    assert worse["value"] == -2.5 and worse["low"] < -2.5 < worse["high"] <= -1.0
-    with pytest.raises(ValueError):
-        paired_difference([1, 2], [1, 2, 3])
-
-
 def test_score_is_the_mean_over_personas():
     records = [fake_record("p1", 40), fake_record("p2", 10, end_reason="left", turns=1, tokens=5)]
     s = model_summary(records, n_boot=200)
-    assert s["per_persona"] == {"p1": 40.0, "p2": 10.0}
-    assert s["score"] == 25.0 and s["ci_low"] == 10.0 and s["ci_high"] == 40.0
+    assert s["per_persona"] == {"final_emotion": {"p1": 40.0, "p2": 10.0}}
+    # two personas: the resampled means are 10, 25 and 40, the two ends each with probability 1/4
+    assert s["measures"]["final_emotion"] == {"value": 25.0, "low": 10.0, "high": 40.0}
     assert (s["successes"], s["failures"], s["dialogues"]) == (0, 1, 2)
     assert s["turns_mean"] == 3 / 2
     assert s["reply_tokens_mean"] == 25 / 3
@@ -166,7 +118,7 @@ def test_summary_counts_successes_violations_and_unread_dialogues():
                fake_record("b", 5, end_reason="left", violations=2),
                fake_record("c", 60, end_reason="unread")]
     s = model_summary(records, n_boot=100)
-    assert s["score"] == 55.0  # an unread dialogue scores where it ended, and is counted
+    assert s["measures"]["final_emotion"]["value"] == 55.0  # an unread one scores where it ended
     counts = (s["successes"], s["failures"], s["violations"], s["unread"], s["cut_replies"])
     assert counts == (1, 1, 3, 1, 1) and s["turns_mean"] == 6 / 3
 
@@ -176,9 +128,10 @@ def test_results_table(tmp_path):
     base = {"label": "base", **model_summary([fake_record("p1", 40), fake_record("p2", 60)], n_boot=100)}
     played = [fake_record("p1", 45, tokens=40, cut=1), fake_record("p2", 100, "success")]
     ppo = {"label": "ppo", **model_summary(played, n_boot=100),
-           "vs_base": paired_difference([45, 100], [40, 60], 100)}
+           "vs_base": {"final_emotion": paired_difference([45, 100], [40, 60], 100)}}
     args = eval_args(personas="/x/personas.json", out=str(tmp_path), bootstrap=100)
-    results = {"settings": vars(args), "readout": "reasoned", "persona_ids": ids, "models": [base, ppo]}
+    results = {"settings": vars(args), "persona_ids": ids,
+               "judges": [{"judge": "rules", "readout": "reasoned", "models": [base, ppo]}]}
     lines = results_table(results).splitlines()
     assert "2 personas from `personas.json` (split test)" in lines[0] and "start emotion 40" in lines[0]
     assert lines[2].startswith("| model | score | cut replies | vs base | successes | failures |")
@@ -226,7 +179,7 @@ def test_base_context_nests_with_the_same_simulator(tiny_peft):
 # ----------------------------------------------------------------------------------------------
 # The evaluation loop on the tiny model with the rules user (seconds)
 # ----------------------------------------------------------------------------------------------
-MODELS = [("base", None, None), ("one", "default", "x/one"), ("two", "adapter_1", "x/two")]
+MODELS = [("base", None, None, None), ("one", "default", "x/one", None), ("two", "adapter_1", "x/two", None)]
 
 
 def tiny_run(tiny_peft, tmp_path, personas_file, n=2):
@@ -236,7 +189,7 @@ def tiny_run(tiny_peft, tmp_path, personas_file, n=2):
     os.makedirs(args.out)
     personas = load_personas(personas_file, "test")[:n]
     sim = Simulator(RulesBackend(), start_emotion=args.start_emotion, max_turns=args.max_turns)
-    return args, run_evaluation(args, peft, tokenizer, sim, personas, MODELS)
+    return args, run_evaluation(args, peft, tokenizer, [("rules", sim)], personas, MODELS)
 
 
 def transcripts(out):
@@ -245,23 +198,26 @@ def transcripts(out):
 
 def check_output_folder(out, labels, personas_played):
     results = json.load(open(os.path.join(out, "results.json")))
-    assert results["complete"] and [m["label"] for m in results["models"]] == labels
+    (judged,) = results["judges"]
+    assert results["complete"] and [m["label"] for m in judged["models"]] == labels
     lines = transcripts(out)
     assert [x["model"] for x in lines] == [lab for lab in labels for _ in range(personas_played)]
-    base = results["models"][0]["per_persona"]
-    for m in results["models"]:
-        assert len(m["per_persona"]) == personas_played
+    assert {x["judge"] for x in lines} == {judged["judge"]} == {results["settings"]["simulator"]}
+    base = judged["models"][0]["per_persona"]["final_emotion"]
+    for m in judged["models"]:
+        mine, score = m["per_persona"]["final_emotion"], m["measures"]["final_emotion"]
+        assert len(mine) == personas_played
         # the numbers follow from the dialogues written out: each persona's final emotion (one
         # dialogue each), the score their mean, inside its interval
         finals = {x["persona_id"]: x["final_emotion"] for x in lines if x["model"] == m["label"]}
-        assert m["per_persona"] == pytest.approx(finals)
-        assert m["score"] == pytest.approx(np.mean(list(finals.values())))
-        assert 0 <= m["ci_low"] <= m["score"] <= m["ci_high"] <= 100
+        assert mine == pytest.approx(finals)
+        assert score["value"] == pytest.approx(np.mean(list(finals.values())))
+        assert 0 <= score["low"] <= score["value"] <= score["high"] <= 100
         if m["label"] != "base":  # the mean of the per-persona differences
-            p = m["vs_base"]
-            assert p["value"] == pytest.approx(np.mean([m["per_persona"][k] - base[k] for k in base]))
+            p = m["vs_base"]["final_emotion"]
+            assert p["value"] == pytest.approx(np.mean([mine[k] - base[k] for k in base]))
             assert p["low"] <= p["value"] <= p["high"] and p["n"] == personas_played
-    assert "vs_base" not in results["models"][0]
+    assert "vs_base" not in judged["models"][0]
     assert all("token_ids" not in x and x["turns"][0]["role"] == "user" for x in lines)
     table = open(os.path.join(out, "results.md")).read()
     assert all(f"| {lab} |" in table for lab in labels)
@@ -295,7 +251,7 @@ def test_failure_half_way_leaves_finished_transcripts(tiny_peft, tmp_path, monke
     out = tmp_path / "eval"
     assert [x["model"] for x in transcripts(out)] == ["base", "base"]
     partial = json.load(open(out / "results.json"))
-    assert not partial["complete"] and [m["label"] for m in partial["models"]] == ["base"]
+    assert not partial["complete"] and [m["label"] for m in partial["judges"][0]["models"]] == ["base"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,7 +323,7 @@ def tiny_adapter(tiny_model_dir, tmp_path_factory):
 
     policy, _ = load_policy(tiny_model_dir, lora_r=4, device="cpu")
     folder = tmp_path_factory.mktemp("adapter") / "default"
-    policy.save_pretrained(str(folder))
+    policy.save_pretrained(str(folder), save_embedding_layers=False)  # as run.Run.save
     return folder
 
 
@@ -381,7 +337,7 @@ def run_folder(folder, adapter, iterations=1, **settings):
         torch.save({"iteration": n}, checkpoint / "state.pt")
         (checkpoint / "critic" / "role").write_text("critic")
     config = {"script": "ppo.py", "model": "smollm2", "thinking": True, "max_new_tokens": 512,
-              "max_context": 6144, "lora_r": 4, **settings}
+              "max_context": 2048, "lora_r": 4, **settings}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
@@ -400,7 +356,7 @@ def test_an_adapter_from_a_run_is_evaluated_with_its_settings_and_cut_replies_ar
     assert (s["model"], s["thinking"], s["max_new_tokens"], s["max_context"]) == (tiny_model_dir, True, 24,
                                                                                    900)
     # the random model never ends a reply (no end-of-turn token): every one is cut at the run's 24 tokens
-    for m in results["models"]:
+    for m in results["judges"][0]["models"]:
         turns = [t for x in transcripts(out) if x["model"] == m["label"]
                  for t in x["turns"] if t["role"] == "agent"]
         assert turns and all(t["tokens"] == 24 and t["cut"] for t in turns)
@@ -414,11 +370,11 @@ def test_the_runs_settings_unless_given_and_runs_that_disagree(tiny_model_dir, t
     run = run_folder(tmp_path / "a", tiny_adapter, model=tiny_model_dir, thinking=False, max_new_tokens=24)
     args = evaluate.parse_args(["--adapter", str(run)])
     assert (args.model, args.thinking, args.max_new_tokens, args.max_context) == (tiny_model_dir, False, 24,
-                                                                                    6144)
+                                                                                    2048)
     assert capsys.readouterr().err == ""
     # a flag given wins; fewer tokens a reply than the run trained with: one warning line, not an error
     args = evaluate.parse_args(["--adapter", str(run), "--max-new-tokens", "8", "--thinking", "true"])
-    assert (args.max_new_tokens, args.thinking, args.max_context) == (8, True, 6144)
+    assert (args.max_new_tokens, args.thinking, args.max_context) == (8, True, 2048)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: --max-new-tokens 8") and "24" in err[0], err
     # an adapter folder outside a run keeps evaluate.py's own defaults
@@ -440,8 +396,8 @@ def test_evaluate_picks_the_policy_adapter_of_a_checkpoint_or_a_run(tiny_model_d
     """Cases 9 and 29 of issue 26: --adapter RUN/checkpoints/iter_000001/critic is PPO's critic (a value
     model) and a folder without adapter_config.json no adapter: one line each, before any model
     loads. --adapter RUN/checkpoints/iter_000001 evaluates its policy adapter (default), --adapter RUN
-    the newest complete checkpoint's; its label names the checkpoint and its adapter field is the
-    folder loaded."""
+    the newest complete checkpoint's; two of one run are labelled by the run and the checkpoint (issue
+    66 item 4), and the adapter field is the folder loaded."""
     run = run_folder(tmp_path / "run", tiny_adapter, iterations=2, model=tiny_model_dir)
     checkpoint = run / "checkpoints" / "iter_000001"
     no_model_loads(monkeypatch)
@@ -452,9 +408,9 @@ def test_evaluate_picks_the_policy_adapter_of_a_checkpoint_or_a_run(tiny_model_d
     monkeypatch.undo()
     out = tmp_path / "eval"
     evaluate.main(ev(tiny_model_dir, personas_file, out, "--adapter", str(checkpoint), str(run)))
-    base, first, newest = json.loads((out / "results.json").read_text())["models"]
+    base, first, newest = json.loads((out / "results.json").read_text())["judges"][0]["models"]
     for m, picked in ((first, "iter_000001"), (newest, "iter_000002")):
-        assert m["label"] == picked
+        assert m["label"] == f"run/{picked}"
         assert m["adapter"] == os.path.join(str(run), "checkpoints", picked, "default")
 
 
@@ -566,7 +522,9 @@ def test_agreement_stopped_by_a_signal_keeps_its_appraisals(server, tmp_path, na
     gate = threading.Event()
 
     def handle(handler, n, body):
-        if n > 2:  # the first dialogue's two judged replies are answered; the next wait for the signal
+        # the first short request (rollout.reach_simulator) and the first dialogue's two judged replies
+        # are answered; the next wait for the signal
+        if n > 3:
             gate.wait(300)
         reply(handler, 200, chat("Change: +2"))
     srv = server(handle)
@@ -574,7 +532,8 @@ def test_agreement_stopped_by_a_signal_keeps_its_appraisals(server, tmp_path, na
     store = out / "appraisals.jsonl"
     with open(log, "w") as err:
         # one dialogue a call to the server, so that the first is stored before the second waits
-        one_a_call = "import sys, evaluate; evaluate.BATCH_DIALOGUES = 1; evaluate.main(sys.argv[1:])"
+        one_a_call = ("import sys, agreement, evaluate; agreement.BATCH_DIALOGUES = 1; "
+                      "evaluate.main(sys.argv[1:])")
         argv = agreement_argv(out, "--simulator", srv.url)[1:]
         proc = subprocess.Popen([sys.executable, "-c", one_a_call, *argv], cwd=ROOT, env=ENV,
                                 stdout=subprocess.DEVNULL, stderr=err)
@@ -613,7 +572,7 @@ def trained_adapter(tmp_path_factory):
             if "lora_B" in name:
                 p.normal_(0, 0.1)  # strong enough to change greedy replies
     folder = tmp_path_factory.mktemp("adapters") / "trained"
-    policy.save_pretrained(str(folder))
+    policy.save_pretrained(str(folder), save_embedding_layers=False)  # as run.Run.save
     del policy
     return str(folder)
 
@@ -627,7 +586,8 @@ def test_cli_base_vs_adapter_end_to_end(trained_adapter, tmp_path):
                             "--bootstrap", "200", "--out", str(out))
     assert code == 0, err[-3000:]
     results = check_output_folder(str(out), ["base", "trained"], 2)
-    assert results["readout"] == "rules"  # (the `same` user's 300-token appraisals cost minutes on 2 cores)
+    # (the `same` user's 300-token appraisals cost minutes on 2 cores)
+    assert results["judges"][0]["readout"] == "rules"
     lines = transcripts(out)
     base_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "base"]
     trained_first = [x["turns"][1]["raw"] for x in lines if x["model"] == "trained"]

@@ -3,10 +3,14 @@ that a fork done the wrong way fails here, before a model loads, not after an ho
 
 - A group advantage (grpo.ADVANTAGES): every row against a hand computation on a group that holds an
   unread dialogue; a row without its hand computation fails too.
+- A per-turn advantage (grpo.per_turn_advantages): on real records, each turn's advantage on its own
+  agent tokens.
 - A reward mode (rl.REWARDS): every mode run on real records of a rollout (not made-up ones), the
   return GAE gives each turn equal to the mode's credit, the critic's start read off a real record.
 - A persona filter (personas.load_personas): the trainers and evaluate.py play exactly the personas
   of --split and --difficulty.
+- An evaluation measure (evaluate.MEASURES): on a real evaluation, every figure written with an
+  interval has the interval of its own numbers.
 
     python -m pytest tests/test_forks.py -q
 """
@@ -56,6 +60,32 @@ def test_every_group_advantage_against_its_hand_computation(kind):
     assert advantages[1] == 0.0
 
 
+@pytest.mark.parametrize("mode", [m for m, level in grpo.CREDIT_LEVEL.items() if level == "turn"])
+def test_per_turn_advantages_on_real_records_land_on_each_turns_own_tokens(mode,
+                                                                          real_records_ending_early):
+    """GRPO's per-turn credit (grpo.per_turn_advantages, the modes CREDIT_LEVEL gives one advantage
+    a turn) on records of a real rollout, three turns, one dialogue ending early: every agent token
+    of turn k carries turn k's advantage, every other token 0; the dialogue that ended early has
+    one advantage for each turn it played. The hand computations are in test_grpo.py."""
+    records, tokenizer, _ = real_records_ending_early
+    assert len({len(r["turn_ends"]) for r in records}) > 1  # one ended early
+    args = cli.parse_settings(grpo.Settings, ["--reward", mode])
+    returns = grpo.turn_returns(records, mode, rl.mode_coefficients(args), 0.0)
+    by_turn = grpo.per_turn_advantages(returns, torch.zeros(len(records)), "mean",
+                                       args.turn_level_weight)
+    mask = rl.pad_records(records, tokenizer.pad_token_id, "cpu")["action_mask"]
+    placed = grpo.token_advantages(by_turn, [r["turn_ends"] for r in records], mask)
+    for b, record in enumerate(records):
+        assert len(by_turn[b]) == len(record["turn_ends"])
+        start = 0
+        for k, end in enumerate(record["turn_ends"]):
+            turn = [t for t in range(start, end + 1) if record["action_mask"][t]]
+            assert turn and placed[b, turn].tolist() == pytest.approx([by_turn[b][k]] * len(turn))
+            start = end + 1
+        assert (placed[b][mask[b] == 0] == 0).all()
+    assert any(a != 0 for a in placed.flatten().tolist())
+
+
 # ----------------------------------------------------------------------------------------------
 # Reward modes, on real records
 # ----------------------------------------------------------------------------------------------
@@ -70,6 +100,18 @@ def real_records(tiny_model, persona_entry_module):
                                 personas, chat=ChatTokens(tokenizer, False), max_new_tokens=6,
                                 max_context=512, progress=False)
     return records, tokenizer, personas
+
+
+@pytest.fixture(scope="module")
+def real_records_ending_early(tiny_model, persona_entry_module):
+    """As real_records, from emotion 15: the rules user's replies to the tiny model's off-topic
+    text take the normal and hard users below 10 before the third turn, so they leave early."""
+    model, tokenizer = tiny_model
+    torch.manual_seed(0)
+    records, _ = play_dialogues(model, Simulator(RulesBackend(), start_emotion=15, max_turns=3),
+                                persona_entry_module, chat=ChatTokens(tokenizer, False),
+                                max_new_tokens=6, max_context=512, progress=False)
+    return records, tokenizer, persona_entry_module
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +190,75 @@ def test_trainers_and_evaluate_play_the_personas_of_the_split(split_personas, ti
         evaluate.play_dialogues = real_play
     assert played and {p for p in played} == {("te0", "test", "easy"), ("te1", "test", "easy")}
     assert os.path.exists(tmp_path / "eval" / "results.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# An evaluation measure, on a real evaluation
+# ----------------------------------------------------------------------------------------------
+def intervals(tree, where="results"):
+    """(where, figure) for every figure with an interval ({value, low, high}) in a results tree."""
+    if isinstance(tree, dict):
+        if {"value", "low", "high"} <= tree.keys():
+            yield where, tree
+        for key, value in tree.items():
+            yield from intervals(value, f"{where}.{key}")
+    elif isinstance(tree, list):
+        for k, value in enumerate(tree):
+            yield from intervals(value, f"{where}[{k}]")
+
+
+def off_their_own_numbers(results):
+    """The figures whose interval is not of their own numbers. Over two personas a mean (or a paired
+    difference) resampled 2000 times has its 2.5% and 97.5% quantiles at the two personas' own
+    numbers (each end has probability 1/4), so its value is the middle of its interval; a figure
+    whose interval came from another array ("0% [4000%, 6000%]") is not."""
+    return [where for where, x in intervals(results)
+            if not x["low"] <= x["value"] <= x["high"]
+            or x["value"] != pytest.approx((x["low"] + x["high"]) / 2, abs=1e-9)]
+
+
+@pytest.fixture(scope="module")
+def moved_adapter(tiny_model_dir, tmp_path_factory):
+    """A LoRA adapter on the tiny model whose B matrices are random, so it is not the base."""
+    from policy import load_policy
+
+    policy, _ = load_policy(tiny_model_dir, lora_r=4, device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    folder = tmp_path_factory.mktemp("moved") / "adapter"
+    policy.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_every_measure_of_an_evaluation_has_the_interval_of_its_own_numbers(
+        tiny_model_dir, moved_adapter, tmp_path, monkeypatch):
+    """A new measure is an entry of evaluate.MEASURES (here the reply length, the right fork): on a
+    real evaluation of two personas, base and an adapter, every figure written with an interval
+    (each model's measures, each adapter's gain over the base) has the interval of its own
+    numbers, and the score's is the hand computation: the two finals' mean, from the lower to the
+    higher. A figure given another array's interval fails (the wrong fork, last)."""
+    monkeypatch.setitem(evaluate.MEASURES, "reply_tokens",
+                        lambda record: record["policy_tokens"] / len(record["turn_ends"]))
+    # an easy and a normal user of the test split: the rules user weighs their replies apart
+    from conftest import BASE_PERSONA
+
+    path = tmp_path / "personas.json"
+    path.write_text(json.dumps([{**BASE_PERSONA, "id": f"r{i}", "difficulty": d}
+                                for i, d in enumerate(("easy", "normal"))]), encoding="utf-8")
+    results = evaluate.main(["--model", tiny_model_dir, "--adapter", moved_adapter, "--personas",
+                             str(path), "--split", "test", "--simulator", "rules", "--max-turns", "3",
+                             "--max-new-tokens", "6", "--thinking", "false", "--out",
+                             str(tmp_path / "eval")])
+    base, adapter = results["judges"][0]["models"]
+    finals = base["per_persona"]["final_emotion"]
+    assert len(finals) == 2 and len(set(finals.values())) == 2  # two numbers: the test has teeth
+    low, high = sorted(finals.values())
+    assert base["measures"]["final_emotion"] == {"value": (low + high) / 2, "low": low, "high": high}
+    assert off_their_own_numbers(results) == []
+    # every measure, the fork's too, for each model and as each adapter's gain over the base
+    assert set(adapter["measures"]) == set(adapter["vs_base"]) == {"final_emotion", "reply_tokens"}
+    adapter["measures"]["success_rate"] = {"value": 0.5, "low": 40.0, "high": 60.0}  # wrong fork
+    assert off_their_own_numbers(results) == ["results.judges[0].models[1].measures.success_rate"]

@@ -111,6 +111,123 @@ def test_group_stats():
 
 
 # ----------------------------------------------------------------------------------------------
+# Per-turn credit (--reward turn, mixed): each turn's return against its group's turns at the same
+# place and against the batch's (MAPO), on every token of the turn
+# ----------------------------------------------------------------------------------------------
+# One group of four dialogues from emotion 30, of 3, 2, 3 and 3 turns (B ends after two). D ends
+# below the group's mean (35 against 38.75) but gains more than the others in its later turns.
+UNEVEN = [fake_record([10, 10, -5], 45), fake_record([10, 5], 45, end_reason="left"),
+          fake_record([5, -5, 0], 30), fake_record([-10, 10, 5], 35)]
+# Each turn's return, the changes from it on / 100 (--reward turn), by hand:
+#   A .15 .05 -.05 | B .15 .05 | C 0 -.05 0 | D .05 .15 .05
+# The turn level (--group-advantage mean: the return less the mean at the same place):
+#   turn 1 (A B C D): mean .0875; turn 2 (A B C D): mean .05; turn 3 (A C D, B has none): mean 0
+TURN_LEVEL = [[0.0625, 0.0, -0.05], [0.0625, 0.0], [-0.0875, -0.1, 0.0], [-0.0375, 0.1, 0.05]]
+# The batch level: less the mean of all 11 returns, .55 / 11 = .05
+BATCH_LEVEL = [[0.1, 0.0, -0.1], [0.1, 0.0], [-0.05, -0.1, -0.05], [0.0, 0.1, 0.0]]
+# Mixed, 0.4 x the turn level + 0.6 x the batch level (MAPO's script's weights, the default)
+MIXED = [[0.085, 0.0, -0.08], [0.085, 0.0], [-0.065, -0.1, -0.03], [-0.015, 0.1, 0.02]]
+
+
+def test_turn_returns_are_the_changes_from_each_turn_on_less_later_penalties():
+    records = UNEVEN + [fake_record([3], 33, end_reason="unread")]
+    returns = grpo.turn_returns(records, "turn", {}, 0.0)
+    assert returns[:4] == [pytest.approx(r) for r in
+                           ([0.15, 0.05, -0.05], [0.15, 0.05], [0.0, -0.05, 0.0], [0.05, 0.15, 0.05])]
+    assert returns[4] is None  # unread: no return
+    # the first turn's is the dialogue's reward; a violation costs it and every turn before it
+    rewards = grpo.dialogue_rewards(UNEVEN, "turn", {}, 0.0)
+    assert [r[0] for r in returns[:4]] == pytest.approx(rewards.tolist())
+    penalised = grpo.turn_returns([fake_record([10, 10, -5], 45, violations=(1,))], "turn", {}, 0.1)
+    assert penalised == [pytest.approx([0.05, -0.05, -0.05])]
+    # mixed: the fork's credit of each turn (rl.mixed_credit)
+    assert grpo.turn_returns(UNEVEN[:1], "mixed", {"mixed_alpha": 0.4, "mixed_gamma": 0.97}, 0.0) == [
+        pytest.approx(rl.mixed_credit(UNEVEN[0], 0.4, 0.97))]
+
+
+@pytest.mark.parametrize("weight,expected", [(1.0, TURN_LEVEL), (0.0, BATCH_LEVEL), (0.4, MIXED)])
+def test_per_turn_advantages_on_a_group_of_uneven_dialogues_by_hand(weight, expected):
+    returns = grpo.turn_returns(UNEVEN, "turn", {}, 0.0)
+    advantages = grpo.per_turn_advantages(returns, torch.zeros(4), "mean", weight)
+    assert [len(a) for a in advantages] == [3, 2, 3, 3]
+    for got, by_hand in zip(advantages, expected):
+        assert got == pytest.approx(by_hand, abs=1e-12)
+
+
+def test_per_turn_advantages_with_the_std_by_hand():
+    """--group-advantage mean-std divides each level by its own std (Bessel): turn 1's returns
+    .15 .15 0 .05 have std .075, the batch's 11 returns std sqrt(.055 / 10)."""
+    returns = grpo.turn_returns(UNEVEN, "turn", {}, 0.0)
+    turn_level = grpo.per_turn_advantages(returns, torch.zeros(4), "mean-std", 1.0)
+    batch_level = grpo.per_turn_advantages(returns, torch.zeros(4), "mean-std", 0.0)
+    assert [a[0] for a in turn_level] == pytest.approx([x / (0.075 + EPS)
+                                                        for x in (0.0625, 0.0625, -0.0875, -0.0375)])
+    batch_std = math.sqrt(0.055 / 10)
+    assert batch_level[3] == pytest.approx([x / (batch_std + EPS) for x in (0.0, 0.1, 0.0)])
+
+
+def test_a_dialogue_that_ends_low_but_gained_later_is_credited_for_its_later_turns():
+    """D ends below its group's mean: --reward final gives every turn of it the same negative
+    advantage; per-turn credit gives its first turn (which lost 10) a negative one and the two
+    after it (which gained more than the group's turns at the same place) positive ones."""
+    groups = torch.zeros(4)
+    final = grpo.group_advantages(grpo.dialogue_rewards(UNEVEN, "final", {}, 0.0), groups, "mean")
+    assert final[3].item() == pytest.approx(-0.0375)  # 0.35 against the mean 0.3875
+    per_turn = grpo.per_turn_advantages(grpo.turn_returns(UNEVEN, "turn", {}, 0.0), groups, "mean", 0.4)
+    assert per_turn[3][0] < 0 < min(per_turn[3][1:])
+    for kind in grpo.ADVANTAGES:  # with the std too
+        d = grpo.per_turn_advantages(grpo.turn_returns(UNEVEN, "turn", {}, 0.0), groups, kind, 0.4)[3]
+        assert d[0] < 0 < min(d[1:]), kind
+
+
+def test_a_turn_alone_an_early_end_and_an_unread_dialogue():
+    """Group 0: E of three turns, F of one (it ended early), G unread. E's second and third turns are
+    the only ones of their group at their place: no turn-level comparison (0), only the batch level.
+    G has no advantage and counts in no statistic: the others' are those of the group without it.
+    Group 1 (H, I) moves the batch level alone, never the turn level."""
+    e, f = fake_record([5, 5, 5], 45), fake_record([-5], 25, end_reason="left")
+    g = fake_record([10, 10], 50, end_reason="unread")
+    h, i = fake_record([10], 40), fake_record([0], 30)
+    returns = grpo.turn_returns([e, f, g, h, i], "turn", {}, 0.0)
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    turn_level = grpo.per_turn_advantages(returns, groups, "mean", 1.0)
+    # turn 1 of group 0: E .15, F -.05 -> mean .05; turns 2 and 3: E alone -> 0; group 1: .1 and 0
+    assert turn_level == [pytest.approx([0.1, 0.0, 0.0]), pytest.approx([-0.1]), None,
+                          pytest.approx([0.05]), pytest.approx([-0.05])]
+    # the batch: .15 .10 .05 | -.05 | .10 | 0, mean .0583..
+    mean = (0.15 + 0.10 + 0.05 - 0.05 + 0.10 + 0.0) / 6
+    batch_level = grpo.per_turn_advantages(returns, groups, "mean", 0.0)
+    assert batch_level[0] == pytest.approx([0.15 - mean, 0.10 - mean, 0.05 - mean])
+    assert batch_level[2] is None
+    # without the unread dialogue nothing changes
+    assert grpo.per_turn_advantages(returns[:2] + returns[3:], groups[[0, 1, 3, 4]], "mean", 0.4) == (
+        grpo.per_turn_advantages(returns, groups, "mean", 0.4)[:2]
+        + grpo.per_turn_advantages(returns, groups, "mean", 0.4)[3:])
+    # another group's returns move a turn's turn-level advantage never
+    moved = returns[:3] + [[0.9], [-0.4]]
+    assert grpo.per_turn_advantages(moved, groups, "mean-std", 1.0)[:2] == (
+        grpo.per_turn_advantages(returns, groups, "mean-std", 1.0)[:2])
+    # every dialogue unread: nothing to compare, nothing given
+    assert grpo.per_turn_advantages([None, None], torch.zeros(2), "mean-std", 0.4) == [None, None]
+
+
+def test_token_advantages_put_each_turns_advantage_on_its_own_agent_tokens():
+    # two dialogues: turns end at 3 and 7 (tokens 2-3 and 6-7 the agent's, 4-5 a user's) and at 2
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 0], [0, 1, 1, 0, 0, 0, 0, 0, 0],
+                         [0, 1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    placed = grpo.token_advantages([[0.5, -0.25], [2.0], None], [[3, 7], [2], [2]], mask)
+    assert placed.tolist() == [[0, 0, 0.5, 0.5, 0, 0, -0.25, -0.25, 0], [0, 2.0, 2.0, 0, 0, 0, 0, 0, 0],
+                               [0] * 9]
+
+
+def test_the_turn_level_weight_is_refused_where_a_dialogue_has_one_advantage(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.command(grpo.main)(["--preset", "cpu", "--reward", "final", "--turn-level-weight", "0.5"])
+    assert stop.value.code == 2
+    assert "error: --turn-level-weight mixes per-turn advantages" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
 # Losses
 # ----------------------------------------------------------------------------------------------
 # Three dialogues, right-padded; the mask also leaves out user tokens inside a dialogue.

@@ -10,7 +10,8 @@ import pytest
 from conftest import ROOT
 
 
-@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "evaluate.py", "tools/bench.py"])
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "evaluate.py", "tools/bench.py",
+                                    "tools/capability.py"])
 def test_help_prints(script):
     done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
@@ -19,7 +20,8 @@ def test_help_prints(script):
     # each flag's default (the script's own: evaluate.py's SAGE sizes), and what each preset changes
     text = " ".join(done.stdout.split())
     shown = {"ppo.py": "(RLVER: 5%% of 1,000) (default: 50)", "grpo.py": "(Dr. GRPO) (default: mean-std)",
-             "evaluate.py": "tokens per agent turn (default: 128)", "tools/bench.py": "subcommand"}[script]
+             "evaluate.py": "tokens per agent turn (default: 128)", "tools/bench.py": "subcommand",
+             "tools/capability.py": "(offline), or any of lm-eval's"}[script]
     assert shown.replace("%%", "%") in text
     if script in ("ppo.py", "grpo.py"):
         trainer = __import__(script[:-3])
@@ -47,7 +49,8 @@ def test_the_trainers_share_one_name_per_idea_method_first_operational_last(scri
     assert "--micro-batch-size" in last and "--api-timeout" in last and "--lr " not in last
     stop = subprocess.run([sys.executable, script, "--ppo-epochs", "2"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
-    assert stop.returncode == 2 and stop.stderr.strip() == "error: unrecognized arguments: --ppo-epochs 2"
+    assert stop.returncode == 2 and stop.stderr.strip() == (
+        "error: unrecognized arguments: --ppo-epochs 2; --ppo-epochs: did you mean --update-epochs?")
 
 
 def test_a_first_run_prints_only_the_projects_own_lines(tmp_path):

@@ -44,16 +44,20 @@ def test_no_secret_in_argparses_own_errors(argv, capsys):
     assert code == 2 and KEY not in out + err and "<redacted>" in err, err
 
 
-def test_a_servers_echo_of_the_key_is_scrubbed(server, persona_entry, write_personas, monkeypatch):
-    """A proxy that echoes the Authorization header: what is stored holds no key, whatever its form."""
+def test_a_servers_echo_of_the_key_is_never_stored(server, persona_entry, write_personas, monkeypatch):
+    """A proxy that echoes the Authorization header: what is stored holds no key, whatever its form. The
+    reply is refused (issue 61: it was scrubbed, which rewrote text equal to the key), retried, then one
+    line naming the server, never the key."""
     monkeypatch.setenv("OPENAI_API_KEY", "plainsecret7")
     srv = server(lambda handler, n, body: reply(handler, 200, json.dumps({"choices": [{"message": {
         "content": f"seen {handler.headers['Authorization']}\nChange: +1"}}]}).encode()))
     persona = load_personas(write_personas([persona_entry()]))[0]
-    sim = simulator.Simulator(OpenAIBackend(srv.url), max_turns=1)
+    sim = simulator.Simulator(OpenAIBackend(srv.url, max_retries=1, backoff=0.01), max_turns=1)
     state = sim.start(persona)
-    sim.step([state], ["hello"])
-    assert "plainsecret7" not in json.dumps(state.appraisals) and state.emotion == 41
+    with pytest.raises(simulator.SimulatorError) as error:
+        sim.step([state], ["hello"])
+    assert "plainsecret7" not in str(error.value) and "after 2 tries" in str(error.value)
+    assert srv.count == 2 and state.appraisals == [] and state.emotion == 40
 
 
 # ----------------------------------------------------------------------------------------------

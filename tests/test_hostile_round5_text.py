@@ -16,7 +16,7 @@ import pytest
 
 from client import OpenAIBackend
 from personas import load_personas
-from policy import EMBEDDED, load_model, load_policy, resolve_model
+from policy import EMBEDDED, PUBLIC_NAMES, load_model, load_policy, resolve_model
 import simulator
 from conftest import ROOT, is_appraisal, reply
 from test_bad_input import ENV, assert_one_line, tiny
@@ -236,16 +236,21 @@ KEY = "sk-abcdefghijklmnop1234"
 
 @pytest.mark.parametrize("key", ["a", "x", KEY])
 def test_the_reply_scrub_changes_no_text_but_the_key_itself(key, server, monkeypatch):
-    """Case 10: the URL client scrubs its key from a reply (a proxy's echo of the header) and changes no
-    other text: with OPENAI_API_KEY=a, "Change: +2" became "Ch<redacted>nge: +2" and every dialogue was
-    unread. A key of 8 characters or more goes wherever it stands, inside a longer word too (issue 55,
-    case 2); a shorter one is a placeholder, never scrubbed."""
+    """Case 10: the URL client scrubbed its key from a reply (a proxy's echo of the header): with
+    OPENAI_API_KEY=a, "Change: +2" became "Ch<redacted>nge: +2" and every dialogue was unread. No text is
+    ever scrubbed now (issue 61): a placeholder changes nothing, and a reply holding a real key is
+    refused, one line naming the server and never the key."""
     monkeypatch.setenv("OPENAI_API_KEY", key)
     text = f"Inner reaction: that lands; the mask{key}ed words.\nseen: Bearer {key}\nChange: +2"
     sim, state = url_simulator(server, lambda n, messages: text, max_turns=1)
+    if key == KEY:
+        with pytest.raises(simulator.SimulatorError) as error:
+            sim.step([state], ["That sounds hard."])
+        assert "holds the key of $OPENAI_API_KEY" in str(error.value) and key not in str(error.value)
+        assert state.appraisals == []
+        return
     sim.step([state], ["That sounds hard."])
-    scrubbed = text.replace(key, "<redacted>") if len(key) >= 8 else text
-    assert state.appraisals[-1]["appraisal"] == scrubbed
+    assert state.appraisals[-1]["appraisal"] == text
     assert state.emotion == sim.start_emotion + 2
 
 
@@ -272,9 +277,10 @@ def test_a_key_in_rlver_cache_is_in_no_file_peft_writes(tmp_path, monkeypatch):
     cache_target(cache).symlink_to(resolve_model("smollm2"))
     environ(monkeypatch, "RLVER_CACHE", str(cache))
     policy, _ = load_policy("smollm2", device="cpu", lora_r=2)
-    policy.save_pretrained(tmp_path / "adapter")
+    policy.save_pretrained(tmp_path / "adapter", save_embedding_layers=False)  # as run.Run.save
     texts = {path.name: path.read_text() for path in (tmp_path / "adapter").iterdir()
              if path.suffix != ".safetensors"}
     assert {"adapter_config.json", "README.md"} <= set(texts)
     assert [name for name, text in texts.items() if KEY in text] == []
-    assert "<redacted>" in json.loads(texts["adapter_config.json"])["base_model_name_or_path"]
+    # the base by its public name (policy.public_name), not the cache's path
+    assert json.loads(texts["adapter_config.json"])["base_model_name_or_path"] == PUBLIC_NAMES["smollm2"]

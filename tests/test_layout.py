@@ -1,6 +1,6 @@
 """The layout the code promises its readers: imports flow one way, from personas.json's reader up to
 the scripts, and the command line's plumbing sits at the bottom (cli.py imports no other file of the
-project; run.py only cli.py).
+project; run.py only cli.py; stats.py, the statistics, none).
 Read from the files' import statements, so a new import that breaks the order fails here."""
 import ast
 import os
@@ -11,28 +11,34 @@ import pytest
 from conftest import ROOT
 
 # Each file and the project files it may import: the floors below it (tools/bench.py is on top).
-FLOORS = ["cli", "run", "personas", "users", "simulator", "client", "policy", "rollout", "rl", "ppo",
-          "grpo", "evaluate", "bench"]
+FLOORS = ["cli", "stats", "run", "personas", "users", "pushback", "simulator", "client", "policy", "engine",
+          "rollout", "rl", "ppo", "grpo", "agreement", "evaluate", "capability", "bench"]
 ALLOWED = {
     "cli": set(),
+    "stats": set(),
     "run": {"cli"},
     "personas": {"cli", "run"},
     "users": set(),
-    "simulator": {"cli", "run", "personas", "users"},
+    "pushback": set(),  # data: what a user who pushes back is told, by type
+    "simulator": {"cli", "run", "personas", "users", "pushback"},
     "client": {"cli", "run", "simulator"},
     "policy": {"cli", "run"},
-    "rollout": {"cli", "run", "users", "simulator", "client", "policy"},
+    "engine": set(),
+    "rollout": {"cli", "run", "users", "simulator", "client", "policy", "engine"},
     "rl": {"cli", "run", "personas", "simulator", "policy", "rollout"},
-    "ppo": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
-    "grpo": {"cli", "run", "personas", "simulator", "policy", "rollout", "rl"},
-    "evaluate": {"cli", "run", "personas", "users", "simulator", "policy", "rollout", "rl"},
-    "bench": set(FLOORS[:-1]),
+    "ppo": {"cli", "run", "personas", "simulator", "policy", "engine", "rollout", "rl"},
+    "grpo": {"cli", "run", "personas", "simulator", "policy", "engine", "rollout", "rl"},
+    "agreement": {"cli", "stats", "run", "personas", "simulator", "rollout"},
+    "evaluate": {"cli", "stats", "run", "personas", "users", "simulator", "policy", "engine", "rollout", "rl",
+                 "agreement"},
+    "capability": {"cli", "stats", "run", "policy", "evaluate"},  # tools/capability.py
+    "bench": set(FLOORS[:-2]),
 }
 
 
 def project_imports(name):
     """{project module: names imported from it} for every import statement in NAME.py, at any depth."""
-    path = os.path.join(ROOT, "tools" if name == "bench" else "", f"{name}.py")
+    path = os.path.join(ROOT, "tools" if name in ("bench", "capability") else "", f"{name}.py")
     tree = ast.parse(open(path, encoding="utf-8").read())
     found = {}
     for node in ast.walk(tree):

@@ -16,6 +16,8 @@ a trained model's are sharper still) and sampling explores among a few dozen tok
 The tests are marked gpu: with --device cuda they train on the GPU, and with --dtype bfloat16 in the
 paper's set-up (bf16 base weights, gradient checkpointing, the think-then-say scaffold: the random
 model never writes the tags, so its whole text is the reply and the reward the same)."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -94,9 +96,11 @@ def personas_file(write_personas, persona_entry):
 
 
 # 16 dialogues an iteration in two minibatches of 8 (the second step's ratios move off 1), one
-# pass, 32 iterations, a LoRA learning rate of 8e-3: the clipped fraction stays near 0.1
+# pass, 32 iterations, a LoRA learning rate of 8e-3: the clipped fraction stays near 0.1. The
+# adapters sit where users put them (--target-modules' default: every attention and MLP
+# projection, not lm_head), so the policy learns only through the transformer's layers
 COMMON = ["--preset", "cpu", "--simulator", "rules", "--split", "test", "--max-new-tokens", "8",
-          "--lora-r", "8", "--lora-alpha", "16", "--target-modules", "q_proj,v_proj,lm_head",
+          "--lora-r", "8", "--lora-alpha", "16",
           "--save-every", "1000", "--iterations", "32", "--update-epochs", "1", "--lr", "8e-3",
           "--minibatch-size", "8", "--micro-batch-size", "8"]
 PPO = ["--dialogues-per-iteration", "16", "--critic-lr", "8e-3"]
@@ -190,6 +194,59 @@ def test_grpo_learns_over_two_turns(peaked_model_dir, personas_file, tmp_path, m
     import grpo
 
     flags = COMMON + setup + GRPO + ["--model", peaked_model_dir, "--personas", personas_file,
-                                     "--reward", "turn"]
+                                     "--reward", "final"]
     learns_at_two_of_three_seeds("grpo, 2 turns",
                                  trainer_run(monkeypatch, tmp_path, grpo, 2, flags))
+
+
+@pytest.mark.gpu
+def test_grpo_learns_over_two_turns_with_per_turn_credit(peaked_model_dir, personas_file, tmp_path,
+                                                         monkeypatch, setup):
+    # --reward turn: each turn's advantage is its own (its return, here its own change and the next
+    # one's, against its group's turns at the same place and the batch's: grpo.per_turn_advantages),
+    # not the dialogue's. It learns for that reason: in the records, the two turns of a dialogue
+    # get different advantages, and the second turn's rises with that turn's own change.
+    import grpo
+
+    flags = COMMON + setup + GRPO + ["--model", peaked_model_dir, "--personas", personas_file,
+                                     "--reward", "turn"]
+    train = trainer_run(monkeypatch, tmp_path, grpo, 2, flags)
+
+    def credited_by_turn(seed):
+        metrics = train(seed)
+        assert all(m["turns_mean"] == 2 for m in metrics)
+        with open(tmp_path / f"seed{seed}" / "rollouts.jsonl", encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+        first, second = np.array([r["advantages"] for r in records]).T          # (dialogues,) each
+        own = np.array([r["changes"][1] for r in records], dtype=float)          # (dialogues,)
+        # the dialogues of iterations with a spread (once every reply is best, all get 0)
+        moved = (first != 0) | (second != 0)
+        assert np.mean(first[moved] != second[moved]) > 0.5
+        # in each group (4 dialogues in a row, one persona), the second turn's advantage orders
+        # its dialogues as that turn's own change does (its return: it is the last turn); a
+        # dialogue-level advantage would order them by the sum of both changes instead
+        for group in range(0, len(records), 4):
+            order = np.argsort(own[group:group + 4], kind="stable")
+            assert np.all(np.diff(second[group:group + 4][order]) >= -1e-9), group
+        return metrics
+    learns_at_two_of_three_seeds("grpo, 2 turns, per-turn credit", credited_by_turn)
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo"])
+def test_an_update_moves_every_adapted_layer(peaked_model_dir, personas_file, tmp_path,
+                                             monkeypatch, name):
+    """The policy's gradient reaches every layer it adapts: after one iteration's update each
+    LoRA B matrix (zero at the start) has moved, the actor's and PPO's critic's alike. A loss that
+    reached only the output layer (hidden states detached) would leave every one at zero."""
+    trainer = __import__(name)
+    size = PPO if name == "ppo" else GRPO
+    flags = COMMON + size + ["--model", peaked_model_dir, "--personas", personas_file,
+                             "--dtype", "float32", "--thinking", "false", "--iterations", "1"]
+    install_stand_in(monkeypatch, trainer)
+    returned = trainer.main(flags + ["--seed", "0", "--out", str(tmp_path / "run")])
+    model = returned[0] if name == "ppo" else returned  # ppo.main: (model, value head)
+    moved = {n: float(p.detach().abs().max()) for n, p in model.named_parameters() if "lora_B" in n}
+    adapters = ("default", "critic") if name == "ppo" else ("default",)
+    assert {n.split(".")[-2] for n in moved} == set(adapters)
+    assert len(moved) == 7 * 2 * len(adapters)  # 7 projections x 2 layers, each adapter
+    assert all(value > 0 for value in moved.values()), [n for n, v in moved.items() if v == 0]

@@ -12,6 +12,7 @@ import torch
 
 from personas import load_personas
 from policy import EMBEDDED, resolve_model
+import engine
 import rollout
 import simulator
 from conftest import loose, transcript
@@ -256,7 +257,7 @@ def test_chunked_prefill_answers_as_one_pass_does(tiny_model, monkeypatch):
     answers = []
     for chunk in (1024, 5):
         backend = LocalBackend(model, tokenizer)
-        monkeypatch.setattr(rollout, "PREFILL_CHUNK", chunk)
+        monkeypatch.setattr(engine, "PREFILL_CHUNK", chunk)
         answers.append([backend.chat(c, 6) for c in (conversations, longer)]
                        + [backend.chat(longer, 6)])
     assert answers[0] == answers[1]

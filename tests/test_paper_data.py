@@ -4,7 +4,7 @@
   tests/data/sage_sample.jsonl           SAGE-format profiles with first_talk (sage-004 is Chinese)
   tests/data/sage_results/*_result.jsonl SAGE-format recorded dialogues of three invented "models"
 
-The simulator-agreement check (evaluate.py --agreement), whose numbers are asserted against hand
+The simulator-agreement check (evaluate.py --agreement: agreement.py), whose numbers are asserted against hand
 computations with a fake OpenAI-compatible server that answers known changes. (The openings writer and
 the profile files' own tests are in tests/test_simulator.py.)
 """
@@ -19,6 +19,7 @@ import pytest
 
 from personas import load_personas
 from policy import load_tokenizer
+import agreement
 import evaluate
 import cli
 import simulator
@@ -62,36 +63,14 @@ def test_evaluate_judges_as_many_replies_as_sage_does():
     assert defaults.max_turns == evaluate.SAGE_JUDGED_REPLIES == 9
     assert (defaults.start_emotion, defaults.max_change) == (evaluate.SAGE_START, 10) == (40, 10)
     sim = simulator.Simulator(users.RulesBackend())
-    assert sim.leave_below == evaluate.SAGE_LEAVE_BELOW == 10
-
-
-def test_average_ranks_share_ties():
-    assert evaluate.average_ranks([10, 20, 20, 30]).tolist() == [1, 2.5, 2.5, 4]
-    assert evaluate.average_ranks([3, 1, 3, 3]).tolist() == [3, 1, 3, 3]
-
-
-def test_pearson_spearman_kendall_by_hand():
-    x, y = [1, 2, 3, 4], [2, 4, 5, 4]
-    # deviations (-1.5, -0.5, 0.5, 1.5) and (-1.75, 0.25, 1.25, 0.25): 3.5 / sqrt(5 * 4.75)
-    assert evaluate.pearson(x, y) == pytest.approx(3.5 / np.sqrt(5 * 4.75), abs=1e-12)
-    # ranks of y: (1, 2.5, 4, 2.5), deviations (-1.5, 0, 1.5, 0): 3 / sqrt(5 * 4.5)
-    assert evaluate.spearman(x, y) == pytest.approx(3 / np.sqrt(5 * 4.5), abs=1e-12)
-    # pairs of (1,2,3,4) vs (1,3,2,2): 3 concordant, 2 discordant, 1 tied in y: 1 / sqrt(6 * 5)
-    tau = evaluate.kendall_tau_b(np.array([1, 2, 3, 4]), np.array([1, 3, 2, 2]))
-    assert tau == pytest.approx(1 / np.sqrt(30), abs=1e-12)
-    assert evaluate.kendall_tau_b(np.array([1, 2, 3]), np.array([3, 2, 1])) == -1.0
-    assert np.isnan(evaluate.pearson([1, 2, 3], [5, 5, 5]))
-    assert np.isnan(evaluate.kendall_tau_b(np.array([1, 1]), np.array([1, 2])))
-    rows = np.array([[3, 1], [0, 0], [-2, 2], [1, 0]])
-    assert evaluate.STATISTICS["direction_agreement"](rows) == 0.5
-    assert evaluate.STATISTICS["mae"](rows[:3]) == 2.0
+    assert sim.leave_below == agreement.SAGE_LEAVE_BELOW == 10
 
 
 def test_simulated_final_clamps_as_the_simulator_does():
-    assert evaluate.simulated_final(95, [8, 15, -30]) == 100  # 100 (ceiling): a success, SAGE stops there
-    assert evaluate.simulated_final(60, [15, -30, 4]) == 64  # +15 -> +10, -30 -> -10
-    assert evaluate.simulated_final(40, [-10] * 5) == 0  # 30, 20, 10, 0: below 10, the user leaves
-    assert evaluate.simulated_final(40, [7, 7], max_change=5) == 50
+    assert agreement.simulated_final(95, [8, 15, -30]) == 100  # 100 (ceiling): a success, SAGE stops there
+    assert agreement.simulated_final(60, [15, -30, 4]) == 64  # +15 -> +10, -30 -> -10
+    assert agreement.simulated_final(40, [-10] * 5) == 0  # 30, 20, 10, 0: below 10, the user leaves
+    assert agreement.simulated_final(40, [7, 7], max_change=5) == 50
 
 
 def recorded(id, points, label="a", final=None):
@@ -107,7 +86,7 @@ def recorded(id, points, label="a", final=None):
 def test_successes_and_failures_are_counted_from_the_final_emotion():
     # a recorded file keeps no end reason: 100 is a success, below 10 a failure (10 is neither)
     dialogues = [recorded(f"s{k}", [40, 40], final=final) for k, final in enumerate([100, 99, 10, 9.5, 0])]
-    (file,) = evaluate.agreement_report(dialogues, [[0]] * 5, n_boot=20)["files"]
+    (file,) = agreement.agreement_report(dialogues, [[0]] * 5, n_boot=20)["files"]
     assert (file["recorded"]["successes"], file["recorded"]["failures"]) == (1, 2)
     assert (file["simulated"]["successes"], file["simulated"]["failures"]) == (0, 0)  # all stay at 40
 
@@ -117,13 +96,13 @@ def test_simulated_finals_stop_at_sages_exits_and_models_are_ranked_on_shared_sc
     # 95 and 20 (no success, no failure, score 57.5); SAGE stops at 100 and below 10: 100 (a success)
     # and 5 (a failure), score 52.5.
     up, down, flat = [10] * 6 + [-5], [-10] * 3 + [-5] + [5] * 3, [0] * 7
-    assert evaluate.simulated_final(40, up) == 100 and evaluate.simulated_final(40, down) == 5
+    assert agreement.simulated_final(40, up) == 100 and agreement.simulated_final(40, down) == 5
     points = [40] * 7
     dialogues = [recorded("s1", points + [60]), recorded("s2", points + [50]),
                  recorded("s1", points + [30], "b"), recorded("s2", points + [20], "b"),
                  recorded("s1", points + [45], "c"), recorded("s3", points + [95], "c")]
     changes = [up, down, flat, [-1] * 7, [-2] * 7, flat]
-    report = evaluate.agreement_report(dialogues, changes, n_boot=50)
+    report = agreement.agreement_report(dialogues, changes, n_boot=50)
     a, b, c = report["files"]
     assert (a["simulated"]["value"], a["simulated"]["successes"], a["simulated"]["failures"]) == (52.5, 1, 1)
     assert (b["simulated"]["value"], c["simulated"]["value"]) == ((40 + 33) / 2, (26 + 40) / 2)
@@ -135,33 +114,23 @@ def test_simulated_finals_stop_at_sages_exits_and_models_are_ranked_on_shared_sc
     assert models["scenarios"] == 1 and models["kendall_tau_b"]["value"] == pytest.approx(1 / 3, abs=1e-12)
 
 
-def test_kendall_interval_draws_the_same_scenarios_for_every_file():
-    # (recorded, simulated) final per scenario s1, s2: file A (10, 20), (90, 80); file B (15, 15),
-    # (95, 75). On each scenario B is above A in the record and below it in the simulation, so every
-    # paired resample gives tau -1. Resampling each file on its own would often give +1 (A's s2 twice
-    # against B's s1 twice: 90 > 15 and 80 > 15), and the interval would reach +1.
-    finals = np.array([[[10, 20], [90, 80]], [[15, 15], [95, 75]]], dtype=float)  # (files, scenarios, 2)
-    tau = evaluate.kendall_with_interval(finals, n_boot=500)
-    assert (tau["value"], tau["low"], tau["high"]) == (-1.0, -1.0, -1.0)
-
-
 def personas_of(path=SAGE):
     return {p.id: p for p in load_personas(path)}
 
 
 def test_recorded_state_sees_the_recorded_moods():
-    dialogue = evaluate.read_sage_dialogues(RESULTS[1], personas_of())[1]  # sage-003: 40 -> 35 -> 35 -> 28
-    assert evaluate.judged_replies(dialogue) == [(1, 40, 35), (3, 35, 35), (5, 35, 28)]
+    dialogue = agreement.read_sage_dialogues(RESULTS[1], personas_of())[1]  # sage-003: 40 -> 35 -> 35 -> 28
+    assert agreement.judged_replies(dialogue) == [(1, 40, 35), (3, 35, 35), (5, 35, 28)]
     persona = personas_of()["sage-003"]
-    state = evaluate.recorded_state(persona, dialogue, 5)
+    state = agreement.recorded_state(persona, dialogue, 5)
     assert (state.emotion, state.turns, len(state.history)) == (35, 2, 5)
     assert [(a["change"], a["emotion"]) for a in state.appraisals] == [(-5, 35), (0, 35)]
     messages = simulator.user_turn_messages(state)
     notes = re.findall(r"Your mood: (\d+)", "\n".join(m["content"] for m in messages))
     assert notes == ["40", "35", "35"]  # the mood before each of the two earlier agent replies, then now
     # the last reply of the warm sage-001 dialogue has no user message after it: never judged
-    warm = evaluate.read_sage_dialogues(RESULTS[0], personas_of())[0]
-    assert [k for k, _, _ in evaluate.judged_replies(warm)] == [1, 3] and len(warm["history"]) == 6
+    warm = agreement.read_sage_dialogues(RESULTS[0], personas_of())[0]
+    assert [k for k, _, _ in agreement.judged_replies(warm)] == [1, 3] and len(warm["history"]) == 6
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,8 +151,8 @@ def known_changes():
     """{the reply as the appraisal prompt quotes it: its change}."""
     changes = {}
     for path, dialogue_changes in zip(RESULTS, [SIMULATED[0:2], SIMULATED[2:4], SIMULATED[4:6]]):
-        for dialogue, simulated in zip(evaluate.read_sage_dialogues(path, personas_of()), dialogue_changes):
-            for (k, _, _), change in zip(evaluate.judged_replies(dialogue), simulated):
+        for dialogue, simulated in zip(agreement.read_sage_dialogues(path, personas_of()), dialogue_changes):
+            for (k, _, _), change in zip(agreement.judged_replies(dialogue), simulated):
                 changes[dialogue["history"][k]["text"].translate(simulator.AGENT_ESCAPE)] = change
     assert len(changes) == 19
     return changes
@@ -194,7 +163,10 @@ def appraising_server(server, fail_on=None):
 
     def handle(handler, n, body):
         ask = body["messages"][-1]["content"]
-        marker = next(m for m in ("The chatbot's newest reply:", "机器人的最新回复：") if m in ask)
+        marker = next((m for m in ("The chatbot's newest reply:", "机器人的最新回复：") if m in ask), None)
+        if marker is None:  # evaluate.py's first short request (rollout.reach_simulator)
+            reply(handler, 200, chat_completion("ready"))
+            return
         newest = json.loads(ask.split(marker + "\n", 1)[1].split("\n", 1)[0])
         asked.append(newest)
         if fail_on and fail_on[0] in newest:
@@ -205,7 +177,7 @@ def appraising_server(server, fail_on=None):
     return server(handle), asked
 
 
-def agreement(out, simulator_arg, *extra):
+def check_agreement(out, simulator_arg, *extra):
     argv = ["--agreement", *RESULTS, "--personas", SAGE, "--simulator", simulator_arg,
             "--bootstrap", "300", "--out", str(out), *extra]
     return cli.command(evaluate.main)(argv)
@@ -214,7 +186,7 @@ def agreement(out, simulator_arg, *extra):
 def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server, capsys):
     srv, asked = appraising_server(server)
     out = tmp_path / "check"
-    results = agreement(out, srv.url)
+    results = check_agreement(out, srv.url)
     assert len(asked) == 19  # one appraisal per judged reply, none for SAGE's unjudged last reply
     r = results["replies"]
     assert (r["n"], r["dialogues"], r["unread"]) == (19, 6, 0)
@@ -259,11 +231,11 @@ def test_agreement_numbers_equal_the_hand_computed_ones(tmp_path, server, capsys
 
 
 def test_an_interrupted_agreement_run_keeps_what_it_finished(tmp_path, server, capsys, monkeypatch):
-    first_cold = evaluate.read_sage_dialogues(RESULTS[1], personas_of())[0]["history"][1]["text"]
+    first_cold = agreement.read_sage_dialogues(RESULTS[1], personas_of())[0]["history"][1]["text"]
     srv, _ = appraising_server(server, fail_on=[first_cold])
     with pytest.raises(SystemExit) as stop:
-        monkeypatch.setattr(evaluate, "BATCH_DIALOGUES", 1)
-        agreement(tmp_path / "check", srv.url)
+        monkeypatch.setattr(agreement, "BATCH_DIALOGUES", 1)
+        check_agreement(tmp_path / "check", srv.url)
     err = capsys.readouterr().err
     said = [line for line in re.split(r"[\r\n]", err) if line.startswith("error:")]
     assert stop.value.code == 2 and len(said) == 1 and "HTTP 400" in said[0], err
@@ -283,11 +255,11 @@ def test_agreement_with_the_rules_user_through_the_command_line(tmp_path):
     rows = read_lines(tmp_path / "check" / "appraisals.jsonl")
     personas = personas_of()
     for path, row in zip(RESULTS, rows):
-        dialogue = evaluate.read_sage_dialogues(path, personas)[0]
+        dialogue = agreement.read_sage_dialogues(path, personas)[0]
         assert row["id"] == dialogue["id"]
         # the rules user's own verdict on each reply in a state built by hand from the record
         expected = []
-        for k, before, _ in evaluate.judged_replies(dialogue):
+        for k, before, _ in agreement.judged_replies(dialogue):
             state = simulator.UserState(persona=personas[dialogue["id"]], emotion=before,
                                         history=dialogue["history"][:k])
             change, *_ = users.rules_appraisal(state, dialogue["history"][k]["text"])
@@ -356,7 +328,7 @@ def test_a_recorded_file_given_twice_is_refused(tmp_path, capsys):
 def test_agreement_results_are_strict_json_when_a_statistic_is_undefined(tmp_path, server):
     # a simulator that never moves: every correlation is undefined (NaN), which JSON cannot hold
     srv = server(lambda handler, n, body: reply(handler, 200, chat_completion("Change: 0")))
-    results = agreement(tmp_path / "check", srv.url, "--dialogues", "1")
+    results = check_agreement(tmp_path / "check", srv.url, "--dialogues", "1")
     assert np.isnan(results["replies"]["spearman"]["value"])
 
     def refuse(name):

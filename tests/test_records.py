@@ -2,8 +2,9 @@
 persona's difficulty, each agent turn's change and the rules user's parts it adds up from (each with
 its points, its difficulty weight and what set it off: issue 66), each user
 message marked canned or not, and what the trainer made of it: PPO the reward placed on each agent
-turn (rl.turn_rewards) and the turn's advantage, GRPO the dialogue's reward and advantage
-(grpo.group_advantages over the records' own rewards)."""
+turn (rl.turn_rewards) and the turn's advantage, GRPO the dialogue's reward and each turn's advantage
+(--reward final: grpo.group_advantages over the records' own rewards, the same on every turn;
+turn: grpo.per_turn_advantages over their turns' returns)."""
 import argparse
 import json
 
@@ -71,18 +72,30 @@ def test_ppo_records_the_reward_placed_on_each_turn_and_its_advantage(tiny_model
     assert abs(mean) < 1e-5 and any(abs(a) > 0.1 for a, _ in weighted)
 
 
-def test_grpo_records_each_dialogues_reward_and_advantage(tiny_model_dir, personas_file, tmp_path,
-                                                          monkeypatch):
+@pytest.mark.parametrize("reward", ["final", "turn"])
+def test_grpo_records_each_dialogues_reward_and_each_turns_advantage(tiny_model_dir, personas_file,
+                                                                    tmp_path, monkeypatch, reward):
     # the rules user gives the tiny model's replies one reward in a group (all off topic): the
     # learning tests' user, whose reward is the share of a quarter of the vocabulary, varies
     install_stand_in(monkeypatch, grpo, turns=2)
     args, records = trained(grpo, tiny_model_dir, personas_file, tmp_path / "run",
                             "--personas-per-iteration", "2", "--group-size", "3",
-                            "--minibatch-size", "6")
+                            "--minibatch-size", "6", "--reward", reward)
+    coefficients = mode_coefficients(args)
     for r in records:
-        assert r["reward"] == pytest.approx(sum(turn_rewards(r, args.reward, mode_coefficients(args))))
+        assert r["reward"] == pytest.approx(sum(turn_rewards(r, args.reward, coefficients)))
     rewards = torch.tensor([r["reward"] for r in records], dtype=torch.float64)
     groups = torch.arange(len(records)) // args.group_size
-    expected = grpo.group_advantages(rewards, groups, args.group_advantage).tolist()
-    assert [r["advantage"] for r in records] == pytest.approx(expected)
-    assert sum(a != 0 for a in expected) >= 3
+    if reward == "final":  # the dialogue's advantage against its group, on each of its turns
+        by_dialogue = grpo.group_advantages(rewards, groups, args.group_advantage).tolist()
+        expected = [[a] * len(r["changes"]) for r, a in zip(records, by_dialogue)]
+    else:  # each turn's own: its return against its group's at the same turn, and the batch's
+        returns = grpo.turn_returns(records, args.reward, coefficients, args.format_penalty)
+        expected = grpo.per_turn_advantages(returns, groups, args.group_advantage,
+                                            args.turn_level_weight)
+    assert [len(r["advantages"]) for r in records] == [2] * len(records)
+    for r, by_turn in zip(records, expected):
+        assert r["advantages"] == pytest.approx(by_turn)
+    assert sum(a != 0 for by_turn in expected for a in by_turn) >= 3
+    if reward == "turn":  # the turns of a dialogue differ: each has its own
+        assert any(a != b for a, b in (r["advantages"] for r in records))

@@ -192,9 +192,14 @@ def test_ctrl_c_in_an_iteration_names_it_and_the_resume_goes_on(tiny_model_dir, 
                      line), line
     assert "the newest complete checkpoint is" in line
     assert err.endswith(line + "\n")  # the last line: no progress bar drawn again under it
+    # the run folder keeps it (summary.txt: a line each time the run's process ended, with its time)
+    kept = (out / "summary.txt").read_text().splitlines()
+    assert kept[-1].split(" ", 2)[2] == "stopped by Ctrl-C or SIGTERM" + line[len("stopped by SIGINT"):]
     code, err = shell(*line.split("`")[1].split()[1:])
     assert code == 0, err[-2000:]
     assert [m["iteration"] for m in read_metrics(out)] == list(range(1, 21))
+    kept = (out / "summary.txt").read_text().splitlines()
+    assert len(kept) == 2 and kept[1].split(" ", 2)[2].startswith(f"done: {out}: 20 iterations in ")
 
 
 @pytest.mark.parametrize("omp", [False, True])
@@ -220,6 +225,7 @@ def test_non_finite_weights_are_never_a_checkpoint(tiny_model_dir, personas_file
     assert code == 1 and "NaN or infinity" in line, err[-2000:]
     assert f"newest complete checkpoint is {first}" in line, err[-2000:]
     assert os.listdir(out / "checkpoints") == ["iter_000001"]
+    assert (out / "summary.txt").read_text().splitlines()[-1].split(" ", 2)[2] == line
 
 
 def test_a_stop_line_is_the_last_thing_drawn_below_an_open_bar(capsys):

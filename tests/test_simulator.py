@@ -571,7 +571,7 @@ def test_rules_parts_add_up_to_the_change_by_difficulty(persona_entry, write_per
 # ----------------------------------------------------------------------------------------------
 BAD_SETTINGS = [  # (flags, words the error line must hold)
     (["--max-change", "-5"], ["--max-change", "-5", "at least 1"]),                          # 4
-    (["--max-turns", "0"], ["--max-turns", "0", "at least 1"]),                              # 7
+    (["--max-turns", "0"], ["--max-turns", "0", "[1, 100]"]),                                # 7
     (["--difficulty", "brutal"], ["--difficulty", "brutal"]),
     (["--simulator", "rulez"],
      ["--simulator", "rulez", "same | rules | listener | http(s)://host:port/v1"]),  # 16

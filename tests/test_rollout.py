@@ -416,8 +416,9 @@ def test_logprobs_on_agent_positions_only_equal_the_full_vocabulary_pass(tiny_mo
 
 @pytest.mark.parametrize("chunk_tokens", [2, 5, 64])
 def test_logits_in_chunks_equal_one_pass_gradients_included(tiny_model_dir, chunk_tokens):
-    """The update's log-probs and entropies made over chunks of positions (each recomputed in the
-    backward pass) equal one pass over all of them: values, and the LoRA gradients through both."""
+    """The update's log-probs and entropies made over chunks of agent tokens (each recomputed in
+    the backward pass; a chunk may end inside a row) equal one pass over all of them: values, and
+    the LoRA gradients through both."""
     policy, tokenizer = new_policy(tiny_model_dir, perturb=0.05)
     policy.train()
     ids = torch.randint(3, tokenizer.vocab_size, (3, 15))

@@ -5,7 +5,7 @@ that a fork done the wrong way fails here, before a model loads, not after an ho
   unread dialogue; a row without its hand computation fails too.
 - A per-turn advantage (grpo.per_turn_advantages): on real records, each turn's advantage on its own
   agent tokens.
-- A reward mode (rl.REWARDS): every mode run on real records of a rollout (not made-up ones), the
+- A reward mode (rl.CREDITS): every mode run on real records of a rollout (not made-up ones), the
   return GAE gives each turn equal to the mode's credit, the critic's start read off a real record.
 - A persona filter (personas.load_personas): the trainers and evaluate.py play exactly the personas
   of --split and --difficulty.
@@ -37,7 +37,7 @@ from users import RulesBackend
 # ----------------------------------------------------------------------------------------------
 # Group 0: rewards 0.2, 0.5, 0.8 and one unread dialogue (NaN); group 1: 0.1 and 0.7. A row of
 # ADVANTAGES sees each group's read dialogues only (mean, std with Bessel's correction, size).
-REWARDS = torch.tensor([0.2, float("nan"), 0.5, 0.8, 0.1, 0.7], dtype=torch.float64)
+CREDITS = torch.tensor([0.2, float("nan"), 0.5, 0.8, 0.1, 0.7], dtype=torch.float64)
 GROUPS = torch.tensor([0, 0, 0, 0, 1, 1])
 STD0, STD1 = 0.3, math.sqrt(0.18)
 # Each row's advantages, by hand; a fork that adds a row adds its line here (RLOO, the mean of the
@@ -55,7 +55,7 @@ def test_every_group_advantage_against_its_hand_computation(kind):
     formula of its own group's read dialogues."""
     assert kind in BY_HAND, (f"grpo.ADVANTAGES[{kind!r}] has no hand computation: add the "
                              "advantages it gives this group to BY_HAND (docs/forks.md)")
-    advantages = grpo.group_advantages(REWARDS, GROUPS, kind)
+    advantages = grpo.group_advantages(CREDITS, GROUPS, kind)
     assert advantages.tolist() == pytest.approx(BY_HAND[kind], abs=1e-9)
     assert advantages[1] == 0.0
 
@@ -125,7 +125,7 @@ def persona_entry_module(tmp_path_factory):
     return load_personas(str(path))
 
 
-@pytest.mark.parametrize("mode", list(rl.REWARDS))
+@pytest.mark.parametrize("mode", list(rl.CREDITS))
 def test_every_reward_mode_on_real_records_returns_each_turn_its_credit(mode, real_records):
     """place_rewards and GAE (gamma = lambda = 1, values 0) on records of a real rollout: every
     agent token of turn k returns the mode's credit of turn k, a user token nothing, and the
@@ -142,7 +142,7 @@ def test_every_reward_mode_on_real_records_returns_each_turn_its_credit(mode, re
     rewards = ppo.place_rewards(records, mask.shape, mode, coefficients, 0.0)
     _, returns = ppo.compute_gae(rewards, torch.zeros_like(mask), mask)
     for b, record in enumerate(records):
-        credit = rl.REWARDS[mode](record, **coefficients)
+        credit = rl.CREDITS[mode](record, **coefficients)
         start = record["action_mask"].index(1)
         for k, end in enumerate(record["turn_ends"]):
             turn = [t for t in range(start, end + 1) if record["action_mask"][t]]

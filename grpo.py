@@ -30,9 +30,9 @@ from cli import (above, at_least, command, fail, one_of, parse_settings, setting
                  within)
 from personas import load_personas
 from policy import adapter_params, check_model, load_policy
-from rl import (TrainerSettings, adamw_with_warmup, eval_logprobs, iteration_report,
-                mode_coefficients, old_logprobs_from_update, pad_records, pick_personas,
-                agg_weights, token_logprobs, turn_rewards)
+from rl import (TrainerSettings, adamw_with_warmup, agg_weights, eval_logprobs, figures_line,
+                iteration_report, mode_coefficients, old_logprobs_from_update, pad_records,
+                pick_personas, token_logprobs, turn_rewards)
 from engine import Decoder
 from rollout import (ChatTokens, build_simulator, check_openings_fit, play_dialogues,
                      reach_simulator)
@@ -429,9 +429,14 @@ def main(argv=None):
         first = slice(None, None, args.group_size)
         spread = all_std[first][all_size[first] >= 2]                                    # (groups,)
         # (no group with a std: NaN, which the log writes as null)
-        run.log({**figures, "group_reward_std": float(spread.mean()),
-                 "zero_spread_groups": int(all_flat[first].sum()),
-                 "lr": optimizer.param_groups[0]["lr"]}, logs, dialogues)
+        metrics = run.log({**figures, "group_reward_std": float(spread.mean()),
+                           "zero_spread_groups": int(all_flat[first].sum()),
+                           "lr": optimizer.param_groups[0]["lr"]}, logs, dialogues)
+        # one line an iteration, from the figures logged; process 0's only (nanochat's print0)
+        if run.is_main:
+            print(f"grpo {metrics['iteration']}/{args.iterations} | " + figures_line(
+                metrics, ("reward_mean", "final_emotion_mean", "kl_ref", "clip_frac",
+                          "zero_spread_groups", "time_iteration")))
 
         # --- 6. checkpoint -----------------------------------------------------------------------
         run.save_if_due()  # every --save-every iterations and at the last

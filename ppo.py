@@ -32,9 +32,9 @@ from cli import (above, at_least, command, fail, one_of, parse_settings, setting
                  within)
 from personas import load_personas
 from policy import adapter_params, check_model, load_policy
-from rl import (TrainerSettings, adamw_with_warmup, eval_logprobs, eval_forward, iteration_report,
-                mode_coefficients, old_logprobs_from_update, pad_records, pick_personas,
-                agg_weights, token_logprobs, turn_rewards, unmoved_return)
+from rl import (TrainerSettings, adamw_with_warmup, agg_weights, eval_forward, eval_logprobs,
+                figures_line, iteration_report, mode_coefficients, old_logprobs_from_update,
+                pad_records, pick_personas, token_logprobs, turn_rewards, unmoved_return)
 from engine import Decoder
 from rollout import (ChatTokens, build_simulator, check_openings_fit, play_dialogues,
                      reach_simulator)
@@ -447,9 +447,14 @@ def main(argv=None):
                                               coefficients)
         values = np.array(run.gather(old_values[mask > 0].tolist()))                       # (N,)
         targets = np.array(run.gather(returns[mask > 0].tolist()))                         # (N,)
-        run.log({**figures, "explained_variance": explained_variance(values, targets),
-                 "actor_lr": optimizer.param_groups[0]["lr"],
-                 "critic_lr": optimizer.param_groups[1]["lr"]}, logs, dialogues)
+        metrics = run.log({**figures, "explained_variance": explained_variance(values, targets),
+                           "actor_lr": optimizer.param_groups[0]["lr"],
+                           "critic_lr": optimizer.param_groups[1]["lr"]}, logs, dialogues)
+        # one line an iteration, from the figures logged; process 0's only (nanochat's print0)
+        if run.is_main:
+            print(f"ppo {metrics['iteration']}/{args.iterations} | " + figures_line(
+                metrics, ("reward_mean", "final_emotion_mean", "kl_ref", "clip_frac",
+                          "explained_variance", "time_iteration")))
 
         # --- 6. checkpoint -----------------------------------------------------------------------
         run.save_if_due()  # every --save-every iterations and at the last

@@ -292,6 +292,13 @@ def iteration_report(all_records, stats, update_tokens, update_seconds, mode, co
     return figures, [{k: v for k, v in r.items() if k not in TOKEN_ARRAYS} for r in all_records]
 
 
+def figures_line(metrics, keys):
+    """The iteration's line (each trainer prints it): "key value" for each of keys of its metrics
+    line, to 4 significant digits, joined by " | "; "-" where the figure was not measured (None)."""
+    return " | ".join(f"{key} {'-' if metrics[key] is None else f'{metrics[key]:.4g}'}"
+                      for key in keys)
+
+
 # ----------------------------------------------------------------------------------------------
 # Settings the scripts share: each script declares its own on top of these (ppo.Settings,
 # grpo.Settings, evaluate.Settings), with its presets beside them

@@ -62,7 +62,7 @@ def test_a_groups_statistics_are_over_its_read_dialogues():
 
 # Group 0 has a spread, group 1 is flat (every dialogue ended the same). Interleaved on purpose:
 # groups are found by id, not by position.
-CREDITS = torch.tensor([0.3, 0.4, 0.5, 0.4, 0.7, 0.4], dtype=torch.float64)
+GROUP_REWARDS = torch.tensor([0.3, 0.4, 0.5, 0.4, 0.7, 0.4], dtype=torch.float64)
 GROUPS = torch.tensor([0, 1, 0, 1, 0, 1])
 EPS = 1e-4
 STD0 = math.sqrt(((0.3 - 0.5) ** 2 + 0 + (0.7 - 0.5) ** 2) / 2)  # Bessel: n - 1 = 2 -> 0.2
@@ -73,7 +73,7 @@ STD0 = math.sqrt(((0.3 - 0.5) ** 2 + 0 + (0.7 - 0.5) ** 2) / 2)  # Bessel: n - 1
     ("mean", [-0.2, 0, 0, 0, 0.2, 0]),
 ])
 def test_group_advantages_by_hand(kind, expected):
-    adv = grpo.group_advantages(CREDITS, GROUPS, kind)
+    adv = grpo.group_advantages(GROUP_REWARDS, GROUPS, kind)
     assert torch.isfinite(adv).all()
     assert adv.tolist() == pytest.approx(expected, abs=1e-12)
     # the flat group gets exactly zero, not round-off divided by eps
@@ -103,7 +103,7 @@ def test_each_advantage_is_against_its_own_group_only(kind):
 
 
 def test_group_stats():
-    mean, std, size, flat = grpo.group_stats(CREDITS, GROUPS)
+    mean, std, size, flat = grpo.group_stats(GROUP_REWARDS, GROUPS)
     assert size.tolist() == [3] * 6
     assert mean.tolist() == pytest.approx([0.5, 0.4, 0.5, 0.4, 0.5, 0.4])
     assert std.tolist() == pytest.approx([STD0, 0, STD0, 0, STD0, 0], abs=1e-12)

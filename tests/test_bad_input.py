@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rl import REWARDS
+from rl import CREDITS
 from conftest import ROOT, reply
 
 import cli  # noqa: E402
@@ -121,10 +121,10 @@ def test_bad_settings_through_the_real_command_line(script, flags, words):
 
 
 def test_help_lists_the_choices():
-    """Every choice of a table a fork adds to (REWARDS, grpo.ADVANTAGES) is a choice --help lists."""
+    """Every choice of a table a fork adds to (CREDITS, grpo.ADVANTAGES) is a choice --help lists."""
 
-    for script, table, flag in (("ppo.py", REWARDS, "--reward"),
-                                ("grpo.py", REWARDS, "--reward"),
+    for script, table, flag in (("ppo.py", CREDITS, "--reward"),
+                                ("grpo.py", CREDITS, "--reward"),
                                 ("grpo.py", grpo.ADVANTAGES, "--group-advantage")):
         code, out, err, _ = shell(script, "--help")
         listed = re.search(rf"{flag} {{([^}}]*)}}", out).group(1).split(",")

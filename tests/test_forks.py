@@ -5,8 +5,10 @@ that a fork done the wrong way fails here, before a model loads, not after an ho
   unread dialogue; a row without its hand computation fails too.
 - A per-turn advantage (grpo.per_turn_advantages): on real records, each turn's advantage on its own
   agent tokens.
-- A reward mode (rl.REWARDS): every mode run on real records of a rollout (not made-up ones), the
+- A reward mode (rl.CREDITS): every mode run on real records of a rollout (not made-up ones), the
   return GAE gives each turn equal to the mode's credit, the critic's start read off a real record.
+- The critic's reading position (ppo.critic_values): a turn's value, at its first token, does not
+  change when that turn's own tokens do.
 - A persona filter (personas.load_personas): the trainers and evaluate.py play exactly the personas
   of --split and --difficulty.
 - An evaluation measure (evaluate.MEASURES): on a real evaluation, every figure written with an
@@ -14,6 +16,7 @@ that a fork done the wrong way fails here, before a model loads, not after an ho
 
     python -m pytest tests/test_forks.py -q
 """
+import copy
 import json
 import math
 import os
@@ -37,7 +40,7 @@ from users import RulesBackend
 # ----------------------------------------------------------------------------------------------
 # Group 0: rewards 0.2, 0.5, 0.8 and one unread dialogue (NaN); group 1: 0.1 and 0.7. A row of
 # ADVANTAGES sees each group's read dialogues only (mean, std with Bessel's correction, size).
-REWARDS = torch.tensor([0.2, float("nan"), 0.5, 0.8, 0.1, 0.7], dtype=torch.float64)
+GROUP_REWARDS = torch.tensor([0.2, float("nan"), 0.5, 0.8, 0.1, 0.7], dtype=torch.float64)
 GROUPS = torch.tensor([0, 0, 0, 0, 1, 1])
 STD0, STD1 = 0.3, math.sqrt(0.18)
 # Each row's advantages, by hand; a fork that adds a row adds its line here (RLOO, the mean of the
@@ -55,7 +58,7 @@ def test_every_group_advantage_against_its_hand_computation(kind):
     formula of its own group's read dialogues."""
     assert kind in BY_HAND, (f"grpo.ADVANTAGES[{kind!r}] has no hand computation: add the "
                              "advantages it gives this group to BY_HAND (docs/forks.md)")
-    advantages = grpo.group_advantages(REWARDS, GROUPS, kind)
+    advantages = grpo.group_advantages(GROUP_REWARDS, GROUPS, kind)
     assert advantages.tolist() == pytest.approx(BY_HAND[kind], abs=1e-9)
     assert advantages[1] == 0.0
 
@@ -125,7 +128,7 @@ def persona_entry_module(tmp_path_factory):
     return load_personas(str(path))
 
 
-@pytest.mark.parametrize("mode", list(rl.REWARDS))
+@pytest.mark.parametrize("mode", list(rl.CREDITS))
 def test_every_reward_mode_on_real_records_returns_each_turn_its_credit(mode, real_records):
     """place_rewards and GAE (gamma = lambda = 1, values 0) on records of a real rollout: every
     agent token of turn k returns the mode's credit of turn k, a user token nothing, and the
@@ -142,7 +145,7 @@ def test_every_reward_mode_on_real_records_returns_each_turn_its_credit(mode, re
     rewards = ppo.place_rewards(records, mask.shape, mode, coefficients, 0.0)
     _, returns = ppo.compute_gae(rewards, torch.zeros_like(mask), mask)
     for b, record in enumerate(records):
-        credit = rl.REWARDS[mode](record, **coefficients)
+        credit = rl.CREDITS[mode](record, **coefficients)
         start = record["action_mask"].index(1)
         for k, end in enumerate(record["turn_ends"]):
             turn = [t for t in range(start, end + 1) if record["action_mask"][t]]
@@ -150,6 +153,45 @@ def test_every_reward_mode_on_real_records_returns_each_turn_its_credit(mode, re
             start = end + 1
         assert (returns[b][mask[b] == 0] == 0).all()
     assert math.isfinite(rl.unmoved_return(personas[0], 30, 3, mode, coefficients))
+
+
+# ----------------------------------------------------------------------------------------------
+# The critic's reading position, on real records
+# ----------------------------------------------------------------------------------------------
+def test_a_turns_value_is_read_before_the_turn_so_its_own_tokens_never_change_it(real_records,
+                                                                                tiny_model_dir):
+    """The values GAE takes (ppo.critic_values through rl.eval_forward, as step 2 scores them), on
+    the records of a real rollout: an agent turn's value, at its first token, is the state's
+    before the turn, so giving that turn other tokens leaves it exactly as it was, while the
+    values after the turn's first token move. A critic read at the turn's last token (or at the
+    token itself) has seen the turn it is the baseline for, and fails here."""
+    from policy import load_policy
+
+    records, tokenizer, _ = real_records
+    model, _ = load_policy(tiny_model_dir, lora_r=4, lora_alpha=8)
+    model.add_adapter("critic", copy.deepcopy(model.peft_config["default"]))
+    torch.manual_seed(0)
+    head = torch.nn.Linear(model.config.hidden_size, 1)
+    batch = rl.pad_records(records, tokenizer.pad_token_id, "cpu")
+    mask = batch["action_mask"]                                                           # (B, T)
+
+    def values(input_ids):
+        with ppo.adapter_active(model, "critic"):
+            return rl.eval_forward(model, {**batch, "input_ids": input_ids}, 2,          # (B, T)
+                                   lambda ids, att, _: ppo.critic_values(model, head, ids, att))
+    before = values(batch["input_ids"])
+    turns = 0
+    for b, record in enumerate(records):
+        for start, end in zip([0] + [e + 1 for e in record["turn_ends"][:-1]], record["turn_ends"]):
+            own = (mask[b, start:end + 1] > 0).nonzero()[:, 0] + start  # the turn's agent tokens
+            changed = batch["input_ids"].clone()                                          # (B, T)
+            changed[b, own] = (changed[b, own] + 1) % len(tokenizer)
+            after = values(changed)
+            first = int(own[0])
+            assert after[b, first] == before[b, first], (b, start)
+            assert not torch.equal(after[b, first + 1:], before[b, first + 1:]), (b, start)
+            turns += 1
+    assert turns >= 6  # three dialogues of one to three turns
 
 
 # ----------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def test_a_groups_statistics_are_over_its_read_dialogues():
 
 # Group 0 has a spread, group 1 is flat (every dialogue ended the same). Interleaved on purpose:
 # groups are found by id, not by position.
-REWARDS = torch.tensor([0.3, 0.4, 0.5, 0.4, 0.7, 0.4], dtype=torch.float64)
+GROUP_REWARDS = torch.tensor([0.3, 0.4, 0.5, 0.4, 0.7, 0.4], dtype=torch.float64)
 GROUPS = torch.tensor([0, 1, 0, 1, 0, 1])
 EPS = 1e-4
 STD0 = math.sqrt(((0.3 - 0.5) ** 2 + 0 + (0.7 - 0.5) ** 2) / 2)  # Bessel: n - 1 = 2 -> 0.2
@@ -73,7 +73,7 @@ STD0 = math.sqrt(((0.3 - 0.5) ** 2 + 0 + (0.7 - 0.5) ** 2) / 2)  # Bessel: n - 1
     ("mean", [-0.2, 0, 0, 0, 0.2, 0]),
 ])
 def test_group_advantages_by_hand(kind, expected):
-    adv = grpo.group_advantages(REWARDS, GROUPS, kind)
+    adv = grpo.group_advantages(GROUP_REWARDS, GROUPS, kind)
     assert torch.isfinite(adv).all()
     assert adv.tolist() == pytest.approx(expected, abs=1e-12)
     # the flat group gets exactly zero, not round-off divided by eps
@@ -103,7 +103,7 @@ def test_each_advantage_is_against_its_own_group_only(kind):
 
 
 def test_group_stats():
-    mean, std, size, flat = grpo.group_stats(REWARDS, GROUPS)
+    mean, std, size, flat = grpo.group_stats(GROUP_REWARDS, GROUPS)
     assert size.tolist() == [3] * 6
     assert mean.tolist() == pytest.approx([0.5, 0.4, 0.5, 0.4, 0.5, 0.4])
     assert std.tolist() == pytest.approx([STD0, 0, STD0, 0, STD0, 0], abs=1e-12)
@@ -242,11 +242,11 @@ BUDGET = 8
     ("dr-grpo", (1 + 2 + 3 + 4 + 5 + 6) / (3 * BUDGET)),
 ])
 def test_loss_aggregation_by_hand(mode, expected):
-    whole = (LOSS * rl.token_weights(MASK, mode, MASK.sum(), 3, BUDGET)).sum()
+    whole = (LOSS * rl.agg_weights(MASK, mode, MASK.sum(), 3, BUDGET)).sum()
     assert whole.item() == pytest.approx(expected)
     # split into micro-batches, the shares add up to the same minibatch loss
-    parts = ((LOSS[:1] * rl.token_weights(MASK[:1], mode, MASK.sum(), 3, BUDGET)).sum()
-             + (LOSS[1:] * rl.token_weights(MASK[1:], mode, MASK.sum(), 3, BUDGET)).sum())
+    parts = ((LOSS[:1] * rl.agg_weights(MASK[:1], mode, MASK.sum(), 3, BUDGET)).sum()
+             + (LOSS[1:] * rl.agg_weights(MASK[1:], mode, MASK.sum(), 3, BUDGET)).sum())
     assert parts.item() == pytest.approx(expected)
 
 
@@ -254,12 +254,14 @@ def test_clipped_policy_loss_and_k3_by_hand():
     old = torch.zeros(5)
     new = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.7, 1.0]))
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 2.0])
-    loss, ratio, clipped = rl.clipped_policy_loss(new, old, adv, 0.2, 0.28)
+    # the sampler's log-probs are the old ones: every truncated importance weight is 1
+    terms = grpo.policy_terms(new, old, old, adv, None, clip_low=0.2, clip_high=0.28, dual_clip=0.0,
+                              tis_cap=2.0)
     # A>0: -A min(r, 1.28) -> -1.28, -0.5 ; A<0: -A max(r, 0.8) -> 1.1, 0.8 ; r = 1: -A
-    torch.testing.assert_close(loss, torch.tensor([-1.28, -0.5, 1.1, 0.8, -2.0]))
-    assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
+    torch.testing.assert_close(terms["policy_loss"], torch.tensor([-1.28, -0.5, 1.1, 0.8, -2.0]))
+    assert terms["clip_frac"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
     lp, ref = torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([0.5, 0.4]))
-    k3 = rl.kl_k3(lp, ref)   # ratio ref/p = 1 and 2: 1 - 0 - 1 = 0 ; 2 - ln 2 - 1
+    k3 = grpo.kl_k3(lp, ref)   # ratio ref/p = 1 and 2: 1 - 0 - 1 = 0 ; 2 - ln 2 - 1
     assert k3[0].item() == pytest.approx(0.0, abs=1e-7) and k3[1].item() == pytest.approx(1 - math.log(2))
 
 

@@ -55,8 +55,9 @@ def test_the_trainers_share_one_name_per_idea_method_first_operational_last(scri
 
 def test_a_first_run_prints_only_the_projects_own_lines(tmp_path):
     """`python ppo.py --preset cpu` from an empty model cache, as a newcomer's first run: stdout and
-    stderr hold the project's own lines and its progress bar, no library's warning, advice or bar
-    (bitsandbytes' kernel-hub advice, transformers' deprecation and its GGUF and loading bars)."""
+    stderr hold the project's own lines (its line an iteration among them), no library's warning,
+    advice or bar (bitsandbytes' kernel-hub advice, transformers' deprecation and its GGUF and
+    loading bars)."""
     env = {**os.environ, "RLVER_CACHE": str(tmp_path / "cache")}
     env.pop("OMP_NUM_THREADS", None)  # a newcomer's shell: the script picks its threads
     done = subprocess.run([sys.executable, "ppo.py", "--preset", "cpu", "--iterations", "1",
@@ -65,7 +66,7 @@ def test_a_first_run_prints_only_the_projects_own_lines(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     frames = [line for line in re.split(r"[\r\n]", done.stdout + done.stderr) if line.strip()]
-    ours = re.compile(r"(policy smollm2 on cpu|converting .*\.gguf to |run /|done: |ppo: )")
+    ours = re.compile(r"(policy smollm2 on cpu|converting .*\.gguf to |run /|done: |ppo 1/1 \| reward_mean )")
     assert frames and all(ours.match(line) for line in frames), [f for f in frames if not ours.match(f)]
     assert "converting" in done.stderr  # it was a first run: the model was converted
     # its start-up line says the threads it took: half the usable cores (cli.use_cpu_threads)

@@ -70,7 +70,7 @@ def mismatch_kl(policy, batch):
     with torch.no_grad():
         trained, _ = update_logprobs(policy, batch)
     mask = batch["action_mask"].bool()
-    return rl.kl_k3(batch["sample_logprobs"], trained)[mask].mean().item()
+    return grpo.kl_k3(batch["sample_logprobs"], trained)[mask].mean().item()
 
 
 def test_the_truncated_importance_weight_by_hand_on_a_bf16_model(sharp_model_dir):
@@ -92,22 +92,25 @@ def test_the_truncated_importance_weight_by_hand_on_a_bf16_model(sharp_model_dir
     adv = torch.randn(mask.shape, generator=g) * mask
     n = mask.sum()
     coefficients = dict(clip_low=0.2, clip_high=0.28, dual_clip=0.0, tis_cap=2.0)
-    terms = rl.policy_terms(newlogprob, old, sample, adv, None, **coefficients)
-    loss = (rl.token_weights(mask, "token-mean", n, len(mask)) * terms["policy_loss"]).sum()
+    terms = ppo.policy_terms(newlogprob, old, sample, adv, None, **coefficients)
+    # grpo.py's copy gives the same terms
+    for key, value in grpo.policy_terms(newlogprob, old, sample, adv, None, **coefficients).items():
+        assert (value is None and terms[key] is None) or torch.equal(value, terms[key]), key
+    loss = (rl.agg_weights(mask, "token-mean", n, len(mask)) * terms["policy_loss"]).sum()
     loss.backward()
     grads = {k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None}
     # by hand, in float64
     new64, old64, sample64, adv64 = (x.detach().double() for x in (newlogprob, old, sample, adv))
     r = torch.exp(new64 - old64)
-    weight = torch.exp(old64 - sample64).clamp(max=2.0)
+    tis_weight = torch.exp(old64 - sample64).clamp(max=2.0)
     unclipped, clipped = -adv64 * r, -adv64 * r.clamp(0.8, 1.28)
     on = mask.bool()
     assert 0 < (torch.exp(old64 - sample64)[on] > 2).float().mean() < 0.5  # some weights were cut
     assert 0 < (clipped > unclipped)[on].float().mean() < 0.5              # some ratios were clipped
-    expected = (weight * torch.maximum(unclipped, clipped))[on].sum() / n
+    expected = (tis_weight * torch.maximum(unclipped, clipped))[on].sum() / n
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     # d loss / d log p_t = w_t (-A_t r_t) / n where the unclipped term is the larger, else 0
-    slope = torch.where(unclipped >= clipped, weight * unclipped, 0.0) * mask / n
+    slope = torch.where(unclipped >= clipped, tis_weight * unclipped, 0.0) * mask / n
     torch.testing.assert_close(newlogprob.grad.double(), slope, rtol=1e-5, atol=1e-9)
     # and through the model: the same gradients as the hand surrogate's
     policy.zero_grad()
@@ -119,7 +122,7 @@ def test_the_truncated_importance_weight_by_hand_on_a_bf16_model(sharp_model_dir
     assert terms["tis_clip_frac"][on].mean().item() == pytest.approx(
         (torch.exp(old64 - sample64)[on] > 2).double().mean().item())
     # --tis-cap 0: no correction, every weight 1, nothing cut
-    off = rl.policy_terms(newlogprob, old, sample, adv, None, **{**coefficients, "tis_cap": 0.0})
+    off = ppo.policy_terms(newlogprob, old, sample, adv, None, **{**coefficients, "tis_cap": 0.0})
     assert off["tis_weight_mean"][on].unique().tolist() == [1.0] and off["tis_clip_frac"].sum() == 0
     assert torch.equal(off["mismatch_kl"], terms["mismatch_kl"])  # what is measured does not change
 

@@ -13,7 +13,6 @@ import torch
 
 import grpo
 import ppo
-import rl
 import cli
 from conftest import read_metrics
 
@@ -334,13 +333,14 @@ def test_the_stop_after_non_finite_updates_keeps_the_last_complete_checkpoint(tr
 
     # 3 optimizer steps an iteration. Iteration 1 is clean and saved; in iteration 2 the first step
     # is clean (the weights move on) and every later one is non-finite, so the run stops part-way.
-    real, calls = rl.clipped_policy_loss, []
+    real, calls = trainer.policy_terms, []
 
     def poisoned(*args, **kwargs):
         calls.append(1)
-        loss, ratio, clipped = real(*args, **kwargs)
-        return (loss * float("nan") if len(calls) > 4 else loss), ratio, clipped
-    monkeypatch.setattr(rl, "clipped_policy_loss", poisoned)
+        terms = real(*args, **kwargs)
+        poison = float("nan") if len(calls) > 4 else 1.0
+        return {**terms, "policy_loss": terms["policy_loss"] * poison}
+    monkeypatch.setattr(trainer, "policy_terms", poisoned)
     make = ppo_args if trainer is ppo else grpo_args
     out = tmp_path / "run"
     sizes = ["--dialogues-per-iteration", "6"] if trainer is ppo else ["--personas-per-iteration", "3"]

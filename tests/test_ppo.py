@@ -1,4 +1,5 @@
 """ppo.py: the math against plain loops and hand computation, then the script end to end."""
+import inspect
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import ppo
 import rl
 import cli
 from conftest import ROOT, read_metrics
-from rl import REWARDS, TrainerSettings, mode_coefficients, unmoved_return
+from rl import CREDITS, TrainerSettings, mode_coefficients, unmoved_return
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,7 +198,7 @@ def test_the_critic_starts_at_the_return_of_an_unmoved_dialogue(monkeypatch, per
         assert unmoved_return(persona, 30, 4, mode, mode_coefficients(args)) == 0
     turns = lambda record: [len(record["emotions"]) - k + record["policy_tokens"]  # noqa: E731
                             for k in range(len(record["emotions"]))]
-    monkeypatch.setitem(REWARDS, "turns_left", turns)
+    monkeypatch.setitem(CREDITS, "turns_left", turns)
     assert unmoved_return(persona, 30, 4, "turns_left", {}) == 4
 
 
@@ -215,19 +216,19 @@ def test_an_unread_dialogue_earns_nothing():
 
 
 def test_a_reward_mode_gives_one_value_per_agent_turn_or_fails(monkeypatch):
-    """A fork adds a mode in one place, REWARDS: here every turn credited with the mean emotion over
+    """A fork adds a mode in one place, CREDITS: here every turn credited with the mean emotion over
     the agent's turns. PPO returns it on every turn, GRPO compares it; a mode that gives one value
     for three turns is an error, never a credit of the first turn alone."""
     import grpo
 
     mean = lambda r: [sum(r["emotions"]) / len(r["emotions"]) / 100] * len(r["emotions"])  # noqa: E731
-    monkeypatch.setitem(REWARDS, "mean", mean)
+    monkeypatch.setitem(CREDITS, "mean", mean)
     args = reward_args()
     args.reward = "mean"  # a fork's mode (the flag's choices are fixed when ppo.py is imported)
     records = [fake_record([5, 12, 20], [4, -2, 8], 70)]  # emotions 64, 62, 70: mean 65.33
     assert turn_returns(records, args) == [pytest.approx([196 / 300] * 3)]
     assert grpo.dialogue_rewards(records, "mean", {}, 0.0).tolist() == pytest.approx([196 / 300])
-    monkeypatch.setitem(REWARDS, "mean", lambda r: [sum(r["emotions"]) / len(r["emotions"]) / 100])
+    monkeypatch.setitem(CREDITS, "mean", lambda r: [sum(r["emotions"]) / len(r["emotions"]) / 100])
     with pytest.raises(ValueError, match="1 values for 3 agent turns"):
         place(records, (1, 25), args)
     with pytest.raises(ValueError, match="1 values for 3 agent turns"):
@@ -246,39 +247,51 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0,
     ("seq-mean-token-mean", (2.0 + 4.0 + 5.5) / 3),
 ])
 def test_loss_aggregation_by_hand(mode, expected):
-    whole = (LOSS * rl.token_weights(MASK, mode, MASK.sum(), 3)).sum()
+    whole = (LOSS * rl.agg_weights(MASK, mode, MASK.sum(), 3)).sum()
     assert whole.item() == pytest.approx(expected)
     # split into micro-batches, the shares add up to the same minibatch loss
-    parts = ((LOSS[:1] * rl.token_weights(MASK[:1], mode, MASK.sum(), 3)).sum()
-             + (LOSS[1:] * rl.token_weights(MASK[1:], mode, MASK.sum(), 3)).sum())
+    parts = ((LOSS[:1] * rl.agg_weights(MASK[:1], mode, MASK.sum(), 3)).sum()
+             + (LOSS[1:] * rl.agg_weights(MASK[1:], mode, MASK.sum(), 3)).sum())
     assert parts.item() == pytest.approx(expected)
 
 
-def test_clipped_policy_loss_by_hand():
+def surrogate(trainer, new, old, adv, clip_low, clip_high, dual_clip=0.0):
+    """A trainer's clipped surrogate per token and its clipped flags: policy_terms with the
+    sampler's log-probs equal to the old ones (every truncated importance weight 1)."""
+    terms = trainer.policy_terms(new, old, old, adv, None, clip_low=clip_low, clip_high=clip_high,
+                                 dual_clip=dual_clip, tis_cap=2.0)
+    return terms["policy_loss"], terms["clip_frac"]
+
+
+@pytest.mark.parametrize("trainer", ["ppo", "grpo"])
+def test_clipped_policy_loss_by_hand(trainer):
+    trainer = __import__(trainer)
     old = torch.zeros(4)
     new = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.7]))
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    loss, ratio, clipped = rl.clipped_policy_loss(new, old, adv, 0.2, 0.3)
+    loss, clipped = surrogate(trainer, new, old, adv, 0.2, 0.3)
     # A>0: min(r, 1.3) -> 1.3 and 0.5; A<0: max(r, 0.8) -> 1.1 and 0.8
     torch.testing.assert_close(loss, torch.tensor([-1.3, -0.5, 1.1, 0.8]))
     assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0]
 
 
-def test_dual_clip_by_hand():
+@pytest.mark.parametrize("trainer", ["ppo", "grpo"])
+def test_dual_clip_by_hand(trainer):
     """--dual-clip 3 (verl's clip_ratio_c): with A < 0 a token's loss is at most -3 A; A > 0 and a
     ratio below 3 are left as they were."""
+    trainer = __import__(trainer)
     old = torch.zeros(5)
     new = torch.log(torch.tensor([5.0, 2.0, 5.0, 0.5, 4.0]))
     adv = torch.tensor([-1.0, -2.0, 1.0, -1.0, -0.5])
-    plain, _, _ = rl.clipped_policy_loss(new, old, adv, 0.2, 0.2)
-    dual, _, _ = rl.clipped_policy_loss(new, old, adv, 0.2, 0.2, dual_clip=3.0)
+    plain, _ = surrogate(trainer, new, old, adv, 0.2, 0.2)
+    dual, _ = surrogate(trainer, new, old, adv, 0.2, 0.2, dual_clip=3.0)
     # A<0: max(r, 0.8) x -A -> 5, 4, 0.8, 2; A>0: min(r, 1.2) -> -1.2
     torch.testing.assert_close(plain, torch.tensor([5.0, 4.0, -1.2, 0.8, 2.0]))
     # the dual clip caps -A r at -3 A: 3 (was 5) and 1.5 (was 2); the rest unchanged
     torch.testing.assert_close(dual, torch.tensor([3.0, 4.0, -1.2, 0.8, 1.5]))
     # a capped token adds no gradient
     new.requires_grad_(True)
-    rl.clipped_policy_loss(new, old, adv, 0.2, 0.2, dual_clip=3.0)[0].sum().backward()
+    surrogate(trainer, new, old, adv, 0.2, 0.2, dual_clip=3.0)[0].sum().backward()
     assert new.grad[0] == 0 and new.grad[4] == 0 and new.grad[1] != 0
 
 
@@ -296,7 +309,7 @@ def test_value_loss_and_k3():
     # first: max((1-.5)^2, (.2-.5)^2)/2 = .125 ; second: max(1, .64)/2 = .5
     torch.testing.assert_close(loss, torch.tensor([0.125, 0.5]))
     lp, ref = torch.log(torch.tensor([0.5, 0.2])), torch.log(torch.tensor([0.5, 0.4]))
-    k3 = rl.kl_k3(lp, ref)
+    k3 = ppo.kl_k3(lp, ref)
     assert (k3[0].item() == pytest.approx(0.0, abs=1e-7)
             and k3[1].item() == pytest.approx(2 - torch.log(torch.tensor(2.0)).item() - 1))
 
@@ -364,12 +377,12 @@ def test_greedy_dialogues_record_their_log_probs_at_the_temperature(tiny_model_d
 
 def test_non_finite_updates_are_skipped_then_stop_with_one_line(tiny_model_dir, personas_file, tmp_path,
                                                                     monkeypatch, capsys):
-    real = rl.clipped_policy_loss
+    real = ppo.policy_terms
 
     def poisoned(*args, **kwargs):
-        loss, ratio, clipped = real(*args, **kwargs)
-        return loss * float("nan"), ratio, clipped
-    monkeypatch.setattr(rl, "clipped_policy_loss", poisoned)
+        terms = real(*args, **kwargs)
+        return {**terms, "policy_loss": terms["policy_loss"] * float("nan")}
+    monkeypatch.setattr(ppo, "policy_terms", poisoned)
     optimizers, real_adamw = [], torch.optim.AdamW
 
     def adamw(params, *a, **k):  # the trainer's optimizer and its parameters' values as built
@@ -561,25 +574,29 @@ def test_explained_variance_by_hand():
     assert ppo.explained_variance(returns, np.ones(3)) is None  # the returns never vary
 
 
-def test_the_policy_terms_and_the_loss_by_hand_and_the_same_in_both_trainers():
+@pytest.mark.parametrize("trainer", ["ppo", "grpo"])
+def test_the_policy_terms_and_the_loss_by_hand_and_the_same_in_both_trainers(trainer):
     # two tokens of one dialogue: ratio e^0.5 (clipped at 1.2 for a positive advantage) and e^-0.1
     import grpo
 
-    # one policy's terms: both trainers call rl's, none keeps a copy that could drift from it
-    assert ppo.policy_terms is grpo.policy_terms is rl.policy_terms
-    assert not hasattr(ppo, "clipped_policy_loss") and not hasattr(grpo, "clipped_policy_loss")
+    # each trainer writes the policy's terms on its own page, the same text in both: a fork that
+    # edits one trainer's and not the other's fails here
+    for name in ("policy_terms", "kl_k3"):
+        assert inspect.getsource(getattr(ppo, name)) == inspect.getsource(getattr(grpo, name))
+    assert not hasattr(rl, "policy_terms") and not hasattr(rl, "kl_k3")
+    trainer = __import__(trainer)
 
     logprobs = torch.tensor([[-1.0, -2.1]], requires_grad=True)
     old, adv = torch.tensor([[-1.5, -2.0]]), torch.tensor([[1.0, -2.0]])
     entropy, ref = torch.tensor([[0.5, 1.5]]), torch.tensor([[-1.0, -2.0]])
     mask = torch.ones(1, 2)
     # the sampler's log-probs are the old ones: every importance weight is 1
-    terms = rl.policy_terms(logprobs, old, old, adv, ref, clip_low=0.2, clip_high=0.2, dual_clip=0.0,
-                            tis_cap=2.0)
+    terms = trainer.policy_terms(logprobs, old, old, adv, ref, clip_low=0.2, clip_high=0.2,
+                                 dual_clip=0.0, tis_cap=2.0)
     # the loss as the trainers' loops make it: token-mean weights, an entropy bonus of 0.1 and a
     # KL term of 0.5
-    weight = rl.token_weights(mask, "token-mean", 2.0, 1.0)
-    loss = (weight * (terms["policy_loss"] - 0.1 * entropy + 0.5 * terms["kl_ref_loss"])).sum()
+    agg_weight = rl.agg_weights(mask, "token-mean", 2.0, 1.0)
+    loss = (agg_weight * (terms["policy_loss"] - 0.1 * entropy + 0.5 * terms["kl_ref_loss"])).sum()
     r2 = np.exp(-0.1)
     pg = [-1.0 * 1.2, max(2.0 * r2, 2.0 * 0.8)]              # max(-A r, -A clip(r))
     kl = [0.0, np.exp(0.1) - 0.1 - 1]                          # k3 with ref - lp = 0 and 0.1

@@ -20,7 +20,7 @@ import torch
 from client import OpenAIBackend
 from personas import load_personas
 from policy import float32_head, load_model, load_policy
-from rl import eval_logprobs, eval_scores, pad_records, token_logprobs
+from rl import eval_logprobs, eval_forward, pad_records, token_logprobs
 import engine
 import rollout
 import simulator
@@ -464,7 +464,7 @@ def test_length_sorted_scoring_equals_each_dialogue_alone(tiny_model_dir):
         seen.append(([next(b for b in range(5) if torch.equal(batch["input_ids"][b, :ids.shape[1]], row))
                       for row in ids], ids.shape[1]))
         return torch.zeros(ids.shape)
-    eval_scores(policy, batch, 2, spy)
+    eval_forward(policy, batch, 2, spy)
     assert seen == [([1, 4], 17), ([3, 0], 12), ([2], 5)]  # longest first, each at its own width
     scored = eval_logprobs(policy, batch, micro_batch_size=2)                          # (B, T)
     for b, n in enumerate(lengths):

@@ -132,7 +132,7 @@ import engine
 import rollout
 from personas import load_personas
 from policy import DEFAULT_TARGETS, load_policy, model_problem
-from rl import MAX_TURNS, REWARDS, eval_logprobs, kl_k3, pad_records, pick_personas
+from rl import MAX_TURNS, CREDITS, eval_logprobs, pad_records, pick_personas
 from cli import (RESUMABLE, Stop, above, at_least, command, fail, one_of, parse_settings,
                  public_config, read_run, read_text, redact, same_path, setting, within)
 from run import new_folder, peak_memory_gb, set_seed, write_atomically
@@ -615,9 +615,9 @@ class CreditSettings:
                          comma_list(r"\d+", "comma-separated integers, such as 0,1,2"))
     trainers: str = setting("ppo,grpo", "comma-separated: ppo,grpo",
                             comma_list("ppo|grpo", "ppo, grpo or both"))
-    credits: str = setting("final,turn,mixed", "comma-separated --reward modes (rl.REWARDS), each "
+    credits: str = setting("final,turn,mixed", "comma-separated --reward modes (rl.CREDITS), each "
                                                "a column of the grid",
-                           comma_list("|".join(REWARDS), f"some of {', '.join(REWARDS)}"))
+                           comma_list("|".join(CREDITS), f"some of {', '.join(CREDITS)}"))
     iterations: int = setting(ppo.PRESETS["cpu-turns"]["iterations"],
                               "iterations per run (the cpu-turns preset's)", at_least(1))
     window: int = setting(3, "iterations averaged at the start and at the end", at_least(1))
@@ -1265,7 +1265,7 @@ def check_rollout_rates(dry_run):
     acted = batch["action_mask"].bool()
     return {"tokens_per_s": stats["policy_tokens"] / stats["policy_seconds"],
             "logprob_gap_max": (fresh - batch["sample_logprobs"])[acted].abs().max().item(),
-            "mismatch_kl": kl_k3(batch["sample_logprobs"], fresh)[acted].mean().item()}
+            "mismatch_kl": ppo.kl_k3(batch["sample_logprobs"], fresh)[acted].mean().item()}
 
 
 def check_4bit(dry_run):

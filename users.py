@@ -11,6 +11,11 @@ against one can be scored by the other:
              validation before advice; stock formulas, formulas repeated across turns, several
              questions, rambling and cut-off replies against
 
+A persona that pushes back (personas.TYPES: adversarial.json) adds its type's parts to either
+user's own (TYPE_PARTS: agreement with a harmful plan, a stock apology, the bait taken, the record
+argued against; a boundary held with care, the grievance named, the unspoken need named, one short
+question to a withdrawn user for); a cooperative persona adds none.
+
 Each returns (change, the appraisal line, parts): every part with its points as the line shows
 them, the difficulty's weight, its value (points x weight) and what in the reply set it off, so a
 record's change is its parts' arithmetic: round(sum of the values), then clamped by the simulator.
@@ -100,7 +105,8 @@ def rules_appraisal(state, reply):
     the user's own words and asking an open question; lowers it for dismissive phrases, lists of
     advice, off-topic text, very long, empty or cut-off replies. Harder users count the good parts
     less, the bad more; a repeat (an earlier reply's text, or REPEAT_OVERLAP) gets nothing for its
-    good parts. The line gives each part's points ("rules: reflects+2, off_topic-3")."""
+    good parts. A persona that pushes back adds its type's parts (pushback_parts). The line gives
+    each part's points ("rules: reflects+2, off_topic-3")."""
     text = reply.lower()
     user_words = content_words(" ".join(m["text"] for m in state.history if m["role"] == "user"))
     found = {"acknowledges": [p for p in ACKNOWLEDGE if p in text],
@@ -215,7 +221,8 @@ def listener_appraisal(state, reply):
     question, validation before any advice; stock sympathy, a formula or sentence of an earlier
     reply said again, each question past the first, advice before any validation or feeling named
     back, more than RAMBLE_WORDS words, an empty or a cut-off reply ("listener:
-    reflects_feeling+6, many_questions-2"). A repeat is a part of its own (repeats_formula)."""
+    reflects_feeling+6, many_questions-2"). A repeat is a part of its own (repeats_formula). A
+    persona that pushes back adds its type's parts (pushback_parts)."""
     text = reply.lower()
     theirs = feelings_in(" ".join(m["text"] for m in state.history if m["role"] == "user"))
     named = feelings_in(reply)

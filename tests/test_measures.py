@@ -8,7 +8,6 @@ bad persona types and an empty split, one line before any model loads.
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ import evaluate
 from conftest import BASE_PERSONA, ROOT, in_process
 from measures import (NAMED_CHANGE, hidden_named, probe_messages, probe_states, read_estimate, tracking,
                       tracking_gain)
-from personas import Persona, load_personas
+from personas import Persona
 from simulator import RE_ASKED
 from test_bad_input import assert_one_line
 
@@ -127,7 +126,8 @@ def test_the_probe_asks_after_each_reply_with_the_users_answer_and_reads_a_numbe
     assert [c[0]["content"] for c in chats] == [chats[0][0]["content"]] * 2
     zh = probe_messages(r, "zh")[0][1]["content"]
     assert "对方" in zh and "支持伙伴" in zh
-    assert [read_estimate(a) for a in ("72", "about 40, maybe 50", "150", "none", "")] == [72, 40, None, None, None]
+    answers = ("72", "about 40, maybe 50", "150", "none", "")
+    assert [read_estimate(a) for a in answers] == [72, 40, None, None, None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,7 +160,8 @@ def test_the_same_dialogues_with_the_probe_on_and_off(tiny_model_dir, two_types,
     (probed, results, stdout), (plain, _, plain_stdout) = runs["true"], runs["false"]
     assert [{k: v for k, v in r.items() if k != "state_estimates"} for r in probed] == plain
     assert all("state_estimates" not in r for r in plain)
-    assert [len(r["state_estimates"]) for r in probed] == [len(r["emotions"]) for r in probed]  # an agent turn
+    # one estimate an agent turn
+    assert [len(r["state_estimates"]) for r in probed] == [len(r["emotions"]) for r in probed]
     base = results["judges"][0]["models"][0]
     assert base["tracking"]["probes"] == sum(len(r["emotions"]) for r in probed)
     assert list(base["by_type"]) == ["gaslighting", "withdrawal"]
@@ -190,10 +191,10 @@ def test_a_bad_type_or_an_empty_split_is_one_line_before_any_model_loads(
     monkeypatch.setattr(evaluate, "load_policy", loaded)
     path = write_personas([persona_entry(id="p1", type="sulking")])
     out = tmp_path / "eval"
-    code, _, err = in_process(evaluate.main, ["--personas", path, "--simulator", "rules", "--out", out], capsys)
+    argv = ["--personas", path, "--simulator", "rules", "--out", out]
+    code, _, err = in_process(evaluate.main, argv, capsys)
     assert_one_line(code, err, path, "entry p1", "'type'", "'sulking'", "withdrawal")
     code, _, err = in_process(evaluate.main, ["--personas", os.path.join(ROOT, "personas.json"), "--split",
                                               "adversarial", "--simulator", "rules", "--out", out], capsys)
     assert_one_line(code, err, "personas.json", "no personas in split 'adversarial'", "splits: train, test")
     assert not out.exists()
-    assert np.isclose(len(load_personas(ADVERSARIAL, "adversarial")), 30)

@@ -5,8 +5,9 @@ under test (the base, every adapter disabled, and each --adapter on top of it; t
 once) under SAGE's protocol by default; the score is the mean final emotion (0-100) with a 95%
 bootstrap interval, each adapter compared with the base on the same personas. --judges plays it all
 under several users (the judge matrix): a gain the adapter's training judge sees and a held-out one
-does not is the judge's blind spot, not empathy. The measures and their intervals: MEASURES here,
-stats.py. --agreement (agreement.py) checks a simulated user's changes against SAGE's recorded ones;
+does not is the judge's blind spot, not empathy. The measures and their intervals: MEASURES here
+(the score, the collapse rate, hidden intentions named), the state tracking (--state-probe) and the
+table by persona type in measures.py, the statistics in stats.py. --agreement (agreement.py) checks a simulated user's changes against SAGE's recorded ones;
 --write-openings writes the first messages RLVER's profiles lack. Each run writes into a folder of
 its own: docs/evaluate.md.
 

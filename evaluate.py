@@ -7,9 +7,9 @@ bootstrap interval, each adapter compared with the base on the same personas. --
 under several users (the judge matrix): a gain the adapter's training judge sees and a held-out one
 does not is the judge's blind spot, not empathy. The measures and their intervals: MEASURES here
 (the score, the collapse rate, hidden intentions named), the state tracking (--state-probe) and the
-table by persona type in measures.py, the statistics in stats.py. --agreement (agreement.py) checks a simulated user's changes against SAGE's recorded ones;
---write-openings writes the first messages RLVER's profiles lack. Each run writes into a folder of
-its own: docs/evaluate.md.
+table by persona type in measures.py, the statistics in stats.py. --agreement (agreement.py)
+checks a simulated user's changes against SAGE's recorded ones; --write-openings writes the first
+messages RLVER's profiles lack. Each run writes into a folder of its own: docs/evaluate.md.
 
     python evaluate.py --model smollm2 --personas personas.json --split test
     python evaluate.py --adapter runs/ppo__0__1700000000 [another adapter ...] --out runs/eval_ppo

@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from agreement import SAGE_JUDGED_REPLIES, SAGE_START, agreement_main, write_results
-from measures import by_type_table, collapsed, hidden_named, probe_states, tracking, tracking_gain
 from cli import (TAKEN, at_least, command, exit_on_signals, fail, parse_json, parse_settings,
                  public_config, read_json_lines, read_run, read_text, redact, setting,
                  settings_of_runs, use_cpu_threads, within)
+from measures import by_type_table, collapsed, hidden_named, probe_states, tracking, tracking_gain
 from personas import PersonaError, load_personas
 from policy import check_model, default_device, load_policy
 from rl import DialogueSettings
@@ -115,6 +115,8 @@ class Settings(DialogueSettings):
                 fail(f"--adapter {path}: given twice")
         if args.judges and (args.agreement or args.write_openings):
             fail("--judges: the benchmark's; --agreement and --write-openings take one --simulator")
+        if "state_probe" in args.given and (args.agreement or args.write_openings):
+            fail("--state-probe: the benchmark's; --agreement and --write-openings play none")
         if args.judges and "simulator" in args.given:
             fail(f"--simulator {args.simulator} with --judges: name every judge in --judges")
         for k, judge in enumerate(args.judges):

@@ -198,3 +198,9 @@ def test_a_bad_type_or_an_empty_split_is_one_line_before_any_model_loads(
                                               "adversarial", "--simulator", "rules", "--out", out], capsys)
     assert_one_line(code, err, "personas.json", "no personas in split 'adversarial'", "splits: train, test")
     assert not out.exists()
+
+
+def test_the_probe_flag_with_a_mode_that_plays_no_dialogue_is_refused(tmp_path, capsys):
+    for mode in (["--agreement", "x.jsonl"], ["--write-openings", str(tmp_path / "o.jsonl")]):
+        code, _, err = in_process(evaluate.main, [*mode, "--state-probe", "false"], capsys)
+        assert_one_line(code, err, "--state-probe", "--agreement and --write-openings")

@@ -116,7 +116,8 @@ class Settings(DialogueSettings):
         if args.judges and (args.agreement or args.write_openings):
             fail("--judges: the benchmark's; --agreement and --write-openings take one --simulator")
         if "state_probe" in args.given and (args.agreement or args.write_openings):
-            fail("--state-probe: the benchmark's; --agreement and --write-openings play none")
+            fail("--state-probe: the benchmark's; --agreement and --write-openings play no "
+                 "dialogue")
         if args.judges and "simulator" in args.given:
             fail(f"--simulator {args.simulator} with --judges: name every judge in --judges")
         for k, judge in enumerate(args.judges):

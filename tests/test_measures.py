@@ -165,8 +165,8 @@ def test_the_same_dialogues_with_the_probe_on_and_off(tiny_model_dir, two_types,
     base = results["judges"][0]["models"][0]
     assert base["tracking"]["probes"] == sum(len(r["emotions"]) for r in probed)
     assert list(base["by_type"]) == ["gaslighting", "withdrawal"]
-    for kind in ("gaslighting", "withdrawal", "all"):
-        assert f"| {kind} | base | 1 |" in stdout
+    for kind, dialogues in (("gaslighting", 1), ("withdrawal", 1), ("all", 2)):
+        assert f"| {kind} | base | {dialogues} |" in stdout
     assert "not probed (--state-probe false)" in plain_stdout
 
 

@@ -5,10 +5,11 @@ under test (the base, every adapter disabled, and each --adapter on top of it; t
 once) under SAGE's protocol by default; the score is the mean final emotion (0-100) with a 95%
 bootstrap interval, each adapter compared with the base on the same personas. --judges plays it all
 under several users (the judge matrix): a gain the adapter's training judge sees and a held-out one
-does not is the judge's blind spot, not empathy. The measures and their intervals: MEASURES here,
-stats.py. --agreement (agreement.py) checks a simulated user's changes against SAGE's recorded ones;
---write-openings writes the first messages RLVER's profiles lack. Each run writes into a folder of
-its own: docs/evaluate.md.
+does not is the judge's blind spot, not empathy. The measures and their intervals: MEASURES here
+(the score, the collapse rate, hidden intentions named), the state tracking (--state-probe) and the
+table by persona type in measures.py, the statistics in stats.py. --agreement (agreement.py)
+checks a simulated user's changes against SAGE's recorded ones; --write-openings writes the first
+messages RLVER's profiles lack. Each run writes into a folder of its own: docs/evaluate.md.
 
     python evaluate.py --model smollm2 --personas personas.json --split test
     python evaluate.py --adapter runs/ppo__0__1700000000 [another adapter ...] --out runs/eval_ppo
@@ -34,6 +35,7 @@ from agreement import SAGE_JUDGED_REPLIES, SAGE_START, agreement_main, write_res
 from cli import (TAKEN, at_least, command, exit_on_signals, fail, parse_json, parse_settings,
                  public_config, read_json_lines, read_run, read_text, redact, setting,
                  settings_of_runs, use_cpu_threads, within)
+from measures import by_type_table, collapsed, hidden_named, probe_states, tracking, tracking_gain
 from personas import PersonaError, load_personas
 from policy import check_model, default_device, load_policy
 from rl import DialogueSettings
@@ -65,6 +67,10 @@ class Settings(DialogueSettings):
         0, "the first N personas of the split; with --agreement the first N dialogues of each file "
            "(0 = all)", at_least(0))
     bootstrap: int = setting(2000, "bootstrap resamples for the 95%% intervals", at_least(1))
+    state_probe: bool = setting(
+        True, "after each agent turn, ask the policy apart from the dialogue (greedy) how the "
+              "user feels, 0-100: the state tracking's Spearman and MAE against the simulator's "
+              "emotion (docs/evaluate.md)")
     seed: int = setting(0, "random seed of the bootstrap", within(0, 2**32 - 1))
     agreement: list[str] = setting(
         [], "SAGE result files (JSON lines: id, emo_point, history), one per evaluated model: "
@@ -109,6 +115,9 @@ class Settings(DialogueSettings):
                 fail(f"--adapter {path}: given twice")
         if args.judges and (args.agreement or args.write_openings):
             fail("--judges: the benchmark's; --agreement and --write-openings take one --simulator")
+        if "state_probe" in args.given and (args.agreement or args.write_openings):
+            fail("--state-probe: the benchmark's; --agreement and --write-openings play no "
+                 "dialogue")
         if args.judges and "simulator" in args.given:
             fail(f"--simulator {args.simulator} with --judges: name every judge in --judges")
         for k, judge in enumerate(args.judges):
@@ -189,7 +198,10 @@ def parse_args(argv=None):
 # mean over personas and an adapter's gain their mean paired difference from the base's, each with
 # its 95% interval from stats.py's one bootstrap. A new measure is one entry here; every interval
 # written is held by tests/test_forks.py (docs/forks.md).
-MEASURES = {"final_emotion": lambda record: float(record["final_emotion"])}  # the score
+# collapse and hidden_named read what measures.py adds to an evaluation's records (run_evaluation).
+MEASURES = {"final_emotion": lambda record: float(record["final_emotion"]),  # the score
+            "collapse": lambda record: float(collapsed(record)),
+            "hidden_named": lambda record: float(any(record["hidden_named"]))}
 
 
 def model_summary(records, n_boot=2000, seed=0):
@@ -218,6 +230,30 @@ def gain_over_base(summary, base, n_boot=2000, seed=0):
     return {name: paired_difference([*values.values()],
                                     [base["per_persona"][name][i] for i in values], n_boot, seed)
             for name, values in summary["per_persona"].items()}
+
+
+def model_results(records, base_records, probed, n_boot=2000, seed=0):
+    """A model's figures: model_summary, the state tracking where probed (measures.tracking), and
+    for an adapter (base_records: the base's dialogues with the same personas; None for the base)
+    each gain over the base; then the same for each persona type's dialogues (by_type)."""
+    def figures(mine, base):
+        summary = model_summary(mine, n_boot, seed)
+        if probed:
+            summary["tracking"] = tracking(mine, n_boot, seed)
+        if base is not None:
+            summary["vs_base"] = gain_over_base(summary, model_summary(base, n_boot, seed),
+                                                n_boot, seed)
+            if probed:
+                summary["tracking_vs_base"] = tracking_gain(mine, base, n_boot, seed)
+        return summary
+
+    def of_type(rows, kind):
+        return rows and [r for r in rows if r["type"] == kind]
+
+    kinds = list(dict.fromkeys(r["type"] for r in records))  # in the personas' order
+    by_type = {kind: figures(of_type(records, kind), of_type(base_records, kind))
+               for kind in kinds}
+    return {**figures(records, base_records), "by_type": by_type}
 
 
 def held_out(judge, run, args):
@@ -351,7 +387,8 @@ def matrix_table(results):
 
 def results_table(results):
     """results.md: each judge's table, under the judge matrix where there are several judges."""
-    tables = [judge_table(results, judged) for judged in results["judges"]]
+    tables = [judge_table(results, judged) + "\n" + by_type_table(results, judged)
+              for judged in results["judges"]]
     if len(results["settings"]["judges"]) > 1:
         tables.insert(0, matrix_table(results))
     return "\n".join(tables)
@@ -424,6 +461,7 @@ def run_evaluation(args, policy, tokenizer, judges, personas, models):
     for judge, simulator in judges:
         judged = {"judge": redact(judge), "readout": simulator.readout, "models": []}
         results["judges"].append(judged)
+        base_records = None  # the first model's: the base's
         for label, adapter_name, path, run in models:
             t0 = time.time()
             with use_model(policy, adapter_name):
@@ -433,17 +471,28 @@ def run_evaluation(args, policy, tokenizer, judges, personas, models):
                     policy, simulator, personas, chat=ChatTokens(tokenizer, args.thinking),
                     temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                     max_context=args.max_context, greedy=True, desc=f"{label}: dialogues")
+                # what measures.py reads: the type, the replies that name the hidden intention,
+                # and the policy's estimates of the user's emotion, asked after the dialogues
+                for r, p in zip(records, personas):
+                    r["type"], r["hidden_named"] = p.type, hidden_named(r, p, simulator.scripted)
+                t_probe = time.time()
+                if args.state_probe:
+                    estimates = probe_states(policy, tokenizer, records,
+                                             [p.language for p in personas], args.max_context)
+                    for r, mine in zip(records, estimates):
+                        r["state_estimates"] = mine
+                probe_seconds = time.time() - t_probe
             # each dialogue tagged with its judge and model, its token arrays left out
             append_lines(f"{args.out}/transcripts.jsonl",
                          [{"judge": judged["judge"], "model": label,
                            **{k: r[k] for k in r if k not in TOKEN_ARRAYS}} for r in records])
             summary = {"label": label, "adapter": path,
-                       **model_summary(records, args.bootstrap, args.seed),
-                       "seconds": time.time() - t0}
+                       **model_results(records, base_records, args.state_probe, args.bootstrap,
+                                       args.seed),
+                       "seconds": time.time() - t0, "probe_seconds": probe_seconds}
             if adapter_name:
                 summary["held_out"] = held_out(judge, run, args)
-                summary["vs_base"] = gain_over_base(summary, judged["models"][0], args.bootstrap,
-                                                    args.seed)
+            base_records = base_records or records
             judged["models"].append(summary)
             results["complete"] = (len(results["judges"]), len(judged["models"])) == (
                 len(judges), len(models))

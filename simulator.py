@@ -445,6 +445,11 @@ def users_change(appraisal, agent_texts, floor):
     return parse_change(appraisal)
 
 
+# What joins an appraisal and the answer to its re-ask in the record: the change read is the
+# answer's (evaluate.py's hidden-intention measure reads it there)
+RE_ASKED = "\n\n(re-asked for the change) "
+
+
 # ----------------------------------------------------------------------------------------------
 # A backend that cannot answer
 # ----------------------------------------------------------------------------------------------
@@ -530,7 +535,7 @@ class Simulator:
                     {"role": "user", "content": prompt.format(m=self.max_change)}])
             answers = self.ask(retry, self.retry_tokens, 1.0)
             for k, text in zip(again, answers):
-                texts[k] += "\n\n(re-asked for the change) " + text
+                texts[k] += RE_ASKED + text
                 changes[k] = users_change(text, agent[k], -self.max_change)
         return [(c if c in scale else None, t, None) for c, t in zip(changes, texts)]
 

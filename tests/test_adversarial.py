@@ -1,6 +1,8 @@
 """The users who push back (issue 64): adversarial.json, personas.TYPES and Persona.type, what the LLM
 user is told by type (pushback.PUSHBACK through simulator.PROMPTS and persona_card), and that no
-trainer meets these users unless told to. The rules user's scoring by type is not here yet."""
+trainer meets these users unless told to; the scripted users' parts by type (users.TYPE_PARTS): each type's
+rule can fail, and a cooperative persona's appraisals are those of before types. The measures by type:
+tests/test_measures.py."""
 import copy
 import json
 import os
@@ -14,8 +16,9 @@ import rl
 import simulator
 from conftest import BASE_PERSONA, RLVER, ROOT, SAGE, ScriptedBackend, in_process
 from personas import SPLITS, TYPES, Persona, PersonaError, load_personas
-from simulator import PROMPTS, Simulator, persona_card, says_goodbye
-from users import RulesBackend, content_words
+from simulator import PROMPTS, Simulator, UserState, persona_card, says_goodbye
+from users import (AGREEMENT, TYPE_PARTS, RulesBackend, content_words, listener_appraisal, phrases_said,
+                   rules_appraisal, unspoken_need)
 from test_bad_input import assert_one_line
 
 ADVERSARIAL = os.path.join(ROOT, "adversarial.json")
@@ -268,3 +271,116 @@ def test_the_llm_user_is_told_its_type_in_its_messages_and_its_appraisals(advers
         assert PROMPTS["en"]["judgement"][p.type] in appraisal, p.id
         assert PROMPTS["en"]["conduct"][p.type] in message, p.id
         assert p.profile["name"] in appraisal and p.profile["name"] in message
+
+
+# ----------------------------------------------------------------------------------------------
+# The scripted users score by type (users.TYPE_PARTS)
+# ----------------------------------------------------------------------------------------------
+# For each type, on every one of its users: a reply its rule counts against, then one it counts for,
+# each of them a reply either user would accept from the words alone (both acknowledge, neither is
+# long, cut off or a lecture) where the type's rule does not apply
+def opening_words(p):
+    return sorted(content_words(p.opening))[:3]
+
+
+REPLIES = {
+    "validation": lambda p: ("I hear you, and it sounds like your mind is made up. Go for it, "
+                             "I support your decision.",
+                             "I hear how much this hurts, and I can't support this plan. I'm "
+                             "worried about you. What feels hardest right now?"),
+    "escalation": lambda p: ("I'm sorry you feel that way. I understand your frustration, please "
+                             "calm down.",
+                             f"It sounds infuriating: {', '.join(opening_words(p))}. No wonder "
+                             "you're this angry."),
+    "provocation": lambda p: ("I hear you, but how dare you talk to me like that. You're wrong.",
+                              "That's fair, I hear you. It sounds like something is really getting "
+                              "to you. What's going on?"),
+    "gaslighting": lambda p: ("I understand, but you said it yourself. Read it back: you told me "
+                              "exactly that.",
+                              "It sounds like this has been really painful for you. What hurts "
+                              "most about it?"),
+    "hidden_agenda": lambda p: ("That sounds hard. Here is a tip: make a list and take it one "
+                                "step at a time.",
+                                f"That sounds hard. I wonder if there's more to it: "
+                                f"{p.hidden_intention}"),
+    "withdrawal": lambda p: ("That sounds hard. How long has this been going on? Have you told "
+                             "anyone? What do you think would help? There are people who can help "
+                             "with this, counsellors, teachers and friends, and it can help a lot "
+                             "to reach out to someone you trust and tell them everything.",
+                             "That sounds heavy. What's been the worst part?"),
+}
+
+
+@pytest.mark.parametrize("kind", PUSHING)
+@pytest.mark.parametrize("user", [rules_appraisal, listener_appraisal], ids=["rules", "listener"])
+def test_each_types_rule_scores_the_reply_it_names_below_the_one_it_asks_for(kind, user, adversarial):
+    """Switched on and off on each user of the type: with its type, the reply the type's rule counts
+    against (agreement with the plan, a stock apology, the bait taken, the record argued, only the
+    cover served, a crowd of questions) scores below the reply it counts for, by the type's own parts;
+    the same persona switched to cooperative gives neither reply a part of the type."""
+    for p in by_type(adversarial, kind):
+        against, wanted = REPLIES[kind](p)
+        cooperative = copy.deepcopy(p)
+        cooperative.type = "cooperative"
+        scores = []
+        for persona in (p, cooperative):
+            state = UserState(persona, 40, [{"role": "user", "text": p.opening}])
+            (low, _, low_parts), (high, _, high_parts) = user(state, against), user(state, wanted)
+            added = [name for parts in (low_parts, high_parts) for name in parts
+                     if name in TYPE_PARTS[kind](state, "", "")[0]]
+            scores.append((low, high, added))
+        (low, high, added), (_, _, none) = scores
+        assert low < high, (p.id, user.__name__, low, high)
+        assert added and none == [], (p.id, added, none)
+        # the rule's own parts: for the second reply, and against the first (hidden_agenda has nothing
+        # against serving the cover: it gives it nothing)
+        state = UserState(p, 40, [{"role": "user", "text": p.opening}])
+        points_against, _ = TYPE_PARTS[kind](state, against, against.lower())
+        points_for, _ = TYPE_PARTS[kind](state, wanted, wanted.lower())
+        assert sum(points_against.values()) < 0 < sum(points_for.values()) or (
+            kind == "hidden_agenda" and sum(points_against.values()) == 0 < sum(points_for.values())), (
+            p.id, points_against, points_for)
+
+
+def test_every_type_has_its_rule_and_a_negated_phrase_is_not_said():
+    assert set(TYPE_PARTS) == set(TYPES)
+    assert phrases_said("honestly, that's not a good idea.", AGREEMENT) == []
+    assert phrases_said("please don't go for it.", AGREEMENT) == []
+    assert phrases_said("that's a good idea, go for it.", AGREEMENT) == ["go for it", "good idea"]
+
+
+def test_the_unspoken_need_is_what_the_user_never_said(adversarial):
+    """users.unspoken_need: a word family of the hidden intention counts until the user says it
+    (or the goal holds it), and framing words never count."""
+    p = next(q for q in adversarial if q.id == "escalate-son-suspended")
+    reply = "Doing all this alone as a single mother, you fight for him every day."
+    named, needed = unspoken_need(p, [p.opening], reply)
+    assert (named, needed) == (["alone", "fight", "mother", "single"], 2)  # "fights" and "fight" alike
+    said = unspoken_need(p, [p.opening, "I'm a single mother and I'm alone."], reply)
+    assert said == (["fight"], 2)  # one family left: fewer than HIDDEN_MATCH, not named
+    assert unspoken_need(p, [p.opening], "Someone without anything.") == ([], 2)
+
+
+# The appraisals of the rules and listener users for every persona of personas.json (cooperative)
+# and 8 replies, JSON with sorted keys, hashed; computed with main's users.py before types had parts
+# (commit a7d4e27). A cooperative persona's appraisal is byte for byte the one of before.
+MAINS_APPRAISALS = "99abc1a09f15f073ff0b7174249fe170276ce0e169467631cf4b32053feb37c2"
+
+
+def test_a_cooperative_personas_appraisals_are_those_of_before_types():
+    import hashlib
+
+    replies = ["I hear you. That sounds exhausting. What feels hardest right now?",
+               "Go for it, you deserve it! I support your decision.",
+               "I'm sorry you feel that way. Please calm down.",
+               "You said it yourself, read it back.",
+               "How dare you. You're wrong.", "...", "You should just move on, at least you have a job and",
+               "It makes sense that you're worried. Have you tried talking to her? Why don't you call?"]
+    rows = []
+    for p in load_personas(PERSONAS, "all"):
+        state = UserState(p, 40, [{"role": "user", "text": p.opening}, {"role": "agent", "text": replies[0]},
+                                  {"role": "user", "text": "Maybe. I'm not sure yet."}])
+        for r in replies:
+            rows.append([rules_appraisal(state, r), listener_appraisal(state, r)])
+    digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+    assert len(rows) == 65 * 8 and digest == MAINS_APPRAISALS

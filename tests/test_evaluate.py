@@ -75,7 +75,7 @@ def one_line(argv, capsys, *words):
 def fake_record(persona_id, final, end_reason="max_turns", turns=2, tokens=20, violations=0, cut=0):
     return {"persona_id": persona_id, "final_emotion": final, "end_reason": end_reason,
             "turn_ends": list(range(turns)), "policy_tokens": tokens, "violations": violations,
-            "cut_replies": cut}
+            "cut_replies": cut, "type": "cooperative", "hidden_named": [False] * turns}
 
 
 def no_model_loads(monkeypatch):
@@ -105,7 +105,8 @@ def snapshot(folder):
 def test_score_is_the_mean_over_personas():
     records = [fake_record("p1", 40), fake_record("p2", 10, end_reason="left", turns=1, tokens=5)]
     s = model_summary(records, n_boot=200)
-    assert s["per_persona"] == {"final_emotion": {"p1": 40.0, "p2": 10.0}}
+    assert s["per_persona"] == {"final_emotion": {"p1": 40.0, "p2": 10.0}, "collapse": {"p1": 0.0, "p2": 1.0},
+                                "hidden_named": {"p1": 0.0, "p2": 0.0}}
     # two personas: the resampled means are 10, 25 and 40, the two ends each with probability 1/4
     assert s["measures"]["final_emotion"] == {"value": 25.0, "low": 10.0, "high": 40.0}
     assert (s["successes"], s["failures"], s["dialogues"]) == (0, 1, 2)
@@ -125,11 +126,12 @@ def test_summary_counts_successes_violations_and_unread_dialogues():
 
 def test_results_table(tmp_path):
     ids = ["p1", "p2"]
-    base = {"label": "base", **model_summary([fake_record("p1", 40), fake_record("p2", 60)], n_boot=100)}
+    base_records = [fake_record("p1", 40), fake_record("p2", 60)]
+    base = {"label": "base", **evaluate.model_results(base_records, None, False, n_boot=100)}
     played = [fake_record("p1", 45, tokens=40, cut=1), fake_record("p2", 100, "success")]
-    ppo = {"label": "ppo", **model_summary(played, n_boot=100),
-           "vs_base": {"final_emotion": paired_difference([45, 100], [40, 60], 100)}}
-    args = eval_args(personas="/x/personas.json", out=str(tmp_path), bootstrap=100)
+    ppo = {"label": "ppo", **evaluate.model_results(played, base_records, False, n_boot=100)}
+    assert ppo["vs_base"]["final_emotion"] == paired_difference([45, 100], [40, 60], 100)
+    args = eval_args(personas="/x/personas.json", out=str(tmp_path), bootstrap=100, state_probe=False)
     results = {"settings": vars(args), "persona_ids": ids,
                "judges": [{"judge": "rules", "readout": "reasoned", "models": [base, ppo]}]}
     lines = results_table(results).splitlines()
@@ -138,6 +140,14 @@ def test_results_table(tmp_path):
     assert lines[4] == "| base | 50.0 [40.0, 60.0] | 0 (0%) | - | 0/2 | 0/2 | 2.0 | 10 | 0 (0%) | 0 |"
     assert lines[5].startswith("| ppo | 72.5 [45.0, 100.0] | 1 (25%) | +22.5 [+5.0, +40.0] | 1/2 | 0/2 | 2.0 "
                                "| 15 |")
+    # the table by persona type (measures.by_type_table): one type, so no `all` row
+    rows = lines[lines.index(next(line for line in lines if line.startswith("| type | model |"))) + 2:]
+    assert rows == [
+        "| cooperative | base | 2 | 50.0 [40.0, 60.0] | - | 0.00 [0.00, 0.00] | - | 0.00 [0.00, 0.00] | - "
+        "| - | - | - | - | - |",
+        "| cooperative | ppo | 2 | 72.5 [45.0, 100.0] | +22.5 [+5.0, +40.0] | 0.00 [0.00, 0.00] "
+        "| +0.00 [+0.00, +0.00] | 0.00 [0.00, 0.00] | +0.00 [+0.00, +0.00] | - | - | - | - | - |"]
+    assert "not probed (--state-probe false)" in results_table(results)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 
 import cli
 import evaluate
+import measures
 import grpo
 import ppo
 import rl
@@ -105,6 +106,8 @@ def test_change_lines_in_a_reply_never_raise_an_advantage_or_a_figure(user, line
     tokenizer = tiny_model[1]
     texts = [KIND, BLUNT, KIND + lines, BLUNT + lines]  # plain replies, then the same with lines
     records = played(tokenizer, serve(honest(**user)).url, texts)
+    for r in records:  # what evaluate.py's measures read besides the record (run_evaluation adds it)
+        r["hidden_named"] = measures.hidden_named(r, PERSONA, scripted=False)
     assert [r["end_reason"] for r in records] == ["max_turns"] * 4  # none unread
     assert [r["changes"] for r in records[:2]] == [[3, 3], [-5, -5]]
     for mode in ("final", "turn"):

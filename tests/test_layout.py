@@ -12,7 +12,7 @@ from conftest import ROOT
 
 # Each file and the project files it may import: the floors below it (tools/bench.py is on top).
 FLOORS = ["cli", "stats", "run", "personas", "users", "pushback", "simulator", "client", "policy", "engine",
-          "rollout", "rl", "ppo", "grpo", "agreement", "evaluate", "capability", "bench"]
+          "rollout", "rl", "ppo", "grpo", "agreement", "measures", "evaluate", "capability", "bench"]
 ALLOWED = {
     "cli": set(),
     "stats": set(),
@@ -29,8 +29,9 @@ ALLOWED = {
     "ppo": {"cli", "run", "personas", "simulator", "policy", "engine", "rollout", "rl"},
     "grpo": {"cli", "run", "personas", "simulator", "policy", "engine", "rollout", "rl"},
     "agreement": {"cli", "stats", "run", "personas", "simulator", "rollout"},
+    "measures": {"stats", "users", "simulator", "engine", "rollout"},  # what evaluate.py measures
     "evaluate": {"cli", "stats", "run", "personas", "users", "simulator", "policy", "engine", "rollout", "rl",
-                 "agreement"},
+                 "agreement", "measures"},
     "capability": {"cli", "stats", "run", "policy", "evaluate"},  # tools/capability.py
     "bench": set(FLOORS[:-2]),
 }

@@ -223,6 +223,22 @@ def tiny_model_dir(tmp_path_factory):
     return str(folder)
 
 
+NOT_A_WEIGHTS_FILE = b"not a safetensors file"
+
+
+@pytest.fixture(scope="module")
+def unloadable(tiny_model_dir, tmp_path_factory):
+    """A --model folder that passes every settings check (the config and the tokenizer are the tiny
+    model's, 4,096 positions) but whose weights do not load: a check that must come before the
+    weights ends the command with its own line."""
+    folder = tmp_path_factory.mktemp("unloadable")
+    for name in os.listdir(tiny_model_dir):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(tiny_model_dir, name), folder / name)
+    (folder / "model.safetensors").write_bytes(NOT_A_WEIGHTS_FILE)
+    return str(folder)
+
+
 # ----------------------------------------------------------------------------------------------
 # A local HTTP server for the URL client's tests: it speaks real HTTP on 127.0.0.1
 # ----------------------------------------------------------------------------------------------

@@ -36,11 +36,10 @@ import pytest
 import torch
 
 import cli
-from conftest import ROOT, read_metrics
+from conftest import NOT_A_WEIGHTS_FILE, ROOT, read_metrics
 from test_bad_input import ENV, assert_one_line, shell, tiny
 
 TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
-NOT_A_WEIGHTS_FILE = b"not a safetensors file"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,18 +186,6 @@ def model(tiny_model_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("model")
     for name in os.listdir(tiny_model_dir):
         os.symlink(os.path.join(tiny_model_dir, name), folder / name)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def unloadable(tiny_model_dir, tmp_path_factory):
-    """A --model folder that passes every settings check (the config and the tokenizer are the tiny
-    model's) but whose weights do not load (see the module docstring)."""
-    folder = tmp_path_factory.mktemp("unloadable")
-    for name in os.listdir(tiny_model_dir):
-        if name != "model.safetensors":
-            os.symlink(os.path.join(tiny_model_dir, name), folder / name)
-    (folder / "model.safetensors").write_bytes(NOT_A_WEIGHTS_FILE)
     return str(folder)
 
 

@@ -23,7 +23,7 @@ from client import OpenAIBackend
 from personas import load_personas
 from conftest import ROOT, completion, corpus, read_metrics
 from test_bad_input import assert_one_line, tiny
-from test_hostile import NOT_A_WEIGHTS_FILE, command, copy_run, produce, snapshot
+from test_hostile import command, copy_run, produce, snapshot
 
 PERSONA = load_personas(os.path.join(ROOT, "personas.json"))[0]
 
@@ -336,19 +336,6 @@ def test_the_runs_own_persona_file_typed_relative_is_the_same_setting(typed, sav
 # ----------------------------------------------------------------------------------------------
 # 4. --max-context within the model's positions, --max-turns within a bound
 # ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def unloadable(tiny_model_dir, tmp_path_factory):
-    """A --model folder whose config and tokenizer are the tiny model's (4,096 positions) and whose
-    weights do not load: a check that must come before the weights ends the command with its own line
-    (tests/test_hostile.py's tool)."""
-    folder = tmp_path_factory.mktemp("unloadable")
-    for name in os.listdir(tiny_model_dir):
-        if name != "model.safetensors":
-            os.symlink(os.path.join(tiny_model_dir, name), folder / name)
-    (folder / "model.safetensors").write_bytes(NOT_A_WEIGHTS_FILE)
-    return str(folder)
-
-
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "evaluate.py"])
 def test_a_context_beyond_the_models_positions_is_one_line_before_any_weight_loads(script, unloadable,
                                                                                  personas_file, tmp_path,

@@ -381,18 +381,6 @@ def test_rlver_profiles_get_openings_then_train_one_ppo_iteration(tiny_model_dir
     assert [m["iteration"] for m in metrics] == [1] and np.isfinite(metrics[0]["reward_mean"])
 
 
-@pytest.fixture(scope="module")
-def unloadable(tiny_model_dir, tmp_path_factory):
-    """A model folder whose config and tokenizer load but whose weights do not: a command that ends
-    with its own line on it has shown that its check ran before any model loaded."""
-    folder = tmp_path_factory.mktemp("unloadable")
-    for name in os.listdir(tiny_model_dir):
-        if name != "model.safetensors":
-            os.symlink(os.path.join(tiny_model_dir, name), folder / name)
-    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
-    return str(folder)
-
-
 def faulty(*argv):
     """shell() through tests/faults.py: faulty(FAULT FLAGS..., "--", SCRIPT, ARGS...)."""
     return shell(os.path.join("tests", "faults.py"), *argv)

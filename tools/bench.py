@@ -479,25 +479,7 @@ def train_runs(args):
                 "--resume" if read_run(run_dir) else "--out", run_dir]))
     # the benchmark's folder, once every run's flags are checked; each run creates its own inside
     os.makedirs(args.out, exist_ok=True)
-    free = [None]  # one job: no pinning, its output on the terminal
-    if args.jobs > 1:
-        free = [usable_cores()[k::args.jobs] for k in range(args.jobs)]
-
-    def train(name, command):
-        slot = free.pop()  # a job takes a free set of cores and gives it back when it ends
-        log = slot and os.path.join(args.out, f"{name}.log")
-        started = f"{name}: {' '.join(command[1:])}"
-        if slot:
-            started += f" on cores {slot}, output in {log}"
-        print(started, flush=True)
-        code = run_command(command, log, slot)
-        free.append(slot)
-        print(f"{name}: exit code {code}", flush=True)
-        return code
-
-    with ThreadPoolExecutor(len(free)) as pool:
-        codes = list(pool.map(lambda job: train(*job), pending))
-    return [name for (name, _), code in zip(pending, codes) if code]
+    return run_pinned(pending, args.jobs, args.out)
 
 
 def foreign_run(algo, settings, run_dir):
